@@ -1,0 +1,59 @@
+# idem: PGXS build of the extension, plus the project's own entry points.
+#
+#   make demo    build, install, and run the main job on throwaway servers
+#   make test    install what is missing, build, and run every suite
+#   make bench   the benchmarks (not part of make test)
+#
+# make / make install / make installcheck are the usual PGXS targets.
+
+EXTENSION = idem
+MODULE_big = idem
+OBJS = src/idem.o src/guc.o src/digest.o src/install.o src/ledger.o \
+	src/outbox.o src/worker.o src/stats.o
+DATA = $(wildcard src/sql/idem--*.sql)
+PG_CPPFLAGS = -I$(srcdir)/src
+SHLIB_LINK = -lhiredis
+
+# pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
+# instance that preloads idem (test/regress.conf).
+REGRESS = install ledger errors security hot upgrade stats
+REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
+
+# Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
+ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read
+ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
+	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
+
+EXTRA_CLEAN = tmp_check tmp_check_iso output_iso results regression.diffs regression.out
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
+
+ifneq ($(wildcard $(PGXS)),)
+include $(PGXS)
+else
+# No PostgreSQL server headers yet: only the entry points that install them work.
+all install installcheck:
+	@echo "idem: PostgreSQL 15 server headers (pg_config --pgxs) not found." >&2
+	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev redis-server" >&2
+	@exit 1
+endif
+
+.PHONY: test demo bench
+test:
+	@bash test/run
+
+demo:
+	@bash test/demo
+
+bench:
+	@bash bench/run
+
+# The two pg_regress-driven suites separately, so one failing does not hide
+# the other (test/suites runs both).
+.PHONY: installcheck-regress installcheck-isolation
+installcheck-regress:
+	$(pg_regress_installcheck) $(REGRESS_OPTS) $(REGRESS)
+
+installcheck-isolation:
+	$(pg_isolation_regress_installcheck) $(ISOLATION_OPTS) $(ISOLATION)

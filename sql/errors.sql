@@ -1,0 +1,97 @@
+-- Bad input gets a specific SQLSTATE and changes nothing.
+CREATE EXTENSION idem;
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+INSERT INTO tenants VALUES (1);
+SELECT idem_install('tenants');
+\set VERBOSITY sqlstate
+\set k 'idem_key(''e'', ''1'')'
+\set fp 'idem_fingerprint(''{}'')'
+
+-- Digests that are not 32 bytes.
+SELECT idem_claim(1, '\x00'::bytea, :fp);
+SELECT idem_claim(1, :k, '\x'::bytea);
+SELECT idem_platform_claim(repeat('a', 33)::bytea, :fp);
+-- NULL arguments.
+SELECT idem_claim(NULL, :k, :fp);
+SELECT idem_claim(1, NULL, :fp);
+SELECT idem_claim(1, :k, NULL);
+SELECT idem_complete(1, :k, NULL);
+SELECT idem_fail(1, :k, '{}', NULL);
+SELECT idem_key(NULL, 'x');
+SELECT idem_fingerprint(NULL);
+SELECT idem_purge(NULL);
+-- Zero or negative leases and retentions, and bad batch sizes.
+SELECT idem_claim(1, :k, :fp, interval '0');
+SELECT idem_claim(1, :k, :fp, interval '-1 second');
+SELECT idem_claim(1, :k, :fp, interval '1 month -40 days');
+SELECT idem_purge(0);
+-- An unknown tenant.
+SELECT idem_claim(42, :k, :fp);
+
+\set VERBOSITY default
+-- The messages, once each, in full.
+SELECT idem_claim(1, '\x00'::bytea, :fp);
+SELECT idem_claim(1, NULL, :fp);
+SELECT idem_claim(1, :k, :fp, interval '-1 second');
+SELECT idem_claim(42, :k, :fp);
+\set VERBOSITY sqlstate
+
+-- Outcomes: a JSON object of at most 4096 bytes.
+BEGIN;
+SELECT decision FROM idem_claim(1, :k, :fp);
+SAVEPOINT s;
+SELECT idem_complete(1, :k, '[1, 2]');
+ROLLBACK TO s;
+SELECT idem_complete(1, :k, '"text"');
+ROLLBACK TO s;
+SELECT idem_complete(1, :k, jsonb_build_object('big', repeat('x', 4096)));
+ROLLBACK TO s;
+SELECT idem_complete(1, :k, '{}', interval '0');
+ROLLBACK TO s;
+\set VERBOSITY default
+SELECT idem_complete(1, :k, '[1, 2]');
+ROLLBACK TO s;
+SELECT idem_complete(1, :k, jsonb_build_object('big', repeat('x', 4096)));
+ROLLBACK TO s;
+\set VERBOSITY sqlstate
+-- Exactly 4096 bytes of JSON text is accepted.
+SELECT length(jsonb_build_object('big', repeat('x', 4085))::text) AS bytes;
+SELECT idem_complete(1, :k, jsonb_build_object('big', repeat('x', 4085)));
+COMMIT;
+SELECT status, attempt, length(outcome::text) FROM idem_lookup(1, :k);
+
+-- complete / fail of a key this transaction did not claim.
+\set VERBOSITY default
+SELECT idem_complete(1, idem_key('e', 'never'), '{}');
+SELECT idem_fail(1, idem_key('e', 'never'), '{}', true);
+-- complete after complete, fail after complete.
+SELECT idem_complete(1, :k, '{}');
+SELECT idem_fail(1, :k, '{}', false);
+-- complete of a retryable failure that has not been claimed again.
+BEGIN;
+SELECT decision FROM idem_claim(1, idem_key('e', 'r'), :fp);
+SELECT idem_fail(1, idem_key('e', 'r'), '{"e": 1}', true);
+COMMIT;
+SELECT idem_complete(1, idem_key('e', 'r'), '{}');
+SELECT idem_platform_complete(idem_key('e', 'never'), '{}');
+\set VERBOSITY sqlstate
+
+-- Nothing above changed the ledgers.
+SELECT status, attempt, length(outcome::text) FROM idem_lookup(1, :k);
+SELECT status, attempt, outcome FROM idem_lookup(1, idem_key('e', 'r'));
+SELECT count(*) AS rows FROM idempotency_keys;
+SELECT count(*) AS rows FROM platform_idempotency_keys;
+
+-- The table's own checks hold even against direct writes.
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+VALUES (1, '\x00', :fp, now());
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, outcome, expires_at)
+VALUES (1, idem_key('e', 'x'), :fp, 'processing', '{"a": 1}', now());
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, expires_at)
+VALUES (1, idem_key('e', 'x'), :fp, 'done', now());
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, attempt, expires_at)
+VALUES (1, idem_key('e', 'x'), :fp, 0, now());
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+VALUES (NULL, idem_key('e', 'x'), :fp, now());
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, outcome, expires_at)
+VALUES (1, idem_key('e', 'x'), :fp, 'completed', '[1]', now());

@@ -1,0 +1,20 @@
+-- The processing -> completed update is HOT: fillfactor leaves room on the
+-- page and the update touches no indexed column.
+CREATE EXTENSION idem;
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+INSERT INTO tenants VALUES (1);
+SELECT idem_install('tenants');
+
+-- One message per transaction, as handlers run them.
+CREATE PROCEDURE handle_many(n integer) LANGUAGE plpgsql AS $$
+BEGIN
+  FOR i IN 1..n LOOP
+    PERFORM idem_claim(1, idem_key('hot', i::text), idem_fingerprint('{}'));
+    PERFORM idem_complete(1, idem_key('hot', i::text), jsonb_build_object('i', i));
+    COMMIT;
+  END LOOP;
+END $$;
+CALL handle_many(500);
+SELECT pg_stat_force_next_flush();
+SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_upd = n_tup_hot_upd AS all_hot
+  FROM pg_stat_user_tables WHERE relname = 'idempotency_keys';

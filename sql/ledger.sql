@@ -1,0 +1,125 @@
+-- The claim decisions and the complete / fail / lookup / purge cycle.
+CREATE EXTENSION idem;
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+INSERT INTO tenants VALUES (1), (2);
+SELECT idem_install('tenants');
+
+-- Shared test vectors with the client helper (README, "Digests").
+SELECT encode(idem_key('', ''), 'hex') AS key_empty;
+SELECT encode(idem_key('payments.transfer', 'run-1'), 'hex') AS key_run;
+SELECT idem_key('ab', 'c') <> idem_key('a', 'bc') AS unambiguous;
+SELECT encode(idem_fingerprint('{}'), 'hex') AS fp_empty;
+SELECT encode(idem_fingerprint('{"b": 1, "a": [1, 2.50, "x"]}'), 'hex') AS fp_doc;
+SELECT idem_fingerprint('{"a":1,"b":2}') = idem_fingerprint('{ "b" : 2, "a" : 1 }') AS canonical;
+
+CREATE FUNCTION k(text) RETURNS bytea LANGUAGE sql AS $$ SELECT idem_key('test', $1) $$;
+CREATE FUNCTION f(jsonb) RETURNS bytea LANGUAGE sql AS $$ SELECT idem_fingerprint($1) $$;
+
+-- A new key is claimed; the transaction completes it.
+BEGIN;
+SELECT decision, attempt, outcome, expires_at > now() AS leased
+  FROM idem_claim(1, k('a'), f('{"amount": 10}'));
+SELECT status, attempt, outcome FROM idem_lookup(1, k('a'));
+-- The same transaction claiming again is told busy, not given a second run.
+SELECT decision, attempt FROM idem_claim(1, k('a'), f('{"amount": 10}'));
+SELECT idem_complete(1, k('a'), '{"transfer_id": 7}');
+COMMIT;
+
+-- Replays: the stored outcome, with its retention deadline.
+SELECT decision, attempt, outcome, expires_at > now() + interval '23 hours' AS retained
+  FROM idem_claim(1, k('a'), f('{"amount": 10}'));
+-- Same key, other request: mismatch, nothing changes.
+SELECT decision, attempt, outcome FROM idem_claim(1, k('a'), f('{"amount": 11}'));
+-- The same key under another tenant is another key.
+SELECT decision, attempt FROM idem_claim(2, k('a'), f('{"amount": 10}'));
+SELECT status, attempt, outcome, encode(fingerprint, 'hex') = encode(f('{"amount": 10}'), 'hex') AS fp
+  FROM idem_lookup(1, k('a'));
+SELECT count(*) FROM idem_lookup(1, k('never'));
+
+-- A rolled-back claim leaves nothing behind.
+BEGIN;
+SELECT decision FROM idem_claim(1, k('rb'), f('{}'));
+ROLLBACK;
+SELECT count(*) FROM idem_lookup(1, k('rb'));
+-- ... and so does a claim in a rolled-back savepoint.
+BEGIN;
+SAVEPOINT s;
+SELECT decision FROM idem_claim(1, k('sp'), f('{}'));
+ROLLBACK TO SAVEPOINT s;
+SELECT decision, attempt FROM idem_claim(1, k('sp'), f('{}'));
+COMMIT;
+
+-- Retryable failure: claimed again with attempt + 1.
+BEGIN;
+SELECT decision, attempt FROM idem_claim(1, k('r'), f('{}'));
+SELECT idem_fail(1, k('r'), '{"error": "timeout"}', true);
+COMMIT;
+SELECT status, attempt, outcome FROM idem_lookup(1, k('r'));
+BEGIN;
+SELECT decision, attempt, outcome FROM idem_claim(1, k('r'), f('{}'));
+SELECT status, attempt, outcome FROM idem_lookup(1, k('r'));
+SELECT idem_complete(1, k('r'), '{"ok": true}', interval '1 hour');
+COMMIT;
+SELECT decision, attempt, outcome FROM idem_claim(1, k('r'), f('{}'));
+
+-- Permanent failure: replayed like a result.
+BEGIN;
+SELECT decision FROM idem_claim(1, k('p'), f('{}'));
+SELECT idem_fail(1, k('p'), '{"error": "card declined"}', false);
+COMMIT;
+SELECT decision, attempt, outcome FROM idem_claim(1, k('p'), f('{}'));
+
+-- Lease mode: a committed processing row is busy until its lease ends,
+-- then taken over with attempt + 1.
+SELECT decision, attempt FROM idem_claim(1, k('lease'), f('{}'), interval '1 hour');
+SELECT decision, attempt, expires_at > now() + interval '59 minutes' AS until_lease_end
+  FROM idem_claim(1, k('lease'), f('{}'));
+SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'), interval '10 milliseconds');
+SELECT pg_sleep(0.05);
+SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'));
+-- ... and completed later by any transaction (the lease holder's).
+SELECT idem_complete(1, k('short'), '{"done": 2}');
+SELECT decision, attempt, outcome FROM idem_claim(1, k('short'), f('{}'));
+
+-- Platform ledger: the same decisions without a tenant.
+BEGIN;
+SELECT decision, attempt FROM idem_platform_claim(k('maintenance.purge'), f('{}'));
+SELECT idem_platform_complete(k('maintenance.purge'), '{"deleted": 0}');
+COMMIT;
+SELECT decision, attempt, outcome FROM idem_platform_claim(k('maintenance.purge'), f('{}'));
+SELECT decision FROM idem_platform_claim(k('maintenance.purge'), f('{"x": 1}'));
+SELECT status, attempt FROM idem_platform_lookup(k('maintenance.purge'));
+-- Tenant and platform keys never meet.
+SELECT count(*) FROM idem_lookup(1, k('maintenance.purge'));
+BEGIN;
+SELECT decision FROM idem_platform_claim(k('pf'), f('{}'));
+SELECT idem_platform_fail(k('pf'), '{"error": "x"}', true);
+COMMIT;
+SELECT decision, attempt FROM idem_platform_claim(k('pf'), f('{}'));
+
+-- Purge: only rows past retention, and processing rows past lease + grace.
+SET idem.purge_grace = 0;
+BEGIN;
+SELECT decision FROM idem_claim(1, k('old'), f('{}'));
+SELECT idem_complete(1, k('old'), '{}', interval '1 millisecond');
+COMMIT;
+SELECT decision FROM idem_claim(1, k('stale'), f('{}'), interval '1 millisecond');
+SELECT pg_sleep(0.05);
+SELECT idem_purge(1) >= 1 AS purged_some;
+SELECT idem_purge() >= 1 AS purged_rest;
+SELECT idem_purge();
+SELECT count(*) FROM idem_lookup(1, k('old'));
+SELECT count(*) FROM idem_lookup(1, k('stale'));
+SELECT status FROM idem_lookup(1, k('a'));
+-- A purged key is new again.
+SELECT decision, attempt FROM idem_claim(1, k('old'), f('{}'));
+RESET idem.purge_grace;
+
+-- The GUC defaults.
+SHOW idem.lease;
+SHOW idem.retention;
+SHOW idem.purge_grace;
+SET idem.lease = '5s';
+SELECT decision, expires_at < now() + interval '6 seconds' AS short_lease
+  FROM idem_claim(1, k('guc'), f('{}'));
+RESET idem.lease;

@@ -1,0 +1,38 @@
+-- 0.1 -> 0.2 by ALTER EXTENSION gives the same objects as a fresh install.
+CREATE EXTENSION idem VERSION '0.1';
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+INSERT INTO tenants VALUES (1);
+SELECT idem_install('tenants');
+SELECT decision FROM idem_claim(1, idem_key('u', '1'), idem_fingerprint('{}'));
+
+ALTER EXTENSION idem UPDATE TO '0.2';
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+-- The ledger and its rows are untouched by the update.
+SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));
+
+CREATE TEMP TABLE updated AS
+SELECT pg_describe_object(classid, objid, objsubid) AS object,
+       CASE WHEN classid = 'pg_proc'::regclass
+            THEN (SELECT proacl::text FROM pg_proc WHERE oid = objid) END AS acl
+  FROM pg_depend
+ WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
+   AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idem');
+
+DROP EXTENSION idem;
+CREATE EXTENSION idem;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+CREATE TEMP TABLE fresh AS
+SELECT pg_describe_object(classid, objid, objsubid) AS object,
+       CASE WHEN classid = 'pg_proc'::regclass
+            THEN (SELECT proacl::text FROM pg_proc WHERE oid = objid) END AS acl
+  FROM pg_depend
+ WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
+   AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idem');
+
+SELECT count(*) > 10 AS has_objects FROM fresh;
+(SELECT 'only after update' AS side, * FROM updated EXCEPT SELECT 'only after update', * FROM fresh)
+UNION ALL
+(SELECT 'only in fresh', * FROM fresh EXCEPT SELECT 'only in fresh', * FROM updated);
+-- The ledgers survived DROP EXTENSION (they are the application's data).
+SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));

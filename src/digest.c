@@ -1,0 +1,111 @@
+/*-------------------------------------------------------------------------
+ *
+ * digest.c
+ *	  The SHA-256 helpers: idem_key(scope, id) and idem_fingerprint(request).
+ *
+ *	  idem_key      = SHA-256( be32(len(scope)) || scope || be32(len(id)) || id )
+ *	  idem_fingerprint = SHA-256( jsonb text of the request )
+ *
+ *	  Lengths are byte lengths of the strings in the database encoding
+ *	  (UTF-8 in practice).  The length prefixes make the encoding of the pair
+ *	  unambiguous: ('ab', 'c') and ('a', 'bc') hash differently.  The client
+ *	  helper computes the same bytes; the README lists shared test vectors.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include "common/cryptohash.h"
+#include "common/sha2.h"
+#include "utils/builtins.h"
+#include "utils/jsonb.h"
+
+PG_FUNCTION_INFO_V1(idem_key);
+PG_FUNCTION_INFO_V1(idem_fingerprint);
+
+/* A SHA-256 in progress, on PostgreSQL's own cryptohash API. */
+typedef struct IdemSha256
+{
+	pg_cryptohash_ctx *ctx;
+} IdemSha256;
+
+static void
+sha256_begin(IdemSha256 *h)
+{
+	h->ctx = pg_cryptohash_create(PG_SHA256);
+	if (h->ctx == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	if (pg_cryptohash_init(h->ctx) < 0)
+		elog(ERROR, "could not initialize SHA-256 context");
+}
+
+static void
+sha256_update(IdemSha256 *h, const void *data, size_t len)
+{
+	if (pg_cryptohash_update(h->ctx, (const uint8 *) data, len) < 0)
+		elog(ERROR, "could not update SHA-256 context");
+}
+
+static bytea *
+sha256_finish(IdemSha256 *h)
+{
+	bytea	   *result = (bytea *) palloc(VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
+
+	SET_VARSIZE(result, VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
+#if PG_VERSION_NUM >= 150000
+	if (pg_cryptohash_final(h->ctx, (uint8 *) VARDATA(result),
+							PG_SHA256_DIGEST_LENGTH) < 0)
+#else
+	if (pg_cryptohash_final(h->ctx, (uint8 *) VARDATA(result)) < 0)
+#endif
+		elog(ERROR, "could not finalize SHA-256 context");
+	pg_cryptohash_free(h->ctx);
+	h->ctx = NULL;
+	return result;
+}
+
+static void
+sha256_update_prefixed(IdemSha256 *h, const text *t)
+{
+	uint32		len = VARSIZE_ANY_EXHDR(t);
+	uint8		be[4];
+
+	be[0] = (uint8) (len >> 24);
+	be[1] = (uint8) (len >> 16);
+	be[2] = (uint8) (len >> 8);
+	be[3] = (uint8) len;
+	sha256_update(h, be, sizeof(be));
+	sha256_update(h, VARDATA_ANY(t), len);
+}
+
+/* idem_key(scope text, id text) RETURNS bytea */
+Datum
+idem_key(PG_FUNCTION_ARGS)
+{
+	IdemSha256	h;
+
+	idem_require_arg(fcinfo, 0, "scope");
+	idem_require_arg(fcinfo, 1, "id");
+	sha256_begin(&h);
+	sha256_update_prefixed(&h, PG_GETARG_TEXT_PP(0));
+	sha256_update_prefixed(&h, PG_GETARG_TEXT_PP(1));
+	PG_RETURN_BYTEA_P(sha256_finish(&h));
+}
+
+/* idem_fingerprint(request jsonb) RETURNS bytea */
+Datum
+idem_fingerprint(PG_FUNCTION_ARGS)
+{
+	Jsonb	   *jb;
+	char	   *canonical;
+	IdemSha256	h;
+
+	idem_require_arg(fcinfo, 0, "request");
+	jb = PG_GETARG_JSONB_P(0);
+	canonical = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
+	sha256_begin(&h);
+	sha256_update(&h, canonical, strlen(canonical));
+	PG_RETURN_BYTEA_P(sha256_finish(&h));
+}

@@ -1,0 +1,169 @@
+/*-------------------------------------------------------------------------
+ *
+ * guc.c
+ *	  Every idem.* setting.  The README's GUC table documents the same list;
+ *	  keep the two in step.
+ *
+ *	  Ledger settings (any user, per session or transaction):
+ *		idem.lease, idem.retention, idem.purge_grace
+ *	  Worker settings (postgresql.conf, applied on reload):
+ *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
+ *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
+ *		idem.valkey_command_timeout
+ *	  Server start only:
+ *		idem.queue_size
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include <ctype.h>
+#include <limits.h>
+
+#include "utils/guc.h"
+
+int			idem_lease_ms = 30 * 1000;
+int			idem_retention_s = 24 * 60 * 60;
+int			idem_purge_grace_s = 60 * 60;
+char	   *idem_valkey_host = NULL;
+int			idem_valkey_port = 6379;
+char	   *idem_valkey_password = NULL;
+int			idem_valkey_db = 0;
+char	   *idem_valkey_prefix = NULL;
+int			idem_valkey_connect_timeout_ms = 1000;
+int			idem_valkey_command_timeout_ms = 1000;
+int			idem_queue_size = 65536;
+
+static bool
+check_valkey_host(char **newval, void **extra, GucSource source)
+{
+	if (*newval == NULL || (*newval)[0] == '\0')
+	{
+		GUC_check_errdetail("idem.valkey_host must not be empty.");
+		return false;
+	}
+	return true;
+}
+
+/* The prefix goes verbatim into every key: printable ASCII, no blanks. */
+static bool
+check_valkey_prefix(char **newval, void **extra, GucSource source)
+{
+	const char *p;
+
+	if (*newval == NULL)
+		return true;
+	if (strlen(*newval) > IDEM_CACHE_PREFIX_MAX)
+	{
+		GUC_check_errdetail("idem.valkey_prefix is longer than %d bytes.",
+							IDEM_CACHE_PREFIX_MAX);
+		return false;
+	}
+	for (p = *newval; *p; p++)
+	{
+		if (!isgraph((unsigned char) *p))
+		{
+			GUC_check_errdetail("idem.valkey_prefix may contain only printable ASCII characters other than space.");
+			return false;
+		}
+	}
+	return true;
+}
+
+void
+idem_define_gucs(void)
+{
+	DefineCustomIntVariable("idem.lease",
+							"Lease given to a claim when idem_claim() is called without one.",
+							"While a committed claim is still processing, other claims of the key answer busy until the lease ends; after it they take the key over.",
+							&idem_lease_ms,
+							30 * 1000, 1, INT_MAX,
+							PGC_USERSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.retention",
+							"How long a completed or failed result is kept when no retention is given.",
+							"idem_purge() deletes results older than this; Valkey copies never outlive it.",
+							&idem_retention_s,
+							24 * 60 * 60, 1, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.purge_grace",
+							"How long idem_purge() keeps a processing row after its lease ended.",
+							NULL,
+							&idem_purge_grace_s,
+							60 * 60, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.valkey_host",
+							   "Host name or address of the Valkey server the worker copies results to.",
+							   NULL,
+							   &idem_valkey_host,
+							   "127.0.0.1",
+							   PGC_SIGHUP, 0,
+							   check_valkey_host, NULL, NULL);
+
+	DefineCustomIntVariable("idem.valkey_port",
+							"TCP port of the Valkey server.",
+							NULL,
+							&idem_valkey_port,
+							6379, 1, 65535,
+							PGC_SIGHUP, 0,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.valkey_password",
+							   "Password the worker sends with AUTH; empty for none.",
+							   NULL,
+							   &idem_valkey_password,
+							   "",
+							   PGC_SIGHUP, GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.valkey_db",
+							"Valkey logical database the worker SELECTs (0 on Valkey Cluster).",
+							NULL,
+							&idem_valkey_db,
+							0, 0, 1023,
+							PGC_SIGHUP, 0,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.valkey_prefix",
+							   "Prefix of every Valkey key idem writes, so several databases can share one Valkey.",
+							   NULL,
+							   &idem_valkey_prefix,
+							   "idem:",
+							   PGC_SIGHUP, 0,
+							   check_valkey_prefix, NULL, NULL);
+
+	DefineCustomIntVariable("idem.valkey_connect_timeout",
+							"How long the worker waits for a Valkey connection.",
+							NULL,
+							&idem_valkey_connect_timeout_ms,
+							1000, 1, 60 * 1000,
+							PGC_SIGHUP, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.valkey_command_timeout",
+							"How long the worker waits for Valkey to answer a batch before it reconnects.",
+							NULL,
+							&idem_valkey_command_timeout_ms,
+							1000, 1, 60 * 1000,
+							PGC_SIGHUP, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.queue_size",
+							"Number of results the shared commit queue holds before it drops copies.",
+							"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.",
+							&idem_queue_size,
+							65536, 16, 1024 * 1024,
+							PGC_POSTMASTER, 0,
+							NULL, NULL, NULL);
+
+#if PG_VERSION_NUM >= 150000
+	MarkGUCPrefixReserved("idem");
+#else
+	EmitWarningsOnPlaceholders("idem");
+#endif
+}

@@ -1,0 +1,29 @@
+/*-------------------------------------------------------------------------
+ *
+ * idem.c
+ *	  Module load: defines the settings, registers the transaction callbacks
+ *	  once per process, and, when loaded through shared_preload_libraries,
+ *	  reserves the shared queue and registers the background worker.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include "miscadmin.h"
+
+PG_MODULE_MAGIC;
+
+void		_PG_init(void);
+
+const char *const idem_decision_names[IDEM_DECISION_COUNT] = {
+	"claimed", "completed", "failed_permanent", "busy", "mismatch"
+};
+
+void
+_PG_init(void)
+{
+	idem_define_gucs();
+	idem_outbox_init(process_shared_preload_libraries_in_progress);
+	if (process_shared_preload_libraries_in_progress)
+		idem_worker_register();
+}

@@ -1,0 +1,123 @@
+/*-------------------------------------------------------------------------
+ *
+ * idem.h
+ *	  Declarations shared between the files of the idem extension.
+ *
+ * Who owns what (one file per concern):
+ *	  idem.c		module load: _PG_init wires the pieces together
+ *	  guc.c			every idem.* setting, its checks and documentation
+ *	  digest.c		idem_key() and idem_fingerprint(): the SHA-256 helpers
+ *	  install.c		idem_install(): creates the two ledgers
+ *	  ledger.c		claim / complete / fail / lookup / purge on both ledgers
+ *	  outbox.c		the commit hook: per-transaction pending copies and the
+ *					shared-memory queue they move to at commit
+ *	  worker.c		the background worker that drains the queue into Valkey
+ *	  stats.c		idem_stats() and the shared counters behind it
+ *	  cache_format.h the Valkey key/value format, shared with client/
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_H
+#define IDEM_H
+
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "utils/timestamp.h"
+
+#include "cache_format.h"
+
+/* Claim decisions, in the order idem_stats() reports them. */
+typedef enum IdemDecision
+{
+	IDEM_DECISION_CLAIMED = 0,
+	IDEM_DECISION_COMPLETED,
+	IDEM_DECISION_FAILED_PERMANENT,
+	IDEM_DECISION_BUSY,
+	IDEM_DECISION_MISMATCH,
+	IDEM_DECISION_COUNT
+} IdemDecision;
+
+extern const char *const idem_decision_names[IDEM_DECISION_COUNT];
+
+/* Every SQL function refuses NULL arguments with the same error. */
+static inline void
+idem_require_arg(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+}
+
+/* guc.c */
+extern int	idem_lease_ms;
+extern int	idem_retention_s;
+extern int	idem_purge_grace_s;
+extern char *idem_valkey_host;
+extern int	idem_valkey_port;
+extern char *idem_valkey_password;
+extern int	idem_valkey_db;
+extern char *idem_valkey_prefix;
+extern int	idem_valkey_connect_timeout_ms;
+extern int	idem_valkey_command_timeout_ms;
+extern int	idem_queue_size;
+extern void idem_define_gucs(void);
+
+/* outbox.c */
+extern void idem_outbox_init(bool preloading);
+extern bool idem_outbox_available(void);
+extern void idem_outbox_add(bool is_platform, int64 tenant_id,
+							const uint8 *key, IdemCacheKind kind,
+							int32 attempt, const uint8 *fingerprint,
+							const char *outcome, int outcome_len,
+							TimestampTz expires_at);
+
+/*
+ * One queued copy as it sits in the shared queue.  Records are variable
+ * length (the header plus the outcome, MAXALIGNed); kind 0 marks the padding
+ * that skips the end of the ring.  Only the worker reads them.
+ */
+typedef struct IdemOutboxRecord
+{
+	uint32		size;			/* bytes this record occupies in the ring */
+	uint16		outcome_len;
+	char		kind;			/* IdemCacheKind, or 0 for padding */
+	bool		is_platform;
+	int32		attempt;
+	int64		tenant_id;
+	TimestampTz expires_at;
+	uint8		key[IDEM_DIGEST_LEN];
+	uint8		fingerprint[IDEM_DIGEST_LEN];
+	char		outcome[FLEXIBLE_ARRAY_MEMBER];
+} IdemOutboxRecord;
+
+/* The worker's side of the queue (single consumer). */
+extern void idem_outbox_attach_worker(void);
+extern void idem_outbox_detach_worker(void);
+extern int	idem_outbox_peek(const IdemOutboxRecord **records, int max,
+							 uint64 *next_pos);
+extern void idem_outbox_consume(uint64 next_pos, int nrecords);
+extern uint64 idem_outbox_depth(void);
+
+/* worker.c */
+extern void idem_worker_register(void);
+extern PGDLLEXPORT void idem_worker_main(Datum main_arg);
+
+/* stats.c */
+typedef enum IdemStat
+{
+	IDEM_STAT_QUEUED = 0,		/* copies accepted into the shared queue */
+	IDEM_STAT_COPIED,			/* copies written to Valkey */
+	IDEM_STAT_DROPPED,			/* copies refused because the queue was full */
+	IDEM_STAT_COPY_ERRORS,		/* failed connects, batches and SETs */
+	IDEM_STAT_COUNT
+} IdemStat;
+
+extern void idem_stats_count_claim(IdemDecision decision);
+extern Size idem_stats_shmem_size(void);
+extern void idem_stats_shmem_init(void);
+extern void idem_stats_add(IdemStat stat, uint64 n);
+extern void idem_stats_set_valkey(bool connected, const char *error);
+
+#endif							/* IDEM_H */

@@ -1,0 +1,144 @@
+# test/lib/common.sh: shared shell helpers for make test, make demo and
+# make bench.  Source it; it defines functions and sets nothing else.
+#
+#   idem_ensure_deps      install missing Debian packages (root), or print the
+#                         exact apt-get line and fail (not root)
+#   idem_build_install    build the extension and the client, install the
+#                         extension into PostgreSQL's directories
+#   idem_test_user        the unprivileged OS user that runs throwaway clusters
+#   idem_as_test_user     run a command as that user (directly if not root)
+#   idem_free_port        a free TCP port on 127.0.0.1
+#   idem_valkey_server    path of valkey-server, or redis-server as stand-in
+#   idem_pg_bindir        PostgreSQL 15's bindir
+
+IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
+
+# Debian packages the suites need, as "package:file-that-proves-it" pairs.
+idem_required_packages() {
+	cat <<EOT
+postgresql-$IDEM_PG_MAJOR:/usr/lib/postgresql/$IDEM_PG_MAJOR/bin/postgres
+postgresql-server-dev-$IDEM_PG_MAJOR:/usr/lib/postgresql/$IDEM_PG_MAJOR/lib/pgxs/src/makefiles/pgxs.mk
+libpq-dev:/usr/include/postgresql/libpq-fe.h
+libhiredis-dev:/usr/include/hiredis/hiredis.h
+libipc-run-perl:/usr/share/perl5/IPC/Run.pm
+spin:/usr/bin/spin
+gcc:/usr/bin/gcc
+make:/usr/bin/make
+libssl-dev:/usr/include/openssl/evp.h
+valgrind:/usr/bin/valgrind
+EOT
+	# A RESP server: Valkey when the machine has one, else Debian's Redis 7.
+	if ! idem_valkey_server >/dev/null 2>&1; then
+		echo "redis-server:/usr/bin/redis-server"
+	fi
+}
+
+idem_missing_packages() {
+	local pair pkg file
+	for pair in $(idem_required_packages) ${IDEM_EXTRA_PACKAGES:-}; do
+		pkg=${pair%%:*}
+		file=${pair#*:}
+		[ -e "$file" ] || printf '%s ' "$pkg"
+	done
+}
+
+idem_ensure_deps() {
+	local missing
+	missing=$(idem_missing_packages)
+	[ -z "$missing" ] && return 0
+	if [ "$(id -u)" -eq 0 ]; then
+		echo "idem: installing missing packages: $missing"
+		export DEBIAN_FRONTEND=noninteractive
+		if ! apt-get install -y -q --no-install-recommends $missing >/tmp/idem-apt.log 2>&1; then
+			apt-get update -q >>/tmp/idem-apt.log 2>&1
+			apt-get install -y -q --no-install-recommends $missing >>/tmp/idem-apt.log 2>&1 || {
+				echo "idem: apt-get install failed; see /tmp/idem-apt.log" >&2
+				tail -n 20 /tmp/idem-apt.log >&2
+				return 1
+			}
+		fi
+		# Debian starts the packaged servers where it can; the tests start their own.
+		missing=$(idem_missing_packages)
+		[ -z "$missing" ] || { echo "idem: still missing after install: $missing" >&2; return 1; }
+		return 0
+	fi
+	echo "idem: missing packages. Run as root:" >&2
+	echo "  apt-get install -y $missing" >&2
+	return 1
+}
+
+idem_pg_bindir() {
+	echo "/usr/lib/postgresql/$IDEM_PG_MAJOR/bin"
+}
+
+idem_pg_config() {
+	echo "$(idem_pg_bindir)/pg_config"
+}
+
+idem_valkey_server() {
+	if [ -n "${IDEM_VALKEY_SERVER:-}" ] && [ -x "$IDEM_VALKEY_SERVER" ]; then
+		echo "$IDEM_VALKEY_SERVER"
+	elif command -v valkey-server >/dev/null 2>&1; then
+		command -v valkey-server
+	elif [ -x /usr/bin/redis-server ]; then
+		echo /usr/bin/redis-server
+	else
+		return 1
+	fi
+}
+
+idem_build_install() {
+	local root=$1 pgc
+	pgc=$(idem_pg_config)
+	make -C "$root" -s PG_CONFIG="$pgc" all || return 1
+	if [ -f "$root/client/Makefile" ]; then
+		make -C "$root/client" -s PG_CONFIG="$pgc" all || return 1
+	fi
+	if [ -w "$("$pgc" --pkglibdir)" ]; then
+		make -C "$root" -s PG_CONFIG="$pgc" install >/dev/null || return 1
+	else
+		echo "idem: cannot write $("$pgc" --pkglibdir); run as root (or sudo make install) first" >&2
+		return 1
+	fi
+}
+
+idem_test_user() {
+	if [ "$(id -u)" -ne 0 ]; then
+		id -un
+		return
+	fi
+	# initdb refuses root: throwaway clusters run as this unprivileged user.
+	if ! id idemtest >/dev/null 2>&1; then
+		useradd --system --create-home --home-dir /var/lib/idemtest \
+			--shell /bin/bash idemtest || return 1
+	fi
+	echo idemtest
+}
+
+# idem_as_test_user CMD...: environment is passed through explicitly.
+idem_as_test_user() {
+	if [ "$(id -u)" -ne 0 ]; then
+		"$@"
+	else
+		runuser -u "$(idem_test_user)" -- env HOME=/var/lib/idemtest "$@"
+	fi
+}
+
+# A copy of the tree that the test user owns: pg_regress writes results/
+# beside the tests, and the checkout may belong to root.
+idem_test_tree() {
+	local root=$1 dest=$2
+	mkdir -p "$dest"
+	(cd "$root" && tar --exclude=.git --exclude=tmp_check --exclude=results -cf - .) |
+		(cd "$dest" && tar -xf -) || return 1
+	if [ "$(id -u)" -eq 0 ]; then
+		chown -R "$(idem_test_user)" "$dest"
+	fi
+}
+
+idem_free_port() {
+	perl -MIO::Socket::INET -e '
+		my $s = IO::Socket::INET->new(Listen => 1, LocalAddr => "127.0.0.1",
+			LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
+		print $s->sockport, "\n";'
+}
