@@ -95,3 +95,7 @@ INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, e
 VALUES (NULL, idem_key('e', 'x'), :fp, now());
 INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, outcome, expires_at)
 VALUES (1, idem_key('e', 'x'), :fp, 'completed', '[1]', now());
+
+-- Leave the database as we found it for the next test.
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
+DROP EXTENSION idem;

@@ -18,3 +18,8 @@ CALL handle_many(500);
 SELECT pg_stat_force_next_flush();
 SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_upd = n_tup_hot_upd AS all_hot
   FROM pg_stat_user_tables WHERE relname = 'idempotency_keys';
+
+-- Leave the database as we found it for the next test.
+DROP PROCEDURE handle_many(integer);
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
+DROP EXTENSION idem;

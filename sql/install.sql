@@ -55,3 +55,8 @@ SELECT relname, reloptions FROM pg_class
 SELECT count(*) AS members FROM pg_depend
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND objid IN ('idempotency_keys'::regclass, 'platform_idempotency_keys'::regclass);
+
+-- Leave the database as we found it for the next test.
+DROP VIEW a_view;
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants, no_id, int_id, not_unique, wide_key, other_tenants;
+DROP EXTENSION idem;

@@ -123,3 +123,8 @@ SET idem.lease = '5s';
 SELECT decision, expires_at < now() + interval '6 seconds' AS short_lease
   FROM idem_claim(1, k('guc'), f('{}'));
 RESET idem.lease;
+
+-- Leave the database as we found it for the next test.
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
+DROP FUNCTION k(text), f(jsonb);
+DROP EXTENSION idem;

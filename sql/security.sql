@@ -69,3 +69,7 @@ DROP OWNED BY regress_idem_handler;
 DROP ROLE regress_idem_handler;
 DROP OWNED BY regress_idem_nobody;
 DROP ROLE regress_idem_nobody;
+
+-- Leave the database as we found it for the next test.
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
+DROP EXTENSION idem;

@@ -36,3 +36,7 @@ UNION ALL
 (SELECT 'only in fresh', * FROM fresh EXCEPT SELECT 'only in fresh', * FROM updated);
 -- The ledgers survived DROP EXTENSION (they are the application's data).
 SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));
+
+-- Leave the database as we found it for the next test.
+DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
+DROP EXTENSION idem;
