@@ -9,6 +9,7 @@
 EXTENSION = idem
 MODULE_big = idem
 OBJS = src/idem.o src/guc.o src/digest.o src/install.o src/ledger.o \
+	src/ledger_store.o src/pending.o \
 	src/outbox.o src/worker.o src/stats.o
 DATA = $(wildcard src/sql/idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src

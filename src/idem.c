@@ -8,6 +8,7 @@
  *-------------------------------------------------------------------------
  */
 #include "idem.h"
+#include "ledger.h"
 
 #include "miscadmin.h"
 
@@ -23,6 +24,7 @@ void
 _PG_init(void)
 {
 	idem_define_gucs();
+	idem_pending_init();
 	idem_outbox_init(process_shared_preload_libraries_in_progress);
 	if (process_shared_preload_libraries_in_progress)
 		idem_worker_register();

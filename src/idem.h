@@ -9,6 +9,8 @@
  *	  digest.c		idem_key() and idem_fingerprint(): the SHA-256 helpers
  *	  install.c		idem_install(): creates the two ledgers
  *	  ledger.c		claim / complete / fail / lookup / purge on both ledgers
+ *	  ledger_store.c	index probes and prepared writes on a ledger table
+ *	  pending.c		this transaction's claims not written yet (ledger.h)
  *	  outbox.c		the commit hook: per-transaction pending copies and the
  *					shared-memory queue they move to at commit
  *	  worker.c		the background worker that drains the queue into Valkey
@@ -96,7 +98,7 @@ typedef struct IdemOutboxRecord
 extern void idem_outbox_attach_worker(void);
 extern void idem_outbox_detach_worker(void);
 extern int	idem_outbox_peek(const IdemOutboxRecord **records, int max,
-							 uint64 *next_pos);
+							 uint64 *start_pos, uint64 *next_pos);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);
 extern uint64 idem_outbox_depth(void);
 

@@ -142,3 +142,53 @@ idem_free_port() {
 			LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
 		print $s->sockport, "\n";'
 }
+
+# idem_pg_start DIR PORT [CONF-LINE...]: a throwaway cluster in DIR/pg,
+# listening on 127.0.0.1:PORT and on a socket in DIR, preloading idem.
+# Runs as the test user; DIR must be writable by it.
+idem_pg_start() {
+	local dir=$1 port=$2 bindir
+	shift 2
+	bindir=$(idem_pg_bindir)
+	idem_as_test_user "$bindir/initdb" -D "$dir/pg" -A trust -U postgres \
+		--no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; return 1; }
+	{
+		echo "port = $port"
+		echo "listen_addresses = '127.0.0.1'"
+		echo "unix_socket_directories = '$dir'"
+		echo "shared_preload_libraries = 'idem'"
+		echo "fsync = on"
+		for line in "$@"; do echo "$line"; done
+	} | idem_as_test_user tee -a "$dir/pg/postgresql.conf" >/dev/null
+	idem_as_test_user "$bindir/pg_ctl" -D "$dir/pg" -l "$dir/pg.log" -w -t 60 start \
+		>/dev/null || { tail -n 20 "$dir/pg.log" >&2; return 1; }
+}
+
+idem_pg_stop() {
+	local dir=$1
+	[ -f "$dir/pg/postmaster.pid" ] || return 0
+	idem_as_test_user "$(idem_pg_bindir)/pg_ctl" -D "$dir/pg" -m fast -w stop >/dev/null 2>&1
+}
+
+# idem_valkey_start DIR PORT: a RESP server (Valkey, or Redis as stand-in)
+# on 127.0.0.1:PORT with no persistence; its pid in DIR/valkey.pid.
+idem_valkey_start() {
+	local dir=$1 port=$2 server
+	server=$(idem_valkey_server) || { echo "idem: no valkey-server or redis-server" >&2; return 1; }
+	mkdir -p "$dir/valkey"
+	"$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+		--dir "$dir/valkey" --daemonize yes --pidfile "$dir/valkey.pid" \
+		--logfile "$dir/valkey.log" >/dev/null || return 1
+	for _ in $(seq 1 50); do
+		redis-cli -p "$port" ping 2>/dev/null | grep -q PONG && return 0
+		sleep 0.1
+	done
+	echo "idem: RESP server did not start on port $port" >&2
+	return 1
+}
+
+idem_valkey_stop() {
+	local dir=$1
+	[ -f "$dir/valkey.pid" ] && kill "$(cat "$dir/valkey.pid")" 2>/dev/null
+	rm -f "$dir/valkey.pid"
+}

@@ -1,0 +1,91 @@
+/*-------------------------------------------------------------------------
+ *
+ * ledger.h
+ *	  Internal interface between the ledger files:
+ *		ledger.c		the SQL API and its decisions
+ *		ledger_store.c	how a ledger table is read (index probes) and
+ *						written (prepared SPI statements)
+ *		pending.c		claims of the running transaction whose row is not
+ *						written yet
+ *
+ *	  A claim of a new key writes nothing: the key lock keeps other claimers
+ *	  out, and the row is written once, by idem_complete / idem_fail, or as a
+ *	  processing row at pre-commit when the transaction commits the claim
+ *	  alone (lease mode).  One row write per message, like the floor.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_LEDGER_H
+#define IDEM_LEDGER_H
+
+#include "idem.h"
+
+#include "utils/snapshot.h"
+
+typedef enum LedgerKind
+{
+	LEDGER_TENANT = 0,
+	LEDGER_PLATFORM,
+	LEDGER_KINDS
+} LedgerKind;
+
+/* The identity of a ledger row: which ledger, whose, which key. */
+typedef struct LedgerKey
+{
+	LedgerKind	kind;
+	int64		tenant_id;		/* 0 on the platform ledger */
+	uint8		key[IDEM_DIGEST_LEN];
+} LedgerKey;
+
+/* A ledger row as the API sees it. */
+typedef struct LedgerRow
+{
+	char		status[24];
+	uint8		fingerprint[IDEM_DIGEST_LEN];
+	int32		attempt;
+	Datum		outcome;		/* jsonb, detoasted, in the caller's context */
+	TimestampTz expires_at;
+	bool		ours;			/* written by this transaction */
+} LedgerRow;
+
+typedef struct LedgerStore LedgerStore;
+
+/* ledger_store.c */
+extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);
+extern LedgerStore *ledger_store_for(LedgerKind kind, Oid relid);
+extern Oid	ledger_store_relid(const LedgerStore *store);
+extern bool ledger_probe(LedgerStore *store, const LedgerKey *lk,
+						 Snapshot snapshot, LedgerRow *row);
+extern bool ledger_tenant_exists(LedgerStore *store, int64 tenant_id,
+								 Snapshot snapshot);
+extern const char *ledger_tenants_name(LedgerStore *store);
+extern void ledger_insert(LedgerStore *store, const LedgerKey *lk,
+						  const uint8 *fingerprint, const char *status,
+						  int32 attempt, Datum outcome, TimestampTz expires_at);
+extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
+						   const LedgerRow *seen, TimestampTz lease_end,
+						   int32 *attempt);
+extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
+						  const char *status, Datum outcome,
+						  TimestampTz expires_at, int32 *attempt,
+						  uint8 *fingerprint);
+extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
+						  TimestampTz processing_before, int32 batch);
+
+/* pending.c */
+typedef struct PendingClaim
+{
+	LedgerKey	lk;				/* hash key: must stay first */
+	uint8		fingerprint[IDEM_DIGEST_LEN];
+	TimestampTz lease_end;
+	Oid			relid;
+	int			nest_level;
+} PendingClaim;
+
+extern void idem_pending_init(void);
+extern PendingClaim *pending_find(const LedgerKey *lk);
+extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
+						TimestampTz lease_end, Oid relid);
+extern void pending_remove(PendingClaim *claim);
+
+#endif							/* IDEM_LEDGER_H */

@@ -1,0 +1,162 @@
+/*-------------------------------------------------------------------------
+ *
+ * pending.c
+ *	  Claims of the running transaction whose ledger row is not written yet.
+ *
+ *	  A claim of a new key holds the key lock and records the claim here;
+ *	  idem_complete / idem_fail then write the row once, with its final
+ *	  status.  A claim still open when the transaction commits (lease mode:
+ *	  the effect happens outside PostgreSQL) is written at pre-commit as a
+ *	  processing row, so it is durable exactly when the transaction is.
+ *
+ *	  Claims follow their subtransaction: a rolled-back savepoint forgets
+ *	  the claims made inside it (and PostgreSQL releases their key locks
+ *	  with it); a released one hands them to its parent.
+ *
+ *	  The callbacks are registered once per process, from _PG_init.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "ledger.h"
+
+#include "access/xact.h"
+#include "utils/builtins.h"
+#include "utils/hsearch.h"
+#include "utils/jsonb.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+
+/* This transaction's open claims; NULL when there are none. */
+static HTAB *pending = NULL;
+
+static void
+pending_reset(void)
+{
+	/* The table lives in TopTransactionContext, which goes with the xact. */
+	pending = NULL;
+}
+
+PendingClaim *
+pending_find(const LedgerKey *lk)
+{
+	LedgerKey	k;
+
+	if (pending == NULL)
+		return NULL;
+	memset(&k, 0, sizeof(k));
+	k.kind = lk->kind;
+	k.tenant_id = lk->tenant_id;
+	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	return (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+}
+
+void
+pending_add(const LedgerKey *lk, const uint8 *fingerprint,
+			TimestampTz lease_end, Oid relid)
+{
+	LedgerKey	k;
+	PendingClaim *claim;
+	bool		found;
+
+	if (pending == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(LedgerKey);
+		ctl.entrysize = sizeof(PendingClaim);
+		ctl.hcxt = TopTransactionContext;
+		pending = hash_create("idem pending claims", 16, &ctl,
+							  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	memset(&k, 0, sizeof(k));
+	k.kind = lk->kind;
+	k.tenant_id = lk->tenant_id;
+	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	claim = (PendingClaim *) hash_search(pending, &k, HASH_ENTER, &found);
+	Assert(!found);
+	memcpy(claim->fingerprint, fingerprint, IDEM_DIGEST_LEN);
+	claim->lease_end = lease_end;
+	claim->relid = relid;
+	claim->nest_level = GetCurrentTransactionNestLevel();
+}
+
+void
+pending_remove(PendingClaim *claim)
+{
+	hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+}
+
+/* Write every open claim as a processing row (lease mode). */
+static void
+pending_flush(void)
+{
+	HASH_SEQ_STATUS seq;
+	PendingClaim *claim;
+	Datum		empty;
+
+	if (pending == NULL || hash_get_num_entries(pending) == 0)
+		return;
+	empty = DirectFunctionCall1(jsonb_in, CStringGetDatum("{}"));
+	/* Pre-commit runs after the last statement: SPI needs a snapshot. */
+	PushActiveSnapshot(GetTransactionSnapshot());
+	hash_seq_init(&seq, pending);
+	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
+		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
+					  claim->fingerprint, "processing", 1, empty,
+					  claim->lease_end);
+	PopActiveSnapshot();
+	pending_reset();
+}
+
+static void
+pending_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			/* Still inside the transaction: a failure here aborts it. */
+			pending_flush();
+			break;
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PREPARE:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_PARALLEL_ABORT:
+			pending_reset();
+			break;
+		default:
+			break;
+	}
+}
+
+static void
+pending_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						 SubTransactionId parentSubid, void *arg)
+{
+	HASH_SEQ_STATUS seq;
+	PendingClaim *claim;
+	int			level;
+
+	if (pending == NULL ||
+		(event != SUBXACT_EVENT_ABORT_SUB && event != SUBXACT_EVENT_COMMIT_SUB))
+		return;
+	level = GetCurrentTransactionNestLevel();
+	hash_seq_init(&seq, pending);
+	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
+	{
+		if (claim->nest_level < level)
+			continue;
+		if (event == SUBXACT_EVENT_ABORT_SUB)
+			hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+		else
+			claim->nest_level = level - 1;
+	}
+}
+
+void
+idem_pending_init(void)
+{
+	RegisterXactCallback(pending_xact_callback, NULL);
+	RegisterSubXactCallback(pending_subxact_callback, NULL);
+}
