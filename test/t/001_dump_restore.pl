@@ -79,8 +79,12 @@ is($node->safe_psql('restored',
 	'completed {"deleted": 0}', 'platform result replays after restore');
 my ($ret, $out, $err) = $node->psql('restored',
 	q{SELECT idem_claim(99, idem_key('t', 'x'), idem_fingerprint('{}'))});
+like($err, qr/tenant 99 does not exist/, 'a claim for an unknown tenant is refused');
+($ret, $out, $err) = $node->psql('restored', q{
+  INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+  VALUES (99, idem_key('t', 'x'), idem_fingerprint('{}'), now())});
 like($err, qr/violates foreign key constraint "idempotency_keys_tenant_id_fkey"/,
-	'the restored FK refuses an unknown tenant');
+	'the restored FK itself refuses an unknown tenant');
 
 # The identity sequences carry on past the restored rows.
 my $max_before = $node->safe_psql('restored', 'SELECT max(id) FROM idempotency_keys');
