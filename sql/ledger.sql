@@ -49,6 +49,47 @@ ROLLBACK TO SAVEPOINT s;
 SELECT decision, attempt FROM idem_claim(1, k('sp'), f('{}'));
 COMMIT;
 
+-- Savepoints around a claim's one write.
+-- A completion rolled back to its savepoint leaves the claim open again.
+BEGIN;
+SELECT decision FROM idem_claim(1, k('sv1'), f('{}'));
+SAVEPOINT s;
+SELECT idem_complete(1, k('sv1'), '{"try": 1}');
+ROLLBACK TO SAVEPOINT s;
+SELECT status, attempt, outcome FROM idem_lookup(1, k('sv1'));
+SELECT idem_fail(1, k('sv1'), '{"try": 2}', false);
+COMMIT;
+SELECT decision, outcome FROM idem_claim(1, k('sv1'), f('{}'));
+-- A claim made and completed inside a released savepoint commits.
+BEGIN;
+SAVEPOINT s;
+SELECT decision FROM idem_claim(1, k('sv2'), f('{}'));
+SAVEPOINT t;
+SELECT idem_complete(1, k('sv2'), '{"nested": true}');
+RELEASE SAVEPOINT t;
+RELEASE SAVEPOINT s;
+COMMIT;
+SELECT decision, outcome FROM idem_claim(1, k('sv2'), f('{}'));
+-- A completion rolled back, and the transaction then commits the claim
+-- alone: a processing row (lease mode).
+BEGIN;
+SELECT decision FROM idem_claim(1, k('sv3'), f('{}'), interval '1 hour');
+SAVEPOINT s;
+SELECT idem_complete(1, k('sv3'), '{}');
+ROLLBACK TO SAVEPOINT s;
+COMMIT;
+SELECT status, attempt, outcome FROM idem_lookup(1, k('sv3'));
+-- Completing twice in one transaction is refused.
+BEGIN;
+SELECT decision FROM idem_claim(1, k('sv4'), f('{}'));
+SELECT idem_complete(1, k('sv4'), '{"n": 1}');
+SAVEPOINT s;
+SELECT idem_complete(1, k('sv4'), '{"n": 2}');
+ROLLBACK TO SAVEPOINT s;
+-- ... and a claim after the completion, in the same transaction, replays it.
+SELECT decision, outcome FROM idem_claim(1, k('sv4'), f('{}'));
+COMMIT;
+
 -- Retryable failure: claimed again with attempt + 1.
 BEGIN;
 SELECT decision, attempt FROM idem_claim(1, k('r'), f('{}'));

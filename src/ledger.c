@@ -425,7 +425,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 		attempt = 1;
 		ledger_insert(store, &lk, fingerprint, status, attempt,
 					  JsonbPGetDatum(outcome), retention_end);
-		pending_remove(mine);
+		pending_settle(mine);
 	}
 	else
 	{

@@ -79,13 +79,14 @@ typedef struct PendingClaim
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	TimestampTz lease_end;
 	Oid			relid;
-	int			nest_level;
+	int			nest_level;		/* subtransaction that made the claim */
+	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
 } PendingClaim;
 
 extern void idem_pending_init(void);
 extern PendingClaim *pending_find(const LedgerKey *lk);
 extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 						TimestampTz lease_end, Oid relid);
-extern void pending_remove(PendingClaim *claim);
+extern void pending_settle(PendingClaim *claim);
 
 #endif							/* IDEM_LEDGER_H */

@@ -11,7 +11,9 @@
  *
  *	  Claims follow their subtransaction: a rolled-back savepoint forgets
  *	  the claims made inside it (and PostgreSQL releases their key locks
- *	  with it); a released one hands them to its parent.
+ *	  with it); a released one hands them to its parent.  A claim whose row
+ *	  was written is only marked settled, at the level that wrote it, so
+ *	  that rolling back that write (ROLLBACK TO) makes it open again.
  *
  *	  The callbacks are registered once per process, from _PG_init.
  *
@@ -36,10 +38,12 @@ pending_reset(void)
 	pending = NULL;
 }
 
+/* The open (not yet written) claim of this key by this transaction. */
 PendingClaim *
 pending_find(const LedgerKey *lk)
 {
 	LedgerKey	k;
+	PendingClaim *claim;
 
 	if (pending == NULL)
 		return NULL;
@@ -47,7 +51,8 @@ pending_find(const LedgerKey *lk)
 	k.kind = lk->kind;
 	k.tenant_id = lk->tenant_id;
 	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
-	return (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+	return (claim && claim->settled_level == 0) ? claim : NULL;
 }
 
 void
@@ -73,17 +78,20 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	k.tenant_id = lk->tenant_id;
 	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
 	claim = (PendingClaim *) hash_search(pending, &k, HASH_ENTER, &found);
-	Assert(!found);
+	/* found: settled before, and its row since deleted (idem_purge in this
+	 * transaction): the key is new again */
 	memcpy(claim->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	claim->lease_end = lease_end;
 	claim->relid = relid;
 	claim->nest_level = GetCurrentTransactionNestLevel();
+	claim->settled_level = 0;
 }
 
+/* The claim's row was written by the current subtransaction. */
 void
-pending_remove(PendingClaim *claim)
+pending_settle(PendingClaim *claim)
 {
-	hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+	claim->settled_level = GetCurrentTransactionNestLevel();
 }
 
 /* Write every open claim as a processing row (lease mode). */
@@ -101,9 +109,13 @@ pending_flush(void)
 	PushActiveSnapshot(GetTransactionSnapshot());
 	hash_seq_init(&seq, pending);
 	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
+	{
+		if (claim->settled_level != 0)
+			continue;
 		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
 					  claim->fingerprint, "processing", 1, empty,
 					  claim->lease_end);
+	}
 	PopActiveSnapshot();
 	pending_reset();
 }
@@ -145,12 +157,20 @@ pending_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 	hash_seq_init(&seq, pending);
 	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
 	{
-		if (claim->nest_level < level)
-			continue;
 		if (event == SUBXACT_EVENT_ABORT_SUB)
-			hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+		{
+			if (claim->nest_level >= level)
+				hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+			else if (claim->settled_level >= level)
+				claim->settled_level = 0;	/* its row was rolled back */
+		}
 		else
-			claim->nest_level = level - 1;
+		{
+			if (claim->nest_level >= level)
+				claim->nest_level = level - 1;
+			if (claim->settled_level >= level)
+				claim->settled_level = level - 1;
+		}
 	}
 }
 
