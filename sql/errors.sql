@@ -27,6 +27,10 @@ SELECT idem_claim(1, :k, :fp, interval '1 month -40 days');
 SELECT idem_purge(0);
 -- An unknown tenant.
 SELECT idem_claim(42, :k, :fp);
+-- A read-only transaction (a claim has a row to write).
+BEGIN READ ONLY;
+SELECT idem_claim(1, :k, :fp);
+ROLLBACK;
 
 \set VERBOSITY default
 -- The messages, once each, in full.
@@ -34,6 +38,9 @@ SELECT idem_claim(1, '\x00'::bytea, :fp);
 SELECT idem_claim(1, NULL, :fp);
 SELECT idem_claim(1, :k, :fp, interval '-1 second');
 SELECT idem_claim(42, :k, :fp);
+BEGIN READ ONLY;
+SELECT idem_claim(1, :k, :fp);
+ROLLBACK;
 \set VERBOSITY sqlstate
 
 -- Outcomes: a JSON object of at most 4096 bytes.

@@ -28,6 +28,7 @@
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lock.h"
+#include "tcop/utility.h"
 #include "utils/builtins.h"
 #include "utils/datetime.h"
 #include "utils/jsonb.h"
@@ -348,6 +349,8 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	bool		nulls[4] = {false, false, false, false};
 	int			next;
 
+	/* The claim's row is written later, at complete or at pre-commit. */
+	PreventCommandIfReadOnly(kind == LEDGER_TENANT ? "idem_claim()" : "idem_platform_claim()");
 	next = key_args(fcinfo, kind, &lk);
 	digest_arg(fcinfo, next, "fingerprint", fingerprint);
 	lease_end = deadline_arg(fcinfo, next + 1, "lease", idem_lease_ms, now);
