@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Part of make bench (called by bench/run with BENCH_WORK, BENCH_PGPORT,
+# BENCH_VKPORT set): the client runner's paths next to what they are built
+# on, same process model and concurrency, alternating rounds, median kept.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SECS=${BENCH_SECONDS:-5}
+ROUNDS=${BENCH_ROUNDS:-3}
+BIN=$BENCH_WORK/client_bench
+cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
+	-lpq -lhiredis -lcrypto -pthread || exit 1
+# synchronous_commit=off, as the pgbench variants run at their headline figure.
+PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=off"
+
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+printf '%-15s %7s %10s\n' mode clients ops/s
+declare -A med=()
+for c in ${BENCH_CLIENTS:-1 8 32}; do
+	declare -A runs=()
+	for r in $(seq 1 "$ROUNDS"); do
+		for m in valkey-replay raw-get pg-replay pg-select run-new run-dup; do
+			out=$("$BIN" "$m" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") || { echo "client_bench $m failed" >&2; exit 1; }
+			runs[$m]+="${out##* } "
+		done
+	done
+	for m in valkey-replay raw-get pg-replay pg-select run-new run-dup; do
+		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
+		printf '%-15s %7s %10.0f\n' "$m" "$c" "${med[$m]}"
+	done
+	awk -v c="$c" -v vr="${med[valkey-replay]}" -v rg="${med[raw-get]}" \
+		-v pr="${med[pg-replay]}" -v ps="${med[pg-select]}" 'BEGIN {
+		printf "%-15s %7s  targets: valkey replay/raw GET %.2f (>= 0.80); client pg replay/bare SELECT %.2f\n",
+			"", c, vr / rg, pr / ps }'
+	unset runs
+done

@@ -1,0 +1,264 @@
+/*
+ * client_bench.c: the client runner's paths against what they are built
+ * on, at the same concurrency, in the same process model (one process per
+ * client, one runner or one connection each, synchronous calls).
+ *
+ *   client_bench MODE CLIENTS SECONDS PG_CONNINFO VALKEY_HOST VALKEY_PORT
+ *
+ * MODE:
+ *   valkey-replay  idem_run on completed keys, answered by the Valkey cache
+ *   raw-get        hiredis GET of the same cache keys
+ *   pg-replay      idem_run on completed keys with no Valkey (PostgreSQL answers)
+ *   pg-select      a bare prepared SELECT of the same ledger rows by unique key
+ *   run-new        idem_run on new keys: gate, claim, effect, complete, commit
+ *   run-dup        idem_run on keys run a moment before (duplicates)
+ *
+ * The replay keys are those bench/setup.sql completes:
+ * idem_key('bench.replay', i) for tenant 1 + i % 100, i in 1..10000,
+ * request {"amount": 1}.  Prints "MODE CLIENTS ops_per_second".
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+
+#include "idem_client.h"
+#include "cache_format.h"
+
+#define REPLAY_KEYS 10000
+
+static double
+now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static idem_handler_status
+transfer_handler(PGconn *conn, idem_call *call, void *user_data)
+{
+	char		tenant[32];
+	const char *params[1] = {tenant};
+	PGresult   *res;
+	idem_handler_status st = IDEM_HANDLER_OK;
+
+	(void) user_data;
+	snprintf(tenant, sizeof(tenant), "%" PRId64, idem_call_tenant_id(call));
+	res = PQexecParams(conn,
+					   "INSERT INTO transfers (tenant_id, amount) VALUES ($1, 1)",
+					   1, NULL, params, NULL, NULL, 0);
+	if (PQresultStatus(res) != PGRES_COMMAND_OK)
+		st = IDEM_HANDLER_RETRYABLE;
+	PQclear(res);
+	idem_call_set_json(call, "{\"ok\": true}");
+	return st;
+}
+
+/* A handler that must not run: replays only. */
+static idem_handler_status
+never_handler(PGconn *conn, idem_call *call, void *user_data)
+{
+	(void) conn;
+	(void) call;
+	(*(long *) user_data)++;
+	return IDEM_HANDLER_PERMANENT;
+}
+
+static long
+run_client(const char *mode, int client, double seconds, const char *conninfo,
+		   const char *vhost, int vport)
+{
+	double		end = now_s() + seconds;
+	long		ops = 0;
+	long		handler_runs = 0;
+	unsigned	seed = (unsigned) (getpid() * 2654435761u);
+	char		id[64];
+
+	if (strcmp(mode, "raw-get") == 0)
+	{
+		struct timeval tv = {1, 0};
+		redisContext *c = redisConnectWithTimeout(vhost, vport, tv);
+		char		key[IDEM_CACHE_KEY_MAX];
+		uint8_t		k[IDEM_DIGEST_BYTES];
+
+		if (c == NULL || c->err)
+			return -1;
+		while (now_s() < end)
+		{
+			int			i = 1 + rand_r(&seed) % REPLAY_KEYS;
+			redisReply *r;
+
+			snprintf(id, sizeof(id), "%d", i);
+			idem_key("bench.replay", id, k);
+			idem_cache_key(key, sizeof(key), "idem:", 0, 1 + i % 100, k);
+			r = redisCommand(c, "GET %s", key);
+			if (r == NULL || r->type != REDIS_REPLY_STRING)
+			{
+				freeReplyObject(r);
+				redisFree(c);
+				return -1;
+			}
+			freeReplyObject(r);
+			ops++;
+		}
+		redisFree(c);
+		return ops;
+	}
+
+	if (strcmp(mode, "pg-select") == 0)
+	{
+		PGconn	   *conn = PQconnectdb(conninfo);
+		PGresult   *res;
+
+		if (PQstatus(conn) != CONNECTION_OK)
+			return -1;
+		res = PQprepare(conn, "s",
+						"SELECT status, outcome FROM idempotency_keys"
+						" WHERE tenant_id = $1 AND idempotency_key = $2", 2, NULL);
+		PQclear(res);
+		while (now_s() < end)
+		{
+			int			i = 1 + rand_r(&seed) % REPLAY_KEYS;
+			uint8_t		k[IDEM_DIGEST_BYTES];
+			char		tenant[16];
+			const char *values[2] = {tenant, (const char *) k};
+			int			lengths[2] = {0, IDEM_DIGEST_BYTES};
+			int			formats[2] = {0, 1};
+
+			snprintf(id, sizeof(id), "%d", i);
+			snprintf(tenant, sizeof(tenant), "%d", 1 + i % 100);
+			idem_key("bench.replay", id, k);
+			res = PQexecPrepared(conn, "s", 2, values, lengths, formats, 0);
+			if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
+			{
+				PQclear(res);
+				PQfinish(conn);
+				return -1;
+			}
+			PQclear(res);
+			ops++;
+		}
+		PQfinish(conn);
+		return ops;
+	}
+
+	{
+		int			replay = strncmp(mode, "valkey-replay", 13) == 0 ||
+			strcmp(mode, "pg-replay") == 0;
+		idem_runner *r = idem_runner_open(conninfo,
+										  strcmp(mode, "pg-replay") == 0 ? NULL : vhost,
+										  vport, NULL);
+		idem_result *res = malloc(sizeof(idem_result));
+		long		n = 0;
+
+		if (r == NULL || res == NULL)
+			return -1;
+		while (now_s() < end)
+		{
+			int64_t		tenant;
+			idem_status st;
+
+			if (replay)
+			{
+				int			i = 1 + rand_r(&seed) % REPLAY_KEYS;
+
+				snprintf(id, sizeof(id), "%d", i);
+				tenant = 1 + i % 100;
+				st = idem_run(r, tenant, "bench.replay", id, "{\"amount\": 1}",
+							  never_handler, &handler_runs, res);
+				if (st != IDEM_REPLAYED || handler_runs > 0)
+				{
+					fprintf(stderr, "%s: unexpected %s: %s\n", mode,
+							idem_status_name(st), res->error_message);
+					break;
+				}
+			}
+			else
+			{
+				/* run-dup: every key twice in a row, the second a duplicate */
+				long		k = strcmp(mode, "run-dup") == 0 ? n / 2 : n;
+
+				snprintf(id, sizeof(id), "%d-%d-%ld", (int) getpid(), client, k);
+				tenant = 1 + k % 100;
+				st = idem_run(r, tenant, "bench.run", id, "{\"amount\": 1}",
+							  transfer_handler, NULL, res);
+				if (st != IDEM_APPLIED && st != IDEM_REPLAYED)
+				{
+					fprintf(stderr, "%s: unexpected %s: %s\n", mode,
+							idem_status_name(st), res->error_message);
+					break;
+				}
+			}
+			n++;
+			ops++;
+		}
+		free(res);
+		idem_runner_close(r);
+		return ops;
+	}
+}
+
+int
+main(int argc, char **argv)
+{
+	const char *mode;
+	int			clients;
+	double		seconds;
+	int			fds[2];
+	long		total = 0;
+	int			failed = 0;
+	int			c;
+
+	if (argc != 7)
+	{
+		fprintf(stderr, "usage: %s MODE CLIENTS SECONDS PG_CONNINFO VALKEY_HOST VALKEY_PORT\n",
+				argv[0]);
+		return 2;
+	}
+	mode = argv[1];
+	clients = atoi(argv[2]);
+	seconds = atof(argv[3]);
+	if (pipe(fds) != 0)
+		return 1;
+	for (c = 0; c < clients; c++)
+	{
+		pid_t		pid = fork();
+
+		if (pid == 0)
+		{
+			long		ops = run_client(mode, c, seconds, argv[4], argv[5], atoi(argv[6]));
+
+			if (write(fds[1], &ops, sizeof(ops)) != sizeof(ops))
+				_exit(1);
+			_exit(ops < 0);
+		}
+	}
+	close(fds[1]);
+	for (c = 0; c < clients; c++)
+	{
+		long		ops;
+
+		if (read(fds[0], &ops, sizeof(ops)) != sizeof(ops) || ops < 0)
+			failed = 1;
+		else
+			total += ops;
+	}
+	while (wait(NULL) > 0)
+		;
+	if (failed)
+	{
+		fprintf(stderr, "%s: a client failed\n", mode);
+		return 1;
+	}
+	printf("%s %d %.0f\n", mode, clients, total / seconds);
+	return 0;
+}
