@@ -118,8 +118,11 @@ SELECT decision, attempt, expires_at > now() + interval '59 minutes' AS until_le
 SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'), interval '10 milliseconds');
 SELECT pg_sleep(0.05);
 SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'));
--- ... and completed later by any transaction (the lease holder's).
-SELECT idem_complete(1, k('short'), '{"done": 2}');
+-- The holder of attempt 1, whose lease ended, is fenced off by its attempt.
+SELECT idem_complete(1, k('short'), '{"done": 1}', NULL, 1);
+SELECT idem_fail(1, k('short'), '{"late": 1}', true, NULL, 1);
+-- ... and attempt 2 completes it later from its own transaction.
+SELECT idem_complete(1, k('short'), '{"done": 2}', NULL, 2);
 SELECT decision, attempt, outcome FROM idem_claim(1, k('short'), f('{}'));
 
 -- Platform ledger: the same decisions without a tenant.

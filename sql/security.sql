@@ -27,8 +27,8 @@ RESET ROLE;
 CREATE ROLE regress_idem_handler;
 GRANT EXECUTE ON FUNCTION idem_key(text, text), idem_fingerprint(jsonb),
     idem_claim(bigint, bytea, bytea, interval),
-    idem_complete(bigint, bytea, jsonb, interval),
-    idem_fail(bigint, bytea, jsonb, boolean, interval),
+    idem_complete(bigint, bytea, jsonb, interval, integer),
+    idem_fail(bigint, bytea, jsonb, boolean, interval, integer),
     idem_lookup(bigint, bytea)
   TO regress_idem_handler;
 GRANT SELECT, INSERT, UPDATE ON idempotency_keys TO regress_idem_handler;

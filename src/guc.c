@@ -20,6 +20,7 @@
 #include <ctype.h>
 #include <limits.h>
 
+#include "miscadmin.h"
 #include "utils/guc.h"
 
 int			idem_lease_ms = 30 * 1000;
@@ -153,13 +154,19 @@ idem_define_gucs(void)
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 
-	DefineCustomIntVariable("idem.queue_size",
-							"Number of results the shared commit queue holds before it drops copies.",
-							"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.",
-							&idem_queue_size,
-							65536, 16, 1024 * 1024,
-							PGC_POSTMASTER, 0,
-							NULL, NULL, NULL);
+	/*
+	 * PostgreSQL refuses (FATAL) to define a PGC_POSTMASTER setting after
+	 * startup, so the queue size exists only when idem is preloaded, which is
+	 * also the only case with a queue.
+	 */
+	if (process_shared_preload_libraries_in_progress)
+		DefineCustomIntVariable("idem.queue_size",
+								"Number of results the shared commit queue holds before it drops copies.",
+								"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.  The queue reserves 256 bytes of shared memory per result.",
+								&idem_queue_size,
+								65536, 16, 1024 * 1024,
+								PGC_POSTMASTER, 0,
+								NULL, NULL, NULL);
 
 #if PG_VERSION_NUM >= 150000
 	MarkGUCPrefixReserved("idem");

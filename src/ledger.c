@@ -391,6 +391,10 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
  * complete / fail: give a key this transaction claimed (or a committed
  * processing row, in lease mode) its final status, and queue a terminal
  * result for the Valkey copy made after commit.
+ *
+ * The optional attempt argument fences lease mode: a holder whose lease
+ * ended and whose key was taken over by a later attempt is refused,
+ * instead of completing the later attempt's row with its own outcome.
  */
 static void
 ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
@@ -406,6 +410,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	LedgerStore *store;
 	PendingClaim *mine;
 	int32		attempt;
+	int32		fence;
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	int			next;
 
@@ -418,9 +423,23 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	}
 	retention_end = deadline_arg(fcinfo, next + (is_fail ? 2 : 1), "retention",
 								 (int64) idem_retention_s * 1000, now);
+	fence = 0;
+	if (!PG_ARGISNULL(next + (is_fail ? 3 : 2)))
+	{
+		fence = PG_GETARG_INT32(next + (is_fail ? 3 : 2));
+		if (fence <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("attempt must be positive, not %d", fence)));
+	}
 	store = ledger_store_open(cc->nsp, kind);
 
 	mine = pending_find(&lk);
+	if (mine && fence > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot %s idempotency key as attempt %d: this transaction claimed attempt 1",
+						what, fence)));
 	if (mine)
 	{
 		/* Claimed in this transaction: the row's one and only write. */
@@ -442,7 +461,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 					 errhint("Only the transaction that claimed a key, or a later one after it committed, can %s it.",
 							 what)));
 		if (!ledger_finish(store, &lk, status, JsonbPGetDatum(outcome),
-						   retention_end, &attempt, fingerprint))
+						   retention_end, fence, &attempt, fingerprint))
 		{
 			LedgerRow	row;
 
@@ -451,6 +470,13 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 						(errcode(ERRCODE_NO_DATA_FOUND),
 						 errmsg("cannot %s idempotency key: it has not been claimed", what),
 						 errhint("Call idem_claim() for the key first, in this transaction.")));
+			if (status_is(&row, "processing"))
+				ereport(ERROR,
+						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+						 errmsg("cannot %s idempotency key as attempt %d: attempt %d holds it now",
+								what, fence, row.attempt),
+						 errdetail("The lease of attempt %d ended and the key was taken over.", fence),
+						 errhint("Make leases longer than the effect takes; in lease mode the effect may have run twice.")));
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("cannot %s idempotency key: its status is already %s",

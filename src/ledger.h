@@ -67,8 +67,8 @@ extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
 						   int32 *attempt);
 extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  const char *status, Datum outcome,
-						  TimestampTz expires_at, int32 *attempt,
-						  uint8 *fingerprint);
+						  TimestampTz expires_at, int32 fence,
+						  int32 *attempt, uint8 *fingerprint);
 extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 						  TimestampTz processing_before, int32 batch);
 

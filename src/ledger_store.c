@@ -133,11 +133,13 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable)
 			sql = psprintf("UPDATE %s SET status = $3, outcome = $4, expires_at = $5,"
 						   " updated_at = pg_catalog.clock_timestamp()"
 						   " WHERE %s AND status OPERATOR(pg_catalog.=) 'processing'"
+						   " AND ($6 OPERATOR(pg_catalog.=) 0 OR attempt OPERATOR(pg_catalog.=) $6)"
 						   " RETURNING attempt, request_fingerprint", qtable, owner);
 			types[2] = TEXTOID;
 			types[3] = JSONBOID;
 			types[4] = TIMESTAMPTZOID;
-			nargs = 5;
+			types[5] = INT4OID;
+			nargs = 6;
 			break;
 		case PLAN_PURGE:
 			sql = psprintf("DELETE FROM %s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
@@ -476,21 +478,25 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 	return done;
 }
 
-/* processing -> a final status; false when no processing row exists. */
+/*
+ * processing -> a final status; false when no processing row exists (of
+ * attempt fence, when fence is not 0).
+ */
 bool
 ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
-			  Datum outcome, TimestampTz expires_at, int32 *attempt,
-			  uint8 *fingerprint)
+			  Datum outcome, TimestampTz expires_at, int32 fence,
+			  int32 *attempt, uint8 *fingerprint)
 {
-	Datum		extra[3];
+	Datum		extra[4];
 	bool		isnull;
 	bool		done;
 
 	extra[0] = CStringGetTextDatum(status);
 	extra[1] = outcome;
 	extra[2] = TimestampTzGetDatum(expires_at);
+	extra[3] = Int32GetDatum(fence);
 	SPI_connect();
-	run_write(store, PLAN_FINISH, lk, extra, 3, SPI_OK_UPDATE_RETURNING);
+	run_write(store, PLAN_FINISH, lk, extra, 4, SPI_OK_UPDATE_RETURNING);
 	done = SPI_processed == 1;
 	if (done)
 	{

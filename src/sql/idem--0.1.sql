@@ -38,14 +38,17 @@ RETURNS @extschema@.idem_claim_result
 AS 'MODULE_PATHNAME', 'idem_claim'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
+-- attempt (optional) fences lease mode: refused if a later attempt took over.
 CREATE FUNCTION @extschema@.idem_complete(tenant_id bigint, key bytea, outcome jsonb,
-                                          retention interval DEFAULT NULL)
+                                          retention interval DEFAULT NULL,
+                                          attempt integer DEFAULT NULL)
 RETURNS void
 AS 'MODULE_PATHNAME', 'idem_complete'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE FUNCTION @extschema@.idem_fail(tenant_id bigint, key bytea, detail jsonb,
-                                      retryable boolean, retention interval DEFAULT NULL)
+                                      retryable boolean, retention interval DEFAULT NULL,
+                                      attempt integer DEFAULT NULL)
 RETURNS void
 AS 'MODULE_PATHNAME', 'idem_fail'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
@@ -64,13 +67,15 @@ AS 'MODULE_PATHNAME', 'idem_platform_claim'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE FUNCTION @extschema@.idem_platform_complete(key bytea, outcome jsonb,
-                                                   retention interval DEFAULT NULL)
+                                                   retention interval DEFAULT NULL,
+                                                   attempt integer DEFAULT NULL)
 RETURNS void
 AS 'MODULE_PATHNAME', 'idem_platform_complete'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 CREATE FUNCTION @extschema@.idem_platform_fail(key bytea, detail jsonb, retryable boolean,
-                                               retention interval DEFAULT NULL)
+                                               retention interval DEFAULT NULL,
+                                               attempt integer DEFAULT NULL)
 RETURNS void
 AS 'MODULE_PATHNAME', 'idem_platform_fail'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
@@ -93,12 +98,12 @@ REVOKE ALL ON FUNCTION
     @extschema@.idem_key(text, text),
     @extschema@.idem_fingerprint(jsonb),
     @extschema@.idem_claim(bigint, bytea, bytea, interval),
-    @extschema@.idem_complete(bigint, bytea, jsonb, interval),
-    @extschema@.idem_fail(bigint, bytea, jsonb, boolean, interval),
+    @extschema@.idem_complete(bigint, bytea, jsonb, interval, integer),
+    @extschema@.idem_fail(bigint, bytea, jsonb, boolean, interval, integer),
     @extschema@.idem_lookup(bigint, bytea),
     @extschema@.idem_platform_claim(bytea, bytea, interval),
-    @extschema@.idem_platform_complete(bytea, jsonb, interval),
-    @extschema@.idem_platform_fail(bytea, jsonb, boolean, interval),
+    @extschema@.idem_platform_complete(bytea, jsonb, interval, integer),
+    @extschema@.idem_platform_fail(bytea, jsonb, boolean, interval, integer),
     @extschema@.idem_platform_lookup(bytea),
     @extschema@.idem_purge(integer)
 FROM PUBLIC;
