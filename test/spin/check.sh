@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# check.sh -- model-check idem's exactly-once protocol with spin (issue 7).
+#
+# Runs every check of test/spin/ in a temporary folder (always removed):
+# spin -a, gcc, pan; exhaustive search (no bitstate), fails if pan truncates
+# the search (depth or memory).  Prints the state-space figures of each
+# check as TAP comments and one TAP line per check on stdout.  Exits non-zero
+# if the real model fails any property or a broken variant passes.
+#
+#   test/spin/check.sh            all checks, two at a time
+#   SPIN_JOBS=1 test/spin/check.sh
+#   SPIN_TRAILS=1 ...             also print every counterexample's trail
+#
+# Needs spin (Debian package `spin`) and gcc; no root, writes nothing in the
+# source tree.
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+jobs=${SPIN_JOBS:-2}
+
+for tool in spin gcc; do
+	if ! command -v "$tool" >/dev/null 2>&1; then
+		echo "1..0"
+		echo "Bail out! $tool not found (apt-get install spin gcc)"
+		exit 1
+	fi
+done
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/idem-spin.XXXXXX") || exit 1
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------------------
+# The checks: expect | mode | model file | -D flags | description
+#   (fields are separated by '|', so a <text> must not contain one)
+#   expect  pass             no error, complete exhaustive search
+#           fail:<text>      a counterexample whose violated assertion (or
+#                            acceptance cycle) contains <text>
+#   mode    safety           assertions + invalid end states (-DSAFETY)
+#           live             LTL eventually_applied, pan -a -f (weak fairness)
+# ---------------------------------------------------------------------------
+checks=(
+"pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DPERM_FAIL|real model, in-transaction effect, 2 runners, 4 deliveries, 3 faults: safety (at most once, none lost, replay = committed, cache = truth)"
+"pass|safety|idem.pml|-DNRUN=3 -DNDELIV=3 -DNFAULT=2 -DPERM_FAIL|real model, in-transaction effect, 3 runners, 3 deliveries, 2 faults: safety (at most once, none lost, replay = committed, cache = truth)"
+"pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DLEASE_MODE|real model, lease mode, 2 runners, 4 deliveries, 3 faults: one unexpired lease at a time, no completion overwritten, replay = committed"
+"pass|safety|idem.pml|-DNRUN=3 -DNDELIV=3 -DNFAULT=1 -DLEASE_MODE|real model, lease mode, 3 runners, 3 deliveries, 1 fault: one unexpired lease at a time, no completion overwritten, replay = committed"
+"pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3|real model, in-transaction effect, 2 runners, faults cease after 3: liveness <> effect applied (weak fairness)"
+"pass|live|idem.pml|-DLIVENESS -DNRUN=3 -DNFAULT=2|real model, in-transaction effect, 3 runners, faults cease after 2: liveness <> effect applied (weak fairness)"
+"pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=2 -DLEASE_MODE|real model, lease mode, 2 runners, faults (lease overruns included) cease after 2: liveness <> completed (weak fairness)"
+"fail:acceptance cycle|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=2 -DLEASE_MODE -DLEASE_OVERRUN_FREE|lease mode needs leases longer than the effect: if every holder may overrun its lease, spin finds a livelock (takeover after takeover, each stale idem_complete refused)"
+"fail:acceptance cycle|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=2 -DNO_BACKEND_TIMEOUT|liveness is not vacuous: if a dead client's backend is never terminated (no idle_in_transaction_session_timeout) it keeps the try-lock and spin finds a fair cycle with no effect"
+"pass|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=3 -DLEASE_MODE -DLEASE_FENCE -DCHECK_COMPLETION_ATTEMPT|lease mode, idem_complete(..., attempt) as implemented: the stored outcome is always the recorded attempt's"
+"pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DPERM_FAIL -DNO_CACHE_RESULTS|real model with the runner's cache_results off (only the background worker copies results): safety"
+"fail:row_att==att|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DLEASE_MODE -DCHECK_COMPLETION_ATTEMPT|lease mode without the attempt argument: a stale lease holder completes a row taken over by attempt+1 -- counterexample found (why idem_complete takes the attempt)"
+"fail:ext_effects<=1|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DLEASE_MODE -DEXT_AT_MOST_ONCE|documented limit, lease mode: an effect outside PostgreSQL is at-least-once (spin shows the second effect)"
+"fail:effects<=1|safety|broken_key_outside_tx.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2|broken variant key_outside_tx (effect committed, key in a later tx) rejected with counterexample: doubled effect"
+"fail:(row_st!=2)|safety|broken_key_outside_tx.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DKEY_FIRST|broken variant key_outside_tx (key completed, effect in a later tx) rejected with counterexample: lost effect"
+"fail:effects<=1|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DNO_VALKEY_FAULTS|broken variant get_then_set (GET-then-SET gate, no try-lock/unique key, Valkey never fails) rejected with counterexample: doubled effect"
+"pass|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DNO_VALKEY_FAULTS -DCONTROL_ATOMIC_GATE|control for get_then_set: the atomic gate script instead, same unprotected claim, Valkey never fails: safe (the race is GET-then-SET)"
+"pass|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DCONTROL_PG_CLAIM|control for get_then_set: GET-then-SET gate with the real idem_claim, with Valkey faults: safe (PostgreSQL is the authority)"
+"fail:effects<=1|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DCONTROL_ATOMIC_GATE|control for get_then_set: atomic gate without the PostgreSQL try-lock/unique key, with Valkey faults: rejected (Valkey alone is no authority)"
+)
+
+# run_check N SPEC  -> writes $tmp/N.tap (TAP line + comments), $tmp/N.rc
+run_check() {
+	local n=$1 spec=$2
+	local expect mode file defs desc
+	IFS='|' read -r expect mode file defs desc <<<"$spec"
+	local d="$tmp/c$n" out="$tmp/$n.tap" ok=1 why=""
+	mkdir -p "$d"
+	cp "$here"/*.pml "$d"/
+	# shellcheck disable=SC2086
+	{
+		cd "$d" || exit 1
+		local cflags="-O1 -DCOLLAPSE -DMEMLIM=2048 -DVECTORSZ=2048"
+		local panflags="-m200000 -w22"
+		if [ "$mode" = safety ]; then
+			cflags="$cflags -DSAFETY -DNOCLAIM"
+		else
+			cflags="$cflags -DNFAIR=3"
+			panflags="$panflags -a -f"
+		fi
+		local t0 t1
+		t0=$(date +%s.%N)
+		if ! spin -a $defs "$file" >spin.log 2>&1; then
+			ok=0; why="spin -a failed: $(grep -m3 -i error spin.log | tr '\n' ' ')"
+		elif ! gcc $cflags -o pan pan.c >gcc.log 2>&1; then
+			ok=0; why="gcc failed: $(grep -m3 error gcc.log | tr '\n' ' ')"
+		else
+			./pan $panflags >pan.log 2>&1
+			t1=$(date +%s.%N)
+			local errors stored trans depth mem
+			errors=$(sed -n 's/.*errors: \([0-9]*\).*/\1/p' pan.log | head -1)
+			stored=$(sed -n 's/^ *\([0-9.e+]*\) states, stored.*/\1/p' pan.log | head -1)
+			trans=$(sed -n 's/^ *\([0-9.e+]*\) transitions.*/\1/p' pan.log | head -1)
+			depth=$(sed -n 's/.*depth reached \([0-9]*\).*/\1/p' pan.log | head -1)
+			mem=$(sed -n 's/^ *\([0-9.]*\)[[:space:]]*total actual memory usage.*/\1/p' pan.log | head -1)
+			printf '# %s: spin -a %s; pan %s\n' "$file" "$defs" "$panflags" >>"$out.c"
+			printf '#   states stored %s, transitions %s, depth reached %s, memory %s MB, %.1f s\n' \
+				"${stored:-?}" "${trans:-?}" "${depth:-?}" "${mem:-?}" \
+				"$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" >>"$out.c"
+			if grep -q "max search depth too small" pan.log; then
+				ok=0; why="search depth truncated (-m too small)"
+			elif grep -qi "reached -DMEMLIM bound\|out of memory" pan.log; then
+				ok=0; why="memory bound reached: search incomplete"
+			elif [ -z "$errors" ]; then
+				ok=0; why="could not read pan's result"
+			elif [ "$expect" = pass ]; then
+				if [ "$errors" != 0 ]; then
+					ok=0; why="property violated: $(grep -m1 -E 'assertion violated|acceptance cycle|invalid end state' pan.log)"
+				elif grep -q "Search not completed" pan.log; then
+					ok=0; why="search not completed"
+				fi
+			else
+				local want=${expect#fail:}
+				local viol
+				viol=$(grep -m1 -E 'assertion violated|acceptance cycle|invalid end state' pan.log)
+				if [ "$errors" = 0 ]; then
+					ok=0; why="expected a counterexample, none found (a broken variant or a negative check passed)"
+				elif ! grep -m1 -E 'assertion violated|acceptance cycle' pan.log | grep -qF -- "$want"; then
+					ok=0; why="counterexample of the wrong kind: $viol (wanted: $want)"
+				elif ! spin -t $defs "$file" >trail.log 2>&1 || ! grep -qE 'assertion violated|START OF CYCLE' trail.log; then
+					ok=0; why="the counterexample trail does not replay"
+				else
+					printf '#   counterexample (trail replayed by spin -t): %s\n' "$viol" >>"$out.c"
+					if [ -n "${SPIN_TRAILS:-}" ]; then
+						spin -t -p $defs "$file" 2>&1 | sed 's/^/#     /' >>"$out.c"
+					fi
+				fi
+			fi
+		fi
+	}
+	if [ "$ok" = 1 ]; then
+		echo "ok $n - $desc" >"$out"
+		echo 0 >"$tmp/$n.rc"
+	else
+		echo "not ok $n - $desc" >"$out"
+		echo "#   FAILED: $why" >>"$out.c"
+		echo 1 >"$tmp/$n.rc"
+	fi
+	rm -rf "$d"
+}
+
+total=${#checks[@]}
+echo "1..$total"
+start=$(date +%s)
+
+running=0
+for i in "${!checks[@]}"; do
+	n=$((i + 1))
+	run_check "$n" "${checks[$i]}" &
+	running=$((running + 1))
+	if [ "$running" -ge "$jobs" ]; then
+		wait -n
+		running=$((running - 1))
+	fi
+done
+wait
+
+failed=0
+for n in $(seq 1 "$total"); do
+	[ -f "$tmp/$n.tap.c" ] && cat "$tmp/$n.tap.c"
+	if [ -f "$tmp/$n.tap" ]; then
+		cat "$tmp/$n.tap"
+	else
+		echo "not ok $n - check $n did not report"
+	fi
+	rc=$(cat "$tmp/$n.rc" 2>/dev/null || echo 1)
+	[ "$rc" = 0 ] || failed=$((failed + 1))
+done
+
+echo "# spin checks: $((total - failed)) passed, $failed failed ($(($(date +%s) - start)) s)"
+[ "$failed" = 0 ]

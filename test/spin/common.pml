@@ -1,0 +1,398 @@
+/*
+ * common.pml -- declarations and protocol steps of the idem model.
+ *
+ * Included by idem.pml (the real model) and by the two deliberately broken
+ * variants.  The order of inclusion is always:
+ *
+ *     common.pml      globals + every protocol step as an `inline`
+ *     (a variant replaces the step it breaks here; see the STEP_* guards)
+ *     procs.pml       the runner, the environment (timers, worker, faults)
+ *                     and the invariant monitor
+ *
+ * One key, NRUN concurrent runners (client helpers) that each take
+ * deliveries of the same message, Valkey (one key), PostgreSQL (one row of
+ * the ledger, the key's try-lock, the effect), the commit-hook outbox and the
+ * background worker.  Time is abstracted: every expiry (marker PX, terminal
+ * PX, lease, idle-backend timeout) is a nondeterministic event.
+ *
+ * Configuration (cpp -D, set by check.sh):
+ *   NRUN     runners (2 or 3)                                      default 2
+ *   NDELIV   deliveries of the message, duplicates included        default 3
+ *            (ignored with LIVENESS: redelivery continues until acked)
+ *   NFAULT   fault budget shared by every fault kind               default 2
+ *   LEASE_MODE  runners commit a `processing` row and do the effect
+ *            outside PostgreSQL (SPEC 4.3) instead of in-transaction
+ *   PERM_FAIL   handlers may fail permanently (idem_fail retryable=false)
+ *   NO_VALKEY_FAULTS  no FLUSHALL/restart/unreachable/lost replies and no
+ *            marker expiry (used to isolate the gate race)
+ *   LEASE_FENCE idem_complete in lease mode refuses a row whose attempt is
+ *            not the caller's: idem_complete(..., attempt), as implemented in
+ *            ledger_settle (src/ledger.c)
+ *   LIVENESS redeliveries continue until a run ends with a terminal result
+ *   CHECK_COMPLETION_ATTEMPT  assert, in lease mode, that idem_complete
+ *            stores an outcome under the attempt that produced it
+ *   EXT_AT_MOST_ONCE  assert that the lease-mode (external) effect happens
+ *            at most once -- expected to FAIL: it is at-least-once
+ *   NO_BACKEND_TIMEOUT  a dead client's backend is never terminated
+ *            (liveness is expected to FAIL)
+ *   LEASE_OVERRUN_FREE  under LIVENESS, a working lease holder may overrun
+ *            its lease without limit (lease-mode liveness expected to FAIL)
+ *   NO_CACHE_RESULTS  the runner's cache_results option off: after its
+ *            own COMMIT only the background worker copies the result
+ */
+
+#ifndef NRUN
+#define NRUN 2
+#endif
+#ifndef NDELIV
+#define NDELIV 3
+#endif
+#ifndef NFAULT
+#define NFAULT 2
+#endif
+
+/* ---- ledger row status (idempotency_keys.status) ---- */
+#define S_NONE   0      /* no committed row */
+#define S_PROC   1      /* processing */
+#define S_DONE   2      /* completed */
+#define S_FAILR  3      /* failed_retryable */
+#define S_FAILP  4      /* failed_permanent */
+#define TERMINAL(s) ((s) == S_DONE || (s) == S_FAILP)
+
+/* ---- Valkey value kinds (src/cache_format.h) ---- */
+#define V_NONE   0      /* no key */
+#define V_MARK   1      /* "idem1 p <token>"  processing marker */
+#define V_DONE   2      /* "idem1 c <attempt> <fp> <outcome>" */
+#define V_FAILP  3      /* "idem1 f <attempt> <fp> <detail>" */
+#define VK_OF(s)  ((s) == S_DONE -> V_DONE : V_FAILP)
+
+/* An outcome (or failure detail) names the attempt and the runner that
+ * produced it, so that a replay of anything but the committed outcome is
+ * detectable. */
+#define OUT(r, a) ((a) * 4 + (r))
+
+/* ---- how one run (one delivery) ends ---- */
+#define R_GO       0    /* gate passed (or skipped): go to PostgreSQL */
+#define R_BUSY     1    /* busy: message goes back to the queue */
+#define R_REPLAY   2    /* replay returned to the caller */
+#define R_CLAIMED  3    /* idem_claim said claimed */
+#define R_APPLIED  4    /* effect committed, terminal result */
+#define R_REQUEUE  5    /* no terminal result (retryable failure, error) */
+#define R_DIED     6    /* the runner process died */
+
+/* ======================= PostgreSQL (committed) ======================= */
+byte row_st = S_NONE;   /* ledger row status */
+byte row_att = 0;       /* ledger row attempt */
+byte row_out = 0;       /* ledger row outcome */
+byte row_holder = 0;    /* ghost: runner whose attempt the row records */
+bool lease_live[NRUN + 1];  /* ghost: runner i's committed lease unexpired */
+byte effects = 0;       /* effect rows committed (in-PostgreSQL mode) */
+byte ext_effects = 0;   /* effects performed outside PostgreSQL (lease mode) */
+
+/* The key's transaction-scoped try-lock.  Each runner's open transaction
+ * lives in the runner's locals (tx_st, tx_att, tx_out, tx_wrote, tx_eff:
+ * the row as this transaction wrote it, and whether it holds the effect).
+ * When a runner dies holding the lock, its backend stays idle in
+ * transaction holding it (ZOMBIE) until the backend is terminated; such a
+ * transaction can only roll back, so its writes are dropped at once. */
+#define ZOMBIE (NRUN + 1)
+byte lock_owner = 0;    /* runner id, ZOMBIE, 0 = free */
+
+/* ============================== Valkey ============================== */
+byte vk_kind = V_NONE;
+byte vk_val = 0;        /* marker: runner id (token); terminal: outcome */
+bool vk_up = true;      /* reachable */
+
+/* ================== outbox (src/outbox.c shared queue) ================== */
+bool ob_pending = false;    /* a terminal copy waits for the worker */
+byte ob_kind = V_NONE;
+byte ob_val = 0;
+
+/* ============================ bookkeeping ============================ */
+byte faults = 0;        /* faults spent from NFAULT */
+byte delivered = 0;     /* deliveries taken */
+bool acked = false;     /* some run ended with a terminal result */
+bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
+                             * commit and its completion */
+
+#define FAULT  (faults < NFAULT)
+#define SPEND  faults++
+
+#ifdef NO_VALKEY_FAULTS
+#define VK_FAULT false
+#else
+#define VK_FAULT FAULT
+#endif
+
+/* ========================== protocol steps ========================== */
+
+/*
+ * Valkey gate -- the client's atomic server-side script (client/, the gate
+ * script run with EVALSHA): GET the key; if absent, SET <marker with this
+ * runner's token> NX PX <lease>; else return the value (+PTTL).
+ * A terminal value with the right fingerprint is a replay, without any
+ * PostgreSQL transaction; a marker means busy.  Valkey unreachable (or a
+ * timed-out reply) means: skip the gate, PostgreSQL decides.
+ * A variant may replace this step (#define STEP_GATE before including).
+ */
+#ifndef STEP_GATE
+inline gate_step(me)
+{
+	if
+	:: atomic { vk_up ->
+		if
+		:: vk_kind == V_NONE -> vk_kind = V_MARK; vk_val = me; marked = true; res = R_GO
+		:: vk_kind == V_MARK -> res = R_BUSY
+		:: vk_kind == V_DONE || vk_kind == V_FAILP ->
+			got_kind = vk_kind; got_val = vk_val; res = R_REPLAY;
+			/* REPLAY: a cached terminal value is the committed one */
+			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
+		fi }
+	:: atomic { vk_up && vk_kind == V_NONE && VK_FAULT ->
+		/* the script ran (marker set) but its reply timed out: the runner
+		 * does not know it holds a marker and goes to PostgreSQL */
+		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
+	:: atomic { !vk_up -> res = R_GO }
+	fi
+}
+#endif
+
+/*
+ * Compare-and-delete of the runner's own marker (client/, the release
+ * script: DEL only if the value is still this token).  Used whenever a run
+ * ends without a terminal result.  Valkey down: the marker stays until PX.
+ */
+inline cad_step(me)
+{
+	atomic {
+		if
+		:: marked && vk_up && vk_kind == V_MARK && vk_val == me -> vk_kind = V_NONE; vk_val = 0
+		:: else -> skip
+		fi;
+		marked = false
+	}
+}
+
+/*
+ * BEGIN; SELECT idem_claim(...); SAVEPOINT  -- src/ledger.c ledger_claim():
+ * LockAcquire(dontWait) of the key's transaction-scoped lock (key_locktag).
+ *  - not available: answer from the committed row (answer_from_row): a
+ *    terminal row is replayed, anything else is busy -- no wait;
+ *  - acquired (claim_locked): probe the committed row; none -> claimed,
+ *    attempt 1 (the row itself is written later, by idem_complete/idem_fail
+ *    or at pre-commit in lease mode: src/pending.c -- invisible to others
+ *    until COMMIT either way, so the model writes it in the transaction);
+ *    failed_retryable or processing with an expired lease -> ledger_reclaim
+ *    (UPDATE ... attempt + 1) -> claimed; terminal -> replay; processing
+ *    with a running lease -> busy.  Any decision but claimed releases the
+ *    lock at once ("let the next claimer in").
+ * The probe uses a snapshot taken after the lock is granted (a holder
+ * releases it only after its commit is visible), so it sees every earlier
+ * holder's commit; under REPEATABLE READ claim_locked raises 40001 instead.
+ * A variant may replace this step (#define STEP_CLAIM).
+ */
+#ifndef STEP_CLAIM
+inline claim_step(me)
+{
+	atomic {
+		if
+		:: lock_owner != 0 ->                            /* lock not available */
+			if
+			:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+			:: else -> res = R_BUSY
+			fi
+		:: lock_owner == 0 ->
+			if
+			:: row_st == S_NONE ->                       /* new key: pending claim */
+				tx_st = S_PROC; tx_att = 1; tx_wrote = true; res = R_CLAIMED
+			:: TERMINAL(row_st) ->                       /* replay */
+				got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+			:: row_st == S_FAILR ->                      /* re-claim */
+				tx_st = S_PROC; tx_att = row_att + 1; tx_wrote = true; res = R_CLAIMED
+			:: row_st == S_PROC && lease_live[row_holder] -> res = R_BUSY
+			:: row_st == S_PROC && !lease_live[row_holder] ->   /* takeover */
+				tx_st = S_PROC; tx_att = row_att + 1; tx_wrote = true; res = R_CLAIMED
+			fi;
+			if
+			:: res == R_CLAIMED -> lock_owner = me       /* kept until the tx ends */
+			:: else -> skip                              /* released at once */
+			fi
+		fi;
+		att = tx_att
+	}
+}
+#endif
+
+/* Transaction end without commit (ROLLBACK, backend terminated): the
+ * try-lock, the row write and the effect vanish together; the
+ * per-transaction outbox entries are discarded (src/outbox.c, abort). */
+inline tx_clear()
+{
+	tx_st = S_NONE; tx_att = 0; tx_out = 0; tx_wrote = false; tx_eff = false
+}
+inline tx_rollback(me)
+{
+	if
+	:: lock_owner == me -> lock_owner = 0
+	:: else -> skip
+	fi;
+	tx_clear()
+}
+/* The runner process dies: its backend stays idle in transaction (still
+ * holding the try-lock if it had it) until it is terminated. */
+inline runner_dies(me)
+{
+	if
+	:: lock_owner == me -> lock_owner = ZOMBIE
+	:: else -> skip
+	fi;
+	tx_clear();
+	res = R_DIED
+}
+
+/* idem_outbox_add (src/outbox.c) queues the copy in the transaction; the
+ * XACT_EVENT_COMMIT callback moves it to the bounded shared-memory queue,
+ * or drops it if the queue is full (allowed: PostgreSQL is the truth). */
+inline outbox_at_commit(kind, val)
+{
+	if
+	:: ob_pending = true; ob_kind = kind; ob_val = val
+	:: FAULT -> SPEND                                  /* queue full: dropped */
+	fi
+}
+
+/* COMMIT of the lock holder's transaction: the row, the effect and the
+ * outbox copy become durable together, then the try-lock is released. */
+inline tx_commit_effects(me)
+{
+	if
+	:: tx_eff -> effects++;
+		assert(effects <= 1)        /* SAFETY: effect committed at most once */
+	:: else -> skip
+	fi;
+	if
+	:: tx_wrote -> assert(!TERMINAL(row_st));  /* a terminal row is never overwritten */
+		row_st = tx_st; row_att = tx_att; row_out = tx_out; row_holder = me
+	:: else -> skip
+	fi;
+	if
+	:: TERMINAL(tx_st) -> outbox_at_commit(VK_OF(tx_st), tx_out)
+	:: else -> skip
+	fi;
+	tx_rollback(me)                 /* releases the try-lock, clears the tx */
+}
+
+/*
+ * In-transaction mode, after `claimed`: SAVEPOINT; the handler writes its
+ * effect; idem_complete (src/ledger.c: row -> completed with the outcome,
+ * and idem_outbox_add) or, on a handler failure, ROLLBACK TO SAVEPOINT and
+ * idem_fail (src/ledger.c).  Invisible to others until COMMIT.
+ */
+inline handler_step(me)
+{
+	atomic {
+		if
+		:: tx_eff = true; tx_st = S_DONE; tx_out = OUT(me, att)      /* ok */
+		:: FAULT -> SPEND; tx_st = S_FAILR; tx_out = OUT(me, att)    /* retryable */
+#ifdef PERM_FAIL
+		:: tx_st = S_FAILP; tx_out = OUT(me, att)                    /* permanent */
+#endif
+		fi
+	}
+}
+
+/*
+ * COMMIT, in-transaction mode (a variant may replace it: STEP_COMMIT).
+ * Faults: the backend is terminated before or during commit (rolled back),
+ * or the commit succeeds but its reply is lost (the client sees an error).
+ */
+#ifndef STEP_COMMIT
+inline commit_step(me)
+{
+	atomic {
+		if
+		:: if
+			:: tx_st == S_FAILR -> res = R_REQUEUE
+			:: else -> res = R_APPLIED; got_kind = VK_OF(tx_st); got_val = tx_out
+			fi;
+			tx_commit_effects(me)
+		:: FAULT -> SPEND; tx_rollback(me); res = R_REQUEUE          /* terminated */
+		:: FAULT -> SPEND; tx_commit_effects(me); res = R_REQUEUE    /* reply lost */
+		fi
+	}
+}
+#endif
+
+/* client/runner.c publish() -> client/gate.c idem_gate_publish():
+ * SET <terminal value> PX <remaining retention>, overwriting any marker.
+ * Used for a replay read from PostgreSQL (repopulate), and -- with the
+ * runner's cache_results option, on by default -- for the runner's own
+ * terminal result after COMMIT (NO_CACHE_RESULTS: the worker alone). */
+inline repopulate_step()
+{
+	atomic {
+		if
+		:: vk_up -> vk_kind = got_kind; vk_val = got_val; marked = false
+		:: else -> skip
+		fi
+	}
+}
+
+/* ---------------------------- lease mode ---------------------------- */
+
+/* Lease mode claim COMMIT: the processing row (with expires_at = the lease)
+ * commits alone; the effect happens outside PostgreSQL afterwards. */
+inline lease_commit_step(me)
+{
+	atomic {
+		if
+		:: assert(!TERMINAL(row_st));
+			row_st = S_PROC; row_att = tx_att; row_out = 0; row_holder = me;
+			lease_live[me] = true; in_lease[me] = true;
+			tx_rollback(me); res = R_CLAIMED
+		:: FAULT -> SPEND; tx_rollback(me); res = R_REQUEUE          /* terminated */
+		fi
+	}
+}
+
+/*
+ * Lease mode completion: BEGIN; idem_complete; COMMIT -- src/ledger.c
+ * ledger_settle(), the not-pending path: LockAcquire(dontWait) of the key
+ * lock (held elsewhere -> ERROR), then ledger_finish: UPDATE ... SET status
+ * = 'completed' WHERE key AND status = 'processing' (PLAN_FINISH in
+ * src/ledger_store.c), else ERROR "its status is already ...".
+ * With the optional attempt argument PLAN_FINISH also requires
+ * attempt = $6 (LEASE_FENCE: refuse unless row_att is ours); without it
+ * any committed processing row is completed -- also one that another
+ * runner has taken over since (the unfenced check shows the damage).
+ */
+#ifdef LEASE_FENCE
+#define FENCE_OK (row_att == att)
+#else
+#define FENCE_OK true
+#endif
+inline lease_complete_step(me)
+{
+	atomic {
+		if
+		:: lock_owner != 0 -> res = R_REQUEUE   /* ERROR: another transaction holds it */
+		:: lock_owner == 0 && row_st == S_PROC && FENCE_OK ->
+#ifdef CHECK_COMPLETION_ATTEMPT
+			/* the outcome stored is produced by the attempt the row records */
+			assert(row_att == att);
+#endif
+			if
+			:: row_st = S_DONE; row_out = OUT(me, att);
+				outbox_at_commit(V_DONE, row_out); res = R_APPLIED
+			:: FAULT -> SPEND; res = R_REQUEUE                   /* rolled back */
+			fi
+		:: lock_owner == 0 && !(row_st == S_PROC && FENCE_OK) ->
+			res = R_REQUEUE             /* ERROR: its status is already ... */
+		fi;
+		in_lease[me] = false;
+		if
+		:: res == R_APPLIED -> lease_live[me] = false   /* row no longer processing */
+		:: else -> skip                 /* a rolled-back completion: the lease runs on */
+		fi
+	}
+}

@@ -1,0 +1,218 @@
+/*
+ * procs.pml -- the processes of the idem model: runners (client helper),
+ * the environment (background worker, timers, faults) and the invariant
+ * monitor.  Included after common.pml (and after a variant's replaced step).
+ */
+
+/* Runner me: the client helper (GatedIdempotencyRunner) in one worker
+ * process.  Each loop iteration handles one delivery of the message; a
+ * death ends that run (the next iteration is the restarted process). */
+proctype runner(byte me)
+{
+	byte res, att, got_kind, got_val;
+	bool marked;
+	byte tx_st, tx_att, tx_out;     /* this runner's open transaction */
+	bool tx_wrote, tx_eff;
+
+end_idle:
+	do
+#ifdef LIVENESS
+	:: atomic { acked -> break }
+	:: atomic { !acked -> res = R_GO };    /* redelivered until acked */
+#else
+	:: atomic { delivered >= NDELIV -> break }
+	:: atomic { delivered < NDELIV -> delivered++; res = R_GO };
+#endif
+		marked = false; att = 0;
+		gate_step(me);
+		if
+		:: res == R_BUSY -> skip                          /* requeued */
+		:: res == R_REPLAY -> acked = true                /* replay from Valkey */
+		:: res == R_GO ->
+			if
+			:: atomic { FAULT -> SPEND; runner_dies(me) }   /* dies before BEGIN */
+			:: claim_step(me)
+			fi;
+			if
+			:: res == R_DIED -> skip                      /* marker stays until PX */
+			:: res == R_BUSY ->
+				/* COMMIT of the empty transaction (the claim already let
+				 * the lock go), then compare-and-delete our marker
+				 * (client/runner.c release_marker); message requeued */
+				atomic { tx_rollback(me) };
+				cad_step(me)
+			:: res == R_REPLAY ->
+				/* REPLAY read from PostgreSQL is the committed outcome */
+				assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val);
+				atomic { tx_rollback(me) };     /* COMMIT, nothing written */
+				repopulate_step();              /* publish(): SET value PX */
+				acked = true
+			:: res == R_CLAIMED ->
+#ifndef LEASE_MODE
+				/* SAVEPOINT; handler; idem_complete | idem_fail; COMMIT */
+				if
+				:: atomic { FAULT -> SPEND; runner_dies(me) }   /* dies in handler */
+				:: handler_step(me);
+					if
+					:: atomic { FAULT -> SPEND; runner_dies(me) }  /* dies before COMMIT */
+					:: commit_step(me)
+					fi
+				fi;
+				if
+				:: res == R_APPLIED -> acked = true
+#ifndef NO_CACHE_RESULTS
+					/* cache_results: SET our own terminal result (over our
+					 * marker); the worker's copy follows anyway */
+					repopulate_step()
+#endif
+					/* no compare-and-delete: a terminal result replaces the marker */
+				:: res == R_REQUEUE -> cad_step(me)
+				:: res == R_DIED -> skip              /* backend idle in tx until it is terminated */
+				fi
+#else
+				/* lease mode (an application using the SQL API directly;
+				 * the C client only runs in-transaction effects): COMMIT
+				 * the processing row, effect outside PostgreSQL, then
+				 * BEGIN; idem_complete; COMMIT */
+				lease_commit_step(me);
+				if
+				:: res == R_CLAIMED ->
+					if
+					:: atomic { FAULT -> SPEND; in_lease[me] = false; res = R_DIED }  /* dies before effect */
+					:: atomic { ext_effects++ };                                /* the external effect */
+						if
+						:: atomic { FAULT -> SPEND; in_lease[me] = false; res = R_DIED } /* dies after it */
+						:: lease_complete_step(me)
+						fi
+					fi
+				:: else -> skip
+				fi;
+				if
+				:: res == R_APPLIED -> acked = true
+				:: res == R_REQUEUE -> cad_step(me)
+				:: res == R_DIED -> skip
+				fi
+#endif
+			fi
+		fi
+	od
+}
+
+/* Background worker (src/worker.c): drains the shared-memory queue and
+ * writes SET <key> <terminal value> PX <retention>, overwriting a marker.
+ * While Valkey is down the entry stays queued (reconnect with backoff). */
+active proctype worker()
+{
+end:	do
+	:: atomic { ob_pending && vk_up -> vk_kind = ob_kind; vk_val = ob_val; ob_pending = false }
+	od
+}
+
+/* Marker PX expiry: time passes, the lease-long marker expires (no fault:
+ * this is the normal end of a dead runner's marker). */
+#ifndef NO_VALKEY_FAULTS
+active proctype marker_px()
+{
+end:	do
+	:: atomic { vk_kind == V_MARK -> vk_kind = V_NONE; vk_val = 0 }
+	od
+}
+#endif
+
+/* The committed processing row's lease (expires_at) runs out.  A holder
+ * that died or gave up loses it whenever time passes; a holder still
+ * working overruns it -- free in safety checks, but a fault under
+ * LIVENESS (liveness assumes leases eventually long enough for the effect;
+ * -DLEASE_OVERRUN_FREE drops that assumption and spin finds a livelock). */
+#if defined(LIVENESS) && !defined(LEASE_OVERRUN_FREE)
+#define OVERRUN_OK FAULT
+#define OVERRUN_SPEND SPEND
+#else
+#define OVERRUN_OK true
+#define OVERRUN_SPEND skip
+#endif
+#ifdef LEASE_MODE
+active proctype lease_timer()
+{
+end:	do
+	:: atomic { row_st == S_PROC && lease_live[row_holder] && !in_lease[row_holder] ->
+		lease_live[row_holder] = false }
+	:: atomic { row_st == S_PROC && lease_live[row_holder] && in_lease[row_holder] && OVERRUN_OK ->
+		OVERRUN_SPEND; lease_live[row_holder] = false }
+	od
+}
+#endif
+
+/* A dead client's backend, idle in transaction, is terminated
+ * (idle_in_transaction_session_timeout, TCP keepalive, pg_terminate_backend):
+ * its transaction rolls back and the try-lock is released.
+ * -DNO_BACKEND_TIMEOUT drops it (liveness must then fail: check.sh). */
+#ifndef NO_BACKEND_TIMEOUT
+active proctype backend_timeout()
+{
+end:	do
+	:: atomic { lock_owner == ZOMBIE -> lock_owner = 0 }
+	od
+}
+#endif
+
+/* Valkey faults: every key lost (restart, FLUSHALL; with one key this is
+ * also a terminal value's PX expiry or eviction), unreachable, back. */
+active proctype valkey_faults()
+{
+end:	do
+	:: atomic { VK_FAULT -> SPEND; vk_kind = V_NONE; vk_val = 0 }
+	:: atomic { VK_FAULT && vk_up -> SPEND; vk_up = false }
+	:: atomic { !vk_up -> vk_up = true }
+	od
+}
+
+/* ---------------------------- invariants ---------------------------- */
+#ifdef LEASE_MODE
+#define EFFECTS_OF_DONE (row_st != S_DONE || ext_effects >= 1)
+#define AT_MOST_ONCE true
+#else
+#define EFFECTS_OF_DONE (row_st != S_DONE || effects == 1)
+#define AT_MOST_ONCE (effects <= 1)
+#endif
+#ifdef EXT_AT_MOST_ONCE
+#define EXT_ONCE (ext_effects <= 1)
+#else
+#define EXT_ONCE true
+#endif
+#define NO_EFFECT_OF_FAILP (row_st != S_FAILP || effects == 0)
+#define CACHE_IS_TRUTH (!(vk_kind == V_DONE || vk_kind == V_FAILP) || \
+	(TERMINAL(row_st) && VK_OF(row_st) == vk_kind && vk_val == row_out))
+#define ACK_IS_TERMINAL (!acked || TERMINAL(row_st))
+#define LV(i) (lease_live[i] && in_lease[i])
+#if NRUN >= 3
+#define ONE_LEASE (!(LV(1) && LV(2)) && !(LV(1) && LV(3)) && !(LV(2) && LV(3)))
+#else
+#define ONE_LEASE (!(LV(1) && LV(2)))
+#endif
+
+active proctype monitor()
+{
+end:	atomic {
+		!(AT_MOST_ONCE && EFFECTS_OF_DONE && NO_EFFECT_OF_FAILP && CACHE_IS_TRUTH &&
+		  ACK_IS_TERMINAL && ONE_LEASE && EXT_ONCE) ->
+		assert(AT_MOST_ONCE);       /* SAFETY: effect committed at most once */
+		assert(EFFECTS_OF_DONE);    /* completed => its effect committed (none lost) */
+		assert(NO_EFFECT_OF_FAILP); /* failed_permanent => no effect */
+		assert(CACHE_IS_TRUTH);     /* a cached terminal value is the committed one */
+		assert(ACK_IS_TERMINAL);    /* a message is acked only on a terminal result */
+		assert(ONE_LEASE);          /* at most one runner holds an unexpired lease */
+		assert(EXT_ONCE)            /* (only with EXT_AT_MOST_ONCE: expected to fail) */
+	}
+}
+
+init
+{
+	atomic {
+		run runner(1);
+		run runner(2);
+#if NRUN >= 3
+		run runner(3);
+#endif
+	}
+}
