@@ -1,0 +1,247 @@
+/*
+ * chaos.c
+ *	  Faults injected while the workers run: kill -9 of a random worker (the
+ *	  parent restarts it; its pending messages are XAUTOCLAIMed by the others
+ *	  after the lease), a restart of the cache Valkey (a shell command given
+ *	  by test/demo: SIGKILL, down for a moment, back empty), FLUSHALL of the
+ *	  cache Valkey (FLUSHDB when it shares a server with the queue), and
+ *	  pg_terminate_backend of random worker backends.  The queue's Valkey is
+ *	  never touched: it is the at-least-once delivery that the demo relies on.
+ */
+#include "demo.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+typedef enum
+{
+	EV_KILL = 0, EV_TERMINATE, EV_FLUSH, EV_RESTART, EV_COUNT
+} chaos_event;
+
+struct chaos
+{
+	const demo_config *cfg;
+	PGconn	   *admin;
+	int64_t		next_at;
+	int			order[EV_COUNT];	/* first events: each kind once */
+	int			nfired;
+	unsigned	rng;
+	pid_t		restart_pid;	/* a cache restart in progress */
+};
+
+static void reap_restart(chaos *c, int wait);
+
+static int
+crand(chaos *c, int n)
+{
+	c->rng = c->rng * 1103515245u + 12345u;
+	return n <= 0 ? 0 : (int) ((c->rng >> 8) % (unsigned) n);
+}
+
+static void
+schedule(chaos *c)
+{
+	int			iv = c->cfg->chaos_interval_ms;
+
+	c->next_at = demo_now_ms() + iv / 2 + crand(c, iv + 1);
+}
+
+chaos *
+chaos_new(const demo_config *cfg)
+{
+	chaos	   *c = calloc(1, sizeof(chaos));
+	int			i;
+
+	if (c == NULL)
+		return NULL;
+	c->cfg = cfg;
+	c->rng = cfg->seed ^ 0x5eed;
+	for (i = 0; i < EV_COUNT; i++)
+		c->order[i] = i;
+	for (i = EV_COUNT - 1; i > 0; i--)
+	{
+		int			j = crand(c, i + 1),
+					t = c->order[i];
+
+		c->order[i] = c->order[j];
+		c->order[j] = t;
+	}
+	/* the first fault once the workers are going */
+	c->next_at = demo_now_ms() + cfg->chaos_interval_ms / 2;
+	return c;
+}
+
+void
+chaos_free(chaos *c)
+{
+	if (c == NULL)
+		return;
+	reap_restart(c, 1);			/* never leave the cache down */
+	if (c->admin)
+		PQfinish(c->admin);
+	free(c);
+}
+
+static void
+terminate_backends(chaos *c)
+{
+	PGresult   *r;
+	char		sql[256];
+
+	if (c->admin == NULL || PQstatus(c->admin) != CONNECTION_OK)
+	{
+		if (c->admin)
+			PQfinish(c->admin);
+		c->admin = PQconnectdb(c->cfg->pg);
+		if (PQstatus(c->admin) != CONNECTION_OK)
+			return;
+	}
+	snprintf(sql, sizeof(sql),
+			 "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM "
+			 "(SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'idem-demo-w%%' "
+			 "AND pid <> pg_backend_pid() ORDER BY random() LIMIT %d) s",
+			 1 + crand(c, 2));
+	r = PQexec(c->admin, sql);
+	if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+	{
+		g_shared->backends_terminated += atol(PQgetvalue(r, 0, 0));
+		g_shared->terminate_events++;
+	}
+	PQclear(r);
+}
+
+static void
+flush_cache(chaos *c)
+{
+	struct timeval tv = {1, 0};
+	redisContext *rc;
+	redisReply *r;
+
+	rc = redisConnectWithTimeout(c->cfg->cache_host, c->cfg->cache_port, tv);
+	if (rc == NULL || rc->err)
+	{
+		if (rc)
+			redisFree(rc);
+		return;
+	}
+	redisSetTimeout(rc, tv);
+	if (c->cfg->shared_valkey)
+	{
+		/* one server for queue and cache: flush only the cache's database */
+		r = redisCommand(rc, "SELECT %d", c->cfg->cache_db);
+		if (r)
+			freeReplyObject(r);
+		r = redisCommand(rc, "FLUSHDB");
+	}
+	else
+		r = redisCommand(rc, "FLUSHALL");
+	if (r && r->type == REDIS_REPLY_STATUS)
+		g_shared->flushes++;
+	if (r)
+		freeReplyObject(r);
+	redisFree(rc);
+}
+
+/* The restart runs in the background (it takes a moment); one at a time. */
+static void
+restart_cache(chaos *c)
+{
+	pid_t		pid;
+
+	if (c->cfg->cache_restart_cmd == NULL || c->cfg->shared_valkey ||
+		c->restart_pid > 0)
+	{
+		flush_cache(c);			/* the closest thing we may do */
+		return;
+	}
+	fflush(stdout);
+	fflush(stderr);
+	pid = fork();
+	if (pid == 0)
+	{
+		execl("/bin/sh", "sh", "-c", c->cfg->cache_restart_cmd, (char *) NULL);
+		_exit(127);
+	}
+	if (pid > 0)
+		c->restart_pid = pid;
+}
+
+static void
+reap_restart(chaos *c, int wait)
+{
+	int			st;
+
+	if (c->restart_pid <= 0)
+		return;
+	if (waitpid(c->restart_pid, &st, wait ? 0 : WNOHANG) != c->restart_pid)
+		return;
+	c->restart_pid = 0;
+	if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
+		g_shared->cache_restarts++;
+	else
+	{
+		g_shared->cache_restart_failures++;
+		demo_note_error("cache restart command failed (status %d)", st);
+	}
+}
+
+int
+chaos_tick(chaos *c, pid_t *pids, int n)
+{
+	int			ev,
+				killed = -1;
+	int64_t		t0;
+
+	reap_restart(c, 0);
+	if (demo_now_ms() < c->next_at)
+		return -1;
+	ev = c->nfired < EV_COUNT ? c->order[c->nfired] : crand(c, 100) < 35 ? EV_KILL :
+		crand(c, 100) < 50 ? EV_TERMINATE : crand(c, 100) < 60 ? EV_FLUSH : EV_RESTART;
+	c->nfired++;
+	t0 = demo_now_ms();
+	switch (ev)
+	{
+		case EV_KILL:
+			{
+				int			s = crand(c, n);
+
+				if (pids[s] > 0 && kill(pids[s], SIGKILL) == 0)
+				{
+					g_shared->kills++;
+					killed = s;
+				}
+				break;
+			}
+		case EV_TERMINATE:
+			terminate_backends(c);
+			break;
+		case EV_FLUSH:
+			flush_cache(c);
+			break;
+		case EV_RESTART:
+			restart_cache(c);
+			break;
+	}
+	if (c->cfg->verbose)
+		fprintf(stderr, "chaos: %s (%lld ms)\n",
+				ev == EV_KILL ? "kill -9 a worker" : ev == EV_TERMINATE ?
+				"terminate backends" : ev == EV_FLUSH ? "flush the cache" :
+				"restart the cache", (long long) (demo_now_ms() - t0));
+	schedule(c);
+	return killed;
+}
+
+void
+chaos_describe(const chaos *c, char *buf, size_t len)
+{
+	snprintf(buf, len, "%ld kill -9, %ld backends terminated, %ld FLUSHALL, %ld cache restarts",
+			 g_shared->kills, g_shared->backends_terminated, g_shared->flushes,
+			 g_shared->cache_restarts);
+	(void) c;
+}

@@ -1,0 +1,215 @@
+/*
+ * demo.h
+ *	  The main job of idem (make demo): a Valkey Streams queue delivering
+ *	  money transfers at least once to K worker processes, each running its
+ *	  handler through an idem runner, while chaos is injected; then a check,
+ *	  from PostgreSQL, that every effect happened exactly once.
+ *
+ *	  main.c      options, setup, the parent's loop (reaping, progress, end)
+ *	  queue.c     Valkey Streams: XADD, XREADGROUP, XAUTOCLAIM, XACK, XPENDING
+ *	  workload.c  the plan (tasks, duplicates), the schema, the handlers
+ *	  worker.c    one worker process: read, run through the runner, ack
+ *	  chaos.c     kill -9 workers, restart/FLUSHALL the cache, kill backends
+ *	  report.c    progress line, final report, the exactly-once check
+ */
+#ifndef IDEM_DEMO_H
+#define IDEM_DEMO_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <libpq-fe.h>
+
+#define DEMO_MAX_WORKERS 64
+
+typedef enum demo_kind
+{
+	KIND_TRANSFER = 0,			/* transfer.create, keyed by the run_id */
+	KIND_INVOICE,				/* invoice.pay, keyed by the invoice number */
+	KIND_PURGE					/* maintenance.purge, platform ledger */
+} demo_kind;
+
+/* One logical task: what must happen exactly once. */
+typedef struct demo_task
+{
+	demo_kind	kind;
+	int64_t		tenant;
+	int			from;			/* account numbers inside the tenant */
+	int			to;
+	int64_t		amount;
+	int			flaky;			/* the handler fails (retryable) on attempt 1 */
+	int			should_apply;	/* 0: touches a frozen account (permanent) */
+	char		id[64];			/* run_id, or invoice number */
+	char		task_key[80];	/* transfers.task_key of its effect */
+} demo_task;
+
+/* One message put on the stream. */
+typedef struct demo_msg
+{
+	int			task;			/* index in plan.tasks */
+	int			copy;			/* 0: first enqueue; 1..: duplicate */
+	char		run_id[64];
+	double		pos;			/* sort key: place in the stream */
+} demo_msg;
+
+typedef struct demo_plan
+{
+	demo_task  *tasks;
+	int			ntasks;
+	demo_msg   *msgs;
+	int			nmsgs;
+	int			n_transfers;
+	int			n_invoices;
+	int			n_purges;
+	int			n_dup_msgs;		/* same run_id enqueued again */
+	int			n_invoice_resubmits;	/* invoice enqueued again, new run_id */
+	int			n_frozen_tasks;
+	int			n_flaky;
+	int			n_accounts;
+} demo_plan;
+
+typedef struct demo_config
+{
+	int			ntasks;
+	int			workers;
+	int			tenants;
+	int			accounts;		/* per tenant */
+	double		dup_ratio;
+	int			chaos;
+	int			short_mode;
+	unsigned	seed;
+	int			lease_ms;
+	int			max_seconds;
+	int			chaos_interval_ms;
+	int			purges;
+	int			seed_expired;	/* expired ledger rows for purge to delete */
+	const char *pg;
+	char		cache_host[128];
+	int			cache_port;
+	int			cache_db;
+	char		broker_host[128];
+	int			broker_port;
+	int			broker_db;
+	int			shared_valkey;	/* broker and cache on one server */
+	const char *cache_restart_cmd;
+	int			verbose;
+	char		tag[16];		/* this run's tag: run ids, stream name */
+	char		stream[64];
+	char		group[32];
+	char		schema[128];	/* the extension's schema, quoted */
+} demo_config;
+
+/* Counters; one block per worker slot in shared memory, plus totals. */
+typedef struct demo_counters
+{
+	long		deliveries;
+	long		redeliveries;	/* handed out again by XAUTOCLAIM */
+	long		applied;
+	long		applied_transfer;
+	long		applied_invoice;
+	long		applied_purge;
+	long		replay_valkey;
+	long		replay_pg;
+	long		busy_valkey;
+	long		busy_pg;
+	long		mismatch;
+	long		failed_retryable;
+	long		failed_permanent_now;
+	long		failed_permanent_replay;
+	long		err_connection;
+	long		err_commit_unknown;
+	long		err_other;
+	long		acks;
+	long		purge_deleted;
+	long		pg_round_trips;
+	long		pg_connects;
+	long		valkey_round_trips;
+	long		valkey_skipped;
+	long		broker_errors;
+} demo_counters;
+
+typedef struct demo_shared
+{
+	demo_counters slot[DEMO_MAX_WORKERS];
+	long		enqueued;
+	int			producer_done;
+	char		last_id[48];	/* the producer's last XADD */
+	long		kills;
+	long		restarts;
+	long		backends_terminated;
+	long		terminate_events;
+	long		flushes;
+	long		cache_restarts;
+	long		cache_restart_failures;
+	long		worker_exits_unexpected;
+	char		last_error[512];
+} demo_shared;
+
+/* main.c */
+extern demo_shared *g_shared;
+int64_t		demo_now_ms(void);
+void		demo_note_error(const char *fmt,...) __attribute__((format(printf, 1, 2)));
+void		demo_counters_sum(demo_counters *out);
+
+/* workload.c */
+int			plan_build(const demo_config *cfg, demo_plan *plan);
+void		plan_free(demo_plan *plan);
+const char *kind_name(demo_kind k);
+const char *kind_scope(demo_kind k);
+int			request_json(const demo_config *cfg, const demo_task *t, char *buf, size_t len);
+int			db_setup(PGconn *conn, demo_config *cfg, const demo_plan *plan, char *err, size_t errlen);
+int			db_exec(PGconn *conn, const char *sql, char *err, size_t errlen);
+
+/* queue.c */
+typedef struct queue queue;
+typedef struct queue_msg
+{
+	char		id[48];
+	char		run_id[64];
+	char		kind[32];
+	int64_t		tenant;
+	int			from;
+	int			to;
+	int64_t		amount;
+	int			flaky;
+	char		invoice[64];
+	char		request[512];
+	int			redelivered;
+} queue_msg;
+
+queue	   *queue_open(const char *host, int port, int db, const char *stream,
+					   const char *group, char *err, size_t errlen);
+void		queue_close(queue *q);
+int			queue_create_group(queue *q, char *err, size_t errlen);
+int			queue_add(queue *q, const demo_config *cfg, const demo_plan *plan,
+					  int from, int to, char *last_id, size_t last_len);
+int			queue_read(queue *q, const char *consumer, int count, int block_ms,
+					   queue_msg *out, int max);
+int			queue_autoclaim(queue *q, const char *consumer, int min_idle_ms,
+							char *cursor, size_t cursorlen, int count,
+							queue_msg *out, int max);
+int			queue_ack(queue *q, const char *id);
+int			queue_group_state(queue *q, long *pending, char *last_delivered,
+							  size_t len);
+int			queue_drop_stream(queue *q);
+
+/* worker.c */
+void		worker_main(const demo_config *cfg, int slot, int gen) __attribute__((noreturn));
+void		producer_main(const demo_config *cfg, const demo_plan *plan) __attribute__((noreturn));
+
+/* chaos.c */
+typedef struct chaos chaos;
+chaos	   *chaos_new(const demo_config *cfg);
+void		chaos_free(chaos *c);
+/* Maybe inject one fault; pids of the workers; returns the slot killed or -1. */
+int			chaos_tick(chaos *c, pid_t *pids, int n);
+void		chaos_describe(const chaos *c, char *buf, size_t len);
+
+/* report.c */
+void		progress_tick(const demo_config *cfg, const demo_plan *plan,
+						  int64_t started, int final);
+int			report_and_check(PGconn *conn, const demo_config *cfg,
+							 const demo_plan *plan, double seconds,
+							 long pending, int all_delivered, int timed_out);
+
+#endif

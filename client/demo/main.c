@@ -1,0 +1,572 @@
+/*
+ * main.c
+ *	  idem-demo: the main job of idem.  Options, setup of the database and
+ *	  the stream, the producer and K worker processes (fork), and the
+ *	  parent's loop: restart killed workers, inject chaos, show progress,
+ *	  stop when every message is acknowledged; then the report and the check.
+ *	  Exit status: 0 when the check passes, 1 when it fails, 2 on a setup
+ *	  error.
+ */
+#include "demo.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+
+demo_shared *g_shared;
+
+static volatile sig_atomic_t interrupted = 0;
+
+/* The parent's broker connection: a child closes its copy (only the fd; the
+ * parent's PostgreSQL connection is left alone: PQfinish would end the
+ * parent's session for it). */
+static queue *parent_q;
+
+int64_t
+demo_now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void
+demo_note_error(const char *fmt,...)
+{
+	va_list		ap;
+
+	va_start(ap, fmt);
+	vsnprintf(g_shared->last_error, sizeof(g_shared->last_error), fmt, ap);
+	va_end(ap);
+}
+
+void
+demo_counters_sum(demo_counters *out)
+{
+	int			i;
+	size_t		j,
+				n = sizeof(demo_counters) / sizeof(long);
+
+	memset(out, 0, sizeof(*out));
+	for (i = 0; i < DEMO_MAX_WORKERS; i++)
+	{
+		const long *src = (const long *) &g_shared->slot[i];
+		long	   *dst = (long *) out;
+
+		for (j = 0; j < n; j++)
+			dst[j] += __atomic_load_n(&src[j], __ATOMIC_RELAXED);
+	}
+}
+
+static void
+on_interrupt(int sig)
+{
+	(void) sig;
+	interrupted = 1;
+}
+
+static void
+usage(FILE *f)
+{
+	fprintf(f,
+			"Usage: idem-demo --pg CONNINFO --valkey HOST:PORT [--broker HOST:PORT] [options]\n"
+			"\n"
+			"A queue (Valkey Streams, consumer group) delivers money transfers at least\n"
+			"once to K worker processes; each runs its handler through an idem runner\n"
+			"while faults are injected; then the database is checked: every effect\n"
+			"exactly once.  (make demo / test/demo start throwaway servers for you.)\n"
+			"\n"
+			"  -n, --tasks N           logical tasks (default 20000; --short 3000)\n"
+			"  -k, --workers K         worker processes (default 4; --short 3)\n"
+			"  -t, --tenants T         tenants (default 50; --short 12)\n"
+			"      --accounts A        accounts per tenant (default 8, at least 3)\n"
+			"  -d, --dup-ratio R       share of tasks whose message is enqueued again\n"
+			"                          with the same run_id (default 0.25; --short 0.3)\n"
+			"      --chaos on|off      inject faults (default on); --no-chaos = off\n"
+			"      --chaos-interval MS mean time between faults (default 600)\n"
+			"      --short             a run of a few seconds (make test)\n"
+			"      --pg CONNINFO       PostgreSQL with idem installable (superuser)\n"
+			"      --valkey HOST:PORT  the cache Valkey idem's gate uses ('none': no cache)\n"
+			"      --broker HOST:PORT  the queue's Valkey (default: the cache server,\n"
+			"                          database 1; chaos then uses FLUSHDB, no restarts)\n"
+			"      --cache-restart-cmd CMD  shell command that restarts the cache Valkey\n"
+			"      --lease MS          claim lease / Valkey marker TTL (default 1500;\n"
+			"                          --short 800); redelivery after lease + 200 ms\n"
+			"      --purges P          maintenance.purge tasks (default 6)\n"
+			"      --seed S            random seed (default: from the clock)\n"
+			"      --max-seconds S     give up after S seconds (default 300; --short 25)\n"
+			"  -v, --verbose           print every run error\n");
+}
+
+static int
+parse_hostport(const char *s, char *host, size_t hostlen, int *port)
+{
+	const char *colon = strrchr(s, ':');
+
+	if (colon == NULL || colon == s)
+		return -1;
+	snprintf(host, hostlen, "%.*s", (int) (colon - s), s);
+	*port = atoi(colon + 1);
+	return *port > 0 && *port < 65536 ? 0 : -1;
+}
+
+static pid_t
+spawn_worker(const demo_config *cfg, int slot, int gen)
+{
+	pid_t		pid;
+
+	fflush(stdout);
+	fflush(stderr);
+	pid = fork();
+	if (pid == 0)
+	{
+		queue_close(parent_q);
+		worker_main(cfg, slot, gen);
+	}
+	return pid;
+}
+
+int
+main(int argc, char **argv)
+{
+	demo_config cfg;
+	demo_plan	plan;
+	PGconn	   *conn;
+	queue	   *q;
+	chaos	   *ch = NULL;
+	pid_t		pids[DEMO_MAX_WORKERS],
+				producer;
+	int			gens[DEMO_MAX_WORKERS];
+	char		err[1024];
+	int			i,
+				explicit_n = 0,
+				explicit_k = 0,
+				explicit_t = 0,
+				explicit_d = 0,
+				explicit_lease = 0,
+				explicit_max = 0,
+				explicit_iv = 0,
+				explicit_p = 0,
+				timed_out = 0,
+				all_delivered = 0,
+				rc,
+				producer_status = -1;
+	int64_t		started,
+				next_progress = 0,
+				next_drain_check = 0;
+	const char *valkey = NULL,
+			   *broker = NULL;
+	long		pending;
+
+	memset(&cfg, 0, sizeof(cfg));
+	cfg.ntasks = 20000;
+	cfg.workers = 4;
+	cfg.tenants = 50;
+	cfg.accounts = 8;
+	cfg.dup_ratio = 0.25;
+	cfg.chaos = 1;
+	cfg.lease_ms = 1500;
+	cfg.max_seconds = 300;
+	cfg.chaos_interval_ms = 600;
+	cfg.purges = 6;
+	cfg.seed = (unsigned) time(NULL) ^ (unsigned) getpid();
+
+	for (i = 1; i < argc; i++)
+	{
+		const char *a = argv[i];
+		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+
+#define NEEDV() do { if (v == NULL) { fprintf(stderr, "idem-demo: %s needs a value\n", a); return 2; } i++; } while (0)
+		if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0)
+		{
+			usage(stdout);
+			return 0;
+		}
+		else if (strcmp(a, "-n") == 0 || strcmp(a, "--tasks") == 0)
+		{
+			NEEDV();
+			cfg.ntasks = atoi(v);
+			explicit_n = 1;
+		}
+		else if (strcmp(a, "-k") == 0 || strcmp(a, "--workers") == 0)
+		{
+			NEEDV();
+			cfg.workers = atoi(v);
+			explicit_k = 1;
+		}
+		else if (strcmp(a, "-t") == 0 || strcmp(a, "--tenants") == 0)
+		{
+			NEEDV();
+			cfg.tenants = atoi(v);
+			explicit_t = 1;
+		}
+		else if (strcmp(a, "--accounts") == 0)
+		{
+			NEEDV();
+			cfg.accounts = atoi(v);
+		}
+		else if (strcmp(a, "-d") == 0 || strcmp(a, "--dup-ratio") == 0)
+		{
+			NEEDV();
+			cfg.dup_ratio = atof(v);
+			explicit_d = 1;
+		}
+		else if (strcmp(a, "--chaos") == 0)
+		{
+			NEEDV();
+			cfg.chaos = strcmp(v, "off") != 0 && strcmp(v, "0") != 0 &&
+				strcmp(v, "no") != 0;
+		}
+		else if (strcmp(a, "--no-chaos") == 0)
+			cfg.chaos = 0;
+		else if (strcmp(a, "--chaos-interval") == 0)
+		{
+			NEEDV();
+			cfg.chaos_interval_ms = atoi(v);
+			explicit_iv = 1;
+		}
+		else if (strcmp(a, "--short") == 0)
+			cfg.short_mode = 1;
+		else if (strcmp(a, "--pg") == 0)
+		{
+			NEEDV();
+			cfg.pg = v;
+		}
+		else if (strcmp(a, "--valkey") == 0)
+		{
+			NEEDV();
+			valkey = v;
+		}
+		else if (strcmp(a, "--broker") == 0)
+		{
+			NEEDV();
+			broker = v;
+		}
+		else if (strcmp(a, "--cache-restart-cmd") == 0)
+		{
+			NEEDV();
+			cfg.cache_restart_cmd = v;
+		}
+		else if (strcmp(a, "--lease") == 0)
+		{
+			NEEDV();
+			cfg.lease_ms = atoi(v);
+			explicit_lease = 1;
+		}
+		else if (strcmp(a, "--purges") == 0)
+		{
+			NEEDV();
+			cfg.purges = atoi(v);
+			explicit_p = 1;
+		}
+		else if (strcmp(a, "--seed") == 0)
+		{
+			NEEDV();
+			cfg.seed = (unsigned) strtoul(v, NULL, 10);
+		}
+		else if (strcmp(a, "--max-seconds") == 0)
+		{
+			NEEDV();
+			cfg.max_seconds = atoi(v);
+			explicit_max = 1;
+		}
+		else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0)
+			cfg.verbose = 1;
+		else
+		{
+			fprintf(stderr, "idem-demo: unknown option %s\n", a);
+			usage(stderr);
+			return 2;
+		}
+#undef NEEDV
+	}
+	if (cfg.short_mode)
+	{
+		if (!explicit_n)
+			cfg.ntasks = 3000;
+		if (!explicit_k)
+			cfg.workers = 3;
+		if (!explicit_t)
+			cfg.tenants = 12;
+		if (!explicit_d)
+			cfg.dup_ratio = 0.3;
+		if (!explicit_lease)
+			cfg.lease_ms = 800;
+		if (!explicit_max)
+			cfg.max_seconds = 25;
+		if (!explicit_iv)
+			cfg.chaos_interval_ms = 300;
+		if (!explicit_p)
+			cfg.purges = 3;
+	}
+	cfg.seed_expired = cfg.short_mode ? 100 : 300;
+	if (cfg.pg == NULL || valkey == NULL)
+	{
+		fprintf(stderr, "idem-demo: --pg and --valkey are required (make demo starts throwaway servers)\n");
+		usage(stderr);
+		return 2;
+	}
+	if (cfg.ntasks < 1 || cfg.workers < 1 || cfg.workers > DEMO_MAX_WORKERS ||
+		cfg.tenants < 1 || cfg.accounts < 3 || cfg.dup_ratio < 0 ||
+		cfg.dup_ratio > 1 || cfg.lease_ms < 100 || cfg.purges < 0 ||
+		cfg.chaos_interval_ms < 10 || cfg.max_seconds < 1)
+	{
+		fprintf(stderr, "idem-demo: an option is out of range (workers 1..%d, accounts >= 3, dup-ratio 0..1, lease >= 100)\n",
+				DEMO_MAX_WORKERS);
+		return 2;
+	}
+	if (strcmp(valkey, "none") == 0)
+		cfg.cache_host[0] = '\0';
+	else if (parse_hostport(valkey, cfg.cache_host, sizeof(cfg.cache_host),
+							&cfg.cache_port) != 0)
+	{
+		fprintf(stderr, "idem-demo: --valkey wants HOST:PORT\n");
+		return 2;
+	}
+	if (broker)
+	{
+		if (parse_hostport(broker, cfg.broker_host, sizeof(cfg.broker_host),
+						   &cfg.broker_port) != 0)
+		{
+			fprintf(stderr, "idem-demo: --broker wants HOST:PORT\n");
+			return 2;
+		}
+		cfg.shared_valkey = cfg.cache_host[0] &&
+			strcmp(cfg.broker_host, cfg.cache_host) == 0 &&
+			cfg.broker_port == cfg.cache_port;
+	}
+	else
+	{
+		if (!cfg.cache_host[0])
+		{
+			fprintf(stderr, "idem-demo: --valkey none needs --broker\n");
+			return 2;
+		}
+		snprintf(cfg.broker_host, sizeof(cfg.broker_host), "%s", cfg.cache_host);
+		cfg.broker_port = cfg.cache_port;
+		cfg.shared_valkey = 1;
+	}
+	if (cfg.shared_valkey)
+		cfg.broker_db = cfg.cache_db + 1;
+	snprintf(cfg.tag, sizeof(cfg.tag), "%06x", (cfg.seed * 2654435761u) & 0xffffff);
+	snprintf(cfg.stream, sizeof(cfg.stream), "idem-demo:%s", cfg.tag);
+	snprintf(cfg.group, sizeof(cfg.group), "workers");
+	setvbuf(stdout, NULL, _IOLBF, 0);
+
+	g_shared = mmap(NULL, sizeof(demo_shared), PROT_READ | PROT_WRITE,
+					MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (g_shared == MAP_FAILED)
+	{
+		perror("idem-demo: mmap");
+		return 2;
+	}
+	memset(g_shared, 0, sizeof(*g_shared));
+	if (plan_build(&cfg, &plan) != 0)
+	{
+		fprintf(stderr, "idem-demo: out of memory\n");
+		return 2;
+	}
+
+	/* the database: extension, ledgers, tenants, accounts, expectations */
+	conn = PQconnectdb(cfg.pg);
+	if (PQstatus(conn) != CONNECTION_OK)
+	{
+		fprintf(stderr, "idem-demo: cannot connect to PostgreSQL: %s", PQerrorMessage(conn));
+		PQfinish(conn);
+		return 2;
+	}
+	if (db_setup(conn, &cfg, &plan, err, sizeof(err)) != 0)
+	{
+		fprintf(stderr, "idem-demo: database setup failed: %s", err);
+		PQfinish(conn);
+		return 2;
+	}
+	setenv("IDEM_DEMO_SCHEMA", cfg.schema, 1);
+
+	/* the queue */
+	q = queue_open(cfg.broker_host, cfg.broker_port, cfg.broker_db, cfg.stream,
+				   cfg.group, err, sizeof(err));
+	if (q == NULL || queue_create_group(q, err, sizeof(err)) != 0)
+	{
+		fprintf(stderr, "idem-demo: %s\n", err);
+		PQfinish(conn);
+		return 2;
+	}
+
+	printf("idem demo: exactly-once effects over at-least-once delivery\n");
+	printf("  queue    Valkey Streams at %s:%d%s, stream %s, group %s\n",
+		   cfg.broker_host, cfg.broker_port,
+		   cfg.shared_valkey ? " (db 1, shares the cache's server)" : "",
+		   cfg.stream, cfg.group);
+	if (cfg.cache_host[0])
+		printf("  cache    Valkey at %s:%d: idem's gate and replay cache\n",
+			   cfg.cache_host, cfg.cache_port);
+	else
+		printf("  cache    none: PostgreSQL alone\n");
+	printf("  truth    PostgreSQL (idem in schema %s)\n", cfg.schema);
+	printf("  plan     %d tasks: %d transfers (%d flaky, %d on frozen accounts), %d invoices, %d purges;\n"
+		   "           %d messages: %d duplicates (same run_id), %d invoice re-submissions (new run_id)\n",
+		   plan.ntasks, plan.n_transfers, plan.n_flaky, plan.n_frozen_tasks,
+		   plan.n_invoices, plan.n_purges, plan.nmsgs, plan.n_dup_msgs,
+		   plan.n_invoice_resubmits);
+	printf("  workers  %d processes, %d tenants x %d accounts, lease %d ms, chaos %s, seed %u%s\n",
+		   cfg.workers, cfg.tenants, cfg.accounts, cfg.lease_ms,
+		   cfg.chaos ? "on" : "off", cfg.seed, cfg.short_mode ? ", short run" : "");
+	printf("\n");
+
+	signal(SIGINT, on_interrupt);
+	signal(SIGTERM, on_interrupt);
+	signal(SIGPIPE, SIG_IGN);
+
+	started = demo_now_ms();
+	fflush(stdout);
+	parent_q = q;
+	producer = fork();
+	if (producer == 0)
+	{
+		queue_close(parent_q);
+		producer_main(&cfg, &plan);
+	}
+	for (i = 0; i < cfg.workers; i++)
+	{
+		gens[i] = 0;
+		pids[i] = spawn_worker(&cfg, i, 0);
+	}
+	if (cfg.chaos)
+		ch = chaos_new(&cfg);
+
+	for (;;)
+	{
+		demo_counters tot;
+		int			st;
+
+		if (interrupted)
+			break;
+		/* reap: a worker that died is restarted (a killed one, or a crash) */
+		for (i = 0; i < cfg.workers; i++)
+		{
+			if (pids[i] > 0 && waitpid(pids[i], &st, WNOHANG) == pids[i])
+			{
+				if (!(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL))
+				{
+					g_shared->worker_exits_unexpected++;
+					demo_note_error("worker %d exited unexpectedly (status %d)", i, st);
+				}
+				pids[i] = spawn_worker(&cfg, i, ++gens[i]);
+				g_shared->restarts++;
+			}
+		}
+		if (producer > 0 && waitpid(producer, &st, WNOHANG) == producer)
+		{
+			producer_status = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+			producer = 0;
+			if (producer_status != 0)
+			{
+				fprintf(stderr, "idem-demo: the producer failed: %s\n", g_shared->last_error);
+				break;
+			}
+		}
+		/* done: everything enqueued was handed out and acknowledged (the
+		 * broker says so; the workers' own counts may miss an XACK whose
+		 * worker was killed before it counted it) */
+		demo_counters_sum(&tot);
+		if (producer_status == 0 && tot.acks + g_shared->kills >= plan.nmsgs &&
+			demo_now_ms() >= next_drain_check)
+		{
+			long		pend;
+			char		last[48];
+
+			next_drain_check = demo_now_ms() + 50;
+			if (queue_group_state(q, &pend, last, sizeof(last)) == 0 &&
+				pend == 0 && strcmp(last, g_shared->last_id) == 0)
+				break;
+		}
+		if (demo_now_ms() - started > (int64_t) cfg.max_seconds * 1000)
+		{
+			timed_out = 1;
+			break;
+		}
+		if (ch)
+			chaos_tick(ch, pids, cfg.workers);
+		if (demo_now_ms() >= next_progress)
+		{
+			progress_tick(&cfg, &plan, started, 0);
+			next_progress = demo_now_ms() + (isatty(1) ? 100 : 1000);
+		}
+		usleep(10 * 1000);
+	}
+	{
+		double		secs = (demo_now_ms() - started) / 1000.0;
+		int64_t		deadline;
+
+		/* stop the workers; a clean exit after the message at hand */
+		for (i = 0; i < cfg.workers; i++)
+			if (pids[i] > 0)
+				kill(pids[i], SIGTERM);
+		if (producer > 0)
+			kill(producer, SIGTERM);
+		deadline = demo_now_ms() + 5000;
+		for (i = 0; i < cfg.workers; i++)
+		{
+			while (pids[i] > 0)
+			{
+				int			st;
+
+				pid_t		w = waitpid(pids[i], &st, WNOHANG);
+
+				if (w == pids[i] || (w < 0 && errno == ECHILD))
+					pids[i] = 0;
+				else if (demo_now_ms() > deadline)
+				{
+					kill(pids[i], SIGKILL);
+					waitpid(pids[i], &st, 0);
+					pids[i] = 0;
+				}
+				else
+					usleep(10 * 1000);
+			}
+		}
+		if (producer > 0)
+			waitpid(producer, NULL, 0);
+		chaos_free(ch);			/* waits for a cache restart in progress */
+		ch = NULL;
+		progress_tick(&cfg, &plan, started, 1);
+		if (interrupted)
+		{
+			fprintf(stderr, "idem-demo: interrupted\n");
+			chaos_free(ch);
+			queue_drop_stream(q);
+			queue_close(q);
+			PQfinish(conn);
+			plan_free(&plan);
+			return 130;
+		}
+		{
+			char		last[48] = "";
+
+			if (queue_group_state(q, &pending, last, sizeof(last)) != 0)
+				pending = -1;
+			all_delivered = g_shared->producer_done &&
+				strcmp(last, g_shared->last_id) == 0;
+		}
+		if (PQstatus(conn) != CONNECTION_OK)
+			PQreset(conn);
+		rc = report_and_check(conn, &cfg, &plan, secs, pending, all_delivered,
+							  timed_out);
+	}
+	chaos_free(ch);
+	queue_drop_stream(q);
+	queue_close(q);
+	PQfinish(conn);
+	plan_free(&plan);
+	munmap(g_shared, sizeof(demo_shared));
+	return rc == 0 ? 0 : 1;
+}

@@ -1,0 +1,327 @@
+/*
+ * report.c
+ *	  The progress line (a bar on a terminal, plain periodic lines
+ *	  otherwise), the final report, and THE CHECK, from PostgreSQL: every
+ *	  enqueued task applied exactly once (none doubled, none missing, none
+ *	  on a frozen account), every balance equal to its opening plus the sum
+ *	  of its unique transfers, every invoice paid once, a terminal ledger row
+ *	  per task, the queue drained.
+ */
+#include "demo.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/ioctl.h>
+
+void
+progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
+			  int final)
+{
+	demo_counters t;
+	double		secs = (demo_now_ms() - started) / 1000.0;
+	long		chaos_events = g_shared->kills + g_shared->terminate_events +
+		g_shared->flushes + g_shared->cache_restarts;
+	double		frac;
+
+	(void) cfg;
+	demo_counters_sum(&t);
+	frac = plan->nmsgs ? (double) t.acks / plan->nmsgs : 1.0;
+	if (frac > 1)
+		frac = 1;
+	if (isatty(1))
+	{
+		char		bar[21],
+					line[256];
+		int			i,
+					cols = 80,
+					w = (int) (frac * 20);
+		struct winsize ws;
+
+		if (ioctl(1, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20)
+			cols = ws.ws_col;
+		for (i = 0; i < 20; i++)
+			bar[i] = i < w ? '#' : '.';
+		bar[20] = '\0';
+		snprintf(line, sizeof(line),
+				 "  [%s] %3d%% %ld/%d  applied %ld  replays %ld  busy %ld  errors %ld  chaos %ld  %.0f/s",
+				 bar, (int) (frac * 100), t.acks, plan->nmsgs, t.applied,
+				 t.replay_valkey + t.replay_pg, t.busy_valkey + t.busy_pg,
+				 t.err_connection + t.err_commit_unknown + t.err_other,
+				 chaos_events, secs > 0 ? t.deliveries / secs : 0.0);
+		if ((int) strlen(line) > cols - 1)
+			line[cols - 1] = '\0';
+		printf("\r%s\033[K", line);
+		if (final)
+			printf("\n\n");
+		fflush(stdout);
+	}
+	else if (!final)
+		printf("  %5.1fs  acked %ld/%d (%d%%)  applied %ld  replays %ld  busy %ld  errors %ld  chaos events %ld\n",
+			   secs, t.acks, plan->nmsgs, (int) (frac * 100), t.applied,
+			   t.replay_valkey + t.replay_pg, t.busy_valkey + t.busy_pg,
+			   t.err_connection + t.err_commit_unknown + t.err_other,
+			   chaos_events);
+	else
+		printf("\n");
+}
+
+/* Run a query returning one row of integers; -1 in each slot on error. */
+static int
+q_ints(PGconn *conn, const char *sql, long *out, int n)
+{
+	PGresult   *r = PQexec(conn, sql);
+	int			i,
+				ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
+		PQnfields(r) >= n;
+
+	for (i = 0; i < n; i++)
+		out[i] = ok && !PQgetisnull(r, 0, i) ? atol(PQgetvalue(r, 0, i)) : (ok ? 0 : -1);
+	if (!ok)
+		fprintf(stderr, "idem-demo: check query failed: %s", PQerrorMessage(conn));
+	PQclear(r);
+	return ok ? 0 : -1;
+}
+
+static int	failures;
+
+static void
+verdict(int ok, const char *fmt,...) __attribute__((format(printf, 2, 3)));
+
+#include <stdarg.h>
+static void
+verdict(int ok, const char *fmt,...)
+{
+	va_list		ap;
+
+	printf("    %s ", ok ? "[ok]  " : "[FAIL]");
+	va_start(ap, fmt);
+	vprintf(fmt, ap);
+	va_end(ap);
+	printf("\n");
+	if (!ok)
+		failures++;
+}
+
+/* Print the rows behind a failed check, to reproduce and debug it. */
+static void
+show_rows(PGconn *conn, const char *title, const char *sql)
+{
+	PGresult   *r = PQexec(conn, sql);
+	int			i,
+				j;
+
+	if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) > 0)
+	{
+		printf("           %s:\n", title);
+		for (i = 0; i < PQntuples(r); i++)
+		{
+			printf("             ");
+			for (j = 0; j < PQnfields(r); j++)
+				printf("%s%s=%s", j ? " " : "", PQfname(r, j),
+					   PQgetisnull(r, i, j) ? "NULL" : PQgetvalue(r, i, j));
+			printf("\n");
+		}
+	}
+	PQclear(r);
+}
+
+int
+report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
+				 double secs, long pending, int all_delivered, int timed_out)
+{
+	demo_counters t;
+	char		sql[2048];
+	long		v[6],
+				expected_apply,
+				expected_frozen,
+				rows,
+				distinct_keys,
+				doubled_keys,
+				extra_rows,
+				missing,
+				unexpected;
+	long		errors;
+
+	failures = 0;
+	demo_counters_sum(&t);
+	errors = t.err_connection + t.err_commit_unknown + t.err_other;
+
+	printf("Report (%.1f s%s)\n", secs, timed_out ? ", TIMED OUT" : "");
+	printf("  Queue (Valkey Streams, consumer group)\n");
+	printf("    messages enqueued        %7ld  (%d tasks, %d duplicates with the same run_id,\n"
+		   "                                       %d invoice re-submissions with a new run_id)\n",
+		   g_shared->enqueued, plan->ntasks, plan->n_dup_msgs,
+		   plan->n_invoice_resubmits);
+	printf("    deliveries               %7ld  (%ld redelivered by XAUTOCLAIM)\n",
+		   t.deliveries, t.redeliveries);
+	printf("    acknowledged (XACK)      %7ld  (all delivered: %s; %ld pending)\n",
+		   all_delivered && pending >= 0 ? g_shared->enqueued - pending : t.acks,
+		   all_delivered ? "yes" : "no", pending);
+	printf("  Decisions of the runner\n");
+	printf("    applied (handler ran)    %7ld  (%ld transfers, %ld invoices, %ld purges)\n",
+		   t.applied, t.applied_transfer, t.applied_invoice, t.applied_purge);
+	printf("    replayed from Valkey     %7ld\n", t.replay_valkey);
+	printf("    replayed from PostgreSQL %7ld\n", t.replay_pg);
+	printf("    busy, left for redelivery%7ld  (%ld by the Valkey gate, %ld by PostgreSQL)\n",
+		   t.busy_valkey + t.busy_pg, t.busy_valkey, t.busy_pg);
+	printf("    failed, retryable        %7ld  (flaky first attempts, effects rolled back)\n",
+		   t.failed_retryable);
+	printf("    failed, permanent        %7ld  (frozen accounts; %ld more replayed)\n",
+		   t.failed_permanent_now, t.failed_permanent_replay);
+	printf("    mismatch                 %7ld\n", t.mismatch);
+	printf("    errors, no decision      %7ld  (%ld connection lost, %ld commit unknown, %ld other)\n",
+		   errors, t.err_connection, t.err_commit_unknown, t.err_other);
+	printf("  Maintenance\n");
+	printf("    maintenance.purge runs   %7ld  (%ld expired ledger rows deleted, of %d seeded)\n",
+		   t.applied_purge, t.purge_deleted, cfg->seed_expired);
+	if (cfg->chaos)
+	{
+		printf("  Chaos\n");
+		printf("    workers killed (-9)      %7ld  (restarted; %ld unexpected exits)\n",
+			   g_shared->kills, g_shared->worker_exits_unexpected);
+		printf("    backends terminated      %7ld  (in %ld pg_terminate_backend rounds)\n",
+			   g_shared->backends_terminated, g_shared->terminate_events);
+		printf("    cache %-18s %7ld\n", cfg->shared_valkey ? "FLUSHDB" : "FLUSHALL",
+			   g_shared->flushes);
+		printf("    cache restarts           %7ld%s\n", g_shared->cache_restarts,
+			   g_shared->cache_restart_failures ? "  (some failed)" : "");
+	}
+	printf("  Throughput\n");
+	printf("    %.0f deliveries/s, %.0f tasks/s with %d workers; %.2f PostgreSQL and %.2f Valkey\n"
+		   "    round trips per delivery; %ld runs went without Valkey\n",
+		   secs > 0 ? t.deliveries / secs : 0.0,
+		   secs > 0 ? plan->ntasks / secs : 0.0, cfg->workers,
+		   t.deliveries ? (double) t.pg_round_trips / t.deliveries : 0.0,
+		   t.deliveries ? (double) t.valkey_round_trips / t.deliveries : 0.0,
+		   t.valkey_skipped);
+	snprintf(sql, sizeof(sql),
+			 "SELECT to_regprocedure('%s.idem_stats()') IS NOT NULL", cfg->schema);
+	{
+		PGresult   *r = PQexec(conn, sql);
+		int			has = PQresultStatus(r) == PGRES_TUPLES_OK &&
+			PQntuples(r) == 1 && PQgetvalue(r, 0, 0)[0] == 't';
+
+		PQclear(r);
+		if (has)
+		{
+			snprintf(sql, sizeof(sql),
+					 "SELECT copied, copy_errors, dropped FROM %s.idem_stats()",
+					 cfg->schema);
+			if (q_ints(conn, sql, v, 3) == 0)
+				printf("    server worker: %ld results copied to Valkey after commit, %ld copy errors, %ld dropped\n",
+					   v[0], v[1], v[2]);
+		}
+	}
+
+	q_ints(conn, "SELECT count(*) FROM idem_demo.transfers", v, 1);
+	printf("  Effects\n");
+	printf("    effects in the database  %7ld  (transfers rows; applied by runs whose worker saw\n"
+		   "                                       the commit: %ld; the rest committed just before\n"
+		   "                                       a kill -9 or a lost COMMIT reply, then replayed)\n",
+		   v[0], t.applied_transfer + t.applied_invoice);
+	printf("  Check (from PostgreSQL)\n");
+	q_ints(conn,
+		   "SELECT count(*) FILTER (WHERE should_apply), count(*) FILTER (WHERE NOT should_apply) "
+		   "FROM idem_demo.expected", v, 2);
+	expected_apply = v[0];
+	expected_frozen = v[1];
+	q_ints(conn,
+		   "SELECT count(*), count(DISTINCT task_key) FROM idem_demo.transfers", v, 2);
+	rows = v[0];
+	distinct_keys = v[1];
+	q_ints(conn,
+		   "SELECT count(*), coalesce(sum(n - 1), 0) FROM "
+		   "(SELECT task_key, count(*) n FROM idem_demo.transfers GROUP BY 1 HAVING count(*) > 1) d",
+		   v, 2);
+	doubled_keys = v[0];
+	extra_rows = v[1];
+	q_ints(conn,
+		   "SELECT count(*) FROM idem_demo.expected e WHERE should_apply AND NOT EXISTS "
+		   "(SELECT 1 FROM idem_demo.transfers t WHERE t.task_key = e.task_key)", v, 1);
+	missing = v[0];
+	q_ints(conn,
+		   "SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS "
+		   "(SELECT 1 FROM idem_demo.expected e WHERE e.task_key = t.task_key AND e.should_apply)",
+		   v, 1);
+	unexpected = v[0];
+	verdict(doubled_keys == 0 && missing == 0 && unexpected == 0 &&
+			rows == expected_apply && distinct_keys == expected_apply,
+			"exactly once: %ld tasks to apply, %ld effects applied (%ld distinct); %ld doubled, %ld missing, %ld unexpected",
+			expected_apply, rows, distinct_keys, doubled_keys, missing, unexpected);
+	if (doubled_keys)
+		show_rows(conn, "applied more than once",
+				  "SELECT task_key, run_id, attempt, worker, applied_at FROM idem_demo.transfers "
+				  "WHERE task_key IN (SELECT task_key FROM idem_demo.transfers GROUP BY 1 "
+				  "HAVING count(*) > 1 LIMIT 5) ORDER BY task_key, id");
+	if (missing)
+		show_rows(conn, "never applied",
+				  "SELECT task_key, tenant_id, from_account, to_account, amount FROM idem_demo.expected e "
+				  "WHERE should_apply AND NOT EXISTS (SELECT 1 FROM idem_demo.transfers t "
+				  "WHERE t.task_key = e.task_key) LIMIT 5");
+	(void) extra_rows;
+
+	q_ints(conn,
+		   "SELECT count(*) FROM idem_demo.transfers t JOIN idem_demo.expected e "
+		   "ON e.task_key = t.task_key WHERE NOT e.should_apply", v, 1);
+	verdict(v[0] == 0, "frozen accounts: %ld tasks refused for good, %ld of them applied",
+			expected_frozen, v[0]);
+
+	q_ints(conn,
+		   "WITH mv AS (SELECT tenant_id, from_account AS a, -amount AS d FROM idem_demo.expected WHERE should_apply "
+		   "  UNION ALL SELECT tenant_id, to_account, amount FROM idem_demo.expected WHERE should_apply), "
+		   "s AS (SELECT tenant_id, a, sum(d) AS d FROM mv GROUP BY 1, 2), "
+		   "r AS (SELECT tenant_id, a, sum(d) AS d FROM ("
+		   "  SELECT tenant_id, from_account AS a, -amount AS d FROM idem_demo.transfers "
+		   "  UNION ALL SELECT tenant_id, to_account, amount FROM idem_demo.transfers) x GROUP BY 1, 2) "
+		   "SELECT count(*), count(*) FILTER (WHERE ac.balance <> ac.opening + coalesce(s.d, 0)), "
+		   "  count(*) FILTER (WHERE ac.balance <> ac.opening + coalesce(r.d, 0)), "
+		   "  sum(ac.balance) - sum(ac.opening) "
+		   "FROM idem_demo.accounts ac "
+		   "LEFT JOIN s ON s.tenant_id = ac.tenant_id AND s.a = ac.account_no "
+		   "LEFT JOIN r ON r.tenant_id = ac.tenant_id AND r.a = ac.account_no", v, 4);
+	verdict(v[1] == 0 && v[2] == 0 && v[3] == 0,
+			"balances: %ld accounts, %ld differ from opening + their unique transfers, %ld from their transfer rows; money created: %ld",
+			v[0], v[1], v[2], v[3]);
+
+	q_ints(conn,
+		   "SELECT count(*), count(*) FILTER (WHERE paid_count = 1) FROM idem_demo.invoices", v, 2);
+	verdict(v[0] == v[1], "invoices (keyed by business key, each enqueued twice): %ld paid exactly once, of %ld",
+			v[1], v[0]);
+
+	snprintf(sql, sizeof(sql),
+			 "SELECT count(*), count(*) FILTER (WHERE k.status = CASE WHEN e.should_apply "
+			 "THEN 'completed' ELSE 'failed_permanent' END) "
+			 "FROM idem_demo.expected e LEFT JOIN %s.idempotency_keys k "
+			 "ON k.tenant_id = e.tenant_id AND k.idempotency_key = %s.idem_key(e.scope, e.id)",
+			 cfg->schema, cfg->schema);
+	q_ints(conn, sql, v, 2);
+	{
+		long		ledger_tasks = v[0],
+					ledger_ok = v[1];
+		/* the purge tasks' ids are p<tag>-<i> (workload.c) */
+		snprintf(sql, sizeof(sql),
+				 "SELECT count(*) FROM %s.platform_idempotency_keys p "
+				 "JOIN generate_series(0, %d) AS g(i) "
+				 "ON p.idempotency_key = %s.idem_key('maintenance.purge', 'p%s-' || g.i) "
+				 "WHERE p.status = 'completed'", cfg->schema, plan->n_purges - 1,
+				 cfg->schema, cfg->tag);
+		q_ints(conn, sql, v, 1);
+		verdict(ledger_ok == ledger_tasks && v[0] == plan->n_purges,
+				"ledger: %ld of %ld tenant tasks have their terminal row; %ld of %d purges completed in the platform ledger",
+				ledger_ok, ledger_tasks, v[0], plan->n_purges);
+	}
+	verdict(!timed_out && pending == 0 && all_delivered &&
+			g_shared->enqueued == plan->nmsgs,
+			"queue drained: %ld of %d messages enqueued, all delivered: %s, %ld pending",
+			g_shared->enqueued, plan->nmsgs, all_delivered ? "yes" : "no", pending);
+	if (g_shared->last_error[0] && (failures || cfg->verbose))
+		printf("    last error noted: %s\n", g_shared->last_error);
+	if (failures == 0)
+		printf("\nPASS: every task took effect exactly once, under at-least-once delivery%s.\n",
+			   cfg->chaos ? " and chaos" : "");
+	else
+		printf("\nFAIL: the exactly-once check failed (see above).\n");
+	return failures == 0 ? 0 : 1;
+}

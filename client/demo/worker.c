@@ -1,0 +1,391 @@
+/*
+ * worker.c
+ *	  One worker process and the producer.
+ *
+ *	  A worker owns one runner (one PostgreSQL and one Valkey connection) and
+ *	  one broker connection.  Loop: every claim interval, XAUTOCLAIM the
+ *	  messages pending for longer than the lease (a killed worker's, or ones
+ *	  left unacked); else XREADGROUP new ones.  Each message is run through
+ *	  idem_run / idem_run_platform; a final decision (applied, replayed,
+ *	  failed_permanent, mismatch) is XACKed, anything else (busy, retryable
+ *	  failure, error) stays pending and is redelivered after the lease.
+ */
+#include "demo.h"
+#include "idem_client.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t stop_requested = 0;
+
+static void
+on_term(int sig)
+{
+	(void) sig;
+	stop_requested = 1;
+}
+
+#define ADD(field, n) __atomic_add_fetch(&c->field, (n), __ATOMIC_RELAXED)
+
+typedef struct handler_ctx
+{
+	const queue_msg *m;
+	int			slot;
+	long		purge_deleted;
+	char		err[256];
+} handler_ctx;
+
+static void
+json_detail(idem_call *call, const char *what, PGconn *conn, PGresult *r)
+{
+	char		buf[200];
+	const char *st = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+
+	(void) conn;
+	snprintf(buf, sizeof(buf), "{\"error\": \"%s\", \"sqlstate\": \"%s\"}",
+			 what, st ? st : "");
+	idem_call_set_json(call, buf);
+}
+
+/*
+ * libpq's default notice processor prints to stderr, and a terminated
+ * backend's FATAL arrives as a notice on an idle connection: the chaos would
+ * litter the progress display.  The handler gets the runner's connection,
+ * so it quiets it (the run still sees the lost connection).
+ */
+static void
+quiet_notices(void *arg, const char *message)
+{
+	(void) arg;
+	(void) message;
+}
+
+/* transfer.create and invoice.pay: one call to the effect function. */
+static idem_handler_status
+money_handler(PGconn *conn, idem_call *call, void *arg)
+{
+	handler_ctx *h = arg;
+	const queue_msg *m = h->m;
+	char		tenant[24],
+				from[16],
+				to[16],
+				amount[24],
+				attempt[16],
+				worker[16],
+				key[96],
+				out[160];
+	PGresult   *r;
+	idem_handler_status hs;
+
+	PQsetNoticeProcessor(conn, quiet_notices, NULL);
+	/* a flaky downstream: the first attempt fails, a redelivery succeeds */
+	if (m->flaky && idem_call_attempt(call) == 1)
+	{
+		idem_call_set_json(call, "{\"error\": \"downstream timeout (simulated)\"}");
+		return IDEM_HANDLER_RETRYABLE;
+	}
+	snprintf(tenant, sizeof(tenant), "%lld", (long long) m->tenant);
+	snprintf(attempt, sizeof(attempt), "%d", idem_call_attempt(call));
+	snprintf(worker, sizeof(worker), "%d", h->slot);
+	if (strcmp(m->kind, "invoice.pay") == 0)
+	{
+		const char *p[] = {tenant, m->invoice, m->run_id, attempt, worker};
+
+		r = PQexecParams(conn,
+						 "SELECT idem_demo.pay_invoice($1, $2, $3, $4, $5)",
+						 5, NULL, p, NULL, NULL, 0);
+	}
+	else
+	{
+		const char *p[] = {tenant, key, m->run_id, from, to, amount, attempt, worker};
+
+		snprintf(key, sizeof(key), "transfer:%s", m->run_id);
+		snprintf(from, sizeof(from), "%d", m->from);
+		snprintf(to, sizeof(to), "%d", m->to);
+		snprintf(amount, sizeof(amount), "%lld", (long long) m->amount);
+		r = PQexecParams(conn,
+						 "SELECT idem_demo.transfer($1, $2, $3, $4, $5, $6, $7, $8)",
+						 8, NULL, p, NULL, NULL, 0);
+	}
+	if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
+	{
+		/* lost connection, deadlock, ...: the runner rolls back; retry */
+		json_detail(call, "effect failed", conn, r);
+		hs = IDEM_HANDLER_RETRYABLE;
+	}
+	else if (PQgetisnull(r, 0, 0))
+	{
+		idem_call_set_json(call, "{\"error\": \"account frozen\"}");
+		hs = IDEM_HANDLER_PERMANENT;
+	}
+	else
+	{
+		snprintf(out, sizeof(out), "{\"transfer_id\": %s}", PQgetvalue(r, 0, 0));
+		idem_call_set_json(call, out);
+		hs = IDEM_HANDLER_OK;
+	}
+	PQclear(r);
+	return hs;
+}
+
+/* maintenance.purge: idem_purge in batches, inside the run's transaction. */
+static idem_handler_status
+purge_handler(PGconn *conn, idem_call *call, void *arg)
+{
+	handler_ctx *h = arg;
+	const char *schema = getenv("IDEM_DEMO_SCHEMA");
+	char		sql[256],
+				out[96];
+	long		total = 0;
+	int			i;
+
+	PQsetNoticeProcessor(conn, quiet_notices, NULL);
+	snprintf(sql, sizeof(sql), "SELECT %s.idem_purge(500)",
+			 schema && schema[0] ? schema : "public");
+	for (i = 0; i < 20; i++)
+	{
+		PGresult   *r = PQexec(conn, sql);
+		long		n;
+
+		if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
+		{
+			json_detail(call, "idem_purge failed", conn, r);
+			PQclear(r);
+			return IDEM_HANDLER_RETRYABLE;
+		}
+		n = atol(PQgetvalue(r, 0, 0));
+		PQclear(r);
+		total += n;
+		if (n < 500)
+			break;
+	}
+	h->purge_deleted = total;
+	snprintf(out, sizeof(out), "{\"deleted\": %ld}", total);
+	idem_call_set_json(call, out);
+	return IDEM_HANDLER_OK;
+}
+
+static void
+process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
+		const queue_msg *m)
+{
+	demo_counters *c = &g_shared->slot[slot];
+	handler_ctx h;
+	idem_result res;
+	idem_runner_stats before,
+				after;
+	int			final = 0;
+
+	memset(&h, 0, sizeof(h));
+	h.m = m;
+	h.slot = slot;
+	ADD(deliveries, 1);
+	if (m->redelivered)
+		ADD(redeliveries, 1);
+	idem_runner_get_stats(runner, &before);
+	if (strcmp(m->kind, "maintenance.purge") == 0)
+		idem_run_platform(runner, m->kind, m->run_id, m->request,
+						  purge_handler, &h, &res);
+	else if (strcmp(m->kind, "invoice.pay") == 0)
+		idem_run(runner, m->tenant, m->kind, m->invoice, m->request,
+				 money_handler, &h, &res);	/* keyed by the business key */
+	else
+		idem_run(runner, m->tenant, m->kind, m->run_id, m->request,
+				 money_handler, &h, &res);	/* keyed by the run_id */
+	idem_runner_get_stats(runner, &after);
+	ADD(pg_round_trips, after.pg_round_trips - before.pg_round_trips);
+	ADD(pg_connects, after.pg_connects - before.pg_connects);
+	ADD(valkey_round_trips, after.valkey_round_trips - before.valkey_round_trips);
+	ADD(valkey_skipped, after.valkey_skipped - before.valkey_skipped);
+
+	switch (res.status)
+	{
+		case IDEM_APPLIED:
+			ADD(applied, 1);
+			if (strcmp(m->kind, "maintenance.purge") == 0)
+			{
+				ADD(applied_purge, 1);
+				ADD(purge_deleted, h.purge_deleted);
+			}
+			else if (strcmp(m->kind, "invoice.pay") == 0)
+				ADD(applied_invoice, 1);
+			else
+				ADD(applied_transfer, 1);
+			final = 1;
+			break;
+		case IDEM_REPLAYED:
+			if (res.source == IDEM_SOURCE_VALKEY)
+				ADD(replay_valkey, 1);
+			else
+				ADD(replay_pg, 1);
+			final = 1;
+			break;
+		case IDEM_FAILED_PERMANENT:
+			if (res.source == IDEM_SOURCE_HANDLER)
+				ADD(failed_permanent_now, 1);
+			else
+				ADD(failed_permanent_replay, 1);
+			final = 1;
+			break;
+		case IDEM_MISMATCH:
+			ADD(mismatch, 1);
+			demo_note_error("worker %d: mismatch for %s %s", slot, m->kind,
+							m->run_id);
+			final = 1;
+			break;
+		case IDEM_BUSY:
+			if (res.source == IDEM_SOURCE_VALKEY)
+				ADD(busy_valkey, 1);
+			else
+				ADD(busy_pg, 1);
+			break;
+		case IDEM_FAILED_RETRYABLE:
+			ADD(failed_retryable, 1);
+			break;
+		case IDEM_ERROR:
+			if (res.error_code == IDEM_ERR_CONNECTION)
+				ADD(err_connection, 1);
+			else if (res.error_code == IDEM_ERR_COMMIT_UNKNOWN)
+				ADD(err_commit_unknown, 1);
+			else
+			{
+				ADD(err_other, 1);
+				demo_note_error("worker %d: %s %s: %s", slot, m->kind,
+								m->run_id, res.error_message);
+			}
+			if (cfg->verbose)
+				fprintf(stderr, "worker %d: %s %s: error: %s\n", slot,
+						m->kind, m->run_id, res.error_message);
+			break;
+	}
+	if (final)
+	{
+		int			a = queue_ack(q, m->id);
+
+		if (a == 1)
+			ADD(acks, 1);
+		else if (a < 0)
+			ADD(broker_errors, 1);	/* stays pending: redelivered, replayed */
+	}
+}
+
+void
+worker_main(const demo_config *cfg, int slot, int gen)
+{
+	demo_counters *c = &g_shared->slot[slot];
+	idem_options opts;
+	idem_runner *runner;
+	queue	   *q = NULL;
+	char		consumer[64],
+				appname[64],
+				cursor[48] = "0-0",
+				err[256];
+	queue_msg  *msgs;
+	int64_t		next_claim = 0;
+	int			min_idle = cfg->lease_ms + 200;
+	int			maxn = 16;
+
+	signal(SIGTERM, on_term);
+	signal(SIGINT, SIG_IGN);	/* the parent decides when to stop */
+	signal(SIGPIPE, SIG_IGN);
+	snprintf(appname, sizeof(appname), "idem-demo-w%d", slot);
+	setenv("PGAPPNAME", appname, 1);
+	snprintf(consumer, sizeof(consumer), "w%d.%d.%d", slot, gen, (int) getpid());
+	msgs = calloc(maxn, sizeof(queue_msg));
+
+	idem_options_init(&opts);
+	opts.lease_ms = cfg->lease_ms;
+	opts.valkey_db = cfg->cache_db;
+	opts.valkey_retry_ms = 300;
+	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
+							  cfg->cache_port, &opts);
+	if (runner == NULL || msgs == NULL)
+		_exit(3);
+
+	while (!stop_requested)
+	{
+		int			n = 0,
+					i;
+
+		if (q == NULL)
+		{
+			q = queue_open(cfg->broker_host, cfg->broker_port, cfg->broker_db,
+						   cfg->stream, cfg->group, err, sizeof(err));
+			if (q == NULL)
+			{
+				ADD(broker_errors, 1);
+				usleep(100 * 1000);
+				continue;
+			}
+		}
+		if (demo_now_ms() >= next_claim)
+		{
+			n = queue_autoclaim(q, consumer, min_idle, cursor, sizeof(cursor),
+								maxn, msgs, maxn);
+			if (n == 0 || strcmp(cursor, "0-0") == 0)
+				next_claim = demo_now_ms() + 100;
+		}
+		if (n == 0)
+			n = queue_read(q, consumer, 1, 100, msgs, maxn);
+		if (n < 0)
+		{
+			ADD(broker_errors, 1);
+			queue_close(q);
+			q = NULL;
+			usleep(50 * 1000);
+			continue;
+		}
+		for (i = 0; i < n && !stop_requested; i++)
+			process(cfg, runner, q, slot, &msgs[i]);
+	}
+	idem_runner_close(runner);
+	queue_close(q);
+	free(msgs);
+	_exit(0);
+}
+
+/* The producer: XADD every message of the plan, in order, in batches. */
+void
+producer_main(const demo_config *cfg, const demo_plan *plan)
+{
+	queue	   *q;
+	char		err[256],
+				last[48] = "";
+	int			i = 0,
+				batch = 50;
+
+	signal(SIGTERM, SIG_DFL);
+	signal(SIGINT, SIG_IGN);
+	signal(SIGPIPE, SIG_IGN);
+	q = queue_open(cfg->broker_host, cfg->broker_port, cfg->broker_db,
+				   cfg->stream, cfg->group, err, sizeof(err));
+	if (q == NULL)
+	{
+		demo_note_error("producer: %s", err);
+		_exit(2);
+	}
+	while (i < plan->nmsgs)
+	{
+		int			to = i + batch < plan->nmsgs ? i + batch : plan->nmsgs;
+		int			n = queue_add(q, cfg, plan, i, to, last, sizeof(last));
+
+		if (n != to - i)
+		{
+			/* a batch that failed part-way would enqueue duplicates when
+			 * resent: fine for an at-least-once queue, but say so */
+			demo_note_error("producer: XADD failed (%d of %d)", n, to - i);
+			queue_close(q);
+			_exit(2);
+		}
+		__atomic_add_fetch(&g_shared->enqueued, n, __ATOMIC_RELAXED);
+		i = to;
+		usleep(2000);
+	}
+	snprintf(g_shared->last_id, sizeof(g_shared->last_id), "%s", last);
+	__atomic_store_n(&g_shared->producer_done, 1, __ATOMIC_RELEASE);
+	queue_close(q);
+	_exit(0);
+}

@@ -1,0 +1,472 @@
+/*
+ * gate.c
+ *	  The Valkey side of a runner: one hiredis connection with short connect
+ *	  and command timeouts, the gate script, compare-and-delete of our own
+ *	  marker, and SET of a terminal result.
+ *
+ *	  Every command touches one key (Valkey Cluster: one slot), and only
+ *	  commands that both Redis 7 and Valkey have are used: GET, SET NX PX,
+ *	  PTTL, DEL inside EVAL/EVALSHA, SCRIPT LOAD, SET PX, AUTH, SELECT.
+ *
+ *	  A failure never fails a run: the gate is skipped and PostgreSQL
+ *	  decides.  After a failed connect the gate is left alone for retry_ms;
+ *	  a broken established connection is dropped and reconnected on next
+ *	  use.  A command that timed out leaves its reply unread, so the
+ *	  connection is always dropped after any error.
+ */
+#include "internal.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <pthread.h>
+
+#include <hiredis/hiredis.h>
+
+/*
+ * KEYS[1] = key, ARGV[1] = our marker, ARGV[2] = lease in ms.
+ * Existing value: {value, PTTL}; absent: set our marker, return 1.
+ */
+static const char GATE_SCRIPT[] =
+"local v = redis.call('GET', KEYS[1])\n"
+"if v then return {v, redis.call('PTTL', KEYS[1])} end\n"
+"redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])\n"
+"return 1\n";
+
+/* KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours. */
+static const char CAD_SCRIPT[] =
+"if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+"  return redis.call('DEL', KEYS[1])\n"
+"end\n"
+"return 0\n";
+
+struct idem_gate
+{
+	char	   *host;
+	int			port;
+	char	   *password;
+	int			db;
+	int			connect_timeout_ms;
+	int			command_timeout_ms;
+	int			retry_ms;
+	redisContext *c;
+	int64_t		down_until;		/* monotonic ms */
+	char		sha_gate[41];
+	char		sha_cad[41];
+	long		round_trips;
+	long		connects;
+};
+
+/* ---- SIGPIPE: blocked while we talk, a pending one discarded (libpq's way) */
+
+typedef struct pipe_guard
+{
+	sigset_t	old;
+	int			was_pending;
+} pipe_guard;
+
+static void
+pipe_block(pipe_guard *pg)
+{
+	sigset_t	set,
+				pend;
+
+	sigemptyset(&set);
+	sigaddset(&set, SIGPIPE);
+	pthread_sigmask(SIG_BLOCK, &set, &pg->old);
+	sigemptyset(&pend);
+	sigpending(&pend);
+	pg->was_pending = sigismember(&pend, SIGPIPE);
+}
+
+static void
+pipe_unblock(pipe_guard *pg)
+{
+	sigset_t	set,
+				pend;
+
+	sigemptyset(&set);
+	sigaddset(&set, SIGPIPE);
+	sigemptyset(&pend);
+	if (!pg->was_pending && sigpending(&pend) == 0 &&
+		sigismember(&pend, SIGPIPE))
+	{
+		struct timespec zero = {0, 0};
+
+		while (sigtimedwait(&set, NULL, &zero) < 0 && errno == EINTR)
+			;
+	}
+	pthread_sigmask(SIG_SETMASK, &pg->old, NULL);
+}
+
+int64_t
+idem_now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static struct timeval
+ms_tv(int ms)
+{
+	struct timeval tv;
+
+	tv.tv_sec = ms / 1000;
+	tv.tv_usec = (ms % 1000) * 1000;
+	return tv;
+}
+
+static char *
+dup_or_null(const char *s)
+{
+	return (s && s[0]) ? strdup(s) : NULL;
+}
+
+idem_gate *
+idem_gate_new(const char *host, int port, const char *password, int db,
+			  int connect_timeout_ms, int command_timeout_ms, int retry_ms)
+{
+	idem_gate  *g = calloc(1, sizeof(idem_gate));
+
+	if (g == NULL)
+		return NULL;
+	g->host = strdup(host);
+	g->password = dup_or_null(password);
+	if (g->host == NULL || (password && password[0] && g->password == NULL))
+	{
+		idem_gate_free(g);
+		return NULL;
+	}
+	g->port = port;
+	g->db = db;
+	g->connect_timeout_ms = connect_timeout_ms;
+	g->command_timeout_ms = command_timeout_ms;
+	g->retry_ms = retry_ms;
+	return g;
+}
+
+static void
+drop(idem_gate *g)
+{
+	if (g->c)
+		redisFree(g->c);
+	g->c = NULL;
+}
+
+void
+idem_gate_free(idem_gate *g)
+{
+	if (g == NULL)
+		return;
+	drop(g);
+	free(g->host);
+	free(g->password);
+	free(g);
+}
+
+long
+idem_gate_round_trips(const idem_gate *g)
+{
+	return g ? g->round_trips : 0;
+}
+
+long
+idem_gate_connects(const idem_gate *g)
+{
+	return g ? g->connects : 0;
+}
+
+static int
+reply_ok(redisReply *r, int want_sha, char *sha)
+{
+	if (r == NULL)
+		return 0;
+	if (want_sha)
+	{
+		if (r->type != REDIS_REPLY_STRING || r->len != 40)
+			return 0;
+		memcpy(sha, r->str, 40);
+		sha[40] = '\0';
+		return 1;
+	}
+	return r->type == REDIS_REPLY_STATUS;
+}
+
+/* Connect, authenticate, select, load the scripts: one round trip after the
+ * TCP connect.  0 on success; on failure the gate stays down for retry_ms. */
+static int
+do_connect(idem_gate *g)
+{
+	struct timeval tv = ms_tv(g->connect_timeout_ms);
+	redisContext *c;
+	int			ok = 1;
+	int			n = 0,
+				i;
+	char		dbtxt[16];
+
+	g->connects++;
+	c = redisConnectWithTimeout(g->host, g->port, tv);
+	if (c == NULL || c->err)
+	{
+		if (c)
+			redisFree(c);
+		g->down_until = idem_now_ms() + g->retry_ms;
+		return -1;
+	}
+	g->c = c;
+	if (redisSetTimeout(c, ms_tv(g->command_timeout_ms)) != REDIS_OK)
+		ok = 0;
+	if (ok && g->password)
+	{
+		const char *argv[2] = {"AUTH", g->password};
+
+		ok = redisAppendCommandArgv(c, 2, argv, NULL) == REDIS_OK;
+		n++;
+	}
+	if (ok && g->db != 0)
+	{
+		const char *argv[2] = {"SELECT", dbtxt};
+
+		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
+		ok = redisAppendCommandArgv(c, 2, argv, NULL) == REDIS_OK;
+		n++;
+	}
+	if (ok)
+	{
+		const char *a1[3] = {"SCRIPT", "LOAD", GATE_SCRIPT};
+		const char *a2[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
+
+		ok = redisAppendCommandArgv(c, 3, a1, NULL) == REDIS_OK &&
+			redisAppendCommandArgv(c, 3, a2, NULL) == REDIS_OK;
+		n += 2;
+	}
+	if (ok)
+		g->round_trips++;
+	for (i = 0; ok && i < n; i++)
+	{
+		void	   *rep = NULL;
+		int			is_sha = i >= n - 2;
+
+		if (redisGetReply(c, &rep) != REDIS_OK)
+			ok = 0;
+		else if (!reply_ok(rep, is_sha,
+						   i == n - 2 ? g->sha_gate : g->sha_cad))
+			ok = 0;
+		if (rep)
+			freeReplyObject(rep);
+	}
+	if (!ok)
+	{
+		drop(g);
+		g->down_until = idem_now_ms() + g->retry_ms;
+		return -1;
+	}
+	return 0;
+}
+
+void
+idem_gate_connect(idem_gate *g)
+{
+	pipe_guard	pg;
+
+	if (g == NULL || g->c)
+		return;
+	pipe_block(&pg);
+	do_connect(g);
+	pipe_unblock(&pg);
+}
+
+static int
+ensure(idem_gate *g)
+{
+	if (g->c)
+		return 0;
+	if (idem_now_ms() < g->down_until)
+		return -1;
+	return do_connect(g);
+}
+
+/* Did the established connection die (EOF, reset), as opposed to a timeout?
+ * Only then is one immediate retry on a new connection worth it. */
+static int
+connection_died(redisContext *c)
+{
+	return c->err == REDIS_ERR_EOF ||
+		(c->err == REDIS_ERR_IO && strstr(c->errstr, "reset") != NULL) ||
+		(c->err == REDIS_ERR_IO && strstr(c->errstr, "Broken pipe") != NULL);
+}
+
+/*
+ * Run one command; on a dead reused connection, reconnect and try once more.
+ * Returns the reply (caller frees) or NULL with the connection dropped.
+ */
+static redisReply *
+command(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
+{
+	int			tries;
+
+	for (tries = 0; tries < 2; tries++)
+	{
+		redisReply *r;
+		int			died;
+		int			reused = g->c != NULL;
+
+		if (ensure(g) != 0)
+			return NULL;
+		g->round_trips++;
+		r = redisCommandArgv(g->c, argc, argv, argvlen);
+		if (r != NULL)
+			return r;
+		died = connection_died(g->c);
+		drop(g);
+		if (!died || !reused)
+			return NULL;
+	}
+	return NULL;
+}
+
+/* EVALSHA, and EVAL if the server lost the script (SCRIPT FLUSH, restart). */
+static redisReply *
+eval(idem_gate *g, const char *sha, const char *script, int nargs,
+	 const char **args)
+{
+	const char *argv[8];
+	size_t		argvlen[8];
+	redisReply *r;
+	int			i;
+
+	if (ensure(g) != 0)
+		return NULL;
+	argv[0] = "EVALSHA";
+	argv[1] = sha;
+	argv[2] = "1";
+	for (i = 0; i < nargs; i++)
+		argv[3 + i] = args[i];
+	for (i = 0; i < 3 + nargs; i++)
+		argvlen[i] = strlen(argv[i]);
+	r = command(g, 3 + nargs, argv, argvlen);
+	if (r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOSCRIPT", 8) == 0)
+	{
+		freeReplyObject(r);
+		argv[0] = "EVAL";
+		argv[1] = script;
+		argvlen[0] = 4;
+		argvlen[1] = strlen(script);
+		r = command(g, 3 + nargs, argv, argvlen);
+	}
+	return r;
+}
+
+void
+idem_gate_enter(idem_gate *g, const char *key, const char *marker,
+				int lease_ms, gate_reply *out)
+{
+	pipe_guard	pg;
+	char		lease[24];
+	const char *args[3];
+	redisReply *r;
+
+	memset(out, 0, sizeof(*out));
+	out->answer = GATE_SKIPPED;
+	if (g == NULL)
+		return;
+	snprintf(lease, sizeof(lease), "%d", lease_ms);
+	args[0] = key;
+	args[1] = marker;
+	args[2] = lease;
+	pipe_block(&pg);
+	r = eval(g, g->sha_gate, GATE_SCRIPT, 3, args);
+	pipe_unblock(&pg);
+	if (r == NULL)
+		return;
+	if (r->type == REDIS_REPLY_INTEGER && r->integer == 1)
+		out->answer = GATE_ACQUIRED;
+	else if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+			 r->element[0]->type == REDIS_REPLY_STRING &&
+			 r->element[1]->type == REDIS_REPLY_INTEGER)
+	{
+		out->value = malloc(r->element[0]->len + 1);
+		if (out->value != NULL)
+		{
+			memcpy(out->value, r->element[0]->str, r->element[0]->len);
+			out->value[r->element[0]->len] = '\0';
+			out->value_len = r->element[0]->len;
+			out->pttl = r->element[1]->integer;
+			out->answer = GATE_VALUE;
+			/* our own marker, from a retried script that ran twice */
+			if (out->value_len == strlen(marker) &&
+				memcmp(out->value, marker, out->value_len) == 0)
+			{
+				free(out->value);
+				out->value = NULL;
+				out->value_len = 0;
+				out->answer = GATE_ACQUIRED;
+			}
+		}
+	}
+	/* else: an error reply (say WRONGTYPE for a key of another type):
+	 * Valkey answered but has nothing usable; skip the gate. */
+	freeReplyObject(r);
+}
+
+int
+idem_gate_release(idem_gate *g, const char *key, const char *marker)
+{
+	pipe_guard	pg;
+	const char *args[2];
+	redisReply *r;
+	int			rc = -1;
+
+	if (g == NULL)
+		return -1;
+	args[0] = key;
+	args[1] = marker;
+	pipe_block(&pg);
+	r = eval(g, g->sha_cad, CAD_SCRIPT, 2, args);
+	pipe_unblock(&pg);
+	if (r == NULL)
+		return -1;
+	if (r->type == REDIS_REPLY_INTEGER)
+		rc = r->integer > 0 ? 1 : 0;
+	freeReplyObject(r);
+	return rc;
+}
+
+int
+idem_gate_publish(idem_gate *g, const char *key, const char *value,
+				  size_t len, long long ttl_ms)
+{
+	pipe_guard	pg;
+	char		ttl[24];
+	const char *argv[5];
+	size_t		argvlen[5];
+	redisReply *r;
+	int			rc = -1;
+
+	if (g == NULL || ttl_ms <= 0)
+		return -1;
+	snprintf(ttl, sizeof(ttl), "%lld", ttl_ms);
+	argv[0] = "SET";
+	argv[1] = key;
+	argv[2] = value;
+	argv[3] = "PX";
+	argv[4] = ttl;
+	argvlen[0] = 3;
+	argvlen[1] = strlen(key);
+	argvlen[2] = len;
+	argvlen[3] = 2;
+	argvlen[4] = strlen(ttl);
+	pipe_block(&pg);
+	r = command(g, 5, argv, argvlen);
+	pipe_unblock(&pg);
+	if (r == NULL)
+		return -1;
+	if (r->type == REDIS_REPLY_STATUS)
+		rc = 0;
+	freeReplyObject(r);
+	return rc;
+}

@@ -1,0 +1,295 @@
+/*-------------------------------------------------------------------------
+ *
+ * idem_client.h
+ *	  libidemclient: the GatedIdempotencyRunner of idem, in C.
+ *
+ * Runs a handler exactly once per idempotency key over at-least-once
+ * delivery: Valkey in front (a gate and a replay cache), PostgreSQL with the
+ * idem extension as the source of truth, the key and the handler's effect
+ * committed in one transaction.
+ *
+ *	  idem_runner *r = idem_runner_open("dbname=app", "127.0.0.1", 6379, NULL);
+ *	  idem_result res;
+ *
+ *	  idem_run(r, tenant_id, "billing.charge", run_id, request_json,
+ *			   charge_handler, &ctx, &res);
+ *	  switch (res.status) { case IDEM_APPLIED: ... case IDEM_BUSY: ... }
+ *	  idem_runner_close(r);
+ *
+ * Rules, in the style of libpq and hiredis:
+ *	- Handles are opaque; every call returns an explicit status; the library
+ *	  never calls abort() or exit() and prints nothing itself (libpq's
+ *	  default notice processor still prints server NOTICEs to stderr).
+ *	- No global state.  A runner owns one PostgreSQL connection and one Valkey
+ *	  connection and must be used by one thread at a time (the usual pattern:
+ *	  one runner per worker thread).  Distinct runners are independent.
+ *	- Either server may be down when the runner is opened or at any time
+ *	  later: the runner reconnects on its next run.  Without Valkey it runs on
+ *	  PostgreSQL alone (slower, still correct).
+ *	- While it talks to Valkey the calling thread blocks SIGPIPE and discards
+ *	  a SIGPIPE raised by a dead socket (as libpq does), so a Valkey crash
+ *	  never kills the process.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_CLIENT_H
+#define IDEM_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <libpq-fe.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IDEM_CLIENT_VERSION		"0.1"
+#define IDEM_DIGEST_BYTES		32
+/* Longest outcome or failure detail: canonical JSON text, in bytes. */
+#define IDEM_OUTCOME_MAX_BYTES	4096
+
+typedef struct idem_runner idem_runner;
+
+/*
+ * Options of a runner.  Initialise with idem_options_init() and change what
+ * you need; a NULL idem_options * means all defaults.  The strings are copied
+ * by idem_runner_open().
+ */
+typedef struct idem_options
+{
+	const char *schema;			/* schema of the extension; NULL: looked up
+								 * in pg_extension at each connect */
+	const char *valkey_prefix;	/* key prefix, as the server's
+								 * idem.valkey_prefix; NULL: "idem:" */
+	const char *valkey_password;	/* NULL or "": no AUTH */
+	int			valkey_db;		/* SELECT this database when non-zero */
+	int			valkey_connect_timeout_ms;	/* default 200 */
+	int			valkey_command_timeout_ms;	/* default 200 */
+	int			valkey_retry_ms;	/* after a Valkey failure, go without it
+									 * for this long (default 1000) */
+	int			lease_ms;		/* claim lease, and the Valkey marker's TTL
+								 * (default 30000) */
+	int			retention_ms;	/* retention of results; 0 (default): the
+								 * server's idem.retention */
+	int			cache_results;	/* 1 (default): after a commit with a
+								 * terminal result, write it to Valkey at
+								 * once (the server's worker does it too) */
+	FILE	   *pg_trace;		/* non-NULL: PQtrace() every connection to
+								 * this stream (protocol debugging); it must
+								 * stay open until idem_runner_close() */
+} idem_options;
+
+void		idem_options_init(idem_options *opts);
+
+/*
+ * Open a runner.  pg_conninfo is a libpq connection string; valkey_host NULL
+ * means no Valkey at all.  Connects to both at once, but a server that is
+ * down is not an error: the runner retries it on each run.  Returns NULL only
+ * when memory is exhausted.  Invalid options make every run fail with
+ * IDEM_ERROR and the message that idem_runner_error_message() shows.
+ * Give pg_conninfo a connect_timeout (say connect_timeout=2): without one, a
+ * PostgreSQL host that does not answer blocks a run until the OS gives up.
+ * The role needs USAGE on the extension's schema and EXECUTE on idem_claim,
+ * idem_complete, idem_fail, idem_lookup (and their idem_platform_ twins for
+ * idem_run_platform), plus what the handlers do.
+ */
+idem_runner *idem_runner_open(const char *pg_conninfo,
+							  const char *valkey_host, int valkey_port,
+							  const idem_options *opts);
+void		idem_runner_close(idem_runner *runner);
+
+/* Last error of the runner ("" if none); valid until the next call. */
+const char *idem_runner_error_message(const idem_runner *runner);
+
+/* ---------------------------------------------------------------------
+ * Handlers
+ * ---------------------------------------------------------------------
+ */
+
+/* What a handler returns. */
+typedef enum idem_handler_status
+{
+	IDEM_HANDLER_OK = 0,		/* effect done; the JSON set is the outcome */
+	IDEM_HANDLER_RETRYABLE = 1, /* failed, try again later; JSON = detail */
+	IDEM_HANDLER_PERMANENT = 2	/* failed for good; JSON = detail */
+} idem_handler_status;
+
+/* The call a handler serves (valid only during the handler). */
+typedef struct idem_call idem_call;
+
+int			idem_call_attempt(const idem_call *call);	/* 1, 2, ... */
+int			idem_call_is_platform(const idem_call *call);
+int64_t		idem_call_tenant_id(const idem_call *call);
+const char *idem_call_scope(const idem_call *call);
+const char *idem_call_id(const idem_call *call);
+/* The request, as canonical JSON text (what the fingerprint is taken of). */
+const char *idem_call_request(const idem_call *call);
+const uint8_t *idem_call_key(const idem_call *call);	/* 32 bytes */
+
+/*
+ * Set the outcome (IDEM_HANDLER_OK) or the failure detail (the failure
+ * kinds): a JSON object whose canonical (jsonb) text is at most
+ * IDEM_OUTCOME_MAX_BYTES.  The text is copied.  Not calling it means "{}".
+ * An invalid value is reported when the handler returns: the run then ends
+ * with IDEM_ERROR / IDEM_ERR_OUTCOME and nothing is committed.  Returns 0,
+ * or -1 when memory is exhausted.
+ */
+int			idem_call_set_json(idem_call *call, const char *json);
+
+/*
+ * A handler runs inside the run's transaction, after a SAVEPOINT: do the
+ * effect with conn (blocking libpq calls; conn is not in pipeline mode) and
+ * return.  It must not COMMIT, ROLLBACK or RELEASE the runner's savepoint; a
+ * statement that fails is fine if the handler reports a failure (the runner
+ * rolls back to the savepoint).  The effect commits together with the
+ * outcome, or not at all.
+ */
+typedef idem_handler_status (*idem_handler_fn) (PGconn *conn,
+												idem_call *call,
+												void *user_data);
+
+/* ---------------------------------------------------------------------
+ * Runs
+ * ---------------------------------------------------------------------
+ */
+
+typedef enum idem_status
+{
+	IDEM_APPLIED = 0,			/* the handler ran now; effect and outcome
+								 * committed */
+	IDEM_REPLAYED,				/* completed before: outcome is the stored
+								 * result, the handler did not run */
+	IDEM_BUSY,					/* another run holds the key; retry after
+								 * retry_after_ms */
+	IDEM_MISMATCH,				/* the key was used with another request
+								 * (fingerprint); nothing changed */
+	IDEM_FAILED_PERMANENT,		/* failed for good: now (source HANDLER) or
+								 * before (a replay); outcome = detail */
+	IDEM_FAILED_RETRYABLE,		/* the handler failed now and asked for a
+								 * retry; committed as failed_retryable */
+	IDEM_ERROR					/* no decision: see error_code / message;
+								 * nothing was committed unless error_code is
+								 * IDEM_ERR_COMMIT_UNKNOWN */
+} idem_status;
+
+/* Where the decision came from. */
+typedef enum idem_source
+{
+	IDEM_SOURCE_NONE = 0,
+	IDEM_SOURCE_HANDLER,		/* the handler ran in this call */
+	IDEM_SOURCE_VALKEY,			/* the gate or the cache (no PostgreSQL
+								 * transaction was opened) */
+	IDEM_SOURCE_POSTGRES		/* the ledger */
+} idem_source;
+
+typedef enum idem_error_code
+{
+	IDEM_ERR_NONE = 0,
+	IDEM_ERR_ARGUMENT,			/* bad argument or option */
+	IDEM_ERR_REQUEST_JSON,		/* request is not valid JSON (as jsonb) */
+	IDEM_ERR_OUTCOME,			/* the handler's outcome/detail is not a JSON
+								 * object of at most 4096 bytes */
+	IDEM_ERR_HANDLER,			/* the handler broke the transaction */
+	IDEM_ERR_CONNECTION,		/* PostgreSQL unreachable or connection lost
+								 * before COMMIT: nothing committed */
+	IDEM_ERR_COMMIT_UNKNOWN,	/* connection lost during COMMIT: the
+								 * outcome is unknown; redeliver */
+	IDEM_ERR_SERVER,			/* PostgreSQL raised an error (sqlstate) */
+	IDEM_ERR_PROTOCOL,			/* unexpected answer from PostgreSQL */
+	IDEM_ERR_OUT_OF_MEMORY
+} idem_error_code;
+
+/* Filled by idem_run(); no allocation, nothing to free. */
+typedef struct idem_result
+{
+	idem_status status;
+	idem_source source;
+	int			attempt;		/* attempt that produced the outcome, or this
+								 * run's attempt; 0 if unknown */
+	long		retry_after_ms; /* IDEM_BUSY: time left on the holder's lease */
+	size_t		outcome_len;
+	char		outcome[IDEM_OUTCOME_MAX_BYTES + 1];	/* canonical JSON text,
+														 * NUL-terminated; ""
+														 * when there is none */
+	idem_error_code error_code;
+	char		sqlstate[6];	/* IDEM_ERR_SERVER */
+	char		error_message[512];
+	int			valkey_used;	/* 1 if the Valkey gate answered this run */
+} idem_result;
+
+/*
+ * Run handler once for (task_scope, id) of tenant tenant_id (idem_run) or of
+ * the platform ledger (idem_run_platform).  request_json is the request the
+ * key stands for; its fingerprint tells a redelivery from a reuse of the key.
+ * Returns out->status.
+ */
+idem_status idem_run(idem_runner *runner, int64_t tenant_id,
+					 const char *task_scope, const char *id,
+					 const char *request_json,
+					 idem_handler_fn handler, void *user_data,
+					 idem_result *out);
+idem_status idem_run_platform(idem_runner *runner,
+							  const char *task_scope, const char *id,
+							  const char *request_json,
+							  idem_handler_fn handler, void *user_data,
+							  idem_result *out);
+
+const char *idem_status_name(idem_status status);	/* "applied", ... */
+const char *idem_source_name(idem_source source);	/* "valkey", ... */
+
+/* Counters of a runner, for tests and monitoring. */
+typedef struct idem_runner_stats
+{
+	long		runs;
+	long		pg_round_trips; /* waits for PostgreSQL, handler excluded */
+	long		pg_connects;
+	long		valkey_round_trips;
+	long		valkey_connects;
+	long		valkey_skipped; /* runs that went without Valkey */
+} idem_runner_stats;
+
+void		idem_runner_get_stats(const idem_runner *runner,
+								  idem_runner_stats *out);
+
+/* ---------------------------------------------------------------------
+ * Keys, fingerprints, canonical JSON (no servers needed)
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * key = SHA-256( u32be(len scope) || scope || u32be(len id) || id ), lengths
+ * in bytes: the same bytes as SQL idem_key(scope, id).  Both strings must be
+ * valid UTF-8.  Returns 0, or -1 for invalid arguments.
+ */
+int			idem_key(const char *task_scope, const char *id,
+					 uint8_t out[IDEM_DIGEST_BYTES]);
+
+/*
+ * fingerprint = SHA-256 of the canonical text of the JSON document: the same
+ * bytes as SQL idem_fingerprint(json::jsonb).  Returns 0, or -1 if json is
+ * not accepted by jsonb (errbuf, if given, says why).
+ */
+int			idem_fingerprint(const char *json, size_t len,
+							 uint8_t out[IDEM_DIGEST_BYTES],
+							 char *errbuf, size_t errbuflen);
+
+/*
+ * The text PostgreSQL prints for json::jsonb, byte for byte: keys
+ * deduplicated (last wins) and sorted (shorter first, then bytewise),
+ * separators ", " and ": ", strings re-escaped, numbers as numeric_out
+ * prints them.  Returns a NUL-terminated malloc'd string (free it with
+ * idem_free) and its length in *out_len, or NULL if json is invalid or memory
+ * is exhausted (errbuf says which).  Nesting deeper than 512 levels is
+ * refused (PostgreSQL's own limit depends on its stack).
+ */
+char	   *idem_json_canonical(const char *json, size_t len, size_t *out_len,
+								char *errbuf, size_t errbuflen);
+void		idem_free(void *ptr);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif							/* IDEM_CLIENT_H */

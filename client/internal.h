@@ -1,0 +1,148 @@
+/*
+ * internal.h
+ *	  Declarations shared by the files of libidemclient; not installed.
+ *
+ *	  sha256.c			SHA-256
+ *	  canonical_json.c	the jsonb-identical canonical JSON text
+ *	  digest.c			idem_key(), idem_fingerprint()
+ *	  gate.c			the Valkey side: connection, gate script,
+ *						compare-and-delete, publish
+ *	  pg.c				the PostgreSQL side: connection, pipelines
+ *	  runner.c			the run itself, options, results
+ */
+#ifndef IDEM_CLIENT_INTERNAL_H
+#define IDEM_CLIENT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "idem_client.h"
+#include "cache_format.h"
+
+typedef struct idem_sha256
+{
+	uint32_t	h[8];
+	uint64_t	total;
+	size_t		used;
+	uint8_t		buf[64];
+} idem_sha256;
+
+void		idem_sha256_init(idem_sha256 *c);
+void		idem_sha256_update(idem_sha256 *c, const void *data, size_t len);
+void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
+
+/* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
+ * accepts in a UTF8 database). */
+int			idem_utf8_valid(const char *buf, size_t len);
+
+/* Error strings: always NUL-terminated, truncated to fit. */
+void		idem_set_err(char *buf, size_t buflen, const char *fmt,...)
+			__attribute__((format(printf, 3, 4)));
+
+/* Monotonic milliseconds. */
+int64_t		idem_now_ms(void);
+
+/* ---- gate.c: the Valkey side ---- */
+
+typedef struct idem_gate idem_gate;
+
+typedef enum gate_answer
+{
+	GATE_SKIPPED = 0,			/* Valkey down, slow, or not configured */
+	GATE_ACQUIRED,				/* our marker is set */
+	GATE_VALUE					/* a value exists: value/len + pttl */
+} gate_answer;
+
+typedef struct gate_reply
+{
+	gate_answer answer;
+	char	   *value;			/* GATE_VALUE: malloc'd, NUL-terminated */
+	size_t		value_len;
+	long long	pttl;			/* GATE_VALUE: PTTL (-1 none, -2 gone) */
+} gate_reply;
+
+idem_gate  *idem_gate_new(const char *host, int port, const char *password,
+						  int db, int connect_timeout_ms,
+						  int command_timeout_ms, int retry_ms);
+void		idem_gate_free(idem_gate *g);
+/* One round trip: GET, or SET NX PX our marker if absent. */
+void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
+							int lease_ms, gate_reply *out);
+/* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
+ * -1 Valkey unavailable. */
+int			idem_gate_release(idem_gate *g, const char *key,
+							  const char *marker);
+/* SET key value PX ttl_ms.  Returns 0, or -1 on failure. */
+int			idem_gate_publish(idem_gate *g, const char *key,
+							  const char *value, size_t len, long long ttl_ms);
+/* Counters. */
+long		idem_gate_round_trips(const idem_gate *g);
+long		idem_gate_connects(const idem_gate *g);
+/* Try to connect now (used at open). */
+void		idem_gate_connect(idem_gate *g);
+
+/* ---- pg.c: the PostgreSQL side ---- */
+
+typedef enum pg_stmt
+{
+	STMT_CLAIM_T = 0, STMT_CLAIM_P,
+	STMT_COMPLETE_T, STMT_COMPLETE_P,
+	STMT_FAIL_T, STMT_FAIL_P,
+	STMT_TTL_T, STMT_TTL_P,
+	STMT_COUNT
+} pg_stmt;
+
+typedef struct idem_pg
+{
+	char	   *conninfo;
+	char	   *schema_opt;		/* NULL: look it up */
+	FILE	   *trace;
+	PGconn	   *conn;
+	char	   *sql[STMT_COUNT];	/* built at connect, schema-qualified */
+	long		round_trips;
+	long		connects;
+} idem_pg;
+
+/* One command of a pipeline: SQL text (NULL-free) and parameters. */
+typedef struct pg_cmd
+{
+	const char *sql;
+	int			nparams;
+	const char *values[5];
+	int			lengths[5];
+	int			formats[5];
+} pg_cmd;
+
+#define PG_MAX_CMDS 5
+
+typedef enum pg_rc
+{
+	PG_OK = 0,
+	PG_SERVER_ERROR,			/* a command failed; res[] has its error */
+	PG_CONN_LOST				/* connection lost; the conn is closed */
+} pg_rc;
+
+typedef struct pg_outcome
+{
+	pg_rc		rc;
+	int			failed_cmd;		/* index of the first failed command, or -1 */
+	int			completed;		/* commands with a successful result */
+	PGresult   *res[PG_MAX_CMDS];
+	char		sqlstate[6];
+	char		message[400];
+} pg_outcome;
+
+void		idem_pg_init(idem_pg *p);
+void		idem_pg_close(idem_pg *p);
+/* Connect if needed (and look up the schema).  0, or -1 with msg set;
+ * *fresh says whether a new connection was made. */
+int			idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen);
+/* Send cmds as one pipeline with one Sync: one round trip. */
+void		idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
+							 pg_outcome *out);
+void		idem_pg_outcome_clear(pg_outcome *o);
+/* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */
+int			idem_pg_exec(idem_pg *p, const char *sql);
+void		idem_pg_drop(idem_pg *p);
+
+#endif

@@ -1,0 +1,341 @@
+/*
+ * pg.c
+ *	  The PostgreSQL side of a runner: one libpq connection, the statements
+ *	  of the idem SQL API (schema-qualified: nothing depends on search_path),
+ *	  and a pipeline helper that sends several commands with one Sync, so
+ *	  that they cost one round trip.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void
+idem_pg_init(idem_pg *p)
+{
+	memset(p, 0, sizeof(*p));
+}
+
+static void
+free_sql(idem_pg *p)
+{
+	int			i;
+
+	for (i = 0; i < STMT_COUNT; i++)
+	{
+		free(p->sql[i]);
+		p->sql[i] = NULL;
+	}
+}
+
+void
+idem_pg_drop(idem_pg *p)
+{
+	if (p->conn)
+	{
+		if (p->trace)
+			PQuntrace(p->conn);
+		PQfinish(p->conn);
+	}
+	p->conn = NULL;
+	free_sql(p);
+}
+
+void
+idem_pg_close(idem_pg *p)
+{
+	idem_pg_drop(p);
+	free(p->conninfo);
+	free(p->schema_opt);
+	p->conninfo = NULL;
+	p->schema_opt = NULL;
+}
+
+static void
+copy_msg(char *msg, size_t msglen, const char *prefix, const char *text)
+{
+	size_t		n;
+
+	idem_set_err(msg, msglen, "%s%s", prefix, text ? text : "");
+	n = strlen(msg);
+	while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == ' '))
+		msg[--n] = '\0';
+}
+
+static char *
+fmt_sql(const char *fmt, const char *schema)
+{
+	size_t		n = strlen(fmt) + strlen(schema) + 1;
+	char	   *s = malloc(n);
+
+	if (s)
+		snprintf(s, n, fmt, schema);
+	return s;
+}
+
+static int
+build_sql(idem_pg *p, const char *s)
+{
+	/* each format has exactly one %s: the quoted schema */
+	static const char *const fmts[STMT_COUNT] = {
+		/* CLAIM_T: decision, attempt, outcome, ms until expires_at */
+		"SELECT c.decision, c.attempt, c.outcome::text, "
+		"floor(extract(epoch FROM c.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_claim($1::bigint, $2::bytea, $3::bytea, $4::interval) AS c",
+		"SELECT c.decision, c.attempt, c.outcome::text, "
+		"floor(extract(epoch FROM c.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_platform_claim($1::bytea, $2::bytea, $3::interval) AS c",
+		"SELECT %s.idem_complete($1::bigint, $2::bytea, $3::jsonb, $4::interval)",
+		"SELECT %s.idem_platform_complete($1::bytea, $2::jsonb, $3::interval)",
+		"SELECT %s.idem_fail($1::bigint, $2::bytea, $3::jsonb, $4::boolean, $5::interval)",
+		"SELECT %s.idem_platform_fail($1::bytea, $2::jsonb, $3::boolean, $4::interval)",
+		/* TTL_*: ms until the row's expires_at (retention deadline) */
+		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_lookup($1::bigint, $2::bytea) AS l",
+		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_platform_lookup($1::bytea) AS l"
+	};
+	int			i;
+
+	free_sql(p);
+	for (i = 0; i < STMT_COUNT; i++)
+	{
+		p->sql[i] = fmt_sql(fmts[i], s);
+		if (p->sql[i] == NULL)
+			return -1;
+	}
+	return 0;
+}
+
+int
+idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
+{
+	char	   *quoted = NULL;
+	int			rc = -1;
+
+	*fresh = 0;
+	if (p->conn && PQstatus(p->conn) == CONNECTION_OK && p->sql[0])
+		return 0;
+	idem_pg_drop(p);
+	*fresh = 1;
+	p->connects++;
+	p->conn = PQconnectdb(p->conninfo);
+	if (p->conn == NULL)
+	{
+		copy_msg(msg, msglen, "PostgreSQL: ", "out of memory");
+		return -1;
+	}
+	if (PQstatus(p->conn) != CONNECTION_OK)
+	{
+		copy_msg(msg, msglen, "PostgreSQL connection failed: ",
+				 PQerrorMessage(p->conn));
+		idem_pg_drop(p);
+		return -1;
+	}
+	if (p->trace)
+	{
+		PQtrace(p->conn, p->trace);
+		PQsetTraceFlags(p->conn, PQTRACE_SUPPRESS_TIMESTAMPS);
+	}
+	if (p->schema_opt)
+	{
+		quoted = PQescapeIdentifier(p->conn, p->schema_opt,
+									strlen(p->schema_opt));
+		if (quoted == NULL)
+			copy_msg(msg, msglen, "PostgreSQL: ", PQerrorMessage(p->conn));
+	}
+	else
+	{
+		PGresult   *r;
+
+		p->round_trips++;
+		r = PQexec(p->conn,
+				   "SELECT pg_catalog.quote_ident(n.nspname) "
+				   "FROM pg_catalog.pg_extension e "
+				   "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
+				   "WHERE e.extname = 'idem'");
+		if (PQresultStatus(r) != PGRES_TUPLES_OK)
+			copy_msg(msg, msglen, "PostgreSQL: looking up the idem extension: ",
+					 PQresultErrorMessage(r));
+		else if (PQntuples(r) != 1)
+			copy_msg(msg, msglen, "",
+					 "the extension idem is not installed in this database (CREATE EXTENSION idem)");
+		else
+		{
+			quoted = strdup(PQgetvalue(r, 0, 0));
+			if (quoted == NULL)
+				copy_msg(msg, msglen, "", "out of memory");
+		}
+		PQclear(r);
+	}
+	if (quoted != NULL)
+	{
+		if (build_sql(p, quoted) == 0)
+			rc = 0;
+		else
+			copy_msg(msg, msglen, "", "out of memory");
+		if (p->schema_opt)
+			PQfreemem(quoted);
+		else
+			free(quoted);
+	}
+	if (rc != 0)
+		idem_pg_drop(p);
+	return rc;
+}
+
+void
+idem_pg_outcome_clear(pg_outcome *o)
+{
+	int			i;
+
+	for (i = 0; i < PG_MAX_CMDS; i++)
+	{
+		if (o->res[i])
+			PQclear(o->res[i]);
+		o->res[i] = NULL;
+	}
+}
+
+static void
+set_error(pg_outcome *out, const PGresult *r, PGconn *conn)
+{
+	const char *st = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+
+	if (out->message[0] != '\0')
+		return;
+	if (st)
+		snprintf(out->sqlstate, sizeof(out->sqlstate), "%s", st);
+	copy_msg(out->message, sizeof(out->message), "",
+			 r ? PQresultErrorMessage(r) : PQerrorMessage(conn));
+	if (out->message[0] == '\0')
+		copy_msg(out->message, sizeof(out->message), "", PQerrorMessage(conn));
+}
+
+static void
+lost(idem_pg *p, pg_outcome *out)
+{
+	set_error(out, NULL, p->conn);
+	if (out->message[0] == '\0')
+		snprintf(out->message, sizeof(out->message),
+				 "connection to PostgreSQL lost");
+	out->rc = PG_CONN_LOST;
+	idem_pg_drop(p);
+}
+
+void
+idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
+{
+	PGconn	   *conn = p->conn;
+	int			i;
+
+	memset(out, 0, sizeof(*out));
+	out->failed_cmd = -1;
+	if (conn == NULL || PQstatus(conn) != CONNECTION_OK)
+	{
+		lost(p, out);
+		return;
+	}
+	p->round_trips++;
+	if (PQenterPipelineMode(conn) != 1)
+	{
+		lost(p, out);
+		return;
+	}
+	for (i = 0; i < n; i++)
+	{
+		if (PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
+							  cmds[i].values, cmds[i].lengths,
+							  cmds[i].formats, 0) != 1)
+		{
+			lost(p, out);
+			return;
+		}
+	}
+	if (PQpipelineSync(conn) != 1 || PQflush(conn) != 0)
+	{
+		lost(p, out);
+		return;
+	}
+	for (i = 0; i < n; i++)
+	{
+		PGresult   *r = PQgetResult(conn);
+		PGresult   *extra;
+		ExecStatusType st;
+
+		if (r == NULL)
+		{
+			lost(p, out);
+			return;
+		}
+		st = PQresultStatus(r);
+		out->res[i] = r;
+		if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK)
+			out->completed++;
+		else
+		{
+			if (out->failed_cmd < 0)
+				out->failed_cmd = i;
+			if (st != PGRES_PIPELINE_ABORTED)
+				set_error(out, r, conn);
+			if (PQstatus(conn) != CONNECTION_OK)
+			{
+				lost(p, out);
+				return;
+			}
+		}
+		/* each command's results end with a NULL */
+		while ((extra = PQgetResult(conn)) != NULL)
+		{
+			if (PQresultStatus(extra) == PGRES_FATAL_ERROR)
+				set_error(out, extra, conn);
+			PQclear(extra);
+			if (PQstatus(conn) != CONNECTION_OK)
+			{
+				lost(p, out);
+				return;
+			}
+		}
+		if (PQstatus(conn) != CONNECTION_OK)
+		{
+			lost(p, out);
+			return;
+		}
+	}
+	{
+		PGresult   *r = PQgetResult(conn);
+		int			ok = r && PQresultStatus(r) == PGRES_PIPELINE_SYNC;
+
+		if (r)
+			PQclear(r);
+		if (!ok || PQexitPipelineMode(conn) != 1)
+		{
+			if (out->message[0] == '\0')
+				snprintf(out->message, sizeof(out->message),
+						 "unexpected PostgreSQL protocol state");
+			lost(p, out);
+			return;
+		}
+	}
+	out->rc = out->failed_cmd >= 0 ? PG_SERVER_ERROR : PG_OK;
+}
+
+int
+idem_pg_exec(idem_pg *p, const char *sql)
+{
+	PGresult   *r;
+	int			ok;
+
+	if (p->conn == NULL || PQstatus(p->conn) != CONNECTION_OK)
+		return -1;
+	p->round_trips++;
+	r = PQexec(p->conn, sql);
+	ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+	PQclear(r);
+	if (PQstatus(p->conn) != CONNECTION_OK)
+	{
+		idem_pg_drop(p);
+		return -1;
+	}
+	return ok ? 0 : -1;
+}

@@ -1,0 +1,1013 @@
+/*
+ * runner.c
+ *	  The GatedIdempotencyRunner: one run, step by step (SPEC section 1,
+ *	  issue 4).
+ *
+ *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
+ *	  2. Valkey, one round trip (gate script): a terminal value with our
+ *		 fingerprint is a replay (no PostgreSQL at all); another fingerprint
+ *		 is a mismatch; a marker with a TTL is busy; a malformed value is
+ *		 ignored; absent: our marker is set (SET NX PX lease).  Valkey down
+ *		 or slow: skip the gate.
+ *	  3. PostgreSQL, round trip 1 (pipeline): BEGIN; idem_claim; SAVEPOINT.
+ *		 claimed: the handler runs on the open transaction; then round trip
+ *		 2 (pipeline): RELEASE SAVEPOINT (or ROLLBACK TO SAVEPOINT);
+ *		 idem_complete (or idem_fail); expires_at of the row; COMMIT.
+ *		 Another decision: round trip 2 is COMMIT alone.
+ *	  4. After a commit with a terminal result: SET the value in Valkey
+ *		 (replays read from PostgreSQL always; our own results when
+ *		 cache_results is on).  Without a terminal result, our marker is
+ *		 removed by compare-and-delete on its token.
+ */
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/random.h>
+
+struct idem_runner
+{
+	idem_pg		pg;
+	idem_gate  *gate;			/* NULL: no Valkey */
+	char		prefix[IDEM_CACHE_PREFIX_MAX + 1];
+	int			lease_ms;
+	int			retention_ms;
+	int			cache_results;
+	int			broken;			/* invalid options: every run fails */
+	uint64_t	token_counter;
+	char		errmsg[512];
+	idem_runner_stats stats;
+};
+
+struct idem_call
+{
+	int			attempt;
+	int			is_platform;
+	int64_t		tenant_id;
+	const char *scope;
+	const char *id;
+	const char *request;
+	const uint8_t *key;
+	char	   *json;
+	int			oom;
+};
+
+/* ---- options ---- */
+
+void
+idem_options_init(idem_options *o)
+{
+	if (o == NULL)
+		return;
+	memset(o, 0, sizeof(*o));
+	o->valkey_connect_timeout_ms = 200;
+	o->valkey_command_timeout_ms = 200;
+	o->valkey_retry_ms = 1000;
+	o->lease_ms = 30000;
+	o->retention_ms = 0;
+	o->cache_results = 1;
+}
+
+static int
+prefix_ok(const char *p)
+{
+	size_t		n = strlen(p);
+	size_t		i;
+
+	if (n > IDEM_CACHE_PREFIX_MAX)
+		return 0;
+	for (i = 0; i < n; i++)
+		if (p[i] <= ' ' || p[i] > '~')
+			return 0;
+	return 1;
+}
+
+idem_runner *
+idem_runner_open(const char *pg_conninfo, const char *valkey_host,
+				 int valkey_port, const idem_options *opts)
+{
+	idem_options o;
+	idem_runner *r = calloc(1, sizeof(idem_runner));
+
+	if (r == NULL)
+		return NULL;
+	if (opts)
+		o = *opts;
+	else
+		idem_options_init(&o);
+	idem_pg_init(&r->pg);
+	r->pg.conninfo = strdup(pg_conninfo ? pg_conninfo : "");
+	if (r->pg.conninfo == NULL)
+		goto oom;
+	if (o.schema && o.schema[0])
+	{
+		r->pg.schema_opt = strdup(o.schema);
+		if (r->pg.schema_opt == NULL)
+			goto oom;
+	}
+	r->pg.trace = o.pg_trace;
+	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
+	r->retention_ms = o.retention_ms;
+	r->cache_results = o.cache_results;
+	if (o.valkey_connect_timeout_ms <= 0)
+		o.valkey_connect_timeout_ms = 200;
+	if (o.valkey_command_timeout_ms <= 0)
+		o.valkey_command_timeout_ms = 200;
+	if (o.valkey_retry_ms < 0)
+		o.valkey_retry_ms = 1000;
+
+	if (pg_conninfo == NULL)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
+	}
+	else if (o.retention_ms < 0)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "retention_ms must not be negative");
+	}
+	else if (o.valkey_prefix && !prefix_ok(o.valkey_prefix))
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "valkey_prefix must be at most %d printable ASCII characters without spaces",
+					 IDEM_CACHE_PREFIX_MAX);
+	}
+	else if (valkey_host && (valkey_port <= 0 || valkey_port > 65535))
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "valkey_port %d is out of range", valkey_port);
+	}
+	snprintf(r->prefix, sizeof(r->prefix), "%s",
+			 (o.valkey_prefix && prefix_ok(o.valkey_prefix)) ?
+			 o.valkey_prefix : "idem:");
+	if (r->broken)
+		return r;
+
+	if (valkey_host && valkey_host[0])
+	{
+		r->gate = idem_gate_new(valkey_host, valkey_port, o.valkey_password,
+								o.valkey_db, o.valkey_connect_timeout_ms,
+								o.valkey_command_timeout_ms,
+								o.valkey_retry_ms);
+		if (r->gate == NULL)
+			goto oom;
+		idem_gate_connect(r->gate);
+	}
+	{
+		int			fresh;
+
+		/* a server that is down is not an error here */
+		if (idem_pg_ensure(&r->pg, &fresh, r->errmsg, sizeof(r->errmsg)) == 0)
+			r->errmsg[0] = '\0';
+	}
+	return r;
+
+oom:
+	idem_runner_close(r);
+	return NULL;
+}
+
+void
+idem_runner_close(idem_runner *r)
+{
+	if (r == NULL)
+		return;
+	idem_pg_close(&r->pg);
+	idem_gate_free(r->gate);
+	free(r);
+}
+
+const char *
+idem_runner_error_message(const idem_runner *r)
+{
+	return r ? r->errmsg : "runner is NULL";
+}
+
+void
+idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
+{
+	if (out == NULL)
+		return;
+	memset(out, 0, sizeof(*out));
+	if (r == NULL)
+		return;
+	*out = r->stats;
+	out->pg_round_trips = r->pg.round_trips;
+	out->pg_connects = r->pg.connects;
+	out->valkey_round_trips = idem_gate_round_trips(r->gate);
+	out->valkey_connects = idem_gate_connects(r->gate);
+}
+
+const char *
+idem_status_name(idem_status s)
+{
+	switch (s)
+	{
+		case IDEM_APPLIED:
+			return "applied";
+		case IDEM_REPLAYED:
+			return "replayed";
+		case IDEM_BUSY:
+			return "busy";
+		case IDEM_MISMATCH:
+			return "mismatch";
+		case IDEM_FAILED_PERMANENT:
+			return "failed_permanent";
+		case IDEM_FAILED_RETRYABLE:
+			return "failed_retryable";
+		case IDEM_ERROR:
+			return "error";
+	}
+	return "unknown";
+}
+
+const char *
+idem_source_name(idem_source s)
+{
+	switch (s)
+	{
+		case IDEM_SOURCE_NONE:
+			return "none";
+		case IDEM_SOURCE_HANDLER:
+			return "handler";
+		case IDEM_SOURCE_VALKEY:
+			return "valkey";
+		case IDEM_SOURCE_POSTGRES:
+			return "postgres";
+	}
+	return "unknown";
+}
+
+/* ---- the handler's call ---- */
+
+int
+idem_call_attempt(const idem_call *c)
+{
+	return c ? c->attempt : 0;
+}
+
+int
+idem_call_is_platform(const idem_call *c)
+{
+	return c ? c->is_platform : 0;
+}
+
+int64_t
+idem_call_tenant_id(const idem_call *c)
+{
+	return c ? c->tenant_id : 0;
+}
+
+const char *
+idem_call_scope(const idem_call *c)
+{
+	return c ? c->scope : NULL;
+}
+
+const char *
+idem_call_id(const idem_call *c)
+{
+	return c ? c->id : NULL;
+}
+
+const char *
+idem_call_request(const idem_call *c)
+{
+	return c ? c->request : NULL;
+}
+
+const uint8_t *
+idem_call_key(const idem_call *c)
+{
+	return c ? c->key : NULL;
+}
+
+int
+idem_call_set_json(idem_call *c, const char *json)
+{
+	char	   *copy;
+
+	if (c == NULL)
+		return -1;
+	copy = strdup(json ? json : "");
+	if (copy == NULL)
+	{
+		c->oom = 1;
+		return -1;
+	}
+	free(c->json);
+	c->json = copy;
+	return 0;
+}
+
+/* ---- one run ---- */
+
+typedef struct run_state
+{
+	idem_runner *r;
+	idem_result *out;
+	int			is_platform;
+	int64_t		tenant_id;
+	uint8_t		key[IDEM_DIGEST_LEN];
+	uint8_t		fp[IDEM_DIGEST_LEN];
+	char	   *request;		/* canonical */
+	size_t		request_len;
+	char		ckey[IDEM_CACHE_KEY_MAX];
+	char		marker[64];
+	int			own_marker;
+	/* parameters as text */
+	char		tenant_txt[24];
+	char		lease_txt[32];
+	char		retention_txt[32];
+} run_state;
+
+static idem_status
+finish_error(run_state *s, idem_error_code code, const char *sqlstate,
+			 const char *fmt,...) __attribute__((format(printf, 4, 5)));
+
+static idem_status
+finish_error(run_state *s, idem_error_code code, const char *sqlstate,
+			 const char *fmt,...)
+{
+	va_list		ap;
+	char	   *p;
+
+	s->out->status = IDEM_ERROR;
+	s->out->error_code = code;
+	snprintf(s->out->sqlstate, sizeof(s->out->sqlstate), "%s",
+			 sqlstate ? sqlstate : "");
+	va_start(ap, fmt);
+	vsnprintf(s->out->error_message, sizeof(s->out->error_message), fmt, ap);
+	va_end(ap);
+	/* one line: libpq's messages carry newlines and tabs */
+	for (p = s->out->error_message; *p; p++)
+		if ((unsigned char) *p < ' ')
+			*p = ' ';
+	snprintf(s->r->errmsg, sizeof(s->r->errmsg), "%s", s->out->error_message);
+	s->out->outcome[0] = '\0';
+	s->out->outcome_len = 0;
+	return IDEM_ERROR;
+}
+
+static void
+set_outcome(idem_result *out, const char *text, size_t len)
+{
+	if (len > IDEM_OUTCOME_MAX_BYTES)
+		len = IDEM_OUTCOME_MAX_BYTES;	/* cannot happen: checked before */
+	memcpy(out->outcome, text, len);
+	out->outcome[len] = '\0';
+	out->outcome_len = len;
+}
+
+/* 16 random bytes for the marker's token; never fails. */
+static void
+random_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
+{
+	ssize_t		got = getrandom(tok, IDEM_TOKEN_LEN, GRND_NONBLOCK);
+
+	if (got != IDEM_TOKEN_LEN)
+	{
+		int			fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+
+		got = fd >= 0 ? read(fd, tok, IDEM_TOKEN_LEN) : -1;
+		if (fd >= 0)
+			close(fd);
+	}
+	if (got != IDEM_TOKEN_LEN)
+	{
+		/* last resort: unique per runner and process, still unguessable
+		 * enough for a compare-and-delete token */
+		idem_sha256 c;
+		uint8_t		d[32];
+		struct
+		{
+			int64_t		t;
+			pid_t		pid;
+			const void *self;
+			uint64_t	n;
+		}			seed;
+
+		seed.t = idem_now_ms();
+		seed.pid = getpid();
+		seed.self = r;
+		seed.n = ++r->token_counter;
+		idem_sha256_init(&c);
+		idem_sha256_update(&c, &seed, sizeof(seed));
+		idem_sha256_final(&c, d);
+		memcpy(tok, d, IDEM_TOKEN_LEN);
+	}
+}
+
+static void
+release_marker(run_state *s)
+{
+	if (s->own_marker)
+		idem_gate_release(s->r->gate, s->ckey, s->marker);
+	s->own_marker = 0;
+}
+
+/* SET the terminal value; replaces our marker if it is still there. */
+static void
+publish(run_state *s, IdemCacheKind kind, int attempt, const char *outcome,
+		size_t len, long long ttl_ms)
+{
+	char		value[IDEM_CACHE_VALUE_MAX];
+	int			n;
+
+	if (s->r->gate == NULL || ttl_ms <= 0)
+		return;
+	n = idem_cache_encode_result(value, sizeof(value), kind, attempt, s->fp,
+								 outcome, len);
+	if (n < 0)
+		return;
+	if (idem_gate_publish(s->r->gate, s->ckey, value, (size_t) n, ttl_ms) == 0)
+		s->own_marker = 0;
+}
+
+/*
+ * Is text a canonical JSON object of at most IDEM_OUTCOME_MAX bytes?  (A
+ * value from Valkey must be: the worker and this client write jsonb text.)
+ */
+static int
+canonical_object(const char *text, size_t len)
+{
+	size_t		clen;
+	char	   *c;
+	int			ok;
+
+	if (len == 0 || len > IDEM_OUTCOME_MAX || text[0] != '{')
+		return 0;
+	c = idem_json_canonical(text, len, &clen, NULL, 0);
+	ok = c != NULL && clen == len && memcmp(c, text, len) == 0;
+	free(c);
+	return ok;
+}
+
+/* Step 2.  Returns 1 if the gate decided the run. */
+static int
+gate_step(run_state *s)
+{
+	gate_reply g;
+	IdemCacheValue v;
+	int			decided = 0;
+
+	if (s->r->gate == NULL)
+	{
+		s->r->stats.valkey_skipped++;
+		return 0;
+	}
+	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms, &g);
+	switch (g.answer)
+	{
+		case GATE_SKIPPED:
+			s->r->stats.valkey_skipped++;
+			break;
+		case GATE_ACQUIRED:
+			s->own_marker = 1;
+			s->out->valkey_used = 1;
+			break;
+		case GATE_VALUE:
+			s->out->valkey_used = 1;
+			if (idem_cache_decode(g.value, g.value_len, &v) != 0)
+				break;			/* malformed: PostgreSQL decides */
+			if (v.kind == IDEM_CACHE_MARKER)
+			{
+				if (g.pttl > 0)
+				{
+					s->out->status = IDEM_BUSY;
+					s->out->source = IDEM_SOURCE_VALKEY;
+					s->out->retry_after_ms = (long) g.pttl;
+					decided = 1;
+				}
+				/* a marker without a TTL is not ours to honour */
+				break;
+			}
+			if (!canonical_object(v.outcome, v.outcome_len))
+				break;
+			s->out->source = IDEM_SOURCE_VALKEY;
+			decided = 1;
+			if (memcmp(v.fingerprint, s->fp, IDEM_DIGEST_LEN) != 0)
+			{
+				s->out->status = IDEM_MISMATCH;
+				break;
+			}
+			s->out->status = v.kind == IDEM_CACHE_COMPLETED ?
+				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+			s->out->attempt = v.attempt;
+			set_outcome(s->out, v.outcome, v.outcome_len);
+			break;
+	}
+	free(g.value);
+	return decided;
+}
+
+static void
+params_claim(run_state *s, pg_cmd *c)
+{
+	idem_pg    *pg = &s->r->pg;
+	int			i = 0;
+
+	memset(c, 0, sizeof(*c));
+	c->sql = pg->sql[s->is_platform ? STMT_CLAIM_P : STMT_CLAIM_T];
+	if (!s->is_platform)
+		c->values[i++] = s->tenant_txt;
+	c->values[i] = (const char *) s->key;
+	c->lengths[i] = IDEM_DIGEST_LEN;
+	c->formats[i++] = 1;
+	c->values[i] = (const char *) s->fp;
+	c->lengths[i] = IDEM_DIGEST_LEN;
+	c->formats[i++] = 1;
+	c->values[i++] = s->lease_txt;
+	c->nparams = i;
+}
+
+static void
+params_finish(run_state *s, pg_cmd *c, int ok, int retryable,
+			  const char *json)
+{
+	idem_pg    *pg = &s->r->pg;
+	int			i = 0;
+
+	memset(c, 0, sizeof(*c));
+	if (ok)
+		c->sql = pg->sql[s->is_platform ? STMT_COMPLETE_P : STMT_COMPLETE_T];
+	else
+		c->sql = pg->sql[s->is_platform ? STMT_FAIL_P : STMT_FAIL_T];
+	if (!s->is_platform)
+		c->values[i++] = s->tenant_txt;
+	c->values[i] = (const char *) s->key;
+	c->lengths[i] = IDEM_DIGEST_LEN;
+	c->formats[i++] = 1;
+	c->values[i++] = json;
+	if (!ok)
+		c->values[i++] = retryable ? "true" : "false";
+	c->values[i++] = s->retention_txt[0] ? s->retention_txt : NULL;
+	c->nparams = i;
+}
+
+static void
+params_ttl(run_state *s, pg_cmd *c)
+{
+	idem_pg    *pg = &s->r->pg;
+	int			i = 0;
+
+	memset(c, 0, sizeof(*c));
+	c->sql = pg->sql[s->is_platform ? STMT_TTL_P : STMT_TTL_T];
+	if (!s->is_platform)
+		c->values[i++] = s->tenant_txt;
+	c->values[i] = (const char *) s->key;
+	c->lengths[i] = IDEM_DIGEST_LEN;
+	c->formats[i++] = 1;
+	c->nparams = i;
+}
+
+static pg_cmd
+simple_cmd(const char *sql)
+{
+	pg_cmd		c;
+
+	memset(&c, 0, sizeof(c));
+	c.sql = sql;
+	return c;
+}
+
+/* End the transaction after an error; the connection may be gone. */
+static void
+rollback_quietly(run_state *s)
+{
+	PGconn	   *conn = s->r->pg.conn;
+
+	if (conn && PQstatus(conn) == CONNECTION_OK &&
+		PQtransactionStatus(conn) != PQTRANS_IDLE)
+	{
+		if (idem_pg_exec(&s->r->pg, "ROLLBACK") != 0)
+			idem_pg_drop(&s->r->pg);
+	}
+}
+
+static long long
+int_value(PGresult *r, int col, long long dflt)
+{
+	if (r == NULL || PQresultStatus(r) != PGRES_TUPLES_OK ||
+		PQntuples(r) < 1 || PQnfields(r) <= col || PQgetisnull(r, 0, col))
+		return dflt;
+	return strtoll(PQgetvalue(r, 0, col), NULL, 10);
+}
+
+static idem_status
+pg_error(run_state *s, pg_outcome *o, const char *what)
+{
+	idem_error_code code = o->rc == PG_CONN_LOST ? IDEM_ERR_CONNECTION :
+		IDEM_ERR_SERVER;
+	idem_status st = finish_error(s, code, o->sqlstate, "%s: %s", what,
+								  o->message[0] ? o->message : "failed");
+
+	idem_pg_outcome_clear(o);
+	return st;
+}
+
+/* The handler ran and said hs; finish the transaction.  The savepoint is
+ * there, the claim is ours. */
+static idem_status
+finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
+			   int attempt)
+{
+	idem_pg    *pg = &s->r->pg;
+	PGconn	   *conn = pg->conn;
+	PGTransactionStatusType ts;
+	const char *json = call->json ? call->json : "{}";
+	char	   *canon;
+	size_t		clen;
+	char		err[200];
+	pg_cmd		cmds[4];
+	pg_outcome	o;
+	long long	ttl;
+
+	if (hs != IDEM_HANDLER_OK && hs != IDEM_HANDLER_RETRYABLE &&
+		hs != IDEM_HANDLER_PERMANENT)
+	{
+		rollback_quietly(s);
+		return finish_error(s, IDEM_ERR_HANDLER, NULL,
+							"handler returned an unknown status %d; rolled back",
+							(int) hs);
+	}
+	if (PQstatus(conn) != CONNECTION_OK)
+	{
+		idem_pg_drop(pg);
+		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
+							"connection to PostgreSQL lost during the handler; nothing was committed");
+	}
+	if (PQpipelineStatus(conn) != PQ_PIPELINE_OFF)
+	{
+		idem_pg_drop(pg);		/* the safest way out of an unknown state */
+		return finish_error(s, IDEM_ERR_HANDLER, NULL,
+							"handler left the connection in pipeline mode; the transaction was abandoned (rolled back by the server)");
+	}
+	{
+		PGresult   *pending;
+
+		while ((pending = PQgetResult(conn)) != NULL)
+			PQclear(pending);
+	}
+	ts = PQtransactionStatus(conn);
+	if (ts == PQTRANS_IDLE)
+		return finish_error(s, IDEM_ERR_HANDLER, NULL,
+							"handler ended the runner's transaction (COMMIT or ROLLBACK); the claim may stand as processing until its lease ends");
+	if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR)
+	{
+		idem_pg_drop(pg);
+		return finish_error(s, IDEM_ERR_HANDLER, NULL,
+							"connection in an unexpected state after the handler");
+	}
+	if (ts == PQTRANS_INERROR && hs == IDEM_HANDLER_OK)
+	{
+		rollback_quietly(s);
+		return finish_error(s, IDEM_ERR_HANDLER, NULL,
+							"handler returned success, but a statement of its transaction failed; rolled back");
+	}
+	if (call->oom)
+	{
+		rollback_quietly(s);
+		return finish_error(s, IDEM_ERR_OUT_OF_MEMORY, NULL,
+							"out of memory storing the handler's result; rolled back");
+	}
+	err[0] = '\0';
+	canon = idem_json_canonical(json, strlen(json), &clen, err, sizeof(err));
+	if (canon == NULL || canon[0] != '{' || clen > IDEM_OUTCOME_MAX)
+	{
+		const char *what = hs == IDEM_HANDLER_OK ? "outcome" : "failure detail";
+
+		rollback_quietly(s);
+		if (canon == NULL)
+			finish_error(s, IDEM_ERR_OUTCOME, NULL,
+						 "handler %s is not valid JSON (%s); rolled back, nothing committed",
+						 what, err);
+		else if (canon[0] != '{')
+			finish_error(s, IDEM_ERR_OUTCOME, NULL,
+						 "handler %s must be a JSON object; rolled back, nothing committed",
+						 what);
+		else
+			finish_error(s, IDEM_ERR_OUTCOME, NULL,
+						 "handler %s is %zu bytes as jsonb text, over the limit of %d; rolled back, nothing committed",
+						 what, clen, IDEM_OUTCOME_MAX);
+		free(canon);
+		return IDEM_ERROR;
+	}
+
+	/* round trip 2: savepoint, record, row deadline, COMMIT */
+	cmds[0] = simple_cmd(hs == IDEM_HANDLER_OK ?
+						 "RELEASE SAVEPOINT idem_handler" :
+						 "ROLLBACK TO SAVEPOINT idem_handler");
+	params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
+				  hs == IDEM_HANDLER_RETRYABLE, canon);
+	params_ttl(s, &cmds[2]);
+	cmds[3] = simple_cmd("COMMIT");
+	idem_pg_pipeline(pg, cmds, 4, &o);
+	if (o.rc != PG_OK ||
+		strcmp(PQcmdStatus(o.res[3]), "COMMIT") != 0)
+	{
+		idem_status st;
+
+		if (o.rc == PG_CONN_LOST && o.completed >= 3)
+			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
+							  "connection to PostgreSQL lost during COMMIT; whether it committed is unknown (redeliver: the ledger decides): %s",
+							  o.message);
+		else if (o.rc == PG_CONN_LOST)
+			st = finish_error(s, IDEM_ERR_CONNECTION, o.sqlstate,
+							  "connection to PostgreSQL lost before COMMIT; nothing was committed: %s",
+							  o.message);
+		else
+		{
+			rollback_quietly(s);
+			st = finish_error(s, IDEM_ERR_SERVER, o.sqlstate,
+							  "%s failed; rolled back, nothing committed: %s",
+							  o.failed_cmd == 1 ?
+							  (hs == IDEM_HANDLER_OK ? "idem_complete" : "idem_fail") :
+							  o.failed_cmd == 0 ? "savepoint" : "commit",
+							  o.message[0] ? o.message : "COMMIT did not commit");
+		}
+		idem_pg_outcome_clear(&o);
+		free(canon);
+		return st;
+	}
+	ttl = int_value(o.res[2], 0, 0);
+	idem_pg_outcome_clear(&o);
+
+	s->out->source = IDEM_SOURCE_HANDLER;
+	s->out->attempt = attempt;
+	set_outcome(s->out, canon, clen);
+	switch (hs)
+	{
+		case IDEM_HANDLER_OK:
+			s->out->status = IDEM_APPLIED;
+			if (s->r->cache_results)
+				publish(s, IDEM_CACHE_COMPLETED, attempt, canon, clen, ttl);
+			s->own_marker = 0;	/* terminal: the result replaces it */
+			break;
+		case IDEM_HANDLER_PERMANENT:
+			s->out->status = IDEM_FAILED_PERMANENT;
+			if (s->r->cache_results)
+				publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, canon, clen,
+						ttl);
+			s->own_marker = 0;
+			break;
+		case IDEM_HANDLER_RETRYABLE:
+			s->out->status = IDEM_FAILED_RETRYABLE;
+			release_marker(s);
+			break;
+	}
+	free(canon);
+	return s->out->status;
+}
+
+/* Step 3. */
+static idem_status
+pg_step(run_state *s, const char *scope, const char *id,
+		idem_handler_fn handler, void *user_data)
+{
+	idem_pg    *pg = &s->r->pg;
+	pg_cmd		cmds[3];
+	pg_outcome	o;
+	int			fresh;
+	int			tries;
+	const char *decision;
+	int			attempt;
+	long long	ms;
+	const char *outcome;
+	size_t		outcome_len;
+	char		msg[400];
+
+	for (tries = 0;; tries++)
+	{
+		if (tries > 2)
+			return finish_error(s, IDEM_ERR_CONNECTION, NULL,
+								"PostgreSQL connection keeps failing: %s",
+								o.message[0] ? o.message : "no detail");
+		memset(&o, 0, sizeof(o));
+		msg[0] = '\0';
+		if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+			return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
+		if (PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
+			rollback_quietly(s);	/* left over; cannot normally happen */
+		if (pg->conn == NULL)
+			continue;
+		/* round trip 1: BEGIN; claim; SAVEPOINT */
+		cmds[0] = simple_cmd("BEGIN");
+		params_claim(s, &cmds[1]);
+		cmds[2] = simple_cmd("SAVEPOINT idem_handler");
+		idem_pg_pipeline(pg, cmds, 3, &o);
+		/* a connection that died while idle: nothing was committed, so one
+		 * retry on a new connection is safe */
+		if (o.rc == PG_CONN_LOST && !fresh && tries == 0)
+		{
+			idem_pg_outcome_clear(&o);
+			continue;
+		}
+		break;
+	}
+	if (o.rc != PG_OK)
+	{
+		if (o.rc == PG_SERVER_ERROR)
+			rollback_quietly(s);
+		return pg_error(s, &o, o.failed_cmd == 1 ? "idem_claim" : "BEGIN");
+	}
+	if (PQntuples(o.res[1]) != 1 || PQnfields(o.res[1]) != 4 ||
+		PQgetisnull(o.res[1], 0, 0))
+	{
+		idem_pg_outcome_clear(&o);
+		rollback_quietly(s);
+		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+							"idem_claim returned an unexpected row");
+	}
+	decision = PQgetvalue(o.res[1], 0, 0);
+	attempt = (int) int_value(o.res[1], 1, 0);
+	ms = int_value(o.res[1], 3, 0);
+	outcome = PQgetisnull(o.res[1], 0, 2) ? "" : PQgetvalue(o.res[1], 0, 2);
+	outcome_len = strlen(outcome);
+
+	if (strcmp(decision, "claimed") == 0)
+	{
+		idem_call	call;
+		idem_handler_status hs;
+		idem_status st;
+
+		idem_pg_outcome_clear(&o);
+		memset(&call, 0, sizeof(call));
+		call.attempt = attempt;
+		call.is_platform = s->is_platform;
+		call.tenant_id = s->tenant_id;
+		call.scope = scope;
+		call.id = id;
+		call.request = s->request;
+		call.key = s->key;
+		hs = handler(pg->conn, &call, user_data);
+		st = finish_claimed(s, hs, &call, attempt);
+		free(call.json);
+		return st;
+	}
+
+	s->out->source = IDEM_SOURCE_POSTGRES;
+	s->out->attempt = attempt;
+	if (strcmp(decision, "completed") == 0 ||
+		strcmp(decision, "failed_permanent") == 0)
+	{
+		int			completed = decision[0] == 'c';
+
+		if (outcome_len > IDEM_OUTCOME_MAX || outcome[0] != '{')
+		{
+			idem_pg_outcome_clear(&o);
+			rollback_quietly(s);
+			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+								"idem_claim returned an outcome that is not a JSON object of at most %d bytes",
+								IDEM_OUTCOME_MAX);
+		}
+		s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+		set_outcome(s->out, outcome, outcome_len);
+	}
+	else if (strcmp(decision, "busy") == 0)
+	{
+		s->out->status = IDEM_BUSY;
+		s->out->retry_after_ms = ms > 0 ? (long) ms : 1;
+	}
+	else if (strcmp(decision, "mismatch") == 0)
+		s->out->status = IDEM_MISMATCH;
+	else
+	{
+		char		d[32];
+
+		snprintf(d, sizeof(d), "%s", decision);
+		idem_pg_outcome_clear(&o);
+		rollback_quietly(s);
+		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+							"idem_claim returned an unknown decision \"%s\"", d);
+	}
+	idem_pg_outcome_clear(&o);
+
+	/*
+	 * Round trip 2: end the transaction.  The claim wrote nothing for these
+	 * decisions and the answer was read from committed rows, so it stands
+	 * even if the COMMIT fails (say the connection died just now; the next
+	 * run reconnects).
+	 */
+	if (idem_pg_exec(pg, "COMMIT") != 0)
+		rollback_quietly(s);
+	/* repopulate Valkey with a terminal result read from PostgreSQL */
+	if (s->out->status == IDEM_REPLAYED)
+		publish(s, IDEM_CACHE_COMPLETED, attempt, s->out->outcome,
+				s->out->outcome_len, ms);
+	else if (s->out->status == IDEM_FAILED_PERMANENT)
+		publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, s->out->outcome,
+				s->out->outcome_len, ms);
+	if (s->out->status == IDEM_REPLAYED ||
+		s->out->status == IDEM_FAILED_PERMANENT)
+		s->own_marker = 0;		/* terminal: the value replaced it */
+	return s->out->status;
+}
+
+static idem_status
+run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
+	const char *id, const char *request_json, idem_handler_fn handler,
+	void *user_data, idem_result *out)
+{
+	run_state	s;
+	uint8_t		token[IDEM_TOKEN_LEN];
+	char		err[200];
+	idem_status st;
+
+	if (out == NULL)
+		return IDEM_ERROR;
+	memset(out, 0, sizeof(*out));
+	memset(&s, 0, sizeof(s));
+	s.r = r;
+	s.out = out;
+	s.is_platform = is_platform;
+	s.tenant_id = tenant_id;
+	out->status = IDEM_ERROR;
+	if (r == NULL)
+	{
+		out->error_code = IDEM_ERR_ARGUMENT;
+		snprintf(out->error_message, sizeof(out->error_message),
+				 "runner is NULL");
+		return IDEM_ERROR;
+	}
+	r->stats.runs++;
+	r->errmsg[0] = '\0';
+	if (r->broken)
+	{
+		char		m[sizeof(r->errmsg)];
+
+		snprintf(m, sizeof(m), "%s", r->errmsg);
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"invalid runner options: %s", m);
+	}
+	if (handler == NULL)
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "handler is NULL");
+	if (scope == NULL || id == NULL || idem_key(scope, id, s.key) != 0)
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"task scope and id must be non-NULL valid UTF-8 strings");
+	if (request_json == NULL)
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "request_json is NULL");
+	err[0] = '\0';
+	s.request = idem_json_canonical(request_json, strlen(request_json),
+									&s.request_len, err, sizeof(err));
+	if (s.request == NULL)
+		return finish_error(&s, strcmp(err, "out of memory") == 0 ?
+							IDEM_ERR_OUT_OF_MEMORY : IDEM_ERR_REQUEST_JSON,
+							NULL, "request: %s", err);
+	{
+		idem_sha256 c;
+
+		idem_sha256_init(&c);
+		idem_sha256_update(&c, s.request, s.request_len);
+		idem_sha256_final(&c, s.fp);
+	}
+	if (idem_cache_key(s.ckey, sizeof(s.ckey), r->prefix, is_platform,
+					   tenant_id, s.key) < 0)
+	{
+		free(s.request);
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "bad cache key");
+	}
+	random_token(r, token);
+	idem_cache_encode_marker(s.marker, sizeof(s.marker), token);
+	snprintf(s.tenant_txt, sizeof(s.tenant_txt), "%lld", (long long) tenant_id);
+	snprintf(s.lease_txt, sizeof(s.lease_txt), "%d milliseconds", r->lease_ms);
+	if (r->retention_ms > 0)
+		snprintf(s.retention_txt, sizeof(s.retention_txt), "%d milliseconds",
+				 r->retention_ms);
+
+	if (gate_step(&s))
+		st = out->status;
+	else
+		st = pg_step(&s, scope, id, handler, user_data);
+
+	/* no terminal result was written: our marker goes (compare-and-delete) */
+	if (s.own_marker)
+		release_marker(&s);
+	free(s.request);
+	return st;
+}
+
+idem_status
+idem_run(idem_runner *runner, int64_t tenant_id, const char *task_scope,
+		 const char *id, const char *request_json, idem_handler_fn handler,
+		 void *user_data, idem_result *out)
+{
+	return run(runner, 0, tenant_id, task_scope, id, request_json, handler,
+			   user_data, out);
+}
+
+idem_status
+idem_run_platform(idem_runner *runner, const char *task_scope, const char *id,
+				  const char *request_json, idem_handler_fn handler,
+				  void *user_data, idem_result *out)
+{
+	return run(runner, 1, 0, task_scope, id, request_json, handler, user_data,
+			   out);
+}

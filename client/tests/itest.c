@@ -1,0 +1,1811 @@
+/*
+ * itest.c: the client's integration tests, against the real PostgreSQL (with
+ * the idem extension) and the real RESP server that tests/run.sh starts.
+ *
+ *	  itest setup		create the test database, extension, tables
+ *	  itest diff		key/fingerprint/canonical JSON against the server
+ *	  itest scenario	every path of a run, one process: decisions, round
+ *						trips, faults, bad values and outcomes
+ *	  itest contention	several worker processes (itest_contention.c)
+ *
+ * Output: TAP lines on stdout; exit status 1 on any failure.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include "itest.h"
+#include "tap.h"
+#include "cache_format.h"
+
+itest_env	E;
+
+/* ------------------------------------------------------------------ */
+/* helpers */
+
+int
+tap_ok_ext(int cond, const char *fmt,...)
+{
+	va_list		ap;
+	char		buf[1024];
+
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	return tap_ok(cond, "%s", buf);
+}
+
+void
+tap_diag_ext(const char *fmt,...)
+{
+	va_list		ap;
+	char		buf[1024];
+
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	tap_diag("%s", buf);
+}
+
+void
+tap_skip_ext(const char *fmt,...)
+{
+	va_list		ap;
+	char		buf[1024];
+
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	printf("ok %d - # SKIP %s\n", ++tap_n, buf);
+	fflush(stdout);
+}
+
+int
+tap_finish(void)
+{
+	return tap_done();
+}
+
+static const char *
+env_or(const char *name, const char *dflt)
+{
+	const char *v = getenv(name);
+
+	return v && v[0] ? v : dflt;
+}
+
+void
+itest_env_load(void)
+{
+	static char pg[512],
+				admin[512];
+
+	E.pg_host = env_or("IDEM_TEST_PGHOST", "127.0.0.1");
+	E.pg_port = atoi(env_or("IDEM_TEST_PGPORT", "5432"));
+	E.dbname = env_or("IDEM_TEST_DB", "idemtest");
+	snprintf(pg, sizeof(pg), "host=%s port=%d dbname=%s connect_timeout=5 application_name=itest",
+			 E.pg_host, E.pg_port, E.dbname);
+	snprintf(admin, sizeof(admin), "host=%s port=%d dbname=postgres connect_timeout=5 application_name=itest-admin",
+			 E.pg_host, E.pg_port);
+	E.pg = pg;
+	E.pg_admin = admin;
+	E.valkey_port = atoi(env_or("IDEM_TEST_VALKEY_PORT", "6379"));
+	E.valkey_start = env_or("IDEM_TEST_VALKEY_START", "");
+	E.valkey_pidfile = env_or("IDEM_TEST_VALKEY_PIDFILE", "");
+	E.slow = atoi(env_or("IDEM_TEST_SLOW", "0"));
+	E.suffix = env_or("IDEM_TEST_SUFFIX", "");
+}
+
+PGconn *
+pg_open(const char *conninfo)
+{
+	PGconn	   *c = PQconnectdb(conninfo);
+
+	if (PQstatus(c) != CONNECTION_OK)
+	{
+		tap_diag("connect %s: %s", conninfo, PQerrorMessage(c));
+		PQfinish(c);
+		return NULL;
+	}
+	return c;
+}
+
+char *
+pg_val(PGconn *c, const char *sql, int n, const char *const *params)
+{
+	PGresult   *r = PQexecParams(c, sql, n, NULL, params, NULL, NULL, 0);
+	char	   *v = NULL;
+
+	if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) > 0 &&
+		!PQgetisnull(r, 0, 0))
+		v = strdup(PQgetvalue(r, 0, 0));
+	else if (PQresultStatus(r) != PGRES_TUPLES_OK &&
+			 PQresultStatus(r) != PGRES_COMMAND_OK)
+		tap_diag("SQL failed: %s: %s", sql, PQresultErrorMessage(r));
+	PQclear(r);
+	return v;
+}
+
+long long
+pg_int(PGconn *c, const char *sql, int n, const char *const *params)
+{
+	char	   *v = pg_val(c, sql, n, params);
+	long long	x = v ? strtoll(v, NULL, 10) : -1;
+
+	free(v);
+	return x;
+}
+
+int
+pg_ok(PGconn *c, const char *sql)
+{
+	PGresult   *r = PQexec(c, sql);
+	int			ok = PQresultStatus(r) == PGRES_COMMAND_OK ||
+		PQresultStatus(r) == PGRES_TUPLES_OK;
+
+	if (!ok)
+		tap_diag("SQL failed: %s: %s", sql, PQresultErrorMessage(r));
+	PQclear(r);
+	return ok;
+}
+
+redisContext *
+rv_open(void)
+{
+	struct timeval tv = {2, 0};
+	redisContext *c = redisConnectWithTimeout("127.0.0.1", E.valkey_port, tv);
+
+	if (c == NULL || c->err)
+	{
+		if (c)
+			redisFree(c);
+		return NULL;
+	}
+	redisSetTimeout(c, tv);
+	return c;
+}
+
+static redisContext *rvc;
+
+redisReply *
+rv(redisContext *c, const char *fmt,...)
+{
+	va_list		ap;
+	redisReply *r;
+
+	(void) c;
+	if (rvc == NULL)
+		rvc = rv_open();
+	if (rvc == NULL)
+		return NULL;
+	va_start(ap, fmt);
+	r = redisvCommand(rvc, fmt, ap);
+	va_end(ap);
+	if (r == NULL)
+	{
+		redisFree(rvc);
+		rvc = NULL;
+	}
+	return r;
+}
+
+int
+rv_cmd_ok(const char *fmt,...)
+{
+	va_list		ap;
+	redisReply *r;
+	int			ok;
+
+	if (rvc == NULL)
+		rvc = rv_open();
+	if (rvc == NULL)
+		return 0;
+	va_start(ap, fmt);
+	r = redisvCommand(rvc, fmt, ap);
+	va_end(ap);
+	if (r == NULL)
+	{
+		redisFree(rvc);
+		rvc = NULL;
+		return 0;
+	}
+	ok = r->type != REDIS_REPLY_ERROR;
+	freeReplyObject(r);
+	return ok;
+}
+
+char *
+rv_get(const char *key)
+{
+	redisReply *r = rv(NULL, "GET %s", key);
+	char	   *v = NULL;
+
+	if (r && r->type == REDIS_REPLY_STRING)
+	{
+		v = malloc(r->len + 1);
+		memcpy(v, r->str, r->len);
+		v[r->len] = '\0';
+	}
+	if (r)
+		freeReplyObject(r);
+	return v;
+}
+
+long long
+rv_pttl(const char *key)
+{
+	redisReply *r = rv(NULL, "PTTL %s", key);
+	long long	v = -3;
+
+	if (r && r->type == REDIS_REPLY_INTEGER)
+		v = r->integer;
+	if (r)
+		freeReplyObject(r);
+	return v;
+}
+
+pid_t
+valkey_pid(void)
+{
+	FILE	   *f = fopen(E.valkey_pidfile, "r");
+	long		pid = 0;
+
+	if (f)
+	{
+		if (fscanf(f, "%ld", &pid) != 1)
+			pid = 0;
+		fclose(f);
+	}
+	return (pid_t) pid;
+}
+
+int
+valkey_kill(int sig)
+{
+	pid_t		pid = valkey_pid();
+
+	if (rvc && sig == SIGKILL)
+	{
+		redisFree(rvc);
+		rvc = NULL;
+	}
+	if (pid <= 0)
+		return -1;
+	if (kill(pid, sig) != 0)
+		return -1;
+	if (sig == SIGKILL)
+	{
+		int			i;
+
+		for (i = 0; i < 200 && kill(pid, 0) == 0; i++)
+			sleep_ms(10);
+	}
+	return 0;
+}
+
+int
+valkey_start(void)
+{
+	if (E.valkey_start[0] == '\0')
+		return -1;
+	return system(E.valkey_start) == 0 ? 0 : -1;
+}
+
+void
+cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
+			 const char *scope, const char *id)
+{
+	uint8_t		k[32];
+
+	idem_key(scope, id, k);
+	idem_cache_key(buf, n, "idem:", platform, tenant, k);
+}
+
+void
+sleep_ms(int ms)
+{
+	struct timespec ts;
+
+	ts.tv_sec = ms / 1000;
+	ts.tv_nsec = (long) (ms % 1000) * 1000000L;
+	while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+		;
+}
+
+int64_t
+now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ------------------------------------------------------------------ */
+/* setup */
+
+static int
+cmd_setup(void)
+{
+	PGconn	   *a = pg_open(E.pg_admin);
+	PGconn	   *c;
+	char		sql[256];
+	int			ok = 1;
+
+	if (a == NULL)
+		return 1;
+	snprintf(sql, sizeof(sql), "CREATE DATABASE %s", E.dbname);
+	ok = pg_ok(a, sql);
+	PQfinish(a);
+	if (!ok || (c = pg_open(E.pg)) == NULL)
+		return 1;
+	ok = pg_ok(c, "CREATE EXTENSION idem") &&
+		pg_ok(c, "CREATE TABLE tenants (id bigint PRIMARY KEY)") &&
+		pg_ok(c, "INSERT INTO tenants SELECT generate_series(1, 20)") &&
+		pg_ok(c, "SELECT idem_install('tenants')") &&
+		/* effects: no unique key on purpose, so a doubled effect shows */
+		pg_ok(c, "CREATE TABLE effects (scope text NOT NULL, id text NOT NULL,"
+			  " tenant bigint, attempt int, worker int,"
+			  " at timestamptz DEFAULT clock_timestamp())");
+	PQfinish(c);
+	return ok ? 0 : 1;
+}
+
+/* ------------------------------------------------------------------ */
+/* differential: client vs server */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+
+static uint32_t
+rnd(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return (uint32_t) (rng_state >> 16);
+}
+
+static int
+chance(int pct)
+{
+	return (int) (rnd() % 100) < pct;
+}
+
+typedef struct gbuf
+{
+	char	   *p;
+	size_t		len,
+				cap;
+} gbuf;
+
+static void
+gput(gbuf *b, const char *s, size_t n)
+{
+	if (b->len + n + 1 > b->cap)
+	{
+		b->cap = (b->len + n + 1) * 2;
+		b->p = realloc(b->p, b->cap);
+	}
+	memcpy(b->p + b->len, s, n);
+	b->len += n;
+	b->p[b->len] = '\0';
+}
+
+static void
+gputs(gbuf *b, const char *s)
+{
+	gput(b, s, strlen(s));
+}
+
+static void
+gws(gbuf *b)
+{
+	static const char *const ws[] = {"", "", "", " ", "\n", "\t", "\r\n  "};
+
+	gputs(b, ws[rnd() % 7]);
+}
+
+static void
+gen_string(gbuf *b, int keyish)
+{
+	int			n = keyish ? (int) (rnd() % 4) : (int) (rnd() % 12);
+	int			i;
+
+	gputs(b, "\"");
+	for (i = 0; i < n; i++)
+	{
+		char		t[16];
+
+		switch (rnd() % 14)
+		{
+			case 0:
+				snprintf(t, sizeof(t), "\\u%04x", 1 + rnd() % 0x1f);
+				gputs(b, t);
+				break;
+			case 1:
+				{
+					static const char *const esc[] = {"\\\"", "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t"};
+
+					gputs(b, esc[rnd() % 8]);
+					break;
+				}
+			case 2:
+				snprintf(t, sizeof(t), "\\u%04X", 0x20 + rnd() % 0xD000);
+				gputs(b, t);
+				break;
+			case 3:
+				{
+					unsigned	cp = 0x10000 + rnd() % 0xFFFFF;
+
+					snprintf(t, sizeof(t), "\\u%04x\\u%04X", 0xD800 + ((cp - 0x10000) >> 10),
+							 0xDC00 + ((cp - 0x10000) & 0x3FF));
+					gputs(b, t);
+					break;
+				}
+			case 4:
+				gputs(b, "\xc3\xa9");	/* é */
+				break;
+			case 5:
+				gputs(b, "\xe2\x82\xac");	/* € */
+				break;
+			case 6:
+				gputs(b, "\xf0\x9f\x98\x80");
+				break;
+			case 7:
+				gputs(b, "\x7f");
+				break;
+			default:
+				t[0] = keyish ? "abcAB_"[rnd() % 6] : (char) (0x20 + rnd() % 95);
+				if (t[0] == '"' || t[0] == '\\')
+					t[0] = 'q';
+				gput(b, t, 1);
+				break;
+		}
+	}
+	gputs(b, "\"");
+}
+
+static void
+gen_number(gbuf *b)
+{
+	char		t[64];
+	int			k = rnd() % 10;
+
+	if (chance(30))
+		gputs(b, "-");
+	if (k < 2)
+		gputs(b, "0");
+	else
+	{
+		snprintf(t, sizeof(t), "%u", 1 + rnd() % (k < 6 ? 100 : 4000000000u));
+		gputs(b, t);
+	}
+	if (chance(45))
+	{
+		int			n = 1 + rnd() % 6,
+					i;
+
+		gputs(b, ".");
+		for (i = 0; i < n; i++)
+		{
+			t[0] = (char) ('0' + (chance(30) ? 0 : rnd() % 10));
+			gput(b, t, 1);
+		}
+	}
+	if (chance(35))
+	{
+		snprintf(t, sizeof(t), "%s%s%u", chance(50) ? "e" : "E",
+				 chance(30) ? "-" : chance(30) ? "+" : "", rnd() % (chance(10) ? 400 : 12));
+		gputs(b, t);
+	}
+}
+
+static void
+gen_value(gbuf *b, int depth)
+{
+	int			k = rnd() % (depth > 4 ? 6 : 10);
+	int			n,
+				i;
+
+	switch (k)
+	{
+		case 0:
+			gputs(b, "null");
+			break;
+		case 1:
+			gputs(b, chance(50) ? "true" : "false");
+			break;
+		case 2:
+		case 3:
+			gen_number(b);
+			break;
+		case 4:
+		case 5:
+			gen_string(b, 0);
+			break;
+		case 6:
+		case 7:
+			n = rnd() % 5;
+			gputs(b, "[");
+			for (i = 0; i < n; i++)
+			{
+				if (i)
+					gputs(b, ",");
+				gws(b);
+				gen_value(b, depth + 1);
+				gws(b);
+			}
+			gputs(b, "]");
+			break;
+		default:
+			n = rnd() % 6;
+			gputs(b, "{");
+			for (i = 0; i < n; i++)
+			{
+				if (i)
+					gputs(b, ",");
+				gws(b);
+				gen_string(b, 1);	/* short keys: duplicates happen */
+				gws(b);
+				gputs(b, ":");
+				gws(b);
+				gen_value(b, depth + 1);
+				gws(b);
+			}
+			gputs(b, "}");
+			break;
+	}
+}
+
+static int
+cmd_diff(void)
+{
+	PGconn	   *c = pg_open(E.pg);
+	int			n = E.slow ? 300 : 3000;
+	int			i;
+	int			canon_bad = 0,
+				fp_bad = 0,
+				valid_bad = 0,
+				key_bad = 0,
+				invalid_seen = 0;
+	gbuf		b = {0};
+
+	if (c == NULL)
+	{
+		tap_ok(0, "connect to the test database");
+		return tap_done();
+	}
+	/* canonical text and fingerprint of generated documents */
+	for (i = 0; i < n; i++)
+	{
+		const char *params[1];
+		PGresult   *r;
+		char	   *mine;
+		size_t		mlen;
+		uint8_t		fp[32];
+		char		fph[65];
+
+		b.len = 0;
+		gws(&b);
+		gen_value(&b, 0);
+		gws(&b);
+		params[0] = b.p;
+		r = PQexecParams(c, "SELECT $1::jsonb::text, encode(idem_fingerprint($1::jsonb), 'hex')",
+						 1, NULL, params, NULL, NULL, 0);
+		mine = idem_json_canonical(b.p, b.len, &mlen, NULL, 0);
+		if (PQresultStatus(r) != PGRES_TUPLES_OK)
+		{
+			if (mine != NULL && valid_bad++ < 5)
+				tap_diag("server refused, client accepted: %s (%s)", b.p,
+						 PQresultErrorMessage(r));
+		}
+		else if (mine == NULL)
+		{
+			if (valid_bad++ < 5)
+				tap_diag("client refused, server accepted: %s", b.p);
+		}
+		else
+		{
+			if (strcmp(mine, PQgetvalue(r, 0, 0)) != 0 && canon_bad++ < 5)
+				tap_diag("canonical differs for %s: server %s client %s", b.p,
+						 PQgetvalue(r, 0, 0), mine);
+			idem_fingerprint(b.p, b.len, fp, NULL, 0);
+			idem_cache_hex(fph, fp, 32);
+			fph[64] = '\0';
+			if (strcmp(fph, PQgetvalue(r, 0, 1)) != 0 && fp_bad++ < 5)
+				tap_diag("fingerprint differs for %s", b.p);
+		}
+		free(mine);
+		PQclear(r);
+	}
+	tap_ok(canon_bad == 0, "canonical JSON equals $1::jsonb::text for %d generated documents (%d differ)",
+		   n, canon_bad);
+	tap_ok(fp_bad == 0, "idem_fingerprint: client equals SQL for the same documents (%d differ)", fp_bad);
+
+	/* mutated documents: the client refuses exactly what jsonb refuses */
+	for (i = 0; i < n; i++)
+	{
+		const char *params[1];
+		PGresult   *r;
+		char	   *mine;
+		size_t		pos;
+		static const char *const junk[] = {",", "]", "}", "\"", "\\", ":", "-", "e", "0", "{", "[", " ", "\\u", "tru", ".5"};
+
+		b.len = 0;
+		gen_value(&b, 0);
+		pos = rnd() % (b.len + 1);
+		/* cut only between UTF-8 sequences: the server would refuse a
+		 * broken sequence as text, before JSON */
+		while (pos < b.len && ((unsigned char) b.p[pos] & 0xC0) == 0x80)
+			pos++;
+		if (chance(50))
+			b.len = pos;		/* truncate */
+		else
+		{
+			gbuf		t = {0};
+
+			gput(&t, b.p, pos);
+			gputs(&t, junk[rnd() % 15]);
+			gput(&t, b.p + pos, b.len - pos);
+			free(b.p);
+			b = t;
+		}
+		b.p[b.len] = '\0';
+		params[0] = b.p;
+		r = PQexecParams(c, "SELECT $1::jsonb::text", 1, NULL, params, NULL, NULL, 0);
+		mine = idem_json_canonical(b.p, b.len, NULL, NULL, 0);
+		if (PQresultStatus(r) != PGRES_TUPLES_OK)
+		{
+			invalid_seen++;
+			if (mine != NULL && valid_bad++ < 5)
+				tap_diag("server refused, client accepted: %s", b.p);
+		}
+		else if (mine == NULL || strcmp(mine, PQgetvalue(r, 0, 0)) != 0)
+		{
+			if (valid_bad++ < 5)
+				tap_diag("client refused or differs, server accepted: %s", b.p);
+		}
+		free(mine);
+		PQclear(r);
+	}
+	tap_ok(valid_bad == 0 && invalid_seen > n / 4,
+		   "client and jsonb agree on validity of %d mutated documents (%d invalid)",
+		   n, invalid_seen);
+
+	/* edge numbers and strings, one by one */
+	{
+		static const char *const edge[] = {
+			"1e1000", "1e-1000", "1e16383", "1e-16383", "0e-16383", "0e-16384",
+			"1e131071", "1e131072", "0e1073741822", "0e1073741823",
+			"-0.0e-3", "123456789012345678901234567890.123456789e-40",
+			"9.99999999999999999999e+25", "[-0, 0.0, -0.00, 1E0, 1e+0, 1.0E-0]",
+			"{\"a\":{\"a\":{\"a\":[]}},\"\":\"\",\"\\u0000x\":1}",
+			"\"\\ud83d\\ude00\\u00e9\\u20AC\\u001F\\u007f\\u0080\"",
+			"{\"\xc3\xa9\":1,\"e\":2,\"ee\":3,\"\xf0\x9f\x98\x80\":4}",
+		};
+		size_t		j;
+		int			bad = 0;
+
+		for (j = 0; j < sizeof(edge) / sizeof(edge[0]); j++)
+		{
+			const char *params[1] = {edge[j]};
+			PGresult   *r = PQexecParams(c, "SELECT $1::jsonb::text", 1, NULL, params, NULL, NULL, 0);
+			char	   *mine = idem_json_canonical(edge[j], strlen(edge[j]), NULL, NULL, 0);
+			int			srv_ok = PQresultStatus(r) == PGRES_TUPLES_OK;
+
+			if (srv_ok != (mine != NULL) ||
+				(srv_ok && strcmp(mine, PQgetvalue(r, 0, 0)) != 0))
+			{
+				bad++;
+				tap_diag("edge %s: server %s, client %s", edge[j],
+						 srv_ok ? "accepts" : "refuses", mine ? "accepts" : "refuses");
+			}
+			free(mine);
+			PQclear(r);
+		}
+		tap_ok(bad == 0, "edge numbers and strings: client equals server (%zu cases)",
+			   sizeof(edge) / sizeof(edge[0]));
+	}
+
+	/* idem_key */
+	for (i = 0; i < n; i++)
+	{
+		gbuf		s = {0},
+					d = {0};
+		const char *params[2];
+		char	   *srv;
+		uint8_t		k[32];
+		char		kh[65];
+
+		gen_string(&s, 0);
+		gen_string(&d, 0);
+		/* use the decoded text: the canonical form without its quotes,
+		 * which has no escapes left only when no escape was generated;
+		 * simpler: take raw printable/UTF-8 strings */
+		{
+			size_t		j,
+						w = 0;
+
+			for (j = 1; j + 1 < s.len; j++)
+				if (s.p[j] != '\\' && (unsigned char) s.p[j] >= 0x20)
+					s.p[w++] = s.p[j];
+			s.p[w] = '\0';
+			w = 0;
+			for (j = 1; j + 1 < d.len; j++)
+				if (d.p[j] != '\\' && (unsigned char) d.p[j] >= 0x20)
+					d.p[w++] = d.p[j];
+			d.p[w] = '\0';
+		}
+		params[0] = s.p;
+		params[1] = d.p;
+		srv = pg_val(c, "SELECT encode(idem_key($1, $2), 'hex')", 2, params);
+		if (idem_key(s.p, d.p, k) != 0)
+		{
+			/* invalid UTF-8 after the strip: the server refuses it too */
+			if (srv != NULL && key_bad++ < 5)
+				tap_diag("idem_key refused by client only: '%s' '%s'", s.p, d.p);
+		}
+		else
+		{
+			idem_cache_hex(kh, k, 32);
+			kh[64] = '\0';
+			if ((srv == NULL || strcmp(srv, kh) != 0) && key_bad++ < 5)
+				tap_diag("idem_key differs: '%s' '%s'", s.p, d.p);
+		}
+		free(srv);
+		free(s.p);
+		free(d.p);
+	}
+	{
+		const char *params[2] = {"billing.charge", "run-42"};
+		char	   *srv = pg_val(c, "SELECT encode(idem_key($1, $2), 'hex')", 2, params);
+
+		tap_ok(srv && strcmp(srv, "5c76c6f58eff897da07846a990b77e88e8a0d282df751a06dfd7653c771f32cd") == 0,
+			   "SQL idem_key('billing.charge', 'run-42') equals the client's test vector");
+		free(srv);
+	}
+	tap_ok(key_bad == 0, "idem_key: client equals SQL for %d generated (scope, id) pairs", n);
+	free(b.p);
+	PQfinish(c);
+	return tap_done();
+}
+
+/* ------------------------------------------------------------------ */
+/* a counting TCP proxy: how many round trips did the client make? */
+
+typedef struct proxy
+{
+	int			listen_fd;
+	int			port;
+	int			target_port;
+	pthread_t	thread;
+	volatile int stop;
+	volatile long bursts;		/* client->server sends after a reply */
+	volatile int kill_conns;	/* set: drop the current connection */
+} proxy;
+
+static void *
+proxy_main(void *arg)
+{
+	proxy	   *p = arg;
+	int			conns[16][2];	/* client, server */
+	int			last_dir[16];
+	int			n = 0;
+
+	while (!p->stop)
+	{
+		struct pollfd pf[33];
+		int			i,
+					np = 0;
+
+		pf[np].fd = p->listen_fd;
+		pf[np++].events = POLLIN;
+		for (i = 0; i < n; i++)
+		{
+			pf[np].fd = conns[i][0];
+			pf[np++].events = POLLIN;
+			pf[np].fd = conns[i][1];
+			pf[np++].events = POLLIN;
+		}
+		if (poll(pf, np, 50) <= 0)
+			continue;
+		if ((pf[0].revents & POLLIN) && n < 16)
+		{
+			int			c = accept(p->listen_fd, NULL, NULL);
+			int			s = socket(AF_INET, SOCK_STREAM, 0);
+			struct sockaddr_in a;
+			int			one = 1;
+
+			memset(&a, 0, sizeof(a));
+			a.sin_family = AF_INET;
+			a.sin_port = htons((uint16_t) p->target_port);
+			a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+			if (c >= 0 && connect(s, (struct sockaddr *) &a, sizeof(a)) == 0)
+			{
+				setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+				setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+				conns[n][0] = c;
+				conns[n][1] = s;
+				last_dir[n] = 1;
+				n++;
+			}
+			else
+			{
+				if (c >= 0)
+					close(c);
+				close(s);
+			}
+			continue;
+		}
+		for (i = 0; i < n; i++)
+		{
+			int			d;
+
+			for (d = 0; d < 2; d++)
+			{
+				char		buf[65536];
+				ssize_t		got;
+
+				if (!(pf[1 + 2 * i + d].revents & (POLLIN | POLLHUP | POLLERR)))
+					continue;
+				got = read(conns[i][d], buf, sizeof(buf));
+				if (got <= 0)
+				{
+					close(conns[i][0]);
+					close(conns[i][1]);
+					conns[i][0] = conns[i][1] = -1;
+					break;
+				}
+				if (d == 0 && last_dir[i] == 1)
+					p->bursts++;
+				last_dir[i] = d;
+				if (send(conns[i][1 - d], buf, (size_t) got, MSG_NOSIGNAL) != got)
+				{
+					close(conns[i][0]);
+					close(conns[i][1]);
+					conns[i][0] = conns[i][1] = -1;
+					break;
+				}
+			}
+		}
+		/* compact closed connections */
+		{
+			int			w = 0;
+
+			for (i = 0; i < n; i++)
+				if (conns[i][0] >= 0)
+				{
+					conns[w][0] = conns[i][0];
+					conns[w][1] = conns[i][1];
+					last_dir[w] = last_dir[i];
+					w++;
+				}
+			n = w;
+		}
+	}
+	{
+		int			i;
+
+		for (i = 0; i < n; i++)
+		{
+			close(conns[i][0]);
+			close(conns[i][1]);
+		}
+	}
+	return NULL;
+}
+
+static int
+proxy_start(proxy *p, int target_port)
+{
+	struct sockaddr_in a;
+	socklen_t	al = sizeof(a);
+	int			one = 1;
+
+	memset(p, 0, sizeof(*p));
+	p->target_port = target_port;
+	p->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+	setsockopt(p->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	memset(&a, 0, sizeof(a));
+	a.sin_family = AF_INET;
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	a.sin_port = 0;
+	if (bind(p->listen_fd, (struct sockaddr *) &a, sizeof(a)) != 0 ||
+		listen(p->listen_fd, 16) != 0 ||
+		getsockname(p->listen_fd, (struct sockaddr *) &a, &al) != 0)
+		return -1;
+	p->port = ntohs(a.sin_port);
+	return pthread_create(&p->thread, NULL, proxy_main, p) == 0 ? 0 : -1;
+}
+
+static void
+proxy_stop(proxy *p)
+{
+	p->stop = 1;
+	pthread_join(p->thread, NULL);
+	close(p->listen_fd);
+}
+
+/* ------------------------------------------------------------------ */
+/* scenario */
+
+typedef struct hctx
+{
+	const char *mode;
+	int			calls;
+	int			sleep_ms;
+	int			backend_pid;
+	const char *outcome;
+	/* for "dup_during": a duplicate run in a child process */
+	const char *dup_scope;
+	const char *dup_id;
+	const char *dup_req;
+	int			dup_after_ms;
+	pid_t		dup_child;
+	int			dup_fd[2];		/* the child's result comes back here */
+} hctx;
+
+static PGconn *admin;
+
+static idem_handler_status
+handler(PGconn *conn, idem_call *call, void *ud)
+{
+	hctx	   *h = ud;
+	char		att[16],
+				ten[24];
+	const char *params[4];
+	PGresult   *r;
+	const char *m = h->mode ? h->mode : "insert";
+	char		out[256];
+
+	h->calls++;
+	h->backend_pid = PQbackendPID(conn);
+	if (strcmp(m, "noop") == 0)
+	{
+		idem_call_set_json(call, h->outcome ? h->outcome : "{\"ok\": true}");
+		return IDEM_HANDLER_OK;
+	}
+	if (strcmp(m, "dup_during") == 0)
+	{
+		pid_t		pid;
+
+		fflush(stdout);
+		pid = fork();
+		if (pid == 0)
+		{
+			/* the duplicate delivery, on its own runner */
+			idem_options o;
+			idem_runner *r2;
+			idem_result res;
+			hctx		h2;
+			char		vk[16];
+
+			(void) vk;
+			sleep_ms(h->dup_after_ms);
+			idem_options_init(&o);
+			o.lease_ms = 300;
+			memset(&h2, 0, sizeof(h2));
+			r2 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o);
+			idem_run(r2, 1, h->dup_scope, h->dup_id, h->dup_req, handler, &h2, &res);
+			idem_runner_close(r2);
+			{
+				int			code = 10 + (int) res.status * 4 + (int) res.source;
+
+				if (write(h->dup_fd[1], &code, sizeof(code)) != sizeof(code))
+					_exit(1);
+			}
+			_exit(0);
+		}
+		h->dup_child = pid;
+	}
+	snprintf(att, sizeof(att), "%d", idem_call_attempt(call));
+	snprintf(ten, sizeof(ten), "%lld", (long long) idem_call_tenant_id(call));
+	params[0] = idem_call_scope(call);
+	params[1] = idem_call_id(call);
+	params[2] = ten;
+	params[3] = att;
+	r = PQexecParams(conn, "INSERT INTO effects (scope, id, tenant, attempt) VALUES ($1, $2, $3, $4)",
+					 4, NULL, params, NULL, NULL, 0);
+	if (PQresultStatus(r) != PGRES_COMMAND_OK)
+	{
+		PQclear(r);
+		idem_call_set_json(call, "{\"error\": \"insert failed\"}");
+		return IDEM_HANDLER_RETRYABLE;
+	}
+	PQclear(r);
+	if (h->sleep_ms)
+		sleep_ms(h->sleep_ms);
+	if (strcmp(m, "terminate") == 0 || strcmp(m, "terminate2") == 0)
+	{
+		char		pid[16];
+		const char *p1[1] = {pid};
+		int			i;
+
+		snprintf(pid, sizeof(pid), "%d", PQbackendPID(conn));
+		free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
+		for (i = 0; i < 200; i++)
+		{
+			if (pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) == 0)
+				break;
+			sleep_ms(10);
+		}
+		if (strcmp(m, "terminate2") == 0)
+		{
+			r = PQexec(conn, "INSERT INTO effects (scope, id) VALUES ('x', 'after-terminate')");
+			PQclear(r);
+			idem_call_set_json(call, "{\"error\": \"connection lost\"}");
+			return IDEM_HANDLER_RETRYABLE;
+		}
+	}
+	if (strcmp(m, "breaktx") == 0 || strcmp(m, "sqlfail") == 0)
+	{
+		r = PQexec(conn, "SELECT 1/0");
+		PQclear(r);
+		if (strcmp(m, "sqlfail") == 0)
+		{
+			idem_call_set_json(call, "{\"error\": \"division by zero\"}");
+			return IDEM_HANDLER_RETRYABLE;
+		}
+	}
+	if (strcmp(m, "permanent") == 0)
+	{
+		idem_call_set_json(call, "{\"reason\":\"card declined\", \"code\": 51}");
+		return IDEM_HANDLER_PERMANENT;
+	}
+	if (strcmp(m, "retryable") == 0)
+	{
+		idem_call_set_json(call, "{\"reason\":\"gateway timeout\"}");
+		return IDEM_HANDLER_RETRYABLE;
+	}
+	if (strcmp(m, "oversize") == 0)
+	{
+		char	   *big = malloc(5100);
+
+		memcpy(big, "{\"blob\": \"", 10);
+		memset(big + 10, 'x', 5000);
+		memcpy(big + 5010, "\"}", 3);
+		idem_call_set_json(call, big);
+		free(big);
+		return IDEM_HANDLER_OK;
+	}
+	if (strcmp(m, "notobject") == 0)
+	{
+		idem_call_set_json(call, "[1, 2]");
+		return IDEM_HANDLER_OK;
+	}
+	if (strcmp(m, "badjson") == 0)
+	{
+		idem_call_set_json(call, "{\"a\": ");
+		return IDEM_HANDLER_OK;
+	}
+	if (h->outcome)
+		idem_call_set_json(call, h->outcome);
+	else
+	{
+		snprintf(out, sizeof(out), "{\"id\":\"%s\",  \"n\" : 1.50e1, \"attempt\": %d}",
+				 idem_call_id(call), idem_call_attempt(call));
+		idem_call_set_json(call, out);
+	}
+	return IDEM_HANDLER_OK;
+}
+
+static long long
+effects_of(const char *scope, const char *id)
+{
+	const char *p[2] = {scope, id};
+
+	return pg_int(admin, "SELECT count(*) FROM effects WHERE scope = $1 AND id = $2", 2, p);
+}
+
+static char *
+ledger_status(int64_t tenant, const char *scope, const char *id)
+{
+	char		t[24];
+	const char *p[3] = {t, scope, id};
+
+	snprintf(t, sizeof(t), "%lld", (long long) tenant);
+	return pg_val(admin, "SELECT status || ' ' || attempt FROM idem_lookup($1::bigint, idem_key($2, $3))", 3, p);
+}
+
+static int
+ledger_is(int64_t tenant, const char *scope, const char *id, const char *want)
+{
+	char	   *s = ledger_status(tenant, scope, id);
+	int			ok = (want == NULL && s == NULL) || (want && s && strcmp(s, want) == 0);
+
+	if (!ok)
+		tap_diag("ledger of %s/%s is %s, want %s", scope, id, s ? s : "(no row)",
+				 want ? want : "(no row)");
+	free(s);
+	return ok;
+}
+
+static int
+cache_absent(int platform, int64_t tenant, const char *scope, const char *id)
+{
+	char		k[IDEM_CACHE_KEY_MAX];
+	char	   *v;
+
+	cache_key_of(k, sizeof(k), platform, tenant, scope, id);
+	v = rv_get(k);
+	if (v)
+		tap_diag("cache key %s holds %s", k, v);
+	free(v);
+	return v == NULL;
+}
+
+static void
+cache_del(int platform, int64_t tenant, const char *scope, const char *id)
+{
+	char		k[IDEM_CACHE_KEY_MAX];
+
+	cache_key_of(k, sizeof(k), platform, tenant, scope, id);
+	rv_cmd_ok("DEL %s", k);
+}
+
+static const char *
+res_str(const idem_result *r)
+{
+	static char buf[800];
+
+	snprintf(buf, sizeof(buf), "%s/%s attempt %d retry %ld %.300s%s%s",
+			 idem_status_name(r->status), idem_source_name(r->source),
+			 r->attempt, r->retry_after_ms,
+			 r->status == IDEM_ERROR ? r->error_message : r->outcome,
+			 r->sqlstate[0] ? " sqlstate " : "", r->sqlstate);
+	return buf;
+}
+
+#define R_IS(res, st, src) ((res).status == (st) && (res).source == (src))
+
+static long long
+xact_commits(void)
+{
+	char		buf[256];
+	const char *p[1] = {buf};
+	PGconn	   *m = pg_open(E.pg_admin);
+	long long	v;
+
+	snprintf(buf, sizeof(buf), "%s", E.dbname);
+	v = pg_int(m, "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", 1, p);
+	PQfinish(m);
+	return v;
+}
+
+typedef struct rt
+{
+	long		pg,
+				vk,
+				pg_lib,
+				vk_lib;
+} rt;
+
+static idem_runner *R;			/* through the proxies */
+static proxy PP,
+			VP;
+
+static void
+rt_mark(rt *m)
+{
+	idem_runner_stats st;
+
+	idem_runner_get_stats(R, &st);
+	m->pg = PP.bursts;
+	m->vk = VP.bursts;
+	m->pg_lib = st.pg_round_trips;
+	m->vk_lib = st.valkey_round_trips;
+}
+
+static void
+rt_since(const rt *a, rt *d)
+{
+	rt			b;
+
+	sleep_ms(30);				/* let the proxy thread see the last bytes */
+	rt_mark(&b);
+	d->pg = b.pg - a->pg;
+	d->vk = b.vk - a->vk;
+	d->pg_lib = b.pg_lib - a->pg_lib;
+	d->vk_lib = b.vk_lib - a->vk_lib;
+}
+
+static int
+rt_check(const char *path, const rt *d, long want_pg, long want_vk)
+{
+	int			ok = d->pg == want_pg && d->vk == want_vk &&
+		d->pg_lib == want_pg && d->vk_lib == want_vk;
+
+	tap_diag("round trips, %-34s PostgreSQL %ld (library says %ld), Valkey %ld (library says %ld)",
+			 path, d->pg, d->pg_lib, d->vk, d->vk_lib);
+	return tap_ok(ok, "round trips of %s: PostgreSQL %ld, Valkey %ld", path, want_pg, want_vk);
+}
+
+static int
+cmd_scenario(void)
+{
+	idem_options o;
+	idem_result res;
+	hctx		h;
+	rt			m,
+				d;
+	char		conninfo[512];
+	char		ck[IDEM_CACHE_KEY_MAX];
+	char	   *v;
+	char		S[64],
+				PS[64];
+	char		req_a[] = "{\"amount\": 5, \"currency\": \"EUR\"}";
+	char		expect_a[] = "{\"n\": 15.0, \"id\": \"a1\", \"attempt\": 1}";
+	FILE	   *trace;
+	char		tracepath[256];
+
+	snprintf(S, sizeof(S), "scn.pay%s", E.suffix);
+	snprintf(PS, sizeof(PS), "maintenance.purge%s", E.suffix);
+	admin = pg_open(E.pg);
+	rvc = rv_open();
+	if (admin == NULL || rvc == NULL)
+	{
+		tap_ok(0, "servers reachable");
+		return tap_done();
+	}
+	if (proxy_start(&PP, E.pg_port) != 0 || proxy_start(&VP, E.valkey_port) != 0)
+	{
+		tap_ok(0, "proxies start");
+		return tap_done();
+	}
+	snprintf(conninfo, sizeof(conninfo), "host=127.0.0.1 port=%d dbname=%s connect_timeout=5 application_name=itest-runner",
+			 PP.port, E.dbname);
+	snprintf(tracepath, sizeof(tracepath), "%s/pgtrace.txt", getenv("IDEM_TEST_WORKDIR") ? getenv("IDEM_TEST_WORKDIR") : "/tmp");
+	trace = fopen(tracepath, "w+");
+	idem_options_init(&o);
+	o.lease_ms = 1000;
+	o.valkey_retry_ms = 200;
+	o.valkey_command_timeout_ms = E.slow ? 2000 : 200;
+	o.pg_trace = trace;
+	R = idem_runner_open(conninfo, "127.0.0.1", VP.port, &o);
+	tap_ok(R != NULL && idem_runner_error_message(R)[0] == '\0',
+		   "runner opens on both servers (%s)", R ? idem_runner_error_message(R) : "NULL");
+
+	/* --- applied, then replays ------------------------------------ */
+	memset(&h, 0, sizeof(h));
+	rt_mark(&m);
+	idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && res.attempt == 1 &&
+		   h.calls == 1 && strcmp(res.outcome, expect_a) == 0 && res.valkey_used,
+		   "first delivery: applied by the handler, attempt 1, canonical outcome (%s)", res_str(&res));
+	tap_ok(effects_of(S, "a1") == 1 && ledger_is(1, S, "a1", "completed 1"),
+		   "effect and completed row committed together");
+	tap_diag("(applied with a handler that does one INSERT: PostgreSQL %ld round trips, 2 + 1 of the handler)", d.pg);
+	cache_key_of(ck, sizeof(ck), 0, 1, S, "a1");
+	v = rv_get(ck);
+	tap_ok(v && strncmp(v, "idem1 c 1 ", 10) == 0 && strstr(v, expect_a) != NULL,
+		   "the result is in Valkey in the shared format (%s)", v ? v : "absent");
+	free(v);
+	{
+		long long	pttl = rv_pttl(ck);
+
+		tap_ok(pttl > 23 * 3600 * 1000LL && pttl <= 24 * 3600 * 1000LL,
+			   "its TTL is the retention left on the row (PTTL %lld ms)", pttl);
+	}
+	rt_mark(&m);
+	idem_run(R, 1, S, "a1", "{\"currency\":\"EUR\",\"amount\":5e0}", handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1 &&
+		   strcmp(res.outcome, expect_a) == 0 && res.attempt == 1,
+		   "redelivery (same request, other spelling): replay from Valkey, same bytes (%s)", res_str(&res));
+	rt_check("replay from Valkey", &d, 0, 1);
+
+	/* --- xact_commit: a replay from Valkey opens no transaction ------ */
+	{
+		long long	x0,
+					x1,
+					x2;
+		int			i,
+					all = 1;
+		long		before = 0;
+
+		int			tries;
+
+		/* other sessions' statistics reach pg_stat_database within about
+		 * a second of their going idle; measure again if one came late */
+		for (tries = 0; tries < 3; tries++)
+		{
+			fflush(trace);
+			fseek(trace, 0, SEEK_END);
+			before = ftell(trace);
+			sleep_ms(1200);
+			x0 = xact_commits();
+			all = 1;
+			for (i = 0; i < 20; i++)
+			{
+				idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+				if (!R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY))
+					all = 0;
+			}
+			sleep_ms(1200);
+			x1 = xact_commits();
+			fflush(trace);
+			fseek(trace, 0, SEEK_END);
+			if (all && x1 == x0 && ftell(trace) == before)
+				break;
+		}
+		tap_ok(all && x1 == x0 && ftell(trace) == before,
+			   "20 replays from Valkey: xact_commit unchanged (%lld -> %lld), no PostgreSQL message sent",
+			   x0, x1);
+		cache_del(0, 1, S, "a1");
+		idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+		sleep_ms(1200);
+		x2 = xact_commits();
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && x2 >= x1 + 1,
+			   "control: a replay from PostgreSQL does move xact_commit (%lld -> %lld)", x1, x2);
+	}
+	{
+		char		line[512];
+		int			rfq = 0;
+
+		fflush(trace);
+		rewind(trace);
+		while (fgets(line, sizeof(line), trace))
+			if (strncmp(line, "B\t", 2) == 0 && strstr(line, "\tReadyForQuery\t"))
+				rfq++;
+		tap_ok(rfq > 0, "PQtrace option: the protocol trace shows the ReadyForQuery messages (%d)", rfq);
+	}
+
+	/* --- replay from PostgreSQL repopulates Valkey ------------------ */
+	cache_del(0, 1, S, "a1");
+	rt_mark(&m);
+	idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 1 &&
+		   strcmp(res.outcome, expect_a) == 0,
+		   "key gone from Valkey: replay from PostgreSQL, same bytes (%s)", res_str(&res));
+	rt_check("replay from PostgreSQL", &d, 2, 2);
+	v = rv_get(ck);
+	tap_ok(v && strncmp(v, "idem1 c 1 ", 10) == 0 && rv_pttl(ck) > 0,
+		   "the replay from PostgreSQL repopulated Valkey");
+	free(v);
+	idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY), "and the next replay comes from Valkey");
+
+	/* --- round trips of the applied path ------------------------------ */
+	memset(&h, 0, sizeof(h));
+	h.mode = "noop";
+	rt_mark(&m);
+	idem_run(R, 1, S, "rt-applied", "{}", handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER), "no-op handler applied");
+	rt_check("applied (handler excluded)", &d, 2, 2);
+
+	/* --- busy: a marker held by another runner ---------------------- */
+	memset(&h, 0, sizeof(h));
+	cache_key_of(ck, sizeof(ck), 0, 2, S, "b1");
+	rv_cmd_ok("SET %s %s PX 5000", ck, "idem1 p 0123456789abcdef0123456789abcdef");
+	rt_mark(&m);
+	idem_run(R, 2, S, "b1", "{}", handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_VALKEY) && res.retry_after_ms > 3000 &&
+		   res.retry_after_ms <= 5000 && h.calls == 0,
+		   "marker of another run: busy from Valkey, retry after its PTTL (%s)", res_str(&res));
+	rt_check("busy from Valkey", &d, 0, 1);
+	v = rv_get(ck);
+	tap_ok(v && strcmp(v, "idem1 p 0123456789abcdef0123456789abcdef") == 0,
+		   "the other run's marker is left alone");
+	free(v);
+	/* a marker without TTL is not something idem writes: ignored */
+	rv_cmd_ok("SET %s %s", ck, "idem1 p 0123456789abcdef0123456789abcdef");
+	idem_run(R, 2, S, "b1", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "b1") == 1,
+		   "a marker without TTL is ignored: PostgreSQL decides (%s)", res_str(&res));
+
+	/* --- busy from PostgreSQL: another transaction holds the claim ----- */
+	{
+		PGconn	   *holder = pg_open(E.pg);
+		PGresult   *r;
+
+		memset(&h, 0, sizeof(h));
+		pg_ok(holder, "BEGIN");
+		{
+			const char *p1[1] = {S};
+
+			r = PQexecParams(holder, "SELECT decision FROM idem_claim(2, idem_key($1, 'b2'), idem_fingerprint('{}'), '10 s')",
+							 1, NULL, p1, NULL, NULL, 0);
+		}
+		tap_ok(PQresultStatus(r) == PGRES_TUPLES_OK && strcmp(PQgetvalue(r, 0, 0), "claimed") == 0,
+			   "another session claims b2 and keeps its transaction open");
+		PQclear(r);
+		rt_mark(&m);
+		idem_run(R, 2, S, "b2", "{}", handler, &h, &res);
+		rt_since(&m, &d);
+		tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && res.retry_after_ms > 0 && h.calls == 0,
+			   "claim held by an open transaction: busy from PostgreSQL, at once (%s)", res_str(&res));
+		rt_check("busy from PostgreSQL", &d, 2, 2);
+		tap_ok(cache_absent(0, 2, S, "b2"), "our marker was removed (compare-and-delete)");
+		pg_ok(holder, "ROLLBACK");
+		PQfinish(holder);
+		idem_run(R, 2, S, "b2", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "b2") == 1,
+			   "after the other transaction rolled back: applied (%s)", res_str(&res));
+	}
+
+	/* --- mismatch ------------------------------------------------------ */
+	memset(&h, 0, sizeof(h));
+	rt_mark(&m);
+	idem_run(R, 1, S, "a1", "{\"amount\": 6}", handler, &h, &res);
+	rt_since(&m, &d);
+	tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_VALKEY) && h.calls == 0,
+		   "same key, other request: mismatch from the cached result's fingerprint (%s)", res_str(&res));
+	rt_check("mismatch from Valkey", &d, 0, 1);
+	cache_del(0, 1, S, "a1");
+	idem_run(R, 1, S, "a1", "{\"amount\": 6}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) && h.calls == 0 &&
+		   cache_absent(0, 1, S, "a1") && effects_of(S, "a1") == 1,
+		   "not cached: mismatch from PostgreSQL; marker removed, nothing changed (%s)", res_str(&res));
+
+	/* --- malformed and forged values --------------------------------- */
+	{
+		uint8_t		fp[32];
+		char		fph[65],
+					good[IDEM_CACHE_VALUE_MAX];
+		char		vals[10][600];
+		int			nv = 0,
+					i,
+					all = 1;
+
+		idem_fingerprint(req_a, strlen(req_a), fp, NULL, 0);
+		idem_cache_hex(fph, fp, 32);
+		fph[64] = '\0';
+		idem_cache_encode_result(good, sizeof(good), IDEM_CACHE_COMPLETED, 1, fp,
+								 expect_a, strlen(expect_a));
+		snprintf(vals[nv++], 600, "garbage");
+		snprintf(vals[nv++], 600, "idem1 c 1 %.63sZ %s", fph, expect_a);
+		snprintf(vals[nv++], 600, "idem2 c 1 %s %s", fph, expect_a);
+		snprintf(vals[nv++], 600, "idem1 c 0 %s %s", fph, expect_a);
+		snprintf(vals[nv++], 600, "idem1 c 1 %s {oops}", fph);
+		snprintf(vals[nv++], 600, "idem1 c 1 %s {\"n\":15.0,\"id\":\"a1\",\"attempt\":1}", fph);
+		snprintf(vals[nv++], 600, "idem1 x 1 %s %s", fph, expect_a);
+		snprintf(vals[nv++], 600, "idem1 c 1 %s %s trailing", fph, expect_a);
+		snprintf(vals[nv++], 600, "idem1 p 0123");
+		cache_key_of(ck, sizeof(ck), 0, 1, S, "a1");
+		memset(&h, 0, sizeof(h));
+		for (i = 0; i < nv; i++)
+		{
+			rv_cmd_ok("SET %s %s PX 60000", ck, vals[i]);
+			idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+			v = rv_get(ck);
+			if (!R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) ||
+				strcmp(res.outcome, expect_a) != 0 || v == NULL || strcmp(v, good) != 0)
+			{
+				all = 0;
+				tap_diag("value '%s': %s; cache now %s", vals[i], res_str(&res), v ? v : "absent");
+			}
+			free(v);
+		}
+		/* a key of another type */
+		rv_cmd_ok("DEL %s", ck);
+		rv_cmd_ok("HSET %s f v", ck);
+		idem_run(R, 1, S, "a1", req_a, handler, &h, &res);
+		v = rv_get(ck);
+		if (!R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) || v == NULL || strcmp(v, good) != 0)
+		{
+			all = 0;
+			tap_diag("hash key: %s", res_str(&res));
+		}
+		free(v);
+		tap_ok(all && h.calls == 0 && effects_of(S, "a1") == 1,
+			   "%d malformed/forged/non-canonical values and a hash key: ignored, PostgreSQL replays, Valkey healed", nv + 1);
+		/* forged value for a key PostgreSQL has never seen */
+		cache_key_of(ck, sizeof(ck), 0, 1, S, "f1");
+		rv_cmd_ok("SET %s %s PX 60000", ck, "idem1 c 1 zz {}");
+		idem_run(R, 1, S, "f1", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "f1") == 1,
+			   "forged value on a new key: ignored, the handler runs once (%s)", res_str(&res));
+		/* a well-formed cached result with another fingerprint */
+		{
+			uint8_t		other[32];
+			char		val[IDEM_CACHE_VALUE_MAX];
+
+			memset(other, 0xab, 32);
+			idem_cache_encode_result(val, sizeof(val), IDEM_CACHE_COMPLETED, 1, other, "{}", 2);
+			cache_key_of(ck, sizeof(ck), 0, 1, S, "f2");
+			rv_cmd_ok("SET %s %s PX 60000", ck, val);
+			memset(&h, 0, sizeof(h));
+			idem_run(R, 1, S, "f2", "{}", handler, &h, &res);
+			tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_VALKEY) && h.calls == 0 &&
+				   effects_of(S, "f2") == 0 && ledger_is(1, S, "f2", NULL),
+				   "cached result with another fingerprint: mismatch, nothing written (%s)", res_str(&res));
+			rv_cmd_ok("DEL %s", ck);
+		}
+	}
+
+	/* --- bad outcomes from the handler ------------------------------ */
+	{
+		const char *modes[3] = {"oversize", "notobject", "badjson"};
+		const char *words[3] = {"4096", "object", "not valid JSON"};
+		int			i;
+
+		for (i = 0; i < 3; i++)
+		{
+			char		id[16];
+
+			snprintf(id, sizeof(id), "o%d", i);
+			memset(&h, 0, sizeof(h));
+			h.mode = modes[i];
+			idem_run(R, 1, S, id, "{}", handler, &h, &res);
+			tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_OUTCOME &&
+				   strstr(res.error_message, words[i]) != NULL && h.calls == 1 &&
+				   effects_of(S, id) == 0 && ledger_is(1, S, id, NULL) &&
+				   cache_absent(0, 1, S, id),
+				   "%s outcome: clear error, effect rolled back, no ledger row, no marker (%s)",
+				   modes[i], res.error_message);
+		}
+		memset(&h, 0, sizeof(h));
+		idem_run(R, 1, S, "o0", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "o0") == 1,
+			   "redelivered after the oversize outcome: applied once");
+	}
+
+	/* --- handler failures -------------------------------------------- */
+	memset(&h, 0, sizeof(h));
+	h.mode = "permanent";
+	rt_mark(&m);
+	idem_run(R, 1, S, "p1", "{}", handler, &h, &res);
+	rt_since(&m, &d);
+	d.pg -= 1;					/* the handler's INSERT */
+	rt_check("permanent failure (handler excluded)", &d, 2, 2);
+	tap_ok(R_IS(res, IDEM_FAILED_PERMANENT, IDEM_SOURCE_HANDLER) &&
+		   strcmp(res.outcome, "{\"code\": 51, \"reason\": \"card declined\"}") == 0 &&
+		   effects_of(S, "p1") == 0 && ledger_is(1, S, "p1", "failed_permanent 1"),
+		   "permanent failure: detail recorded, the handler's writes rolled back to the savepoint (%s)", res_str(&res));
+	idem_run(R, 1, S, "p1", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_FAILED_PERMANENT, IDEM_SOURCE_VALKEY) && h.calls == 1,
+		   "its redelivery replays the failure from Valkey (%s)", res_str(&res));
+	cache_del(0, 1, S, "p1");
+	idem_run(R, 1, S, "p1", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_FAILED_PERMANENT, IDEM_SOURCE_POSTGRES) && h.calls == 1,
+		   "and from PostgreSQL when Valkey lost it (%s)", res_str(&res));
+	memset(&h, 0, sizeof(h));
+	h.mode = "retryable";
+	rt_mark(&m);
+	idem_run(R, 1, S, "r1", "{}", handler, &h, &res);
+	rt_since(&m, &d);
+	d.pg -= 1;					/* the handler's INSERT */
+	rt_check("retryable failure (handler excluded)", &d, 2, 2);
+	tap_ok(R_IS(res, IDEM_FAILED_RETRYABLE, IDEM_SOURCE_HANDLER) && effects_of(S, "r1") == 0 &&
+		   ledger_is(1, S, "r1", "failed_retryable 1") && cache_absent(0, 1, S, "r1"),
+		   "retryable failure: recorded, writes rolled back, marker removed (%s)", res_str(&res));
+	h.mode = NULL;
+	idem_run(R, 1, S, "r1", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && res.attempt == 2 &&
+		   effects_of(S, "r1") == 1 && ledger_is(1, S, "r1", "completed 2"),
+		   "retried: claimed again as attempt 2 and applied once (%s)", res_str(&res));
+
+	memset(&h, 0, sizeof(h));
+	h.mode = "sqlfail";
+	idem_run(R, 1, S, "r2", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_FAILED_RETRYABLE, IDEM_SOURCE_HANDLER) && effects_of(S, "r2") == 0 &&
+		   ledger_is(1, S, "r2", "failed_retryable 1"),
+		   "a statement of the handler failed and it reported a retryable failure: rolled back to the savepoint, failure recorded (%s)",
+		   res_str(&res));
+
+	/* --- a handler that breaks the transaction ----------------------- */
+	memset(&h, 0, sizeof(h));
+	h.mode = "breaktx";
+	idem_run(R, 1, S, "x1", "{}", handler, &h, &res);
+	tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_HANDLER &&
+		   effects_of(S, "x1") == 0 && ledger_is(1, S, "x1", NULL) && cache_absent(0, 1, S, "x1"),
+		   "handler returns success after a failed statement: error, nothing committed (%s)", res.error_message);
+
+	/* --- unknown tenant ------------------------------------------------ */
+	memset(&h, 0, sizeof(h));
+	idem_run(R, 999999, S, "t1", "{}", handler, &h, &res);
+	tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_SERVER && res.sqlstate[0] &&
+		   h.calls == 0 && cache_absent(0, 999999, S, "t1"),
+		   "unknown tenant: server error with SQLSTATE %s, marker removed (%s)", res.sqlstate, res.error_message);
+
+	/* --- platform ledger ------------------------------------------------ */
+	memset(&h, 0, sizeof(h));
+	idem_run_platform(R, PS, "2026-11-29", "{\"batch\": 100}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER), "platform ledger: applied (%s)", res_str(&res));
+	idem_run_platform(R, PS, "2026-11-29", "{\"batch\": 100}", handler, &h, &res);
+	cache_key_of(ck, sizeof(ck), 1, 0, PS, "2026-11-29");
+	v = rv_get(ck);
+	tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1 && v && strncmp(ck, "idem:p:", 7) == 0,
+		   "platform ledger: replay from Valkey under %.*s...", 10, ck);
+	free(v);
+	{
+		const char *p[2] = {PS, "2026-11-29"};
+		char	   *st = pg_val(admin, "SELECT status FROM idem_platform_lookup(idem_key($1, $2))", 2, p);
+
+		tap_ok(st && strcmp(st, "completed") == 0, "platform ledger row completed");
+		free(st);
+	}
+
+	/* --- PostgreSQL backend terminated mid-handler ------------------ */
+	{
+		int			i;
+		const char *modes[2] = {"terminate", "terminate2"};
+
+		for (i = 0; i < 2; i++)
+		{
+			char		id[16];
+
+			snprintf(id, sizeof(id), "k%d", i);
+			memset(&h, 0, sizeof(h));
+			h.mode = modes[i];
+			idem_run(R, 1, S, id, "{}", handler, &h, &res);
+			tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_CONNECTION &&
+				   effects_of(S, id) == 0 && ledger_is(1, S, id, NULL) && cache_absent(0, 1, S, id),
+				   "pg_terminate_backend mid-handler (%s): connection error, nothing committed, marker removed (%s)",
+				   modes[i], res.error_message);
+			h.mode = NULL;
+			idem_run(R, 1, S, id, "{}", handler, &h, &res);
+			tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, id) == 1,
+				   "redelivered: the runner reconnects, applied once (%s)", res_str(&res));
+		}
+	}
+	/* killed while idle between runs: the next run reconnects by itself */
+	{
+		char		pid[16];
+		const char *p1[1] = {pid};
+		int			i;
+
+		snprintf(pid, sizeof(pid), "%d", h.backend_pid);
+		free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
+		for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
+			sleep_ms(10);
+		memset(&h, 0, sizeof(h));
+		idem_run(R, 1, S, "k9", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "k9") == 1,
+			   "backend terminated while idle: the next run retries on a new connection (%s)", res_str(&res));
+	}
+
+	/* --- a handler that runs longer than its lease -------------------- */
+	{
+		idem_runner *R2;
+		idem_options o2;
+		int			wst = 0;
+
+		idem_options_init(&o2);
+		o2.lease_ms = 300;
+		R2 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o2);
+		memset(&h, 0, sizeof(h));
+		h.mode = "dup_during";
+		h.sleep_ms = 1000;
+		h.dup_scope = S;
+		h.dup_id = "L1";
+		h.dup_req = "{}";
+		h.dup_after_ms = 500;
+		if (pipe(h.dup_fd) != 0)
+			h.dup_fd[0] = h.dup_fd[1] = -1;
+		idem_run(R2, 1, S, "L1", "{}", handler, &h, &res);
+		waitpid(h.dup_child, &wst, 0);
+		if (read(h.dup_fd[0], &wst, sizeof(wst)) != sizeof(wst))
+			wst = -1;
+		close(h.dup_fd[0]);
+		close(h.dup_fd[1]);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER),
+			   "handler of 1000 ms on a 300 ms lease: applied (%s)", res_str(&res));
+		tap_ok(wst == 10 + IDEM_BUSY * 4 + IDEM_SOURCE_POSTGRES,
+			   "the duplicate that came after the lease (and the marker) ended got busy from PostgreSQL (code %d)",
+			   wst);
+		memset(&h, 0, sizeof(h));
+		idem_run(R2, 1, S, "L1", "{}", handler, &h, &res);
+		tap_ok((res.status == IDEM_REPLAYED) && h.calls == 0 && effects_of(S, "L1") == 1,
+			   "after the commit the duplicate replays; one effect (%s)", res_str(&res));
+		idem_runner_close(R2);
+	}
+
+	/* --- Valkey slow (stopped) and down ------------------------------ */
+	if (valkey_pid() > 0)
+	{
+		int64_t		t0;
+		idem_runner *R3;
+		idem_options o3;
+
+		idem_options_init(&o3);
+		o3.valkey_command_timeout_ms = 150;
+		o3.valkey_retry_ms = 200;
+		o3.lease_ms = 500;
+		R3 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o3);
+		memset(&h, 0, sizeof(h));
+		valkey_kill(SIGSTOP);
+		t0 = now_ms();
+		idem_run(R3, 1, S, "v1", "{}", handler, &h, &res);
+		t0 = now_ms() - t0;
+		valkey_kill(SIGCONT);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && !res.valkey_used &&
+			   effects_of(S, "v1") == 1 && (E.slow || t0 < 1000),
+			   "Valkey not answering: gate skipped after the command timeout, applied on PostgreSQL alone in %lld ms",
+			   (long long) t0);
+		valkey_kill(SIGKILL);
+		idem_run(R3, 1, S, "v1", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 1,
+			   "Valkey down: replay from PostgreSQL (%s)", res_str(&res));
+		idem_run(R3, 1, S, "v2", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && !res.valkey_used && effects_of(S, "v2") == 1,
+			   "Valkey down: new key applied on PostgreSQL alone");
+		tap_ok(valkey_start() == 0, "Valkey restarted (empty)");
+		sleep_ms(300);
+		idem_run(R3, 1, S, "v2", "{}", handler, &h, &res);
+		/* the extension's worker may have copied v2 into the new Valkey
+		 * already: then the replay comes from there */
+		tap_ok(res.status == IDEM_REPLAYED && res.valkey_used && h.calls == 2,
+			   "after the restart the runner reconnects to Valkey by itself (%s)", res_str(&res));
+		idem_run(R3, 1, S, "v2", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 2,
+			   "and Valkey answers the next replay (%s)", res_str(&res));
+		idem_runner_close(R3);
+	}
+	else
+		tap_skip_ext("Valkey pid unknown: slow/down tests");
+
+	/* --- results written by the extension's worker ------------------- */
+	{
+		idem_runner *R4;
+		idem_options o4;
+		int			i;
+
+		idem_options_init(&o4);
+		o4.cache_results = 0;
+		R4 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o4);
+		memset(&h, 0, sizeof(h));
+		idem_run(R4, 1, S, "w1", "{\"x\": 1}", handler, &h, &res);
+		cache_key_of(ck, sizeof(ck), 0, 1, S, "w1");
+		for (i = 0; i < 40; i++)
+		{
+			v = rv_get(ck);
+			if (v && strncmp(v, "idem1 c", 7) == 0)
+				break;
+			free(v);
+			v = NULL;
+			sleep_ms(50);
+		}
+		if (v)
+		{
+			idem_run(R4, 1, S, "w1", "{\"x\": 1}", handler, &h, &res);
+			tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1,
+				   "with cache_results off, the server's worker wrote the result and the client replays it (%s)",
+				   res_str(&res));
+		}
+		else
+			tap_skip_ext("the server's worker did not copy the result to Valkey within 2 s");
+		free(v);
+		idem_runner_close(R4);
+	}
+
+	idem_runner_close(R);
+	fclose(trace);
+	proxy_stop(&PP);
+	proxy_stop(&VP);
+	PQfinish(admin);
+	if (rvc)
+		redisFree(rvc);
+	return tap_done();
+}
+
+int
+main(int argc, char **argv)
+{
+	/* SIGPIPE keeps its default action: the library must not die of it */
+	itest_env_load();
+	if (argc >= 2 && strcmp(argv[1], "setup") == 0)
+		return cmd_setup();
+	if (argc >= 2 && strcmp(argv[1], "diff") == 0)
+		return cmd_diff();
+	if (argc >= 2 && strcmp(argv[1], "scenario") == 0)
+		return cmd_scenario();
+	if (argc >= 2 && strcmp(argv[1], "contention") == 0)
+		return contention_main(argc - 1, argv + 1);
+	fprintf(stderr, "usage: itest setup|diff|scenario|contention ...\n");
+	return 2;
+}

@@ -1,0 +1,241 @@
+#!/bin/bash
+# client/tests/run.sh: the client's tests on real servers.
+#
+# Starts a throwaway PostgreSQL 15 (idem preloaded, its worker pointed at the
+# RESP server) and a RESP server ($IDEM_VALKEY_SERVER, else valkey-server on
+# PATH, else /usr/bin/redis-server) on free loopback ports in a temp folder,
+# runs the unit and integration tests, and always stops both servers.
+#
+# PostgreSQL refuses to run as root: as root, the script copies the test
+# binaries to a temp folder and runs itself as $IDEM_TEST_USER (default
+# idemtest, created if missing).
+#
+# Output: TAP ("ok N - ..."), numbered across all test programs, then the
+# plan and an "N passed, N failed" line.  Exit status 1 on any failure.
+#
+# Then the same programs run again under valgrind memcheck (leaks and invalid
+# accesses are failures).  IDEM_CLIENT_VALGRIND=0 leaves that pass out,
+# IDEM_CLIENT_VALGRIND=only runs only it (make valgrind).
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+
+if [ "${1:-}" != "--inner" ]; then
+	client=$(cd "$here/.." && pwd)
+	top=$(cd "$client/.." && pwd)
+	for b in unit itest so_smoke; do
+		if [ ! -x "$client/build/$b" ]; then
+			echo "Bail out! $client/build/$b is missing: run make -C client first"
+			exit 1
+		fi
+	done
+	sharedir=$(pg_config --sharedir 2>/dev/null)
+	if [ ! -f "$sharedir/extension/idem.control" ]; then
+		if [ "$(id -u)" = 0 ]; then
+			make -C "$top" install >/dev/null || { echo "Bail out! make install of the extension failed"; exit 1; }
+		else
+			echo "Bail out! the idem extension is not installed: run 'make install' as root in $top"
+			exit 1
+		fi
+	fi
+	parent=${IDEM_TEST_PARENT_WORK:-}
+	[ -n "$parent" ] && [ -d "$parent" ] && [ -w "$parent" ] || parent=/tmp
+	work=$(mktemp -d "$parent/idem-client-test.XXXXXX") || exit 1
+	chmod 755 "$work"
+	mkdir "$work/bin"
+	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
+		"$client/build/libidemclient.so.0" "$here/run.sh" "$work/bin/"
+	if [ "$(id -u)" = 0 ]; then
+		user=${IDEM_TEST_USER:-idemtest}
+		if ! id "$user" >/dev/null 2>&1; then
+			useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user" || exit 1
+		fi
+		chown -R "$user" "$work"
+		runuser -u "$user" -- bash "$work/bin/run.sh" --inner "$work"
+		rc=$?
+	else
+		bash "$work/bin/run.sh" --inner "$work"
+		rc=$?
+	fi
+	rm -rf "$work"
+	exit $rc
+fi
+
+# ---- inner: as an unprivileged user, in $work ----
+work=$2
+bin=$work/bin
+pgbin=$(pg_config --bindir)
+
+free_port() {
+	local p
+	for _ in $(seq 1 100); do
+		p=$((20000 + RANDOM % 40000))
+		if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+			echo "$p"
+			return 0
+		fi
+	done
+	return 1
+}
+
+resp_server=${IDEM_VALKEY_SERVER:-}
+if [ -z "$resp_server" ]; then
+	resp_server=$(command -v valkey-server || true)
+fi
+if [ -z "$resp_server" ] && [ -x /usr/bin/redis-server ]; then
+	resp_server=/usr/bin/redis-server
+fi
+if [ -z "$resp_server" ]; then
+	echo "Bail out! no RESP server: install valkey-server or redis-server"
+	exit 1
+fi
+
+pgport=$(free_port)
+vport=$(free_port)
+while [ "$vport" = "$pgport" ]; do vport=$(free_port); done
+
+cleanup() {
+	if [ -f "$work/valkey.pid" ]; then
+		kill -CONT "$(cat "$work/valkey.pid")" 2>/dev/null
+		kill -9 "$(cat "$work/valkey.pid")" 2>/dev/null
+	fi
+	if [ -f "$work/pg/postmaster.pid" ]; then
+		"$pgbin/pg_ctl" -D "$work/pg" -m immediate -w stop >/dev/null 2>&1
+	fi
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+# the RESP server, (re)startable by the tests
+cat > "$work/valkey-start.sh" <<EOF
+#!/bin/bash
+mkdir -p "$work/valkey"
+"$resp_server" --port $vport --bind 127.0.0.1 --save '' --appendonly no \\
+	--dir "$work/valkey" --daemonize no >>"$work/valkey.log" 2>&1 &
+echo \$! > "$work/valkey.pid"
+for _ in \$(seq 1 200); do
+	if (exec 3<>/dev/tcp/127.0.0.1/$vport) 2>/dev/null; then exit 0; fi
+	sleep 0.02
+done
+exit 1
+EOF
+chmod +x "$work/valkey-start.sh"
+"$work/valkey-start.sh" || { echo "Bail out! $resp_server did not start"; cat "$work/valkey.log"; exit 1; }
+
+# PostgreSQL
+"$pgbin/initdb" -D "$work/pg" -E UTF8 --locale=C -A trust -U "$(id -un)" >"$work/initdb.log" 2>&1 ||
+	{ echo "Bail out! initdb failed"; cat "$work/initdb.log"; exit 1; }
+cat >> "$work/pg/postgresql.conf" <<EOF
+port = $pgport
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$work'
+fsync = off
+synchronous_commit = off
+full_page_writes = off
+autovacuum = off
+max_connections = 60
+shared_preload_libraries = 'idem'
+idem.valkey_host = '127.0.0.1'
+idem.valkey_port = $vport
+EOF
+if ! "$pgbin/pg_ctl" -D "$work/pg" -l "$work/pg.log" -w -t 60 start >/dev/null 2>&1; then
+	echo "# PostgreSQL did not start with idem preloaded; trying without (the worker's copies to Valkey are then off)"
+	sed -i "s/^shared_preload_libraries = 'idem'/#&/" "$work/pg/postgresql.conf"
+	"$pgbin/pg_ctl" -D "$work/pg" -l "$work/pg.log" -w -t 60 start >/dev/null 2>&1 ||
+		{ echo "Bail out! PostgreSQL did not start"; tail -20 "$work/pg.log"; exit 1; }
+fi
+
+export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
+export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
+export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work
+export PGCONNECT_TIMEOUT=10
+
+"$bin/itest" setup >"$work/setup.log" 2>&1 || { echo "Bail out! test database setup failed"; cat "$work/setup.log"; exit 1; }
+
+n=0
+pass=0
+fail=0
+
+# run a TAP program, renumbering its lines into the common sequence
+tap() {
+	local name=$1
+	shift
+	local line rc=0 before=$fail seen=0
+	while IFS= read -r line; do
+		case "$line" in
+			"ok "*|"not ok "*)
+				local rest=${line#*ok [0-9]* }
+				rest=${rest#- }
+				n=$((n + 1))
+				seen=$((seen + 1))
+				if [ "${line%%ok*}" = "not " ]; then
+					fail=$((fail + 1))
+					echo "not ok $n - $name: $rest"
+				else
+					pass=$((pass + 1))
+					echo "ok $n - $name: $rest"
+				fi
+				;;
+			"__EXIT__ "*) rc=${line#__EXIT__ } ;;
+			1..*) ;;
+			*) echo "$line" ;;
+		esac
+	done < <("$@" 2>"$work/stderr-$name.log"; echo "__EXIT__ $?")
+	if [ "$rc" != 0 ] && [ "$fail" = "$before" ]; then
+		n=$((n + 1))
+		fail=$((fail + 1))
+		echo "not ok $n - $name exited with status $rc"
+	fi
+	# under valgrind, any report (forked children included) is a failure
+	if [ ${#vg[@]} -gt 0 ] && grep -q '^==[0-9]*== ' "$work/stderr-$name.log"; then
+		n=$((n + 1))
+		fail=$((fail + 1))
+		echo "not ok $n - $name: valgrind memcheck reported errors"
+		rc=99
+	elif [ ${#vg[@]} -gt 0 ]; then
+		n=$((n + 1))
+		pass=$((pass + 1))
+		echo "ok $n - $name: clean under valgrind memcheck (no leaks, no invalid accesses)"
+	fi
+	if [ "$rc" != 0 ] || [ "$seen" = 0 ]; then
+		[ "$seen" = 0 ] && { n=$((n + 1)); fail=$((fail + 1)); echo "not ok $n - $name ran no test"; }
+		sed 's/^/# stderr: /' "$work/stderr-$name.log" | tail -20
+	fi
+}
+
+vg=()
+mode=${IDEM_CLIENT_VALGRIND:-1}		# 0: no valgrind pass; 1: both; only
+
+echo "# PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') on 127.0.0.1:$pgport, $(basename "$resp_server") on 127.0.0.1:$vport"
+if [ "$mode" != only ]; then
+	tap unit "$bin/unit"
+	tap shared "$bin/so_smoke"
+	tap diff "$bin/itest" diff
+	tap scenario "$bin/itest" scenario
+	tap contention "$bin/itest" contention clean
+	tap faults "$bin/itest" contention faults
+fi
+if [ "$mode" != 0 ]; then
+	if command -v valgrind >/dev/null 2>&1; then
+		# the same programs (smaller counts, own keys) under memcheck; the
+		# contention workers are forked, so they run under it too
+		export IDEM_TEST_SLOW=1 IDEM_TEST_SUFFIX=.vg
+		vg=(valgrind --quiet --error-exitcode=99 --leak-check=full
+			--errors-for-leak-kinds=definite,indirect --show-leak-kinds=definite,indirect
+			--track-origins=yes)
+		echo "# under valgrind memcheck: $(valgrind --version)"
+		tap valgrind-unit "${vg[@]}" "$bin/unit"
+		tap valgrind-shared "${vg[@]}" "$bin/so_smoke"
+		tap valgrind-diff "${vg[@]}" "$bin/itest" diff
+		tap valgrind-scenario "${vg[@]}" "$bin/itest" scenario
+		tap valgrind-contention "${vg[@]}" "$bin/itest" contention clean
+	else
+		n=$((n + 1))
+		pass=$((pass + 1))
+		echo "ok $n - # SKIP valgrind is not installed (apt-get install valgrind)"
+	fi
+fi
+
+echo "1..$n"
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

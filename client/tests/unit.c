@@ -1,0 +1,297 @@
+/*
+ * unit.c: client tests that need no server.
+ *	  SHA-256 against the FIPS 180-2 examples; idem_key vectors (computed
+ *	  independently, and equal to SQL idem_key: see itest.c); canonical JSON
+ *	  vectors taken from PostgreSQL 15 output; invalid JSON refused; the API
+ *	  with NULLs, bad options and servers that are down: errors, no crash.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem_client.h"
+#include "internal.h"
+#include "tap.h"
+
+static void
+hex(const uint8_t *d, size_t n, char *out)
+{
+	idem_cache_hex(out, d, n);
+	out[2 * n] = '\0';
+}
+
+static int
+sha_is(const char *msg, size_t len, const char *want)
+{
+	idem_sha256 c;
+	uint8_t		d[32];
+	char		h[65];
+
+	idem_sha256_init(&c);
+	idem_sha256_update(&c, msg, len);
+	idem_sha256_final(&c, d);
+	hex(d, 32, h);
+	return strcmp(h, want) == 0;
+}
+
+static void
+test_sha256(void)
+{
+	static const char *m2 =
+		"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+	char	   *million;
+	idem_sha256 c;
+	uint8_t		d1[32],
+				d2[32];
+	size_t		i,
+				split;
+	int			same = 1;
+	char		buf[300];
+
+	tap_ok(sha_is("abc", 3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
+		   "sha256 FIPS 180-2 example 1 (abc)");
+	tap_ok(sha_is("", 0, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+		   "sha256 of the empty string");
+	tap_ok(sha_is(m2, strlen(m2), "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"),
+		   "sha256 FIPS 180-2 example 2 (448 bits)");
+	million = malloc(1000000);
+	memset(million, 'a', 1000000);
+	tap_ok(sha_is(million, 1000000, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"),
+		   "sha256 FIPS 180-2 example 3 (a million 'a')");
+	free(million);
+	for (i = 0; i < sizeof(buf); i++)
+		buf[i] = (char) (i * 7 + 3);
+	idem_sha256_init(&c);
+	idem_sha256_update(&c, buf, sizeof(buf));
+	idem_sha256_final(&c, d1);
+	for (split = 0; split <= sizeof(buf); split += 13)
+	{
+		idem_sha256_init(&c);
+		idem_sha256_update(&c, buf, split);
+		idem_sha256_update(&c, buf + split, sizeof(buf) - split);
+		idem_sha256_final(&c, d2);
+		if (memcmp(d1, d2, 32) != 0)
+			same = 0;
+	}
+	tap_ok(same, "sha256 incremental updates equal one-shot at every split");
+}
+
+static int
+key_is(const char *scope, const char *id, const char *want)
+{
+	uint8_t		k[32];
+	char		h[65];
+
+	if (idem_key(scope, id, k) != 0)
+		return 0;
+	hex(k, 32, h);
+	return strcmp(h, want) == 0;
+}
+
+static void
+test_keys(void)
+{
+	uint8_t		k[32];
+	uint8_t		fp[32];
+	char		h[65];
+
+	tap_ok(key_is("billing.charge", "run-42", "5c76c6f58eff897da07846a990b77e88e8a0d282df751a06dfd7653c771f32cd"),
+		   "idem_key('billing.charge', 'run-42') vector");
+	tap_ok(key_is("", "", "af5570f5a1810b7af78caf4bc70a660f0df51e42baf91d4de5b2328de0e83dfc"),
+		   "idem_key('', '') vector");
+	tap_ok(key_is("\xc3\xa9", "\xc3\xbc\xf0\x9f\x98\x80", "72f1b540655b10e9fecac9e2de4b149b5eddf449aeb5cf6edd2ce2cbfc893fa8"),
+		   "idem_key with multi-byte UTF-8 (lengths in bytes)");
+	tap_ok(key_is("a", "bc", "b534ce16ac9c8b36823f39a395ce8e0e3c7ad9605b82b5444f18cadacd217a5d") &&
+		   key_is("ab", "c", "f2939f903016e5bb29b1e4a61cdbd376220ca03a24180b39995f2d50f2e0a647"),
+		   "idem_key('a','bc') and ('ab','c') differ (length-prefixed)");
+	tap_ok(idem_key(NULL, "x", k) == -1 && idem_key("x", NULL, k) == -1 &&
+		   idem_key("\xff", "x", k) == -1 && idem_key("x", "\xc3", k) == -1,
+		   "idem_key refuses NULL and invalid UTF-8");
+	tap_ok(idem_fingerprint("{ }", 3, fp, NULL, 0) == 0 &&
+		   (hex(fp, 32, h), strcmp(h, "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a") == 0),
+		   "idem_fingerprint('{ }') = sha256('{}')");
+	tap_ok(idem_fingerprint("{\"a\":1.0e0}", 11, fp, NULL, 0) == 0 &&
+		   idem_fingerprint("{\"a\": 1.0}", 10, k, NULL, 0) == 0 &&
+		   memcmp(fp, k, 32) == 0,
+		   "idem_fingerprint equal for equal jsonb documents");
+}
+
+static int
+canon_is(const char *in, const char *want)
+{
+	size_t		n;
+	char		err[200];
+	char	   *c = idem_json_canonical(in, strlen(in), &n, err, sizeof(err));
+	int			ok = c != NULL && strcmp(c, want) == 0 && n == strlen(want);
+
+	if (!ok)
+		tap_diag("canonical(%s) = %s (want %s) %s", in, c ? c : "NULL", want,
+				 c ? "" : err);
+	idem_free(c);
+	return ok;
+}
+
+static int
+canon_refused(const char *in, size_t len)
+{
+	size_t		n;
+	char		err[200];
+	char	   *c = idem_json_canonical(in, len, &n, err, sizeof(err));
+
+	if (c != NULL)
+	{
+		tap_diag("canonical(%.*s) accepted: %s", (int) len, in, c);
+		idem_free(c);
+		return 0;
+	}
+	return err[0] != '\0';
+}
+
+static void
+test_canonical(void)
+{
+	/* each pair was printed by PostgreSQL 15: SELECT $1::jsonb::text */
+	static const char *const pairs[][2] = {
+		{"{\"a\":1,\"a\":2,\"bb\":1,\"c\":{}}", "{\"a\": 2, \"c\": {}, \"bb\": 1}"},
+		{"[1,2 ,{\"x\" :[]}]", "[1, 2, {\"x\": []}]"},
+		{"\"\\u00e9\\u001f\\b/\"", "\"\xc3\xa9\\u001f\\b/\""},
+		{"\"\\uD83D\\uDE00\"", "\"\xf0\x9f\x98\x80\""},
+		{"\"\\u00E9\\/\"", "\"\xc3\xa9/\""},
+		{"1e2", "100"}, {"1.50", "1.50"}, {"1.5e3", "1500"}, {"1e-2", "0.01"},
+		{"-0", "0"}, {"0.0", "0.0"}, {"1.50e1", "15.0"}, {"1E+2", "100"},
+		{"0.1e001", "1"}, {"-0.0e-3", "0.0000"}, {"1.0e-5", "0.000010"},
+		{"-12.345e1", "-123.45"}, {"123e-5", "0.00123"}, {"0e100000", "0"},
+		{"0.000e131075", "0"}, {" 1 ", "1"}, {"\t\r\n[ ]\n", "[]"},
+		{"{}", "{}"}, {"true", "true"}, {"[null,false]", "[null, false]"},
+		{"{\"b\":1,\"aa\":2,\"a\":3,\"\":0}", "{\"\": 0, \"a\": 3, \"b\": 1, \"aa\": 2}"},
+		{"{\"\xc3\xa9\":1,\"z\":2,\"zz\":3}", "{\"z\": 2, \"zz\": 3, \"\xc3\xa9\": 1}"},
+		{"\"tab\\there \\\"q\\\" back\\\\slash \\r\\n\\f\"", "\"tab\\there \\\"q\\\" back\\\\slash \\r\\n\\f\""},
+		{"\"\\u007f\\u0001\"", "\"\x7f\\u0001\""},
+		{"{\"k\":{\"b\":[1,{\"d\":1,\"c\":2}],\"a\":null}}", "{\"k\": {\"a\": null, \"b\": [1, {\"c\": 2, \"d\": 1}]}}"},
+	};
+	static const char *const bad[] = {
+		"", " ", "01", "1.", ".5", "+1", "-", "1e", "1e+", "[1,2,]", "{\"a\":1,}",
+		"tru", "truex", "nul", "True", "\"\\ud800\"", "\"\\udc00\"",
+		"\"\\ud800\\u0041\"", "\"\\x\"", "\"\\U0041\"", "\"\\u0000\"", "\"a\nb\"",
+		"{a:1}", "{\"a\" 1}", "[1 2]", "1 2", "\"unterminated", "0e-16384",
+		"0.0e-16383", "1e2147483647", "0e1073741823", "0e-1073741822", "1e131072",
+		"100e131070", "1e-16384", "'x'", "[", "{", "NaN", "Infinity", "[1]]",
+		"\"\\u12\"", "1.5e3x",
+	};
+	size_t		i;
+	int			all = 1;
+	char		deep[2 * 600 + 1];
+
+	for (i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++)
+		if (!canon_is(pairs[i][0], pairs[i][1]))
+			all = 0;
+	tap_ok(all, "canonical JSON: %zu vectors printed by PostgreSQL 15",
+		   sizeof(pairs) / sizeof(pairs[0]));
+	all = 1;
+	for (i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+		if (!canon_refused(bad[i], strlen(bad[i])))
+			all = 0;
+	tap_ok(all, "canonical JSON: %zu inputs jsonb refuses are refused, with a message",
+		   sizeof(bad) / sizeof(bad[0]));
+	tap_ok(canon_refused("\"\xff\"", 3) && canon_refused("\"\xed\xa0\x80\"", 5) &&
+		   canon_refused("\"\xc0\xaf\"", 4) && canon_refused("\"a\0b\"", 5) &&
+		   canon_refused("\"\xf4\x90\x80\x80\"", 6),
+		   "canonical JSON: invalid UTF-8, encoded surrogates, overlongs, NUL refused");
+	{
+		size_t		n;
+		char	   *c = idem_json_canonical("1e16383", 7, &n, NULL, 0);
+
+		tap_ok(c && n == 16384 && c[0] == '1' && c[1] == '0' && c[16383] == '0',
+			   "canonical JSON: 1e16383 prints 16384 digits");
+		idem_free(c);
+		c = idem_json_canonical("1e-16383", 8, &n, NULL, 0);
+		tap_ok(c && n == 16385 && strncmp(c, "0.000", 5) == 0 && c[16384] == '1',
+			   "canonical JSON: 1e-16383 prints 16383 decimals");
+		idem_free(c);
+	}
+	for (i = 0; i < 600; i++)
+	{
+		deep[i] = '[';
+		deep[1199 - i] = ']';
+	}
+	deep[1200] = '\0';
+	tap_ok(canon_refused(deep, 1200), "canonical JSON: nesting deeper than 512 refused");
+	deep[0] = '\0';
+	for (i = 0; i < 500; i++)
+		deep[i] = '[', deep[999 - i] = ']';
+	{
+		char	   *c = idem_json_canonical(deep, 1000, NULL, NULL, 0);
+
+		tap_ok(c != NULL, "canonical JSON: 500 levels accepted");
+		idem_free(c);
+	}
+}
+
+static idem_handler_status
+never(PGconn *conn, idem_call *call, void *ud)
+{
+	(void) conn;
+	(void) call;
+	*(int *) ud = 1;
+	return IDEM_HANDLER_OK;
+}
+
+static void
+test_api_without_servers(void)
+{
+	idem_result res;
+	idem_options o;
+	idem_runner *r;
+	int			ran = 0;
+	idem_runner_stats st;
+
+	tap_ok(idem_run(NULL, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_ARGUMENT, "idem_run(NULL runner) is an error");
+	tap_ok(idem_run(NULL, 1, "s", "i", "{}", never, &ran, NULL) == IDEM_ERROR,
+		   "idem_run(NULL result) is an error");
+
+	idem_options_init(&o);
+	o.valkey_prefix = "has space";
+	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", "127.0.0.1", 1, &o);
+	tap_ok(r != NULL && strstr(idem_runner_error_message(r), "valkey_prefix") != NULL,
+		   "bad prefix: runner opens, error message names it");
+	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_ARGUMENT && ran == 0,
+		   "bad options: every run is IDEM_ERR_ARGUMENT, handler not called");
+	idem_runner_close(r);
+
+	/* both servers down (port 1 refuses): open works, runs report errors */
+	idem_options_init(&o);
+	o.valkey_retry_ms = 0;
+	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", "127.0.0.1", 1, &o);
+	tap_ok(r != NULL, "runner opens with both servers down");
+	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_CONNECTION && ran == 0 &&
+		   strstr(res.error_message, "PostgreSQL") != NULL,
+		   "PostgreSQL down: IDEM_ERR_CONNECTION (%s)", res.error_message);
+	tap_ok(idem_run(r, 1, "s", "i", "{", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_REQUEST_JSON,
+		   "invalid request JSON: IDEM_ERR_REQUEST_JSON (%s)", res.error_message);
+	tap_ok(idem_run(r, 1, NULL, "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_ARGUMENT &&
+		   idem_run(r, 1, "s", "i", "{}", NULL, NULL, &res) == IDEM_ERROR &&
+		   idem_run_platform(r, "s", "\xff", "{}", never, &ran, &res) == IDEM_ERROR,
+		   "NULL scope, NULL handler, invalid UTF-8 id: IDEM_ERR_ARGUMENT");
+	idem_runner_get_stats(r, &st);
+	tap_ok(st.runs == 5 && st.valkey_skipped >= 1, "stats count runs (%ld) and skipped gates (%ld)",
+		   st.runs, st.valkey_skipped);
+	idem_runner_close(r);
+	idem_runner_close(NULL);
+	tap_ok(strcmp(idem_status_name(IDEM_BUSY), "busy") == 0 &&
+		   strcmp(idem_source_name(IDEM_SOURCE_VALKEY), "valkey") == 0,
+		   "status and source names");
+}
+
+int
+main(void)
+{
+	test_sha256();
+	test_keys();
+	test_canonical();
+	test_api_without_servers();
+	return tap_done();
+}
