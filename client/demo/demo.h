@@ -93,6 +93,7 @@ typedef struct demo_config
 	int			shared_valkey;	/* broker and cache on one server */
 	const char *cache_restart_cmd;
 	int			verbose;
+	int			handler_sleep_ms;	/* up to this long inside the handler */
 	char		tag[16];		/* this run's tag: run ids, stream name */
 	char		stream[64];
 	char		group[32];

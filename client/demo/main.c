@@ -103,6 +103,9 @@ usage(FILE *f)
 			"      --purges P          maintenance.purge tasks (default 6)\n"
 			"      --seed S            random seed (default: from the clock)\n"
 			"      --max-seconds S     give up after S seconds (default 300; --short 25)\n"
+			"      --handler-sleep MS  handlers sleep up to MS after the effect, inside\n"
+			"                          the transaction (kills land mid-handler; above\n"
+			"                          --lease, runs outlive their lease)\n"
 			"  -v, --verbose           print every run error\n");
 }
 
@@ -277,6 +280,11 @@ main(int argc, char **argv)
 			NEEDV();
 			cfg.max_seconds = atoi(v);
 			explicit_max = 1;
+		}
+		else if (strcmp(a, "--handler-sleep") == 0)
+		{
+			NEEDV();
+			cfg.handler_sleep_ms = atoi(v);
 		}
 		else if (strcmp(a, "-v") == 0 || strcmp(a, "--verbose") == 0)
 			cfg.verbose = 1;

@@ -35,7 +35,7 @@ typedef struct handler_ctx
 	const queue_msg *m;
 	int			slot;
 	long		purge_deleted;
-	char		err[256];
+	int			sleep_ms;
 } handler_ctx;
 
 static void
@@ -123,6 +123,8 @@ money_handler(PGconn *conn, idem_call *call, void *arg)
 	}
 	else
 	{
+		if (h->sleep_ms > 0)
+			usleep((useconds_t) (rand() % (h->sleep_ms + 1)) * 1000);
 		snprintf(out, sizeof(out), "{\"transfer_id\": %s}", PQgetvalue(r, 0, 0));
 		idem_call_set_json(call, out);
 		hs = IDEM_HANDLER_OK;
@@ -182,6 +184,7 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	memset(&h, 0, sizeof(h));
 	h.m = m;
 	h.slot = slot;
+	h.sleep_ms = cfg->handler_sleep_ms;
 	ADD(deliveries, 1);
 	if (m->redelivered)
 		ADD(redeliveries, 1);
@@ -294,6 +297,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	snprintf(appname, sizeof(appname), "idem-demo-w%d", slot);
 	setenv("PGAPPNAME", appname, 1);
 	snprintf(consumer, sizeof(consumer), "w%d.%d.%d", slot, gen, (int) getpid());
+	srand((unsigned) getpid());
 	msgs = calloc(maxn, sizeof(queue_msg));
 
 	idem_options_init(&opts);

@@ -24,7 +24,6 @@ libipc-run-perl:/usr/share/perl5/IPC/Run.pm
 spin:/usr/bin/spin
 gcc:/usr/bin/gcc
 make:/usr/bin/make
-libssl-dev:/usr/include/openssl/evp.h
 valgrind:/usr/bin/valgrind
 EOT
 	# A RESP server: Valkey when the machine has one, else Debian's Redis 7.
@@ -191,4 +190,24 @@ idem_valkey_stop() {
 	local dir=$1
 	[ -f "$dir/valkey.pid" ] && kill "$(cat "$dir/valkey.pid")" 2>/dev/null
 	rm -f "$dir/valkey.pid"
+}
+
+# idem_valkey_restart DIR PORT [DOWN_SECONDS]: crash the RESP server that
+# idem_valkey_start started in DIR (SIGKILL, no persistence: it comes back
+# empty), keep it down for a moment, start it again on the same port.
+idem_valkey_restart() {
+	local dir=$1 port=$2 down=${3:-0.2} pid
+	if [ -f "$dir/valkey.pid" ]; then
+		pid=$(cat "$dir/valkey.pid")
+		kill -KILL "$pid" 2>/dev/null
+		# gone, or a zombie (a daemon's parent may be an init that never reaps)
+		for _ in $(seq 1 50); do
+			kill -0 "$pid" 2>/dev/null || break
+			case $(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null) in Z|X|"") break ;; esac
+			sleep 0.05
+		done
+		rm -f "$dir/valkey.pid"
+	fi
+	sleep "$down"
+	idem_valkey_start "$dir" "$port"
 }
