@@ -94,6 +94,7 @@ typedef struct demo_config
 	const char *cache_restart_cmd;
 	int			verbose;
 	int			handler_sleep_ms;	/* up to this long inside the handler */
+	int			without_idem;	/* negative control: no runner at all */
 	char		tag[16];		/* this run's tag: run ids, stream name */
 	char		stream[64];
 	char		group[32];

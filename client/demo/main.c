@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 
 demo_shared *g_shared;
@@ -106,6 +107,8 @@ usage(FILE *f)
 			"      --handler-sleep MS  handlers sleep up to MS after the effect, inside\n"
 			"                          the transaction (kills land mid-handler; above\n"
 			"                          --lease, runs outlive their lease)\n"
+			"      --without-idem      negative control: the handlers' effects run\n"
+			"                          directly, without the runner; the check must FAIL\n"
 			"  -v, --verbose           print every run error\n");
 }
 
@@ -131,6 +134,7 @@ spawn_worker(const demo_config *cfg, int slot, int gen)
 	pid = fork();
 	if (pid == 0)
 	{
+		prctl(PR_SET_PDEATHSIG, SIGTERM);	/* never outlive the parent */
 		queue_close(parent_q);
 		worker_main(cfg, slot, gen);
 	}
@@ -281,6 +285,8 @@ main(int argc, char **argv)
 			cfg.max_seconds = atoi(v);
 			explicit_max = 1;
 		}
+		else if (strcmp(a, "--without-idem") == 0)
+			cfg.without_idem = 1;
 		else if (strcmp(a, "--handler-sleep") == 0)
 		{
 			NEEDV();
@@ -428,6 +434,8 @@ main(int argc, char **argv)
 	printf("  workers  %d processes, %d tenants x %d accounts, lease %d ms, chaos %s, seed %u%s\n",
 		   cfg.workers, cfg.tenants, cfg.accounts, cfg.lease_ms,
 		   cfg.chaos ? "on" : "off", cfg.seed, cfg.short_mode ? ", short run" : "");
+	if (cfg.without_idem)
+		printf("  WITHOUT IDEM: a negative control; effects run directly, the check should fail\n");
 	printf("\n");
 
 	signal(SIGINT, on_interrupt);
@@ -440,6 +448,7 @@ main(int argc, char **argv)
 	producer = fork();
 	if (producer == 0)
 	{
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
 		queue_close(parent_q);
 		producer_main(&cfg, &plan);
 	}

@@ -170,6 +170,73 @@ purge_handler(PGconn *conn, idem_call *call, void *arg)
 	return IDEM_HANDLER_OK;
 }
 
+/*
+ * The negative control (--without-idem): the same effect, run directly in
+ * its own transaction, no key, no gate.  Duplicates and redeliveries apply
+ * it again: the check must catch that.
+ */
+static void
+process_without_idem(PGconn **connp, const demo_config *cfg, queue *q,
+					 int slot, const queue_msg *m)
+{
+	demo_counters *c = &g_shared->slot[slot];
+	char		tenant[24],
+				from[16],
+				to[16],
+				amount[24],
+				worker[16],
+				key[96];
+	PGresult   *r;
+	int			ok;
+
+	ADD(deliveries, 1);
+	if (m->redelivered)
+		ADD(redeliveries, 1);
+	if (*connp == NULL || PQstatus(*connp) != CONNECTION_OK)
+	{
+		PQfinish(*connp);
+		*connp = PQconnectdb(cfg->pg);
+		if (PQstatus(*connp) != CONNECTION_OK)
+		{
+			ADD(err_connection, 1);
+			return;
+		}
+		PQsetNoticeProcessor(*connp, quiet_notices, NULL);
+	}
+	snprintf(tenant, sizeof(tenant), "%lld", (long long) m->tenant);
+	snprintf(worker, sizeof(worker), "%d", slot);
+	if (strcmp(m->kind, "maintenance.purge") == 0)
+		r = PQexec(*connp, "SELECT 1");
+	else if (strcmp(m->kind, "invoice.pay") == 0)
+	{
+		const char *p[] = {tenant, m->invoice, m->run_id, "1", worker};
+
+		r = PQexecParams(*connp, "SELECT idem_demo.pay_invoice($1, $2, $3, $4, $5)",
+						 5, NULL, p, NULL, NULL, 0);
+	}
+	else
+	{
+		const char *p[] = {tenant, key, m->run_id, from, to, amount, "1", worker};
+
+		snprintf(key, sizeof(key), "transfer:%s", m->run_id);
+		snprintf(from, sizeof(from), "%d", m->from);
+		snprintf(to, sizeof(to), "%d", m->to);
+		snprintf(amount, sizeof(amount), "%lld", (long long) m->amount);
+		r = PQexecParams(*connp, "SELECT idem_demo.transfer($1, $2, $3, $4, $5, $6, $7, $8)",
+						 8, NULL, p, NULL, NULL, 0);
+	}
+	ok = PQresultStatus(r) == PGRES_TUPLES_OK;
+	PQclear(r);
+	if (!ok)
+	{
+		ADD(err_other, 1);
+		return;
+	}
+	ADD(applied, 1);
+	if (queue_ack(q, m->id) == 1)
+		ADD(acks, 1);
+}
+
 static void
 process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 		const queue_msg *m)
@@ -281,6 +348,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	demo_counters *c = &g_shared->slot[slot];
 	idem_options opts;
 	idem_runner *runner;
+	PGconn	   *direct = NULL;	/* --without-idem only */
 	queue	   *q = NULL;
 	char		consumer[64],
 				appname[64],
@@ -343,9 +411,15 @@ worker_main(const demo_config *cfg, int slot, int gen)
 			continue;
 		}
 		for (i = 0; i < n && !stop_requested; i++)
-			process(cfg, runner, q, slot, &msgs[i]);
+		{
+			if (cfg->without_idem)
+				process_without_idem(&direct, cfg, q, slot, &msgs[i]);
+			else
+				process(cfg, runner, q, slot, &msgs[i]);
+		}
 	}
 	idem_runner_close(runner);
+	PQfinish(direct);
 	queue_close(q);
 	free(msgs);
 	_exit(0);
