@@ -107,6 +107,17 @@ build_sql(idem_pg *p, const char *s)
 	return 0;
 }
 
+/*
+ * The library never writes to stderr: libpq's default notice processor
+ * would print server notices (and the FATAL of a terminated backend).
+ */
+static void
+silent_notice(void *arg, const char *message)
+{
+	(void) arg;
+	(void) message;
+}
+
 int
 idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 {
@@ -132,6 +143,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 		idem_pg_drop(p);
 		return -1;
 	}
+	PQsetNoticeProcessor(p->conn, silent_notice, NULL);
 	if (p->trace)
 	{
 		PQtrace(p->conn, p->trace);

@@ -80,7 +80,6 @@ money_handler(PGconn *conn, idem_call *call, void *arg)
 	PGresult   *r;
 	idem_handler_status hs;
 
-	PQsetNoticeProcessor(conn, quiet_notices, NULL);
 	/* a flaky downstream: the first attempt fails, a redelivery succeeds */
 	if (m->flaky && idem_call_attempt(call) == 1)
 	{
@@ -144,7 +143,6 @@ purge_handler(PGconn *conn, idem_call *call, void *arg)
 	long		total = 0;
 	int			i;
 
-	PQsetNoticeProcessor(conn, quiet_notices, NULL);
 	snprintf(sql, sizeof(sql), "SELECT %s.idem_purge(500)",
 			 schema && schema[0] ? schema : "public");
 	for (i = 0; i < 20; i++)
