@@ -710,8 +710,13 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	params_ttl(s, &cmds[2]);
 	cmds[3] = simple_cmd("COMMIT");
 	idem_pg_pipeline(pg, cmds, 4, &o);
-	if (o.rc != PG_OK ||
-		strcmp(PQcmdStatus(o.res[3]), "COMMIT") != 0)
+
+	/*
+	 * A COMMIT whose result arrived has committed, even if the connection
+	 * dropped before the pipeline's Sync: that is not "unknown".
+	 */
+	if (!(o.completed == 4 && o.res[3] &&
+		  strcmp(PQcmdStatus(o.res[3]), "COMMIT") == 0))
 	{
 		idem_status st;
 
