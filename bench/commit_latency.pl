@@ -1,0 +1,295 @@
+#!/usr/bin/perl
+# The measuring half of bench/commit_latency.sh (which sets up the servers).
+#
+# Latency: pgbench offers --rate transactions/s, each one call of
+# idem_bench_one(), which claims a fresh key and completes it with the
+# outcome {"t": <clock_timestamp() in microseconds>}, and commits.  A
+# subscriber to Valkey's keyspace events (__keyevent@0__:set) timestamps
+# each SET as it arrives; afterwards each value's "t" is read back.  The
+# latency is arrival - t: from idem_complete() inside the transaction to the
+# SET in Valkey, so it includes the COMMIT itself (an upper bound on
+# commit-to-visible).  Both clocks are this machine's.
+#
+# Drain: the worker is pointed at a closed port (reload), --drain results
+# are committed and stay queued, the worker is pointed back (reload), and a
+# loop inside the server times copied results from the first to the last.
+# Next to it, the same server's raw SET rate from valkey-/redis-benchmark
+# with 16 commands per pipeline, values of the same size.
+use strict;
+use warnings;
+
+use Getopt::Long;
+use IO::Select;
+use IO::Socket::INET;
+use POSIX ();
+use Time::HiRes qw(time usleep);
+
+my %o = (rate => 5000, seconds => 10, clients => 8, drain => 50000, sync => 'off');
+GetOptions(\%o, 'dir=s', 'pgport=i', 'vkport=i', 'benchmark=s', 'rate=i',
+	'seconds=i', 'clients=i', 'drain=i', 'sync=s')
+  or die "usage: see bench/commit_latency.sh\n";
+
+my @psql = ('psql', '-X', '-q', '-A', '-t', '-v', 'ON_ERROR_STOP=1',
+	'-h', $o{dir}, '-p', $o{pgport}, '-U', 'postgres', '-d', 'postgres');
+
+# Run SQL through psql (statements one by one, not in one transaction);
+# returns the tuples-only output.
+sub psql
+{
+	my ($sql) = @_;
+	my $file = "$o{dir}/idem_bench_stmt.sql";
+	open(my $w, '>', $file) or die "$file: $!";
+	print $w $sql;
+	close $w;
+	open(my $fh, '-|', @psql, '-f', $file) or die "psql: $!";
+	my $out = do { local $/; <$fh> } // '';
+	close($fh) or die "psql failed on: $sql\n";
+	$out =~ s/\s+\z//;
+	return $out;
+}
+
+sub stats { return split /\|/, psql('SELECT queued, copied, dropped, queue_depth, valkey_connected FROM idem_stats()'); }
+
+sub wait_for
+{
+	my ($what, $timeout, $code) = @_;
+	my $deadline = time() + $timeout;
+	until ($code->())
+	{
+		die "timed out waiting for $what\n" if time() > $deadline;
+		usleep(10_000);
+	}
+}
+
+# --- a minimal RESP client ---
+sub vk_connect
+{
+	return IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $o{vkport},
+		Proto => 'tcp') // die "connect to Valkey: $!\n";
+}
+
+sub vk_send
+{
+	my ($sock, @args) = @_;
+	my $req = '*' . scalar(@args) . "\r\n";
+	$req .= '$' . length($_) . "\r\n$_\r\n" foreach @args;
+	print $sock $req;
+}
+
+sub vk_read
+{
+	my ($sock) = @_;
+	my $line = <$sock> // die "Valkey closed the connection\n";
+	$line =~ s/\r\n$//;
+	my ($t, $r) = (substr($line, 0, 1), substr($line, 1));
+	return $r if $t eq '+' || $t eq ':';
+	die "Valkey: $r\n" if $t eq '-';
+	if ($t eq '$')
+	{
+		return undef if $r < 0;
+		my $buf = '';
+		read($sock, $buf, $r + 2 - length($buf), length($buf)) while length($buf) < $r + 2;
+		return substr($buf, 0, $r);
+	}
+	return [ map { vk_read($sock) } 1 .. $r ] if $t eq '*';
+	die "bad reply: $line\n";
+}
+
+sub vk_cmd { my ($s, @a) = @_; vk_send($s, @a); return vk_read($s); }
+
+sub percentile
+{
+	my ($sorted, $p) = @_;
+	return $sorted->[ int($p / 100 * (@$sorted - 1) + 0.5) ];
+}
+
+my $vk = vk_connect();
+my $sub_pid;
+my $parent = $$;
+my $redirected = 0;	# the worker is pointed away from Valkey
+END
+{
+	return unless $$ == $parent;
+	kill 'TERM', $sub_pid if $sub_pid;
+	eval { psql("ALTER SYSTEM RESET idem.valkey_port;\nSELECT pg_reload_conf();") }
+	  if $redirected;
+}
+
+# Keys are fresh in every run: the scope carries the run's start time.
+my $scope = 'idem-bench-' . int(time() * 1000);
+psql(q{
+	CREATE SEQUENCE IF NOT EXISTS idem_bench_seq;
+	CREATE OR REPLACE FUNCTION idem_bench_one() RETURNS void LANGUAGE plpgsql AS $$
+	DECLARE
+		k bytea := idem_key('SCOPE', nextval('idem_bench_seq')::text);
+	BEGIN
+		PERFORM idem_claim(1, k, '\x0000000000000000000000000000000000000000000000000000000000000000'::bytea);
+		PERFORM idem_complete(1, k,
+			jsonb_build_object('t', (extract(epoch FROM clock_timestamp()) * 1000000)::bigint));
+	END $$;
+} =~ s/SCOPE/$scope/r);
+open(my $sf, '>', "$o{dir}/idem_bench.sql") or die $!;
+print $sf "SELECT idem_bench_one();\n";
+close $sf;
+wait_for('the worker to connect', 15, sub { (stats())[4] eq 't' });
+
+# The raw pipelined SET rate of this server, measured right before and
+# right after the drain (its neighbours on a shared machine matter).
+# Our values are ~110 bytes ("idem1 c 1 <64 hex> {"t": ...}").
+sub raw_set_rate
+{
+	my $out = `$o{benchmark} -h 127.0.0.1 -p $o{vkport} -t set -P 16 -n 300000 -r 1000000 -d 110 -q 2>&1`;
+	my ($rate) = $out =~ /SET: ([0-9.]+) requests per second/
+	  or die "could not parse $o{benchmark}: $out\n";
+	return $rate;
+}
+
+# --- 1. commit -> visible latency at a sustained rate ---
+vk_cmd($vk, 'CONFIG', 'SET', 'notify-keyspace-events', 'E$');
+my $arrivals = "$o{dir}/idem_bench_arrivals";
+$sub_pid = fork() // die "fork: $!";
+if ($sub_pid == 0)
+{
+	my $stop = 0;
+	local $SIG{TERM} = sub { $stop = 1 };
+	my $s = vk_connect();
+	vk_send($s, 'SUBSCRIBE', '__keyevent@0__:set');
+	vk_read($s);
+	open(my $ready, '>', "$arrivals.ready") or POSIX::_exit(1);
+	close($ready);
+	my (%seen, $buf);
+	my $sel = IO::Select->new($s);
+	$buf = '';
+	until ($stop)
+	{
+		next unless $sel->can_read(0.05);
+		my $n = sysread($s, $buf, 1 << 20, length($buf));
+		last unless $n;
+		my $now = int(time() * 1e6);
+		# Push messages: *3 $7 message $<n> <channel> $<n> <key>
+		while ($buf =~ /\G\*3\r\n\$7\r\nmessage\r\n\$\d+\r\n[^\r]*\r\n\$(\d+)\r\n/gc)
+		{
+			my $len = $1;
+			my $start = pos($buf);
+			if (length($buf) < $start + $len + 2)
+			{
+				pos($buf) = $start;
+				last;
+			}
+			$seen{ substr($buf, $start, $len) } //= $now;
+			pos($buf) = $start + $len + 2;
+		}
+		$buf = substr($buf, pos($buf) // 0);
+	}
+	open(my $out, '>', $arrivals) or POSIX::_exit(1);
+	print $out "$_ $seen{$_}\n" foreach keys %seen;
+	close $out;
+	POSIX::_exit(0);
+}
+wait_for('the subscriber', 10, sub { -e "$arrivals.ready" });
+
+my (undef, undef, $d0) = stats();
+my @pgbench = ('pgbench', '-n', '-M', 'prepared', '-h', $o{dir}, '-p', $o{pgport},
+	'-U', 'postgres', '-f', "$o{dir}/idem_bench.sql");
+my $jobs = $o{clients} < 2 ? $o{clients} : 2;
+my $lat_out = `PGOPTIONS='-c synchronous_commit=$o{sync}' @pgbench -c $o{clients} -j $jobs -R $o{rate} -T $o{seconds} postgres 2>&1`;
+my ($tps) = $lat_out =~ /tps = ([0-9.]+) \(without initial connection time\)/
+  or die "pgbench failed:\n$lat_out";
+my ($commit_ms) = $lat_out =~ /latency average = ([0-9.]+) ms/;
+wait_for('the queue to drain', 30, sub { (stats())[3] == 0 });
+my (undef, undef, $d1) = stats();
+usleep(300_000);
+kill 'TERM', $sub_pid;
+waitpid($sub_pid, 0);
+vk_cmd($vk, 'CONFIG', 'SET', 'notify-keyspace-events', '');
+
+open(my $af, '<', $arrivals) or die "no arrivals: $!";
+my %arrival = map { split / / } <$af>;
+close $af;
+my @keys = grep { /^idem:t:1:/ } keys %arrival;
+my @lat;
+while (my @chunk = splice(@keys, 0, 1000))
+{
+	my $vals = vk_cmd($vk, 'MGET', @chunk);
+	for my $i (0 .. $#chunk)
+	{
+		next unless defined $vals->[$i] && $vals->[$i] =~ /"t": (\d+)\}$/;
+		push @lat, ($arrival{ $chunk[$i] } - $1) / 1000.0;
+	}
+}
+@lat = sort { $a <=> $b } @lat;
+die "no latency samples\n" unless @lat;
+
+# --- 2. drain rate, between two raw rates ---
+psql(q{
+	CREATE OR REPLACE FUNCTION idem_bench_drain() RETURNS text LANGUAGE plpgsql AS $$
+	DECLARE
+		c0 bigint := (SELECT copied FROM idem_stats());
+		c_first bigint;
+		t_first timestamptz;
+		deadline timestamptz := clock_timestamp() + interval '60 s';
+	BEGIN
+		-- from the first copied result ...
+		LOOP
+			SELECT copied, clock_timestamp() INTO c_first, t_first FROM idem_stats();
+			EXIT WHEN c_first > c0 OR clock_timestamp() > deadline;
+			PERFORM pg_sleep(0.002);
+		END LOOP;
+		-- ... to an empty queue
+		WHILE (SELECT queue_depth FROM idem_stats()) > 0 AND clock_timestamp() < deadline LOOP
+			PERFORM pg_sleep(0.002);
+		END LOOP;
+		RETURN ((SELECT copied FROM idem_stats()) - c_first) || ' '
+			|| extract(epoch FROM clock_timestamp() - t_first);
+	END $$;
+	ALTER SYSTEM SET idem.valkey_port = 1;
+	SELECT pg_reload_conf();
+});
+$redirected = 1;
+wait_for('the worker to disconnect', 15, sub { (stats())[4] eq 'f' });
+my $per_client = int($o{drain} / $o{clients}) || 1;
+my $fill = `@pgbench -c $o{clients} -j $jobs -t $per_client postgres 2>&1`;
+die "pgbench (fill) failed:\n$fill" if $?;
+my (undef, undef, $dropped_fill, $depth) = stats();
+my $raw_before = raw_set_rate();
+my ($drained, $secs) = split / /, psql(qq{
+	ALTER SYSTEM SET idem.valkey_port = $o{vkport};
+	SELECT pg_reload_conf() \\g /dev/null
+	SELECT idem_bench_drain();
+	ALTER SYSTEM RESET idem.valkey_port;
+	SELECT pg_reload_conf() \\g /dev/null
+});
+$redirected = 0;
+my $raw_after = raw_set_rate();
+vk_cmd($vk, 'FLUSHALL');
+my $raw = ($raw_before + $raw_after) / 2;
+my $drain_rate = ($drained + 1) / $secs;	# the first copy starts the clock
+psql(q{
+	DROP FUNCTION idem_bench_one(), idem_bench_drain();
+	DROP SEQUENCE idem_bench_seq;
+});
+
+# --- the table ---
+my $p50 = percentile(\@lat, 50);
+my $p99 = percentile(\@lat, 99);
+printf "idem: commit -> visible in Valkey (%s)\n", $o{benchmark} =~ /valkey/ ? 'Valkey' : 'Redis 7 stand-in';
+printf "  offered %d commits/s for %d s, %d clients, synchronous_commit=%s\n",
+  $o{rate}, $o{seconds}, $o{clients}, $o{sync};
+printf "  %-36s %12s\n", 'metric', 'value';
+printf "  %-36s %12.0f\n", 'commits/s achieved (pgbench tps)', $tps;
+printf "  %-36s %12.3f\n", 'pgbench latency average (ms)', $commit_ms // 0;
+printf "  %-36s %12d\n", 'results copied / samples', scalar(@lat);
+printf "  %-36s %12d\n", 'dropped (queue full)', $d1 - $d0;
+printf "  %-36s %12.3f\n", 'latency p50 (ms)', $p50;
+printf "  %-36s %12.3f\n", 'latency p99 (ms)', $p99;
+printf "  %-36s %12.3f\n", 'latency p99.9 (ms)', percentile(\@lat, 99.9);
+printf "  %-36s %12.3f\n", 'latency max (ms)', $lat[-1];
+printf "  %-36s %12d\n", 'drain: results queued', $depth;
+printf "  %-36s %12.0f\n", 'drain: worker SETs/s', $drain_rate;
+printf "  %-36s %12.0f\n", 'raw pipelined SETs/s before (-P 16)', $raw_before;
+printf "  %-36s %12.0f\n", 'raw pipelined SETs/s after (-P 16)', $raw_after;
+printf "  %-36s %12.2f\n", 'drain / mean raw', $drain_rate / $raw;
+printf "  targets: p99 < 5 ms at %d commits/s: %s; drain >= 0.5 x raw: %s\n",
+  $o{rate},
+  ($p99 < 5 && $tps >= 0.95 * $o{rate}) ? 'met' : 'NOT met',
+  ($drain_rate >= 0.5 * $raw) ? 'met' : 'NOT met';

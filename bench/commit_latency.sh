@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# bench/commit_latency.sh: how fast committed results reach Valkey.
+#
+#   1. commit -> visible in Valkey latency (p50/p99) while pgbench offers a
+#      sustained rate of claim+complete transactions;
+#   2. the worker's drain rate (SETs/s) emptying a full queue, next to the
+#      same server's raw pipelined SET rate (valkey-/redis-benchmark -P 16),
+#      in the same run.
+#
+# Run by `make bench` (bench/run passes its server in BENCH_WORK,
+# BENCH_PGPORT, BENCH_VKPORT), or alone: it then starts its own throwaway
+# PostgreSQL (preloading idem) and RESP server, and stops them at the end.
+# Not a timed test.
+#
+#   BENCH_RATE              offered commits/s            (default 5000)
+#   BENCH_LATENCY_SECONDS   length of the latency run    (default 10)
+#   BENCH_LATENCY_CLIENTS   pgbench clients              (default 8)
+#   BENCH_DRAIN_N           results queued for the drain (default 50000)
+#   BENCH_SYNC_COMMIT       synchronous_commit of the load (default off)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/test/lib/common.sh"
+
+if [ -n "${BENCH_WORK:-}" ]; then
+	WORK=$BENCH_WORK
+	PGPORT=$BENCH_PGPORT
+	VKPORT=$BENCH_VKPORT
+	OWN=""
+else
+	idem_ensure_deps || exit 2
+	idem_build_install "$ROOT" || exit 1
+	WORK=$(mktemp -d /tmp/idem-latency.XXXXXX)
+	chmod 777 "$WORK"
+	OWN=1
+	cleanup() { idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"; }
+	trap cleanup EXIT
+	trap 'exit 130' INT TERM
+	PGPORT=$(idem_free_port)
+	VKPORT=$(idem_free_port)
+	idem_valkey_start "$WORK" "$VKPORT" || exit 1
+	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
+		"idem.valkey_port = $VKPORT" || exit 1
+	idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -v ON_ERROR_STOP=1 -h "$WORK" \
+		-p "$PGPORT" -U postgres -d postgres >/dev/null <<-'SQL' || exit 1
+		CREATE EXTENSION idem;
+		CREATE TABLE tenants (id bigint PRIMARY KEY);
+		INSERT INTO tenants VALUES (1);
+		SELECT idem_install('tenants');
+	SQL
+fi
+
+BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark
+[ -x "$BENCHMARK" ] || BENCHMARK=$(command -v valkey-benchmark || command -v redis-benchmark)
+
+cp "$ROOT/bench/commit_latency.pl" "$WORK/commit_latency.pl"
+chmod a+r "$WORK/commit_latency.pl"
+idem_as_test_user env PATH="$(idem_pg_bindir):$PATH" perl "$WORK/commit_latency.pl" \
+	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" \
+	--rate "${BENCH_RATE:-5000}" --seconds "${BENCH_LATENCY_SECONDS:-10}" \
+	--clients "${BENCH_LATENCY_CLIENTS:-8}" --drain "${BENCH_DRAIN_N:-50000}" \
+	--sync "${BENCH_SYNC_COMMIT:-off}"

@@ -1,0 +1,619 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker.c
+ *	  The background worker that drains the commit queue into Valkey.
+ *
+ * One worker runs when idem is preloaded; the postmaster restarts it
+ * IDEM_WORKER_RESTART_S seconds after it exits (it always exits with code 1,
+ * also on SIGTERM, so that a killed worker comes back).  It needs no
+ * database connection, only shared memory.
+ *
+ * It takes the oldest queued records in batches of up to IDEM_BATCH_MAX,
+ * writes each as
+ *
+ *	  SET <key> <value> PX <ms until the row's expires_at>
+ *
+ * pipelined, with up to IDEM_INFLIGHT batches written ahead of the replies
+ * it reads, and removes a batch from the queue only when all its replies
+ * have come back; a record whose retention has already ended is skipped.  An error
+ * reply counts a copy error and drops that record.  A connection that fails,
+ * or a batch not answered within idem.valkey_command_timeout, closes the
+ * connection and keeps the batch queued; the worker reconnects after a
+ * delay that doubles from IDEM_BACKOFF_MIN_MS to IDEM_BACKOFF_MAX_MS and
+ * returns to the minimum after a batch goes through.
+ *
+ * All socket I/O is non-blocking and waited for on a WaitEventSet that
+ * includes the process latch, so SIGTERM and SIGHUP are answered at once
+ * even while Valkey hangs.  On SIGHUP the configuration is reloaded; a
+ * change of host, port, password or database reconnects immediately, a
+ * change of prefix or timeouts applies to the next batch.
+ *
+ * hiredis is used here and nowhere else in the extension.  Every reply is
+ * freed before anything is reported, and the password is never logged.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include <sys/socket.h>
+
+#include <hiredis/hiredis.h>
+
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "tcop/tcopprot.h"
+#include "utils/guc.h"
+#include "utils/memutils.h"
+#include "utils/timestamp.h"
+
+#define IDEM_WORKER_RESTART_S	2
+#define IDEM_BATCH_MAX			512
+#define IDEM_BACKOFF_MIN_MS		100
+#define IDEM_BACKOFF_MAX_MS		5000
+#define IDEM_IDLE_WAIT_MS		10000
+#define IDEM_LOG_INTERVAL_MS	10000
+#define IDEM_ERRBUF_LEN			200
+
+typedef enum VkResult
+{
+	VK_OK,
+	VK_FAILED,					/* errbuf says why */
+	VK_SHUTDOWN					/* SIGTERM arrived while waiting */
+} VkResult;
+
+/* The connection, and the settings it was made with. */
+static redisContext *vk = NULL;
+static WaitEventSet *vk_wes = NULL;
+static int	vk_sock_pos = -1;
+static char *vk_host = NULL;
+static int	vk_port = 0;
+static char *vk_password = NULL;
+static int	vk_db = 0;
+
+static char errbuf[IDEM_ERRBUF_LEN];
+static TimestampTz last_logged = 0;
+static bool failing = false;	/* last attempt failed; log the recovery */
+
+void
+idem_worker_register(void)
+{
+	BackgroundWorker worker;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = IDEM_WORKER_RESTART_S;
+	strlcpy(worker.bgw_library_name, "idem", BGW_MAXLEN);
+	strlcpy(worker.bgw_function_name, "idem_worker_main", BGW_MAXLEN);
+	strlcpy(worker.bgw_name, "idem valkey worker", BGW_MAXLEN);
+	strlcpy(worker.bgw_type, "idem worker", BGW_MAXLEN);
+	worker.bgw_main_arg = (Datum) 0;
+	worker.bgw_notify_pid = 0;
+	RegisterBackgroundWorker(&worker);
+}
+
+/*
+ * Wait until the socket is ready for events, or until deadline.  Wakeups of
+ * the latch (committing backends, SIGHUP) are absorbed; the caller's main
+ * loop looks at the queue and the configuration again afterwards.
+ */
+static VkResult
+vk_wait(uint32 events, TimestampTz deadline, const char *what)
+{
+	ModifyWaitEvent(vk_wes, vk_sock_pos, events, NULL);
+	for (;;)
+	{
+		WaitEvent	ev;
+		long		timeout;
+		int			rc;
+
+		if (ShutdownRequestPending)
+			return VK_SHUTDOWN;
+		timeout = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+												  deadline);
+		if (timeout <= 0)
+		{
+			snprintf(errbuf, sizeof(errbuf), "timed out %s", what);
+			return VK_FAILED;
+		}
+		rc = WaitEventSetWait(vk_wes, timeout, &ev, 1, PG_WAIT_EXTENSION);
+		if (rc > 0 && (ev.events & WL_LATCH_SET))
+		{
+			ResetLatch(MyLatch);
+			continue;
+		}
+		if (rc > 0 && (ev.events & events))
+			return VK_OK;
+	}
+}
+
+static void
+vk_context_error(const char *what)
+{
+	snprintf(errbuf, sizeof(errbuf), "%s: %s", what,
+			 (vk != NULL && vk->err) ? vk->errstr : "out of memory");
+}
+
+/* Write everything appended to the context. */
+static VkResult
+vk_flush(TimestampTz deadline)
+{
+	int			done = 0;
+
+	for (;;)
+	{
+		VkResult	r;
+
+		if (redisBufferWrite(vk, &done) != REDIS_OK)
+		{
+			vk_context_error("could not send");
+			return VK_FAILED;
+		}
+		if (done)
+			return VK_OK;
+		r = vk_wait(WL_SOCKET_WRITEABLE, deadline, "sending to Valkey");
+		if (r != VK_OK)
+			return r;
+	}
+}
+
+/*
+ * Read the next reply.  On VK_OK, *is_error tells whether it was an error
+ * reply (its text is then in errbuf); the reply itself is already freed.
+ */
+static VkResult
+vk_read_reply(TimestampTz deadline, bool *is_error)
+{
+	for (;;)
+	{
+		void	   *reply = NULL;
+		VkResult	r;
+
+		if (redisGetReplyFromReader(vk, &reply) != REDIS_OK)
+		{
+			vk_context_error("could not parse the reply");
+			return VK_FAILED;
+		}
+		if (reply != NULL)
+		{
+			redisReply *rr = (redisReply *) reply;
+
+			*is_error = (rr->type == REDIS_REPLY_ERROR);
+			if (*is_error)
+				snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+						 (int) rr->len, rr->str);
+			freeReplyObject(reply);
+			return VK_OK;
+		}
+		r = vk_wait(WL_SOCKET_READABLE, deadline, "waiting for Valkey's reply");
+		if (r != VK_OK)
+			return r;
+		if (redisBufferRead(vk) != REDIS_OK)
+		{
+			vk_context_error("could not read");
+			return VK_FAILED;
+		}
+	}
+}
+
+static void
+vk_disconnect(void)
+{
+	if (vk_wes != NULL)
+	{
+		FreeWaitEventSet(vk_wes);
+		vk_wes = NULL;
+	}
+	if (vk != NULL)
+	{
+		redisFree(vk);
+		vk = NULL;
+	}
+	idem_stats_set_valkey(false, NULL);
+}
+
+/* Remember the settings a connection is made with. */
+static void
+vk_remember_settings(void)
+{
+	if (vk_host)
+		pfree(vk_host);
+	if (vk_password)
+		pfree(vk_password);
+	vk_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
+	vk_password = MemoryContextStrdup(TopMemoryContext,
+									  idem_valkey_password ? idem_valkey_password : "");
+	vk_port = idem_valkey_port;
+	vk_db = idem_valkey_db;
+}
+
+static bool
+vk_settings_changed(void)
+{
+	return vk_host == NULL ||
+		strcmp(vk_host, idem_valkey_host) != 0 ||
+		strcmp(vk_password, idem_valkey_password ? idem_valkey_password : "") != 0 ||
+		vk_port != idem_valkey_port ||
+		vk_db != idem_valkey_db;
+}
+
+static VkResult
+vk_connect(void)
+{
+	TimestampTz deadline;
+	VkResult	r;
+	int			sockerr = 0;
+	socklen_t	len = sizeof(sockerr);
+	int			nreplies = 0;
+	int			i;
+
+	vk_remember_settings();
+	vk = redisConnectNonBlock(vk_host, vk_port);
+	if (vk == NULL || vk->err)
+	{
+		vk_context_error("could not connect");
+		return VK_FAILED;
+	}
+
+#if PG_VERSION_NUM >= 170000
+	vk_wes = CreateWaitEventSet(NULL, 3);
+#else
+	vk_wes = CreateWaitEventSet(TopMemoryContext, 3);
+#endif
+	AddWaitEventToSet(vk_wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
+	AddWaitEventToSet(vk_wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
+	vk_sock_pos = AddWaitEventToSet(vk_wes, WL_SOCKET_WRITEABLE, vk->fd,
+									NULL, NULL);
+
+	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+										   idem_valkey_connect_timeout_ms);
+	r = vk_wait(WL_SOCKET_WRITEABLE, deadline, "connecting");
+	if (r != VK_OK)
+		return r;
+	if (getsockopt(vk->fd, SOL_SOCKET, SO_ERROR, &sockerr, &len) != 0)
+		sockerr = errno;
+	if (sockerr != 0)
+	{
+		snprintf(errbuf, sizeof(errbuf), "could not connect: %s",
+				 strerror(sockerr));
+		return VK_FAILED;
+	}
+
+	if (vk_password[0] != '\0')
+	{
+		const char *argv[2] = {"AUTH", vk_password};
+		size_t		argvlen[2] = {4, strlen(vk_password)};
+
+		if (redisAppendCommandArgv(vk, 2, argv, argvlen) != REDIS_OK)
+		{
+			vk_context_error("could not authenticate");
+			return VK_FAILED;
+		}
+		nreplies++;
+	}
+	if (vk_db != 0)
+	{
+		if (redisAppendCommand(vk, "SELECT %d", vk_db) != REDIS_OK)
+		{
+			vk_context_error("could not select the database");
+			return VK_FAILED;
+		}
+		nreplies++;
+	}
+	if (nreplies == 0)
+		return VK_OK;
+
+	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+										   idem_valkey_command_timeout_ms);
+	r = vk_flush(deadline);
+	for (i = 0; r == VK_OK && i < nreplies; i++)
+	{
+		bool		is_error;
+
+		r = vk_read_reply(deadline, &is_error);
+		if (r == VK_OK && is_error)
+			r = VK_FAILED;		/* errbuf holds the reply, not the password */
+	}
+	return r;
+}
+
+/*
+ * Append SETs for records[] to the connection's output buffer; records whose
+ * retention already ended are skipped, and one that cannot be encoded is
+ * counted in *errors.  Returns the number of commands appended, or -1.
+ */
+static int
+vk_append_batch(const IdemOutboxRecord **records, int n, uint64 *errors)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	char		key[IDEM_CACHE_KEY_MAX];
+	char		value[IDEM_CACHE_VALUE_MAX];
+	char		ttl[32];
+	int			nsent = 0;
+	int			i;
+
+	for (i = 0; i < n; i++)
+	{
+		const IdemOutboxRecord *rec = records[i];
+		int64		ttl_ms = (rec->expires_at - now) / 1000;	/* rounds down */
+		int			keylen;
+		int			valuelen;
+		const char *argv[5];
+		size_t		argvlen[5];
+
+		if (ttl_ms < 1)
+			continue;			/* the row's retention already ended */
+		keylen = idem_cache_key(key, sizeof(key), idem_valkey_prefix,
+								rec->is_platform, rec->tenant_id, rec->key);
+		valuelen = idem_cache_encode_result(value, sizeof(value),
+											(IdemCacheKind) rec->kind,
+											rec->attempt, rec->fingerprint,
+											rec->outcome, rec->outcome_len);
+		if (keylen < 0 || valuelen < 0)
+		{
+			snprintf(errbuf, sizeof(errbuf), "could not encode a queued result");
+			(*errors)++;
+			continue;
+		}
+		snprintf(ttl, sizeof(ttl), INT64_FORMAT, ttl_ms);
+		argv[0] = "SET";
+		argvlen[0] = 3;
+		argv[1] = key;
+		argvlen[1] = keylen;
+		argv[2] = value;
+		argvlen[2] = valuelen;
+		argv[3] = "PX";
+		argvlen[3] = 2;
+		argv[4] = ttl;
+		argvlen[4] = strlen(ttl);
+		if (redisAppendCommandArgv(vk, 5, argv, argvlen) != REDIS_OK)
+		{
+			vk_context_error("could not queue a command");
+			return -1;
+		}
+		nsent++;
+	}
+	return nsent;
+}
+
+/* A batch written to Valkey whose replies are not read yet. */
+typedef struct VkBatch
+{
+	uint64		end_pos;		/* queue position after its records */
+	int			nrecords;
+	int			nsent;			/* SETs sent (expired records are not) */
+} VkBatch;
+
+/*
+ * Copy queued records until the queue is empty, IDEM_INFLIGHT batches at a
+ * time: the next batch is written before the replies to the previous one
+ * are read, so Valkey and the worker work at the same time.  A batch leaves
+ * the queue once all its replies are read.  Returns early, once the batches
+ * in flight are answered, when a reload is pending.  *copied and *errors
+ * count OK and error replies (and unencodable records); idem_stats() counts
+ * the copies batch by batch.
+ */
+#define IDEM_INFLIGHT 4
+
+static VkResult
+vk_drain(uint64 *copied, uint64 *errors)
+{
+	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	VkBatch		inflight[IDEM_INFLIGHT];
+	int			first = 0;
+	int			nin = 0;
+	uint64		pos = 0;		/* from the oldest record */
+
+	*copied = 0;
+	*errors = 0;
+	for (;;)
+	{
+		TimestampTz deadline;
+		VkBatch    *b;
+		VkResult	r;
+		int			i;
+		uint64		ok;
+
+		/* Fill the window with what is queued beyond the batches in flight. */
+		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
+		{
+			uint64		start = pos;
+			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX);
+			int			nsent;
+
+			if (pos == start)
+				break;
+			nsent = vk_append_batch(records, n, errors);
+			if (nsent < 0)
+				return VK_FAILED;
+			b = &inflight[(first + nin) % IDEM_INFLIGHT];
+			b->end_pos = pos;
+			b->nrecords = n;
+			b->nsent = nsent;
+			nin++;
+		}
+		if (nin == 0)
+			return VK_OK;
+
+		/* Send what is appended; read the oldest batch's replies. */
+		deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+											   idem_valkey_command_timeout_ms);
+		r = vk_flush(deadline);
+		if (r != VK_OK)
+			return r;
+		b = &inflight[first];
+		for (i = 0, ok = 0; i < b->nsent; i++)
+		{
+			bool		is_error;
+
+			r = vk_read_reply(deadline, &is_error);
+			if (r != VK_OK)
+				return r;
+			if (is_error)
+				(*errors)++;
+			else
+				ok++;
+		}
+		idem_outbox_consume(b->end_pos, b->nrecords);
+		idem_stats_add(IDEM_STAT_COPIED, ok);
+		*copied += ok;
+		first = (first + 1) % IDEM_INFLIGHT;
+		nin--;
+	}
+}
+
+/*
+ * Record a failure (errbuf) in idem_stats() and, at most every
+ * IDEM_LOG_INTERVAL_MS, in the server log.
+ */
+static void
+worker_report_failure(const char *doing, int retry_ms)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	char		text[IDEM_ERRBUF_LEN + 128];
+
+	snprintf(text, sizeof(text), "%s: %s %s:%d: %s",
+			 timestamptz_to_str(now), doing, vk_host, vk_port, errbuf);
+	idem_stats_set_valkey(vk != NULL, text);
+	idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
+	if (!failing ||
+		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
+	{
+		ereport(LOG,
+				(errmsg("idem: %s Valkey at %s:%d failed: %s",
+						doing, vk_host, vk_port, errbuf),
+				 retry_ms > 0 ?
+				 errdetail("Queued results are kept while the queue has room; retrying in %d ms.",
+						   retry_ms) : 0));
+		last_logged = now;
+	}
+	failing = true;
+}
+
+/*
+ * After a failed connect or batch: drop the connection, report, and set the
+ * next attempt *backoff_ms from now, doubling the delay up to the maximum.
+ */
+static void
+worker_backoff(const char *doing, int *backoff_ms, TimestampTz *retry_at)
+{
+	vk_disconnect();
+	worker_report_failure(doing, *backoff_ms);
+	*retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), *backoff_ms);
+	*backoff_ms = Min(*backoff_ms * 2, IDEM_BACKOFF_MAX_MS);
+}
+
+static void
+worker_on_exit(int code, Datum arg)
+{
+	idem_outbox_detach_worker();
+	vk_disconnect();
+}
+
+void
+idem_worker_main(Datum main_arg)
+{
+	int			backoff_ms = IDEM_BACKOFF_MIN_MS;
+	TimestampTz retry_at = 0;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, SignalHandlerForShutdownRequest);
+	pqsignal(SIGPIPE, SIG_IGN);
+	BackgroundWorkerUnblockSignals();
+
+	if (!idem_outbox_available())
+		ereport(FATAL,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem worker started without idem's shared memory"),
+				 errhint("Load idem through shared_preload_libraries.")));
+
+	before_shmem_exit(worker_on_exit, (Datum) 0);
+	idem_stats_set_valkey(false, NULL);
+	idem_outbox_attach_worker();
+
+	while (!ShutdownRequestPending)
+	{
+		uint64		copied;
+		uint64		errors;
+		VkResult	r;
+
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+			if (vk == NULL || vk_settings_changed())
+			{
+				/* Reconnect now, to new settings or for a new try. */
+				if (vk != NULL)
+					vk_disconnect();
+				retry_at = 0;
+				backoff_ms = IDEM_BACKOFF_MIN_MS;
+			}
+		}
+
+		if (vk == NULL)
+		{
+			long		wait_ms = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
+																  retry_at);
+
+			if (wait_ms > 0)
+			{
+				(void) WaitLatch(MyLatch,
+								 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+								 wait_ms, PG_WAIT_EXTENSION);
+				ResetLatch(MyLatch);
+				continue;
+			}
+			r = vk_connect();
+			if (r == VK_SHUTDOWN)
+				break;
+			if (r != VK_OK)
+			{
+				worker_backoff("connecting to", &backoff_ms, &retry_at);
+				continue;
+			}
+			idem_stats_set_valkey(true, NULL);
+			ereport(LOG,
+					(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
+		}
+
+		r = vk_drain(&copied, &errors);
+		if (r == VK_SHUTDOWN)
+			break;
+		if (r != VK_OK)
+		{
+			worker_backoff("copying results to", &backoff_ms, &retry_at);
+			continue;
+		}
+		if (errors > 0)
+		{
+			idem_stats_add(IDEM_STAT_COPY_ERRORS, errors - 1);
+			worker_report_failure("writing to", 0);
+		}
+		else if (copied > 0)
+		{
+			if (failing)
+				ereport(LOG,
+						(errmsg("idem: copying results to Valkey at %s:%d again",
+								vk_host, vk_port)));
+			failing = false;
+			backoff_ms = IDEM_BACKOFF_MIN_MS;
+		}
+
+		/* The queue was empty when vk_drain() last looked. */
+		if (!ConfigReloadPending)
+		{
+			(void) WaitLatch(MyLatch,
+							 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 IDEM_IDLE_WAIT_MS, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+		}
+	}
+
+	proc_exit(1);
+}

@@ -1,0 +1,286 @@
+# IdemValkey: a throwaway RESP server (valkey-server, or Debian's
+# redis-server as a stand-in) for idem's TAP tests, a tiny RESP client to
+# look at it, and the helpers the tests share (a node that preloads idem,
+# polling with a deadline, finding the worker's pid).
+#
+# The server binary is $ENV{IDEM_VALKEY_SERVER} if set, else valkey-server on
+# PATH, else /usr/bin/redis-server.  Each server listens on a free loopback
+# port with persistence off, in a directory under the test's tmp_check, and
+# is stopped at the end of the test whatever happens (END block).
+package IdemValkey;
+
+use strict;
+use warnings;
+
+use File::Path qw(make_path);
+use IO::Socket::INET;
+use POSIX ();
+use Time::HiRes qw(time usleep);
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+
+my @started;
+
+sub server_binary
+{
+	return $ENV{IDEM_VALKEY_SERVER} if $ENV{IDEM_VALKEY_SERVER};
+	foreach my $dir (split /:/, ($ENV{PATH} // ''))
+	{
+		return "$dir/valkey-server" if -x "$dir/valkey-server";
+	}
+	return '/usr/bin/redis-server';
+}
+
+# IdemValkey->new(name => 'v1', password => 'pw'): a stopped server on a
+# free port (requiring that password, if given).
+sub new
+{
+	my ($class, %args) = @_;
+	my $name = $args{name} // 'valkey';
+	my $port = PostgreSQL::Test::Cluster::get_free_port();
+	my $dir = "$PostgreSQL::Test::Utils::tmp_check/${name}_$port";
+	make_path($dir);
+	my $self = bless {
+		name => $name,
+		port => $port,
+		dir => $dir,
+		password => $args{password}
+	}, $class;
+	push @started, $self;
+	return $self;
+}
+
+sub port { return $_[0]->{port}; }
+
+sub start
+{
+	my ($self) = @_;
+	my @cmd = (
+		server_binary(), '--save', '', '--appendonly', 'no',
+		'--port', $self->{port}, '--bind', '127.0.0.1',
+		'--dir', $self->{dir}, '--logfile', "$self->{dir}/server.log",
+		$self->{password} ? ('--requirepass', $self->{password}) : ());
+	my $pid = fork();
+	die "fork: $!" unless defined $pid;
+	if ($pid == 0)
+	{
+		exec(@cmd) or POSIX::_exit(127);
+	}
+	$self->{pid} = $pid;
+	my $deadline = time() + 10;
+	while (time() < $deadline)
+	{
+		my $pong = eval { $self->command('PING') };
+		return $self if defined $pong && $pong eq 'PONG';
+		usleep(20_000);
+	}
+	die "$self->{name}: RESP server on port $self->{port} did not start";
+}
+
+sub stop
+{
+	my ($self) = @_;
+	my $pid = delete $self->{pid};
+	delete $self->{sock};
+	return unless $pid;
+	kill 'CONT', $pid;
+	kill 'TERM', $pid;
+	my $deadline = time() + 10;
+	while (time() < $deadline)
+	{
+		return if waitpid($pid, POSIX::WNOHANG()) == $pid;
+		usleep(20_000);
+	}
+	kill 'KILL', $pid;
+	waitpid($pid, 0);
+}
+
+# Make the server hang (and come back): its socket accepts nothing and
+# answers nothing while it is stopped.
+sub pause { kill 'STOP', $_[0]->{pid}; }
+sub resume { kill 'CONT', $_[0]->{pid}; }
+
+# Send one command; returns the reply (string, integer, array ref, or undef
+# for a nil), or dies on an error reply or a dead connection.
+sub command
+{
+	my ($self, @args) = @_;
+	my $sock = $self->{sock};
+	if (!$sock)
+	{
+		$sock = IO::Socket::INET->new(
+			PeerAddr => '127.0.0.1',
+			PeerPort => $self->{port},
+			Proto => 'tcp',
+			Timeout => 5) or die "connect: $!";
+		$self->{sock} = $sock;
+		$self->command('AUTH', $self->{password}) if $self->{password};
+	}
+	my $req = '*' . scalar(@args) . "\r\n";
+	$req .= '$' . length($_) . "\r\n$_\r\n" foreach @args;
+	my $ok = eval { print $sock $req or die "write: $!"; 1 };
+	my $reply = $ok ? eval { _read_reply($sock) } : undef;
+	if (!$ok || $@)
+	{
+		my $err = $@ || 'write failed';
+		delete $self->{sock};
+		die $err;
+	}
+	return $reply;
+}
+
+sub _read_reply
+{
+	my ($sock) = @_;
+	my $line = <$sock>;
+	die "connection closed\n" unless defined $line;
+	$line =~ s/\r\n$//;
+	my ($type, $rest) = (substr($line, 0, 1), substr($line, 1));
+	return $rest if $type eq '+' || $type eq ':';
+	die "error reply: $rest\n" if $type eq '-';
+	if ($type eq '$')
+	{
+		return undef if $rest < 0;
+		my $buf = '';
+		while (length($buf) < $rest + 2)
+		{
+			my $n = read($sock, $buf, $rest + 2 - length($buf), length($buf));
+			die "connection closed\n" unless $n;
+		}
+		return substr($buf, 0, $rest);
+	}
+	if ($type eq '*')
+	{
+		return undef if $rest < 0;
+		return [ map { _read_reply($sock) } 1 .. $rest ];
+	}
+	die "bad reply line: $line\n";
+}
+
+# Poll $code until it returns a true value or $timeout seconds pass; returns
+# that value (or undef).  Never sleeps longer than 10 ms at a time.
+sub poll_until
+{
+	my ($timeout, $code) = @_;
+	my $deadline = time() + $timeout;
+	while (1)
+	{
+		my $v = $code->();
+		return $v if $v;
+		return undef if time() >= $deadline;
+		usleep(10_000);
+	}
+}
+
+# Wait for a key; returns its value, or undef after $timeout seconds.
+sub wait_for_key
+{
+	my ($self, $key, $timeout) = @_;
+	return poll_until($timeout // 10, sub { $self->command('GET', $key) });
+}
+
+# A started node that preloads idem, talks to $valkey, and has a tenants
+# table (tenant 1) and the ledgers installed.  %conf adds settings.
+sub idem_node
+{
+	my ($name, $valkey, %conf) = @_;
+	my $node = PostgreSQL::Test::Cluster->new($name);
+	$node->init;
+	my $extra = "shared_preload_libraries = 'idem'\n"
+	  . "idem.valkey_port = " . $valkey->port . "\n";
+	$extra .= "$_ = $conf{$_}\n" foreach sort keys %conf;
+	$node->append_conf('postgresql.conf', $extra);
+	$node->start;
+	install($node);
+	return $node;
+}
+
+# CREATE EXTENSION idem, a tenants table with tenant 1, and the ledgers.
+sub install
+{
+	my ($node) = @_;
+	$node->safe_psql('postgres', q{
+		CREATE TABLE tenants (id bigint PRIMARY KEY);
+		INSERT INTO tenants VALUES (1);
+		CREATE EXTENSION idem;
+		SELECT idem_install('tenants');
+	});
+}
+
+# One idem_stats() column.
+sub stats_col
+{
+	my ($node, $column) = @_;
+	return $node->safe_psql('postgres', "SELECT $column FROM idem_stats()");
+}
+
+# Wait until the worker is connected (or not); true on success.
+sub wait_connected
+{
+	my ($node, $want, $timeout) = @_;
+	my $expect = $want ? 't' : 'f';
+	return poll_until($timeout // 15,
+		sub { (eval { stats_col($node, 'valkey_connected') } // '') eq $expect });
+}
+
+# The pid of the node's idem worker (a child of the postmaster titled
+# "idem valkey worker"), or undef.
+sub worker_pid
+{
+	my ($node) = @_;
+	open(my $pf, '<', $node->data_dir . '/postmaster.pid') or return undef;
+	my $pm = <$pf>;
+	close $pf;
+	return undef unless defined $pm && $pm =~ /^(\d+)/;
+	$pm = $1;
+	foreach my $stat (glob '/proc/[0-9]*/stat')
+	{
+		open(my $fh, '<', $stat) or next;
+		my $line = <$fh> // next;
+		close $fh;
+		my ($pid, $ppid) = $line =~ /^(\d+) \(.*\) \S (\d+)/ or next;
+		next unless $ppid == $pm;
+		open(my $cf, '<', "/proc/$pid/cmdline") or next;
+		my $cmd = <$cf> // '';
+		close $cf;
+		return $pid if $cmd =~ /idem valkey worker/;
+	}
+	return undef;
+}
+
+# The Valkey key of a tenant or platform row (default prefix).
+sub tenant_key
+{
+	my ($node, $tenant, $scope, $id, $prefix) = @_;
+	my $hex = $node->safe_psql('postgres',
+		"SELECT encode(idem_key('$scope', '$id'), 'hex')");
+	return ($prefix // 'idem:') . "t:$tenant:$hex";
+}
+
+sub platform_key
+{
+	my ($node, $scope, $id, $prefix) = @_;
+	my $hex = $node->safe_psql('postgres',
+		"SELECT encode(idem_key('$scope', '$id'), 'hex')");
+	return ($prefix // 'idem:') . "p:$hex";
+}
+
+# SQL that claims and completes tenant 1's key (scope, id) with $outcome.
+sub complete_sql
+{
+	my ($scope, $id, $outcome, $retention) = @_;
+	$outcome //= '{"ok": true}';
+	my $ret = $retention ? ", '$retention'" : '';
+	return "SELECT idem_claim(1, idem_key('$scope', '$id'), idem_fingerprint('{}'));"
+	  . " SELECT idem_complete(1, idem_key('$scope', '$id'), '$outcome'$ret);";
+}
+
+END
+{
+	my $rc = $?;
+	$_->stop foreach @started;
+	$? = $rc;
+}
+
+1;
