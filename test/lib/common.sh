@@ -48,15 +48,26 @@ idem_ensure_deps() {
 	if [ "$(id -u)" -eq 0 ]; then
 		echo "idem: installing missing packages: $missing"
 		export DEBIAN_FRONTEND=noninteractive
-		if ! apt-get install -y -q --no-install-recommends $missing >/tmp/idem-apt.log 2>&1; then
-			apt-get update -q >>/tmp/idem-apt.log 2>&1
-			apt-get install -y -q --no-install-recommends $missing >>/tmp/idem-apt.log 2>&1 || {
-				echo "idem: apt-get install failed; see /tmp/idem-apt.log" >&2
-				tail -n 20 /tmp/idem-apt.log >&2
-				return 1
-			}
+		# The tests start their own servers: keep the packages' postinst
+		# from starting (or failing to start) Debian's, where there is no init.
+		local policy=""
+		if [ ! -e /usr/sbin/policy-rc.d ]; then
+			policy=/usr/sbin/policy-rc.d
+			printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
 		fi
-		# Debian starts the packaged servers where it can; the tests start their own.
+		local ok=0
+		if apt-get install -y -q --no-install-recommends $missing >/tmp/idem-apt.log 2>&1; then
+			ok=1
+		else
+			apt-get update -q >>/tmp/idem-apt.log 2>&1
+			apt-get install -y -q --no-install-recommends $missing >>/tmp/idem-apt.log 2>&1 && ok=1
+		fi
+		[ -n "$policy" ] && rm -f "$policy"
+		if [ $ok -ne 1 ]; then
+			echo "idem: apt-get install failed; see /tmp/idem-apt.log" >&2
+			tail -n 20 /tmp/idem-apt.log >&2
+			return 1
+		fi
 		missing=$(idem_missing_packages)
 		[ -z "$missing" ] || { echo "idem: still missing after install: $missing" >&2; return 1; }
 		return 0
