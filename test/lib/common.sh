@@ -17,7 +17,7 @@ IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
 idem_required_packages() {
 	cat <<EOT
 postgresql-$IDEM_PG_MAJOR:/usr/lib/postgresql/$IDEM_PG_MAJOR/bin/postgres
-postgresql-server-dev-$IDEM_PG_MAJOR:/usr/lib/postgresql/$IDEM_PG_MAJOR/lib/pgxs/src/makefiles/pgxs.mk
+postgresql-server-dev-$IDEM_PG_MAJOR:/usr/include/postgresql/$IDEM_PG_MAJOR/server/postgres.h
 libpq-dev:/usr/include/postgresql/libpq-fe.h
 libhiredis-dev:/usr/include/hiredis/hiredis.h
 libipc-run-perl:/usr/share/perl5/IPC/Run.pm
