@@ -8,6 +8,7 @@
  *		idem.lease, idem.retention, idem.purge_grace
  *	  Worker settings (postgresql.conf, applied on reload):
  *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
+ *		idem.valkey_password_file,
  *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
  *		idem.valkey_command_timeout
  *	  Server start only:
@@ -29,6 +30,7 @@ int			idem_purge_grace_s = 60 * 60;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
 char	   *idem_valkey_password = NULL;
+char	   *idem_valkey_password_file = NULL;
 int			idem_valkey_db = 0;
 char	   *idem_valkey_prefix = NULL;
 int			idem_valkey_connect_timeout_ms = 1000;
@@ -120,6 +122,14 @@ idem_define_gucs(void)
 							   &idem_valkey_password,
 							   "",
 							   PGC_SIGHUP, GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.valkey_password_file",
+							   "File whose first line is the AUTH password, read at each connect; used when idem.valkey_password is empty.",
+							   "Unlike idem.valkey_password, the password never appears in the server log when it changes.",
+							   &idem_valkey_password_file,
+							   "",
+							   PGC_SIGHUP, GUC_SUPERUSER_ONLY,
 							   NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idem.valkey_db",

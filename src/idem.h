@@ -59,6 +59,7 @@ extern int	idem_purge_grace_s;
 extern char *idem_valkey_host;
 extern int	idem_valkey_port;
 extern char *idem_valkey_password;
+extern char *idem_valkey_password_file;
 extern int	idem_valkey_db;
 extern char *idem_valkey_prefix;
 extern int	idem_valkey_connect_timeout_ms;

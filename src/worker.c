@@ -43,6 +43,7 @@
 #include "pgstat.h"
 #include "postmaster/bgworker.h"
 #include "postmaster/interrupt.h"
+#include "storage/fd.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "tcop/tcopprot.h"
@@ -55,6 +56,8 @@
 #define IDEM_BACKOFF_MIN_MS		100
 #define IDEM_BACKOFF_MAX_MS		5000
 #define IDEM_IDLE_WAIT_MS		10000
+/* Woken again within this of the last drain: linger that long to batch. */
+#define IDEM_LINGER_MS			1
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
 
@@ -216,29 +219,74 @@ vk_disconnect(void)
 	idem_stats_set_valkey(false, NULL);
 }
 
-/* Remember the settings a connection is made with. */
-static void
+/*
+ * The password to send: idem.valkey_password, else the first line of
+ * idem.valkey_password_file (read now, so a changed file is picked up at
+ * the next connect or reload), else none.  A file that cannot be read
+ * yields NULL, with the reason (never the password) in errbuf.
+ */
+static char *
+vk_current_password(void)
+{
+	FILE	   *f;
+	char		line[1024];
+	size_t		n;
+
+	if (idem_valkey_password && idem_valkey_password[0] != '\0')
+		return pstrdup(idem_valkey_password);
+	if (idem_valkey_password_file == NULL || idem_valkey_password_file[0] == '\0')
+		return pstrdup("");
+	f = AllocateFile(idem_valkey_password_file, "r");
+	if (f == NULL)
+	{
+		snprintf(errbuf, sizeof(errbuf), "could not open idem.valkey_password_file \"%s\": %s",
+				 idem_valkey_password_file, strerror(errno));
+		return NULL;
+	}
+	if (fgets(line, sizeof(line), f) == NULL)
+		line[0] = '\0';
+	FreeFile(f);
+	n = strlen(line);
+	while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
+		line[--n] = '\0';
+	return pstrdup(line);
+}
+
+/* Remember the settings a connection is made with; false if unusable. */
+static bool
 vk_remember_settings(void)
 {
+	char	   *password = vk_current_password();
+
 	if (vk_host)
 		pfree(vk_host);
 	if (vk_password)
 		pfree(vk_password);
 	vk_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
-	vk_password = MemoryContextStrdup(TopMemoryContext,
-									  idem_valkey_password ? idem_valkey_password : "");
+	vk_password = MemoryContextStrdup(TopMemoryContext, password ? password : "");
 	vk_port = idem_valkey_port;
 	vk_db = idem_valkey_db;
+	if (password)
+		pfree(password);
+	return password != NULL;
 }
 
 static bool
 vk_settings_changed(void)
 {
-	return vk_host == NULL ||
-		strcmp(vk_host, idem_valkey_host) != 0 ||
-		strcmp(vk_password, idem_valkey_password ? idem_valkey_password : "") != 0 ||
+	char	   *password;
+	bool		changed;
+
+	if (vk_host == NULL)
+		return true;
+	password = vk_current_password();
+	changed = strcmp(vk_host, idem_valkey_host) != 0 ||
+		password == NULL || strcmp(vk_password, password) != 0 ||
 		vk_port != idem_valkey_port ||
 		vk_db != idem_valkey_db;
+	if (password)
+		pfree(password);
+	return changed;
 }
 
 static VkResult
@@ -251,7 +299,8 @@ vk_connect(void)
 	int			nreplies = 0;
 	int			i;
 
-	vk_remember_settings();
+	if (!vk_remember_settings())
+		return VK_FAILED;		/* errbuf says why */
 	vk = redisConnectNonBlock(vk_host, vk_port);
 	if (vk == NULL || vk->err)
 	{
@@ -519,6 +568,7 @@ idem_worker_main(Datum main_arg)
 {
 	int			backoff_ms = IDEM_BACKOFF_MIN_MS;
 	TimestampTz retry_at = 0;
+	TimestampTz last_drain = 0;	/* when vk_drain() last started */
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, SignalHandlerForShutdownRequest);
@@ -581,6 +631,20 @@ idem_worker_main(Datum main_arg)
 			ereport(LOG,
 					(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
+
+		/*
+		 * Under a high commit rate every commit would wake us for a batch
+		 * of one: a round trip to Valkey per commit, on the same cores as
+		 * the commits.  When woken again right after the last drain,
+		 * linger a moment (not woken by further commits) so the batch
+		 * fills; at low rates, copy at once.
+		 */
+		if (last_drain != 0 &&
+			!TimestampDifferenceExceeds(last_drain, GetCurrentTimestamp(),
+										2 * IDEM_LINGER_MS))
+			(void) WaitLatch(MyLatch, WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 IDEM_LINGER_MS, PG_WAIT_EXTENSION);
+		last_drain = GetCurrentTimestamp();
 
 		r = vk_drain(&copied, &errors);
 		if (r == VK_SHUTDOWN)

@@ -211,6 +211,41 @@ $node->safe_psql('postgres', q{
 });
 ok(IdemValkey::wait_connected($node, 1), 'connected again without the password');
 
+# idem.valkey_password_file: the password lives in a file, read at each
+# connect, so no reload message ever carries it.
+my $vpw = IdemValkey->new(name => 'vpw', password => 'file-pw-8731');
+$vpw->start;
+my $pwfile = $node->basedir . '/valkey.pw';
+open(my $pwfh, '>', $pwfile) or die "$pwfile: $!";
+print $pwfh "file-pw-8731\n";
+close($pwfh);
+chmod 0600, $pwfile;
+$node->safe_psql('postgres',
+	"ALTER SYSTEM SET idem.valkey_port = " . $vpw->port . ";"
+	  . " ALTER SYSTEM SET idem.valkey_password_file = '$pwfile';"
+	  . " SELECT pg_reload_conf();");
+# Complete fresh keys until one lands there: the worker reconnects after
+# the reload and authenticates with the file's password.
+my $n = 0;
+ok(IdemValkey::poll_until(10, sub {
+			$n++;
+			$node->safe_psql('postgres', IdemValkey::complete_sql('o', "pwfile$n"));
+			return $vpw->wait_for_key(IdemValkey::tenant_key($node, 1, 'o', "pwfile$n"), 0.3);
+		}),
+	'the worker authenticates with the password from idem.valkey_password_file');
+$node->safe_psql('postgres',
+	"ALTER SYSTEM SET idem.valkey_password_file = '" . $node->basedir . "/missing.pw';"
+	  . " SELECT pg_reload_conf();");
+ok(IdemValkey::poll_until(10, sub {
+			IdemValkey::stats_col($node, 'last_error') =~ /could not open idem\.valkey_password_file/ }),
+	'an unreadable password file is reported in last_error');
+$node->safe_psql('postgres',
+	"ALTER SYSTEM RESET idem.valkey_password_file;"
+	  . " ALTER SYSTEM SET idem.valkey_port = " . $valkey->port . ";"
+	  . " SELECT pg_reload_conf();");
+ok(IdemValkey::wait_connected($node, 1), 'back on the first server');
+$vpw->stop;
+
 
 $node->stop;
 # PostgreSQL's own reload message ('parameter "idem.valkey_password" changed
@@ -219,6 +254,8 @@ $node->stop;
 my @leaks = grep { /sekrit-pw/ && !/parameter "idem\.valkey_password" changed to/ }
   split /\n/, slurp_file($node->logfile);
 is(scalar(@leaks), 0, 'idem never logs the password');
+is(scalar(grep { /file-pw-8731/ } split /\n/, slurp_file($node->logfile)), 0,
+	'a password from idem.valkey_password_file appears nowhere in the log');
 # --- without shared_preload_libraries: the SQL API works, nothing is copied ---
 my $plain = PostgreSQL::Test::Cluster->new('plain');
 $plain->init;
