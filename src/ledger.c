@@ -277,8 +277,9 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	for (tries = 0; tries < 3; tries++)
 	{
 		int32		attempt;
+		Snapshot	snapshot = GetTransactionSnapshot();
 
-		if (!ledger_probe(store, lk, GetTransactionSnapshot(), &row))
+		if (!ledger_probe(store, lk, snapshot, &row))
 		{
 			/*
 			 * Under REPEATABLE READ our snapshot may predate a row that is
@@ -291,7 +292,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 						 errmsg("could not serialize access: the idempotency key was written by a concurrent transaction"),
 						 errhint("Retry the transaction; it will see the key's current state.")));
 			if (lk->kind == LEDGER_TENANT &&
-				!ledger_tenant_exists(store, lk->tenant_id, GetTransactionSnapshot()))
+				!ledger_tenant_exists(store, lk->tenant_id, snapshot))
 				ereport(ERROR,
 						(errcode(ERRCODE_FOREIGN_KEY_VIOLATION),
 						 errmsg("tenant %lld does not exist", (long long) lk->tenant_id),
