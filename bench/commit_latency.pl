@@ -18,6 +18,9 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib "$FindBin::Bin", "$FindBin::Bin/../test/t";
+use IdemResp;
 use Getopt::Long;
 use IO::Select;
 use IO::Socket::INET;
@@ -68,32 +71,8 @@ sub vk_connect
 		Proto => 'tcp') // die "connect to Valkey: $!\n";
 }
 
-sub vk_send
-{
-	my ($sock, @args) = @_;
-	my $req = '*' . scalar(@args) . "\r\n";
-	$req .= '$' . length($_) . "\r\n$_\r\n" foreach @args;
-	print $sock $req;
-}
-
-sub vk_read
-{
-	my ($sock) = @_;
-	my $line = <$sock> // die "Valkey closed the connection\n";
-	$line =~ s/\r\n$//;
-	my ($t, $r) = (substr($line, 0, 1), substr($line, 1));
-	return $r if $t eq '+' || $t eq ':';
-	die "Valkey: $r\n" if $t eq '-';
-	if ($t eq '$')
-	{
-		return undef if $r < 0;
-		my $buf = '';
-		read($sock, $buf, $r + 2 - length($buf), length($buf)) while length($buf) < $r + 2;
-		return substr($buf, 0, $r);
-	}
-	return [ map { vk_read($sock) } 1 .. $r ] if $t eq '*';
-	die "bad reply: $line\n";
-}
+sub vk_send { my ($sock, @args) = @_; print $sock IdemResp::request(@args); }
+sub vk_read { return IdemResp::read_reply($_[0]); }
 
 sub vk_cmd { my ($s, @a) = @_; vk_send($s, @a); return vk_read($s); }
 

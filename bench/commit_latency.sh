@@ -53,7 +53,8 @@ BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark
 [ -x "$BENCHMARK" ] || BENCHMARK=$(command -v valkey-benchmark || command -v redis-benchmark)
 
 cp "$ROOT/bench/commit_latency.pl" "$WORK/commit_latency.pl"
-chmod a+r "$WORK/commit_latency.pl"
+cp "$ROOT/test/t/IdemResp.pm" "$WORK/IdemResp.pm"
+chmod a+r "$WORK/commit_latency.pl" "$WORK/IdemResp.pm"
 idem_as_test_user env PATH="$(idem_pg_bindir):$PATH" perl "$WORK/commit_latency.pl" \
 	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" \
 	--rate "${BENCH_RATE:-5000}" --seconds "${BENCH_LATENCY_SECONDS:-10}" \

@@ -17,6 +17,7 @@ use IO::Socket::INET;
 use POSIX ();
 use Time::HiRes qw(time usleep);
 
+use IdemResp;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 
@@ -117,10 +118,9 @@ sub command
 		$self->{sock} = $sock;
 		$self->command('AUTH', $self->{password}) if $self->{password};
 	}
-	my $req = '*' . scalar(@args) . "\r\n";
-	$req .= '$' . length($_) . "\r\n$_\r\n" foreach @args;
+	my $req = IdemResp::request(@args);
 	my $ok = eval { print $sock $req or die "write: $!"; 1 };
-	my $reply = $ok ? eval { _read_reply($sock) } : undef;
+	my $reply = $ok ? eval { IdemResp::read_reply($sock) } : undef;
 	if (!$ok || $@)
 	{
 		my $err = $@ || 'write failed';
@@ -128,34 +128,6 @@ sub command
 		die $err;
 	}
 	return $reply;
-}
-
-sub _read_reply
-{
-	my ($sock) = @_;
-	my $line = <$sock>;
-	die "connection closed\n" unless defined $line;
-	$line =~ s/\r\n$//;
-	my ($type, $rest) = (substr($line, 0, 1), substr($line, 1));
-	return $rest if $type eq '+' || $type eq ':';
-	die "error reply: $rest\n" if $type eq '-';
-	if ($type eq '$')
-	{
-		return undef if $rest < 0;
-		my $buf = '';
-		while (length($buf) < $rest + 2)
-		{
-			my $n = read($sock, $buf, $rest + 2 - length($buf), length($buf));
-			die "connection closed\n" unless $n;
-		}
-		return substr($buf, 0, $rest);
-	}
-	if ($type eq '*')
-	{
-		return undef if $rest < 0;
-		return [ map { _read_reply($sock) } 1 .. $rest ];
-	}
-	die "bad reply line: $line\n";
 }
 
 # Poll $code until it returns a true value or $timeout seconds pass; returns
