@@ -249,6 +249,19 @@ answer_claimed(ClaimAnswer *ans, int32 attempt, TimestampTz lease_end)
 	ans->expires_at = lease_end;
 }
 
+/* The processing row an open claim of this transaction stands for. */
+static void
+pending_as_row(const PendingClaim *mine, LedgerRow *row)
+{
+	memset(row, 0, sizeof(*row));
+	strlcpy(row->status, "processing", sizeof(row->status));
+	memcpy(row->fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
+	row->attempt = 1;
+	row->outcome = DirectFunctionCall1(jsonb_in, CStringGetDatum("{}"));
+	row->expires_at = mine->lease_end;
+	row->ours = true;
+}
+
 /*
  * The claim, with the key lock held by us.  No other transaction can
  * write the key now, so what the probe sees is what there is (under READ
@@ -265,11 +278,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	/* This transaction already claimed the key: busy, not a second run. */
 	if (mine)
 	{
-		memset(&row, 0, sizeof(row));
-		strlcpy(row.status, "processing", sizeof(row.status));
-		memcpy(row.fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
-		row.attempt = 1;
-		row.expires_at = mine->lease_end;
+		pending_as_row(mine, &row);
 		answer_from_row(&row, true, fingerprint, now, mine->lease_end, ans);
 		return;
 	}
@@ -520,12 +529,7 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		if (mine)
 		{
 			/* Claimed in this transaction, not written yet. */
-			memset(&row, 0, sizeof(row));
-			strlcpy(row.status, "processing", sizeof(row.status));
-			memcpy(row.fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
-			row.attempt = 1;
-			row.outcome = DirectFunctionCall1(jsonb_in, CStringGetDatum("{}"));
-			row.expires_at = mine->lease_end;
+			pending_as_row(mine, &row);
 			found = true;
 		}
 		else
