@@ -58,3 +58,7 @@ installcheck-regress:
 
 installcheck-isolation:
 	$(pg_isolation_regress_installcheck) $(ISOLATION_OPTS) $(ISOLATION)
+
+.PHONY: valgrind
+valgrind:
+	@bash test/valgrind
