@@ -114,13 +114,13 @@ deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
 			 int64 default_ms, TimestampTz now)
 {
 	Interval   *iv;
-	int128		span;
+	double		span;			/* only its sign matters: no overflow */
 
 	if (PG_ARGISNULL(argno))
 		return now + default_ms * INT64CONST(1000);
 	iv = PG_GETARG_INTERVAL_P(argno);
-	span = (int128) iv->time + (int128) iv->day * USECS_PER_DAY +
-		(int128) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
+	span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
+		(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
 	if (span <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
