@@ -97,6 +97,20 @@ idem_valkey_server() {
 	fi
 }
 
+# The CLI that comes with the server: valkey-cli beside valkey-server, else
+# redis-cli.
+idem_valkey_cli() {
+	local dir
+	dir=$(dirname "$(idem_valkey_server)")
+	if [ -x "$dir/valkey-cli" ]; then
+		echo "$dir/valkey-cli"
+	elif command -v valkey-cli >/dev/null 2>&1; then
+		command -v valkey-cli
+	else
+		echo redis-cli
+	fi
+}
+
 idem_build_install() {
 	local root=$1 pgc
 	pgc=$(idem_pg_config)
@@ -190,7 +204,7 @@ idem_valkey_start() {
 		--dir "$dir/valkey" --daemonize yes --pidfile "$dir/valkey.pid" \
 		--logfile "$dir/valkey.log" >/dev/null || return 1
 	for _ in $(seq 1 50); do
-		redis-cli -p "$port" ping 2>/dev/null | grep -q PONG && return 0
+		"$(idem_valkey_cli)" -p "$port" ping 2>/dev/null | grep -q PONG && return 0
 		sleep 0.1
 	done
 	echo "idem: RESP server did not start on port $port" >&2
