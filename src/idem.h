@@ -98,6 +98,8 @@ typedef struct IdemOutboxRecord
 /* The worker's side of the queue (single consumer). */
 extern void idem_outbox_attach_worker(void);
 extern void idem_outbox_detach_worker(void);
+extern void idem_outbox_worker_awake(void);
+extern bool idem_outbox_worker_sleepy(void);
 extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
 							 int max);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);

@@ -70,6 +70,8 @@ typedef struct IdemOutboxShared
 	uint64		max_records;	/* idem.queue_size */
 	/* The worker's PGPROC number, or IDEM_OUTBOX_NO_WORKER. */
 	pg_atomic_uint32 worker_procno;
+	/* 0 only while the worker sleeps waiting for work: wake it then. */
+	pg_atomic_uint32 worker_awake;
 } IdemOutboxShared;
 
 #define IDEM_OUTBOX_RING(shared) \
@@ -132,6 +134,7 @@ outbox_shmem_startup(void)
 		outbox->capacity = outbox_ring_capacity();
 		outbox->max_records = idem_queue_size;
 		pg_atomic_init_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
+		pg_atomic_init_u32(&outbox->worker_awake, 0);
 	}
 	idem_stats_shmem_init();
 	LWLockRelease(AddinShmemInitLock);
@@ -172,11 +175,20 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 	return true;
 }
 
+/*
+ * Called after the records are in the ring and the LWLock is released (a
+ * full barrier).  A worker that is awake looks at the queue again before
+ * it sleeps (see idem_outbox_worker_sleepy), so only a sleeping one needs
+ * the latch: under load, commits send no signals at all.
+ */
 static void
 outbox_wake_worker(void)
 {
-	uint32		procno = pg_atomic_read_u32(&outbox->worker_procno);
+	uint32		procno;
 
+	if (pg_atomic_read_u32(&outbox->worker_awake) != 0)
+		return;
+	procno = pg_atomic_read_u32(&outbox->worker_procno);
 	/* A stale number only costs another process a spurious wakeup. */
 	if (procno != IDEM_OUTBOX_NO_WORKER)
 		SetLatch(&GetPGProcByNumber(procno)->procLatch);
@@ -376,6 +388,31 @@ idem_outbox_detach_worker(void)
 {
 	if (outbox != NULL)
 		pg_atomic_write_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
+}
+
+/* The worker is at work: committing backends need not set its latch. */
+void
+idem_outbox_worker_awake(void)
+{
+	pg_atomic_write_u32(&outbox->worker_awake, 1);
+}
+
+/*
+ * The worker is about to sleep: from now on committing backends set its
+ * latch.  Returns whether the queue is empty, read after the flag is
+ * cleared and a barrier, so that a commit either sees the flag cleared
+ * (and wakes the worker) or its record is seen here (and the worker does
+ * not sleep).  When false, the worker has been marked awake again.
+ */
+bool
+idem_outbox_worker_sleepy(void)
+{
+	pg_atomic_write_u32(&outbox->worker_awake, 0);
+	pg_memory_barrier();
+	if (idem_outbox_depth() == 0)
+		return true;
+	idem_outbox_worker_awake();
+	return false;
 }
 
 /*

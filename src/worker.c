@@ -15,7 +15,15 @@
  *
  * pipelined, with up to IDEM_INFLIGHT batches written ahead of the replies
  * it reads, and removes a batch from the queue only when all its replies
- * have come back; a record whose retention has already ended is skipped.  An error
+ * have come back; a record whose retention has already ended is skipped.
+ *
+ * Batches are paced: a batch goes out at once when none went out in the
+ * last IDEM_BATCH_DELAY_US, or when IDEM_BATCH_EAGER records wait;
+ * otherwise the records wait for that delay to pass.  So a lone commit is
+ * copied at once, and under load Valkey gets at most one batch per delay
+ * instead of one per commit: each batch costs both processes a wakeup and
+ * a few system calls, on the same cores as the commits.  While the worker
+ * is awake, committing backends do not set its latch (outbox.c).  An error
  * reply counts a copy error and drops that record.  A connection that fails,
  * or a batch not answered within idem.valkey_command_timeout, closes the
  * connection and keeps the batch queued; the worker reconnects after a
@@ -56,8 +64,9 @@
 #define IDEM_BACKOFF_MIN_MS		100
 #define IDEM_BACKOFF_MAX_MS		5000
 #define IDEM_IDLE_WAIT_MS		10000
-/* Woken again within this of the last drain: linger that long to batch. */
-#define IDEM_LINGER_MS			1
+/* Pacing: at most one batch per delay, unless this many records wait. */
+#define IDEM_BATCH_DELAY_US		1000
+#define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
 
@@ -448,6 +457,9 @@ typedef struct VkBatch
  */
 #define IDEM_INFLIGHT 4
 
+/* When the pacing lets the next batch go (see the file header). */
+static TimestampTz next_batch_at = 0;
+
 static VkResult
 vk_drain(uint64 *copied, uint64 *errors)
 {
@@ -462,12 +474,17 @@ vk_drain(uint64 *copied, uint64 *errors)
 	for (;;)
 	{
 		TimestampTz deadline;
+		TimestampTz now = GetCurrentTimestamp();
 		VkBatch    *b;
 		VkResult	r;
 		int			i;
 		uint64		ok;
+		bool		waiting = false;	/* records held back by the pacing */
 
-		/* Fill the window with what is queued beyond the batches in flight. */
+		/*
+		 * Fill the window with what is queued beyond the batches in flight,
+		 * paced (see the file header).
+		 */
 		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
 		{
 			uint64		start = pos;
@@ -476,6 +493,12 @@ vk_drain(uint64 *copied, uint64 *errors)
 
 			if (pos == start)
 				break;
+			if (now < next_batch_at && n < IDEM_BATCH_EAGER)
+			{
+				pos = start;
+				waiting = true;
+				break;
+			}
 			nsent = vk_append_batch(records, n, errors);
 			if (nsent < 0)
 				return VK_FAILED;
@@ -484,9 +507,25 @@ vk_drain(uint64 *copied, uint64 *errors)
 			b->nrecords = n;
 			b->nsent = nsent;
 			nin++;
+			next_batch_at = now + IDEM_BATCH_DELAY_US;
 		}
 		if (nin == 0)
-			return VK_OK;
+		{
+			long		wait_ms;
+
+			if (!waiting)
+				return VK_OK;
+			/* Let the held-back records gather until the delay passes. */
+			wait_ms = (long) ((next_batch_at - now + 999) / 1000);
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 wait_ms, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+			if (ShutdownRequestPending)
+				return VK_SHUTDOWN;
+			if (ConfigReloadPending)
+				return VK_OK;
+			continue;
+		}
 
 		/* Send what is appended; read the oldest batch's replies. */
 		deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
@@ -568,7 +607,6 @@ idem_worker_main(Datum main_arg)
 {
 	int			backoff_ms = IDEM_BACKOFF_MIN_MS;
 	TimestampTz retry_at = 0;
-	TimestampTz last_drain = 0;	/* when vk_drain() last started */
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, SignalHandlerForShutdownRequest);
@@ -584,6 +622,7 @@ idem_worker_main(Datum main_arg)
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
 	idem_outbox_attach_worker();
+	idem_outbox_worker_awake();
 
 	while (!ShutdownRequestPending)
 	{
@@ -632,20 +671,6 @@ idem_worker_main(Datum main_arg)
 					(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		/*
-		 * Under a high commit rate every commit would wake us for a batch
-		 * of one: a round trip to Valkey per commit, on the same cores as
-		 * the commits.  When woken again right after the last drain,
-		 * linger a moment (not woken by further commits) so the batch
-		 * fills; at low rates, copy at once.
-		 */
-		if (last_drain != 0 &&
-			!TimestampDifferenceExceeds(last_drain, GetCurrentTimestamp(),
-										2 * IDEM_LINGER_MS))
-			(void) WaitLatch(MyLatch, WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 IDEM_LINGER_MS, PG_WAIT_EXTENSION);
-		last_drain = GetCurrentTimestamp();
-
 		r = vk_drain(&copied, &errors);
 		if (r == VK_SHUTDOWN)
 			break;
@@ -669,13 +694,17 @@ idem_worker_main(Datum main_arg)
 			backoff_ms = IDEM_BACKOFF_MIN_MS;
 		}
 
-		/* The queue was empty when vk_drain() last looked. */
-		if (!ConfigReloadPending)
+		/*
+		 * The queue was empty when vk_drain() last looked.  Sleep, and let
+		 * commits wake us, unless a commit came in meanwhile.
+		 */
+		if (!ConfigReloadPending && idem_outbox_worker_sleepy())
 		{
 			(void) WaitLatch(MyLatch,
 							 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 							 IDEM_IDLE_WAIT_MS, PG_WAIT_EXTENSION);
 			ResetLatch(MyLatch);
+			idem_outbox_worker_awake();
 		}
 	}
 
