@@ -9,7 +9,7 @@
 EXTENSION = idem
 MODULE_big = idem
 OBJS = src/idem.o src/guc.o src/digest.o src/install.o src/ledger.o \
-	src/ledger_store.o src/pending.o \
+	src/ledger_store.o src/ledger_insert.o src/pending.o \
 	src/outbox.o src/worker.o src/stats.o
 DATA = $(wildcard src/sql/idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src
@@ -17,7 +17,7 @@ SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security hot upgrade stats
+REGRESS = install ledger errors security write hot upgrade stats
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.

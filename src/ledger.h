@@ -5,6 +5,7 @@
  *		ledger.c		the SQL API and its decisions
  *		ledger_store.c	how a ledger table is read (index probes) and
  *						written (prepared SPI statements)
+ *		ledger_insert.c	the direct write of a new row (the hot write)
  *		pending.c		claims of the running transaction whose row is not
  *						written yet
  *
@@ -71,6 +72,13 @@ extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  int32 *attempt, uint8 *fingerprint);
 extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 						  TimestampTz processing_before, int32 batch);
+extern bytea *ledger_digest_datum(const uint8 *digest);
+
+/* ledger_insert.c */
+extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk,
+								 const uint8 *fingerprint, const char *status,
+								 int32 attempt, Datum outcome,
+								 TimestampTz expires_at);
 
 /* pending.c */
 typedef struct PendingClaim

@@ -9,7 +9,8 @@
  *
  *	  Writes go through SPI with statements prepared once per backend and
  *	  ledger, so constraints, the FK and every index are maintained by
- *	  PostgreSQL itself.  Every name in them is schema-qualified (the ledger
+ *	  PostgreSQL itself; a new row is written directly where that is the
+ *	  same (ledger_insert.c), with the SPI INSERT as the fallback.  Every name in them is schema-qualified (the ledger
  *	  in the extension's schema, operators and functions in pg_catalog), so
  *	  the caller's search_path can neither redirect them nor force a replan.
  *
@@ -27,6 +28,7 @@
 #include "access/xact.h"
 #include "catalog/pg_constraint.h"
 #include "catalog/pg_type.h"
+#include "common/hashfn.h"
 #include "executor/spi.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
@@ -35,6 +37,7 @@
 #include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
+#include "utils/rls.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
@@ -262,6 +265,18 @@ ledger_store_open(Oid nsp, LedgerKind kind)
 	 */
 	if (pg_class_aclcheck(relid, GetUserId(), ACL_SELECT) != ACLCHECK_OK)
 		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_TABLE, ledger_tables[kind]);
+
+	/*
+	 * Nor do probes apply row-level security policies: refuse, rather than
+	 * answer from rows a policy would hide.
+	 */
+	if (check_enable_rls(relid, InvalidOid, false) == RLS_ENABLED)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idem does not support row-level security on table %s",
+						ledger_tables[kind]),
+				 errdetail("idem reads the ledger by key without applying policies."),
+				 errhint("Disable row-level security on the ledger, or run the caller as a role that bypasses it, and restrict access with grants.")));
 	return store;
 }
 
@@ -389,21 +404,59 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	return true;
 }
 
+/*
+ * Tenants seen to exist, committed by other transactions: a direct-mapped
+ * cache of ids, so a claim usually skips the probe.  It only ever answers
+ * "exists", and the foreign key checks the row again when it is written,
+ * so a tenant deleted since costs only the friendlier error: the write
+ * then fails with the FK's own 23503 instead of the claim.  A transaction
+ * snapshot (REPEATABLE READ and up) probes, to answer as it sees it.
+ */
+#define TENANT_CACHE_SIZE	1024
+
+static struct
+{
+	Oid			relid;			/* the tenants table the ids are from */
+	int64		ids[TENANT_CACHE_SIZE];
+	bool		valid[TENANT_CACHE_SIZE];
+}			tenant_cache;
+
 /* Whether the tenants table has this id (the FK's own check, done early). */
 bool
 ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 {
+	uint32		h = hash_bytes_uint32((uint32) tenant_id ^
+									  (uint32) ((uint64) tenant_id >> 32)) % TENANT_CACHE_SIZE;
 	ScanKeyData key;
 	Relation	rel;
 	TupleTableSlot *slot;
+	bool		isnull;
+
+	if (tenant_cache.relid != store->tenants_relid)
+	{
+		memset(&tenant_cache, 0, sizeof(tenant_cache));
+		tenant_cache.relid = store->tenants_relid;
+	}
+	else if (tenant_cache.valid[h] && tenant_cache.ids[h] == tenant_id &&
+			 !IsolationUsesXactSnapshot())
+		return true;		/* (a snapshot from the past may not see it) */
 
 	ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_INT8EQ, Int64GetDatum(tenant_id));
 	slot = probe_unique(store->tenants_relid, store->tenants_idx, &key, 1,
 						snapshot, &rel);
-	if (slot)
-		ExecDropSingleTupleTableSlot(slot);
 	table_close(rel, NoLock);
-	return slot != NULL;
+	if (slot == NULL)
+		return false;
+
+	/* Remember only rows that no transaction of ours may still undo. */
+	if (!TransactionIdIsCurrentTransactionId(DatumGetTransactionId(
+																   slot_getsysattr(slot, MinTransactionIdAttributeNumber, &isnull))))
+	{
+		tenant_cache.ids[h] = tenant_id;
+		tenant_cache.valid[h] = true;
+	}
+	ExecDropSingleTupleTableSlot(slot);
+	return true;
 }
 
 /* ---------- writes: prepared statements ---------- */
@@ -428,8 +481,8 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
 
-static bytea *
-digest_datum(const uint8 *digest)
+bytea *
+ledger_digest_datum(const uint8 *digest)
 {
 	bytea	   *b = palloc(VARHDRSZ + IDEM_DIGEST_LEN);
 
@@ -446,7 +499,10 @@ ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 {
 	Datum		extra[5];
 
-	extra[0] = PointerGetDatum(digest_datum(fingerprint));
+	if (ledger_insert_direct(store->relid, lk, fingerprint, status, attempt,
+							 outcome, expires_at))
+		return;
+	extra[0] = PointerGetDatum(ledger_digest_datum(fingerprint));
 	extra[1] = CStringGetTextDatum(status);
 	extra[2] = Int32GetDatum(attempt);
 	extra[3] = outcome;

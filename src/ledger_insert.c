@@ -1,0 +1,311 @@
+/*-------------------------------------------------------------------------
+ *
+ * ledger_insert.c
+ *	  The direct write of a new ledger row: the one write of every message.
+ *
+ *	  An INSERT through SPI runs the whole executor for one row, and most of
+ *	  that is set-up repeated on every call: the plan is revalidated, and
+ *	  the ledger's six CHECK constraints are parsed from their catalog text
+ *	  and planned again for every new executor state (ExecRelCheck), which
+ *	  profiling showed to be about 40% of the statement.  Here the row is
+ *	  built from the values the caller already has and inserted with
+ *	  ExecSimpleRelationInsert, as logical replication applies a row, while
+ *	  the CHECK constraints and the column defaults (the identity, the
+ *	  timestamps) are prepared once per backend and kept until the ledger,
+ *	  a function or a type changes (relcache and syscache callbacks).
+ *	  PostgreSQL still does all the checking: NOT NULL, the CHECK
+ *	  constraints, every index (unique included), and the foreign key,
+ *	  through its AFTER trigger at the end of the "query".
+ *
+ *	  The path applies only where it is exactly what the INSERT would do.
+ *	  It declines, and the caller uses the prepared SPI INSERT, when the
+ *	  user lacks table-level INSERT (SPI then raises the error, or uses
+ *	  column privileges), when row-level security, rules, or triggers other
+ *	  than PostgreSQL's own (the FK) are on the ledger, when it is
+ *	  partitioned, or when a column idem writes no longer has its type.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "ledger.h"
+
+#include "access/table.h"
+#include "access/xact.h"
+#include "catalog/pg_type.h"
+#include "commands/trigger.h"
+#include "executor/executor.h"
+#include "miscadmin.h"
+#include "optimizer/optimizer.h"
+#include "rewrite/rewriteHandler.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
+#include "utils/inval.h"
+#include "utils/memutils.h"
+#include "utils/rel.h"
+#include "utils/syscache.h"
+
+#if PG_VERSION_NUM >= 140000
+
+/* The columns idem supplies, and their types. */
+typedef enum InsertColumn
+{
+	IC_TENANT = 0,
+	IC_KEY,
+	IC_FINGERPRINT,
+	IC_STATUS,
+	IC_ATTEMPT,
+	IC_OUTCOME,
+	IC_EXPIRES_AT,
+	IC_COUNT
+} InsertColumn;
+
+static const struct
+{
+	const char *name;
+	Oid			type;
+}			insert_columns[IC_COUNT] = {
+	{"tenant_id", INT8OID},
+	{"idempotency_key", BYTEAOID},
+	{"request_fingerprint", BYTEAOID},
+	{"status", TEXTOID},
+	{"attempt", INT4OID},
+	{"outcome", JSONBOID},
+	{"expires_at", TIMESTAMPTZOID},
+};
+
+/* What is prepared once per ledger and kept across transactions. */
+typedef struct InsertCache
+{
+	Oid			relid;			/* InvalidOid: nothing prepared */
+	bool		stale;			/* an invalidation arrived: rebuild */
+	bool		usable;			/* false: the layout rules the direct path out */
+	MemoryContext cxt;
+	int			natts;
+	int8	   *source;			/* per attribute: an InsertColumn, or -1 */
+	ExprState **defaults;		/* per attribute, for the others; NULL: null */
+	int			ncheck;
+	ExprState **checks;			/* in the relcache's constr->check order */
+} InsertCache;
+
+static InsertCache caches[LEDGER_KINDS];
+static bool callbacks_registered = false;
+
+static void
+insert_cache_relcache_cb(Datum arg, Oid relid)
+{
+	int			i;
+
+	for (i = 0; i < LEDGER_KINDS; i++)
+		if (!OidIsValid(relid) || caches[i].relid == relid)
+			caches[i].stale = true;
+}
+
+/* A function or type changed: expressions may have inlined or cached it. */
+static void
+insert_cache_syscache_cb(Datum arg, int cacheid, uint32 hashvalue)
+{
+	int			i;
+
+	for (i = 0; i < LEDGER_KINDS; i++)
+		caches[i].stale = true;
+}
+
+static ExprState *
+prepare_expr(Expr *expr)
+{
+	return ExecInitExpr(expression_planner(expr), NULL);
+}
+
+/*
+ * Prepare the defaults and CHECK constraints of the ledger, locked by the
+ * caller.  Called outside any use of the previous cache (no user triggers
+ * run inside an insert here), so the old one can go.
+ */
+static void
+insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
+{
+	TupleDesc	desc = RelationGetDescr(rel);
+	TupleConstr *constr = desc->constr;
+	MemoryContext old;
+	int			i;
+
+	if (cache->cxt != NULL)
+		MemoryContextDelete(cache->cxt);
+	memset(cache, 0, sizeof(*cache));
+	cache->cxt = AllocSetContextCreate(CacheMemoryContext, "idem ledger insert",
+									   ALLOCSET_SMALL_SIZES);
+	old = MemoryContextSwitchTo(cache->cxt);
+
+	cache->usable = true;
+	cache->natts = desc->natts;
+	cache->source = palloc(sizeof(int8) * desc->natts);
+	cache->defaults = palloc0(sizeof(ExprState *) * desc->natts);
+	for (i = 0; i < desc->natts; i++)
+	{
+		Form_pg_attribute att = TupleDescAttr(desc, i);
+		int			c;
+
+		cache->source[i] = -1;
+		if (att->attisdropped)
+			continue;
+		for (c = 0; c < IC_COUNT; c++)
+		{
+			if (c == IC_TENANT && kind != LEDGER_TENANT)
+				continue;
+			if (strcmp(NameStr(att->attname), insert_columns[c].name) == 0)
+				break;
+		}
+		if (c < IC_COUNT)
+		{
+			if (att->atttypid != insert_columns[c].type || att->attgenerated)
+				cache->usable = false;
+			cache->source[i] = (int8) c;
+		}
+		else if (!att->attgenerated)
+		{
+			/* What the INSERT would put there: the default, or null. */
+			Node	   *def = build_column_default(rel, i + 1);
+
+			if (def != NULL)
+				cache->defaults[i] = prepare_expr((Expr *) def);
+		}
+	}
+
+	cache->ncheck = constr ? constr->num_check : 0;
+	if (cache->ncheck > 0)
+	{
+		cache->checks = palloc(sizeof(ExprState *) * cache->ncheck);
+		for (i = 0; i < cache->ncheck; i++)
+			cache->checks[i] = prepare_expr((Expr *) stringToNode(constr->check[i].ccbin));
+	}
+
+	MemoryContextSwitchTo(old);
+	cache->relid = RelationGetRelid(rel);
+}
+
+/* Whether an INSERT on rel would do anything this path does not. */
+static bool
+insert_declined(Relation rel)
+{
+	TriggerDesc *trig = rel->trigdesc;
+	int			i;
+
+	if (rel->rd_rel->relkind != RELKIND_RELATION ||
+		rel->rd_rel->relispartition ||
+		rel->rd_rel->relrowsecurity ||
+		rel->rd_rules != NULL)
+		return true;
+	if (trig != NULL)
+		for (i = 0; i < trig->numtriggers; i++)
+			if (!trig->triggers[i].tgisinternal)
+				return true;
+	return pg_class_aclcheck(RelationGetRelid(rel), GetUserId(),
+							 ACL_INSERT) != ACLCHECK_OK;
+}
+
+/*
+ * Insert the row, or return false (having written nothing) when the SPI
+ * INSERT must be used instead.
+ */
+bool
+ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
+					 const char *status, int32 attempt, Datum outcome,
+					 TimestampTz expires_at)
+{
+	InsertCache *cache = &caches[lk->kind];
+	Relation	rel;
+	EState	   *estate;
+	ResultRelInfo *rri;
+	TupleTableSlot *slot;
+	ExprContext *econtext;
+	MemoryContext old;
+	Datum		given[IC_COUNT];
+	int			i;
+
+	if (!callbacks_registered)
+	{
+		CacheRegisterRelcacheCallback(insert_cache_relcache_cb, (Datum) 0);
+		CacheRegisterSyscacheCallback(PROCOID, insert_cache_syscache_cb, (Datum) 0);
+		CacheRegisterSyscacheCallback(TYPEOID, insert_cache_syscache_cb, (Datum) 0);
+		callbacks_registered = true;
+	}
+
+	rel = table_open(relid, RowExclusiveLock);
+	if (insert_declined(rel))
+	{
+		table_close(rel, NoLock);
+		return false;
+	}
+	if (cache->relid != relid || cache->stale ||
+		cache->natts != RelationGetDescr(rel)->natts ||
+		cache->ncheck != (rel->rd_att->constr ? rel->rd_att->constr->num_check : 0))
+		insert_cache_build(cache, rel, lk->kind);
+	if (!cache->usable)
+	{
+		table_close(rel, NoLock);
+		return false;
+	}
+
+	given[IC_TENANT] = Int64GetDatum(lk->tenant_id);
+	given[IC_KEY] = PointerGetDatum(ledger_digest_datum(lk->key));
+	given[IC_FINGERPRINT] = PointerGetDatum(ledger_digest_datum(fingerprint));
+	given[IC_STATUS] = CStringGetTextDatum(status);
+	given[IC_ATTEMPT] = Int32GetDatum(attempt);
+	given[IC_OUTCOME] = outcome;
+	given[IC_EXPIRES_AT] = TimestampTzGetDatum(expires_at);
+
+	estate = CreateExecutorState();
+	old = MemoryContextSwitchTo(estate->es_query_cxt);
+	estate->es_output_cid = GetCurrentCommandId(true);
+	rri = makeNode(ResultRelInfo);
+	InitResultRelInfo(rri, rel, 0, NULL, 0);
+	rri->ri_ConstraintExprs = cache->checks;
+	estate->es_opened_result_relations =
+		lappend(estate->es_opened_result_relations, rri);
+	ExecOpenIndices(rri, false);
+
+	slot = table_slot_create(rel, &estate->es_tupleTable);
+	ExecClearTuple(slot);
+	econtext = GetPerTupleExprContext(estate);
+	for (i = 0; i < cache->natts; i++)
+	{
+		slot->tts_isnull[i] = false;
+		if (cache->source[i] >= 0)
+			slot->tts_values[i] = given[cache->source[i]];
+		else if (cache->defaults[i] != NULL)
+			slot->tts_values[i] = ExecEvalExprSwitchContext(cache->defaults[i],
+															econtext,
+															&slot->tts_isnull[i]);
+		else
+		{
+			slot->tts_values[i] = (Datum) 0;
+			slot->tts_isnull[i] = true;
+		}
+	}
+	ExecStoreVirtualTuple(slot);
+
+	AfterTriggerBeginQuery();
+	ExecSimpleRelationInsert(rri, estate, slot);
+	AfterTriggerEndQuery(estate);	/* the foreign key's check */
+
+	ExecCloseIndices(rri);
+	ExecResetTupleTable(estate->es_tupleTable, false);
+	MemoryContextSwitchTo(old);
+	FreeExecutorState(estate);
+	table_close(rel, NoLock);
+
+	/* Later commands of the transaction see the row. */
+	CommandCounterIncrement();
+	return true;
+}
+
+#else							/* PG 13: the SPI INSERT only */
+
+bool
+ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
+					 const char *status, int32 attempt, Datum outcome,
+					 TimestampTz expires_at)
+{
+	return false;
+}
+
+#endif
