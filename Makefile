@@ -21,7 +21,7 @@ REGRESS = install ledger errors security write hot upgrade stats
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
-ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip
+ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 
