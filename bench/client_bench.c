@@ -8,7 +8,7 @@
  * MODE:
  *   valkey-replay  idem_run on completed keys, answered by the Valkey cache
  *   raw-get        hiredis GET of the same cache keys
- *   pg-replay      idem_run on completed keys with no Valkey (PostgreSQL answers)
+ *   pg-replay      idem_run on completed keys with Valkey down (PostgreSQL answers)
  *   pg-select      a bare prepared SELECT of the same ledger rows by unique key
  *   run-new        idem_run on new keys: gate, claim, effect, complete, commit
  *   run-dup        idem_run on keys run a moment before (duplicates)
@@ -154,9 +154,10 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 	{
 		int			replay = strncmp(mode, "valkey-replay", 13) == 0 ||
 			strcmp(mode, "pg-replay") == 0;
-		idem_runner *r = idem_runner_open(conninfo,
-										  strcmp(mode, "pg-replay") == 0 ? NULL : vhost,
-										  vport, NULL);
+		/* pg-replay: Valkey configured but down (nothing listens on port 1) */
+		idem_runner *r = idem_runner_open(conninfo, vhost,
+										  strcmp(mode, "pg-replay") == 0 ? 1 : vport,
+										  NULL);
 		idem_result *res = malloc(sizeof(idem_result));
 		long		n = 0;
 

@@ -280,12 +280,18 @@ idem_gate_connect(idem_gate *g)
 	pipe_unblock(&pg);
 }
 
+int
+idem_gate_resting(const idem_gate *g)
+{
+	return g->c == NULL && idem_now_ms() < g->down_until;
+}
+
 static int
 ensure(idem_gate *g)
 {
 	if (g->c)
 		return 0;
-	if (idem_now_ms() < g->down_until)
+	if (idem_gate_resting(g))
 		return -1;
 	return do_connect(g);
 }
@@ -372,8 +378,8 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 
 	memset(out, 0, sizeof(*out));
 	out->answer = GATE_SKIPPED;
-	if (g == NULL)
-		return;
+	if (g == NULL || idem_gate_resting(g))
+		return;					/* (no signal mask calls while Valkey rests) */
 	snprintf(lease, sizeof(lease), "%d", lease_ms);
 	args[0] = key;
 	args[1] = marker;
@@ -421,7 +427,7 @@ idem_gate_release(idem_gate *g, const char *key, const char *marker)
 	redisReply *r;
 	int			rc = -1;
 
-	if (g == NULL)
+	if (g == NULL || idem_gate_resting(g))
 		return -1;
 	args[0] = key;
 	args[1] = marker;
@@ -447,7 +453,7 @@ idem_gate_publish(idem_gate *g, const char *key, const char *value,
 	redisReply *r;
 	int			rc = -1;
 
-	if (g == NULL || ttl_ms <= 0)
+	if (g == NULL || ttl_ms <= 0 || idem_gate_resting(g))
 		return -1;
 	snprintf(ttl, sizeof(ttl), "%lld", ttl_ms);
 	argv[0] = "SET";

@@ -79,6 +79,13 @@ typedef struct idem_options
 	FILE	   *pg_trace;		/* non-NULL: PQtrace() every connection to
 								 * this stream (protocol debugging); it must
 								 * stay open until idem_runner_close() */
+	int			lookup_first;	/* 1 (default): when Valkey is configured
+								 * but gives no answer (down), read the
+								 * ledger with idem_lookup before claiming,
+								 * so a duplicate costs one statement and
+								 * no transaction (a new key one more round
+								 * trip); 0: always claim directly.  A
+								 * runner without Valkey always claims. */
 } idem_options;
 
 void		idem_options_init(idem_options *opts);

@@ -66,6 +66,8 @@ idem_gate  *idem_gate_new(const char *host, int port, const char *password,
 						  int command_timeout_ms, int retry_ms);
 void		idem_gate_free(idem_gate *g);
 /* One round trip: GET, or SET NX PX our marker if absent. */
+/* After a failure, within retry_ms: every call skips Valkey at once. */
+int			idem_gate_resting(const idem_gate *g);
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 							int lease_ms, gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
@@ -83,12 +85,14 @@ void		idem_gate_connect(idem_gate *g);
 
 /* ---- pg.c: the PostgreSQL side ---- */
 
+/* Each statement of the tenant ledger is followed by its platform twin. */
 typedef enum pg_stmt
 {
 	STMT_CLAIM_T = 0, STMT_CLAIM_P,
 	STMT_COMPLETE_T, STMT_COMPLETE_P,
 	STMT_FAIL_T, STMT_FAIL_P,
 	STMT_TTL_T, STMT_TTL_P,
+	STMT_LOOKUP_T, STMT_LOOKUP_P,
 	STMT_COUNT
 } pg_stmt;
 
@@ -99,11 +103,16 @@ typedef struct idem_pg
 	FILE	   *trace;
 	PGconn	   *conn;
 	char	   *sql[STMT_COUNT];	/* built at connect, schema-qualified */
+	unsigned	prepared;		/* bit per pg_stmt prepared on this conn */
 	long		round_trips;
 	long		connects;
 } idem_pg;
 
-/* One command of a pipeline: SQL text (NULL-free) and parameters. */
+/*
+ * One command of a pipeline: SQL text (NULL-free) and parameters.  A
+ * command whose sql is one of idem_pg.sql[] runs as a named prepared
+ * statement, prepared in the same pipeline the first time.
+ */
 typedef struct pg_cmd
 {
 	const char *sql;

@@ -3,7 +3,10 @@
  *	  The PostgreSQL side of a runner: one libpq connection, the statements
  *	  of the idem SQL API (schema-qualified: nothing depends on search_path),
  *	  and a pipeline helper that sends several commands with one Sync, so
- *	  that they cost one round trip.
+ *	  that they cost one round trip.  The API's statements are named
+ *	  prepared statements, prepared inside the pipeline that first uses
+ *	  them on a connection (no extra round trip), so the server parses and
+ *	  plans them once per connection instead of once per call.
  */
 #include "internal.h"
 
@@ -38,6 +41,7 @@ idem_pg_drop(idem_pg *p)
 		PQfinish(p->conn);
 	}
 	p->conn = NULL;
+	p->prepared = 0;
 	free_sql(p);
 }
 
@@ -93,6 +97,13 @@ build_sql(idem_pg *p, const char *s)
 		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
 		"FROM %s.idem_lookup($1::bigint, $2::bytea) AS l",
 		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_platform_lookup($1::bytea) AS l",
+		/* LOOKUP_*: status, attempt, outcome, same fingerprint, ms left */
+		"SELECT l.status, l.attempt, l.outcome::text, l.fingerprint = $3::bytea, "
+		"floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
+		"FROM %s.idem_lookup($1::bigint, $2::bytea) AS l",
+		"SELECT l.status, l.attempt, l.outcome::text, l.fingerprint = $2::bytea, "
+		"floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
 		"FROM %s.idem_platform_lookup($1::bytea) AS l"
 	};
 	int			i;
@@ -235,10 +246,61 @@ lost(idem_pg *p, pg_outcome *out)
 	idem_pg_drop(p);
 }
 
+/* Names of the prepared statements, by pg_stmt; unlikely to meet a handler's. */
+static const char *const stmt_names[STMT_COUNT] = {
+	"idem_client_claim_t", "idem_client_claim_p",
+	"idem_client_complete_t", "idem_client_complete_p",
+	"idem_client_fail_t", "idem_client_fail_p",
+	"idem_client_ttl_t", "idem_client_ttl_p",
+	"idem_client_lookup_t", "idem_client_lookup_p"
+};
+
+/* The pg_stmt whose text sql is, or -1 for an ad hoc command. */
+static int
+stmt_of(const idem_pg *p, const char *sql)
+{
+	int			i;
+
+	for (i = 0; i < STMT_COUNT; i++)
+		if (p->sql[i] == sql)
+			return i;
+	return -1;
+}
+
+/*
+ * Read the result of a Parse sent ahead of command i: on success the
+ * statement is prepared on this connection from now on.  0, or -1 when the
+ * connection is gone.
+ */
+static int
+read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out)
+{
+	PGresult   *r = PQgetResult(p->conn);
+	PGresult   *extra;
+
+	if (r == NULL)
+		return -1;
+	if (PQresultStatus(r) == PGRES_COMMAND_OK)
+		p->prepared |= 1u << stmt;
+	else
+	{
+		if (out->failed_cmd < 0)
+			out->failed_cmd = i;
+		if (PQresultStatus(r) != PGRES_PIPELINE_ABORTED)
+			set_error(out, r, p->conn);
+	}
+	PQclear(r);
+	while ((extra = PQgetResult(p->conn)) != NULL)
+		PQclear(extra);
+	return PQstatus(p->conn) == CONNECTION_OK ? 0 : -1;
+}
+
 void
 idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 {
 	PGconn	   *conn = p->conn;
+	int			stmt[PG_MAX_CMDS];
+	int			parse[PG_MAX_CMDS];
 	int			i;
 
 	memset(out, 0, sizeof(*out));
@@ -256,9 +318,26 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	}
 	for (i = 0; i < n; i++)
 	{
-		if (PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
-							  cmds[i].values, cmds[i].lengths,
-							  cmds[i].formats, 0) != 1)
+		int			ok;
+
+		stmt[i] = stmt_of(p, cmds[i].sql);
+		parse[i] = stmt[i] >= 0 && !(p->prepared & (1u << stmt[i]));
+		if (parse[i] &&
+			PQsendPrepare(conn, stmt_names[stmt[i]], cmds[i].sql,
+						  cmds[i].nparams, NULL) != 1)
+		{
+			lost(p, out);
+			return;
+		}
+		if (stmt[i] >= 0)
+			ok = PQsendQueryPrepared(conn, stmt_names[stmt[i]], cmds[i].nparams,
+									 cmds[i].values, cmds[i].lengths,
+									 cmds[i].formats, 0);
+		else
+			ok = PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
+								   cmds[i].values, cmds[i].lengths,
+								   cmds[i].formats, 0);
+		if (ok != 1)
 		{
 			lost(p, out);
 			return;
@@ -271,10 +350,16 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	}
 	for (i = 0; i < n; i++)
 	{
-		PGresult   *r = PQgetResult(conn);
+		PGresult   *r;
 		PGresult   *extra;
 		ExecStatusType st;
 
+		if (parse[i] && read_prepare(p, stmt[i], i, out) != 0)
+		{
+			lost(p, out);
+			return;
+		}
+		r = PQgetResult(conn);
 		if (r == NULL)
 		{
 			lost(p, out);
@@ -286,10 +371,15 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 			out->completed++;
 		else
 		{
+			const char *state = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+
 			if (out->failed_cmd < 0)
 				out->failed_cmd = i;
 			if (st != PGRES_PIPELINE_ABORTED)
 				set_error(out, r, conn);
+			/* the handler deallocated our statements: prepare them again */
+			if (stmt[i] >= 0 && state && strcmp(state, "26000") == 0)
+				p->prepared = 0;
 			if (PQstatus(conn) != CONNECTION_OK)
 			{
 				lost(p, out);

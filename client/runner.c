@@ -8,7 +8,11 @@
  *		 fingerprint is a replay (no PostgreSQL at all); another fingerprint
  *		 is a mismatch; a marker with a TTL is busy; a malformed value is
  *		 ignored; absent: our marker is set (SET NX PX lease).  Valkey down
- *		 or slow: skip the gate.
+ *		 or slow: skip the gate (for retry_ms after a failure, without
+ *		 trying).
+ *	  3a. Valkey configured but silent (lookup_first): one autocommit
+ *		 idem_lookup; a completed or failed_permanent row answers a
+ *		 duplicate (replay or mismatch) with no transaction.
  *	  3. PostgreSQL, round trip 1 (pipeline): BEGIN; idem_claim; SAVEPOINT.
  *		 claimed: the handler runs on the open transaction; then round trip
  *		 2 (pipeline): RELEASE SAVEPOINT (or ROLLBACK TO SAVEPOINT);
@@ -37,6 +41,7 @@ struct idem_runner
 	int			lease_ms;
 	int			retention_ms;
 	int			cache_results;
+	int			lookup_first;	/* option; cleared if idem_lookup is refused */
 	int			broken;			/* invalid options: every run fails */
 	uint64_t	token_counter;
 	char		errmsg[512];
@@ -70,6 +75,7 @@ idem_options_init(idem_options *o)
 	o->lease_ms = 30000;
 	o->retention_ms = 0;
 	o->cache_results = 1;
+	o->lookup_first = 1;
 }
 
 static int
@@ -113,6 +119,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
 	r->retention_ms = o.retention_ms;
 	r->cache_results = o.cache_results;
+	r->lookup_first = o.lookup_first;
 	if (o.valkey_connect_timeout_ms <= 0)
 		o.valkey_connect_timeout_ms = 200;
 	if (o.valkey_command_timeout_ms <= 0)
@@ -322,6 +329,7 @@ typedef struct run_state
 	char		ckey[IDEM_CACHE_KEY_MAX];
 	char		marker[64];
 	int			own_marker;
+	int			valkey_silent;	/* Valkey is configured but gave no answer */
 	/* parameters as text */
 	char		tenant_txt[24];
 	char		lease_txt[32];
@@ -456,6 +464,7 @@ gate_step(run_state *s)
 {
 	gate_reply g;
 	IdemCacheValue v;
+	uint8_t		token[IDEM_TOKEN_LEN];
 	int			decided = 0;
 
 	if (s->r->gate == NULL)
@@ -463,11 +472,20 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
+	if (idem_gate_resting(s->r->gate))
+	{
+		s->r->stats.valkey_skipped++;
+		s->valkey_silent = 1;
+		return 0;
+	}
+	random_token(s->r, token);
+	idem_cache_encode_marker(s->marker, sizeof(s->marker), token);
 	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms, &g);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
 			s->r->stats.valkey_skipped++;
+			s->valkey_silent = 1;
 			break;
 		case GATE_ACQUIRED:
 			s->own_marker = 1;
@@ -508,22 +526,37 @@ gate_step(run_state *s)
 	return decided;
 }
 
-static void
-params_claim(run_state *s, pg_cmd *c)
+static int
+param_digest(pg_cmd *c, int i, const uint8_t *digest)
 {
-	idem_pg    *pg = &s->r->pg;
+	c->values[i] = (const char *) digest;
+	c->lengths[i] = IDEM_DIGEST_LEN;
+	c->formats[i] = 1;
+	return i + 1;
+}
+
+/*
+ * Start the parameters of a statement of the API: its tenant or platform
+ * twin (the pg_stmt after it), then [tenant,] key.  Returns the next index.
+ */
+static int
+params_key(run_state *s, pg_cmd *c, pg_stmt tenant_stmt)
+{
 	int			i = 0;
 
 	memset(c, 0, sizeof(*c));
-	c->sql = pg->sql[s->is_platform ? STMT_CLAIM_P : STMT_CLAIM_T];
+	c->sql = s->r->pg.sql[tenant_stmt + (s->is_platform ? 1 : 0)];
 	if (!s->is_platform)
 		c->values[i++] = s->tenant_txt;
-	c->values[i] = (const char *) s->key;
-	c->lengths[i] = IDEM_DIGEST_LEN;
-	c->formats[i++] = 1;
-	c->values[i] = (const char *) s->fp;
-	c->lengths[i] = IDEM_DIGEST_LEN;
-	c->formats[i++] = 1;
+	return param_digest(c, i, s->key);
+}
+
+static void
+params_claim(run_state *s, pg_cmd *c)
+{
+	int			i = params_key(s, c, STMT_CLAIM_T);
+
+	i = param_digest(c, i, s->fp);
 	c->values[i++] = s->lease_txt;
 	c->nparams = i;
 }
@@ -532,19 +565,8 @@ static void
 params_finish(run_state *s, pg_cmd *c, int ok, int retryable,
 			  const char *json)
 {
-	idem_pg    *pg = &s->r->pg;
-	int			i = 0;
+	int			i = params_key(s, c, ok ? STMT_COMPLETE_T : STMT_FAIL_T);
 
-	memset(c, 0, sizeof(*c));
-	if (ok)
-		c->sql = pg->sql[s->is_platform ? STMT_COMPLETE_P : STMT_COMPLETE_T];
-	else
-		c->sql = pg->sql[s->is_platform ? STMT_FAIL_P : STMT_FAIL_T];
-	if (!s->is_platform)
-		c->values[i++] = s->tenant_txt;
-	c->values[i] = (const char *) s->key;
-	c->lengths[i] = IDEM_DIGEST_LEN;
-	c->formats[i++] = 1;
 	c->values[i++] = json;
 	if (!ok)
 		c->values[i++] = retryable ? "true" : "false";
@@ -553,19 +575,15 @@ params_finish(run_state *s, pg_cmd *c, int ok, int retryable,
 }
 
 static void
+params_lookup(run_state *s, pg_cmd *c)
+{
+	c->nparams = param_digest(c, params_key(s, c, STMT_LOOKUP_T), s->fp);
+}
+
+static void
 params_ttl(run_state *s, pg_cmd *c)
 {
-	idem_pg    *pg = &s->r->pg;
-	int			i = 0;
-
-	memset(c, 0, sizeof(*c));
-	c->sql = pg->sql[s->is_platform ? STMT_TTL_P : STMT_TTL_T];
-	if (!s->is_platform)
-		c->values[i++] = s->tenant_txt;
-	c->values[i] = (const char *) s->key;
-	c->lengths[i] = IDEM_DIGEST_LEN;
-	c->formats[i++] = 1;
-	c->nparams = i;
+	c->nparams = params_key(s, c, STMT_TTL_T);
 }
 
 static pg_cmd
@@ -772,6 +790,97 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	return s->out->status;
 }
 
+/*
+ * A completed or failed_permanent answer read from PostgreSQL: 0, or -1
+ * (nothing set) when the outcome is not a JSON object of at most
+ * IDEM_OUTCOME_MAX bytes.
+ */
+static int
+set_terminal(run_state *s, int completed, int attempt, const char *outcome)
+{
+	size_t		len = strlen(outcome);
+
+	if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
+		return -1;
+	s->out->source = IDEM_SOURCE_POSTGRES;
+	s->out->attempt = attempt;
+	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+	set_outcome(s->out, outcome, len);
+	return 0;
+}
+
+/* After a terminal answer from PostgreSQL: put it back into Valkey. */
+static void
+repopulate(run_state *s, int attempt, long long ms)
+{
+	if (s->out->status == IDEM_REPLAYED)
+		publish(s, IDEM_CACHE_COMPLETED, attempt, s->out->outcome,
+				s->out->outcome_len, ms);
+	else if (s->out->status == IDEM_FAILED_PERMANENT)
+		publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, s->out->outcome,
+				s->out->outcome_len, ms);
+	if (s->out->status == IDEM_REPLAYED ||
+		s->out->status == IDEM_FAILED_PERMANENT)
+		s->own_marker = 0;		/* terminal: the value replaced it */
+}
+
+/*
+ * Step 3a, when Valkey is configured but gave no answer: read the row with
+ * idem_lookup, one statement outside any transaction.  A completed or
+ * failed_permanent row is final (only a purge removes it), so it answers
+ * a duplicate as the claim would: replay, or mismatch for another
+ * fingerprint.  Returns 1 when that decided the run; 0 (nothing changed)
+ * for anything else, which the claim then decides.
+ */
+static int
+lookup_step(run_state *s)
+{
+	idem_pg    *pg = &s->r->pg;
+	pg_cmd		cmd;
+	pg_outcome	o;
+	int			fresh;
+	int			decided = 0;
+	char		msg[400];
+
+	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0 ||
+		PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
+		return 0;				/* the claim reports or cleans up */
+	params_lookup(s, &cmd);
+	idem_pg_pipeline(pg, &cmd, 1, &o);
+	if (o.rc == PG_SERVER_ERROR &&
+		(strcmp(o.sqlstate, "42501") == 0 || strcmp(o.sqlstate, "42883") == 0))
+		s->r->lookup_first = 0; /* not granted (or absent): claim from now on */
+	if (o.rc == PG_OK && PQntuples(o.res[0]) == 1 && PQnfields(o.res[0]) == 5 &&
+		!PQgetisnull(o.res[0], 0, 0) && !PQgetisnull(o.res[0], 0, 3))
+	{
+		const char *status = PQgetvalue(o.res[0], 0, 0);
+		int			same = PQgetvalue(o.res[0], 0, 3)[0] == 't';
+		int			attempt = (int) int_value(o.res[0], 1, 0);
+		long long	ms = int_value(o.res[0], 4, 0);
+		const char *outcome = PQgetisnull(o.res[0], 0, 2) ? "" :
+			PQgetvalue(o.res[0], 0, 2);
+		int			completed = strcmp(status, "completed") == 0;
+
+		if (completed || strcmp(status, "failed_permanent") == 0)
+		{
+			if (!same)
+			{
+				s->out->source = IDEM_SOURCE_POSTGRES;
+				s->out->attempt = attempt;
+				s->out->status = IDEM_MISMATCH;
+				decided = 1;
+			}
+			else if (set_terminal(s, completed, attempt, outcome) == 0)
+			{
+				repopulate(s, attempt, ms);
+				decided = 1;
+			}
+		}
+	}
+	idem_pg_outcome_clear(&o);
+	return decided;
+}
+
 /* Step 3. */
 static idem_status
 pg_step(run_state *s, const char *scope, const char *id,
@@ -786,7 +895,6 @@ pg_step(run_state *s, const char *scope, const char *id,
 	int			attempt;
 	long long	ms;
 	const char *outcome;
-	size_t		outcome_len;
 	char		msg[400];
 
 	for (tries = 0;; tries++)
@@ -835,7 +943,6 @@ pg_step(run_state *s, const char *scope, const char *id,
 	attempt = (int) int_value(o.res[1], 1, 0);
 	ms = int_value(o.res[1], 3, 0);
 	outcome = PQgetisnull(o.res[1], 0, 2) ? "" : PQgetvalue(o.res[1], 0, 2);
-	outcome_len = strlen(outcome);
 
 	if (strcmp(decision, "claimed") == 0)
 	{
@@ -863,9 +970,7 @@ pg_step(run_state *s, const char *scope, const char *id,
 	if (strcmp(decision, "completed") == 0 ||
 		strcmp(decision, "failed_permanent") == 0)
 	{
-		int			completed = decision[0] == 'c';
-
-		if (outcome_len > IDEM_OUTCOME_MAX || outcome[0] != '{')
+		if (set_terminal(s, decision[0] == 'c', attempt, outcome) != 0)
 		{
 			idem_pg_outcome_clear(&o);
 			rollback_quietly(s);
@@ -873,8 +978,6 @@ pg_step(run_state *s, const char *scope, const char *id,
 								"idem_claim returned an outcome that is not a JSON object of at most %d bytes",
 								IDEM_OUTCOME_MAX);
 		}
-		s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-		set_outcome(s->out, outcome, outcome_len);
 	}
 	else if (strcmp(decision, "busy") == 0)
 	{
@@ -903,16 +1006,7 @@ pg_step(run_state *s, const char *scope, const char *id,
 	 */
 	if (idem_pg_exec(pg, "COMMIT") != 0)
 		rollback_quietly(s);
-	/* repopulate Valkey with a terminal result read from PostgreSQL */
-	if (s->out->status == IDEM_REPLAYED)
-		publish(s, IDEM_CACHE_COMPLETED, attempt, s->out->outcome,
-				s->out->outcome_len, ms);
-	else if (s->out->status == IDEM_FAILED_PERMANENT)
-		publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, s->out->outcome,
-				s->out->outcome_len, ms);
-	if (s->out->status == IDEM_REPLAYED ||
-		s->out->status == IDEM_FAILED_PERMANENT)
-		s->own_marker = 0;		/* terminal: the value replaced it */
+	repopulate(s, attempt, ms);
 	return s->out->status;
 }
 
@@ -922,7 +1016,6 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	void *user_data, idem_result *out)
 {
 	run_state	s;
-	uint8_t		token[IDEM_TOKEN_LEN];
 	char		err[200];
 	idem_status st;
 
@@ -979,8 +1072,6 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		free(s.request);
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "bad cache key");
 	}
-	random_token(r, token);
-	idem_cache_encode_marker(s.marker, sizeof(s.marker), token);
 	snprintf(s.tenant_txt, sizeof(s.tenant_txt), "%lld", (long long) tenant_id);
 	snprintf(s.lease_txt, sizeof(s.lease_txt), "%d milliseconds", r->lease_ms);
 	if (r->retention_ms > 0)
@@ -988,6 +1079,8 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 				 r->retention_ms);
 
 	if (gate_step(&s))
+		st = out->status;
+	else if (s.valkey_silent && r->lookup_first && lookup_step(&s))
 		st = out->status;
 	else
 		st = pg_step(&s, scope, id, handler, user_data);

@@ -975,6 +975,14 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		idem_call_set_json(call, h->outcome ? h->outcome : "{\"ok\": true}");
 		return IDEM_HANDLER_OK;
 	}
+	if (strcmp(m, "deallocate") == 0)
+	{
+		/* drops the runner's prepared statements on its connection */
+		r = PQexec(conn, "DEALLOCATE ALL");
+		PQclear(r);
+		idem_call_set_json(call, "{\"ok\": true}");
+		return IDEM_HANDLER_OK;
+	}
 	if (strcmp(m, "dup_during") == 0)
 	{
 		pid_t		pid;
@@ -1180,6 +1188,26 @@ xact_commits(void)
 	v = pg_int(m, "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", 1, p);
 	PQfinish(m);
 	return v;
+}
+
+/* A loopback port nobody listens on (bound, then closed). */
+static int
+closed_port(void)
+{
+	struct sockaddr_in a;
+	socklen_t	len = sizeof(a);
+	int			fd = socket(AF_INET, SOCK_STREAM, 0);
+	int			port = 1;
+
+	memset(&a, 0, sizeof(a));
+	a.sin_family = AF_INET;
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (fd >= 0 && bind(fd, (struct sockaddr *) &a, sizeof(a)) == 0 &&
+		getsockname(fd, (struct sockaddr *) &a, &len) == 0)
+		port = ntohs(a.sin_port);
+	if (fd >= 0)
+		close(fd);
+	return port;
 }
 
 typedef struct rt
@@ -1450,6 +1478,84 @@ cmd_scenario(void)
 	tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) && h.calls == 0 &&
 		   cache_absent(0, 1, S, "a1") && effects_of(S, "a1") == 1,
 		   "not cached: mismatch from PostgreSQL; marker removed, nothing changed (%s)", res_str(&res));
+
+	/* --- Valkey down: a duplicate is read, not claimed ------------------ */
+	{
+		idem_runner *RD;
+		idem_options od;
+		idem_runner_stats s0,
+					s1;
+		long		b0;
+		int			i;
+
+		/* Valkey configured on a port nobody listens on: it rests after
+		 * the first failed connect */
+		idem_options_init(&od);
+		od.valkey_retry_ms = 60000;
+		RD = idem_runner_open(conninfo, "127.0.0.1", closed_port(), &od);
+		memset(&h, 0, sizeof(h));
+		h.mode = "noop";
+		idem_run(RD, 1, S, "a1", req_a, handler, &h, &res);	/* connects */
+		for (i = 0; i < 4; i++)
+		{
+			static const char *const what[4] = {
+				"replay", "mismatch", "new key", "its replay"
+			};
+			const char *id = i < 2 ? "a1" : "down-new";
+			const char *req = i == 1 ? "{\"amount\": 6}" : i == 0 ? req_a : "{}";
+			static const long want_pg[4] = {1, 1, 3, 1};
+
+			b0 = PP.bursts;
+			idem_runner_get_stats(RD, &s0);
+			idem_run(RD, 1, S, id, req, handler, &h, &res);
+			sleep_ms(30);
+			idem_runner_get_stats(RD, &s1);
+			tap_diag("Valkey down, %s: PostgreSQL %ld round trips (library says %ld), %s",
+					 what[i], PP.bursts - b0, s1.pg_round_trips - s0.pg_round_trips,
+					 res_str(&res));
+			tap_ok((i == 0 ? R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) &&
+					strcmp(res.outcome, expect_a) == 0 :
+					i == 1 ? R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) :
+					i == 2 ? R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) :
+					R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES)) &&
+				   h.calls == (i < 2 ? 0 : 1) && !res.valkey_used &&
+				   PP.bursts - b0 == want_pg[i] &&
+				   s1.pg_round_trips - s0.pg_round_trips == want_pg[i],
+				   "Valkey down, %s: %ld PostgreSQL round trip(s)%s (%s)", what[i],
+				   want_pg[i], i == 2 ? " (lookup, claim, complete)" : ", no transaction",
+				   res_str(&res));
+		}
+		tap_ok(effects_of(S, "a1") == 1 && ledger_is(1, S, "down-new", "completed 1"),
+			   "Valkey down: still one effect for a1; the new key completed once");
+		idem_runner_close(RD);
+
+		/* lookup_first = 0: the claim answers the duplicate (2 round trips) */
+		od.lookup_first = 0;
+		RD = idem_runner_open(conninfo, "127.0.0.1", closed_port(), &od);
+		idem_run(RD, 1, S, "a1", req_a, handler, &h, &res);	/* connects */
+		b0 = PP.bursts;
+		idem_runner_get_stats(RD, &s0);
+		idem_run(RD, 1, S, "a1", req_a, handler, &h, &res);
+		sleep_ms(30);
+		idem_runner_get_stats(RD, &s1);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && PP.bursts - b0 == 2 &&
+			   s1.pg_round_trips - s0.pg_round_trips == 2,
+			   "lookup_first = 0: a duplicate is claimed, 2 round trips (%s)", res_str(&res));
+		idem_runner_close(RD);
+	}
+
+	/* --- a handler that deallocates the runner's statements ------------ */
+	memset(&h, 0, sizeof(h));
+	h.mode = "deallocate";
+	idem_run(R, 1, S, "dealloc", "{}", handler, &h, &res);
+	tap_ok(res.status == IDEM_ERROR && strcmp(res.sqlstate, "26000") == 0 &&
+		   ledger_is(1, S, "dealloc", NULL) && cache_absent(0, 1, S, "dealloc"),
+		   "handler ran DEALLOCATE ALL: the run fails, nothing committed, no marker left (%s)",
+		   res_str(&res));
+	h.mode = "noop";
+	idem_run(R, 1, S, "dealloc", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && ledger_is(1, S, "dealloc", "completed 1"),
+		   "the next run prepares its statements again and applies (%s)", res_str(&res));
 
 	/* --- malformed and forged values --------------------------------- */
 	{
