@@ -41,6 +41,7 @@
 #include "utils/inval.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
 #if PG_VERSION_NUM >= 140000
@@ -256,6 +257,8 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	estate = CreateExecutorState();
 	old = MemoryContextSwitchTo(estate->es_query_cxt);
 	estate->es_output_cid = GetCurrentCommandId(true);
+	if (ActiveSnapshotSet())
+		estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
 	rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(rri, rel, 0, NULL, 0);
 	rri->ri_ConstraintExprs = cache->checks;
