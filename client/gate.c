@@ -13,6 +13,10 @@
  *	  a broken established connection is dropped and reconnected on next
  *	  use.  A command that timed out leaves its reply unread, so the
  *	  connection is always dropped after any error.
+ *
+ *	  hiredis formats commands and parses replies; after the connect, the
+ *	  bytes go through send(MSG_NOSIGNAL) and recv() here, so a dead Valkey
+ *	  is an error, never SIGPIPE, without masking signals on every call.
  */
 #include "internal.h"
 
@@ -22,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 #include <pthread.h>
+#include <sys/socket.h>
 
 #include <hiredis/hiredis.h>
 
@@ -59,7 +64,7 @@ struct idem_gate
 	long		connects;
 };
 
-/* ---- SIGPIPE: blocked while we talk, a pending one discarded (libpq's way) */
+/* ---- SIGPIPE while hiredis connects: blocked, a pending one discarded (libpq's way) */
 
 typedef struct pipe_guard
 {
@@ -268,32 +273,110 @@ do_connect(idem_gate *g)
 	return 0;
 }
 
-void
-idem_gate_connect(idem_gate *g)
-{
-	pipe_guard	pg;
-
-	if (g == NULL || g->c)
-		return;
-	pipe_block(&pg);
-	do_connect(g);
-	pipe_unblock(&pg);
-}
-
 int
 idem_gate_resting(const idem_gate *g)
 {
 	return g->c == NULL && idem_now_ms() < g->down_until;
 }
 
+/*
+ * Connected, or connect now.  hiredis writes the connection's first
+ * commands itself, with write(): a Valkey dying right then would raise
+ * SIGPIPE, so connecting runs with it blocked.  Commands afterwards go
+ * through exchange(), which sends with MSG_NOSIGNAL and needs no mask.
+ */
 static int
 ensure(idem_gate *g)
 {
+	pipe_guard	pg;
+	int			rc;
+
 	if (g->c)
 		return 0;
 	if (idem_gate_resting(g))
 		return -1;
-	return do_connect(g);
+	pipe_block(&pg);
+	rc = do_connect(g);
+	pipe_unblock(&pg);
+	return rc;
+}
+
+void
+idem_gate_connect(idem_gate *g)
+{
+	if (g != NULL)
+		(void) ensure(g);
+}
+
+static void
+io_error(redisContext *c, int type, const char *what)
+{
+	c->err = type;
+	snprintf(c->errstr, sizeof(c->errstr), "%s", what);
+}
+
+/*
+ * One command and its reply on the blocking socket (the context's send and
+ * receive timeouts apply).  Sends with MSG_NOSIGNAL, so a dead Valkey is an
+ * EPIPE error, never a signal; errors are left in c->err/errstr as hiredis
+ * would leave them.  Returns the reply (caller frees) or NULL.
+ */
+static redisReply *
+exchange(redisContext *c, int argc, const char **argv, const size_t *argvlen)
+{
+	char	   *cmd = NULL;
+	long long	len = redisFormatCommandArgv(&cmd, argc, argv, argvlen);
+	long long	off = 0;
+
+	if (len < 0)
+	{
+		io_error(c, REDIS_ERR_OOM, "Out of memory");
+		return NULL;
+	}
+	while (off < len)
+	{
+		ssize_t		n = send(c->fd, cmd + off, (size_t) (len - off), MSG_NOSIGNAL);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+		{
+			io_error(c, REDIS_ERR_IO, strerror(errno));
+			redisFreeCommand(cmd);
+			return NULL;
+		}
+		off += n;
+	}
+	redisFreeCommand(cmd);
+	for (;;)
+	{
+		void	   *reply = NULL;
+		char		buf[16 * 1024];
+		ssize_t		n;
+
+		if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
+			return NULL;
+		if (reply != NULL)
+			return reply;
+		n = recv(c->fd, buf, sizeof(buf), 0);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n == 0)
+		{
+			io_error(c, REDIS_ERR_EOF, "Server closed the connection");
+			return NULL;
+		}
+		if (n < 0)
+		{
+			io_error(c, REDIS_ERR_IO, strerror(errno));
+			return NULL;
+		}
+		if (redisReaderFeed(c->reader, buf, (size_t) n) != REDIS_OK)
+		{
+			io_error(c, REDIS_ERR_PROTOCOL, "Protocol error");
+			return NULL;
+		}
+	}
 }
 
 /* Did the established connection die (EOF, reset), as opposed to a timeout?
@@ -324,7 +407,7 @@ command(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 		if (ensure(g) != 0)
 			return NULL;
 		g->round_trips++;
-		r = redisCommandArgv(g->c, argc, argv, argvlen);
+		r = exchange(g->c, argc, argv, argvlen);
 		if (r != NULL)
 			return r;
 		died = connection_died(g->c);
@@ -371,7 +454,6 @@ void
 idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 				int lease_ms, gate_reply *out)
 {
-	pipe_guard	pg;
 	char		lease[24];
 	const char *args[3];
 	redisReply *r;
@@ -379,14 +461,12 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 	memset(out, 0, sizeof(*out));
 	out->answer = GATE_SKIPPED;
 	if (g == NULL || idem_gate_resting(g))
-		return;					/* (no signal mask calls while Valkey rests) */
+		return;
 	snprintf(lease, sizeof(lease), "%d", lease_ms);
 	args[0] = key;
 	args[1] = marker;
 	args[2] = lease;
-	pipe_block(&pg);
 	r = eval(g, g->sha_gate, GATE_SCRIPT, 3, args);
-	pipe_unblock(&pg);
 	if (r == NULL)
 		return;
 	if (r->type == REDIS_REPLY_INTEGER && r->integer == 1)
@@ -422,7 +502,6 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 int
 idem_gate_release(idem_gate *g, const char *key, const char *marker)
 {
-	pipe_guard	pg;
 	const char *args[2];
 	redisReply *r;
 	int			rc = -1;
@@ -431,9 +510,7 @@ idem_gate_release(idem_gate *g, const char *key, const char *marker)
 		return -1;
 	args[0] = key;
 	args[1] = marker;
-	pipe_block(&pg);
 	r = eval(g, g->sha_cad, CAD_SCRIPT, 2, args);
-	pipe_unblock(&pg);
 	if (r == NULL)
 		return -1;
 	if (r->type == REDIS_REPLY_INTEGER)
@@ -446,7 +523,6 @@ int
 idem_gate_publish(idem_gate *g, const char *key, const char *value,
 				  size_t len, long long ttl_ms)
 {
-	pipe_guard	pg;
 	char		ttl[24];
 	const char *argv[5];
 	size_t		argvlen[5];
@@ -466,9 +542,7 @@ idem_gate_publish(idem_gate *g, const char *key, const char *value,
 	argvlen[2] = len;
 	argvlen[3] = 2;
 	argvlen[4] = strlen(ttl);
-	pipe_block(&pg);
 	r = command(g, 5, argv, argvlen);
-	pipe_unblock(&pg);
 	if (r == NULL)
 		return -1;
 	if (r->type == REDIS_REPLY_STATUS)
