@@ -10,7 +10,7 @@
  *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
  *		idem.valkey_password_file,
  *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
- *		idem.valkey_command_timeout
+ *		idem.valkey_command_timeout, idem.valkey_batch_delay
  *	  Server start only:
  *		idem.queue_size
  *
@@ -35,6 +35,7 @@ int			idem_valkey_db = 0;
 char	   *idem_valkey_prefix = NULL;
 int			idem_valkey_connect_timeout_ms = 1000;
 int			idem_valkey_command_timeout_ms = 1000;
+int			idem_valkey_batch_delay_ms = 1;
 int			idem_queue_size = 65536;
 
 static bool
@@ -161,6 +162,14 @@ idem_define_gucs(void)
 							NULL,
 							&idem_valkey_command_timeout_ms,
 							1000, 1, 60 * 1000,
+							PGC_SIGHUP, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.valkey_batch_delay",
+							"Under load, the least time between two batches the worker sends to Valkey.",
+							"A batch goes out at once when none went out within this time (a lone commit is copied at once), or when 256 results wait; otherwise results wait for it.  Longer saves Valkey and worker CPU under load and adds up to this much copy latency; 0 sends whatever is queued at once.",
+							&idem_valkey_batch_delay_ms,
+							1, 0, 1000,
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 

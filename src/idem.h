@@ -64,6 +64,7 @@ extern int	idem_valkey_db;
 extern char *idem_valkey_prefix;
 extern int	idem_valkey_connect_timeout_ms;
 extern int	idem_valkey_command_timeout_ms;
+extern int	idem_valkey_batch_delay_ms;
 extern int	idem_queue_size;
 extern void idem_define_gucs(void);
 

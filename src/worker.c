@@ -18,7 +18,7 @@
  * have come back; a record whose retention has already ended is skipped.
  *
  * Batches are paced: a batch goes out at once when none went out in the
- * last IDEM_BATCH_DELAY_US, or when IDEM_BATCH_EAGER records wait;
+ * last idem.valkey_batch_delay (1 ms), or when IDEM_BATCH_EAGER records wait;
  * otherwise the records wait for that delay to pass.  So a lone commit is
  * copied at once, and under load Valkey gets at most one batch per delay
  * instead of one per commit: each batch costs both processes a wakeup and
@@ -64,8 +64,7 @@
 #define IDEM_BACKOFF_MIN_MS		100
 #define IDEM_BACKOFF_MAX_MS		5000
 #define IDEM_IDLE_WAIT_MS		10000
-/* Pacing: at most one batch per delay, unless this many records wait. */
-#define IDEM_BATCH_DELAY_US		1000
+/* Pacing: a batch goes out early when this many records wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
@@ -507,7 +506,7 @@ vk_drain(uint64 *copied, uint64 *errors)
 			b->nrecords = n;
 			b->nsent = nsent;
 			nin++;
-			next_batch_at = now + IDEM_BATCH_DELAY_US;
+			next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
 		}
 		if (nin == 0)
 		{

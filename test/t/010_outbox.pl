@@ -164,6 +164,7 @@ foreach my $bad (
 	[ "idem.valkey_host = ''", qr/must not be empty/ ],
 	[ "idem.valkey_db = -1", qr/outside the valid range/ ],
 	[ "idem.valkey_command_timeout = 0", qr/outside the valid range/ ],
+	[ "idem.valkey_batch_delay = 2000", qr/outside the valid range/ ],
 	[ "idem.queue_size = 1", qr/outside the valid range/ ])
 {
 	my ($r, $o, $e) = $node->psql('postgres', "ALTER SYSTEM SET $bad->[0]");
@@ -179,6 +180,33 @@ is( $node->safe_psql('postgres',
 	'6|6|0|0|0',
 	'idem_stats(): 6 queued, 6 copied, nothing dropped or failed');
 ok(IdemValkey::stats_col($node, 'claims_claimed') >= 12, 'claims are counted');
+
+# --- pacing (idem.valkey_batch_delay): a lone commit goes at once, the
+# next one within the delay waits for it ---
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idem.valkey_batch_delay = '1s';
+	SELECT pg_reload_conf();
+});
+sleep(2);    # the worker has reloaded, and its last batch is long past
+run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'pace1', '{}', '1 hour') . ' COMMIT;');
+$t0 = time();
+$value = $valkey->wait_for_key(key_of('pace1'), 5);
+$took = time() - $t0;
+ok(defined $value && $took < 0.8,
+	sprintf('batch delay 1 s: a lone commit is still copied at once (%.3f s)', $took));
+run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'pace2', '{}', '1 hour') . ' COMMIT;');
+$t0 = time();
+select(undef, undef, undef, 0.4);
+ok(!defined $valkey->command('GET', key_of('pace2')),
+	'... the next commit, 0.4 s later, still waits for the delay');
+$value = $valkey->wait_for_key(key_of('pace2'), 5);
+$took = time() - $t0;
+ok(defined $value && $took > 0.4 && $took < 3,
+	sprintf('... and is copied when it has passed (%.3f s after its commit)', $took));
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM RESET idem.valkey_batch_delay;
+	SELECT pg_reload_conf();
+});
 
 # The password is for superusers only.
 # (log_statement is off for the statement that carries it: PostgreSQL
