@@ -83,6 +83,13 @@ SELECT msg(5, 'i', '{}');
 BEGIN ISOLATION LEVEL REPEATABLE READ;
 SELECT decision FROM idem_claim(4, idem_key('w', 'i'), idem_fingerprint('{}'));
 ROLLBACK;
+-- A subtransaction made read-only after the claim cannot write the row.
+BEGIN;
+SELECT decision FROM idem_claim(1, idem_key('w', 'ro'), idem_fingerprint('{}'));
+SAVEPOINT ro;
+SET TRANSACTION READ ONLY;
+SELECT idem_complete(1, idem_key('w', 'ro'), '{}');
+ROLLBACK;
 \set VERBOSITY default
 
 -- User triggers and rules: the INSERT runs, and they all fire.

@@ -19,6 +19,7 @@
  *
  *	  The path applies only where it is exactly what the INSERT would do.
  *	  It declines, and the caller uses the prepared SPI INSERT, when the
+ *	  transaction is read-only, when the
  *	  user lacks table-level INSERT (SPI then raises the error, or uses
  *	  column privileges), when row-level security, rules, or triggers other
  *	  than PostgreSQL's own (the FK) are on the ledger, when it is
@@ -190,6 +191,9 @@ insert_declined(Relation rel)
 	TriggerDesc *trig = rel->trigdesc;
 	int			i;
 
+	/* A read-only (sub)transaction: let the INSERT refuse it (25006). */
+	if (XactReadOnly)
+		return true;
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
 		rel->rd_rel->relispartition ||
 		rel->rd_rel->relrowsecurity ||
