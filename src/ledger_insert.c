@@ -19,11 +19,13 @@
  *
  *	  The path applies only where it is exactly what the INSERT would do.
  *	  It declines, and the caller uses the prepared SPI INSERT, when the
- *	  transaction is read-only, when the
- *	  user lacks table-level INSERT (SPI then raises the error, or uses
- *	  column privileges), when row-level security, rules, or triggers other
- *	  than PostgreSQL's own (the FK) are on the ledger, when it is
- *	  partitioned, or when a column idem writes no longer has its type.
+ *	  transaction is read-only, when a permission hook (sepgsql) is
+ *	  loaded, when the user lacks table-level INSERT (SPI then raises the
+ *	  error, or uses column privileges), when row-level security, rules, or
+ *	  triggers other than PostgreSQL's own (the FK) are on the ledger, when
+ *	  it is partitioned, or when a column idem writes no longer has its
+ *	  type.  The row's INSERT is not a statement of its own, so
+ *	  pg_stat_statements (track = all) no longer lists it.
  *
  *-------------------------------------------------------------------------
  */
@@ -191,8 +193,11 @@ insert_declined(Relation rel)
 	TriggerDesc *trig = rel->trigdesc;
 	int			i;
 
-	/* A read-only (sub)transaction: let the INSERT refuse it (25006). */
-	if (XactReadOnly)
+	/*
+	 * A read-only (sub)transaction: let the INSERT refuse it (25006).  A
+	 * permission hook (sepgsql) must see the INSERT too.
+	 */
+	if (XactReadOnly || ExecutorCheckPerms_hook != NULL)
 		return true;
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
 		rel->rd_rel->relispartition ||
