@@ -65,7 +65,15 @@ SELECT source FROM row_of('g');
 ALTER TABLE idempotency_keys ADD COLUMN must text NOT NULL DEFAULT 'x';
 ALTER TABLE idempotency_keys ALTER COLUMN must DROP DEFAULT;
 SELECT msg(1, 'h', '{}');
-ALTER TABLE idempotency_keys DROP COLUMN must, DROP COLUMN source;
+ALTER TABLE idempotency_keys DROP COLUMN must;
+-- A column of a domain type left out of an INSERT is a null the domain
+-- checks (23514 here).
+CREATE DOMAIN tag_text AS text;
+ALTER TABLE idempotency_keys ADD COLUMN tag tag_text;
+ALTER DOMAIN tag_text ADD CONSTRAINT tag_required CHECK (VALUE IS NOT NULL) NOT VALID;
+SELECT msg(1, 'h', '{}');
+ALTER TABLE idempotency_keys DROP COLUMN tag, DROP COLUMN source;
+DROP DOMAIN tag_text;
 SELECT msg(1, 'h', '{}');
 SELECT count(*) AS rows_written FROM idempotency_keys;
 

@@ -42,6 +42,7 @@
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
@@ -171,6 +172,8 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 
 			if (def != NULL)
 				cache->defaults[i] = prepare_expr((Expr *) def);
+			else if (get_typtype(att->atttypid) == TYPTYPE_DOMAIN)
+				cache->usable = false;	/* a null the domain must check */
 		}
 	}
 
