@@ -74,6 +74,11 @@ ALTER DOMAIN tag_text ADD CONSTRAINT tag_required CHECK (VALUE IS NOT NULL) NOT 
 SELECT msg(1, 'h', '{}');
 ALTER TABLE idempotency_keys DROP COLUMN tag, DROP COLUMN source;
 DROP DOMAIN tag_text;
+-- A typmod on a column idem writes: stored as INSERT stores it (rounded).
+ALTER TABLE idempotency_keys ALTER COLUMN expires_at TYPE timestamptz(0);
+SELECT msg(1, 'm', '{}');
+SELECT expires_at = date_trunc('second', expires_at) AS rounded FROM row_of('m');
+ALTER TABLE idempotency_keys ALTER COLUMN expires_at TYPE timestamptz;
 SELECT msg(1, 'h', '{}');
 SELECT count(*) AS rows_written FROM idempotency_keys;
 

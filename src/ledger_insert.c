@@ -23,8 +23,8 @@
  *	  loaded, when the user lacks table-level INSERT (SPI then raises the
  *	  error, or uses column privileges), when row-level security, rules, or
  *	  triggers other than PostgreSQL's own (the FK) are on the ledger, when
- *	  it is partitioned, or when a column idem writes no longer has its
- *	  type.  The row's INSERT is not a statement of its own, so
+ *	  it is partitioned, or when a column idem writes is no longer of its
+ *	  plain type (another type, a typmod, generated, identity).  The row's INSERT is not a statement of its own, so
  *	  pg_stat_statements (track = all) no longer lists it.
  *
  *-------------------------------------------------------------------------
@@ -161,7 +161,9 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 		}
 		if (c < IC_COUNT)
 		{
-			if (att->atttypid != insert_columns[c].type || att->attgenerated)
+			/* exactly the type, as an INSERT of the value would store it */
+			if (att->atttypid != insert_columns[c].type || att->atttypmod != -1 ||
+				att->attgenerated || att->attidentity)
 				cache->usable = false;
 			cache->source[i] = (int8) c;
 		}
