@@ -152,10 +152,27 @@ inline gate_step(me)
 		/* the script ran (marker set) but its reply timed out: the runner
 		 * does not know it holds a marker and goes to PostgreSQL */
 		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
-	:: atomic { !vk_up -> res = R_GO }
+	:: atomic { !vk_up -> res = R_GO; silent = true }
 	fi
 }
 #endif
+
+/*
+ * Valkey silent (the gate skipped it): the runner's lookup_first step
+ * (client/runner.c lookup_step), one autocommit idem_lookup before any
+ * transaction.  A committed terminal row answers the delivery as the claim
+ * would (replay); anything else goes on to the claim.  No repopulation:
+ * the code's gate is resting then, and publish() skips it.
+ */
+inline lookup_step(me)
+{
+	atomic {
+		if
+		:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+		:: else -> skip
+		fi
+	}
+}
 
 /*
  * Compare-and-delete of the runner's own marker (client/, the release

@@ -11,6 +11,7 @@ proctype runner(byte me)
 {
 	byte res, att, got_kind, got_val;
 	bool marked;
+	bool silent;                    /* the gate found Valkey unreachable */
 	byte tx_st, tx_att, tx_out;     /* this runner's open transaction */
 	bool tx_wrote, tx_eff;
 
@@ -23,11 +24,17 @@ end_idle:
 	:: atomic { delivered >= NDELIV -> break }
 	:: atomic { delivered < NDELIV -> delivered++; res = R_GO };
 #endif
-		marked = false; att = 0;
+		marked = false; att = 0; silent = false;
 		gate_step(me);
+#ifndef NO_LOOKUP_FIRST
+		if
+		:: res == R_GO && silent -> lookup_step(me)
+		:: else -> skip
+		fi;
+#endif
 		if
 		:: res == R_BUSY -> skip                          /* requeued */
-		:: res == R_REPLAY -> acked = true                /* replay from Valkey */
+		:: res == R_REPLAY -> acked = true                /* replay from Valkey, or the lookup */
 		:: res == R_GO ->
 			if
 			:: atomic { FAULT -> SPEND; runner_dies(me) }   /* dies before BEGIN */
