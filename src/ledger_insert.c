@@ -24,8 +24,10 @@
  *	  error, or uses column privileges), when row-level security, rules, or
  *	  triggers other than PostgreSQL's own (the FK) are on the ledger, when
  *	  it is partitioned, or when a column idem writes is no longer of its
- *	  plain type (another type, a typmod, generated, identity).  The row's INSERT is not a statement of its own, so
- *	  pg_stat_statements (track = all) no longer lists it.
+ *	  plain type (another type, a typmod, generated, identity).
+ *
+ *	  The row's INSERT is not a statement of its own, so pg_stat_statements
+ *	  (track = all) no longer lists it.
  *
  *-------------------------------------------------------------------------
  */
@@ -184,7 +186,11 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 	{
 		cache->checks = palloc(sizeof(ExprState *) * cache->ncheck);
 		for (i = 0; i < cache->ncheck; i++)
-			cache->checks[i] = prepare_expr((Expr *) stringToNode(constr->check[i].ccbin));
+		{
+			Expr	   *check = (Expr *) stringToNode(constr->check[i].ccbin);
+
+			cache->checks[i] = prepare_expr(check);
+		}
 	}
 
 	MemoryContextSwitchTo(old);

@@ -430,6 +430,7 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 	ScanKeyData key;
 	Relation	rel;
 	TupleTableSlot *slot;
+	TransactionId xmin;
 	bool		isnull;
 
 	if (tenant_cache.relid != store->tenants_relid)
@@ -449,8 +450,9 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 		return false;
 
 	/* Remember only rows that no transaction of ours may still undo. */
-	if (!TransactionIdIsCurrentTransactionId(DatumGetTransactionId(
-																   slot_getsysattr(slot, MinTransactionIdAttributeNumber, &isnull))))
+	xmin = DatumGetTransactionId(slot_getsysattr(slot, MinTransactionIdAttributeNumber,
+												 &isnull));
+	if (!TransactionIdIsCurrentTransactionId(xmin))
 	{
 		tenant_cache.ids[h] = tenant_id;
 		tenant_cache.valid[h] = true;
