@@ -13,9 +13,11 @@
 # Output: TAP ("ok N - ..."), numbered across all test programs, then the
 # plan and an "N passed, N failed" line.  Exit status 1 on any failure.
 #
-# Then the same programs run again under valgrind memcheck (leaks and invalid
-# accesses are failures).  IDEM_CLIENT_VALGRIND=0 leaves that pass out,
-# IDEM_CLIENT_VALGRIND=only runs only it (make valgrind).
+# Then, when make built them (build-asan/), the same programs compiled with
+# AddressSanitizer and UndefinedBehaviorSanitizer (any report is a failure),
+# and the same programs again under valgrind memcheck (leaks and invalid
+# accesses are failures).  IDEM_CLIENT_VALGRIND=0 leaves the valgrind pass
+# out, IDEM_CLIENT_VALGRIND=only runs only it (make valgrind).
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -45,6 +47,9 @@ if [ "${1:-}" != "--inner" ]; then
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
 		"$client/build/libidemclient.so.0" "$here/run.sh" "$work/bin/"
+	for b in unit itest; do
+		[ -x "$client/build-asan/$b" ] && cp "$client/build-asan/$b" "$work/bin/$b-asan"
+	done
 	if [ "$(id -u)" = 0 ]; then
 		user=${IDEM_TEST_USER:-idemtest}
 		if ! id "$user" >/dev/null 2>&1; then
@@ -186,6 +191,14 @@ tap() {
 		fail=$((fail + 1))
 		echo "not ok $n - $name exited with status $rc"
 	fi
+	# under a sanitizer, any report (forked children included) is a failure
+	if [ -n "${ASAN_OPTIONS:-}" ] &&
+		grep -qE 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$work/stderr-$name.log"; then
+		n=$((n + 1))
+		fail=$((fail + 1))
+		echo "not ok $n - $name: a sanitizer reported errors"
+		rc=98
+	fi
 	# under valgrind, any report (forked children included) is a failure
 	if [ ${#vg[@]} -gt 0 ] && grep -q '^==[0-9]*== ' "$work/stderr-$name.log"; then
 		n=$((n + 1))
@@ -214,6 +227,18 @@ if [ "$mode" != only ]; then
 	tap scenario "$bin/itest" scenario
 	tap contention "$bin/itest" contention clean
 	tap faults "$bin/itest" contention faults
+fi
+if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
+	# the same programs (own keys) built with -fsanitize=address,undefined
+	echo "# built with AddressSanitizer and UndefinedBehaviorSanitizer"
+	export IDEM_TEST_SUFFIX=.asan
+	export ASAN_OPTIONS=detect_leaks=1:exitcode=98
+	export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:exitcode=98
+	tap asan-unit "$bin/unit-asan"
+	tap asan-diff "$bin/itest-asan" diff
+	tap asan-scenario "$bin/itest-asan" scenario
+	tap asan-contention "$bin/itest-asan" contention clean
+	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
 	if command -v valgrind >/dev/null 2>&1; then
