@@ -13,7 +13,7 @@
  *	  3a. Valkey configured but silent (lookup_first): one autocommit
  *		 idem_lookup; a completed or failed_permanent row answers a
  *		 duplicate (replay or mismatch) with no transaction.
- *	  3. PostgreSQL, round trip 1 (pipeline): BEGIN; idem_claim; SAVEPOINT.
+ *	  3b. PostgreSQL, round trip 1 (pipeline): BEGIN; idem_claim; SAVEPOINT.
  *		 claimed: the handler runs on the open transaction; then round trip
  *		 2 (pipeline): RELEASE SAVEPOINT (or ROLLBACK TO SAVEPOINT);
  *		 idem_complete (or idem_fail); expires_at of the row; COMMIT.
@@ -881,7 +881,7 @@ lookup_step(run_state *s)
 	return decided;
 }
 
-/* Step 3. */
+/* Step 3b. */
 static idem_status
 pg_step(run_state *s, const char *scope, const char *id,
 		idem_handler_fn handler, void *user_data)
