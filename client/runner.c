@@ -791,19 +791,17 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 }
 
 /*
- * A completed or failed_permanent answer read from PostgreSQL: 0, or -1
- * (nothing set) when the outcome is not a JSON object of at most
- * IDEM_OUTCOME_MAX bytes.
+ * A completed or failed_permanent answer read from PostgreSQL (the caller
+ * has set source and attempt): 0, or -1 (nothing set) when the outcome is
+ * not a JSON object of at most IDEM_OUTCOME_MAX bytes.
  */
 static int
-set_terminal(run_state *s, int completed, int attempt, const char *outcome)
+set_terminal(run_state *s, int completed, const char *outcome)
 {
 	size_t		len = strlen(outcome);
 
 	if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		return -1;
-	s->out->source = IDEM_SOURCE_POSTGRES;
-	s->out->attempt = attempt;
 	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
 	set_outcome(s->out, outcome, len);
 	return 0;
@@ -863,14 +861,14 @@ lookup_step(run_state *s)
 
 		if (completed || strcmp(status, "failed_permanent") == 0)
 		{
+			s->out->source = IDEM_SOURCE_POSTGRES;
+			s->out->attempt = attempt;
 			if (!same)
 			{
-				s->out->source = IDEM_SOURCE_POSTGRES;
-				s->out->attempt = attempt;
 				s->out->status = IDEM_MISMATCH;
 				decided = 1;
 			}
-			else if (set_terminal(s, completed, attempt, outcome) == 0)
+			else if (set_terminal(s, completed, outcome) == 0)
 			{
 				repopulate(s, attempt, ms);
 				decided = 1;
@@ -970,7 +968,7 @@ pg_step(run_state *s, const char *scope, const char *id,
 	if (strcmp(decision, "completed") == 0 ||
 		strcmp(decision, "failed_permanent") == 0)
 	{
-		if (set_terminal(s, decision[0] == 'c', attempt, outcome) != 0)
+		if (set_terminal(s, decision[0] == 'c', outcome) != 0)
 		{
 			idem_pg_outcome_clear(&o);
 			rollback_quietly(s);

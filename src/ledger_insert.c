@@ -256,9 +256,8 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 		table_close(rel, NoLock);
 		return false;
 	}
-	if (cache->relid != relid || cache->stale ||
-		cache->natts != RelationGetDescr(rel)->natts ||
-		cache->ncheck != (rel->rd_att->constr ? rel->rd_att->constr->num_check : 0))
+	/* Any change to the ledger's definition invalidates its relcache entry. */
+	if (cache->relid != relid || cache->stale)
 		insert_cache_build(cache, rel, lk->kind);
 	if (!cache->usable)
 	{

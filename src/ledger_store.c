@@ -10,9 +10,10 @@
  *	  Writes go through SPI with statements prepared once per backend and
  *	  ledger, so constraints, the FK and every index are maintained by
  *	  PostgreSQL itself; a new row is written directly where that is the
- *	  same (ledger_insert.c), with the SPI INSERT as the fallback.  Every name in them is schema-qualified (the ledger
- *	  in the extension's schema, operators and functions in pg_catalog), so
- *	  the caller's search_path can neither redirect them nor force a replan.
+ *	  same (ledger_insert.c), with the SPI INSERT as the fallback.  Every
+ *	  name in the statements is schema-qualified (the ledger in the
+ *	  extension's schema, operators and functions in pg_catalog), so the
+ *	  caller's search_path can neither redirect them nor force a replan.
  *
  *	  The cache is keyed by the ledger's OID, looked up by name on every
  *	  open: a ledger dropped and re-created (a restore) is picked up.

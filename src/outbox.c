@@ -179,7 +179,7 @@ outbox_ring_append(const IdemOutboxRecord *rec)
  * Called after the records are in the ring and the LWLock is released (a
  * full barrier).  A worker that is awake looks at the queue again before
  * it sleeps (see idem_outbox_worker_sleepy), so only a sleeping one needs
- * the latch: under load, commits send no signals at all.
+ * the latch: a busy worker costs commits no system call.
  */
 static void
 outbox_wake_worker(void)
@@ -381,6 +381,8 @@ idem_outbox_attach_worker(void)
 #else
 	pg_atomic_write_u32(&outbox->worker_procno, (uint32) MyProc->pgprocno);
 #endif
+	/* Until its first sleep, commits need not wake it. */
+	pg_atomic_write_u32(&outbox->worker_awake, 1);
 }
 
 void

@@ -621,7 +621,6 @@ idem_worker_main(Datum main_arg)
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
 	idem_outbox_attach_worker();
-	idem_outbox_worker_awake();
 
 	while (!ShutdownRequestPending)
 	{
