@@ -10,6 +10,7 @@
 #   idem_free_port        a free TCP port on 127.0.0.1
 #   idem_valkey_server    path of valkey-server, or redis-server as stand-in
 #   idem_pg_bindir        PostgreSQL 15's bindir
+#   idem_serialize        one install-and-test run per machine at a time
 
 IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
 
@@ -75,6 +76,19 @@ idem_ensure_deps() {
 	echo "idem: missing packages. Run as root:" >&2
 	echo "  apt-get install -y $missing" >&2
 	return 1
+}
+
+# Every run installs idem into the one PostgreSQL of the machine: two runs
+# at once (two checkouts) would test each other's build.  Hold an exclusive
+# lock for the rest of the calling script (fd 9 stays open until it exits).
+idem_serialize() {
+	local lock=${IDEM_LOCK_FILE:-/tmp/idem-install.lock}
+	command -v flock >/dev/null 2>&1 || return 0
+	exec 9>>"$lock" || return 0
+	if ! flock -n 9; then
+		echo "idem: waiting for another run on this machine ($lock)"
+		flock 9
+	fi
 }
 
 idem_pg_bindir() {
