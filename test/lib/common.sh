@@ -10,7 +10,8 @@
 #   idem_free_port        a free TCP port on 127.0.0.1
 #   idem_valkey_server    path of valkey-server, or redis-server as stand-in
 #   idem_pg_bindir        PostgreSQL 15's bindir
-#   idem_serialize        one install-and-test run per machine at a time
+#   idem_serialize LOCK   one run at a time per checkout
+#   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
 
 IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
 
@@ -78,21 +79,43 @@ idem_ensure_deps() {
 	return 1
 }
 
-# Every run installs idem into the one PostgreSQL of the machine: two runs
-# at once (two checkouts) would test each other's build.  Hold an exclusive
-# lock for the rest of the calling script (fd 9 stays open until it exits).
+# Tests install idem into a private copy of the machine's PostgreSQL (see
+# idem_pg_private), one per checkout; two runs in the same checkout would
+# still share it, so each run holds that checkout's lock until it exits
+# (fd 9 stays open).  Runs in different checkouts do not wait.
 idem_serialize() {
-	local lock=${IDEM_LOCK_FILE:-/tmp/idem-install.lock}
+	local lock=$1
 	command -v flock >/dev/null 2>&1 || return 0
 	exec 9>>"$lock" || return 0
 	if ! flock -n 9; then
-		echo "idem: waiting for another run on this machine ($lock)"
+		echo "idem: waiting for another run in this checkout ($lock)"
 		flock 9
 	fi
 }
 
+# idem_pg_private DIR: make DIR a fresh relocated copy of the machine's
+# PostgreSQL $IDEM_PG_MAJOR (binaries, libraries, share; headers and libpq
+# linked, not copied) and point IDEM_PG_ROOT at it, so that installing and
+# testing idem never touches the system's own PostgreSQL directories and
+# two checkouts can test at once.  PostgreSQL finds its share and lib
+# directories relative to its binaries, so the copy works where it lies.
+# Made anew each run (about 50 MB): packages installed since are in it.
+idem_pg_private() {
+	local dir=$1 m=$IDEM_PG_MAJOR libdir
+	libdir=$(/usr/lib/postgresql/$m/bin/pg_config --libdir)
+	rm -rf "$dir"
+	mkdir -p "$dir/usr/lib/postgresql" "$dir/usr/share/postgresql" || return 1
+	cp -a "/usr/lib/postgresql/$m" "$dir/usr/lib/postgresql/" &&
+		cp -a "/usr/share/postgresql/$m" "$dir/usr/share/postgresql/" &&
+		ln -s /usr/include "$dir/usr/include" &&
+		ln -s "$libdir" "$dir$libdir" ||
+		{ echo "idem: could not copy PostgreSQL $m into $dir" >&2; return 1; }
+	chmod -R a+rX "$dir"
+	export IDEM_PG_ROOT=$dir
+}
+
 idem_pg_bindir() {
-	echo "/usr/lib/postgresql/$IDEM_PG_MAJOR/bin"
+	echo "${IDEM_PG_ROOT:-}/usr/lib/postgresql/$IDEM_PG_MAJOR/bin"
 }
 
 idem_pg_config() {
@@ -167,7 +190,7 @@ idem_as_test_user() {
 idem_test_tree() {
 	local root=$1 dest=$2
 	mkdir -p "$dest"
-	(cd "$root" && tar --exclude=.git --exclude=tmp_check --exclude=results -cf - .) |
+	(cd "$root" && tar --exclude=.git --exclude=tmp_check --exclude=tmp_pgroot --exclude=results -cf - .) |
 		(cd "$dest" && tar -xf -) || return 1
 	if [ "$(id -u)" -eq 0 ]; then
 		chown -R "$(idem_test_user)" "$dest"
