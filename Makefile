@@ -10,14 +10,15 @@ EXTENSION = idem
 MODULE_big = idem
 OBJS = src/idem.o src/guc.o src/digest.o src/install.o src/ledger.o \
 	src/ledger_store.o src/ledger_insert.o src/pending.o \
-	src/outbox.o src/worker.o src/stats.o
+	src/outbox.o src/worker.o src/stats.o \
+	src/cache_secret.o src/cache_keyspace.o
 DATA = $(wildcard src/sql/idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src
 SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats
+REGRESS = install ledger errors security write hot upgrade stats cache
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.

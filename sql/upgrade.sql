@@ -6,7 +6,7 @@ INSERT INTO tenants VALUES (1);
 SELECT idem_install('tenants');
 SELECT decision FROM idem_claim(1, idem_key('u', '1'), idem_fingerprint('{}'));
 
-ALTER EXTENSION idem UPDATE TO '0.2';
+ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 -- The ledger and its rows are untouched by the update.
 SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));

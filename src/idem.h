@@ -14,6 +14,10 @@
  *	  outbox.c		the commit hook: per-transaction pending copies and the
  *					shared-memory queue they move to at commit
  *	  worker.c		the background worker that drains the queue into Valkey
+ *	  cache_secret.c	the secret that MACs Valkey values: file, shared copy,
+ *					rotation, HMAC
+ *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
+ *					timeline, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
  *	  cache_format.h the Valkey key/value format, shared with client/
  *
@@ -24,6 +28,7 @@
 
 #include "postgres.h"
 
+#include "access/xlogdefs.h"
 #include "fmgr.h"
 #include "utils/timestamp.h"
 
@@ -105,6 +110,29 @@ extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
 							 int max);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);
 extern uint64 idem_outbox_depth(void);
+
+/* cache_secret.c */
+typedef struct IdemCacheSecrets
+{
+	int32		current_id;		/* the key id values are written with */
+	uint8		current[IDEM_MAC_LEN];
+	int32		previous_id;	/* still accepted by readers; 0 if none */
+	uint8		previous[IDEM_MAC_LEN];
+} IdemCacheSecrets;
+
+extern Size idem_cache_secret_shmem_size(void);
+extern void idem_cache_secret_shmem_request(void);
+extern void idem_cache_secret_shmem_init(void);
+extern void idem_cache_secrets_get(IdemCacheSecrets *out);
+extern bool idem_cache_hmac(const uint8 *secret, const char *input, size_t len,
+							uint8 *mac, const char **why);
+extern bool idem_cache_sign(const IdemCacheSecrets *secrets, const char *key,
+							int keylen, char *value, int valuelen,
+							const char **why);
+
+/* cache_keyspace.c */
+extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
+								   TimeLineID timeline);
 
 /* worker.c */
 extern void idem_worker_register(void);

@@ -114,6 +114,7 @@ outbox_shmem_request(void)
 	RequestAddinShmemSpace(add_size(outbox_shmem_size(),
 									idem_stats_shmem_size()));
 	RequestNamedLWLockTranche(IDEM_OUTBOX_TRANCHE, 1);
+	idem_cache_secret_shmem_request();
 }
 
 static void
@@ -137,6 +138,7 @@ outbox_shmem_startup(void)
 		pg_atomic_init_u32(&outbox->worker_awake, 0);
 	}
 	idem_stats_shmem_init();
+	idem_cache_secret_shmem_init();
 	LWLockRelease(AddinShmemInitLock);
 
 	outbox_lock = &(GetNamedLWLockTranche(IDEM_OUTBOX_TRANCHE))->lock;

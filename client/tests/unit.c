@@ -2,7 +2,8 @@
  * unit.c: client tests that need no server.
  *	  SHA-256 against the FIPS 180-2 examples; idem_key vectors (computed
  *	  independently, and equal to SQL idem_key: see itest.c); canonical JSON
- *	  vectors taken from PostgreSQL 15 output; invalid JSON refused; the API
+ *	  vectors taken from PostgreSQL 15 output; invalid JSON refused; the idem2 cache format of
+ *	  src/cache_format.h (keyspace, keys, values, the MAC input); the API
  *	  with NULLs, bad options and servers that are down: errors, no crash.
  */
 #include <stdlib.h>
@@ -226,6 +227,185 @@ test_canonical(void)
 	}
 }
 
+/* The idem2 format of src/cache_format.h: keys, values, the MAC input. */
+static void
+test_cache_format(void)
+{
+	uint8_t		key[32],
+				fp[32],
+				mac[32],
+				token[16];
+	char		ks[IDEM_CACHE_KEYSPACE_MAX + 1];
+	char		k[IDEM_CACHE_KEY_MAX];
+	char		v[IDEM_CACHE_VALUE_MAX];
+	char		v2[IDEM_CACHE_VALUE_MAX];
+	char		in[IDEM_CACHE_MAC_INPUT_MAX];
+	char		big[IDEM_OUTCOME_MAX + 2];
+	char		prefix[IDEM_CACHE_PREFIX_MAX + 2];
+	IdemCacheEntry e;
+	int			kl,
+				vl,
+				il,
+				n,
+				all;
+	size_t		i;
+
+	for (i = 0; i < 32; i++)
+	{
+		key[i] = (uint8_t) i;
+		fp[i] = (uint8_t) (0xff - i);
+		mac[i] = (uint8_t) (0xa0 + i);
+	}
+	for (i = 0; i < 16; i++)
+		token[i] = (uint8_t) (0x10 * (i % 16) + 1);
+
+	n = idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1, 16384);
+	tap_ok(n > 0 && strcmp(ks, "idem:7301234567890123456.1.16384:") == 0,
+		   "keyspace: prefix, system identifier, timeline, database (%s)", ks);
+	memset(prefix, 'x', sizeof(prefix));
+	prefix[IDEM_CACHE_PREFIX_MAX] = '\0';
+	n = idem_cache_keyspace(ks, sizeof(ks), prefix, UINT64_MAX, UINT32_MAX, UINT32_MAX);
+	tap_ok(n == IDEM_CACHE_KEYSPACE_MAX &&
+		   idem_cache_key(k, sizeof(k), ks, 0, INT64_MIN, key) == IDEM_CACHE_KEY_MAX - 1,
+		   "keyspace and key: the longest fit exactly (%d, %d)", n, IDEM_CACHE_KEYSPACE_MAX);
+	prefix[IDEM_CACHE_PREFIX_MAX] = 'x';
+	prefix[IDEM_CACHE_PREFIX_MAX + 1] = '\0';
+	tap_ok(idem_cache_keyspace(ks, sizeof(ks), prefix, 1, 1, 1) == -1 &&
+		   idem_cache_keyspace(ks, IDEM_CACHE_KEYSPACE_MAX, "idem:", 1, 1, 1) == -1,
+		   "keyspace: a prefix over the limit, a short buffer refused");
+
+	idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1, 16384);
+	kl = idem_cache_key(k, sizeof(k), ks, 0, 7, key);
+	tap_ok(kl > 0 && strcmp(k, "idem:7301234567890123456.1.16384:t:7:"
+							"000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f") == 0,
+		   "tenant key in the keyspace");
+
+	vl = idem_cache_encode_terminal(v, sizeof(v), 3, IDEM_CACHE_COMPLETED, 2,
+									INT64_C(1790000000123), fp, "{\"a\": 1}", 8);
+	tap_ok(vl > 0 && (size_t) vl == strlen(v) &&
+		   strncmp(v, "idem2 0000000000000000000000000000000000000000000000000000000000000000 "
+				   "3 c 2 1790000000123 fffefd", 97) == 0 &&
+		   strcmp(v + vl - 9, " {\"a\": 1}") == 0,
+		   "terminal: idem2, zero MAC placeholder, key id, kind, attempt, expiry, fingerprint, outcome");
+	idem_cache_set_mac(v, mac);
+	tap_ok(strncmp(v, "idem2 a0a1a2a3", 14) == 0 && v[IDEM_CACHE_REST_OFFSET - 1] == ' ' &&
+		   v[IDEM_CACHE_REST_OFFSET] == '3',
+		   "set_mac fills the MAC field only");
+	tap_ok(idem_cache_parse(v, vl, &e) == 0 && e.kind == IDEM_CACHE_COMPLETED &&
+		   e.key_id == 3 && e.attempt == 2 && e.expires_ms == INT64_C(1790000000123) &&
+		   memcmp(e.fingerprint, fp, 32) == 0 && memcmp(e.mac, mac, 32) == 0 &&
+		   e.outcome_len == 8 && memcmp(e.outcome, "{\"a\": 1}", 8) == 0 &&
+		   e.rest == v + IDEM_CACHE_REST_OFFSET && e.rest_len == (size_t) vl - IDEM_CACHE_REST_OFFSET,
+		   "terminal: parse gives back every field, and the rest the MAC covers");
+
+	il = idem_cache_mac_input(in, sizeof(in), k, kl, v, vl);
+	tap_ok(il == kl + 1 + vl - IDEM_CACHE_REST_OFFSET && memcmp(in, k, kl) == 0 &&
+		   in[kl] == '\0' && memcmp(in + kl + 1, "3 c 2 1790000000123 ", 20) == 0 &&
+		   memcmp(in + kl + 1, e.rest, e.rest_len) == 0,
+		   "MAC input: the full key, one 0x00, the rest as stored");
+	tap_ok(idem_cache_mac_input(in, kl + (size_t) vl - IDEM_CACHE_REST_OFFSET, k, kl, v, vl) == -1 &&
+		   idem_cache_mac_input(in, sizeof(in), k, kl, v, IDEM_CACHE_REST_OFFSET) == -1,
+		   "MAC input: a short buffer, a value without a rest refused");
+	tap_ok(idem_cache_mac_equal(e.mac, mac) && (mac[31] ^= 1, !idem_cache_mac_equal(e.mac, mac)),
+		   "mac_equal: equal, and one bit differs");
+	mac[31] ^= 1;
+
+	vl = idem_cache_encode_terminal(v2, sizeof(v2), 2147483647, IDEM_CACHE_FAILED_PERMANENT,
+									2147483647, IDEM_CACHE_EXPIRES_MAX, fp, "{}", 2);
+	tap_ok(vl > 0 && idem_cache_parse(v2, vl, &e) == 0 &&
+		   e.kind == IDEM_CACHE_FAILED_PERMANENT && e.key_id == 2147483647 &&
+		   e.attempt == 2147483647 && e.expires_ms == IDEM_CACHE_EXPIRES_MAX &&
+		   e.outcome_len == 2,
+		   "failed_permanent with the largest key id, attempt and expiry");
+	memset(big, ' ', sizeof(big));
+	big[0] = '{';
+	big[IDEM_OUTCOME_MAX - 1] = '}';
+	vl = idem_cache_encode_terminal(v2, sizeof(v2), 2147483647, IDEM_CACHE_COMPLETED,
+									2147483647, IDEM_CACHE_EXPIRES_MAX, fp, big, IDEM_OUTCOME_MAX);
+	tap_ok(vl == IDEM_CACHE_VALUE_MAX - 1 && idem_cache_parse(v2, vl, &e) == 0 &&
+		   e.outcome_len == IDEM_OUTCOME_MAX,
+		   "the longest value fits IDEM_CACHE_VALUE_MAX exactly");
+	big[IDEM_OUTCOME_MAX] = '}';
+	tap_ok(idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_COMPLETED, 1, 0, fp, big, IDEM_OUTCOME_MAX + 1) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 0, IDEM_CACHE_COMPLETED, 1, 0, fp, "{}", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_MARKER, 1, 0, fp, "{}", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_COMPLETED, 0, 0, fp, "{}", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_COMPLETED, 1, -1, fp, "{}", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_COMPLETED, 1,
+									  IDEM_CACHE_EXPIRES_MAX + 1, fp, "{}", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, sizeof(v2), 1, IDEM_CACHE_COMPLETED, 1, 0, fp, "[]", 2) == -1 &&
+		   idem_cache_encode_terminal(v2, 100, 1, IDEM_CACHE_COMPLETED, 1, 0, fp, "{}", 2) == -1,
+		   "terminal encode refuses oversize outcome, key id 0, bad kind/attempt/expiry, non-object, short buffer");
+
+	vl = idem_cache_encode_lease_marker(v2, sizeof(v2), 5, INT64_C(1790000030000), token);
+	idem_cache_set_mac(v2, mac);
+	tap_ok(vl > 0 && strcmp(v2 + IDEM_CACHE_REST_OFFSET, "5 p 1790000030000 01112131415161718191a1b1c1d1e1f1") == 0 &&
+		   idem_cache_parse(v2, vl, &e) == 0 && e.kind == IDEM_CACHE_MARKER && e.key_id == 5 &&
+		   e.expires_ms == INT64_C(1790000030000) && memcmp(e.token, token, 16) == 0 &&
+		   memcmp(e.mac, mac, 32) == 0 && e.rest_len == strlen("5 p 1790000030000 ") + 32,
+		   "marker: encode and parse (%s)", v2 + IDEM_CACHE_REST_OFFSET);
+	tap_ok(idem_cache_encode_lease_marker(v2, sizeof(v2), 0, 1, token) == -1 &&
+		   idem_cache_encode_lease_marker(v2, 80, 1, 1, token) == -1,
+		   "marker encode refuses key id 0 and a short buffer");
+
+	/* Everything malformed decodes as -1. */
+	{
+		static const char *const bad_rests[] = {
+			"0 c 1 1 ", "03 c 1 1 ", "2147483648 c 1 1 ", "1 x 1 1 ", "1 c 0 1 ",
+			"1 c 01 1 ", "1 c 2147483648 1 ", "1 c 1 01 ", "1 c 1 9007199254740993 ",
+			"1 c 1 -1 ", "1 c 1 1  ", "1  c 1 1 ", "1 c 1 ", "1 p 01 ", "1 p 1  ",
+		};
+		static const char tail[] = "ffdefdfcfbfaf9f8f7f6f5f4f3f2f1f0efeeedecebeae9e8e7e6e5e4e3e2e1e0 {}";
+		char		b[IDEM_CACHE_VALUE_MAX];
+		size_t		j;
+
+		all = 1;
+		for (j = 0; j < sizeof(bad_rests) / sizeof(bad_rests[0]); j++)
+		{
+			idem_cache_put_head(b);
+			snprintf(b + IDEM_CACHE_REST_OFFSET, sizeof(b) - IDEM_CACHE_REST_OFFSET, "%s%s",
+					 bad_rests[j], bad_rests[j][2] == 'p' ? "01112131415161718191a1b1c1d1e1f1" : tail);
+			if (idem_cache_parse(b, strlen(b), &e) != -1)
+			{
+				tap_diag("accepted: %s", b);
+				all = 0;
+			}
+		}
+		/* Control: the same construction with a good rest parses. */
+		idem_cache_put_head(b);
+		snprintf(b + IDEM_CACHE_REST_OFFSET, sizeof(b) - IDEM_CACHE_REST_OFFSET, "1 c 1 0 %s", tail);
+		tap_ok(all && idem_cache_parse(b, strlen(b), &e) == 0,
+			   "parse refuses leading zeros, out-of-range numbers, bad kind, blanks (%zu cases)",
+			   sizeof(bad_rests) / sizeof(bad_rests[0]));
+	}
+	vl = (int) strlen(v);
+	all = 1;
+	for (n = 0; n < vl; n++)
+		if (idem_cache_parse(v, n, &e) != -1)
+			all = 0;
+	tap_ok(all, "every truncation of a terminal value is refused");
+	all = 1;
+	for (n = 0; n < vl; n++)
+	{
+		char		c = v[n];
+
+		v[n] = (char) (n < 6 ? 'X' : (c == 'f' ? 'F' : (c == '0' ? 'g' : (c == ' ' ? '_' : c))));
+		if (v[n] != c && n < IDEM_CACHE_REST_OFFSET + 62 && idem_cache_parse(v, vl, &e) != -1)
+		{
+			tap_diag("accepted with byte %d changed", n);
+			all = 0;
+		}
+		v[n] = c;
+	}
+	tap_ok(all, "a changed header byte (version, MAC, field, blank) is refused");
+	tap_ok(idem_cache_parse(v, vl, &e) == 0 && idem_cache_parse("idem1 c 1 ff {}", 15, &e) == -1 &&
+		   (v[4] = '1', idem_cache_parse(v, vl, &e) == -1),
+		   "an idem1 value (or tag) is refused by the idem2 parser");
+	v[4] = '2';
+	tap_ok(idem_cache_parse(v, vl, &e) == 0 && (v[vl] = 'x', idem_cache_parse(v, vl + 1, &e) == -1),
+		   "trailing bytes after the outcome are refused");
+}
+
 static idem_handler_status
 never(PGconn *conn, idem_call *call, void *ud)
 {
@@ -292,6 +472,7 @@ main(void)
 	test_sha256();
 	test_keys();
 	test_canonical();
+	test_cache_format();
 	test_api_without_servers();
 	return tap_done();
 }

@@ -1,0 +1,447 @@
+/*-------------------------------------------------------------------------
+ *
+ * cache_secret.c
+ *	  The secret that authenticates every value idem writes to Valkey: its
+ *	  file, its copy in shared memory, its rotation, and the HMAC over it.
+ *
+ * Each secret is 32 random bytes (pg_strong_random) with a key id (1, 2,
+ * ...).  Values carry the key id and HMAC-SHA-256(secret, <key> 0x00 <rest>)
+ * (cache_format.h); readers accept the current secret and the one before
+ * it, so a rotation needs no downtime.
+ *
+ * The file $PGDATA/idem_cache_secret (mode 0600) holds at most two lines
+ * "<key id> <secret as 64 hex>", the previous secret first, the current
+ * one last.  It is created the first time a process needs it (the worker
+ * at its start, so a primary has it before any base backup is taken, and
+ * pg_basebackup copies it to standbys), written to a temporary file, synced
+ * and renamed into place, so a crash leaves the old or the new file, never
+ * a torn one.
+ *
+ * Shared memory (when idem is preloaded) holds a copy, loaded from the file
+ * on first use.  Locking: the LWLock of the "idem cache secret" tranche
+ * protects the copy and the file.  Readers take it shared; whoever finds the
+ * copy not loaded yet, and idem_rotate_cache_secret(), take it exclusive,
+ * and only they read or write the file.  Without preloading there is no
+ * shared copy: idem_cache_secrets() reads the file each time (creating it
+ * without overwriting one another process made first), and rotation is
+ * refused.
+ *
+ * idem_cache_secrets() hands the secrets to roles granted EXECUTE on it (the
+ * client's handler role); PUBLIC may not execute it.  The secrets never
+ * appear in the log.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "access/htup_details.h"
+#include "access/xlog.h"
+#include "common/hmac.h"
+#include "common/cryptohash.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "storage/fd.h"
+#include "storage/lwlock.h"
+#include "storage/shmem.h"
+#include "utils/builtins.h"
+
+#define IDEM_SECRET_FILE		"idem_cache_secret"
+#define IDEM_SECRET_TRANCHE		"idem cache secret"
+
+typedef struct IdemSecretShared
+{
+	bool		loaded;			/* the fields below hold the file's content */
+	IdemCacheSecrets secrets;
+} IdemSecretShared;
+
+static IdemSecretShared *secret_shared = NULL;
+static LWLock *secret_lock = NULL;
+
+Size
+idem_cache_secret_shmem_size(void)
+{
+	return MAXALIGN(sizeof(IdemSecretShared));
+}
+
+/* From the shmem request hook. */
+void
+idem_cache_secret_shmem_request(void)
+{
+	RequestAddinShmemSpace(idem_cache_secret_shmem_size());
+	RequestNamedLWLockTranche(IDEM_SECRET_TRANCHE, 1);
+}
+
+/* From the shmem startup hook, with AddinShmemInitLock held. */
+void
+idem_cache_secret_shmem_init(void)
+{
+	bool		found;
+
+	secret_shared = ShmemInitStruct("idem cache secret",
+									sizeof(IdemSecretShared), &found);
+	if (!found)
+		memset(secret_shared, 0, sizeof(IdemSecretShared));
+	secret_lock = &(GetNamedLWLockTranche(IDEM_SECRET_TRANCHE))->lock;
+}
+
+/*
+ * Parse the file's content into *out.  Returns false, with the reason in
+ * *why, for anything but one or two well-formed lines with increasing ids.
+ */
+static bool
+secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
+{
+	const char *p = text;
+	int			nlines = 0;
+	int32		ids[2];
+	uint8		keys[2][IDEM_MAC_LEN];
+
+	while (*p != '\0')
+	{
+		char	   *end;
+		long		id;
+
+		if (nlines == 2)
+		{
+			*why = "more than two lines";
+			return false;
+		}
+		errno = 0;
+		id = strtol(p, &end, 10);
+		if (errno != 0 || end == p || *p < '1' || *p > '9' ||
+			id > PG_INT32_MAX || *end != ' ')
+		{
+			*why = "a key id is not a number between 1 and 2147483647";
+			return false;
+		}
+		p = end + 1;
+		if (strlen(p) < 2 * IDEM_MAC_LEN + 1 || p[2 * IDEM_MAC_LEN] != '\n' ||
+			idem_cache_unhex(keys[nlines], p, IDEM_MAC_LEN) != 0)
+		{
+			*why = "a secret is not 64 lower-case hex digits ending a line";
+			return false;
+		}
+		ids[nlines++] = (int32) id;
+		p += 2 * IDEM_MAC_LEN + 1;
+	}
+	if (nlines == 0 || (nlines == 2 && ids[0] >= ids[1]))
+	{
+		*why = nlines == 0 ? "it is empty" : "the key ids do not increase";
+		return false;
+	}
+	memset(out, 0, sizeof(*out));
+	out->current_id = ids[nlines - 1];
+	memcpy(out->current, keys[nlines - 1], IDEM_MAC_LEN);
+	if (nlines == 2)
+	{
+		out->previous_id = ids[0];
+		memcpy(out->previous, keys[0], IDEM_MAC_LEN);
+	}
+	return true;
+}
+
+/* Read the file; false if it does not exist.  Errors for anything else. */
+static bool
+secret_read_file(IdemCacheSecrets *out)
+{
+	char		text[2 * (12 + 2 * IDEM_MAC_LEN + 1) + 2];
+	int			fd;
+	int			n;
+	int			total = 0;
+	const char *why;
+
+	fd = OpenTransientFile(IDEM_SECRET_FILE, O_RDONLY | PG_BINARY);
+	if (fd < 0)
+	{
+		if (errno == ENOENT)
+			return false;
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not open file \"%s\": %m", IDEM_SECRET_FILE)));
+	}
+	while ((n = read(fd, text + total, sizeof(text) - 1 - total)) > 0)
+		total += n;
+	if (n < 0)
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not read file \"%s\": %m", IDEM_SECRET_FILE)));
+	CloseTransientFile(fd);
+	text[total] = '\0';
+	if (!secret_parse(text, out, &why))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("idem: file \"%s\" is malformed: %s", IDEM_SECRET_FILE, why),
+				 errhint("Remove the file to have idem generate a new secret; values in Valkey written with the old one are then ignored.")));
+	return true;
+}
+
+/*
+ * Write secrets to a new temporary file, synced.  Its name is returned in
+ * tmp (MAXPGPATH bytes).
+ */
+static void
+secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
+{
+	char		text[2 * (12 + 2 * IDEM_MAC_LEN + 1) + 1];
+	char		hex[2 * IDEM_MAC_LEN + 1];
+	int			len = 0;
+	int			fd;
+
+	if (s->previous_id > 0)
+	{
+		idem_cache_hex(hex, s->previous, IDEM_MAC_LEN);
+		hex[2 * IDEM_MAC_LEN] = '\0';
+		len += snprintf(text + len, sizeof(text) - len, "%d %s\n",
+						s->previous_id, hex);
+	}
+	idem_cache_hex(hex, s->current, IDEM_MAC_LEN);
+	hex[2 * IDEM_MAC_LEN] = '\0';
+	len += snprintf(text + len, sizeof(text) - len, "%d %s\n",
+					s->current_id, hex);
+
+	snprintf(tmp, MAXPGPATH, "%s.%d.tmp", IDEM_SECRET_FILE, MyProcPid);
+	fd = OpenTransientFilePerm(tmp, O_WRONLY | O_CREAT | O_TRUNC | PG_BINARY,
+							   S_IRUSR | S_IWUSR);
+	if (fd < 0)
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not create file \"%s\": %m", tmp)));
+	errno = 0;
+	if (write(fd, text, len) != len)
+	{
+		if (errno == 0)
+			errno = ENOSPC;
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not write file \"%s\": %m", tmp)));
+	}
+	if (pg_fsync(fd) != 0)
+		ereport(data_sync_elevel(ERROR),
+				(errcode_for_file_access(),
+				 errmsg("could not fsync file \"%s\": %m", tmp)));
+	if (CloseTransientFile(fd) != 0)
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not close file \"%s\": %m", tmp)));
+}
+
+static void
+secret_generate(uint8 *secret)
+{
+	if (!pg_strong_random(secret, IDEM_MAC_LEN))
+		ereport(ERROR,
+				(errcode(ERRCODE_INTERNAL_ERROR),
+				 errmsg("idem: could not generate a random cache secret")));
+}
+
+/*
+ * The secrets in the file, creating it (key id 1) if there is none.  When
+ * two processes create it at once, link() lets exactly one file win and
+ * both return its content.
+ */
+static void
+secret_load_or_create(IdemCacheSecrets *out)
+{
+	IdemCacheSecrets fresh;
+	char		tmp[MAXPGPATH];
+
+	if (secret_read_file(out))
+		return;
+
+	memset(&fresh, 0, sizeof(fresh));
+	fresh.current_id = 1;
+	secret_generate(fresh.current);
+	secret_write_tmp(&fresh, tmp);
+	if (link(tmp, IDEM_SECRET_FILE) != 0 && errno != EEXIST)
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not link file \"%s\" to \"%s\": %m",
+						tmp, IDEM_SECRET_FILE)));
+	if (unlink(tmp) != 0)
+		ereport(WARNING,
+				(errcode_for_file_access(),
+				 errmsg("could not remove file \"%s\": %m", tmp)));
+	fsync_fname(".", true);
+	if (!secret_read_file(out))
+		ereport(ERROR,
+				(errcode_for_file_access(),
+				 errmsg("could not open file \"%s\": %m", IDEM_SECRET_FILE)));
+	explicit_bzero(&fresh, sizeof(fresh));
+}
+
+/*
+ * The current and previous secrets.  Loads the file into shared memory on
+ * first use.  May raise an ERROR (file trouble), never with the lock held
+ * after it returns.
+ */
+void
+idem_cache_secrets_get(IdemCacheSecrets *out)
+{
+	if (secret_shared == NULL)
+	{
+		secret_load_or_create(out);
+		return;
+	}
+
+	LWLockAcquire(secret_lock, LW_SHARED);
+	if (!secret_shared->loaded)
+	{
+		LWLockRelease(secret_lock);
+		LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+		if (!secret_shared->loaded)
+		{
+			/* An ERROR here releases the lock in the abort path. */
+			secret_load_or_create(&secret_shared->secrets);
+			secret_shared->loaded = true;
+		}
+	}
+	*out = secret_shared->secrets;
+	LWLockRelease(secret_lock);
+}
+
+/*
+ * HMAC-SHA-256 of input under secret, with PostgreSQL's implementation.
+ * Returns false (and the reason in *why) only if the library fails.
+ */
+bool
+idem_cache_hmac(const uint8 *secret, const char *input, size_t len,
+				uint8 *mac, const char **why)
+{
+	pg_hmac_ctx *ctx = pg_hmac_create(PG_SHA256);
+	bool		ok;
+
+	if (ctx == NULL)
+	{
+		*why = "out of memory";
+		return false;
+	}
+	ok = pg_hmac_init(ctx, secret, IDEM_MAC_LEN) == 0 &&
+		pg_hmac_update(ctx, (const uint8 *) input, len) == 0 &&
+		pg_hmac_final(ctx, mac, IDEM_MAC_LEN) == 0;
+	if (!ok)
+		*why = pg_hmac_error(ctx);
+	pg_hmac_free(ctx);
+	return ok;
+}
+
+/*
+ * Fill in the MAC of an encoded value (cache_format.h) stored under key,
+ * with the secret key_id names in *secrets.  Returns false, with the reason
+ * in *why, if the value cannot be MACed.
+ */
+bool
+idem_cache_sign(const IdemCacheSecrets *secrets, const char *key, int keylen,
+				char *value, int valuelen, const char **why)
+{
+	char		input[IDEM_CACHE_MAC_INPUT_MAX];
+	uint8		mac[IDEM_MAC_LEN];
+	int			n;
+
+	n = idem_cache_mac_input(input, sizeof(input), key, keylen, value, valuelen);
+	if (n < 0)
+	{
+		*why = "the value is too long to MAC";
+		return false;
+	}
+	if (!idem_cache_hmac(secrets->current, input, n, mac, why))
+		return false;
+	idem_cache_set_mac(value, mac);
+	return true;
+}
+
+PG_FUNCTION_INFO_V1(idem_cache_secrets);
+
+/*
+ * idem_cache_secrets() RETURNS TABLE(key_id integer, secret bytea,
+ * is_current boolean): the current secret, then the previous one if any.
+ */
+Datum
+idem_cache_secrets(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	IdemCacheSecrets s;
+	Datum		values[3];
+	bool		nulls[3] = {false, false, false};
+	bytea	   *b;
+	int			i;
+
+	InitMaterializedSRF(fcinfo, 0);
+	idem_cache_secrets_get(&s);
+	for (i = 0; i < 2; i++)
+	{
+		int32		id = i == 0 ? s.current_id : s.previous_id;
+
+		if (id <= 0)
+			continue;
+		b = (bytea *) palloc(VARHDRSZ + IDEM_MAC_LEN);
+		SET_VARSIZE(b, VARHDRSZ + IDEM_MAC_LEN);
+		memcpy(VARDATA(b), i == 0 ? s.current : s.previous, IDEM_MAC_LEN);
+		values[0] = Int32GetDatum(id);
+		values[1] = PointerGetDatum(b);
+		values[2] = BoolGetDatum(i == 0);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	explicit_bzero(&s, sizeof(s));
+	return (Datum) 0;
+}
+
+PG_FUNCTION_INFO_V1(idem_rotate_cache_secret);
+
+/*
+ * idem_rotate_cache_secret() RETURNS integer: a new current secret with the
+ * next key id; the current one becomes the previous (still accepted by
+ * readers), the previous one is forgotten.  Not transactional: a rollback
+ * does not undo it.
+ */
+Datum
+idem_rotate_cache_secret(PG_FUNCTION_ARGS)
+{
+	IdemCacheSecrets next;
+	char		tmp[MAXPGPATH];
+	int32		new_id;
+
+	if (RecoveryInProgress())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("recovery is in progress"),
+				 errhint("Rotate the cache secret on the primary.")));
+	if (secret_shared == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem is not in shared_preload_libraries"),
+				 errdetail("Rotating the cache secret needs the worker's shared copy of it.")));
+
+	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	if (!secret_shared->loaded)
+	{
+		secret_load_or_create(&secret_shared->secrets);
+		secret_shared->loaded = true;
+	}
+	if (secret_shared->secrets.current_id == PG_INT32_MAX)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("the cache secret's key id cannot grow past %d",
+						PG_INT32_MAX),
+				 errhint("Remove the file \"%s\" and restart the server to start again from key id 1.",
+						 IDEM_SECRET_FILE)));
+	memset(&next, 0, sizeof(next));
+	next.previous_id = secret_shared->secrets.current_id;
+	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
+	next.current_id = next.previous_id + 1;
+	secret_generate(next.current);
+	secret_write_tmp(&next, tmp);
+	if (durable_rename(tmp, IDEM_SECRET_FILE, ERROR) != 0)
+		elog(ERROR, "durable_rename returned without an error");
+	secret_shared->secrets = next;
+	LWLockRelease(secret_lock);
+	new_id = next.current_id;
+	explicit_bzero(&next, sizeof(next));
+
+	ereport(LOG,
+			(errmsg("idem: rotated the cache secret to key id %d", new_id)));
+	PG_RETURN_INT32(new_id);
+}
