@@ -466,6 +466,8 @@ test_api_without_servers(void)
 		   "status and source names");
 }
 
+void		test_cluster(void);	/* unit_cluster.c */
+
 int
 main(void)
 {
@@ -474,5 +476,6 @@ main(void)
 	test_canonical();
 	test_cache_format();
 	test_api_without_servers();
+	test_cluster();
 	return tap_done();
 }

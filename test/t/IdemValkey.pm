@@ -46,7 +46,8 @@ sub new
 		name => $name,
 		port => $port,
 		dir => $dir,
-		password => $args{password}
+		password => $args{password},
+		extra => $args{extra} // []		# more server options
 	}, $class;
 	push @started, $self;
 	return $self;
@@ -61,7 +62,8 @@ sub start
 		server_binary(), '--save', '', '--appendonly', 'no',
 		'--port', $self->{port}, '--bind', '127.0.0.1',
 		'--dir', $self->{dir}, '--logfile', "$self->{dir}/server.log",
-		$self->{password} ? ('--requirepass', $self->{password}) : ());
+		$self->{password} ? ('--requirepass', $self->{password}) : (),
+		@{ $self->{extra} });
 	my $pid = fork();
 	die "fork: $!" unless defined $pid;
 	if ($pid == 0)

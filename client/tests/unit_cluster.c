@@ -1,0 +1,207 @@
+/*
+ * unit_cluster.c: the Valkey Cluster routing's pure parts (src/valkey_cluster.c),
+ * no server needed: CRC16 and slots (with hash tags) against the values
+ * Valkey documents and computes, redirect and transient-error classification,
+ * the CLUSTER SLOTS parser (fed real RESP text through hiredis' reader),
+ * seed lists, and a router whose nodes are all down.
+ */
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "valkey_cluster.h"
+#include "tap.h"
+
+void		test_cluster(void);
+
+static int
+slot_of(const char *key)
+{
+	return idem_vc_key_slot(key, strlen(key));
+}
+
+static void
+test_slots(void)
+{
+	tap_ok(idem_vc_crc16("123456789", 9) == 0x31C3,
+		   "crc16 of \"123456789\" is 0x31C3 (the cluster spec's check value)");
+	tap_ok(slot_of("foo") == 12182 && slot_of("bar") == 5061 &&
+		   slot_of("hello") == 866,
+		   "slots of foo, bar, hello as CLUSTER KEYSLOT gives them (%d %d %d)",
+		   slot_of("foo"), slot_of("bar"), slot_of("hello"));
+	tap_ok(slot_of("{user1000}.following") == slot_of("{user1000}.followers") &&
+		   slot_of("{user1000}.following") == slot_of("user1000"),
+		   "a hash tag decides the slot");
+	tap_ok(slot_of("foo{}{bar}") ==
+		   (idem_vc_crc16("foo{}{bar}", 10) & 16383),
+		   "an empty hash tag hashes the whole key");
+	tap_ok(slot_of("foo{{bar}}zap") == slot_of("{bar"),
+		   "the tag runs from the first { to the next }");
+	tap_ok(slot_of("foo{bar}{zap}") == slot_of("bar"),
+		   "only the first tag counts");
+	tap_ok(slot_of("foo{bar") == (idem_vc_crc16("foo{bar", 7) & 16383),
+		   "an unclosed tag hashes the whole key");
+	tap_ok(idem_vc_key_slot("", 0) == 0, "the empty key is slot 0");
+}
+
+static int
+classify(const char *text, int *slot, char *host, int *port)
+{
+	return idem_vc_classify(text, strlen(text), slot, host, 64, port);
+}
+
+static void
+test_classify(void)
+{
+	int			slot = -1,
+				port = -1;
+	char		host[64] = "";
+
+	tap_ok(classify("MOVED 3999 127.0.0.1:6381", &slot, host, &port) == IDEM_VC_MOVED &&
+		   slot == 3999 && strcmp(host, "127.0.0.1") == 0 && port == 6381,
+		   "MOVED: slot, host and port");
+	tap_ok(classify("ASK 16383 node-b.example:7000", &slot, host, &port) == IDEM_VC_ASK &&
+		   slot == 16383 && strcmp(host, "node-b.example") == 0 && port == 7000,
+		   "ASK: slot, host and port");
+	tap_ok(classify("MOVED 1 ::1:7001", &slot, host, &port) == IDEM_VC_MOVED &&
+		   strcmp(host, "::1") == 0 && port == 7001,
+		   "an IPv6 host: the port follows the last colon");
+	tap_ok(classify("MOVED 16384 h:1", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("MOVED x h:1", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("MOVED 5 h", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("MOVED 5 h:99999", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("MOVED", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("MOVEDX 5 h:1", &slot, host, &port) == IDEM_VC_REPLY,
+		   "a malformed redirect is an ordinary error reply");
+	tap_ok(classify("CLUSTERDOWN The cluster is down", &slot, host, &port) == IDEM_VC_RETRY &&
+		   classify("TRYAGAIN Multiple keys request during rehashing of slot", &slot, host, &port) == IDEM_VC_RETRY &&
+		   classify("READONLY You can't write against a read only replica.", &slot, host, &port) == IDEM_VC_RETRY &&
+		   classify("LOADING Valkey is loading the dataset in memory", &slot, host, &port) == IDEM_VC_RETRY &&
+		   classify("MASTERDOWN Link with MASTER is down", &slot, host, &port) == IDEM_VC_RETRY,
+		   "CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN: retry later");
+	tap_ok(classify("ERR unknown command", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("NOSCRIPT No matching script", &slot, host, &port) == IDEM_VC_REPLY &&
+		   classify("WRONGTYPE Operation against a key", &slot, host, &port) == IDEM_VC_REPLY,
+		   "other errors are replies for the caller");
+}
+
+static redisReply *
+resp(const char *text)
+{
+	redisReader *rd = redisReaderCreate();
+	void	   *reply = NULL;
+
+	redisReaderFeed(rd, text, strlen(text));
+	if (redisReaderGetReply(rd, &reply) != REDIS_OK)
+		reply = NULL;
+	redisReaderFree(rd);
+	return reply;
+}
+
+static void
+test_parse_slots(void)
+{
+	idem_vc_map *map = malloc(sizeof(idem_vc_map));
+	/* three masters, the second with a replica and an empty host */
+	redisReply *r = resp(
+		"*3\r\n"
+		"*3\r\n:0\r\n:5460\r\n*3\r\n$9\r\n127.0.0.1\r\n:7001\r\n$4\r\nid-a\r\n"
+		"*4\r\n:5461\r\n:10922\r\n*3\r\n$0\r\n\r\n:7002\r\n$4\r\nid-b\r\n"
+		"*3\r\n$9\r\n127.0.0.1\r\n:7005\r\n$4\r\nid-e\r\n"
+		"*3\r\n:10923\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:7003\r\n$4\r\nid-c\r\n");
+	redisReply *partial = resp(
+		"*2\r\n"
+		"*3\r\n:0\r\n:99\r\n*2\r\n$1\r\na\r\n:1\r\n"
+		"*3\r\n:200\r\n:200\r\n*2\r\n$1\r\na\r\n:1\r\n");
+	redisReply *err = resp("-ERR This instance has cluster support disabled\r\n");
+	redisReply *bad = resp("*1\r\n*3\r\n:0\r\n:16384\r\n*2\r\n$1\r\na\r\n:1\r\n");
+	int			n;
+
+	n = idem_vc_parse_slots(r, "10.0.0.9", map);
+	tap_ok(n == 16384 && map->nnodes == 3, "CLUSTER SLOTS: every slot, three masters (%d, %d)",
+		   n, map->nnodes);
+	tap_ok(map->slot_node[0] == 0 && map->slot_node[5460] == 0 &&
+		   map->slot_node[5461] == 1 && map->slot_node[16383] == 2 &&
+		   map->ports[0] == 7001 && map->ports[1] == 7002 && map->ports[2] == 7003,
+		   "each range goes to its master, replicas are not routed to");
+	tap_ok(strcmp(map->hosts[1], "10.0.0.9") == 0,
+		   "an empty host is the node that was asked");
+	n = idem_vc_parse_slots(partial, "x", map);
+	tap_ok(n == 101 && map->nnodes == 1 && map->slot_node[150] == -1 &&
+		   map->slot_node[200] == 0,
+		   "a partial map: uncovered slots have no node (%d)", n);
+	tap_ok(idem_vc_parse_slots(err, "x", map) == -1 &&
+		   idem_vc_parse_slots(bad, "x", map) == -1 &&
+		   idem_vc_parse_slots(NULL, "x", map) == -1,
+		   "an error reply or a slot out of range is not a map");
+	freeReplyObject(r);
+	freeReplyObject(partial);
+	freeReplyObject(err);
+	freeReplyObject(bad);
+	free(map);
+}
+
+static int
+poll_wait(void *arg, int fd, int for_write, int64_t deadline)
+{
+	struct pollfd p;
+	int64_t		left = deadline - idem_vc_now_ms();
+
+	(void) arg;
+	if (left < 0)
+		left = 0;
+	p.fd = fd;
+	p.events = for_write ? POLLOUT : POLLIN;
+	p.revents = 0;
+	if (poll(fd < 0 ? NULL : &p, fd < 0 ? 0 : 1, (int) left) > 0)
+		return 0;
+	return fd < 0 ? 0 : -1;
+}
+
+static void
+test_router_without_servers(void)
+{
+	idem_vc_io	io = {poll_wait, NULL, NULL};
+	idem_vc_options opt;
+	idem_vc    *vc;
+	char		err[200] = "";
+	const char *argv[2] = {"GET", "k"};
+	idem_vc_cmd cmd;
+
+	memset(&opt, 0, sizeof(opt));
+	opt.default_port = 3;
+	opt.connect_timeout_ms = 500;
+	opt.retry_ms = 1000;
+	opt.seeds = "127.0.0.1:1, 127.0.0.1:2,localhost";
+	vc = idem_vc_new(&opt, &io, err, sizeof(err));
+	tap_ok(vc != NULL && idem_vc_nnodes(vc) == 3 &&
+		   strcmp(idem_vc_node_name(vc, 1), "127.0.0.1:2") == 0 &&
+		   strcmp(idem_vc_node_name(vc, 2), "localhost:3") == 0,
+		   "seed list: host:port and host alone (default port)");
+	tap_ok(vc != NULL && idem_vc_open(vc, idem_vc_now_ms() + 2000, err, sizeof(err)) == -1 &&
+		   strstr(err, "connect") != NULL && !idem_vc_is_open(vc),
+		   "no seed answers: open fails and says why (%s)", err);
+	memset(&cmd, 0, sizeof(cmd));
+	cmd.key = "k";
+	cmd.keylen = 1;
+	cmd.argc = 2;
+	cmd.argv = argv;
+	tap_ok(vc != NULL && idem_vc_pipeline(vc, &cmd, 1, idem_vc_now_ms() + 500) == 0 &&
+		   cmd.reply == NULL,
+		   "a command with no node stays pending");
+	idem_vc_free(vc);
+	opt.seeds = "a:1,b:x";
+	tap_ok(idem_vc_new(&opt, &io, err, sizeof(err)) == NULL &&
+		   strstr(err, "b:x") != NULL, "a bad seed is refused: %s", err);
+	opt.seeds = " , ";
+	tap_ok(idem_vc_new(&opt, &io, err, sizeof(err)) == NULL, "no seed is refused");
+}
+
+void
+test_cluster(void)
+{
+	test_slots();
+	test_classify();
+	test_parse_slots();
+	test_router_without_servers();
+}

@@ -1,0 +1,193 @@
+/*-------------------------------------------------------------------------
+ *
+ * valkey_cluster.h
+ *	  Valkey Cluster routing on hiredis: one definition, compiled into both
+ *	  the extension's background worker and the client library.
+ *
+ * Debian 12's hiredis (0.14.1) has no cluster support, so the routing is
+ * here: the slot of a key (CRC16 with hash tags), the slot map (from
+ * CLUSTER SLOTS), one connection per master, and a pipelined batch of
+ * single-key commands split per node whose replies are matched back to the
+ * commands.  MOVED updates the map (and refreshes it) and resends that
+ * command; ASK sends ASKING and the command to the named node; replies that
+ * mean "not now" (CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep
+ * the command and retry it with a backoff until the deadline.  A command
+ * whose node cannot be reached is left pending: the caller decides (the
+ * worker keeps its records queued, the runner falls back to PostgreSQL for
+ * that key only).  After a failed connect a node rests for retry_ms.
+ *
+ * The same code also drives a single Valkey that is not a cluster: every
+ * slot then maps to the node given first.  idem_vc_open() detects the mode
+ * with INFO cluster (unless forced).
+ *
+ * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.  All
+ * sockets are non-blocking; waiting is the caller's (idem_vc_io.wait), so
+ * the worker waits on its latch-aware WaitEventSet and the client on
+ * poll().  Writes use send(MSG_NOSIGNAL): a dead node is an error, never
+ * SIGPIPE.  hiredis is used only for its RESP writer and reader.
+ * An idem_vc is used by one thread at a time.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_VALKEY_CLUSTER_H
+#define IDEM_VALKEY_CLUSTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <hiredis/hiredis.h>
+
+#define IDEM_VC_SLOTS		16384
+#define IDEM_VC_MAX_NODES	64
+#define IDEM_VC_HOST_MAX	256
+
+/* ---- pure functions (unit tested) ---- */
+
+/* CRC16-CCITT (XMODEM), the one Valkey Cluster uses. */
+uint16_t	idem_vc_crc16(const char *buf, size_t len);
+
+/* The slot of a key: CRC16 of the hash tag ({...}, if non-empty) or the key. */
+int			idem_vc_key_slot(const char *key, size_t len);
+
+typedef enum idem_vc_errkind
+{
+	IDEM_VC_REPLY = 0,			/* not a redirect or a transient error */
+	IDEM_VC_MOVED,				/* MOVED <slot> <host>:<port> */
+	IDEM_VC_ASK,				/* ASK <slot> <host>:<port> */
+	IDEM_VC_RETRY				/* CLUSTERDOWN, TRYAGAIN, READONLY, LOADING,
+								 * MASTERDOWN: keep the command, retry later */
+} idem_vc_errkind;
+
+/*
+ * Classify an error reply's text.  For MOVED and ASK, *slot, host (NUL-
+ * terminated, at most hostlen - 1 bytes) and *port are set; a malformed
+ * redirect is IDEM_VC_REPLY.
+ */
+idem_vc_errkind idem_vc_classify(const char *err, size_t len, int *slot,
+								 char *host, size_t hostlen, int *port);
+
+/* A parsed slot map: slot -> index into hosts/ports, or -1. */
+typedef struct idem_vc_map
+{
+	int			nnodes;
+	char		hosts[IDEM_VC_MAX_NODES][IDEM_VC_HOST_MAX];
+	int			ports[IDEM_VC_MAX_NODES];
+	int16_t		slot_node[IDEM_VC_SLOTS];
+} idem_vc_map;
+
+/*
+ * Fill map from a CLUSTER SLOTS reply (masters only).  An empty or "?" host
+ * means the node that was asked (asked_host).  Returns the number of slots
+ * covered, or -1 if the reply is not a slot map.
+ */
+int			idem_vc_parse_slots(const redisReply *r, const char *asked_host,
+								idem_vc_map *map);
+
+/* ---- the router ---- */
+
+typedef struct idem_vc_io
+{
+	/*
+	 * Wait until fd is readable (for_write 0) or writable (1), or, with fd
+	 * -1, just until deadline.  Returns 0 when ready (or, for fd -1, when
+	 * the deadline passed), -1 on timeout, -2 to abandon at once (shutdown).
+	 */
+	int			(*wait) (void *arg, int fd, int for_write, int64_t deadline_ms);
+	/* Called before a socket the module opened is closed; may be NULL. */
+	void		(*closing) (void *arg, int fd);
+	void	   *arg;
+} idem_vc_io;
+
+typedef enum idem_vc_mode
+{
+	IDEM_VC_MODE_AUTO = 0,		/* INFO cluster decides */
+	IDEM_VC_MODE_SINGLE,
+	IDEM_VC_MODE_CLUSTER
+} idem_vc_mode;
+
+typedef struct idem_vc_options
+{
+	const char *seeds;			/* "host:port[,host:port...]"; a host alone
+								 * takes default_port */
+	int			default_port;
+	const char *password;		/* NULL or "" for none */
+	int			db;				/* single mode only; cluster needs 0 */
+	idem_vc_mode mode;
+	int			connect_timeout_ms;
+	int			retry_ms;		/* a node that failed rests this long */
+} idem_vc_options;
+
+typedef struct idem_vc_stats
+{
+	long long	moved;			/* MOVED replies followed */
+	long long	ask;			/* ASK replies followed */
+	long long	retries;		/* CLUSTERDOWN/TRYAGAIN/... retried */
+	long long	refreshes;		/* slot maps read */
+	long long	node_errors;	/* connects or exchanges that failed */
+	long long	connects;
+	long long	round_trips;	/* rounds of a pipeline (per node sent) */
+} idem_vc_stats;
+
+typedef struct idem_vc idem_vc;
+
+/* One single-key command of a pipeline, and what came of it. */
+typedef struct idem_vc_cmd
+{
+	const char *key;			/* routes the command */
+	size_t		keylen;
+	int			argc;
+	const char **argv;
+	const size_t *argvlen;
+	/* out */
+	redisReply *reply;			/* NULL: still pending (node unreachable,
+								 * deadline); caller frees */
+	int			node;			/* node that answered, or last tried */
+	/* internal */
+	int			ask_node;
+	int			rounds;
+} idem_vc_cmd;
+
+/*
+ * Make a router.  NULL only when out of memory or the seeds do not parse
+ * (err says why).  Connects nothing yet.
+ */
+idem_vc    *idem_vc_new(const idem_vc_options *opt, const idem_vc_io *io,
+						char *err, size_t errlen);
+void		idem_vc_free(idem_vc *vc);
+
+/*
+ * Connect to the first seed that answers, authenticate, detect the mode
+ * and (cluster) read the slot map.  0, or -1 with the reason in err (a
+ * cluster with idem.valkey_db other than 0 is -2, a configuration error).
+ * -3: abandoned (io.wait said so).
+ */
+int			idem_vc_open(idem_vc *vc, int64_t deadline_ms, char *err,
+						 size_t errlen);
+int			idem_vc_is_cluster(const idem_vc *vc);
+int			idem_vc_is_open(const idem_vc *vc);
+
+/*
+ * Send the commands, pipelined per node, and collect their replies, following
+ * redirects, until each has a reply or the deadline passes.  Returns the
+ * number of commands with a reply, or -2 if abandoned.  Error replies other
+ * than redirects and transient errors are replies (the caller judges them).
+ */
+int			idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n,
+							 int64_t deadline_ms);
+
+/* Close every connection (the map is kept; the next pipeline reconnects). */
+void		idem_vc_close_all(idem_vc *vc);
+
+const idem_vc_stats *idem_vc_get_stats(const idem_vc *vc);
+int			idem_vc_nnodes(const idem_vc *vc);
+/* host:port of node i, its error count, and whether it is a master now. */
+const char *idem_vc_node_name(const idem_vc *vc, int i);
+long long	idem_vc_node_errors(const idem_vc *vc, int i);
+int			idem_vc_node_in_map(const idem_vc *vc, int i);
+/* The last error text (connection failures and the like). */
+const char *idem_vc_last_error(const idem_vc *vc);
+
+/* Monotonic milliseconds. */
+int64_t		idem_vc_now_ms(void);
+
+#endif							/* IDEM_VALKEY_CLUSTER_H */

@@ -1,0 +1,222 @@
+# IdemValkeyCluster: a throwaway Valkey Cluster on loopback for idem's tests
+# and benchmarks: N masters with one replica each (valkey-server
+# --cluster-enabled yes, a small cluster-node-timeout, valkey-cli --cluster
+# create), persistence off, every node on a free port in a directory under
+# the test's tmp_check, all stopped at the end whatever happens (IdemValkey's
+# END block stops every server it started).
+#
+#   my $c = IdemValkeyCluster->new(masters => 3, replicas => 1);
+#   $c->seeds                  "127.0.0.1:p1,127.0.0.1:p2,..." (every node)
+#   $c->get($key)              GET on the key's master, following MOVED
+#   $c->master_of_key($key)    the IdemValkey node serving the key now
+#   $c->masters                the nodes that are masters now
+#   $c->kill_master($node)     SIGKILL; wait until its replica took over
+#   $c->move_slot($slot, $to)  SETSLOT IMPORTING/MIGRATING, MIGRATE, NODE
+package IdemValkeyCluster;
+
+use strict;
+use warnings;
+
+use IdemValkey;
+use IPC::Run;
+use PostgreSQL::Test::Utils;
+use Time::HiRes qw(time usleep);
+
+sub cli_binary
+{
+	my $server = IdemValkey::server_binary();
+	(my $cli = $server) =~ s/-server$/-cli/;
+	return -x $cli ? $cli : 'valkey-cli';
+}
+
+sub new
+{
+	my ($class, %args) = @_;
+	my $masters = $args{masters} // 3;
+	my $replicas = $args{replicas} // 1;
+	my $timeout = $args{node_timeout} // 1000;
+	my @nodes;
+	foreach my $i (1 .. $masters * (1 + $replicas))
+	{
+		my $n = IdemValkey->new(name => "cluster$i",
+			extra => [
+				'--cluster-enabled', 'yes',
+				'--cluster-config-file', 'nodes.conf',
+				'--cluster-node-timeout', $timeout,
+				# a replica takes over as soon as the master is judged dead
+				'--cluster-replica-validity-factor', '0',
+				'--appendonly', 'no'
+			]);
+		$n->start;
+		push @nodes, $n;
+	}
+	my $self = bless { nodes => \@nodes }, $class;
+	my @addr = map { '127.0.0.1:' . $_->port } @nodes;
+	my ($out, $err);
+	IPC::Run::run([ cli_binary(), '--cluster', 'create', @addr,
+			'--cluster-replicas', $replicas, '--cluster-yes' ],
+		'>', \$out, '2>', \$err)
+	  or die "valkey-cli --cluster create failed: $out $err";
+	$self->wait_ok(30) or die "the cluster did not become ok";
+	return $self;
+}
+
+sub nodes { return @{ $_[0]->{nodes} }; }
+
+sub seeds
+{
+	my ($self) = @_;
+	return join(',', map { '127.0.0.1:' . $_->port } grep { $_->{pid} } $self->nodes);
+}
+
+# A live node's view, or undef.
+sub try_command
+{
+	my ($node, @args) = @_;
+	return undef unless $node->{pid};
+	my $r = eval { $node->command(@args) };
+	return $r;
+}
+
+sub node_by_port
+{
+	my ($self, $port) = @_;
+	my ($n) = grep { $_->port == $port } $self->nodes;
+	return $n;
+}
+
+# Every live node says cluster_state:ok and agrees on the masters.
+sub wait_ok
+{
+	my ($self, $timeout) = @_;
+	return IdemValkey::poll_until($timeout // 30, sub {
+		foreach my $n (grep { $_->{pid} } $self->nodes)
+		{
+			my $info = try_command($n, 'CLUSTER', 'INFO') // return 0;
+			return 0 unless $info =~ /cluster_state:ok/;
+		}
+		my @slots = $self->slot_ranges;
+		my $covered = 0;
+		$covered += $_->[1] - $_->[0] + 1 foreach @slots;
+		return $covered == 16384;
+	});
+}
+
+# [start, end, master port] from a live node's CLUSTER SLOTS.
+sub slot_ranges
+{
+	my ($self) = @_;
+	foreach my $n (grep { $_->{pid} } $self->nodes)
+	{
+		my $r = try_command($n, 'CLUSTER', 'SLOTS') or next;
+		return map { [ $_->[0], $_->[1], $_->[2][1] ] } @$r;
+	}
+	return ();
+}
+
+sub masters
+{
+	my ($self) = @_;
+	my %ports = map { $_->[2] => 1 } $self->slot_ranges;
+	return map { $self->node_by_port($_) } sort keys %ports;
+}
+
+sub slot_of
+{
+	my ($self, $key) = @_;
+	foreach my $n (grep { $_->{pid} } $self->nodes)
+	{
+		my $s = try_command($n, 'CLUSTER', 'KEYSLOT', $key);
+		return $s if defined $s;
+	}
+	die "no live node";
+}
+
+sub master_of_slot
+{
+	my ($self, $slot) = @_;
+	foreach my $r ($self->slot_ranges)
+	{
+		return $self->node_by_port($r->[2]) if $slot >= $r->[0] && $slot <= $r->[1];
+	}
+	return undef;
+}
+
+sub master_of_key { my ($self, $key) = @_; return $self->master_of_slot($self->slot_of($key)); }
+
+# GET on the key's master, following MOVED/ASK (ASK: ASKING first).
+sub get
+{
+	my ($self, $key) = @_;
+	my $node = $self->master_of_key($key);
+	for (1 .. 5)
+	{
+		my $v = eval { $node->command('GET', $key) };
+		return $v unless $@;
+		if ($@ =~ /error reply: (MOVED|ASK) \d+ [\d.]+:(\d+)/)
+		{
+			my ($kind, $port) = ($1, $2);
+			$node = $self->node_by_port($port);
+			if ($kind eq 'ASK')
+			{
+				$node->command('ASKING');
+				return $node->command('GET', $key);
+			}
+			next;
+		}
+		die $@;
+	}
+	die "too many redirects for $key";
+}
+
+# The node's id (CLUSTER MYID).
+sub id_of { return $_[1]->command('CLUSTER', 'MYID'); }
+
+# Kill a master with SIGKILL and wait until the cluster is ok again (its
+# replica promoted).  Returns the promoted replica.
+sub kill_master
+{
+	my ($self, $node) = @_;
+	my $pid = delete $node->{pid};
+	delete $node->{sock};
+	kill 'KILL', $pid;
+	waitpid($pid, 0);
+	$self->wait_ok(30) or die "no failover after killing " . $node->port;
+	return $self;
+}
+
+# Move one slot from its master to $to, the way valkey-cli --cluster
+# reshard does: IMPORTING on the target, MIGRATING on the source, MIGRATE
+# the keys in chunks, then SETSLOT NODE everywhere.  $between->() runs
+# after the slot is half-migrated (keys may be on either side).
+sub move_slot
+{
+	my ($self, $slot, $to, $between) = @_;
+	my $from = $self->master_of_slot($slot);
+	return if $from->port == $to->port;
+	my $from_id = $self->id_of($from);
+	my $to_id = $self->id_of($to);
+	$to->command('CLUSTER', 'SETSLOT', $slot, 'IMPORTING', $from_id);
+	$from->command('CLUSTER', 'SETSLOT', $slot, 'MIGRATING', $to_id);
+	my $first = 1;
+	while (1)
+	{
+		my $keys = $from->command('CLUSTER', 'GETKEYSINSLOT', $slot, 10);
+		last unless @$keys;
+		$from->command('MIGRATE', '127.0.0.1', $to->port, '', 0, 5000, 'KEYS', @$keys);
+		if ($first && $between)
+		{
+			$between->();
+			$first = 0;
+		}
+	}
+	$between->() if $first && $between;
+	$to->command('CLUSTER', 'SETSLOT', $slot, 'NODE', $to_id);
+	$from->command('CLUSTER', 'SETSLOT', $slot, 'NODE', $to_id);
+	foreach my $m ($self->masters)
+	{
+		eval { $m->command('CLUSTER', 'SETSLOT', $slot, 'NODE', $to_id) };
+	}
+}
+
+1;
