@@ -37,8 +37,25 @@
  *            (liveness is expected to FAIL)
  *   LEASE_OVERRUN_FREE  under LIVENESS, a working lease holder may overrun
  *            its lease without limit (lease-mode liveness expected to FAIL)
- *   NO_CACHE_RESULTS  the runner's cache_results option off: after its
- *            own COMMIT only the background worker copies the result
+ *   DURABILITY  commits may return before their WAL is flushed
+ *            (synchronous_commit = off, any role may set it); a crash
+ *            (immediate stop + crash recovery) loses every unflushed commit
+ *   FAILOVER    (with DURABILITY) one promotion of a streaming standby that
+ *            may lack the newest flushed commits: a new timeline
+ *   STANDBY_SLOTS  the worker also waits until the standby has flushed a
+ *            commit before copying it (idem.standby_slots names its slot)
+ *   RELEARN_AT_GATE  control: every gate uses the current keyspace (the
+ *            code re-learns it on every (re)connect, so a client may use
+ *            the old one until its next PostgreSQL round trip)
+ *
+ * The cache design (issue 12) is the default: terminal values are written
+ * only by the worker, once their commit is durable, in a namespace of the
+ * current timeline; the client writes only its marker.  A variant restores
+ * the old design by defining, before including this file:
+ *   CLIENT_SETS_TERMINAL   the runner SETs its own result after COMMIT and
+ *            every replay it reads from PostgreSQL (repopulation)
+ *   COPY_AT_COMMIT         the worker copies as soon as it sees the entry
+ *   NS_WITHOUT_TIMELINE    the namespace survives a promotion
  */
 
 #ifndef NRUN
@@ -65,6 +82,8 @@
 #define V_DONE   2      /* "idem1 c <attempt> <fp> <outcome>" */
 #define V_FAILP  3      /* "idem1 f <attempt> <fp> <detail>" */
 #define VK_OF(s)  ((s) == S_DONE -> V_DONE : V_FAILP)
+/* Valkey values are idem2 (MACed, src/cache_format.h): forged or altered
+ * values are ignored by every reader and are not modelled. */
 
 /* An outcome (or failure detail) names the attempt and the runner that
  * produced it, so that a replay of anything but the committed outcome is
@@ -98,15 +117,53 @@ byte ext_effects = 0;   /* effects performed outside PostgreSQL (lease mode) */
 #define ZOMBIE (NRUN + 1)
 byte lock_owner = 0;    /* runner id, ZOMBIE, 0 = free */
 
+/* ===================== durability (DURABILITY) ===================== */
+/* Commits are numbered (commit_seq = the WAL insert position of the last
+ * commit record); flushed_seq is the primary's WAL flush position,
+ * standby_seq the standby's.  d_* is the ledger as flushed, s_* as the
+ * standby has it (a prefix: walsender ships flushed WAL only).  A crash
+ * restores d_*, a promotion s_* (and starts timeline 1). */
+byte commit_seq = 0;
+byte flushed_seq = 0;
+byte standby_seq = 0;
+byte d_row_st = S_NONE, d_row_att = 0, d_row_out = 0, d_row_holder = 0, d_effects = 0;
+byte s_row_st = S_NONE, s_row_att = 0, s_row_out = 0, s_row_holder = 0, s_effects = 0;
+byte pg_gen = 0;        /* server incarnation: a crash or promotion ends every
+                         * open transaction (its client sees an error) */
+byte tl = 0;            /* timeline */
+bool lost_ack = false;  /* ghost: a crash or promotion lost an acknowledged
+                         * terminal commit (synchronous_commit = off, an
+                         * asynchronous standby: PostgreSQL's own limit) */
+
 /* ============================== Valkey ============================== */
+/* vk_* is the key in the current namespace (<prefix><sysid>.<timeline>.
+ * <dboid>:, idem_cache_keyspace()); ovk_* the same key in the previous
+ * timeline's namespace, read only by a client that has not yet re-learnt
+ * its keyspace since a promotion (ns_old[i]). */
 byte vk_kind = V_NONE;
 byte vk_val = 0;        /* marker: runner id (token); terminal: outcome */
+byte ovk_kind = V_NONE;
+byte ovk_val = 0;
+bool ns_old[NRUN + 1];
 bool vk_up = true;      /* reachable */
 
 /* ================== outbox (src/outbox.c shared queue) ================== */
 bool ob_pending = false;    /* a terminal copy waits for the worker */
 byte ob_kind = V_NONE;
 byte ob_val = 0;
+byte ob_seq = 0;            /* the WAL position the copy waits for */
+
+/* When the worker may write a queued copy (src/worker.c): once the WAL is
+ * flushed past it, and past it on the named standby. */
+#ifndef COPY_AT_COMMIT
+#ifdef STANDBY_SLOTS
+#define WORKER_MAY_COPY (ob_seq <= flushed_seq && ob_seq <= standby_seq)
+#else
+#define WORKER_MAY_COPY (ob_seq <= flushed_seq)
+#endif
+#else
+#define WORKER_MAY_COPY true
+#endif
 
 /* ============================ bookkeeping ============================ */
 byte faults = 0;        /* faults spent from NFAULT */
@@ -135,11 +192,25 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
  * timed-out reply) means: skip the gate, PostgreSQL decides.
  * A variant may replace this step (#define STEP_GATE before including).
  */
+#ifdef RELEARN_AT_GATE
+#define STALE_NS(me) false      /* control: the keyspace is always current */
+#else
+#define STALE_NS(me) ns_old[me]
+#endif
 #ifndef STEP_GATE
 inline gate_step(me)
 {
 	if
-	:: atomic { vk_up ->
+	:: atomic { vk_up && STALE_NS(me) ->
+		/* a keyspace learnt before a promotion: the old namespace */
+		if
+		:: ovk_kind == V_NONE -> res = R_GO    /* its marker there guards nothing */
+		:: ovk_kind == V_MARK -> res = R_BUSY
+		:: ovk_kind == V_DONE || ovk_kind == V_FAILP ->
+			got_kind = ovk_kind; got_val = ovk_val; res = R_REPLAY;
+			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
+		fi }
+	:: atomic { vk_up && !STALE_NS(me) ->
 		if
 		:: vk_kind == V_NONE -> vk_kind = V_MARK; vk_val = me; marked = true; res = R_GO
 		:: vk_kind == V_MARK -> res = R_BUSY
@@ -148,7 +219,7 @@ inline gate_step(me)
 			/* REPLAY: a cached terminal value is the committed one */
 			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
 		fi }
-	:: atomic { vk_up && vk_kind == V_NONE && VK_FAULT ->
+	:: atomic { vk_up && !STALE_NS(me) && vk_kind == V_NONE && VK_FAULT ->
 		/* the script ran (marker set) but its reply timed out: the runner
 		 * does not know it holds a marker and goes to PostgreSQL */
 		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
@@ -157,18 +228,37 @@ inline gate_step(me)
 }
 #endif
 
+/* Any PostgreSQL round trip after a promotion fails on the old connection;
+ * the client reconnects and re-learns its keyspace in the first pipeline
+ * (client/runner.c).  With NS_WITHOUT_TIMELINE there is one namespace. */
+#define LEARN_KEYSPACE(me) ns_old[me] = false
+
+/* idem_claim / idem_lookup read a terminal row: the backend queues a copy
+ * for the worker with the WAL insert position at read time (the row's
+ * commit record is before it).  The queue may be full (dropped). */
+inline server_repopulate()
+{
+	if
+	:: !ob_pending -> ob_pending = true; ob_kind = got_kind; ob_val = got_val; ob_seq = commit_seq
+	:: ob_pending -> skip               /* the same terminal value is queued */
+	:: FAULT -> SPEND                   /* queue full: dropped */
+	fi
+}
+
 /*
  * Valkey silent (the gate skipped it): the runner's lookup_first step
  * (client/runner.c lookup_step), one autocommit idem_lookup before any
  * transaction.  A committed terminal row answers the delivery as the claim
- * would (replay); anything else goes on to the claim.  No repopulation:
- * the code's gate is resting then, and publish() skips it.
+ * would (replay); anything else goes on to the claim.  The server queues
+ * the terminal row it read for the worker (server_repopulate).
  */
 inline lookup_step(me)
 {
 	atomic {
+		LEARN_KEYSPACE(me);
 		if
-		:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+		:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY;
+			server_repopulate()
 		:: else -> skip
 		fi
 	}
@@ -212,10 +302,13 @@ inline cad_step(me)
 inline claim_step(me)
 {
 	atomic {
+		LEARN_KEYSPACE(me);
+		tx_gen = pg_gen;
 		if
 		:: lock_owner != 0 ->                            /* lock not available */
 			if
-			:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+			:: TERMINAL(row_st) -> got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY;
+				server_repopulate()
 			:: else -> res = R_BUSY
 			fi
 		:: lock_owner == 0 ->
@@ -223,7 +316,8 @@ inline claim_step(me)
 			:: row_st == S_NONE ->                       /* new key: pending claim */
 				tx_st = S_PROC; tx_att = 1; tx_wrote = true; res = R_CLAIMED
 			:: TERMINAL(row_st) ->                       /* replay */
-				got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY
+				got_kind = VK_OF(row_st); got_val = row_out; res = R_REPLAY;
+				server_repopulate()
 			:: row_st == S_FAILR ->                      /* re-claim */
 				tx_st = S_PROC; tx_att = row_att + 1; tx_wrote = true; res = R_CLAIMED
 			:: row_st == S_PROC && lease_live[row_holder] -> res = R_BUSY
@@ -273,7 +367,7 @@ inline runner_dies(me)
 inline outbox_at_commit(kind, val)
 {
 	if
-	:: ob_pending = true; ob_kind = kind; ob_val = val
+	:: ob_pending = true; ob_kind = kind; ob_val = val; ob_seq = commit_seq
 	:: FAULT -> SPEND                                  /* queue full: dropped */
 	fi
 }
@@ -292,11 +386,25 @@ inline tx_commit_effects(me)
 		row_st = tx_st; row_att = tx_att; row_out = tx_out; row_holder = me
 	:: else -> skip
 	fi;
+#ifdef DURABILITY
+	if
+	:: tx_wrote || tx_eff -> commit_seq++   /* its commit record */
+	:: else -> skip
+	fi;
+#endif
 	if
 	:: TERMINAL(tx_st) -> outbox_at_commit(VK_OF(tx_st), tx_out)
 	:: else -> skip
 	fi;
 	tx_rollback(me)                 /* releases the try-lock, clears the tx */
+}
+
+/* The WAL is flushed up to the last commit (the WAL writer, a synchronous
+ * commit, or the worker's nudge): the flushed state is the visible one. */
+inline wal_flush()
+{
+	d_row_st = row_st; d_row_att = row_att; d_row_out = row_out;
+	d_row_holder = row_holder; d_effects = effects; flushed_seq = commit_seq
 }
 
 /*
@@ -328,28 +436,42 @@ inline commit_step(me)
 {
 	atomic {
 		if
+		:: tx_gen != pg_gen ->
+			/* the server crashed or was promoted away since BEGIN: the
+			 * transaction is gone; COMMIT fails ("commit unknown" to the
+			 * client, which requeues) */
+			tx_clear(); res = R_REQUEUE
+		:: tx_gen == pg_gen ->
+		if
 		:: if
 			:: tx_st == S_FAILR -> res = R_REQUEUE
 			:: else -> res = R_APPLIED; got_kind = VK_OF(tx_st); got_val = tx_out
 			fi;
 			tx_commit_effects(me)
+#ifdef DURABILITY
+			/* synchronous_commit = on for this transaction: flushed first */
+			; if
+			:: wal_flush()
+			:: skip                     /* off: returns before the flush */
+			fi
+#endif
 		:: FAULT -> SPEND; tx_rollback(me); res = R_REQUEUE          /* terminated */
 		:: FAULT -> SPEND; tx_commit_effects(me); res = R_REQUEUE    /* reply lost */
+		fi
 		fi
 	}
 }
 #endif
 
-/* client/runner.c publish() -> client/gate.c idem_gate_publish():
- * SET <terminal value> PX <remaining retention>, overwriting any marker.
- * Used for a replay read from PostgreSQL (repopulate), and -- with the
- * runner's cache_results option, on by default -- for the runner's own
- * terminal result after COMMIT (NO_CACHE_RESULTS: the worker alone). */
-inline repopulate_step()
+/* The OLD design only (CLIENT_SETS_TERMINAL): the runner's publish()
+ * SET <terminal value> PX <remaining retention> over any marker, for a
+ * replay read from PostgreSQL and for its own result after COMMIT.  The
+ * client no longer writes terminal values (issue 12). */
+inline client_set_terminal()
 {
 	atomic {
 		if
-		:: vk_up -> vk_kind = got_kind; vk_val = got_val; marked = false
+		:: vk_up && !ns_old[me] -> vk_kind = got_kind; vk_val = got_val; marked = false
 		:: else -> skip
 		fi
 	}

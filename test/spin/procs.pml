@@ -14,6 +14,7 @@ proctype runner(byte me)
 	bool silent;                    /* the gate found Valkey unreachable */
 	byte tx_st, tx_att, tx_out;     /* this runner's open transaction */
 	bool tx_wrote, tx_eff;
+	byte tx_gen;                    /* pg_gen at BEGIN */
 
 end_idle:
 	do
@@ -49,10 +50,14 @@ end_idle:
 				atomic { tx_rollback(me) };
 				cad_step(me)
 			:: res == R_REPLAY ->
-				/* REPLAY read from PostgreSQL is the committed outcome */
-				assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val);
+				/* REPLAY read from PostgreSQL is the committed outcome
+				 * (unless a crash or promotion has since lost it) */
+				assert(tx_gen != pg_gen ||
+					(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val));
 				atomic { tx_rollback(me) };     /* COMMIT, nothing written */
-				repopulate_step();              /* publish(): SET value PX */
+#ifdef CLIENT_SETS_TERMINAL
+				client_set_terminal();          /* old design: SET value PX */
+#endif
 				acked = true
 			:: res == R_CLAIMED ->
 #ifndef LEASE_MODE
@@ -67,12 +72,12 @@ end_idle:
 				fi;
 				if
 				:: res == R_APPLIED -> acked = true
-#ifndef NO_CACHE_RESULTS
-					/* cache_results: SET our own terminal result (over our
-					 * marker); the worker's copy follows anyway */
-					repopulate_step()
+#ifdef CLIENT_SETS_TERMINAL
+					/* old design: SET our own terminal result after COMMIT */
+					; client_set_terminal()
 #endif
-					/* no compare-and-delete: a terminal result replaces the marker */
+					/* no compare-and-delete: the worker's copy replaces
+					 * the marker (or it expires) */
 				:: res == R_REQUEUE -> cad_step(me)
 				:: res == R_DIED -> skip              /* backend idle in tx until it is terminated */
 				fi
@@ -106,14 +111,63 @@ end_idle:
 }
 
 /* Background worker (src/worker.c): drains the shared-memory queue and
- * writes SET <key> <terminal value> PX <retention>, overwriting a marker.
- * While Valkey is down the entry stays queued (reconnect with backoff). */
+ * writes SET <key> <terminal value> PX <retention>, overwriting a marker,
+ * in the current timeline's namespace, once WORKER_MAY_COPY (the commit is
+ * durable).  While Valkey is down the entry stays queued (reconnect with
+ * backoff). */
 active proctype worker()
 {
 end:	do
-	:: atomic { ob_pending && vk_up -> vk_kind = ob_kind; vk_val = ob_val; ob_pending = false }
+	:: atomic { ob_pending && vk_up && WORKER_MAY_COPY ->
+		vk_kind = ob_kind; vk_val = ob_val; ob_pending = false }
 	od
 }
+
+#ifdef DURABILITY
+/* PostgreSQL's WAL and its faults.  Flush: the WAL writer (or any
+ * synchronous commit) flushes up to the last commit.  Replication: the
+ * standby receives and flushes what the primary has flushed.  Crash: an
+ * immediate stop (or power loss) and crash recovery: unflushed commits are
+ * lost, every backend and the shared-memory queue with them; same timeline.
+ * Promotion: the standby becomes the primary with what it has: a new
+ * timeline, hence (unless NS_WITHOUT_TIMELINE) a new, empty namespace;
+ * clients keep their old keyspace until their next PostgreSQL round trip. */
+#define LOSE_TO(pfx) \
+	if \
+	:: TERMINAL(row_st) && !TERMINAL(pfx##_row_st) -> lost_ack = true \
+	:: else -> skip \
+	fi; \
+	row_st = pfx##_row_st; row_att = pfx##_row_att; row_out = pfx##_row_out; \
+	row_holder = pfx##_row_holder; effects = pfx##_effects; \
+	lock_owner = 0; ob_pending = false; pg_gen++
+
+active proctype pg_wal()
+{
+end:	do
+	:: atomic { flushed_seq != commit_seq -> wal_flush() }
+	:: atomic { standby_seq != flushed_seq ->
+		s_row_st = d_row_st; s_row_att = d_row_att; s_row_out = d_row_out;
+		s_row_holder = d_row_holder; s_effects = d_effects; standby_seq = flushed_seq }
+	:: atomic { FAULT && flushed_seq != commit_seq -> SPEND;      /* crash */
+		LOSE_TO(d); commit_seq = flushed_seq }
+#ifdef FAILOVER
+	:: atomic { FAULT && tl == 0 -> SPEND;                          /* promotion */
+		LOSE_TO(s);
+		d_row_st = s_row_st; d_row_att = s_row_att; d_row_out = s_row_out;
+		d_row_holder = s_row_holder; d_effects = s_effects;
+		commit_seq = standby_seq; flushed_seq = standby_seq; tl = 1;
+#ifndef NS_WITHOUT_TIMELINE
+		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ns_old[1] = true; ns_old[2] = true;
+#if NRUN >= 3
+		ns_old[3] = true;
+#endif
+#endif
+		skip }
+#endif
+	od
+}
+#endif
 
 /* Marker PX expiry: time passes, the lease-long marker expires (no fault:
  * this is the normal end of a dead runner's marker). */
@@ -122,6 +176,7 @@ active proctype marker_px()
 {
 end:	do
 	:: atomic { vk_kind == V_MARK -> vk_kind = V_NONE; vk_val = 0 }
+	:: atomic { ovk_kind == V_MARK -> ovk_kind = V_NONE; ovk_val = 0 }
 	od
 }
 #endif
@@ -168,7 +223,7 @@ end:	do
 active proctype valkey_faults()
 {
 end:	do
-	:: atomic { VK_FAULT -> SPEND; vk_kind = V_NONE; vk_val = 0 }
+	:: atomic { VK_FAULT -> SPEND; vk_kind = V_NONE; vk_val = 0; ovk_kind = V_NONE; ovk_val = 0 }
 	:: atomic { VK_FAULT && vk_up -> SPEND; vk_up = false }
 	:: atomic { !vk_up -> vk_up = true }
 	od
@@ -190,7 +245,7 @@ end:	do
 #define NO_EFFECT_OF_FAILP (row_st != S_FAILP || effects == 0)
 #define CACHE_IS_TRUTH (!(vk_kind == V_DONE || vk_kind == V_FAILP) || \
 	(TERMINAL(row_st) && VK_OF(row_st) == vk_kind && vk_val == row_out))
-#define ACK_IS_TERMINAL (!acked || TERMINAL(row_st))
+#define ACK_IS_TERMINAL (!acked || TERMINAL(row_st) || lost_ack)
 #define LV(i) (lease_live[i] && in_lease[i])
 #if NRUN >= 3
 #define ONE_LEASE (!(LV(1) && LV(2)) && !(LV(1) && LV(3)) && !(LV(2) && LV(3)))
