@@ -11,18 +11,19 @@ MODULE_big = idem
 OBJS = src/idem.o src/guc.o src/digest.o src/install.o src/ledger.o \
 	src/ledger_store.o src/ledger_insert.o src/pending.o \
 	src/outbox.o src/worker.o src/stats.o \
-	src/cache_secret.o src/cache_keyspace.o src/valkey_cluster.o
+	src/cache_secret.o src/cache_keyspace.o src/valkey_cluster.o \
+	src/ledger_batch.o
 DATA = $(wildcard src/sql/idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src
 SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache
+REGRESS = install ledger errors security write hot upgrade stats cache batch
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
-ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed
+ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 

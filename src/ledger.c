@@ -52,15 +52,6 @@ PG_FUNCTION_INFO_V1(idem_purge);
 /* When another transaction holds a key, suggest a retry within this. */
 #define IDEM_BUSY_RETRY_MS		1000
 
-/* What a claim answers. */
-typedef struct ClaimAnswer
-{
-	IdemDecision decision;
-	int32		attempt;		/* 0: none (NULL) */
-	Datum		outcome;		/* jsonb, or 0 for NULL */
-	TimestampTz expires_at;
-} ClaimAnswer;
-
 /* Per call site (fn_extra) of a non-set-returning function. */
 typedef struct CallCache
 {
@@ -70,13 +61,10 @@ typedef struct CallCache
 
 /* ---------- arguments ---------- */
 
-static void
-digest_arg(FunctionCallInfo fcinfo, int argno, const char *name, uint8 *out)
+/* A key or fingerprint: exactly IDEM_DIGEST_LEN bytes. */
+void
+ledger_check_digest(const bytea *d, const char *name, uint8 *out)
 {
-	bytea	   *d;
-
-	idem_require_arg(fcinfo, argno, name);
-	d = PG_GETARG_BYTEA_PP(argno);
 	if (VARSIZE_ANY_EXHDR(d) != IDEM_DIGEST_LEN)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -84,6 +72,13 @@ digest_arg(FunctionCallInfo fcinfo, int argno, const char *name, uint8 *out)
 						name, IDEM_DIGEST_LEN, (int) VARSIZE_ANY_EXHDR(d)),
 				 errhint("Derive keys with idem_key(scope, id) and fingerprints with idem_fingerprint(request).")));
 	memcpy(out, VARDATA_ANY(d), IDEM_DIGEST_LEN);
+}
+
+static void
+digest_arg(FunctionCallInfo fcinfo, int argno, const char *name, uint8 *out)
+{
+	idem_require_arg(fcinfo, argno, name);
+	ledger_check_digest(PG_GETARG_BYTEA_PP(argno), name, out);
 }
 
 /* (tenant_id,) key: returns the index of the next argument. */
@@ -105,20 +100,18 @@ key_args(FunctionCallInfo fcinfo, LedgerKind kind, LedgerKey *lk)
 }
 
 /*
- * now + the interval argument, or + default_ms when it is NULL.  Zero and
- * negative intervals are refused: a lease or retention that has already
- * ended is a bug in the caller.
+ * now + iv, or + default_ms when iv is NULL.  Zero and negative intervals
+ * are refused: a lease or retention that has already ended is a bug in the
+ * caller.
  */
-static TimestampTz
-deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
-			 int64 default_ms, TimestampTz now)
+TimestampTz
+ledger_deadline(Interval *iv, const char *name, int64 default_ms,
+				TimestampTz now)
 {
-	Interval   *iv;
 	double		span;			/* only its sign matters: no overflow */
 
-	if (PG_ARGISNULL(argno))
+	if (iv == NULL)
 		return now + default_ms * INT64CONST(1000);
-	iv = PG_GETARG_INTERVAL_P(argno);
 	span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
 		(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
 	if (span <= 0)
@@ -133,22 +126,28 @@ deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
 												   IntervalPGetDatum(iv)));
 }
 
+static TimestampTz
+deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
+			 int64 default_ms, TimestampTz now)
+{
+	return ledger_deadline(PG_ARGISNULL(argno) ? NULL : PG_GETARG_INTERVAL_P(argno),
+						   name, default_ms, now);
+}
+
 /* A result or failure detail: a JSON object of at most 4096 bytes of text. */
-static char *
-outcome_arg(FunctionCallInfo fcinfo, int argno, const char *name, Jsonb **jb)
+char *
+ledger_check_outcome(Jsonb *jb, const char *name)
 {
 	char	   *text;
 	size_t		len;
 
-	idem_require_arg(fcinfo, argno, name);
-	*jb = PG_GETARG_JSONB_P(argno);
-	if (JB_ROOT_IS_SCALAR(*jb) || !JB_ROOT_IS_OBJECT(*jb))
+	if (JB_ROOT_IS_SCALAR(jb) || !JB_ROOT_IS_OBJECT(jb))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must be a JSON object", name),
 				 errdetail("Got a JSON %s.",
-						   JB_ROOT_IS_SCALAR(*jb) ? "scalar" : "array")));
-	text = JsonbToCString(NULL, &(*jb)->root, VARSIZE(*jb));
+						   JB_ROOT_IS_SCALAR(jb) ? "scalar" : "array")));
+	text = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
 	len = strlen(text);
 	if (len > IDEM_OUTCOME_MAX)
 		ereport(ERROR,
@@ -157,6 +156,14 @@ outcome_arg(FunctionCallInfo fcinfo, int argno, const char *name, Jsonb **jb)
 						name, len, IDEM_OUTCOME_MAX),
 				 errhint("Store large results elsewhere and keep a reference in the outcome.")));
 	return text;
+}
+
+static char *
+outcome_arg(FunctionCallInfo fcinfo, int argno, const char *name, Jsonb **jb)
+{
+	idem_require_arg(fcinfo, argno, name);
+	*jb = PG_GETARG_JSONB_P(argno);
+	return ledger_check_outcome(*jb, name);
 }
 
 /*
@@ -343,6 +350,56 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	ans->expires_at = now + IDEM_BUSY_RETRY_MS * INT64CONST(1000);
 }
 
+/*
+ * One key's claim: the key lock without waiting, then the decision.  The
+ * lock stays held (until the transaction ends) only when the key is
+ * claimed.  Shared by idem_claim and idem_claim_many (ledger_batch.c).
+ */
+void
+ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
+				 const uint8 *fingerprint, TimestampTz now,
+				 TimestampTz lease_end, ClaimAnswer *ans)
+{
+	LOCKTAG		tag;
+	LockAcquireResult lockres;
+
+	key_locktag(&tag, lk);
+	lockres = LockAcquire(&tag, ExclusiveLock, false, true);
+	if (lockres == LOCKACQUIRE_NOT_AVAIL)
+	{
+		/* Another transaction is on this key: answer without waiting. */
+		LedgerRow	row;
+		bool		found = ledger_probe(store, lk, GetTransactionSnapshot(), &row);
+
+		answer_from_row(&row, found, fingerprint, now,
+						Min(lease_end, now + IDEM_BUSY_RETRY_MS * INT64CONST(1000)),
+						ans);
+	}
+	else
+	{
+		claim_locked(store, lk, fingerprint, now, lease_end, ans);
+		/* Nothing claimed: let the next claimer in at once. */
+		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
+			LockRelease(&tag, ExclusiveLock, false);
+	}
+
+	idem_stats_count_claim(ans->decision);
+}
+
+/* The four columns of idem_claim_result. */
+void
+ledger_answer_values(const ClaimAnswer *ans, Datum *values, bool *nulls)
+{
+	values[0] = CStringGetTextDatum(idem_decision_names[ans->decision]);
+	nulls[0] = false;
+	values[1] = Int32GetDatum(ans->attempt);
+	nulls[1] = ans->attempt == 0;
+	values[2] = ans->outcome;
+	nulls[2] = ans->outcome == (Datum) 0;
+	values[3] = TimestampTzGetDatum(ans->expires_at);
+	nulls[3] = false;
+}
+
 static Datum
 ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 {
@@ -351,12 +408,10 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz lease_end;
-	LOCKTAG		tag;
-	LockAcquireResult lockres;
 	LedgerStore *store;
 	ClaimAnswer ans;
 	Datum		values[4];
-	bool		nulls[4] = {false, false, false, false};
+	bool		nulls[4];
 	int			next;
 
 	/* The claim's row is written later, at complete or at pre-commit. */
@@ -366,34 +421,9 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	lease_end = deadline_arg(fcinfo, next + 1, "lease", idem_lease_ms, now);
 	store = ledger_store_open(cc->nsp, kind);
 
-	key_locktag(&tag, &lk);
-	lockres = LockAcquire(&tag, ExclusiveLock, false, true);
-	if (lockres == LOCKACQUIRE_NOT_AVAIL)
-	{
-		/* Another transaction is on this key: answer without waiting. */
-		LedgerRow	row;
-		bool		found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
+	ledger_claim_key(store, &lk, fingerprint, now, lease_end, &ans);
 
-		answer_from_row(&row, found, fingerprint, now,
-						Min(lease_end, now + IDEM_BUSY_RETRY_MS * INT64CONST(1000)),
-						&ans);
-	}
-	else
-	{
-		claim_locked(store, &lk, fingerprint, now, lease_end, &ans);
-		/* Nothing claimed: let the next claimer in at once. */
-		if (ans.decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
-			LockRelease(&tag, ExclusiveLock, false);
-	}
-
-	idem_stats_count_claim(ans.decision);
-
-	values[0] = CStringGetTextDatum(idem_decision_names[ans.decision]);
-	values[1] = Int32GetDatum(ans.attempt);
-	nulls[1] = ans.attempt == 0;
-	values[2] = ans.outcome;
-	nulls[2] = ans.outcome == (Datum) 0;
-	values[3] = TimestampTzGetDatum(ans.expires_at);
+	ledger_answer_values(&ans, values, nulls);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(cc->tupdesc, values, nulls)));
 }
 
@@ -417,11 +447,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	Jsonb	   *outcome;
 	char	   *outcome_text;
 	const char *status = "completed";
-	LedgerStore *store;
-	PendingClaim *mine;
-	int32		attempt;
 	int32		fence;
-	uint8		fingerprint[IDEM_DIGEST_LEN];
 	int			next;
 
 	next = key_args(fcinfo, kind, &lk);
@@ -442,9 +468,26 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("attempt must be positive, not %d", fence)));
 	}
-	store = ledger_store_open(cc->nsp, kind);
+	ledger_settle_key(ledger_store_open(cc->nsp, kind), &lk, what, status,
+					  outcome, outcome_text, retention_end, fence);
+}
 
-	mine = pending_find(&lk);
+/*
+ * One key's completion or failure (status), after its arguments were
+ * checked.  fence 0: no attempt given.  Shared by idem_complete /
+ * idem_fail and idem_complete_many (ledger_batch.c).
+ */
+void
+ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
+				  const char *status, Jsonb *outcome, const char *outcome_text,
+				  TimestampTz retention_end, int32 fence)
+{
+	PendingClaim *mine;
+	int32		attempt;
+	uint8		fingerprint[IDEM_DIGEST_LEN];
+	bool		is_fail = strcmp(status, "completed") != 0;
+
+	mine = pending_find(lk);
 	if (mine && fence > 1)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -455,7 +498,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 		/* Claimed in this transaction: the row's one and only write. */
 		memcpy(fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
 		attempt = 1;
-		ledger_insert(store, &lk, fingerprint, status, attempt,
+		ledger_insert(store, lk, fingerprint, status, attempt,
 					  JsonbPGetDatum(outcome), retention_end);
 		pending_settle(mine);
 	}
@@ -463,19 +506,19 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	{
 		LOCKTAG		tag;
 
-		key_locktag(&tag, &lk);
+		key_locktag(&tag, lk);
 		if (LockAcquire(&tag, ExclusiveLock, false, true) == LOCKACQUIRE_NOT_AVAIL)
 			ereport(ERROR,
 					(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 					 errmsg("cannot %s idempotency key: another transaction holds it", what),
 					 errhint("Only the transaction that claimed a key, or a later one after it committed, can %s it.",
 							 what)));
-		if (!ledger_finish(store, &lk, status, JsonbPGetDatum(outcome),
+		if (!ledger_finish(store, lk, status, JsonbPGetDatum(outcome),
 						   retention_end, fence, &attempt, fingerprint))
 		{
 			LedgerRow	row;
 
-			if (!ledger_probe(store, &lk, GetTransactionSnapshot(), &row))
+			if (!ledger_probe(store, lk, GetTransactionSnapshot(), &row))
 				ereport(ERROR,
 						(errcode(ERRCODE_NO_DATA_FOUND),
 						 errmsg("cannot %s idempotency key: it has not been claimed", what),
@@ -497,7 +540,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	}
 
 	if (strcmp(status, "failed_retryable") != 0)
-		idem_outbox_add(kind == LEDGER_PLATFORM, lk.tenant_id, lk.key,
+		idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						is_fail ? IDEM_CACHE_FAILED_PERMANENT : IDEM_CACHE_COMPLETED,
 						attempt, fingerprint, outcome_text,
 						(int) strlen(outcome_text), retention_end);

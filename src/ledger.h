@@ -21,7 +21,9 @@
 
 #include "idem.h"
 
+#include "utils/jsonb.h"
 #include "utils/snapshot.h"
+#include "datatype/timestamp.h"
 
 typedef enum LedgerKind
 {
@@ -50,6 +52,30 @@ typedef struct LedgerRow
 } LedgerRow;
 
 typedef struct LedgerStore LedgerStore;
+
+/* What a claim answers (the columns of idem_claim_result). */
+typedef struct ClaimAnswer
+{
+	IdemDecision decision;
+	int32		attempt;		/* 0: none (NULL) */
+	Datum		outcome;		/* jsonb, or 0 for NULL */
+	TimestampTz expires_at;
+} ClaimAnswer;
+
+/* ledger.c: one key's claim and settlement, and the argument checks */
+extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
+							 const uint8 *fingerprint, TimestampTz now,
+							 TimestampTz lease_end, ClaimAnswer *ans);
+extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
+								 bool *nulls);
+extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
+							  const char *what, const char *status,
+							  Jsonb *outcome, const char *outcome_text,
+							  TimestampTz retention_end, int32 fence);
+extern void ledger_check_digest(const bytea *d, const char *name, uint8 *out);
+extern char *ledger_check_outcome(Jsonb *jb, const char *name);
+extern TimestampTz ledger_deadline(Interval *iv, const char *name,
+								   int64 default_ms, TimestampTz now);
 
 /* ledger_store.c */
 extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);

@@ -30,3 +30,42 @@ REVOKE ALL ON FUNCTION
     @extschema@.idem_cache_secrets(),
     @extschema@.idem_rotate_cache_secret()
 FROM PUBLIC;
+
+-- The batch API (src/ledger_batch.c): claim or complete many keys in one
+-- statement.  Arrays are parallel; ord is the 1-based position of the key.
+-- At most max_locks_per_transaction keys per call (each claimed key holds
+-- one lock until the transaction ends).
+CREATE FUNCTION @extschema@.idem_claim_many(tenant_ids bigint[], keys bytea[],
+                                            fingerprints bytea[],
+                                            lease interval DEFAULT NULL)
+RETURNS TABLE(ord integer, decision text, attempt integer, outcome jsonb,
+              expires_at timestamptz)
+AS 'MODULE_PATHNAME', 'idem_claim_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 32;
+
+CREATE FUNCTION @extschema@.idem_complete_many(tenant_ids bigint[], keys bytea[],
+                                               outcomes jsonb[],
+                                               retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_complete_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_platform_claim_many(keys bytea[], fingerprints bytea[],
+                                                     lease interval DEFAULT NULL)
+RETURNS TABLE(ord integer, decision text, attempt integer, outcome jsonb,
+              expires_at timestamptz)
+AS 'MODULE_PATHNAME', 'idem_platform_claim_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 32;
+
+CREATE FUNCTION @extschema@.idem_platform_complete_many(keys bytea[], outcomes jsonb[],
+                                                        retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_platform_complete_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION
+    @extschema@.idem_claim_many(bigint[], bytea[], bytea[], interval),
+    @extschema@.idem_complete_many(bigint[], bytea[], jsonb[], interval),
+    @extschema@.idem_platform_claim_many(bytea[], bytea[], interval),
+    @extschema@.idem_platform_complete_many(bytea[], jsonb[], interval)
+FROM PUBLIC;
