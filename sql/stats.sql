@@ -25,7 +25,8 @@ SELECT queued AS q0, dropped AS d0, queue_depth AS depth0,
        claims_failed_permanent AS fp0, claims_busy AS b0, claims_mismatch AS m0
   FROM idem_stats() \gset
 
--- Every decision once; two terminal results committed.
+-- Every decision once; two terminal results committed, and the two replays
+-- queue a copy of the row they read (repopulation after a cache miss).
 SELECT decision FROM idem_claim(1, idem_key('s', '1'), idem_fingerprint('{}'));
 SELECT idem_complete(1, idem_key('s', '1'), '{"n": 1}');
 SELECT decision FROM idem_claim(1, idem_key('s', '1'), idem_fingerprint('{}'));

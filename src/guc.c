@@ -10,7 +10,8 @@
  *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
  *		idem.valkey_password_file,
  *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
- *		idem.valkey_command_timeout, idem.valkey_batch_delay
+ *		idem.valkey_command_timeout, idem.valkey_batch_delay,
+ *		idem.standby_slots
  *	  Server start only:
  *		idem.queue_size
  *
@@ -37,6 +38,7 @@ int			idem_valkey_connect_timeout_ms = 1000;
 int			idem_valkey_command_timeout_ms = 1000;
 int			idem_valkey_batch_delay_ms = 1;
 int			idem_queue_size = 65536;
+char	   *idem_standby_slots = NULL;
 
 static bool
 check_valkey_host(char **newval, void **extra, GucSource source)
@@ -172,6 +174,14 @@ idem_define_gucs(void)
 							1, 0, 1000,
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.standby_slots",
+							   "Physical replication slots whose standbys must have flushed a commit before its result is copied to Valkey.",
+							   "A failover to one of these standbys cannot lose a result Valkey holds.  Each copy waits for the slowest of them (a missing or unused slot holds every copy back).  Empty: only the local WAL flush is waited for.",
+							   &idem_standby_slots,
+							   "",
+							   PGC_SIGHUP, GUC_LIST_INPUT,
+							   idem_check_standby_slots, NULL, NULL);
 
 	/*
 	 * PostgreSQL refuses (FATAL) to define a PGC_POSTMASTER setting after

@@ -16,6 +16,7 @@
  *	  worker.c		the background worker that drains the queue into Valkey
  *	  cache_secret.c	the secret that MACs Valkey values: file, shared copy,
  *					rotation, HMAC
+ *	  standby_slots.c	idem.standby_slots: the standbys a copy waits for
  *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
  *					timeline, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
@@ -30,6 +31,7 @@
 
 #include "access/xlogdefs.h"
 #include "fmgr.h"
+#include "utils/guc.h"
 #include "utils/timestamp.h"
 
 #include "cache_format.h"
@@ -71,7 +73,14 @@ extern int	idem_valkey_connect_timeout_ms;
 extern int	idem_valkey_command_timeout_ms;
 extern int	idem_valkey_batch_delay_ms;
 extern int	idem_queue_size;
+extern char *idem_standby_slots;
 extern void idem_define_gucs(void);
+
+/* standby_slots.c */
+extern bool idem_check_standby_slots(char **newval, void **extra,
+									 GucSource source);
+extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
+									   size_t whylen);
 
 /* outbox.c */
 extern void idem_outbox_init(bool preloading);
@@ -81,6 +90,11 @@ extern void idem_outbox_add(bool is_platform, int64 tenant_id,
 							int32 attempt, const uint8 *fingerprint,
 							const char *outcome, int outcome_len,
 							TimestampTz expires_at);
+extern void idem_outbox_repopulate(bool is_platform, int64 tenant_id,
+								   const uint8 *key, IdemCacheKind kind,
+								   int32 attempt, const uint8 *fingerprint,
+								   const char *outcome, int outcome_len,
+								   TimestampTz expires_at);
 
 /*
  * One queued copy as it sits in the shared queue.  Records are variable
@@ -94,8 +108,10 @@ typedef struct IdemOutboxRecord
 	char		kind;			/* IdemCacheKind, or 0 for padding */
 	bool		is_platform;
 	int32		attempt;
+	Oid			dboid;			/* the database: part of the Valkey keyspace */
 	int64		tenant_id;
 	TimestampTz expires_at;
+	XLogRecPtr	lsn;			/* copy once WAL is durable up to here */
 	uint8		key[IDEM_DIGEST_LEN];
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	char		outcome[FLEXIBLE_ARRAY_MEMBER];
@@ -107,7 +123,7 @@ extern void idem_outbox_detach_worker(void);
 extern void idem_outbox_worker_awake(void);
 extern bool idem_outbox_worker_sleepy(void);
 extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
-							 int max);
+							 int max, XLogRecPtr durable, bool *held);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);
 extern uint64 idem_outbox_depth(void);
 
@@ -144,7 +160,8 @@ typedef enum IdemStat
 	IDEM_STAT_QUEUED = 0,		/* copies accepted into the shared queue */
 	IDEM_STAT_COPIED,			/* copies written to Valkey */
 	IDEM_STAT_DROPPED,			/* copies refused because the queue was full */
-	IDEM_STAT_COPY_ERRORS,		/* failed connects, batches and SETs */
+	IDEM_STAT_COPY_ERRORS,		/* failed connects and batches (kept, resent) */
+	IDEM_STAT_REJECTED,			/* copies Valkey refused one by one (dropped) */
 	IDEM_STAT_COUNT
 } IdemStat;
 

@@ -227,6 +227,7 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 	ans->attempt = found ? row->attempt : 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = retry_at;
+	ans->committed_row = found && !row->ours;
 	if (found && memcmp(row->fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0)
 		ans->decision = IDEM_DECISION_MISMATCH;
 	else if (found && status_is(row, "completed"))
@@ -251,6 +252,7 @@ static void
 answer_claimed(ClaimAnswer *ans, int32 attempt, TimestampTz lease_end)
 {
 	ans->decision = IDEM_DECISION_CLAIMED;
+	ans->committed_row = false;
 	ans->attempt = attempt;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = lease_end;
@@ -345,9 +347,36 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 
 	/* The row kept changing under us (a purge racing): let the caller retry. */
 	ans->decision = IDEM_DECISION_BUSY;
+	ans->committed_row = false;
 	ans->attempt = 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = now + IDEM_BUSY_RETRY_MS * INT64CONST(1000);
+}
+
+/*
+ * A terminal row read from PostgreSQL (after a cache miss, typically):
+ * queue its copy for Valkey, which the worker writes once the row's commit
+ * is durable.  Rows of this transaction are left to the commit hook.
+ */
+static void
+repopulate(const LedgerKey *lk, const char *status, int32 attempt,
+		   const uint8 *fingerprint, Datum outcome, TimestampTz expires_at)
+{
+	IdemCacheKind kind;
+	char	   *text;
+	Jsonb	   *jb = DatumGetJsonbP(outcome);
+
+	if (strcmp(status, "completed") == 0)
+		kind = IDEM_CACHE_COMPLETED;
+	else if (strcmp(status, "failed_permanent") == 0)
+		kind = IDEM_CACHE_FAILED_PERMANENT;
+	else
+		return;
+	text = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
+	idem_outbox_repopulate(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+						   kind, attempt, fingerprint, text,
+						   (int) strlen(text), expires_at);
+	pfree(text);
 }
 
 /*
@@ -384,6 +413,11 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	}
 
 	idem_stats_count_claim(ans->decision);
+	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
+							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
+		repopulate(lk, ans->decision == IDEM_DECISION_COMPLETED ?
+				   "completed" : "failed_permanent",
+				   ans->attempt, fingerprint, ans->outcome, ans->expires_at);
 }
 
 /* The four columns of idem_claim_result. */
@@ -577,6 +611,9 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		}
 		else
 			found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
+		if (found && !row.ours)
+			repopulate(&lk, row.status, row.attempt, row.fingerprint,
+					   row.outcome, row.expires_at);
 		if (found)
 		{
 			Datum		values[5];

@@ -60,6 +60,7 @@ typedef struct ClaimAnswer
 	int32		attempt;		/* 0: none (NULL) */
 	Datum		outcome;		/* jsonb, or 0 for NULL */
 	TimestampTz expires_at;
+	bool		committed_row;	/* read from a row another transaction wrote */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */

@@ -41,6 +41,7 @@
 #include "idem.h"
 
 #include "access/xact.h"
+#include "access/xlog.h"
 #include "miscadmin.h"
 #include "nodes/pg_list.h"
 #include "port/atomics.h"
@@ -196,18 +197,30 @@ outbox_wake_worker(void)
 		SetLatch(&GetPGProcByNumber(procno)->procLatch);
 }
 
-/* XACT_EVENT_COMMIT: move the pending copies to the shared queue. */
+/*
+ * XACT_EVENT_COMMIT: move the pending copies to the shared queue, each with
+ * the end of this transaction's commit record, so that the worker copies
+ * it only once WAL is durable that far.
+ */
 static void
 outbox_flush(void)
 {
 	ListCell   *lc;
 	uint64		accepted = 0;
 	uint64		dropped = 0;
+	XLogRecPtr	commit_end = XactLastCommitEnd;
+
+	/* Copies are queued only by transactions that wrote a ledger row. */
+	if (XLogRecPtrIsInvalid(commit_end))
+		commit_end = GetXLogInsertRecPtr();
 
 	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
 	foreach(lc, pending_records)
 	{
-		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc)))
+		IdemOutboxRecord *rec = (IdemOutboxRecord *) lfirst(lc);
+
+		rec->lsn = commit_end;
+		if (outbox_ring_append(rec))
 			accepted++;
 		else
 			dropped++;
@@ -360,8 +373,10 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 	rec->kind = (char) kind;
 	rec->is_platform = is_platform;
 	rec->attempt = attempt;
+	rec->dboid = MyDatabaseId;
 	rec->tenant_id = is_platform ? 0 : tenant_id;
 	rec->expires_at = expires_at;
+	rec->lsn = InvalidXLogRecPtr;	/* set at commit */
 	memcpy(rec->key, key, IDEM_DIGEST_LEN);
 	memcpy(rec->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	memcpy(rec->outcome, outcome, outcome_len);
@@ -369,6 +384,58 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 	pending_levels = lappend_int(pending_levels,
 								 GetCurrentTransactionNestLevel());
 	MemoryContextSwitchTo(oldcxt);
+}
+
+/*
+ * Queue a copy of a terminal row that this transaction read but did not
+ * write (idem_lookup, or a claim answering with a replay after a cache
+ * miss), straight into the shared queue: the row is committed already.  Its
+ * commit record is before the WAL insert position now, so the worker copies
+ * it once WAL is durable up to that position.  Nothing is queued during
+ * recovery (a hot standby copies nothing), nor while the queue is more than
+ * half full, so that reads cannot crowd out the copies of new commits.
+ */
+void
+idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
+					   IdemCacheKind kind, int32 attempt,
+					   const uint8 *fingerprint, const char *outcome,
+					   int outcome_len, TimestampTz expires_at)
+{
+	IdemOutboxRecord *rec;
+	Size		size;
+	bool		accepted = false;
+
+	if (outbox == NULL || RecoveryInProgress() ||
+		(kind != IDEM_CACHE_COMPLETED && kind != IDEM_CACHE_FAILED_PERMANENT) ||
+		attempt <= 0 || outcome_len <= 0 || outcome_len > IDEM_OUTCOME_MAX ||
+		outcome[0] != '{')
+		return;
+
+	size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
+	rec = palloc0(size);
+	rec->size = (uint32) size;
+	rec->outcome_len = (uint16) outcome_len;
+	rec->kind = (char) kind;
+	rec->is_platform = is_platform;
+	rec->attempt = attempt;
+	rec->dboid = MyDatabaseId;
+	rec->tenant_id = is_platform ? 0 : tenant_id;
+	rec->expires_at = expires_at;
+	rec->lsn = GetXLogInsertRecPtr();
+	memcpy(rec->key, key, IDEM_DIGEST_LEN);
+	memcpy(rec->fingerprint, fingerprint, IDEM_DIGEST_LEN);
+	memcpy(rec->outcome, outcome, outcome_len);
+
+	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
+	if (outbox->nrecords < outbox->max_records / 2)
+		accepted = outbox_ring_append(rec);
+	LWLockRelease(outbox_lock);
+	pfree(rec);
+	if (accepted)
+	{
+		idem_stats_add(IDEM_STAT_QUEUED, 1);
+		outbox_wake_worker();
+	}
 }
 
 /*
@@ -425,9 +492,13 @@ idem_outbox_worker_sleepy(void)
  * past them (and past any padding).  The worker may peek further while
  * earlier records are still being written, and passes a position it was
  * given to idem_outbox_consume() once everything before it is written.
+ * Stops before the first record whose WAL position is beyond durable, and
+ * then sets *held (records stay in order: one not durable yet holds back
+ * those behind it, which become durable at about the same time).
  */
 int
-idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max)
+idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
+				 XLogRecPtr durable, bool *held)
 {
 	const char *ring = IDEM_OUTBOX_RING(outbox);
 	uint64		p;
@@ -439,13 +510,21 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max)
 	head = outbox->head;
 	LWLockRelease(outbox_lock);
 
+	*held = false;
 	while (p < head && n < max)
 	{
 		const IdemOutboxRecord *rec =
 			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
 
 		if (rec->kind != 0)
+		{
+			if (rec->lsn > durable)
+			{
+				*held = true;
+				break;
+			}
 			records[n++] = rec;
+		}
 		p += rec->size;
 	}
 	*pos = p;

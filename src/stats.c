@@ -34,7 +34,7 @@ typedef struct IdemStatsShared
 
 static IdemStatsShared *idem_stats_shared = NULL;
 
-/* Column order of idem_stats(); see src/sql/idem--0.1--0.2.sql. */
+/* Column order of idem_stats(); see src/sql/idem--0.2--0.3.sql. */
 enum
 {
 	COL_PRELOADED = 0,
@@ -42,7 +42,8 @@ enum
 	COL_QUEUED,
 	COL_COPIED,
 	COL_DROPPED,
-	COL_COPY_ERRORS,			/* COL_QUEUED..here follow IdemStat's order */
+	COL_COPY_ERRORS,
+	COL_REJECTED,				/* COL_QUEUED..here follow IdemStat's order */
 	COL_QUEUE_DEPTH,
 	COL_LAST_ERROR,
 	COL_CLAIMS,					/* one column per IdemDecision from here */
@@ -119,7 +120,7 @@ PG_FUNCTION_INFO_V1(idem_stats);
 
 /*
  * idem_stats() RETURNS one row; the columns are documented in the README
- * and declared in src/sql/idem--0.1--0.2.sql.
+ * and declared in src/sql/idem--0.2--0.3.sql.
  */
 Datum
 idem_stats(PG_FUNCTION_ARGS)
@@ -156,7 +157,7 @@ idem_stats(PG_FUNCTION_ARGS)
 		values[COL_PRELOADED] = BoolGetDatum(true);
 		values[COL_CONNECTED] =
 			BoolGetDatum(pg_atomic_read_u32(&idem_stats_shared->connected) != 0);
-		/* queued, copied, dropped, copy_errors: IdemStat order */
+		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
 		for (i = 0; i < IDEM_STAT_COUNT; i++)
 			values[COL_QUEUED + i] =
 				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->counters[i]));

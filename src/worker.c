@@ -47,6 +47,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "access/xlog.h"
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "postmaster/bgworker.h"
@@ -55,8 +56,10 @@
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "tcop/tcopprot.h"
+#include "utils/datetime.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/timestamp.h"
 
 #define IDEM_WORKER_RESTART_S	2
@@ -68,6 +71,8 @@
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
+/* How often to look at the durable WAL position while copies wait for it. */
+#define IDEM_DURABLE_POLL_MS	1
 
 typedef enum VkResult
 {
@@ -86,6 +91,8 @@ static char *vk_password = NULL;
 static int	vk_db = 0;
 
 static char errbuf[IDEM_ERRBUF_LEN];
+
+static void worker_report_problem(const char *doing, int retry_ms, bool is_error);
 static TimestampTz last_logged = 0;
 static bool failing = false;	/* last attempt failed; log the recovery */
 
@@ -172,12 +179,45 @@ vk_flush(TimestampTz deadline)
 	}
 }
 
+/* What a reply to one SET means for its record. */
+typedef enum VkReplyClass
+{
+	VK_REPLY_OK,				/* written */
+	VK_REPLY_RETRY,				/* the server cannot take writes now: keep
+								 * the batch, reconnect, resend */
+	VK_REPLY_REJECT				/* this record cannot be written: drop it */
+} VkReplyClass;
+
 /*
- * Read the next reply.  On VK_OK, *is_error tells whether it was an error
- * reply (its text is then in errbuf); the reply itself is already freed.
+ * Classify an error reply by its code (the first word).  The codes that say
+ * "not now" keep the batch; anything else (WRONGTYPE, a per-key NOPERM, and
+ * for now the cluster redirections MOVED and ASK) condemns its record only.
+ */
+static VkReplyClass
+vk_classify_error(const char *str, size_t len)
+{
+	static const char *const not_now[] = {
+		"READONLY", "LOADING", "NOAUTH", "MASTERDOWN", "BUSY", "OOM",
+		"CLUSTERDOWN", "TRYAGAIN", "MISCONF", NULL
+	};
+	size_t		codelen = 0;
+	int			i;
+
+	while (codelen < len && str[codelen] != ' ')
+		codelen++;
+	for (i = 0; not_now[i] != NULL; i++)
+		if (codelen == strlen(not_now[i]) &&
+			memcmp(str, not_now[i], codelen) == 0)
+			return VK_REPLY_RETRY;
+	return VK_REPLY_REJECT;
+}
+
+/*
+ * Read the next reply.  On VK_OK, *class says what it means (for an error
+ * reply its text is then in errbuf); the reply itself is already freed.
  */
 static VkResult
-vk_read_reply(TimestampTz deadline, bool *is_error)
+vk_read_reply(TimestampTz deadline, VkReplyClass *class)
 {
 	for (;;)
 	{
@@ -193,10 +233,13 @@ vk_read_reply(TimestampTz deadline, bool *is_error)
 		{
 			redisReply *rr = (redisReply *) reply;
 
-			*is_error = (rr->type == REDIS_REPLY_ERROR);
-			if (*is_error)
+			*class = VK_REPLY_OK;
+			if (rr->type == REDIS_REPLY_ERROR)
+			{
+				*class = vk_classify_error(rr->str, rr->len);
 				snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
 						 (int) rr->len, rr->str);
+			}
 			freeReplyObject(reply);
 			return VK_OK;
 		}
@@ -369,24 +412,37 @@ vk_connect(void)
 	r = vk_flush(deadline);
 	for (i = 0; r == VK_OK && i < nreplies; i++)
 	{
-		bool		is_error;
+		VkReplyClass class;
 
-		r = vk_read_reply(deadline, &is_error);
-		if (r == VK_OK && is_error)
+		r = vk_read_reply(deadline, &class);
+		if (r == VK_OK && class != VK_REPLY_OK)
 			r = VK_FAILED;		/* errbuf holds the reply, not the password */
 	}
 	return r;
 }
 
+/* Unix epoch milliseconds of a timestamp. */
+static int64
+epoch_ms(TimestampTz t)
+{
+	return t / 1000 +
+		(int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * SECS_PER_DAY * 1000;
+}
+
 /*
- * Append SETs for records[] to the connection's output buffer; records whose
- * retention already ended are skipped, and one that cannot be encoded is
- * counted in *errors.  Returns the number of commands appended, or -1.
+ * Append SETs for records[] to the connection's output buffer: each an
+ * idem2 value in its database's keyspace on this timeline, MACed with the
+ * current secret.  Records whose retention already ended are skipped, and
+ * one that cannot be encoded is counted in *errors.  Returns the number of
+ * commands appended, or -1.
  */
 static int
-vk_append_batch(const IdemOutboxRecord **records, int n, uint64 *errors)
+vk_append_batch(const IdemOutboxRecord **records, int n, TimeLineID timeline,
+				const IdemCacheSecrets *secrets, uint64 *errors)
 {
 	TimestampTz now = GetCurrentTimestamp();
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	Oid			keyspace_db = InvalidOid;
 	char		key[IDEM_CACHE_KEY_MAX];
 	char		value[IDEM_CACHE_VALUE_MAX];
 	char		ttl[32];
@@ -397,22 +453,32 @@ vk_append_batch(const IdemOutboxRecord **records, int n, uint64 *errors)
 	{
 		const IdemOutboxRecord *rec = records[i];
 		int64		ttl_ms = (rec->expires_at - now) / 1000;	/* rounds down */
-		int			keylen;
+		int			keylen = -1;
 		int			valuelen;
+		const char *why = "could not encode a queued result";
 		const char *argv[5];
 		size_t		argvlen[5];
 
 		if (ttl_ms < 1)
 			continue;			/* the row's retention already ended */
-		keylen = idem_cache_key(key, sizeof(key), idem_valkey_prefix,
-								rec->is_platform, rec->tenant_id, rec->key);
-		valuelen = idem_cache_encode_result(value, sizeof(value),
-											(IdemCacheKind) rec->kind,
-											rec->attempt, rec->fingerprint,
-											rec->outcome, rec->outcome_len);
-		if (keylen < 0 || valuelen < 0)
+		if (rec->dboid != keyspace_db &&
+			idem_cache_keyspace_of(keyspace, sizeof(keyspace), rec->dboid,
+								   timeline) >= 0)
+			keyspace_db = rec->dboid;
+		if (rec->dboid == keyspace_db)
+			keylen = idem_cache_key(key, sizeof(key), keyspace,
+									rec->is_platform, rec->tenant_id, rec->key);
+		valuelen = idem_cache_encode_terminal(value, sizeof(value),
+											  secrets->current_id,
+											  (IdemCacheKind) rec->kind,
+											  rec->attempt,
+											  epoch_ms(rec->expires_at),
+											  rec->fingerprint,
+											  rec->outcome, rec->outcome_len);
+		if (keylen < 0 || valuelen < 0 ||
+			!idem_cache_sign(secrets, key, keylen, value, valuelen, &why))
 		{
-			snprintf(errbuf, sizeof(errbuf), "could not encode a queued result");
+			snprintf(errbuf, sizeof(errbuf), "%s", why);
 			(*errors)++;
 			continue;
 		}
@@ -446,13 +512,56 @@ typedef struct VkBatch
 } VkBatch;
 
 /*
+ * Copies wait for a standby that cannot be used (errbuf says why): say so in
+ * idem_stats() and, at most every IDEM_LOG_INTERVAL_MS, in the log.
+ */
+static void
+worker_report_standby(void)
+{
+	static TimestampTz logged = 0;
+	TimestampTz now = GetCurrentTimestamp();
+	char		text[IDEM_ERRBUF_LEN + 64];
+
+	snprintf(text, sizeof(text), "%s: copies wait: %s",
+			 timestamptz_to_str(now), errbuf);
+	idem_stats_set_valkey(vk != NULL, text);
+	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
+	{
+		ereport(LOG,
+				(errmsg("idem: results wait before they are copied to Valkey: %s",
+						errbuf),
+				 errhint("Check idem.standby_slots: each slot must be a physical slot in use by a standby.")));
+		logged = now;
+	}
+}
+
+/*
+ * How far WAL is durable: flushed here and, with idem.standby_slots, on
+ * those standbys.  Also gives the timeline, which names the keyspace.  When
+ * a standby cannot be used, returns InvalidXLogRecPtr and sets
+ * *standby_problem (the reason is in errbuf).
+ */
+static XLogRecPtr
+worker_durable_lsn(TimeLineID *timeline, bool *standby_problem)
+{
+	XLogRecPtr	lsn = GetFlushRecPtr(timeline);
+
+	*standby_problem = !idem_standby_slots_flushed(&lsn, errbuf, sizeof(errbuf));
+	return lsn;
+}
+
+/*
  * Copy queued records until the queue is empty, IDEM_INFLIGHT batches at a
  * time: the next batch is written before the replies to the previous one
- * are read, so Valkey and the worker work at the same time.  A batch leaves
- * the queue once all its replies are read.  Returns early, once the batches
- * in flight are answered, when a reload is pending.  *copied and *errors
- * count OK and error replies (and unencodable records); idem_stats() counts
- * the copies batch by batch.
+ * are read, so Valkey and the worker work at the same time.  Only records
+ * whose WAL position is durable (worker_durable_lsn) are taken; while the
+ * next one is not, the worker looks again every IDEM_DURABLE_POLL_MS.  A
+ * batch leaves the queue once all its replies are read.  A reply that says
+ * the server cannot take writes now (vk_classify_error) fails the drain with
+ * the batches kept; one that condemns a record drops that record.  Returns
+ * early, once the batches in flight are answered, when a reload is pending.
+ * *copied and *rejected count OK replies and dropped records (refused or
+ * unencodable); idem_stats() counts them batch by batch.
  */
 #define IDEM_INFLIGHT 4
 
@@ -460,16 +569,17 @@ typedef struct VkBatch
 static TimestampTz next_batch_at = 0;
 
 static VkResult
-vk_drain(uint64 *copied, uint64 *errors)
+vk_drain(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	VkBatch		inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
 	uint64		pos = 0;		/* from the oldest record */
+	bool		standby_reported = false;
 
 	*copied = 0;
-	*errors = 0;
+	*rejected = 0;
 	for (;;)
 	{
 		TimestampTz deadline;
@@ -478,17 +588,30 @@ vk_drain(uint64 *copied, uint64 *errors)
 		VkResult	r;
 		int			i;
 		uint64		ok;
+		uint64		nrej;
 		bool		waiting = false;	/* records held back by the pacing */
+		bool		held = false;	/* records held back for durability */
+		bool		standby_problem;
+		TimeLineID	timeline;
+		XLogRecPtr	durable = worker_durable_lsn(&timeline, &standby_problem);
+
+		if (standby_problem && !standby_reported)
+		{
+			worker_report_standby();
+			standby_reported = true;
+		}
 
 		/*
-		 * Fill the window with what is queued beyond the batches in flight,
-		 * paced (see the file header).
+		 * Fill the window with what is queued and durable beyond the
+		 * batches in flight, paced (see the file header).
 		 */
 		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
 		{
 			uint64		start = pos;
-			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX);
+			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX,
+											 durable, &held);
 			int			nsent;
+			IdemCacheSecrets secrets;
 
 			if (pos == start)
 				break;
@@ -498,24 +621,37 @@ vk_drain(uint64 *copied, uint64 *errors)
 				waiting = true;
 				break;
 			}
-			nsent = vk_append_batch(records, n, errors);
+			idem_cache_secrets_get(&secrets);
+			nrej = 0;
+			nsent = vk_append_batch(records, n, timeline, &secrets, &nrej);
+			explicit_bzero(&secrets, sizeof(secrets));
 			if (nsent < 0)
 				return VK_FAILED;
+			idem_stats_add(IDEM_STAT_REJECTED, nrej);
+			*rejected += nrej;
 			b = &inflight[(first + nin) % IDEM_INFLIGHT];
 			b->end_pos = pos;
 			b->nrecords = n;
 			b->nsent = nsent;
 			nin++;
 			next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
+			if (held)
+				break;
 		}
 		if (nin == 0)
 		{
-			long		wait_ms;
+			long		wait_ms = IDEM_DURABLE_POLL_MS;
 
-			if (!waiting)
+			if (!waiting && !held)
 				return VK_OK;
-			/* Let the held-back records gather until the delay passes. */
-			wait_ms = (long) ((next_batch_at - now + 999) / 1000);
+			/*
+			 * Let the records held back by the pacing gather until the delay
+			 * passes; look at the durable position again meanwhile.
+			 */
+			if (waiting)
+				wait_ms = (long) ((next_batch_at - now + 999) / 1000);
+			if (held)
+				wait_ms = Min(wait_ms, IDEM_DURABLE_POLL_MS);
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 							 wait_ms, PG_WAIT_EXTENSION);
 			ResetLatch(MyLatch);
@@ -533,32 +669,36 @@ vk_drain(uint64 *copied, uint64 *errors)
 		if (r != VK_OK)
 			return r;
 		b = &inflight[first];
-		for (i = 0, ok = 0; i < b->nsent; i++)
+		for (i = 0, ok = 0, nrej = 0; i < b->nsent; i++)
 		{
-			bool		is_error;
+			VkReplyClass class;
 
-			r = vk_read_reply(deadline, &is_error);
+			r = vk_read_reply(deadline, &class);
 			if (r != VK_OK)
 				return r;
-			if (is_error)
-				(*errors)++;
+			if (class == VK_REPLY_RETRY)
+				return VK_FAILED;	/* errbuf has the reply; batches kept */
+			if (class == VK_REPLY_REJECT)
+				nrej++;
 			else
 				ok++;
 		}
 		idem_outbox_consume(b->end_pos, b->nrecords);
 		idem_stats_add(IDEM_STAT_COPIED, ok);
+		idem_stats_add(IDEM_STAT_REJECTED, nrej);
 		*copied += ok;
+		*rejected += nrej;
 		first = (first + 1) % IDEM_INFLIGHT;
 		nin--;
 	}
 }
 
 /*
- * Record a failure (errbuf) in idem_stats() and, at most every
- * IDEM_LOG_INTERVAL_MS, in the server log.
+ * Record a problem (errbuf) in idem_stats() (counted as a copy error if
+ * is_error) and, at most every IDEM_LOG_INTERVAL_MS, in the server log.
  */
 static void
-worker_report_failure(const char *doing, int retry_ms)
+worker_report_problem(const char *doing, int retry_ms, bool is_error)
 {
 	TimestampTz now = GetCurrentTimestamp();
 	char		text[IDEM_ERRBUF_LEN + 128];
@@ -566,7 +706,8 @@ worker_report_failure(const char *doing, int retry_ms)
 	snprintf(text, sizeof(text), "%s: %s %s:%d: %s",
 			 timestamptz_to_str(now), doing, vk_host, vk_port, errbuf);
 	idem_stats_set_valkey(vk != NULL, text);
-	idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
+	if (is_error)
+		idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
 	if (!failing ||
 		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
@@ -589,7 +730,7 @@ static void
 worker_backoff(const char *doing, int *backoff_ms, TimestampTz *retry_at)
 {
 	vk_disconnect();
-	worker_report_failure(doing, *backoff_ms);
+	worker_report_problem(doing, *backoff_ms, true);
 	*retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), *backoff_ms);
 	*backoff_ms = Min(*backoff_ms * 2, IDEM_BACKOFF_MAX_MS);
 }
@@ -618,14 +759,27 @@ idem_worker_main(Datum main_arg)
 				 errmsg("idem worker started without idem's shared memory"),
 				 errhint("Load idem through shared_preload_libraries.")));
 
+	/* PostgreSQL's HMAC (OpenSSL) registers its contexts with an owner. */
+	CurrentResourceOwner = ResourceOwnerCreate(NULL, "idem worker");
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
 	idem_outbox_attach_worker();
 
+	/*
+	 * Create the cache secret now if there is none, so that a primary has it
+	 * before any base backup copies its data directory to a standby.
+	 */
+	{
+		IdemCacheSecrets secrets;
+
+		idem_cache_secrets_get(&secrets);
+		explicit_bzero(&secrets, sizeof(secrets));
+	}
+
 	while (!ShutdownRequestPending)
 	{
 		uint64		copied;
-		uint64		errors;
+		uint64		rejected;
 		VkResult	r;
 
 		CHECK_FOR_INTERRUPTS();
@@ -669,7 +823,7 @@ idem_worker_main(Datum main_arg)
 					(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = vk_drain(&copied, &errors);
+		r = vk_drain(&copied, &rejected);
 		if (r == VK_SHUTDOWN)
 			break;
 		if (r != VK_OK)
@@ -677,11 +831,8 @@ idem_worker_main(Datum main_arg)
 			worker_backoff("copying results to", &backoff_ms, &retry_at);
 			continue;
 		}
-		if (errors > 0)
-		{
-			idem_stats_add(IDEM_STAT_COPY_ERRORS, errors - 1);
-			worker_report_failure("writing to", 0);
-		}
+		if (rejected > 0)
+			worker_report_problem("writing to", 0, false);
 		else if (copied > 0)
 		{
 			if (failing)

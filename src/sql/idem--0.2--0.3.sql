@@ -69,3 +69,29 @@ REVOKE ALL ON FUNCTION
     @extschema@.idem_platform_claim_many(bytea[], bytea[], interval),
     @extschema@.idem_platform_complete_many(bytea[], jsonb[], interval)
 FROM PUBLIC;
+
+-- idem_stats() gains "rejected": copies Valkey refused one by one (for
+-- example NOPERM for a key the server's ACL refuses), dropped; copy_errors now counts only
+-- failures that keep the copies queued (connects, timeouts, replies such as
+-- READONLY or LOADING that say the server cannot take writes now).
+DROP FUNCTION @extschema@.idem_stats();
+CREATE FUNCTION @extschema@.idem_stats(
+    OUT preloaded boolean,                 -- idem is in shared_preload_libraries
+    OUT valkey_connected boolean,          -- the worker holds a Valkey connection
+    OUT queued bigint,                     -- copies accepted into the commit queue
+    OUT copied bigint,                     -- copies written to Valkey (SET answered OK)
+    OUT dropped bigint,                    -- copies refused because the queue was full
+    OUT copy_errors bigint,                -- failed connects and batches; their copies are resent
+    OUT rejected bigint,                   -- copies Valkey refused one by one; dropped
+    OUT queue_depth bigint,                -- copies waiting in the queue now
+    OUT last_error text,                   -- the worker's last failure, with its time
+    OUT claims_claimed bigint,             -- claim decisions since the server started
+    OUT claims_completed bigint,
+    OUT claims_failed_permanent bigint,
+    OUT claims_busy bigint,
+    OUT claims_mismatch bigint)
+RETURNS record
+AS 'MODULE_PATHNAME', 'idem_stats'
+LANGUAGE C VOLATILE STRICT PARALLEL SAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;

@@ -12,6 +12,7 @@ package IdemValkey;
 use strict;
 use warnings;
 
+use Digest::SHA qw(hmac_sha256_hex);
 use File::Path qw(make_path);
 use IO::Socket::INET;
 use POSIX ();
@@ -33,8 +34,9 @@ sub server_binary
 	return '/usr/bin/redis-server';
 }
 
-# IdemValkey->new(name => 'v1', password => 'pw'): a stopped server on a
-# free port (requiring that password, if given).
+# IdemValkey->new(name => 'v1', password => 'pw', extra => [...]): a stopped
+# server on a free port (requiring that password, if given; with more
+# command-line options, if given).
 sub new
 {
 	my ($class, %args) = @_;
@@ -54,16 +56,20 @@ sub new
 }
 
 sub port { return $_[0]->{port}; }
+sub dir { return $_[0]->{dir}; }
 
+# Start the server; returns once it answers PING, or (loading => 1) once it
+# answers at all, be it with an error such as LOADING.  args => [...] adds
+# command-line options for this start only.
 sub start
 {
-	my ($self) = @_;
+	my ($self, %opt) = @_;
 	my @cmd = (
 		server_binary(), '--save', '', '--appendonly', 'no',
 		'--port', $self->{port}, '--bind', '127.0.0.1',
 		'--dir', $self->{dir}, '--logfile', "$self->{dir}/server.log",
 		$self->{password} ? ('--requirepass', $self->{password}) : (),
-		@{ $self->{extra} });
+		@{ $self->{extra} }, @{ $opt{args} // [] });
 	my $pid = fork();
 	die "fork: $!" unless defined $pid;
 	if ($pid == 0)
@@ -76,6 +82,7 @@ sub start
 	{
 		my $pong = eval { $self->command('PING') };
 		return $self if defined $pong && $pong eq 'PONG';
+		return $self if $opt{loading} && $@ =~ /LOADING/;
 		usleep(20_000);
 	}
 	die "$self->{name}: RESP server on port $self->{port} did not start";
@@ -223,21 +230,71 @@ sub worker_pid
 	return undef;
 }
 
-# The Valkey key of a tenant or platform row (default prefix).
+# The keyspace the worker uses for database $db (default postgres) of
+# $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
+# were $prefix.
+sub keyspace
+{
+	my ($node, $prefix, $db) = @_;
+	my $ks = $node->safe_psql($db // 'postgres', 'SELECT idem_cache_keyspace()');
+	if (defined $prefix)
+	{
+		my $cur = $node->safe_psql($db // 'postgres',
+			"SELECT current_setting('idem.valkey_prefix')");
+		$ks = $prefix . substr($ks, length($cur));
+	}
+	return $ks;
+}
+
+# The Valkey key of a tenant or platform row (the node's keyspace, or the
+# keyspace with another prefix).
 sub tenant_key
 {
-	my ($node, $tenant, $scope, $id, $prefix) = @_;
-	my $hex = $node->safe_psql('postgres',
+	my ($node, $tenant, $scope, $id, $prefix, $db) = @_;
+	my $hex = $node->safe_psql($db // 'postgres',
 		"SELECT encode(idem_key('$scope', '$id'), 'hex')");
-	return ($prefix // 'idem:') . "t:$tenant:$hex";
+	return keyspace($node, $prefix, $db) . "t:$tenant:$hex";
 }
 
 sub platform_key
 {
-	my ($node, $scope, $id, $prefix) = @_;
-	my $hex = $node->safe_psql('postgres',
+	my ($node, $scope, $id, $prefix, $db) = @_;
+	my $hex = $node->safe_psql($db // 'postgres',
 		"SELECT encode(idem_key('$scope', '$id'), 'hex')");
-	return ($prefix // 'idem:') . "p:$hex";
+	return keyspace($node, $prefix, $db) . "p:$hex";
+}
+
+# Split an idem2 value into its fields (a hash), or undef if it is not one.
+sub parse_value
+{
+	my ($value) = @_;
+	return undef unless defined $value;
+	my ($mac, $rest) = $value =~ /^idem2 ([0-9a-f]{64}) (.*)$/s or return undef;
+	my %v = (mac => $mac, rest => $rest);
+	if ($rest =~ /^([1-9][0-9]*) ([cf]) ([1-9][0-9]*) (0|[1-9][0-9]*) ([0-9a-f]{64}) (\{.*\})$/s)
+	{
+		@v{qw(key_id kind attempt expires_ms fingerprint outcome)} =
+		  ($1, $2, $3, $4, $5, $6);
+		return \%v;
+	}
+	if ($rest =~ /^([1-9][0-9]*) p (0|[1-9][0-9]*) ([0-9a-f]{32})$/)
+	{
+		@v{qw(key_id kind expires_ms token)} = ($1, 'p', $2, $3);
+		return \%v;
+	}
+	return undef;
+}
+
+# Whether $value (stored under $key) carries a valid MAC under one of the
+# node's cache secrets.
+sub mac_ok
+{
+	my ($node, $key, $value) = @_;
+	my $v = parse_value($value) or return 0;
+	my $hex = $node->safe_psql('postgres',
+		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $v->{key_id}");
+	return 0 unless $hex;
+	return hmac_sha256_hex($key . "\0" . $v->{rest}, pack('H*', $hex)) eq $v->{mac};
 }
 
 # SQL that claims and completes tenant 1's key (scope, id) with $outcome.

@@ -1,0 +1,157 @@
+/*-------------------------------------------------------------------------
+ *
+ * standby_slots.c
+ *	  idem.standby_slots: the physical replication slots whose standbys must
+ *	  have flushed a commit before the worker copies its result to Valkey,
+ *	  so that a failover to one of them cannot lose a result the cache holds
+ *	  (in the spirit of PostgreSQL 17's synchronized_standby_slots).
+ *
+ * A physical slot's restart_lsn is the flush position its standby last
+ * reported.  A slot that is missing, logical, invalidated or not yet used
+ * holds every copy back (the copies wait in the queue, and are dropped and
+ * counted once it is full): the worker never guesses that a standby has
+ * what it did not report.  The reason is given to the caller for
+ * idem_stats() and the log.
+ *
+ * Only the worker calls this.  Locking: ReplicationSlotControlLock shared,
+ * and each slot's spinlock while its fields are read, as slot.c's readers
+ * do; the parsed list is process-local, re-parsed when the setting changes.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include "replication/slot.h"
+#include "storage/lwlock.h"
+#include "storage/spin.h"
+#include "utils/builtins.h"
+#include "utils/memutils.h"
+#include "utils/varlena.h"
+
+static char *parsed_from = NULL;	/* the setting the list was parsed from */
+static List *slot_names = NIL;		/* of char *, in TopMemoryContext */
+
+/* Check hook of idem.standby_slots: a list of valid slot names. */
+bool
+idem_check_standby_slots(char **newval, void **extra, GucSource source)
+{
+	char	   *raw;
+	List	   *names;
+	ListCell   *lc;
+	bool		ok = true;
+
+	if (*newval == NULL || (*newval)[0] == '\0')
+		return true;
+	raw = pstrdup(*newval);
+	if (!SplitIdentifierString(raw, ',', &names))
+	{
+		GUC_check_errdetail("List syntax is invalid.");
+		ok = false;
+	}
+	else
+	{
+		foreach(lc, names)
+		{
+			if (!ReplicationSlotValidateName((char *) lfirst(lc), DEBUG1))
+			{
+				GUC_check_errdetail("\"%s\" is not a valid replication slot name.",
+									(char *) lfirst(lc));
+				ok = false;
+				break;
+			}
+		}
+	}
+	list_free(names);
+	pfree(raw);
+	return ok;
+}
+
+static void
+parse_setting(void)
+{
+	const char *cur = idem_standby_slots ? idem_standby_slots : "";
+	MemoryContext old;
+	char	   *raw;
+	List	   *names = NIL;
+	ListCell   *lc;
+
+	if (parsed_from != NULL && strcmp(parsed_from, cur) == 0)
+		return;
+	list_free_deep(slot_names);
+	slot_names = NIL;
+	if (parsed_from)
+		pfree(parsed_from);
+
+	old = MemoryContextSwitchTo(TopMemoryContext);
+	parsed_from = pstrdup(cur);
+	raw = pstrdup(cur);
+	/* The check hook has accepted it. */
+	(void) SplitIdentifierString(raw, ',', &names);
+	foreach(lc, names)
+		slot_names = lappend(slot_names, pstrdup((char *) lfirst(lc)));
+	list_free(names);
+	pfree(raw);
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * Lower *lsn to the least flush position the named standbys reported.
+ * Returns false, with the reason in why (whylen bytes), when one of them
+ * cannot be used; *lsn is then InvalidXLogRecPtr (nothing is durable).
+ */
+bool
+idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
+{
+	ListCell   *lc;
+
+	parse_setting();
+	if (slot_names == NIL)
+		return true;
+	if (ReplicationSlotCtl == NULL)
+	{
+		snprintf(why, whylen, "idem.standby_slots is set but max_replication_slots is 0");
+		*lsn = InvalidXLogRecPtr;
+		return false;
+	}
+
+	LWLockAcquire(ReplicationSlotControlLock, LW_SHARED);
+	foreach(lc, slot_names)
+	{
+		const char *name = (const char *) lfirst(lc);
+		const char *problem = "does not exist";
+		XLogRecPtr	flushed = InvalidXLogRecPtr;
+		int			i;
+
+		for (i = 0; i < max_replication_slots; i++)
+		{
+			ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
+			bool		physical;
+
+			if (!s->in_use || strcmp(NameStr(s->data.name), name) != 0)
+				continue;
+			SpinLockAcquire(&s->mutex);
+			physical = SlotIsPhysical(s);
+			flushed = s->data.restart_lsn;
+			SpinLockRelease(&s->mutex);
+			if (!physical)
+				problem = "is a logical slot";
+			else if (XLogRecPtrIsInvalid(flushed))
+				problem = "has no flush position (not used yet, or invalidated)";
+			else
+				problem = NULL;
+			break;
+		}
+		if (problem != NULL)
+		{
+			LWLockRelease(ReplicationSlotControlLock);
+			snprintf(why, whylen, "replication slot \"%s\" named in idem.standby_slots %s",
+					 name, problem);
+			*lsn = InvalidXLogRecPtr;
+			return false;
+		}
+		if (flushed < *lsn)
+			*lsn = flushed;
+	}
+	LWLockRelease(ReplicationSlotControlLock);
+	return true;
+}

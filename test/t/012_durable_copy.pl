@@ -1,0 +1,122 @@
+# Valkey never knows more than PostgreSQL durably knows (issue 12): with
+# synchronous_commit = off the worker holds a copy until the WAL writer has
+# flushed its commit record; an immediate stop before that flush leaves
+# neither the ledger row nor the Valkey value.  The copy that does reach
+# Valkey is an idem2 value in the database's keyspace, MACed with the
+# server's secret.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IdemValkey;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time usleep);
+
+my $valkey = IdemValkey->new(name => 'valkey')->start;
+
+# A long WAL-writer cycle, and nothing else that writes or flushes WAL on
+# its own.  The WAL writer flushes an asynchronous commit within one to
+# three cycles (two when the commit's WAL fills a page first).
+my $node = IdemValkey::idem_node(
+	'durable', $valkey,
+	wal_writer_delay => "'10s'",
+	autovacuum => 'off',
+	checkpoint_timeout => "'1h'");
+ok(IdemValkey::wait_connected($node, 1), 'worker connects to Valkey');
+
+sub lsn_num
+{
+	my ($hi, $lo) = $_[0] =~ m{^([0-9A-F]+)/([0-9A-F]+)$}i or die "not an LSN: $_[0]";
+	return hex($hi) * 2**32 + hex($lo);
+}
+sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
+
+sub flush_lsn { $node->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
+
+# Wait for the WAL writer to flush, so that the next asynchronous commit has
+# most of a 10 s cycle (on a slow machine, each psql call here can take a
+# second) before its flush.
+sub wait_for_wal_writer
+{
+	# An asynchronous commit record and nothing else (dropping a relation,
+	# as a temporary table does at exit, would force a synchronous commit).
+	my $out = $node->safe_psql('postgres',
+		'SET synchronous_commit = off; BEGIN; '
+		  . 'SELECT pg_current_wal_insert_lsn(), txid_current(); COMMIT;');
+	my ($insert) = split /\|/, $out;
+	return IdemValkey::poll_until(30, sub { lsn_gt(flush_lsn(), $insert) });
+}
+
+# Complete key $id with synchronous_commit = off; returns the insert LSN
+# just before COMMIT: the commit record ends after it, so the commit is not
+# flushed while the flush position is not past it.
+sub commit_async
+{
+	my ($id, $outcome) = @_;
+	my $out = $node->safe_psql('postgres',
+		'SET synchronous_commit = off; BEGIN; '
+		  . IdemValkey::complete_sql('d', $id, $outcome, '1 hour')
+		  . ' SELECT pg_current_wal_insert_lsn(); COMMIT;');
+	return (split /\n/, $out)[-1];
+}
+
+# --- a copy appears only once its commit is flushed ---
+ok(wait_for_wal_writer(), 'the WAL writer has just flushed');
+my $key = IdemValkey::tenant_key($node, 1, 'd', 'async');
+my $lsn = commit_async('async', '{"n": 1}');
+my $t_commit = time();
+usleep(1_500_000);
+my $before = $valkey->command('GET', $key);
+my $flushed = lsn_gt(flush_lsn(), $lsn);
+ok(!$flushed, 'the commit record is not flushed 1.5 s after an asynchronous commit');
+is($before, undef, '... and its result is not in Valkey');
+my $value = $valkey->wait_for_key($key, 45);
+ok(defined $value, sprintf('the result reaches Valkey after the flush (%.1f s after commit)',
+	time() - $t_commit));
+ok(lsn_gt(flush_lsn(), $lsn), '... and by then the WAL is flushed past its start');
+my $v = IdemValkey::parse_value($value);
+ok($v && $v->{kind} eq 'c' && $v->{attempt} == 1 && $v->{outcome} eq '{"n": 1}',
+	'the value is an idem2 completed result');
+ok(IdemValkey::mac_ok($node, $key, $value), '... with a valid MAC under the current secret');
+my $expires_ms = $node->safe_psql('postgres',
+	"SELECT floor(extract(epoch FROM expires_at) * 1000)::bigint FROM idem_lookup(1, idem_key('d', 'async'))");
+is($v->{expires_ms}, $expires_ms, '... and the row\'s expires_at in epoch milliseconds');
+ok(!IdemValkey::mac_ok($node, IdemValkey::tenant_key($node, 2, 'd', 'async'), $value),
+	'... which does not verify under another key');
+
+# With synchronous_commit = on the flush happens before the commit returns:
+# the copy is not held back.
+my $t0 = time();
+$node->safe_psql('postgres',
+	'BEGIN; ' . IdemValkey::complete_sql('d', 'sync') . ' COMMIT;');
+ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'd', 'sync'), 5),
+	sprintf('a synchronous commit is copied at once (%.3f s)', time() - $t0));
+
+# --- an immediate stop before the flush loses the row and the value ---
+ok(wait_for_wal_writer(), 'the WAL writer has just flushed again');
+my $lost_key = IdemValkey::tenant_key($node, 1, 'd', 'lost');
+$lsn = commit_async('lost', '{"n": 2}');
+usleep(1_000_000);
+ok(!lsn_gt(flush_lsn(), $lsn), 'the second asynchronous commit is not flushed yet');
+ok(!lsn_gt($node->safe_psql('postgres', 'SELECT pg_current_wal_lsn()'), $lsn),
+	'... not even written to the operating system');
+is($valkey->command('GET', $lost_key), undef, '... nor copied');
+$node->stop('immediate');
+$node->start;
+is($node->safe_psql('postgres',
+		"SELECT count(*) FROM idem_lookup(1, idem_key('d', 'lost'))"),
+	'0', 'after an immediate stop the unflushed commit is gone from PostgreSQL');
+ok(IdemValkey::wait_connected($node, 1), 'the worker is back');
+$node->safe_psql('postgres',
+	'BEGIN; ' . IdemValkey::complete_sql('d', 'after') . ' COMMIT;');
+ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'd', 'after'), 5),
+	'a later commit is copied');
+is($valkey->command('GET', $lost_key), undef,
+	'and Valkey never held the lost result');
+
+$node->stop;
+done_testing();
