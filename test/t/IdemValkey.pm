@@ -177,11 +177,12 @@ sub idem_node
 	return $node;
 }
 
-# CREATE EXTENSION idem, a tenants table with tenant 1, and the ledgers.
+# CREATE EXTENSION idem, a tenants table with tenant 1, and the ledgers
+# (in database $db, default postgres).
 sub install
 {
-	my ($node) = @_;
-	$node->safe_psql('postgres', q{
+	my ($node, $db) = @_;
+	$node->safe_psql($db // 'postgres', q{
 		CREATE TABLE tenants (id bigint PRIMARY KEY);
 		INSERT INTO tenants VALUES (1);
 		CREATE EXTENSION idem;
@@ -246,6 +247,14 @@ sub keyspace
 	return $ks;
 }
 
+# The keyspace part of a tenant or platform key.
+sub keyspace_of_key
+{
+	my ($key) = @_;
+	(my $ks = $key) =~ s/(t:-?[0-9]+|p):[0-9a-f]{64}$//;
+	return $ks;
+}
+
 # The Valkey key of a tenant or platform row (the node's keyspace, or the
 # keyspace with another prefix).
 sub tenant_key
@@ -295,6 +304,38 @@ sub mac_ok
 		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $v->{key_id}");
 	return 0 unless $hex;
 	return hmac_sha256_hex($key . "\0" . $v->{rest}, pack('H*', $hex)) eq $v->{mac};
+}
+
+# The C runner (client/): test/t/idem_run_once.c, built once per test
+# against client/build/libidemclient.a (make test builds it).
+my $run_once_bin;
+sub run_once_binary
+{
+	return $run_once_bin if $run_once_bin;
+	my $tree = $ENV{TESTDIR} // '.';
+	my $inc = `pg_config --includedir`;
+	my $lib = `pg_config --libdir`;
+	chomp($inc, $lib);
+	my $bin = "$PostgreSQL::Test::Utils::tmp_check/idem_run_once";
+	my @cmd = ('cc', '-std=c11', '-D_GNU_SOURCE', "-I$tree/client", "-I$tree/src", "-I$inc",
+		'-o', $bin, "$tree/test/t/idem_run_once.c", "$tree/client/build/libidemclient.a",
+		"-L$lib", '-lpq', '-lhiredis', '-pthread');
+	system(@cmd) == 0 or die "could not build idem_run_once: @cmd";
+	return $run_once_bin = $bin;
+}
+
+# Run one message through the C runner against database $db of $node and
+# $valkey: returns (status, source, outcome), e.g. ('applied', 'handler',
+# '{"db": "postgres", "node": "alpha"}').  The handler's effect is a row in
+# the database's table effects (scope, id).
+sub run_message
+{
+	my ($node, $db, $valkey, $tenant, $scope, $id, $request) = @_;
+	my $bin = run_once_binary();
+	my $out = `$bin '@{[ $node->connstr($db) ]}' @{[ $valkey->port ]} $tenant '$scope' '$id' '$request' 2>&1`;
+	chomp $out;
+	my ($status, $source, $outcome) = split / /, $out, 3;
+	return ($status, $source // '', $outcome // '');
 }
 
 # SQL that claims and completes tenant 1's key (scope, id) with $outcome.

