@@ -8,7 +8,16 @@
 # each SET as it arrives; afterwards each value's "t" is read back.  The
 # latency is arrival - t: from idem_complete() inside the transaction to the
 # SET in Valkey, so it includes the COMMIT itself (an upper bound on
-# commit-to-visible).  Both clocks are this machine's.
+# commit-to-visible).  Both clocks are this machine's.  The worker copies a
+# result only once its commit record is flushed (and with
+# synchronous_commit=off that waits for the WAL writer), so the default is
+# synchronous_commit=on.
+#
+# Commit latency, side by side: the same pgbench run (rate, clients,
+# duration) once with the worker copying into Valkey and once with the
+# worker pointed at a closed port (it copies nothing; the copies wait in the
+# queue): pgbench's average latency and the p99 of its per-transaction log.
+# The worker's wait for durability is its own, never the backend's.
 #
 # Drain: the worker is pointed at a closed port (reload), --drain results
 # are committed and stay queued, the worker is pointed back (reload), and a
@@ -27,7 +36,7 @@ use IO::Socket::INET;
 use POSIX ();
 use Time::HiRes qw(time usleep);
 
-my %o = (rate => 5000, seconds => 10, clients => 8, drain => 50000, sync => 'off');
+my %o = (rate => 5000, seconds => 10, clients => 8, drain => 50000, sync => 'on');
 GetOptions(\%o, 'dir=s', 'pgport=i', 'vkport=i', 'benchmark=s', 'rate=i',
 	'seconds=i', 'clients=i', 'drain=i', 'sync=s')
   or die "usage: see bench/commit_latency.sh\n";
@@ -114,10 +123,10 @@ wait_for('the worker to connect', 15, sub { (stats())[4] eq 't' });
 
 # The raw pipelined SET rate of this server, measured right before and
 # right after the drain (its neighbours on a shared machine matter).
-# Our values are ~110 bytes ("idem1 c 1 <64 hex> {"t": ...}").
+# Our values are ~190 bytes ("idem2 <64 hex> 1 c 1 <ms> <64 hex> {"t": ...}").
 sub raw_set_rate
 {
-	my $out = `$o{benchmark} -h 127.0.0.1 -p $o{vkport} -t set -P 16 -n 300000 -r 1000000 -d 110 -q 2>&1`;
+	my $out = `$o{benchmark} -h 127.0.0.1 -p $o{vkport} -t set -P 16 -n 300000 -r 1000000 -d 190 -q 2>&1`;
 	my ($rate) = $out =~ /SET: ([0-9.]+) requests per second/
 	  or die "could not parse $o{benchmark}: $out\n";
 	return $rate;
@@ -171,10 +180,34 @@ my (undef, undef, $d0) = stats();
 my @pgbench = ('pgbench', '-n', '-M', 'prepared', '-h', $o{dir}, '-p', $o{pgport},
 	'-U', 'postgres', '-f', "$o{dir}/idem_bench.sql");
 my $jobs = $o{clients} < 2 ? $o{clients} : 2;
-my $lat_out = `PGOPTIONS='-c synchronous_commit=$o{sync}' @pgbench -c $o{clients} -j $jobs -R $o{rate} -T $o{seconds} postgres 2>&1`;
-my ($tps) = $lat_out =~ /tps = ([0-9.]+) \(without initial connection time\)/
-  or die "pgbench failed:\n$lat_out";
-my ($commit_ms) = $lat_out =~ /latency average = ([0-9.]+) ms/;
+
+# One paced pgbench run; returns (tps, average latency ms, p99 latency ms)
+# from its per-transaction log.
+sub paced_run
+{
+	my ($tag) = @_;
+	my $prefix = "$o{dir}/idem_bench_log_$tag";
+	unlink glob("$prefix*");
+	my $out = `PGOPTIONS='-c synchronous_commit=$o{sync}' @pgbench -c $o{clients} -j $jobs -R $o{rate} -T $o{seconds} -l --log-prefix=$prefix postgres 2>&1`;
+	my ($tps) = $out =~ /tps = ([0-9.]+) \(without initial connection time\)/
+	  or die "pgbench failed:\n$out";
+	my ($avg) = $out =~ /latency average = ([0-9.]+) ms/;
+	my @us;
+	foreach my $f (glob("$prefix*"))
+	{
+		open(my $lf, '<', $f) or next;
+		while (<$lf>)
+		{
+			my @c = split;
+			push @us, $c[2] if @c >= 3;
+		}
+		close $lf;
+		unlink $f;
+	}
+	@us = sort { $a <=> $b } @us;
+	return ($tps, $avg // 0, @us ? percentile(\@us, 99) / 1000.0 : 0);
+}
+my ($tps, $commit_ms, $commit_p99) = paced_run('copying');
 wait_for('the queue to drain', 30, sub { (stats())[3] == 0 });
 my (undef, undef, $d1) = stats();
 usleep(300_000);
@@ -185,7 +218,8 @@ vk_cmd($vk, 'CONFIG', 'SET', 'notify-keyspace-events', '');
 open(my $af, '<', $arrivals) or die "no arrivals: $!";
 my %arrival = map { split / / } <$af>;
 close $af;
-my @keys = grep { /^idem:t:1:/ } keys %arrival;
+my $keyspace = psql('SELECT idem_cache_keyspace()');
+my @keys = grep { /^\Q$keyspace\Et:1:/ } keys %arrival;
 my @lat;
 while (my @chunk = splice(@keys, 0, 1000))
 {
@@ -226,7 +260,11 @@ psql(q{
 });
 $redirected = 1;
 wait_for('the worker to disconnect', 15, sub { (stats())[4] eq 'f' });
-my $per_client = int($o{drain} / $o{clients}) || 1;
+# Commit latency with nothing copied, side by side with the run above; its
+# results stay queued and are part of the drain.
+my ($tps_away, $commit_ms_away, $commit_p99_away) = paced_run('away');
+my $per_client = int(($o{drain} - $o{rate} * $o{seconds}) / $o{clients});
+$per_client = 1 if $per_client < 1;
 my $fill = `@pgbench -c $o{clients} -j $jobs -t $per_client postgres 2>&1`;
 die "pgbench (fill) failed:\n$fill" if $?;
 my (undef, undef, $dropped_fill, $depth) = stats();
@@ -254,9 +292,13 @@ my $p99 = percentile(\@lat, 99);
 printf "idem: commit -> visible in Valkey (%s)\n", $o{benchmark} =~ /valkey/ ? 'Valkey' : 'Redis 7 stand-in';
 printf "  offered %d commits/s for %d s, %d clients, synchronous_commit=%s\n",
   $o{rate}, $o{seconds}, $o{clients}, $o{sync};
-printf "  %-36s %12s\n", 'metric', 'value';
-printf "  %-36s %12.0f\n", 'commits/s achieved (pgbench tps)', $tps;
-printf "  %-36s %12.3f\n", 'pgbench latency average (ms)', $commit_ms // 0;
+printf "  %-36s %12s %12s %8s\n", 'commit latency (pgbench)', 'copying', 'not copying', 'ratio';
+printf "  %-36s %12.0f %12.0f %8.2f\n", 'commits/s achieved', $tps, $tps_away, $tps / $tps_away;
+printf "  %-36s %12.3f %12.3f %8.2f\n", 'latency average (ms)', $commit_ms, $commit_ms_away,
+  $commit_ms_away ? $commit_ms / $commit_ms_away : 0;
+printf "  %-36s %12.3f %12.3f %8.2f\n", 'latency p99 (ms)', $commit_p99, $commit_p99_away,
+  $commit_p99_away ? $commit_p99 / $commit_p99_away : 0;
+printf "  %-36s %12s\n", 'copy', 'value';
 printf "  %-36s %12d\n", 'results copied / samples', scalar(@lat);
 printf "  %-36s %12d\n", 'dropped (queue full)', $d1 - $d0;
 printf "  %-36s %12.3f\n", 'latency p50 (ms)', $p50;

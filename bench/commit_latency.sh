@@ -2,7 +2,8 @@
 # bench/commit_latency.sh: how fast committed results reach Valkey.
 #
 #   1. commit -> visible in Valkey latency (p50/p99) while pgbench offers a
-#      sustained rate of claim+complete transactions;
+#      sustained rate of claim+complete transactions, and the commit latency
+#      of that run next to the same run with the worker copying nothing;
 #   2. the worker's drain rate (SETs/s) emptying a full queue, next to the
 #      same server's raw pipelined SET rate (valkey-/redis-benchmark -P 16),
 #      in the same run.
@@ -16,7 +17,7 @@
 #   BENCH_LATENCY_SECONDS   length of the latency run    (default 10)
 #   BENCH_LATENCY_CLIENTS   pgbench clients              (default 8)
 #   BENCH_DRAIN_N           results queued for the drain (default 50000)
-#   BENCH_SYNC_COMMIT       synchronous_commit of the load (default off)
+#   BENCH_SYNC_COMMIT       synchronous_commit of the load (default on)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/test/lib/common.sh"
@@ -28,6 +29,11 @@ if [ -n "${BENCH_WORK:-}" ]; then
 	OWN=""
 else
 	idem_ensure_deps || exit 2
+	# Never the system PostgreSQL: the checkout's private copy (test/run).
+	if [ -z "${IDEM_PG_ROOT:-}" ]; then
+		idem_serialize "$ROOT/tmp_pgroot.lock"
+		idem_pg_private "$ROOT/tmp_pgroot" || exit 2
+	fi
 	idem_build_install "$ROOT" || exit 1
 	WORK=$(mktemp -d /tmp/idem-latency.XXXXXX)
 	chmod 777 "$WORK"
@@ -59,4 +65,4 @@ idem_as_test_user env PATH="$(idem_pg_bindir):$PATH" perl "$WORK/commit_latency.
 	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" \
 	--rate "${BENCH_RATE:-5000}" --seconds "${BENCH_LATENCY_SECONDS:-10}" \
 	--clients "${BENCH_LATENCY_CLIENTS:-8}" --drain "${BENCH_DRAIN_N:-50000}" \
-	--sync "${BENCH_SYNC_COMMIT:-off}"
+	--sync "${BENCH_SYNC_COMMIT:-on}"

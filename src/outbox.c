@@ -16,7 +16,9 @@
  *		would have to wait for COMMIT PREPARED, which may run in another
  *		session after a restart, and idem does not defer it;
  *	  - at XACT_EVENT_COMMIT, which runs after the commit record is written,
- *		the copies move into the shared queue and the worker's latch is set.
+ *		the copies move into the shared queue, each marked with the end of
+ *		the commit record (XactLastCommitEnd), and the worker's latch is set;
+ *		the worker copies a record only once WAL is durable up to its mark.
  *		Nothing there allocates, raises an error or waits: a full queue drops
  *		the copy and counts it (PostgreSQL stays the truth, and a cache miss
  *		repopulates Valkey);
@@ -32,6 +34,10 @@
  * read and write positions (writers never touch that span) and moves the
  * read position only once Valkey has acknowledged them, so records survive a
  * Valkey outage while the queue has room.
+ *
+ * idem_outbox_repopulate() puts a copy of a terminal row that a lookup or
+ * claim read (not wrote) straight into the queue, marked with the WAL
+ * insert position at the read.
  *
  * Shared memory holds no process-local pointers: the worker is found by its
  * PGPROC number, and the LWLock through the named tranche.
