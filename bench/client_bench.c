@@ -7,7 +7,10 @@
  *
  * MODE:
  *   valkey-replay  idem_run on completed keys, answered by the Valkey cache
+ *                  (every value's MAC verified)
  *   raw-get        hiredis GET of the same cache keys
+ *   fill-cache     (setup, CLIENTS ignored) write the idem2 copies of the
+ *                  replay keys that the server's worker writes, where absent
  *   pg-replay      idem_run on completed keys with Valkey down (PostgreSQL answers)
  *   pg-select      a bare prepared SELECT of the same ledger rows by unique key
  *   run-new        idem_run on new keys: gate, claim, effect, complete, commit
@@ -29,10 +32,18 @@
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
 
-#include "idem_client.h"
-#include "cache_format.h"
+#include "internal.h"
 
 #define REPLAY_KEYS 10000
+
+static double
+now_wall_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
 
 static double
 now_s(void)
@@ -63,6 +74,96 @@ transfer_handler(PGconn *conn, idem_call *call, void *user_data)
 	return st;
 }
 
+/* The server's keyspace (what the runner learns). */
+static int
+keyspace_of(const char *conninfo, char ks[IDEM_CACHE_KEYSPACE_MAX + 1])
+{
+	PGconn	   *conn = PQconnectdb(conninfo);
+	PGresult   *res = PQexec(conn, "SELECT idem_cache_keyspace()");
+	int			ok = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1;
+
+	if (ok)
+		snprintf(ks, IDEM_CACHE_KEYSPACE_MAX + 1, "%s", PQgetvalue(res, 0, 0));
+	PQclear(res);
+	PQfinish(conn);
+	return ok ? 0 : -1;
+}
+
+/*
+ * Write the worker's idem2 copy of every replay key that Valkey lacks (the
+ * server's worker writes them too once it copies idem2; SET NX keeps its
+ * copies).  Returns the number written, or -1.
+ */
+static long
+fill_cache(const char *conninfo, const char *vhost, int vport)
+{
+	struct timeval tv = {1, 0};
+	redisContext *c = redisConnectWithTimeout(vhost, vport, tv);
+	PGconn	   *conn = PQconnectdb(conninfo);
+	PGresult   *res;
+	char		ks[IDEM_CACHE_KEYSPACE_MAX + 1];
+	idem_hmac	h;
+	int32_t		key_id;
+	uint8_t		sec[32];
+	long		written = 0;
+	int			i;
+
+	if (c == NULL || c->err || PQstatus(conn) != CONNECTION_OK ||
+		keyspace_of(conninfo, ks) != 0)
+		return -1;
+	res = PQexec(conn, "SELECT key_id, encode(secret, 'hex') FROM idem_cache_secrets() WHERE is_current");
+	if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1 ||
+		idem_cache_unhex(sec, PQgetvalue(res, 0, 1), 32) != 0)
+		return -1;
+	key_id = atoi(PQgetvalue(res, 0, 0));
+	idem_hmac_key(&h, sec, sizeof(sec));
+	PQclear(res);
+	res = PQexec(conn, "SELECT tenant_id, encode(idempotency_key, 'hex'), attempt,"
+				 " encode(request_fingerprint, 'hex'), outcome::text,"
+				 " floor(extract(epoch FROM expires_at) * 1000)::bigint"
+				 " FROM idempotency_keys WHERE status = 'completed'"
+				 " AND idempotency_key IN (SELECT idem_key('bench.replay', g::text)"
+				 " FROM generate_series(1, 10000) g)");
+	if (PQresultStatus(res) != PGRES_TUPLES_OK)
+		return -1;
+	for (i = 0; i < PQntuples(res); i++)
+	{
+		uint8_t		k[32],
+					fp[32],
+					mac[32];
+		char		key[IDEM_CACHE_KEY_MAX];
+		char		val[IDEM_CACHE_VALUE_MAX];
+		char		input[IDEM_CACHE_MAC_INPUT_MAX];
+		const char *out = PQgetvalue(res, i, 4);
+		long long	exp = atoll(PQgetvalue(res, i, 5));
+		int			n,
+					in;
+		redisReply *r;
+
+		idem_cache_unhex(k, PQgetvalue(res, i, 1), 32);
+		idem_cache_unhex(fp, PQgetvalue(res, i, 3), 32);
+		idem_cache_key(key, sizeof(key), ks, 0, atoll(PQgetvalue(res, i, 0)), k);
+		n = idem_cache_encode_terminal(val, sizeof(val), key_id, IDEM_CACHE_COMPLETED,
+									   atoi(PQgetvalue(res, i, 2)), exp, fp,
+									   out, strlen(out));
+		in = n < 0 ? -1 : idem_cache_mac_input(input, sizeof(input), key, strlen(key),
+											   val, (size_t) n);
+		if (in < 0)
+			return -1;
+		idem_hmac_sha256(&h, input, (size_t) in, mac);
+		idem_cache_set_mac(val, mac);
+		r = redisCommand(c, "SET %s %b NX PX %lld", key, val, (size_t) n,
+						 (long long) (exp - (long long) (now_wall_s() * 1000)));
+		if (r && r->type == REDIS_REPLY_STATUS)
+			written++;
+		freeReplyObject(r);
+	}
+	PQclear(res);
+	PQfinish(conn);
+	redisFree(c);
+	return written;
+}
+
 /* A handler that must not run: replays only. */
 static idem_handler_status
 never_handler(PGconn *conn, idem_call *call, void *user_data)
@@ -89,8 +190,9 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 		redisContext *c = redisConnectWithTimeout(vhost, vport, tv);
 		char		key[IDEM_CACHE_KEY_MAX];
 		uint8_t		k[IDEM_DIGEST_BYTES];
+		char		ks[IDEM_CACHE_KEYSPACE_MAX + 1];
 
-		if (c == NULL || c->err)
+		if (c == NULL || c->err || keyspace_of(conninfo, ks) != 0)
 			return -1;
 		while (now_s() < end)
 		{
@@ -99,7 +201,7 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 
 			snprintf(id, sizeof(id), "%d", i);
 			idem_key("bench.replay", id, k);
-			idem_cache_key(key, sizeof(key), "idem:", 0, 1 + i % 100, k);
+			idem_cache_key(key, sizeof(key), ks, 0, 1 + i % 100, k);
 			r = redisCommand(c, "GET %s", key);
 			if (r == NULL || r->type != REDIS_REPLY_STRING)
 			{
@@ -228,6 +330,13 @@ main(int argc, char **argv)
 	mode = argv[1];
 	clients = atoi(argv[2]);
 	seconds = atof(argv[3]);
+	if (strcmp(mode, "fill-cache") == 0)
+	{
+		long		n = fill_cache(argv[4], argv[5], atoi(argv[6]));
+
+		printf("fill-cache %ld\n", n);
+		return n < 0;
+	}
 	if (pipe(fds) != 0)
 		return 1;
 	for (c = 0; c < clients; c++)

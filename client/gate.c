@@ -1,12 +1,13 @@
 /*
  * gate.c
  *	  The Valkey side of a runner: one hiredis connection with short connect
- *	  and command timeouts, the gate script, compare-and-delete of our own
- *	  marker, and SET of a terminal result.
+ *	  and command timeouts, the gate script and compare-and-delete of our
+ *	  own marker.  The client writes no terminal value (the server's worker
+ *	  does, once the commit is durable).
  *
  *	  Every command touches one key (Valkey Cluster: one slot), and only
  *	  commands that both Redis 7 and Valkey have are used: GET, SET NX PX,
- *	  PTTL, DEL inside EVAL/EVALSHA, SCRIPT LOAD, SET PX, AUTH, SELECT.
+ *	  PTTL, DEL inside EVAL/EVALSHA, SCRIPT LOAD, AUTH, SELECT.
  *
  *	  A failure never fails a run: the gate is skipped and PostgreSQL
  *	  decides.  After a failed connect the gate is left alone for retry_ms;
@@ -14,13 +15,17 @@
  *	  use.  A command that timed out leaves its reply unread, so the
  *	  connection is always dropped after any error.
  *
- *	  hiredis formats commands and parses replies; after the connect, the
- *	  bytes go through send(MSG_NOSIGNAL) and recv() here, so a dead Valkey
- *	  is an error, never SIGPIPE, without masking signals on every call.
+ *	  hiredis formats commands and parses replies; after the TCP connect,
+ *	  the bytes go through send(MSG_NOSIGNAL) and recv() here, so a dead
+ *	  Valkey is an error, never SIGPIPE, without masking signals on every
+ *	  call.  The command timeout is a deadline: each exchange waits with
+ *	  poll() for what is left of it, and a signal (EINTR) never restarts
+ *	  the clock.  Errors are classified by errno, never by message text.
  */
 #include "internal.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +67,8 @@ struct idem_gate
 	char		sha_cad[41];
 	long		round_trips;
 	long		connects;
+	int			last_errno;		/* of the last failed exchange; 0: EOF,
+								 * timeout or protocol error */
 };
 
 /* ---- SIGPIPE while hiredis connects: blocked, a pending one discarded (libpq's way) */
@@ -201,8 +208,36 @@ reply_ok(redisReply *r, int want_sha, char *sha)
 	return r->type == REDIS_REPLY_STATUS;
 }
 
+static int	send_all(redisContext *c, const char *buf, size_t len,
+					 int64_t deadline, int *err_no);
+static redisReply *read_reply(redisContext *c, int64_t deadline, int *err_no);
+
+/* Append one formatted command to *buf (a malloc'd string of *len bytes). */
+static int
+append_cmd(char **buf, size_t *len, int argc, const char **argv)
+{
+	char	   *cmd = NULL;
+	long long	n = redisFormatCommandArgv(&cmd, argc, argv, NULL);
+	char	   *grown;
+
+	if (n < 0)
+		return -1;
+	grown = realloc(*buf, *len + (size_t) n);
+	if (grown == NULL)
+	{
+		redisFreeCommand(cmd);
+		return -1;
+	}
+	memcpy(grown + *len, cmd, (size_t) n);
+	*buf = grown;
+	*len += (size_t) n;
+	redisFreeCommand(cmd);
+	return 0;
+}
+
 /* Connect, authenticate, select, load the scripts: one round trip after the
- * TCP connect.  0 on success; on failure the gate stays down for retry_ms. */
+ * TCP connect, within the command timeout (a deadline).  0 on success; on
+ * failure the gate stays down for retry_ms. */
 static int
 do_connect(idem_gate *g)
 {
@@ -212,6 +247,9 @@ do_connect(idem_gate *g)
 	int			n = 0,
 				i;
 	char		dbtxt[16];
+	char	   *buf = NULL;
+	size_t		len = 0;
+	int64_t		deadline;
 
 	g->connects++;
 	c = redisConnectWithTimeout(g->host, g->port, tv);
@@ -223,13 +261,11 @@ do_connect(idem_gate *g)
 		return -1;
 	}
 	g->c = c;
-	if (redisSetTimeout(c, ms_tv(g->command_timeout_ms)) != REDIS_OK)
-		ok = 0;
 	if (ok && g->password)
 	{
 		const char *argv[2] = {"AUTH", g->password};
 
-		ok = redisAppendCommandArgv(c, 2, argv, NULL) == REDIS_OK;
+		ok = append_cmd(&buf, &len, 2, argv) == 0;
 		n++;
 	}
 	if (ok && g->db != 0)
@@ -237,7 +273,7 @@ do_connect(idem_gate *g)
 		const char *argv[2] = {"SELECT", dbtxt};
 
 		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
-		ok = redisAppendCommandArgv(c, 2, argv, NULL) == REDIS_OK;
+		ok = append_cmd(&buf, &len, 2, argv) == 0;
 		n++;
 	}
 	if (ok)
@@ -245,18 +281,23 @@ do_connect(idem_gate *g)
 		const char *a1[3] = {"SCRIPT", "LOAD", GATE_SCRIPT};
 		const char *a2[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
 
-		ok = redisAppendCommandArgv(c, 3, a1, NULL) == REDIS_OK &&
-			redisAppendCommandArgv(c, 3, a2, NULL) == REDIS_OK;
+		ok = append_cmd(&buf, &len, 3, a1) == 0 &&
+			append_cmd(&buf, &len, 3, a2) == 0;
 		n += 2;
 	}
+	deadline = idem_now_ms() + g->command_timeout_ms;
 	if (ok)
+	{
 		g->round_trips++;
+		ok = send_all(c, buf, len, deadline, &g->last_errno) == 0;
+	}
+	free(buf);
 	for (i = 0; ok && i < n; i++)
 	{
-		void	   *rep = NULL;
+		redisReply *rep = read_reply(c, deadline, &g->last_errno);
 		int			is_sha = i >= n - 2;
 
-		if (redisGetReply(c, &rep) != REDIS_OK)
+		if (rep == NULL)
 			ok = 0;
 		else if (!reply_ok(rep, is_sha,
 						   i == n - 2 ? g->sha_gate : g->sha_cad))
@@ -316,77 +357,157 @@ io_error(redisContext *c, int type, const char *what)
 }
 
 /*
- * One command and its reply on the blocking socket (the context's send and
- * receive timeouts apply).  Sends with MSG_NOSIGNAL, so a dead Valkey is an
- * EPIPE error, never a signal; errors are left in c->err/errstr as hiredis
- * would leave them.  Returns the reply (caller frees) or NULL.
+ * Wait until fd is ready for events, or the deadline (monotonic ms) passes.
+ * A signal does not extend the wait: what is left is recomputed.  Returns
+ * 1 ready, 0 deadline passed, -1 error (errno set).
  */
-static redisReply *
-exchange(redisContext *c, int argc, const char **argv, const size_t *argvlen)
+static int
+wait_fd(int fd, short events, int64_t deadline)
 {
-	char	   *cmd = NULL;
-	long long	len = redisFormatCommandArgv(&cmd, argc, argv, argvlen);
-	long long	off = 0;
-
-	if (len < 0)
+	for (;;)
 	{
-		io_error(c, REDIS_ERR_OOM, "Out of memory");
-		return NULL;
+		struct pollfd pfd;
+		int64_t		left = deadline - idem_now_ms();
+		int			rc;
+
+		if (left <= 0)
+			return 0;
+		pfd.fd = fd;
+		pfd.events = events;
+		pfd.revents = 0;
+		rc = poll(&pfd, 1, (int) left);
+		if (rc > 0)
+			return 1;
+		if (rc == 0)
+			return 0;
+		if (errno != EINTR)
+			return -1;
 	}
+}
+
+/*
+ * Send len bytes before the deadline, with MSG_NOSIGNAL.  0, or -1 with the
+ * error left in c and *err_no (0 for the deadline).
+ */
+static int
+send_all(redisContext *c, const char *buf, size_t len, int64_t deadline,
+		 int *err_no)
+{
+	size_t		off = 0;
+
 	while (off < len)
 	{
-		ssize_t		n = send(c->fd, cmd + off, (size_t) (len - off), MSG_NOSIGNAL);
+		ssize_t		n;
+		int			w = wait_fd(c->fd, POLLOUT, deadline);
 
-		if (n < 0 && errno == EINTR)
+		if (w <= 0)
+		{
+			*err_no = w < 0 ? errno : 0;
+			io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
+			return -1;
+		}
+		n = send(c->fd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
 			continue;
 		if (n <= 0)
 		{
-			io_error(c, REDIS_ERR_IO, strerror(errno));
-			redisFreeCommand(cmd);
-			return NULL;
+			*err_no = n < 0 ? errno : 0;
+			io_error(c, REDIS_ERR_IO, n < 0 ? strerror(errno) : "send");
+			return -1;
 		}
-		off += n;
+		off += (size_t) n;
 	}
-	redisFreeCommand(cmd);
+	return 0;
+}
+
+/*
+ * Read one reply before the deadline.  Returns it (caller frees), or NULL
+ * with the error left in c and *err_no (0: EOF, deadline, protocol).
+ */
+static redisReply *
+read_reply(redisContext *c, int64_t deadline, int *err_no)
+{
 	for (;;)
 	{
 		void	   *reply = NULL;
 		char		buf[16 * 1024];
 		ssize_t		n;
+		int			w;
 
 		if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
+		{
+			*err_no = 0;
 			return NULL;
+		}
 		if (reply != NULL)
 			return reply;
-		n = recv(c->fd, buf, sizeof(buf), 0);
-		if (n < 0 && errno == EINTR)
+		w = wait_fd(c->fd, POLLIN, deadline);
+		if (w <= 0)
+		{
+			*err_no = w < 0 ? errno : 0;
+			io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
+			return NULL;
+		}
+		n = recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT);
+		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
 			continue;
 		if (n == 0)
 		{
+			*err_no = 0;
 			io_error(c, REDIS_ERR_EOF, "Server closed the connection");
 			return NULL;
 		}
 		if (n < 0)
 		{
+			*err_no = errno;
 			io_error(c, REDIS_ERR_IO, strerror(errno));
 			return NULL;
 		}
 		if (redisReaderFeed(c->reader, buf, (size_t) n) != REDIS_OK)
 		{
+			*err_no = 0;
 			io_error(c, REDIS_ERR_PROTOCOL, "Protocol error");
 			return NULL;
 		}
 	}
 }
 
-/* Did the established connection die (EOF, reset), as opposed to a timeout?
- * Only then is one immediate retry on a new connection worth it. */
-static int
-connection_died(redisContext *c)
+/*
+ * One command and its reply, within the command timeout (a deadline).
+ * Returns the reply (caller frees) or NULL, with the error in g->c and
+ * g->last_errno.
+ */
+static redisReply *
+exchange(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 {
-	return c->err == REDIS_ERR_EOF ||
-		(c->err == REDIS_ERR_IO && strstr(c->errstr, "reset") != NULL) ||
-		(c->err == REDIS_ERR_IO && strstr(c->errstr, "Broken pipe") != NULL);
+	redisContext *c = g->c;
+	int64_t		deadline = idem_now_ms() + g->command_timeout_ms;
+	char	   *cmd = NULL;
+	long long	len = redisFormatCommandArgv(&cmd, argc, argv, argvlen);
+	int			rc;
+
+	g->last_errno = 0;
+	if (len < 0)
+	{
+		io_error(c, REDIS_ERR_OOM, "Out of memory");
+		return NULL;
+	}
+	rc = send_all(c, cmd, (size_t) len, deadline, &g->last_errno);
+	redisFreeCommand(cmd);
+	if (rc != 0)
+		return NULL;
+	return read_reply(c, deadline, &g->last_errno);
+}
+
+/* Did the established connection die (EOF, reset, broken pipe), as opposed
+ * to a timeout?  Only then is one immediate retry on a new connection worth
+ * it. */
+static int
+connection_died(const idem_gate *g)
+{
+	return g->c->err == REDIS_ERR_EOF ||
+		g->last_errno == ECONNRESET || g->last_errno == EPIPE ||
+		g->last_errno == ECONNABORTED;
 }
 
 /*
@@ -407,10 +528,10 @@ command(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 		if (ensure(g) != 0)
 			return NULL;
 		g->round_trips++;
-		r = exchange(g->c, argc, argv, argvlen);
+		r = exchange(g, argc, argv, argvlen);
 		if (r != NULL)
 			return r;
-		died = connection_died(g->c);
+		died = connection_died(g);
 		drop(g);
 		if (!died || !reused)
 			return NULL;
@@ -515,38 +636,6 @@ idem_gate_release(idem_gate *g, const char *key, const char *marker)
 		return -1;
 	if (r->type == REDIS_REPLY_INTEGER)
 		rc = r->integer > 0 ? 1 : 0;
-	freeReplyObject(r);
-	return rc;
-}
-
-int
-idem_gate_publish(idem_gate *g, const char *key, const char *value,
-				  size_t len, long long ttl_ms)
-{
-	char		ttl[24];
-	const char *argv[5];
-	size_t		argvlen[5];
-	redisReply *r;
-	int			rc = -1;
-
-	if (g == NULL || ttl_ms <= 0 || idem_gate_resting(g))
-		return -1;
-	snprintf(ttl, sizeof(ttl), "%lld", ttl_ms);
-	argv[0] = "SET";
-	argv[1] = key;
-	argv[2] = value;
-	argv[3] = "PX";
-	argv[4] = ttl;
-	argvlen[0] = 3;
-	argvlen[1] = strlen(key);
-	argvlen[2] = len;
-	argvlen[3] = 2;
-	argvlen[4] = strlen(ttl);
-	r = command(g, 5, argv, argvlen);
-	if (r == NULL)
-		return -1;
-	if (r->type == REDIS_REPLY_STATUS)
-		rc = 0;
 	freeReplyObject(r);
 	return rc;
 }

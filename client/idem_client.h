@@ -61,8 +61,10 @@ typedef struct idem_options
 {
 	const char *schema;			/* schema of the extension; NULL: looked up
 								 * in pg_extension at each connect */
-	const char *valkey_prefix;	/* key prefix, as the server's
-								 * idem.valkey_prefix; NULL: "idem:" */
+	const char *valkey_prefix;	/* ignored since 0.3: the keyspace (the
+								 * server's idem.valkey_prefix, cluster,
+								 * timeline, database) comes from the server
+								 * (idem_cache_keyspace()) */
 	const char *valkey_password;	/* NULL or "": no AUTH */
 	int			valkey_db;		/* SELECT this database when non-zero */
 	int			valkey_connect_timeout_ms;	/* default 200 */
@@ -73,9 +75,8 @@ typedef struct idem_options
 								 * (default 30000) */
 	int			retention_ms;	/* retention of results; 0 (default): the
 								 * server's idem.retention */
-	int			cache_results;	/* 1 (default): after a commit with a
-								 * terminal result, write it to Valkey at
-								 * once (the server's worker does it too) */
+	int			cache_results;	/* ignored since 0.3: only the server's
+								 * worker writes results, once durable */
 	FILE	   *pg_trace;		/* non-NULL: PQtrace() every connection to
 								 * this stream (protocol debugging); it must
 								 * stay open until idem_runner_close() */
@@ -86,6 +87,13 @@ typedef struct idem_options
 								 * no transaction (a new key one more round
 								 * trip); 0: always claim directly.  A
 								 * runner without Valkey always claims. */
+	/*
+	 * NULL, or called (rarely, never more than once per cause) with what an
+	 * operator should hear: that the runner runs without the Valkey cache
+	 * and why (say the role lacks EXECUTE on idem_cache_secrets()).
+	 */
+	void		(*notice) (void *arg, const char *message);
+	void	   *notice_arg;
 } idem_options;
 
 void		idem_options_init(idem_options *opts);
@@ -100,7 +108,12 @@ void		idem_options_init(idem_options *opts);
  * PostgreSQL host that does not answer blocks a run until the OS gives up.
  * The role needs USAGE on the extension's schema and EXECUTE on idem_claim,
  * idem_complete, idem_fail, idem_lookup (and their idem_platform_ twins for
- * idem_run_platform), plus what the handlers do.
+ * idem_run_platform), plus what the handlers do.  To use Valkey it also
+ * needs EXECUTE on idem_cache_keyspace() and idem_cache_secrets(): the
+ * runner learns the keyspace and the MAC secrets from the server on each
+ * new connection (one round trip) and trusts no value in Valkey whose MAC
+ * does not verify.  Without that grant it runs on PostgreSQL alone and
+ * tells the notice hook once.
  */
 idem_runner *idem_runner_open(const char *pg_conninfo,
 							  const char *valkey_host, int valkey_port,
@@ -151,7 +164,8 @@ int			idem_call_set_json(idem_call *call, const char *json);
  * return.  It must not COMMIT, ROLLBACK or RELEASE the runner's savepoint; a
  * statement that fails is fine if the handler reports a failure (the runner
  * rolls back to the savepoint).  The effect commits together with the
- * outcome, or not at all.
+ * outcome, or not at all.  A handler that ends the runner's transaction
+ * anyway fails the run with IDEM_ERR_HANDLER_ENDED_TX.
  */
 typedef idem_handler_status (*idem_handler_fn) (PGconn *conn,
 												idem_call *call,
@@ -178,7 +192,8 @@ typedef enum idem_status
 								 * retry; committed as failed_retryable */
 	IDEM_ERROR					/* no decision: see error_code / message;
 								 * nothing was committed unless error_code is
-								 * IDEM_ERR_COMMIT_UNKNOWN */
+								 * IDEM_ERR_COMMIT_UNKNOWN or
+								 * IDEM_ERR_HANDLER_ENDED_TX */
 } idem_status;
 
 /* Where the decision came from. */
@@ -200,12 +215,19 @@ typedef enum idem_error_code
 								 * object of at most 4096 bytes */
 	IDEM_ERR_HANDLER,			/* the handler broke the transaction */
 	IDEM_ERR_CONNECTION,		/* PostgreSQL unreachable or connection lost
-								 * before COMMIT: nothing committed */
-	IDEM_ERR_COMMIT_UNKNOWN,	/* connection lost during COMMIT: the
-								 * outcome is unknown; redeliver */
+								 * before COMMIT was sent: nothing committed */
+	IDEM_ERR_COMMIT_UNKNOWN,	/* connection lost after COMMIT was sent:
+								 * the effect and the key committed together
+								 * or not at all, but which is unknown;
+								 * redeliver (the ledger decides) */
 	IDEM_ERR_SERVER,			/* PostgreSQL raised an error (sqlstate) */
 	IDEM_ERR_PROTOCOL,			/* unexpected answer from PostgreSQL */
-	IDEM_ERR_OUT_OF_MEMORY
+	IDEM_ERR_OUT_OF_MEMORY,
+	IDEM_ERR_HANDLER_ENDED_TX	/* the handler ended the runner's
+								 * transaction (COMMIT, ROLLBACK, COMMIT;
+								 * BEGIN): its effect may have committed
+								 * WITHOUT its key; a redelivery after the
+								 * lease may run it again */
 } idem_error_code;
 
 /* Filled by idem_run(); no allocation, nothing to free. */
@@ -255,6 +277,11 @@ typedef struct idem_runner_stats
 	long		valkey_round_trips;
 	long		valkey_connects;
 	long		valkey_skipped; /* runs that went without Valkey */
+	long		cache_rejected; /* values read from Valkey and ignored:
+								 * malformed, idem1, a MAC that does not
+								 * verify (forged, altered, moved to another
+								 * key), an unknown key id, a marker claiming
+								 * more than our lease */
 } idem_runner_stats;
 
 void		idem_runner_get_stats(const idem_runner *runner,

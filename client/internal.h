@@ -3,10 +3,13 @@
  *	  Declarations shared by the files of libidemclient; not installed.
  *
  *	  sha256.c			SHA-256
+ *	  hmac.c			HMAC-SHA-256 (the MAC of idem2 values)
+ *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
+ *						MAC verification, the marker it writes
  *	  canonical_json.c	the jsonb-identical canonical JSON text
  *	  digest.c			idem_key(), idem_fingerprint()
  *	  gate.c			the Valkey side: connection, gate script,
- *						compare-and-delete, publish
+ *						compare-and-delete
  *	  pg.c				the PostgreSQL side: connection, pipelines
  *	  runner.c			the run itself, options, results
  */
@@ -30,6 +33,17 @@ typedef struct idem_sha256
 void		idem_sha256_init(idem_sha256 *c);
 void		idem_sha256_update(idem_sha256 *c, const void *data, size_t len);
 void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
+
+/* HMAC-SHA-256 with a prepared key (hmac.c). */
+typedef struct idem_hmac
+{
+	idem_sha256 inner;			/* after the key ^ ipad block */
+	idem_sha256 outer;			/* after the key ^ opad block */
+} idem_hmac;
+
+void		idem_hmac_key(idem_hmac *h, const uint8_t *key, size_t keylen);
+void		idem_hmac_sha256(const idem_hmac *h, const void *msg, size_t len,
+							 uint8_t out[32]);
 
 /* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
  * accepts in a UTF8 database). */
@@ -74,9 +88,6 @@ void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
  * -1 Valkey unavailable. */
 int			idem_gate_release(idem_gate *g, const char *key,
 							  const char *marker);
-/* SET key value PX ttl_ms.  Returns 0, or -1 on failure. */
-int			idem_gate_publish(idem_gate *g, const char *key,
-							  const char *value, size_t len, long long ttl_ms);
 /* Counters. */
 long		idem_gate_round_trips(const idem_gate *g);
 long		idem_gate_connects(const idem_gate *g);
@@ -93,6 +104,7 @@ typedef enum pg_stmt
 	STMT_FAIL_T, STMT_FAIL_P,
 	STMT_TTL_T, STMT_TTL_P,
 	STMT_LOOKUP_T, STMT_LOOKUP_P,
+	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_COUNT
 } pg_stmt;
 
@@ -136,6 +148,7 @@ typedef struct pg_outcome
 	pg_rc		rc;
 	int			failed_cmd;		/* index of the first failed command, or -1 */
 	int			completed;		/* commands with a successful result */
+	int			queued;			/* commands handed to libpq (perhaps sent) */
 	PGresult   *res[PG_MAX_CMDS];
 	char		sqlstate[6];
 	char		message[400];
@@ -153,5 +166,54 @@ void		idem_pg_outcome_clear(pg_outcome *o);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */
 int			idem_pg_exec(idem_pg *p, const char *sql);
 void		idem_pg_drop(idem_pg *p);
+
+/* ---- trust.c: keyspace, secrets, value verification ---- */
+
+#define IDEM_TRUST_MAX_KEYS 4
+
+typedef enum trust_state
+{
+	TRUST_UNKNOWN = 0,			/* not learnt on this connection yet */
+	TRUST_READY,				/* keyspace and secrets known */
+	TRUST_DENIED				/* no cache: not granted, or too old a server */
+} trust_state;
+
+typedef enum trust_verdict
+{
+	TRUST_VALUE_OK = 0,			/* authentic and current */
+	TRUST_VALUE_EXPIRED,		/* authentic but past its deadline (or a
+								 * marker claiming more than our lease) */
+	TRUST_VALUE_BAD				/* malformed, forged, moved, unknown key id */
+} trust_verdict;
+
+typedef struct idem_trust
+{
+	trust_state state;
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	struct
+	{
+		int32_t		key_id;
+		idem_hmac	hmac;
+	}			keys[IDEM_TRUST_MAX_KEYS];
+	int			nkeys;
+	int			current;		/* index into keys of the current secret */
+	long		learnt_at_connect;	/* idem_pg.connects when learnt */
+	int64_t		learnt_ms;		/* monotonic */
+	int			refresh_wanted; /* met an unknown key id */
+	long		rejected;		/* values ignored: failed verification */
+} idem_trust;
+
+int64_t		idem_wall_ms(void);
+void		idem_trust_init(idem_trust *t);
+void		idem_trust_clear(idem_trust *t);
+int			idem_trust_stale(const idem_trust *t, const idem_pg *pg);
+trust_state idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
+							 size_t msglen);
+trust_verdict idem_trust_check(idem_trust *t, const char *key,
+							   const char *value, size_t len, int lease_ms,
+							   IdemCacheEntry *e);
+int			idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
+							  const uint8_t token[IDEM_TOKEN_LEN], char *buf,
+							  size_t buflen);
 
 #endif

@@ -104,7 +104,10 @@ build_sql(idem_pg *p, const char *s)
 		"FROM %s.idem_lookup($1::bigint, $2::bytea) AS l",
 		"SELECT l.status, l.attempt, l.outcome::text, l.fingerprint = $2::bytea, "
 		"floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
-		"FROM %s.idem_platform_lookup($1::bytea) AS l"
+		"FROM %s.idem_platform_lookup($1::bytea) AS l",
+		/* KEYSPACE, SECRETS: trust.c */
+		"SELECT %s.idem_cache_keyspace()",
+		"SELECT s.key_id, s.secret, s.is_current FROM %s.idem_cache_secrets() AS s"
 	};
 	int			i;
 
@@ -252,7 +255,8 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_complete_t", "idem_client_complete_p",
 	"idem_client_fail_t", "idem_client_fail_p",
 	"idem_client_ttl_t", "idem_client_ttl_p",
-	"idem_client_lookup_t", "idem_client_lookup_p"
+	"idem_client_lookup_t", "idem_client_lookup_p",
+	"idem_client_keyspace", "idem_client_secrets"
 };
 
 /* The pg_stmt whose text sql is, or -1 for an ad hoc command. */
@@ -342,6 +346,7 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 			lost(p, out);
 			return;
 		}
+		out->queued++;
 	}
 	if (PQpipelineSync(conn) != 1 || PQflush(conn) != 0)
 	{
@@ -373,6 +378,13 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 		{
 			const char *state = PQresultErrorField(r, PG_DIAG_SQLSTATE);
 
+			/* a lost connection is not a failed command */
+			if (PQstatus(conn) != CONNECTION_OK)
+			{
+				set_error(out, r, conn);
+				lost(p, out);
+				return;
+			}
 			if (out->failed_cmd < 0)
 				out->failed_cmd = i;
 			if (st != PGRES_PIPELINE_ABORTED)

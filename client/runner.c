@@ -4,24 +4,32 @@
  *	  issue 4).
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
- *	  2. Valkey, one round trip (gate script): a terminal value with our
- *		 fingerprint is a replay (no PostgreSQL at all); another fingerprint
- *		 is a mismatch; a marker with a TTL is busy; a malformed value is
- *		 ignored; absent: our marker is set (SET NX PX lease).  Valkey down
- *		 or slow: skip the gate (for retry_ms after a failure, without
- *		 trying).
- *	  3a. Valkey configured but silent (lookup_first): one autocommit
- *		 idem_lookup; a completed or failed_permanent row answers a
- *		 duplicate (replay or mismatch) with no transaction.
+ *	  2. Valkey, one round trip (gate script), in the keyspace the server
+ *		 gave (trust.c; learnt on each new connection): a terminal value
+ *		 whose MAC verifies, with our fingerprint, is a replay (no
+ *		 PostgreSQL at all); another fingerprint is only a hint, which
+ *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
+ *		 lease is busy; anything else is ignored (counted); absent: our
+ *		 MACed marker is set (SET NX PX lease).  Valkey down or slow: skip
+ *		 the gate (for retry_ms after a failure, without trying).
+ *	  3a. Valkey configured but silent, or a mismatch hint (lookup_first):
+ *		 one autocommit idem_lookup; a completed or failed_permanent row
+ *		 answers a duplicate (replay or mismatch) with no transaction.
  *	  3b. PostgreSQL, round trip 1 (pipeline): BEGIN; idem_claim; SAVEPOINT.
  *		 claimed: the handler runs on the open transaction; then round trip
  *		 2 (pipeline): RELEASE SAVEPOINT (or ROLLBACK TO SAVEPOINT);
  *		 idem_complete (or idem_fail); expires_at of the row; COMMIT.
  *		 Another decision: round trip 2 is COMMIT alone.
- *	  4. After a commit with a terminal result: SET the value in Valkey
- *		 (replays read from PostgreSQL always; our own results when
- *		 cache_results is on).  Without a terminal result, our marker is
- *		 removed by compare-and-delete on its token.
+ *	  4. The client writes no terminal value: the server's worker copies
+ *		 results (and terminal rows that a claim or lookup read) once their
+ *		 commit is durable.  Our marker is removed by compare-and-delete on
+ *		 its token when the run ends (a duplicate then goes to PostgreSQL
+ *		 until the worker's copy arrives, instead of waiting out a lease).
+ *
+ *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
+ *	  a handler that ends the runner's transaction fails the run with
+ *	  IDEM_ERR_HANDLER_ENDED_TX (its effect may have committed without the
+ *	  key).
  */
 #include "internal.h"
 
@@ -37,10 +45,12 @@ struct idem_runner
 {
 	idem_pg		pg;
 	idem_gate  *gate;			/* NULL: no Valkey */
-	char		prefix[IDEM_CACHE_PREFIX_MAX + 1];
+	idem_trust	trust;			/* keyspace and secrets (trust.c) */
+	void		(*notice) (void *arg, const char *message);
+	void	   *notice_arg;
+	int			cache_off_said; /* the "running without the cache" notice */
 	int			lease_ms;
 	int			retention_ms;
-	int			cache_results;
 	int			lookup_first;	/* option; cleared if idem_lookup is refused */
 	int			broken;			/* invalid options: every run fails */
 	uint64_t	token_counter;
@@ -74,7 +84,7 @@ idem_options_init(idem_options *o)
 	o->valkey_retry_ms = 1000;
 	o->lease_ms = 30000;
 	o->retention_ms = 0;
-	o->cache_results = 1;
+	o->cache_results = 1;		/* ignored since 0.3: the worker copies */
 	o->lookup_first = 1;
 }
 
@@ -118,8 +128,10 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->pg.trace = o.pg_trace;
 	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
 	r->retention_ms = o.retention_ms;
-	r->cache_results = o.cache_results;
 	r->lookup_first = o.lookup_first;
+	r->notice = o.notice;
+	r->notice_arg = o.notice_arg;
+	idem_trust_init(&r->trust);
 	if (o.valkey_connect_timeout_ms <= 0)
 		o.valkey_connect_timeout_ms = 200;
 	if (o.valkey_command_timeout_ms <= 0)
@@ -151,9 +163,6 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 		idem_set_err(r->errmsg, sizeof(r->errmsg),
 					 "valkey_port %d is out of range", valkey_port);
 	}
-	snprintf(r->prefix, sizeof(r->prefix), "%s",
-			 (o.valkey_prefix && prefix_ok(o.valkey_prefix)) ?
-			 o.valkey_prefix : "idem:");
 	if (r->broken)
 		return r;
 
@@ -188,6 +197,7 @@ idem_runner_close(idem_runner *r)
 		return;
 	idem_pg_close(&r->pg);
 	idem_gate_free(r->gate);
+	idem_trust_clear(&r->trust);
 	free(r);
 }
 
@@ -210,6 +220,7 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 	out->pg_connects = r->pg.connects;
 	out->valkey_round_trips = idem_gate_round_trips(r->gate);
 	out->valkey_connects = idem_gate_connects(r->gate);
+	out->cache_rejected = r->trust.rejected;
 }
 
 const char *
@@ -327,9 +338,11 @@ typedef struct run_state
 	char	   *request;		/* canonical */
 	size_t		request_len;
 	char		ckey[IDEM_CACHE_KEY_MAX];
-	char		marker[64];
+	char		marker[IDEM_CACHE_REST_OFFSET + 64];
 	int			own_marker;
 	int			valkey_silent;	/* Valkey is configured but gave no answer */
+	int			mismatch_hint;	/* Valkey holds another fingerprint: only
+								 * PostgreSQL may say "mismatch" */
 	/* parameters as text */
 	char		tenant_txt[24];
 	char		lease_txt[32];
@@ -421,24 +434,6 @@ release_marker(run_state *s)
 	s->own_marker = 0;
 }
 
-/* SET the terminal value; replaces our marker if it is still there. */
-static void
-publish(run_state *s, IdemCacheKind kind, int attempt, const char *outcome,
-		size_t len, long long ttl_ms)
-{
-	char		value[IDEM_CACHE_VALUE_MAX];
-	int			n;
-
-	if (s->r->gate == NULL || ttl_ms <= 0)
-		return;
-	n = idem_cache_encode_result(value, sizeof(value), kind, attempt, s->fp,
-								 outcome, len);
-	if (n < 0)
-		return;
-	if (idem_gate_publish(s->r->gate, s->ckey, value, (size_t) n, ttl_ms) == 0)
-		s->own_marker = 0;
-}
-
 /*
  * Is text a canonical JSON object of at most IDEM_OUTCOME_MAX bytes?  (A
  * value from Valkey must be: the worker and this client write jsonb text.)
@@ -458,12 +453,43 @@ canonical_object(const char *text, size_t len)
 	return ok;
 }
 
+/*
+ * Before the gate: the keyspace and secrets of the server we are connected
+ * to, learnt on each new connection (one round trip).  Returns 1 when the
+ * cache may be used.  Without them the run goes to PostgreSQL; a role that
+ * may not read them runs without the cache, and the notice hook hears it
+ * once.
+ */
+static int
+trust_ready(run_state *s)
+{
+	idem_runner *r = s->r;
+	char		msg[400];
+	int			fresh;
+
+	if (!idem_trust_stale(&r->trust, &r->pg))
+		return r->trust.state == TRUST_READY;
+	msg[0] = '\0';
+	if (idem_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
+		PQtransactionStatus(r->pg.conn) != PQTRANS_IDLE)
+		return 0;				/* the claim reports it */
+	msg[0] = '\0';
+	if (idem_trust_learn(&r->trust, &r->pg, msg, sizeof(msg)) == TRUST_DENIED &&
+		!r->cache_off_said)
+	{
+		r->cache_off_said = 1;
+		if (r->notice)
+			r->notice(r->notice_arg, msg);
+	}
+	return r->trust.state == TRUST_READY;
+}
+
 /* Step 2.  Returns 1 if the gate decided the run. */
 static int
 gate_step(run_state *s)
 {
-	gate_reply g;
-	IdemCacheValue v;
+	gate_reply	g;
+	IdemCacheEntry e;
 	uint8_t		token[IDEM_TOKEN_LEN];
 	int			decided = 0;
 
@@ -478,8 +504,20 @@ gate_step(run_state *s)
 		s->valkey_silent = 1;
 		return 0;
 	}
+	if (!trust_ready(s) ||
+		idem_cache_key(s->ckey, sizeof(s->ckey), s->r->trust.keyspace,
+					   s->is_platform, s->tenant_id, s->key) < 0)
+	{
+		s->r->stats.valkey_skipped++;
+		return 0;
+	}
 	random_token(s->r, token);
-	idem_cache_encode_marker(s->marker, sizeof(s->marker), token);
+	if (idem_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
+						  s->marker, sizeof(s->marker)) < 0)
+	{
+		s->r->stats.valkey_skipped++;
+		return 0;
+	}
 	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms, &g);
 	switch (g.answer)
 	{
@@ -493,33 +531,39 @@ gate_step(run_state *s)
 			break;
 		case GATE_VALUE:
 			s->out->valkey_used = 1;
-			if (idem_cache_decode(g.value, g.value_len, &v) != 0)
-				break;			/* malformed: PostgreSQL decides */
-			if (v.kind == IDEM_CACHE_MARKER)
+			if (idem_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
+								 s->r->lease_ms, &e) != TRUST_VALUE_OK)
+				break;			/* not trusted: PostgreSQL decides */
+			if (e.kind == IDEM_CACHE_MARKER)
 			{
+				long long	left = e.expires_ms - idem_wall_ms();
+
 				if (g.pttl > 0)
 				{
 					s->out->status = IDEM_BUSY;
 					s->out->source = IDEM_SOURCE_VALKEY;
-					s->out->retry_after_ms = (long) g.pttl;
+					s->out->retry_after_ms = (long) (g.pttl < left ? g.pttl : left);
 					decided = 1;
 				}
 				/* a marker without a TTL is not ours to honour */
 				break;
 			}
-			if (!canonical_object(v.outcome, v.outcome_len))
-				break;
-			s->out->source = IDEM_SOURCE_VALKEY;
-			decided = 1;
-			if (memcmp(v.fingerprint, s->fp, IDEM_DIGEST_LEN) != 0)
+			if (!canonical_object(e.outcome, e.outcome_len))
 			{
-				s->out->status = IDEM_MISMATCH;
+				s->r->trust.rejected++;
 				break;
 			}
-			s->out->status = v.kind == IDEM_CACHE_COMPLETED ?
+			if (memcmp(e.fingerprint, s->fp, IDEM_DIGEST_LEN) != 0)
+			{
+				s->mismatch_hint = 1;	/* PostgreSQL confirms */
+				break;
+			}
+			s->out->source = IDEM_SOURCE_VALKEY;
+			s->out->status = e.kind == IDEM_CACHE_COMPLETED ?
 				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-			s->out->attempt = v.attempt;
-			set_outcome(s->out, v.outcome, v.outcome_len);
+			s->out->attempt = e.attempt;
+			set_outcome(s->out, e.outcome, e.outcome_len);
+			decided = 1;
 			break;
 	}
 	free(g.value);
@@ -580,12 +624,6 @@ params_lookup(run_state *s, pg_cmd *c)
 	c->nparams = param_digest(c, params_key(s, c, STMT_LOOKUP_T), s->fp);
 }
 
-static void
-params_ttl(run_state *s, pg_cmd *c)
-{
-	c->nparams = params_key(s, c, STMT_TTL_T);
-}
-
 static pg_cmd
 simple_cmd(const char *sql)
 {
@@ -631,6 +669,20 @@ pg_error(run_state *s, pg_outcome *o, const char *what)
 	return st;
 }
 
+/*
+ * The handler ended the runner's transaction (COMMIT, ROLLBACK, COMMIT;
+ * BEGIN, or released the runner's savepoint).  What it committed, if
+ * anything, committed without the key being completed: the claim may
+ * stand as processing until its lease ends, and a redelivery then runs the
+ * handler again.  The run fails, and says so.
+ */
+static idem_status
+handler_ended_tx(run_state *s)
+{
+	return finish_error(s, IDEM_ERR_HANDLER_ENDED_TX, NULL,
+						"the handler ended the runner's transaction (COMMIT, ROLLBACK or COMMIT; BEGIN) or released its savepoint: its effect may have committed without its idempotency key, and a redelivery after the lease may run it again");
+}
+
 /* The handler ran and said hs; finish the transaction.  The savepoint is
  * there, the claim is ours. */
 static idem_status
@@ -644,9 +696,8 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	char	   *canon;
 	size_t		clen;
 	char		err[200];
-	pg_cmd		cmds[4];
+	pg_cmd		cmds[3];
 	pg_outcome	o;
-	long long	ttl;
 
 	if (hs != IDEM_HANDLER_OK && hs != IDEM_HANDLER_RETRYABLE &&
 		hs != IDEM_HANDLER_PERMANENT)
@@ -676,8 +727,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	}
 	ts = PQtransactionStatus(conn);
 	if (ts == PQTRANS_IDLE)
-		return finish_error(s, IDEM_ERR_HANDLER, NULL,
-							"handler ended the runner's transaction (COMMIT or ROLLBACK); the claim may stand as processing until its lease ends");
+		return handler_ended_tx(s);
 	if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR)
 	{
 		idem_pg_drop(pg);
@@ -719,29 +769,39 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		return IDEM_ERROR;
 	}
 
-	/* round trip 2: savepoint, record, row deadline, COMMIT */
+	/* round trip 2: savepoint, record, COMMIT */
 	cmds[0] = simple_cmd(hs == IDEM_HANDLER_OK ?
 						 "RELEASE SAVEPOINT idem_handler" :
 						 "ROLLBACK TO SAVEPOINT idem_handler");
 	params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
-	params_ttl(s, &cmds[2]);
-	cmds[3] = simple_cmd("COMMIT");
-	idem_pg_pipeline(pg, cmds, 4, &o);
+	cmds[2] = simple_cmd("COMMIT");
+	idem_pg_pipeline(pg, cmds, 3, &o);
 
 	/*
 	 * A COMMIT whose result arrived has committed, even if the connection
-	 * dropped before the pipeline's Sync: that is not "unknown".
+	 * dropped before the pipeline's Sync: that is not "unknown".  Once the
+	 * COMMIT was handed to the connection, a lost connection without an
+	 * error before it is "unknown": the server may have committed.
 	 */
-	if (!(o.completed == 4 && o.res[3] &&
-		  strcmp(PQcmdStatus(o.res[3]), "COMMIT") == 0))
+	if (!(o.completed == 3 && o.res[2] &&
+		  strcmp(PQcmdStatus(o.res[2]), "COMMIT") == 0))
 	{
 		idem_status st;
 
-		if (o.rc == PG_CONN_LOST && o.completed >= 3)
+		if (o.rc == PG_CONN_LOST && o.queued == 3 && o.failed_cmd < 0)
 			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
-							  "connection to PostgreSQL lost during COMMIT; whether it committed is unknown (redeliver: the ledger decides): %s",
+							  "connection to PostgreSQL lost after COMMIT was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
 							  o.message);
+		else if (o.failed_cmd == 0 && strcmp(o.sqlstate, "3B001") == 0)
+		{
+			/* our savepoint is gone: the handler ended our transaction
+			 * (COMMIT; BEGIN) or released the savepoint */
+			rollback_quietly(s);
+			idem_pg_outcome_clear(&o);
+			free(canon);
+			return handler_ended_tx(s);
+		}
 		else if (o.rc == PG_CONN_LOST)
 			st = finish_error(s, IDEM_ERR_CONNECTION, o.sqlstate,
 							  "connection to PostgreSQL lost before COMMIT; nothing was committed: %s",
@@ -760,7 +820,6 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		free(canon);
 		return st;
 	}
-	ttl = int_value(o.res[2], 0, 0);
 	idem_pg_outcome_clear(&o);
 
 	s->out->source = IDEM_SOURCE_HANDLER;
@@ -770,16 +829,12 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	{
 		case IDEM_HANDLER_OK:
 			s->out->status = IDEM_APPLIED;
-			if (s->r->cache_results)
-				publish(s, IDEM_CACHE_COMPLETED, attempt, canon, clen, ttl);
-			s->own_marker = 0;	/* terminal: the result replaces it */
+			release_marker(s);	/* nobody is processing any more; the
+								 * worker's copy follows once durable */
 			break;
 		case IDEM_HANDLER_PERMANENT:
 			s->out->status = IDEM_FAILED_PERMANENT;
-			if (s->r->cache_results)
-				publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, canon, clen,
-						ttl);
-			s->own_marker = 0;
+			release_marker(s);
 			break;
 		case IDEM_HANDLER_RETRYABLE:
 			s->out->status = IDEM_FAILED_RETRYABLE;
@@ -805,21 +860,6 @@ set_terminal(run_state *s, int completed, const char *outcome)
 	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
 	set_outcome(s->out, outcome, len);
 	return 0;
-}
-
-/* After a terminal answer from PostgreSQL: put it back into Valkey. */
-static void
-repopulate(run_state *s, int attempt, long long ms)
-{
-	if (s->out->status == IDEM_REPLAYED)
-		publish(s, IDEM_CACHE_COMPLETED, attempt, s->out->outcome,
-				s->out->outcome_len, ms);
-	else if (s->out->status == IDEM_FAILED_PERMANENT)
-		publish(s, IDEM_CACHE_FAILED_PERMANENT, attempt, s->out->outcome,
-				s->out->outcome_len, ms);
-	if (s->out->status == IDEM_REPLAYED ||
-		s->out->status == IDEM_FAILED_PERMANENT)
-		s->own_marker = 0;		/* terminal: the value replaced it */
 }
 
 /*
@@ -854,7 +894,6 @@ lookup_step(run_state *s)
 		const char *status = PQgetvalue(o.res[0], 0, 0);
 		int			same = PQgetvalue(o.res[0], 0, 3)[0] == 't';
 		int			attempt = (int) int_value(o.res[0], 1, 0);
-		long long	ms = int_value(o.res[0], 4, 0);
 		const char *outcome = PQgetisnull(o.res[0], 0, 2) ? "" :
 			PQgetvalue(o.res[0], 0, 2);
 		int			completed = strcmp(status, "completed") == 0;
@@ -869,10 +908,7 @@ lookup_step(run_state *s)
 				decided = 1;
 			}
 			else if (set_terminal(s, completed, outcome) == 0)
-			{
-				repopulate(s, attempt, ms);
 				decided = 1;
-			}
 		}
 	}
 	idem_pg_outcome_clear(&o);
@@ -1004,7 +1040,6 @@ pg_step(run_state *s, const char *scope, const char *id,
 	 */
 	if (idem_pg_exec(pg, "COMMIT") != 0)
 		rollback_quietly(s);
-	repopulate(s, attempt, ms);
 	return s->out->status;
 }
 
@@ -1064,12 +1099,6 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		idem_sha256_update(&c, s.request, s.request_len);
 		idem_sha256_final(&c, s.fp);
 	}
-	if (idem_cache_key(s.ckey, sizeof(s.ckey), r->prefix, is_platform,
-					   tenant_id, s.key) < 0)
-	{
-		free(s.request);
-		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "bad cache key");
-	}
 	snprintf(s.tenant_txt, sizeof(s.tenant_txt), "%lld", (long long) tenant_id);
 	snprintf(s.lease_txt, sizeof(s.lease_txt), "%d milliseconds", r->lease_ms);
 	if (r->retention_ms > 0)
@@ -1078,7 +1107,8 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 
 	if (gate_step(&s))
 		st = out->status;
-	else if (s.valkey_silent && r->lookup_first && lookup_step(&s))
+	else if ((s.valkey_silent || s.mismatch_hint) && r->lookup_first &&
+			 lookup_step(&s))
 		st = out->status;
 	else
 		st = pg_step(&s, scope, id, handler, user_data);

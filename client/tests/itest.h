@@ -50,11 +50,28 @@ pid_t		valkey_pid(void);
 int			valkey_kill(int sig);
 int			valkey_start(void);
 
+/* Valkey keys in the server's keyspace (idem_cache_keyspace()), and in the
+ * single "idem:" namespace of the versions before 0.3. */
+const char *test_keyspace(void);
 void		cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
 						 const char *scope, const char *id);
+void		old_cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
+							 const char *scope, const char *id);
+/* Authentic idem2 values, MACed with the server's current secret. */
+int			authentic_terminal(char *buf, size_t buflen, const char *key,
+							   int completed, int attempt, const uint8_t fp[32],
+							   const char *outcome, int64_t expires_ms);
+int			authentic_marker(char *buf, size_t buflen, const char *key,
+							 int64_t expires_ms);
+/* Write the copy of a committed terminal row that the worker writes. */
+int			worker_copy(int platform, int64_t tenant, const char *scope,
+						const char *id);
+int			worker_writes_idem2(void);
+int64_t		wall_ms(void);
 void		sleep_ms(int ms);
 int64_t		now_ms(void);
 
 int			contention_main(int argc, char **argv);
+int			trust_main(int argc, char **argv);
 
 #endif

@@ -162,9 +162,13 @@ pass=0
 fail=0
 
 # run a TAP program, renumbering its lines into the common sequence
+# (IDEM_CLIENT_TESTS="trust asan-trust ...": only those)
 tap() {
 	local name=$1
 	shift
+	if [ -n "${IDEM_CLIENT_TESTS:-}" ] && [[ " $IDEM_CLIENT_TESTS " != *" $name "* ]]; then
+		return 0
+	fi
 	local line rc=0 before=$fail seen=0
 	while IFS= read -r line; do
 		case "$line" in
@@ -227,6 +231,7 @@ if [ "$mode" != only ]; then
 	tap scenario "$bin/itest" scenario
 	tap contention "$bin/itest" contention clean
 	tap faults "$bin/itest" contention faults
+	tap trust "$bin/itest" trust
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -240,6 +245,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	tap asan-diff "$bin/itest-asan" diff
 	tap asan-scenario "$bin/itest-asan" scenario
 	tap asan-contention "$bin/itest-asan" contention clean
+	tap asan-trust "$bin/itest-asan" trust
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
@@ -256,6 +262,7 @@ if [ "$mode" != 0 ]; then
 		tap valgrind-diff "${vg[@]}" "$bin/itest" diff
 		tap valgrind-scenario "${vg[@]}" "$bin/itest" scenario
 		tap valgrind-contention "${vg[@]}" "$bin/itest" contention clean
+		tap valgrind-trust "${vg[@]}" "$bin/itest" trust
 	else
 		n=$((n + 1))
 		pass=$((pass + 1))

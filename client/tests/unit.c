@@ -88,6 +88,39 @@ key_is(const char *scope, const char *id, const char *want)
 	return strcmp(h, want) == 0;
 }
 
+static int
+hmac_is(const uint8_t *key, size_t keylen, const char *msg, const char *want)
+{
+	idem_hmac	h;
+	uint8_t		d[32];
+	char		x[65];
+
+	idem_hmac_key(&h, key, keylen);
+	idem_hmac_sha256(&h, msg, strlen(msg), d);
+	hex(d, 32, x);
+	return strcmp(x, want) == 0;
+}
+
+/* HMAC-SHA-256, RFC 4231 test cases 1, 2 and 6 (a key longer than a block). */
+static void
+test_hmac(void)
+{
+	uint8_t		k1[20],
+				k6[131];
+
+	memset(k1, 0x0b, sizeof(k1));
+	memset(k6, 0xaa, sizeof(k6));
+	tap_ok(hmac_is(k1, sizeof(k1), "Hi There",
+				   "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+		   "hmac-sha256 RFC 4231 test case 1");
+	tap_ok(hmac_is((const uint8_t *) "Jefe", 4, "what do ya want for nothing?",
+				   "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+		   "hmac-sha256 RFC 4231 test case 2");
+	tap_ok(hmac_is(k6, sizeof(k6), "Test Using Larger Than Block-Size Key - Hash Key First",
+				   "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
+		   "hmac-sha256 RFC 4231 test case 6 (key longer than a block)");
+}
+
 static void
 test_keys(void)
 {
@@ -472,6 +505,7 @@ int
 main(void)
 {
 	test_sha256();
+	test_hmac();
 	test_keys();
 	test_canonical();
 	test_cache_format();
