@@ -195,6 +195,7 @@ test_values(idem_runner *R)
 			   "forged value with another fingerprint: never a mismatch; applied once (%s)", rs(&res));
 	/* an authentic value with another fingerprint: still PostgreSQL's word */
 	cache_key_of(k, sizeof(k), 0, 1, S, "forged-m");
+	await_worker_copy(k, NULL, 2000);	/* then plant over it */
 	authentic_terminal(val, sizeof(val), k, 1, 1, other, "{}", wall_ms() + 3600000);
 	rv_cmd_ok("SET %s %s PX 3600000", k, val);
 	idem_run(R, 1, S, "forged-m", req, thandler, &h, &res);
@@ -230,8 +231,9 @@ test_values(idem_runner *R)
 	/* 4. one flipped byte in the outcome of an authentic value */
 	memset(&h, 0, sizeof(h));
 	idem_run(R, 1, S, "flip", req, thandler, &h, &res);
-	worker_copy(0, 1, S, "flip");
 	cache_key_of(k, sizeof(k), 0, 1, S, "flip");
+	await_worker_copy(k, NULL, 2000);
+	worker_copy(0, 1, S, "flip");
 	{
 		char	   *v = rv_get(k);
 		char	   *t = v ? strstr(v, "true") : NULL;
