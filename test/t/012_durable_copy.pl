@@ -118,5 +118,31 @@ ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'd', 'after'),
 is($valkey->command('GET', $lost_key), undef,
 	'and Valkey never held the lost result');
 
+# --- repopulation: a read of a committed terminal row copies it again ---
+my $after_key = IdemValkey::tenant_key($node, 1, 'd', 'after');
+$valkey->command('DEL', $after_key);
+is($node->safe_psql('postgres',
+		"SELECT status FROM idem_lookup(1, idem_key('d', 'after'))"),
+	'completed', 'after a cache miss the row is read from PostgreSQL');
+my $again = $valkey->wait_for_key($after_key, 5);
+ok(defined $again && IdemValkey::mac_ok($node, $after_key, $again),
+	'... and the worker copies it into Valkey again, MACed');
+$valkey->command('DEL', $after_key);
+is($node->safe_psql('postgres',
+		"SELECT decision FROM idem_claim(1, idem_key('d', 'after'), idem_fingerprint('{}'))"),
+	'completed', 'a claim that replays from PostgreSQL ...');
+ok(defined $valkey->wait_for_key($after_key, 5), '... copies the row again too');
+# A row this transaction wrote is left to the commit hook: nothing is copied
+# when the transaction rolls back.
+my $own_key = IdemValkey::tenant_key($node, 1, 'd', 'own');
+$node->safe_psql('postgres', 'BEGIN; ' . IdemValkey::complete_sql('d', 'own')
+	  . " SELECT * FROM idem_lookup(1, idem_key('d', 'own'));"
+	  . " SELECT idem_claim(1, idem_key('d', 'own'), idem_fingerprint('{}')); ROLLBACK;");
+$node->safe_psql('postgres', 'BEGIN; ' . IdemValkey::complete_sql('d', 'sentinel') . ' COMMIT;');
+ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'd', 'sentinel'), 5),
+	'a later commit is copied');
+is($valkey->command('GET', $own_key), undef,
+	'reads of a row of a rolled-back transaction copied nothing');
+
 $node->stop;
 done_testing();
