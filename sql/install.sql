@@ -56,6 +56,36 @@ SELECT count(*) AS members FROM pg_depend
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND objid IN ('idempotency_keys'::regclass, 'platform_idempotency_keys'::regclass);
 
+-- The ledgers are found by the OID idem_install recorded, never by name.
+SELECT kind, ledger FROM idem_ledgers ORDER BY kind;
+
+-- A look-alike planted under a ledger's name by a role that may create
+-- tables in the schema: never used, and idem_install refuses to adopt it.
+CREATE ROLE regress_idem_planter;
+GRANT CREATE ON SCHEMA public TO regress_idem_planter;
+CREATE TABLE spare (LIKE platform_idempotency_keys INCLUDING ALL);
+DROP TABLE platform_idempotency_keys;
+ALTER TABLE spare OWNER TO regress_idem_planter;
+SET ROLE regress_idem_planter;
+ALTER TABLE spare RENAME TO platform_idempotency_keys;
+CREATE FUNCTION steal() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE NOTICE 'running as %', current_user; RETURN NEW; END $$;
+CREATE TRIGGER steal BEFORE INSERT ON platform_idempotency_keys
+  FOR EACH ROW EXECUTE FUNCTION steal();
+GRANT ALL ON platform_idempotency_keys TO PUBLIC;
+RESET ROLE;
+SELECT idem_platform_claim(idem_key('t', '1'), idem_fingerprint('{}'));
+SELECT idem_install('tenants');
+-- Owned by us, it is still not the ledger's shape.
+ALTER TABLE platform_idempotency_keys OWNER TO CURRENT_USER;
+SELECT idem_install('tenants');
+DROP TABLE platform_idempotency_keys;
+DROP FUNCTION steal();
+REVOKE CREATE ON SCHEMA public FROM regress_idem_planter;
+DROP ROLE regress_idem_planter;
+SELECT idem_install('tenants');
+SELECT decision FROM idem_platform_claim(idem_key('t', '1'), idem_fingerprint('{}'));
+
 -- Leave the database as we found it for the next test.
 DROP VIEW a_view;
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants, no_id, int_id, not_unique, wide_key, other_tenants;

@@ -142,7 +142,9 @@ COMMIT;
 SELECT decision, attempt FROM idem_platform_claim(k('pf'), f('{}'));
 
 -- Purge: only rows past retention, and processing rows past lease + grace.
+-- (No retention floor here: sql/retention.sql tests it.)
 SET idem.purge_grace = 0;
+SET idem.min_retention = 0;
 BEGIN;
 SELECT decision FROM idem_claim(1, k('old'), f('{}'));
 SELECT idem_complete(1, k('old'), '{}', interval '1 millisecond');
@@ -158,6 +160,7 @@ SELECT status FROM idem_lookup(1, k('a'));
 -- A purged key is new again.
 SELECT decision, attempt FROM idem_claim(1, k('old'), f('{}'));
 RESET idem.purge_grace;
+RESET idem.min_retention;
 
 -- The GUC defaults.
 SHOW idem.lease;

@@ -1,4 +1,5 @@
--- 0.1 -> 0.2 by ALTER EXTENSION gives the same objects as a fresh install.
+-- 0.1 -> the current version by ALTER EXTENSION gives the same objects as a
+-- fresh install; the library serves the older SQL objects meanwhile.
 CREATE EXTENSION idem VERSION '0.1';
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 CREATE TABLE tenants (id bigint PRIMARY KEY);
@@ -8,7 +9,8 @@ SELECT decision FROM idem_claim(1, idem_key('u', '1'), idem_fingerprint('{}'));
 
 ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
--- The ledger and its rows are untouched by the update.
+-- The ledger and its rows are untouched by the update, and recorded.
+SELECT kind, ledger FROM idem_ledgers ORDER BY kind;
 SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));
 
 CREATE TEMP TABLE updated AS
@@ -34,7 +36,9 @@ SELECT count(*) > 10 AS has_objects FROM fresh;
 (SELECT 'only after update' AS side, * FROM updated EXCEPT SELECT 'only after update', * FROM fresh)
 UNION ALL
 (SELECT 'only in fresh', * FROM fresh EXCEPT SELECT 'only in fresh', * FROM updated);
--- The ledgers survived DROP EXTENSION (they are the application's data).
+-- The ledgers survived DROP EXTENSION (they are the application's data),
+-- and the fresh install recorded them again: the same role owns them.
+SELECT kind, ledger FROM idem_ledgers ORDER BY kind;
 SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));
 
 -- Leave the database as we found it for the next test.

@@ -6,6 +6,8 @@
  *
  *	  Ledger settings (any user, per session or transaction):
  *		idem.lease, idem.retention, idem.purge_grace
+ *	  Ledger settings (superuser, or GRANT SET):
+ *		idem.min_retention
  *	  Worker settings (postgresql.conf, applied on reload):
  *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
  *		idem.valkey_password_file,
@@ -28,6 +30,7 @@
 int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;
 int			idem_purge_grace_s = 60 * 60;
+int			idem_min_retention_s = 60 * 60;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
 char	   *idem_valkey_password = NULL;
@@ -101,6 +104,14 @@ idem_define_gucs(void)
 							&idem_purge_grace_s,
 							60 * 60, 0, INT_MAX,
 							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.min_retention",
+							"Shortest retention idem_complete() and idem_fail() accept, and the youngest result idem_purge() deletes.",
+							"A redelivery that arrives after its key was purged runs the effect again: set this above the queue's longest redelivery window.",
+							&idem_min_retention_s,
+							60 * 60, 0, INT_MAX,
+							PGC_SUSET, GUC_UNIT_S,
 							NULL, NULL, NULL);
 
 	DefineCustomStringVariable("idem.valkey_host",

@@ -11,6 +11,7 @@
 #include "ledger.h"
 
 #include "miscadmin.h"
+#include "utils/inval.h"
 
 PG_MODULE_MAGIC;
 
@@ -25,6 +26,7 @@ _PG_init(void)
 {
 	idem_define_gucs();
 	idem_pending_init();
+	CacheRegisterRelcacheCallback(ledger_store_relcache_cb, (Datum) 0);
 	idem_outbox_init(process_shared_preload_libraries_in_progress);
 	if (process_shared_preload_libraries_in_progress)
 		idem_worker_register();

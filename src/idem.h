@@ -63,6 +63,7 @@ idem_require_arg(FunctionCallInfo fcinfo, int argno, const char *name)
 extern int	idem_lease_ms;
 extern int	idem_retention_s;
 extern int	idem_purge_grace_s;
+extern int	idem_min_retention_s;
 extern char *idem_valkey_host;
 extern int	idem_valkey_port;
 extern char *idem_valkey_password;

@@ -134,6 +134,33 @@ deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
 						   name, default_ms, now);
 }
 
+/*
+ * The end of a result's retention: now + iv, or + idem.retention when iv
+ * is NULL, never shorter than the retention floor (idem.min_retention): a
+ * key purged before the queue stops redelivering its message lets a
+ * redelivery run the effect again.
+ */
+TimestampTz
+ledger_retention_end(Interval *iv, TimestampTz now)
+{
+	TimestampTz end = ledger_deadline(iv, "retention",
+									  (int64) idem_retention_s * 1000, now);
+
+	if (end - now >= (int64) idem_min_retention_s * USECS_PER_SEC)
+		return end;
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("retention is shorter than idem.min_retention (%d s)",
+					idem_min_retention_s),
+			 iv == NULL ?
+			 errdetail("No retention was given, and idem.retention is %d s.",
+					   idem_retention_s) :
+			 errdetail("The retention given ends in %lld s.",
+					   (long long) ((end - now) / USECS_PER_SEC)),
+			 errhint("Keep results longer than the queue's longest redelivery window: a redelivery that finds its key purged runs the effect again.")));
+	return 0;					/* keep the compiler quiet */
+}
+
 /* A result or failure detail: a JSON object of at most 4096 bytes of text. */
 char *
 ledger_check_outcome(Jsonb *jb, const char *name)
@@ -491,8 +518,9 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 		idem_require_arg(fcinfo, next + 1, "retryable");
 		status = PG_GETARG_BOOL(next + 1) ? "failed_retryable" : "failed_permanent";
 	}
-	retention_end = deadline_arg(fcinfo, next + (is_fail ? 2 : 1), "retention",
-								 (int64) idem_retention_s * 1000, now);
+	retention_end = ledger_retention_end(PG_ARGISNULL(next + (is_fail ? 2 : 1)) ? NULL :
+										 PG_GETARG_INTERVAL_P(next + (is_fail ? 2 : 1)),
+										 now);
 	fence = 0;
 	if (!PG_ARGISNULL(next + (is_fail ? 3 : 2)))
 	{
@@ -695,8 +723,9 @@ idem_platform_lookup(PG_FUNCTION_ARGS)
  * idem_purge(batch_size integer DEFAULT 10000) RETURNS bigint
  *
  * Deletes up to batch_size expired rows from each ledger: terminal rows past
- * their retention, and processing rows whose lease ended more than
- * idem.purge_grace ago.  Rows locked by a running claim or completion are
+ * their retention (and finished at least idem.min_retention ago, whatever
+ * retention they were given), and processing rows whose lease ended more
+ * than idem.purge_grace ago.  Rows locked by a running claim or completion are
  * skipped (SKIP LOCKED), so the purge never waits for them.  Call it again
  * until it returns 0; each call is one short batch.
  */
@@ -719,6 +748,7 @@ idem_purge(PG_FUNCTION_ARGS)
 	for (kind = 0; kind < LEDGER_KINDS; kind++)
 		deleted += ledger_purge(ledger_store_open(cc->nsp, (LedgerKind) kind), now,
 								now - (int64) idem_purge_grace_s * USECS_PER_SEC,
+								now - (int64) idem_min_retention_s * USECS_PER_SEC,
 								batch);
 	PG_RETURN_INT64(deleted);
 }

@@ -77,8 +77,14 @@ extern void ledger_check_digest(const bytea *d, const char *name, uint8 *out);
 extern char *ledger_check_outcome(Jsonb *jb, const char *name);
 extern TimestampTz ledger_deadline(Interval *iv, const char *name,
 								   int64 default_ms, TimestampTz now);
+extern TimestampTz ledger_retention_end(Interval *iv, TimestampTz now);
 
 /* ledger_store.c */
+#define IDEM_REGISTRY_TABLE "idem_ledgers"	/* kind -> ledger, by idem_install */
+extern Oid	ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry);
+extern const char *ledger_table_name(LedgerKind kind);
+extern const char *ledger_kind_name(LedgerKind kind);
+extern void ledger_store_relcache_cb(Datum arg, Oid relid);
 extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);
 extern LedgerStore *ledger_store_for(LedgerKind kind, Oid relid);
 extern Oid	ledger_store_relid(const LedgerStore *store);
@@ -98,7 +104,8 @@ extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  TimestampTz expires_at, int32 fence,
 						  int32 *attempt, uint8 *fingerprint);
 extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
-						  TimestampTz processing_before, int32 batch);
+						  TimestampTz processing_before,
+						  TimestampTz finished_before, int32 batch);
 extern bytea *ledger_digest_datum(const uint8 *digest);
 
 /* ledger_insert.c */

@@ -235,8 +235,7 @@ ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		batch_same_length(&tenants, "tenant_ids", &keys, "keys");
 	batch_same_length(&keys, "keys", &outcomes, "outcomes");
 	batch_size_check(func, keys.n);
-	retention_end = ledger_deadline(batch_interval_arg(fcinfo, a), "retention",
-									(int64) idem_retention_s * 1000, now);
+	retention_end = ledger_retention_end(batch_interval_arg(fcinfo, a), now);
 	store = ledger_store_open(get_func_namespace(fcinfo->flinfo->fn_oid), kind);
 
 	pos.func = func;

@@ -15,24 +15,38 @@
  *	  extension's schema, operators and functions in pg_catalog), so the
  *	  caller's search_path can neither redirect them nor force a replan.
  *
- *	  The cache is keyed by the ledger's OID, looked up by name on every
- *	  open: a ledger dropped and re-created (a restore) is picked up.
+ *	  Which table is a ledger is decided in one place,
+ *	  ledger_relation_find(): the table idem_install recorded by OID in the
+ *	  registry idem_ledgers.  What is known about it (its OID, its key
+ *	  index, the tenants table and index, the column numbers, the prepared
+ *	  statements) is kept per backend and rebuilt, with every column's type
+ *	  and every index's shape checked again, whenever the relcache callback
+ *	  says one of them changed.  Locking: every use locks the ledger, its
+ *	  key index and the tenants table and index (AccessShareLock, to the end
+ *	  of the transaction) before trusting the OIDs; see store_get().
  *
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
 
 #include "access/genam.h"
+#include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/relation.h"
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
+#include "catalog/pg_am.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_constraint.h"
+#include "catalog/pg_index.h"
+#include "commands/defrem.h"
 #include "catalog/pg_type.h"
 #include "common/hashfn.h"
 #include "executor/spi.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
+#include "storage/lmgr.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -51,6 +65,12 @@ typedef enum StorePlanId
 	PLAN_COUNT
 } StorePlanId;
 
+/*
+ * The columns the API reads, and every column a prepared statement names,
+ * with the one type idem reads and writes it as.  A ledger whose column is
+ * missing or of another type is refused before anything reads it (reading
+ * a json outcome as jsonb crashes).
+ */
 typedef enum StoreColumn
 {
 	COL_STATUS = 0,
@@ -58,20 +78,48 @@ typedef enum StoreColumn
 	COL_ATTEMPT,
 	COL_OUTCOME,
 	COL_EXPIRES_AT,
+	COL_ID,
+	COL_TENANT,
+	COL_KEY,
+	COL_UPDATED_AT,
 	COL_COUNT
 } StoreColumn;
 
-static const char *const column_names[COL_COUNT] = {
-	"status", "request_fingerprint", "attempt", "outcome", "expires_at"
+static const struct
+{
+	const char *name;
+	Oid			type;
+}			store_columns[COL_COUNT] = {
+	{"status", TEXTOID},
+	{"request_fingerprint", BYTEAOID},
+	{"attempt", INT4OID},
+	{"outcome", JSONBOID},
+	{"expires_at", TIMESTAMPTZOID},
+	{"id", INT8OID},
+	{"tenant_id", INT8OID},
+	{"idempotency_key", BYTEAOID},
+	{"updated_at", TIMESTAMPTZOID},
 };
 
+/*
+ * What is known about one ledger, kept across transactions.  valid is
+ * cleared by the relcache callback when the ledger, one of the indexes
+ * probed, the tenants table or the registry changes (any DDL, REINDEX,
+ * VACUUM FULL, CLUSTER, SET TABLESPACE, ...), and everything is looked up
+ * and checked again on the next use.
+ */
 struct LedgerStore
 {
 	LedgerKind	kind;
+	bool		valid;			/* false: rebuild before use */
+	uint32		generation;		/* bumped by every invalidation */
+	Oid			nsp;			/* the extension's schema */
+	Oid			registry;		/* idem_ledgers, or InvalidOid (before 0.3) */
 	Oid			relid;			/* the ledger */
 	Oid			keyidx;			/* its unique index on the key */
 	Oid			tenants_relid;	/* tenant ledger: the FK's table ... */
 	Oid			tenants_idx;	/* ... and its unique index on id */
+	bool		tenants_probe;	/* the index can be probed directly */
 	AttrNumber	att[COL_COUNT];
 	SPIPlanPtr	plans[PLAN_COUNT];
 };
@@ -80,6 +128,10 @@ static LedgerStore stores[LEDGER_KINDS];
 
 static const char *const ledger_tables[LEDGER_KINDS] = {
 	"idempotency_keys", "platform_idempotency_keys"
+};
+
+static const char *const ledger_kind_names[LEDGER_KINDS] = {
+	"tenant", "platform"
 };
 
 static const char *const ledger_unique[LEDGER_KINDS] = {
@@ -94,6 +146,38 @@ static const char *const owner_clause[LEDGER_KINDS] = {
 	"tenant_id OPERATOR(pg_catalog.=) $1 AND idempotency_key OPERATOR(pg_catalog.=) $2",
 	"idempotency_key OPERATOR(pg_catalog.=) $2"
 };
+
+const char *
+ledger_table_name(LedgerKind kind)
+{
+	return ledger_tables[kind];
+}
+
+const char *
+ledger_kind_name(LedgerKind kind)
+{
+	return ledger_kind_names[kind];
+}
+
+/* Registered by _PG_init: forget what we know about a ledger that changed. */
+void
+ledger_store_relcache_cb(Datum arg, Oid relid)
+{
+	int			i;
+
+	for (i = 0; i < LEDGER_KINDS; i++)
+	{
+		LedgerStore *store = &stores[i];
+
+		if (!OidIsValid(relid) || relid == store->relid ||
+			relid == store->keyidx || relid == store->tenants_relid ||
+			relid == store->tenants_idx || relid == store->registry)
+		{
+			store->valid = false;
+			store->generation++;
+		}
+	}
+}
 
 static SPIPlanPtr
 prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable)
@@ -146,15 +230,18 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable)
 			nargs = 6;
 			break;
 		case PLAN_PURGE:
+			/* $4: rows finished after it are younger than idem.min_retention */
 			sql = psprintf("DELETE FROM %s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
 						   "SELECT id FROM %s WHERE"
-						   " (status OPERATOR(pg_catalog.<>) 'processing' AND expires_at OPERATOR(pg_catalog.<) $1)"
+						   " (status OPERATOR(pg_catalog.<>) 'processing' AND expires_at OPERATOR(pg_catalog.<) $1"
+						   "  AND updated_at OPERATOR(pg_catalog.<) $4)"
 						   " OR (status OPERATOR(pg_catalog.=) 'processing' AND expires_at OPERATOR(pg_catalog.<) $2)"
 						   " LIMIT $3 FOR UPDATE SKIP LOCKED))", qtable, qtable);
 			types[0] = TIMESTAMPTZOID;
 			types[1] = TIMESTAMPTZOID;
 			types[2] = INT4OID;
-			nargs = 3;
+			types[3] = TIMESTAMPTZOID;
+			nargs = 4;
 			break;
 		default:
 			elog(ERROR, "unknown ledger statement %d", (int) id);
@@ -183,81 +270,338 @@ constraint_index(Oid conoid)
 	return result;
 }
 
-static void
-store_build(LedgerStore *store, LedgerKind kind, Oid nsp, Oid relid)
+/* The ledger is not in a shape idem can use: one error for every case. */
+#define ereport_altered(table, detail, hint) \
+	ereport(ERROR, \
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE), \
+			 errmsg("idem ledger \"%s\" has been altered and cannot be used", (table)), \
+			 errdetail detail, \
+			 errhint hint))
+
+/*
+ * The registry idem_install writes (0.3 on), or InvalidOid when the
+ * extension's SQL objects predate it (ALTER EXTENSION idem UPDATE not run
+ * yet): then the ledgers are found by name, as before.
+ */
+static Oid
+registry_relid(Oid nsp)
 {
-	char	   *qtable = quote_qualified_identifier(get_namespace_name(nsp),
-													ledger_tables[kind]);
+	return get_relname_relid(IDEM_REGISTRY_TABLE, nsp);
+}
+
+/*
+ * The ledger of this kind: the table idem_install recorded, by OID, in the
+ * registry.  A table created later under the ledger's name is never used.
+ * The recorded table must still carry the ledger's name in the extension's
+ * schema, because the prepared statements name it: a ledger renamed away
+ * (or swapped with another table by renames) is refused until it is
+ * renamed back or idem_install adopts the table now under the name.
+ *
+ * This is the one place that decides which relation is a ledger.
+ */
+Oid
+ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry)
+{
+	Oid			reg = registry_relid(nsp);
+	Oid			relid = InvalidOid;
+	HeapTuple	tp;
+	bool		renamed;
+	char	   *nspname = get_namespace_name(nsp);
+
+	if (registry)
+		*registry = reg;
+	if (!OidIsValid(reg))
+		relid = get_relname_relid(ledger_tables[kind], nsp);
+	else
+	{
+		char	   *sql = psprintf("SELECT ledger::pg_catalog.oid FROM %s WHERE kind OPERATOR(pg_catalog.=) $1",
+								   quote_qualified_identifier(nspname, IDEM_REGISTRY_TABLE));
+		Oid			argtype = TEXTOID;
+		Datum		arg = CStringGetTextDatum(ledger_kind_names[kind]);
+		bool		isnull;
+
+		SPI_connect();
+		if (SPI_execute_with_args(sql, 1, &argtype, &arg, NULL, true, 1) != SPI_OK_SELECT)
+			elog(ERROR, "could not read %s", IDEM_REGISTRY_TABLE);
+		if (SPI_processed > 0)
+		{
+			Datum		d = SPI_getbinval(SPI_tuptable->vals[0],
+										  SPI_tuptable->tupdesc, 1, &isnull);
+
+			if (!isnull)
+				relid = DatumGetObjectId(d);
+		}
+		SPI_finish();
+		pfree(sql);
+	}
+
+	if (!OidIsValid(relid))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem is not installed in this database: no %s ledger %s.%s",
+						ledger_kind_names[kind], nspname, ledger_tables[kind]),
+				 errhint("Run SELECT idem_install('tenants') once after CREATE EXTENSION idem.")));
+
+	tp = SearchSysCache1(RELOID, ObjectIdGetDatum(relid));
+	if (!HeapTupleIsValid(tp))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the idem %s ledger %s.%s was dropped",
+						ledger_kind_names[kind], nspname, ledger_tables[kind]),
+				 errdetail("idem uses the table idem_install recorded, not whatever table has its name now."),
+				 errhint("Restore the ledger, or run SELECT idem_install('tenants') to create (or adopt) it again.")));
+	renamed = ((Form_pg_class) GETSTRUCT(tp))->relnamespace != nsp ||
+		strcmp(NameStr(((Form_pg_class) GETSTRUCT(tp))->relname), ledger_tables[kind]) != 0;
+	if (renamed)
+	{
+		char	   *now = quote_qualified_identifier(get_namespace_name(((Form_pg_class) GETSTRUCT(tp))->relnamespace),
+													 NameStr(((Form_pg_class) GETSTRUCT(tp))->relname));
+
+		ReleaseSysCache(tp);
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the idem %s ledger %s.%s was renamed to %s",
+						ledger_kind_names[kind], nspname, ledger_tables[kind], now),
+				 errhint("Rename it back, or run SELECT idem_install('tenants') to adopt the table now named %s.%s (it must have the ledger's exact shape).",
+						 nspname, ledger_tables[kind])));
+	}
+	ReleaseSysCache(tp);
+	return relid;
+}
+
+/* A plain btree on exactly these (attnum, type) columns, default opclasses. */
+static bool
+index_is_plain_btree(Relation idx, int nkeys, const AttrNumber *atts,
+					 const Oid *types)
+{
+	Form_pg_index ind = idx->rd_index;
 	int			i;
 
+	if (idx->rd_rel->relam != BTREE_AM_OID || !ind->indisunique ||
+		!ind->indisvalid || !ind->indimmediate ||
+		ind->indnkeyatts != nkeys || ind->indnatts != nkeys ||
+		RelationGetIndexExpressions(idx) != NIL ||
+		RelationGetIndexPredicate(idx) != NIL)
+		return false;
+	for (i = 0; i < nkeys; i++)
+		if (ind->indkey.values[i] != atts[i] ||
+			idx->rd_opcintype[i] != types[i] ||
+			idx->rd_opfamily[i] != get_opclass_family(GetDefaultOpClass(types[i], BTREE_AM_OID)))
+			return false;
+	return true;
+}
+
+/* Check the ledger's columns and indexes, and remember where things are. */
+static void
+store_check(LedgerStore *store, Relation rel)
+{
+	LedgerKind	kind = store->kind;
+	const char *table = ledger_tables[kind];
+	TupleDesc	desc = RelationGetDescr(rel);
+	Oid			conoid;
+	Relation	idx;
+	AttrNumber	keyatts[2];
+	Oid			keytypes[2];
+	int			nkeys = 0;
+	int			i;
+
+	if (rel->rd_rel->relkind != RELKIND_RELATION ||
+		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
+		ereport_altered(table,
+						("It is no longer an ordinary heap table."),
+						("Restore the ledger as idem_install created it."));
+
+	for (i = 0; i < COL_COUNT; i++)
+	{
+		const char *col = store_columns[i].name;
+		AttrNumber	attnum;
+		Form_pg_attribute att;
+
+		store->att[i] = InvalidAttrNumber;
+		if (i == COL_TENANT && kind != LEDGER_TENANT)
+			continue;
+		attnum = get_attnum(RelationGetRelid(rel), col);
+		if (attnum <= 0)
+			ereport_altered(table,
+							("Column \"%s\" was dropped or renamed.", col),
+							("idem reads and writes column \"%s\"; rename it back or restore it.", col));
+		att = TupleDescAttr(desc, attnum - 1);
+		if (att->atttypid != store_columns[i].type)
+			ereport_altered(table,
+							("Column \"%s\" is of type %s, not %s.", col,
+							 format_type_be(att->atttypid),
+							 format_type_be(store_columns[i].type)),
+							("idem reads and writes \"%s\" as %s; change it back with ALTER TABLE %s ALTER COLUMN %s TYPE %s.",
+							 col, format_type_be(store_columns[i].type), table, col,
+							 format_type_be(store_columns[i].type)));
+		store->att[i] = attnum;
+	}
+
+	/* The unique index probed by key. */
+	conoid = get_relation_constraint_oid(RelationGetRelid(rel), ledger_unique[kind], true);
+	if (OidIsValid(conoid))
+		store->keyidx = constraint_index(conoid);
+	if (kind == LEDGER_TENANT)
+	{
+		keyatts[nkeys] = store->att[COL_TENANT];
+		keytypes[nkeys++] = INT8OID;
+	}
+	keyatts[nkeys] = store->att[COL_KEY];
+	keytypes[nkeys++] = BYTEAOID;
+	idx = OidIsValid(store->keyidx) ? try_relation_open(store->keyidx, AccessShareLock) : NULL;
+	if (idx == NULL || idx->rd_rel->relkind != RELKIND_INDEX ||
+		!index_is_plain_btree(idx, nkeys, keyatts, keytypes))
+		ereport_altered(table,
+						("Its unique constraint \"%s\" is missing or is not a plain unique btree on (%s).",
+						 ledger_unique[kind],
+						 kind == LEDGER_TENANT ? "tenant_id, idempotency_key" : "idempotency_key"),
+						("Re-create it: ALTER TABLE %s ADD CONSTRAINT %s UNIQUE (%s).", table,
+						 ledger_unique[kind],
+						 kind == LEDGER_TENANT ? "tenant_id, idempotency_key" : "idempotency_key"));
+	relation_close(idx, NoLock);
+
+	/* The tenants table behind the foreign key, and its index on id. */
+	store->tenants_probe = false;
+	if (kind == LEDGER_TENANT)
+	{
+		List	   *fkeys = RelationGetFKeyList(rel);
+		ListCell   *lc;
+		Relation	trel;
+
+		foreach(lc, fkeys)
+		{
+			ForeignKeyCacheInfo *fk = lfirst_node(ForeignKeyCacheInfo, lc);
+
+			if (fk->nkeys == 1 && fk->conkey[0] == store->att[COL_TENANT])
+			{
+				store->tenants_relid = fk->confrelid;
+				store->tenants_idx = constraint_index(fk->conoid);
+			}
+		}
+		if (!OidIsValid(store->tenants_idx))
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("the idem tenant ledger has no foreign key to a tenants table"),
+					 errhint("Re-create it with idem_install('tenants').")));
+
+		/*
+		 * Probe tenants directly only where that reads what the FK reads: a
+		 * heap table with a plain btree on a bigint id.  Otherwise the claim
+		 * leaves the check to the FK, at the row's write.
+		 */
+		trel = try_relation_open(store->tenants_relid, AccessShareLock);
+		idx = try_relation_open(store->tenants_idx, AccessShareLock);
+		if (trel && idx && trel->rd_rel->relkind == RELKIND_RELATION &&
+			trel->rd_rel->relam == HEAP_TABLE_AM_OID &&
+			idx->rd_rel->relkind == RELKIND_INDEX &&
+			idx->rd_index->indnkeyatts == 1)
+		{
+			AttrNumber	idatt = idx->rd_index->indkey.values[0];
+			Oid			int8type = INT8OID;
+
+			store->tenants_probe = idatt > 0 &&
+				TupleDescAttr(RelationGetDescr(trel), idatt - 1)->atttypid == INT8OID &&
+				index_is_plain_btree(idx, 1, &idatt, &int8type);
+		}
+		if (idx)
+			relation_close(idx, NoLock);
+		if (trel)
+			relation_close(trel, NoLock);
+	}
+}
+
+static void
+store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
+{
+	uint32		generation;
+	Oid			relid;
+	Relation	rel;
+	char	   *qtable;
+	int			i;
+
+	store->valid = false;
 	for (i = 0; i < PLAN_COUNT; i++)
 	{
 		if (store->plans[i])
 			SPI_freeplan(store->plans[i]);
 		store->plans[i] = NULL;
 	}
-	store->relid = InvalidOid;
 	store->kind = kind;
-
-	store->keyidx = constraint_index(get_relation_constraint_oid(relid,
-																 ledger_unique[kind],
-																 false));
-	for (i = 0; i < COL_COUNT; i++)
-	{
-		store->att[i] = get_attnum(relid, column_names[i]);
-		if (store->att[i] == InvalidAttrNumber)
-			elog(ERROR, "idem ledger \"%s\" has no column \"%s\"",
-				 ledger_tables[kind], column_names[i]);
-	}
-
+	store->nsp = nsp;
+	store->relid = InvalidOid;
+	store->keyidx = InvalidOid;
 	store->tenants_relid = InvalidOid;
 	store->tenants_idx = InvalidOid;
-	if (kind == LEDGER_TENANT)
-	{
-		Relation	rel = table_open(relid, AccessShareLock);
-		List	   *fkeys = RelationGetFKeyList(rel);
-		ListCell   *lc;
+	generation = store->generation;
 
-		foreach(lc, fkeys)
-		{
-			ForeignKeyCacheInfo *fk = lfirst_node(ForeignKeyCacheInfo, lc);
+	relid = ledger_relation_find(nsp, kind, &store->registry);
+	rel = try_relation_open(relid, AccessShareLock);
+	if (rel == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the idem %s ledger was dropped", ledger_kind_names[kind]),
+				 errhint("Restore the ledger, or run SELECT idem_install('tenants') to create it again.")));
+	store->relid = relid;
+	store_check(store, rel);
+	relation_close(rel, NoLock);
 
-			store->tenants_relid = fk->confrelid;
-			store->tenants_idx = constraint_index(fk->conoid);
-		}
-		table_close(rel, NoLock);
-		if (!OidIsValid(store->tenants_idx))
-			ereport(ERROR,
-					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("the idem tenant ledger has no foreign key to a tenants table"),
-					 errhint("Re-create it with idem_install('tenants').")));
-	}
-
+	qtable = quote_qualified_identifier(get_namespace_name(nsp), ledger_tables[kind]);
 	SPI_connect();
 	for (i = 0; i < PLAN_COUNT; i++)
 		store->plans[i] = prepare_plan(kind, (StorePlanId) i, qtable);
 	SPI_finish();
-	store->relid = relid;
+
+	/* Valid unless something changed while we were looking. */
+	store->valid = store->generation == generation;
 }
 
 /*
- * The ledger of this kind in the extension's schema; ERROR when
- * idem_install has not run.
+ * The store of a kind, checked and locked: the ledger, its key index and
+ * the tenants table and index are locked (AccessShareLock, to the end of
+ * the transaction) by OIDs that were valid when the locks were taken.
+ * Taking a lock processes invalidations, so a change that committed just
+ * before (a REINDEX CONCURRENTLY that swapped the index) is seen here and
+ * the store is built again; once locked, nothing can drop them.
+ */
+static LedgerStore *
+store_get(Oid nsp, LedgerKind kind)
+{
+	LedgerStore *store = &stores[kind];
+	int			tries;
+
+	if (store->nsp != nsp)
+		store->valid = false;
+	for (tries = 0;; tries++)
+	{
+		if (!store->valid)
+			store_build(store, kind, nsp);
+		LockRelationOid(store->relid, AccessShareLock);
+		LockRelationOid(store->keyidx, AccessShareLock);
+		if (OidIsValid(store->tenants_relid))
+		{
+			LockRelationOid(store->tenants_relid, AccessShareLock);
+			LockRelationOid(store->tenants_idx, AccessShareLock);
+		}
+		if (store->valid)
+			return store;
+		if (tries >= 10)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("the idem %s ledger kept changing while it was opened",
+							ledger_kind_names[kind]),
+					 errhint("Retry once the concurrent schema changes are done.")));
+	}
+}
+
+/*
+ * The ledger of this kind in the extension's schema, ready for use by the
+ * current role; ERROR when idem_install has not run.
  */
 LedgerStore *
 ledger_store_open(Oid nsp, LedgerKind kind)
 {
-	Oid			relid = get_relname_relid(ledger_tables[kind], nsp);
-	LedgerStore *store = &stores[kind];
-
-	if (!OidIsValid(relid))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem is not installed in this database: table %s.%s does not exist",
-						get_namespace_name(nsp), ledger_tables[kind]),
-				 errhint("Run SELECT idem_install('tenants') once after CREATE EXTENSION idem.")));
-	if (store->relid != relid)
-		store_build(store, kind, nsp, relid);
+	LedgerStore *store = store_get(nsp, kind);
+	Oid			relid = store->relid;
 
 	/*
 	 * Probes read the table without the executor, so check what the
@@ -281,11 +625,14 @@ ledger_store_open(Oid nsp, LedgerKind kind)
 	return store;
 }
 
-/* The store a pending claim was made against (pre-commit has no fcinfo). */
+/*
+ * The store a pending claim was made against (pre-commit has no fcinfo),
+ * checked again: the ledger may have been altered since the claim.
+ */
 LedgerStore *
 ledger_store_for(LedgerKind kind, Oid relid)
 {
-	LedgerStore *store = &stores[kind];
+	LedgerStore *store = store_get(stores[kind].nsp, kind);
 
 	if (store->relid != relid)
 		ereport(ERROR,
@@ -362,6 +709,55 @@ key_scankeys(const LedgerKey *lk, ScanKey keys, int *nkeys, bytea *keybuf)
 	}
 }
 
+/*
+ * Whether this transaction (or one of its subtransactions) wrote the row.
+ * Read through the heap accessor: a frozen row's raw xmin is meaningless
+ * (and may one day equal a running xid); the ledger is checked to be a
+ * heap table when the store is built.
+ */
+static bool
+slot_row_is_ours(TupleTableSlot *slot)
+{
+	bool		should_free;
+	HeapTuple	tup = ExecFetchSlotHeapTuple(slot, false, &should_free);
+	bool		ours;
+
+	ours = TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tup->t_data));
+	if (should_free)
+		heap_freetuple(tup);
+	return ours;
+}
+
+/* A column of a probed row; a NULL is refused (NOT NULL was dropped). */
+static Datum
+row_attr(LedgerStore *store, TupleTableSlot *slot, StoreColumn col)
+{
+	bool		isnull;
+	Datum		d = slot_getattr(slot, store->att[col], &isnull);
+
+	if (isnull)
+		ereport_altered(ledger_tables[store->kind],
+						("A row has a NULL \"%s\".", store_columns[col].name),
+						("Restore the constraint: ALTER TABLE %s ALTER COLUMN %s SET NOT NULL.",
+						 ledger_tables[store->kind], store_columns[col].name));
+	return d;
+}
+
+/* A 32-byte digest column; any other length is refused (its CHECK was dropped). */
+static void
+digest_value(LedgerStore *store, Datum d, uint8 *out)
+{
+	bytea	   *b = DatumGetByteaPP(d);
+
+	if (VARSIZE_ANY_EXHDR(b) != IDEM_DIGEST_LEN)
+		ereport_altered(ledger_tables[store->kind],
+						("A row has a request_fingerprint of %d bytes, not %d.",
+						 (int) VARSIZE_ANY_EXHDR(b), IDEM_DIGEST_LEN),
+						("Restore the constraint %s_request_fingerprint_check.",
+						 ledger_tables[store->kind]));
+	memcpy(out, VARDATA_ANY(b), IDEM_DIGEST_LEN);
+}
+
 /* Read the row of a key as the snapshot sees it. */
 bool
 ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
@@ -372,9 +768,6 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	char		keybuf[VARHDRSZ + IDEM_DIGEST_LEN];
 	Relation	rel;
 	TupleTableSlot *slot;
-	bool		isnull;
-	bytea	   *fp;
-	Datum		xmin;
 
 	key_scankeys(lk, keys, &nkeys, (bytea *) keybuf);
 	slot = probe_unique(store->relid, store->keyidx, keys, nkeys, snapshot, &rel);
@@ -384,21 +777,14 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 		return false;
 	}
 
-	text_to_cstring_buffer(DatumGetTextPP(slot_getattr(slot, store->att[COL_STATUS], &isnull)),
+	/* Every column read here was checked to be of its type (store_check). */
+	text_to_cstring_buffer(DatumGetTextPP(row_attr(store, slot, COL_STATUS)),
 						   row->status, sizeof(row->status));
-	fp = DatumGetByteaPP(slot_getattr(slot, store->att[COL_FINGERPRINT], &isnull));
-	if (VARSIZE_ANY_EXHDR(fp) != IDEM_DIGEST_LEN)
-		elog(ERROR, "idem ledger row has a fingerprint of %d bytes",
-			 (int) VARSIZE_ANY_EXHDR(fp));
-	memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_DIGEST_LEN);
-	row->attempt = DatumGetInt32(slot_getattr(slot, store->att[COL_ATTEMPT], &isnull));
-	row->outcome = PointerGetDatum(PG_DETOAST_DATUM_COPY(slot_getattr(slot,
-																	  store->att[COL_OUTCOME],
-																	  &isnull)));
-	row->expires_at = DatumGetTimestampTz(slot_getattr(slot, store->att[COL_EXPIRES_AT],
-													   &isnull));
-	xmin = slot_getsysattr(slot, MinTransactionIdAttributeNumber, &isnull);
-	row->ours = TransactionIdIsCurrentTransactionId(DatumGetTransactionId(xmin));
+	digest_value(store, row_attr(store, slot, COL_FINGERPRINT), row->fingerprint);
+	row->attempt = DatumGetInt32(row_attr(store, slot, COL_ATTEMPT));
+	row->outcome = PointerGetDatum(PG_DETOAST_DATUM_COPY(row_attr(store, slot, COL_OUTCOME)));
+	row->expires_at = DatumGetTimestampTz(row_attr(store, slot, COL_EXPIRES_AT));
+	row->ours = slot_row_is_ours(slot);
 
 	ExecDropSingleTupleTableSlot(slot);
 	table_close(rel, NoLock);
@@ -431,8 +817,6 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 	ScanKeyData key;
 	Relation	rel;
 	TupleTableSlot *slot;
-	TransactionId xmin;
-	bool		isnull;
 
 	if (tenant_cache.relid != store->tenants_relid)
 	{
@@ -443,6 +827,10 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 			 !IsolationUsesXactSnapshot())
 		return true;		/* (a snapshot from the past may not see it) */
 
+	/* Not a plain heap and bigint btree: the FK checks at the write. */
+	if (!store->tenants_probe)
+		return true;
+
 	ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_INT8EQ, Int64GetDatum(tenant_id));
 	slot = probe_unique(store->tenants_relid, store->tenants_idx, &key, 1,
 						snapshot, &rel);
@@ -451,9 +839,7 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 		return false;
 
 	/* Remember only rows that no transaction of ours may still undo. */
-	xmin = DatumGetTransactionId(slot_getsysattr(slot, MinTransactionIdAttributeNumber,
-												 &isnull));
-	if (!TransactionIdIsCurrentTransactionId(xmin))
+	if (!slot_row_is_ours(slot))
 	{
 		tenant_cache.ids[h] = tenant_id;
 		tenant_cache.valid[h] = true;
@@ -559,13 +945,16 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
 	done = SPI_processed == 1;
 	if (done)
 	{
-		bytea	   *fp;
+		Datum		fp;
 
 		*attempt = DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[0],
 											   SPI_tuptable->tupdesc, 1, &isnull));
-		fp = DatumGetByteaPP(SPI_getbinval(SPI_tuptable->vals[0],
-										   SPI_tuptable->tupdesc, 2, &isnull));
-		memcpy(fingerprint, VARDATA_ANY(fp), IDEM_DIGEST_LEN);
+		fp = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull);
+		if (isnull)
+			ereport_altered(ledger_tables[store->kind],
+							("A row has a NULL \"request_fingerprint\"."),
+							("Restore the column's NOT NULL constraint."));
+		digest_value(store, fp, fingerprint);
 	}
 	SPI_finish();
 	return done;
@@ -574,14 +963,16 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
 /* Delete one batch of expired rows; rows locked by others are skipped. */
 int64
 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
-			 TimestampTz processing_before, int32 batch)
+			 TimestampTz processing_before, TimestampTz finished_before,
+			 int32 batch)
 {
-	Datum		values[3];
+	Datum		values[4];
 	int64		deleted;
 
 	values[0] = TimestampTzGetDatum(terminal_before);
 	values[1] = TimestampTzGetDatum(processing_before);
 	values[2] = Int32GetDatum(batch);
+	values[3] = TimestampTzGetDatum(finished_before);
 	SPI_connect();
 	if (SPI_execute_plan(store->plans[PLAN_PURGE], values, NULL, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");

@@ -95,3 +95,31 @@ AS 'MODULE_PATHNAME', 'idem_stats'
 LANGUAGE C VOLATILE STRICT PARALLEL SAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
+
+-- The registry of the ledgers: idem_install records each ledger here by
+-- OID, and the API uses only the recorded tables, never whatever table has
+-- a ledger's name.  A configuration table, so pg_dump dumps its rows (as
+-- names, which a restore resolves to the restored tables).  Written only by
+-- idem_install, which also tells every session to look again.
+CREATE TABLE @extschema@.idem_ledgers (
+    kind   text PRIMARY KEY CHECK (kind IN ('tenant', 'platform')),
+    ledger regclass NOT NULL
+);
+COMMENT ON TABLE @extschema@.idem_ledgers IS
+    'idem: the ledger tables idem_install recorded (do not edit; run idem_install)';
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.idem_ledgers', '');
+REVOKE ALL ON @extschema@.idem_ledgers FROM PUBLIC;
+GRANT SELECT ON @extschema@.idem_ledgers TO PUBLIC;
+
+-- Ledgers that 0.2's idem_install created are recorded as they are, if the
+-- extension's owner or the role running the update owns them; any other
+-- table waits for idem_install, which checks its owner and shape.
+INSERT INTO @extschema@.idem_ledgers (kind, ledger)
+SELECT v.kind, c.oid::pg_catalog.regclass
+  FROM (VALUES ('tenant', 'idempotency_keys'),
+               ('platform', 'platform_idempotency_keys')) AS v(kind, name)
+  JOIN pg_catalog.pg_class c
+    ON c.relname OPERATOR(pg_catalog.=) v.name
+   AND c.relnamespace OPERATOR(pg_catalog.=) '@extschema@'::pg_catalog.regnamespace
+ WHERE c.relowner OPERATOR(pg_catalog.=) (SELECT extowner FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idem')
+    OR c.relowner OPERATOR(pg_catalog.=) current_user::pg_catalog.regrole;

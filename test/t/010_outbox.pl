@@ -82,12 +82,12 @@ is(shape(key_of('perm'), $valkey->wait_for_key(key_of('perm'), 5)),
 # platform ledger: its own key space
 run_sql(q{
 	SELECT idem_platform_claim(idem_key('o', 'plat'), idem_fingerprint('{}'));
-	SELECT idem_platform_complete(idem_key('o', 'plat'), '{"p": 1}', '10 minutes');
+	SELECT idem_platform_complete(idem_key('o', 'plat'), '{"p": 1}', '90 minutes');
 });
 my $pkey = IdemValkey::platform_key($node, 'o', 'plat');
 is(shape($pkey, $valkey->wait_for_key($pkey, 5)), qq(c 1 $fp {"p": 1}),
 	'platform results are copied under the p: key');
-ok($valkey->command('PTTL', $pkey) <= 600_000, 'platform TTL follows its retention');
+ok($valkey->command('PTTL', $pkey) <= 5_400_000, 'platform TTL follows its retention');
 
 # --- nothing that did not commit reaches Valkey ---
 run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'rollback') . ' ROLLBACK;');
