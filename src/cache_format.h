@@ -401,9 +401,9 @@ idem_cache_parse(const char *buf, size_t len, IdemCacheEntry *out)
 }
 
 /*
- * Legacy: the idem1 format (no MAC, no expiry), kept only until the client
- * writes and reads idem2; nothing may trust an idem1 value.  Remove with
- * the last caller.
+ * Legacy: the idem1 format (no MAC, no expiry).  Nothing writes or trusts
+ * it any more; the encoder stays for tests that plant idem1 values and
+ * check that they are ignored.
  */
 #define IDEM_CACHE_V1_TAG			"idem1"
 

@@ -71,8 +71,15 @@
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
-/* How often to look at the durable WAL position while copies wait for it. */
-#define IDEM_DURABLE_POLL_MS	1
+/*
+ * How often to look at the durable WAL position while copies wait for it:
+ * every millisecond at first (a WAL writer cycle, a standby's reply), every
+ * IDEM_DURABLE_SLOW_POLL_MS once they have waited IDEM_DURABLE_SLOW_AFTER_MS
+ * (a stopped standby must not cost a thousand wakeups a second).
+ */
+#define IDEM_DURABLE_POLL_MS		1
+#define IDEM_DURABLE_SLOW_POLL_MS	20
+#define IDEM_DURABLE_SLOW_AFTER_MS	500
 
 typedef enum VkResult
 {
@@ -555,7 +562,7 @@ worker_durable_lsn(TimeLineID *timeline, bool *standby_problem)
  * time: the next batch is written before the replies to the previous one
  * are read, so Valkey and the worker work at the same time.  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
- * next one is not, the worker looks again every IDEM_DURABLE_POLL_MS.  A
+ * next one is not, the worker looks again shortly (IDEM_DURABLE_POLL_MS).  A
  * batch leaves the queue once all its replies are read.  A reply that says
  * the server cannot take writes now (vk_classify_error) fails the drain with
  * the batches kept; one that condemns a record drops that record.  Returns
@@ -577,6 +584,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	int			nin = 0;
 	uint64		pos = 0;		/* from the oldest record */
 	bool		standby_reported = false;
+	TimestampTz held_since = 0; /* when the wait for durability began */
 
 	*copied = 0;
 	*rejected = 0;
@@ -635,6 +643,8 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->nsent = nsent;
 			nin++;
 			next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
+			if (n > 0)
+				held_since = 0;
 			if (held)
 				break;
 		}
@@ -651,7 +661,14 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			if (waiting)
 				wait_ms = (long) ((next_batch_at - now + 999) / 1000);
 			if (held)
-				wait_ms = Min(wait_ms, IDEM_DURABLE_POLL_MS);
+			{
+				if (held_since == 0)
+					held_since = now;
+				wait_ms = Min(wait_ms,
+							  TimestampDifferenceExceeds(held_since, now,
+														 IDEM_DURABLE_SLOW_AFTER_MS) ?
+							  IDEM_DURABLE_SLOW_POLL_MS : IDEM_DURABLE_POLL_MS);
+			}
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 							 wait_ms, PG_WAIT_EXTENSION);
 			ResetLatch(MyLatch);
