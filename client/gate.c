@@ -21,6 +21,14 @@
  *	  call.  The command timeout is a deadline: each exchange waits with
  *	  poll() for what is left of it, and a signal (EINTR) never restarts
  *	  the clock.  Errors are classified by errno, never by message text.
+ *
+ *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless the
+ *	  mode is forced); a cluster node hands the gate to the shared router
+ *	  (../src/valkey_cluster.c), which sends every command to the master of
+ *	  its key's slot, follows MOVED/ASK and retries CLUSTERDOWN/TRYAGAIN.
+ *	  A node that cannot be reached rests for retry_ms: only its keys go
+ *	  without the gate meanwhile.  A node that never saw a script answers
+ *	  EVALSHA with NOSCRIPT, and EVAL runs it (and caches it there).
  */
 #include "internal.h"
 
@@ -33,7 +41,11 @@
 #include <pthread.h>
 #include <sys/socket.h>
 
+#include <poll.h>
+
 #include <hiredis/hiredis.h>
+
+#include "valkey_cluster.h"
 
 /*
  * KEYS[1] = key, ARGV[1] = our marker, ARGV[2] = lease in ms.
@@ -69,6 +81,11 @@ struct idem_gate
 	long		connects;
 	int			last_errno;		/* of the last failed exchange; 0: EOF,
 								 * timeout or protocol error */
+	/* Valkey Cluster */
+	char	   *nodes;			/* more seeds, "host:port,..." */
+	int			cluster_mode;	/* 0 auto, 1 on, -1 off */
+	idem_vc    *vc;				/* non-NULL: cluster mode */
+	long		stat_connects;	/* of routers freed */
 };
 
 /* ---- SIGPIPE while hiredis connects: blocked, a pending one discarded (libpq's way) */
@@ -175,9 +192,112 @@ idem_gate_free(idem_gate *g)
 	if (g == NULL)
 		return;
 	drop(g);
+	idem_vc_free(g->vc);
 	free(g->host);
 	free(g->password);
+	free(g->nodes);
 	free(g);
+}
+
+int
+idem_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
+{
+	if (g == NULL)
+		return 0;
+	free(g->nodes);
+	g->nodes = dup_or_null(nodes);
+	g->cluster_mode = mode;
+	return (nodes && nodes[0] && g->nodes == NULL) ? -1 : 0;
+}
+
+static int	reply_ok(redisReply *r, int want_sha, char *sha);
+
+/* idem_vc_io.wait for the client: poll(), or sleep with fd -1. */
+static int
+vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
+{
+	(void) arg;
+	for (;;)
+	{
+		struct pollfd p;
+		int64_t		left = deadline - idem_now_ms();
+		int			rc;
+
+		if (left <= 0)
+			return fd < 0 ? 0 : -1;
+		p.fd = fd;
+		p.events = for_write ? POLLOUT : POLLIN;
+		p.revents = 0;
+		rc = poll(fd < 0 ? NULL : &p, fd < 0 ? 0 : 1, (int) left);
+		if (rc > 0)
+			return 0;
+		if (rc < 0 && errno != EINTR)
+			return -1;
+	}
+}
+
+/*
+ * Open the cluster router (seeds: host:port, then the extra nodes).  The
+ * scripts' SHA-1s come from SCRIPT LOAD on one node; the others load them
+ * on their first NOSCRIPT.  0, or -1 with the gate resting.
+ */
+static int
+cluster_open(idem_gate *g)
+{
+	idem_vc_options opt;
+	idem_vc_io	io = {vc_poll_wait, NULL, NULL};
+	char		seeds[1024];
+	char		err[256];
+	int64_t		deadline = idem_now_ms() + g->connect_timeout_ms + g->command_timeout_ms;
+	const char *a1[3] = {"SCRIPT", "LOAD", GATE_SCRIPT};
+	const char *a2[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
+	idem_vc_cmd cmds[2];
+	int			ok;
+
+	if (g->vc == NULL)
+	{
+		snprintf(seeds, sizeof(seeds), "%s:%d%s%s", g->host, g->port,
+				 g->nodes ? "," : "", g->nodes ? g->nodes : "");
+		memset(&opt, 0, sizeof(opt));
+		opt.seeds = seeds;
+		opt.default_port = g->port;
+		opt.password = g->password;
+		opt.db = g->db;
+		opt.mode = IDEM_VC_MODE_CLUSTER;
+		opt.connect_timeout_ms = g->connect_timeout_ms;
+		opt.retry_ms = g->retry_ms;
+		g->vc = idem_vc_new(&opt, &io, err, sizeof(err));
+		if (g->vc == NULL)
+			goto fail;
+	}
+	if (!idem_vc_is_open(g->vc) &&
+		(g->db != 0 || idem_vc_open(g->vc, deadline, err, sizeof(err)) != 0))
+		goto fail;
+	memset(cmds, 0, sizeof(cmds));
+	cmds[0].key = cmds[1].key = "";
+	cmds[0].argc = cmds[1].argc = 3;
+	cmds[0].argv = a1;
+	cmds[1].argv = a2;
+	g->round_trips++;
+	ok = idem_vc_pipeline(g->vc, cmds, 2, deadline) == 2 &&
+		reply_ok(cmds[0].reply, 1, g->sha_gate) &&
+		reply_ok(cmds[1].reply, 1, g->sha_cad);
+	if (cmds[0].reply)
+		freeReplyObject(cmds[0].reply);
+	if (cmds[1].reply)
+		freeReplyObject(cmds[1].reply);
+	if (ok)
+		return 0;
+fail:
+	if (g->vc != NULL && !idem_vc_is_open(g->vc))
+	{
+		/* not a cluster after all, or none answered: ask again next time */
+		g->stat_connects += idem_vc_get_stats(g->vc)->connects;
+		idem_vc_free(g->vc);
+		g->vc = NULL;
+	}
+	g->down_until = idem_now_ms() + g->retry_ms;
+	return -1;
 }
 
 long
@@ -189,7 +309,21 @@ idem_gate_round_trips(const idem_gate *g)
 long
 idem_gate_connects(const idem_gate *g)
 {
-	return g ? g->connects : 0;
+	if (g == NULL)
+		return 0;
+	return g->connects + g->stat_connects +
+		(g->vc ? (long) idem_vc_get_stats(g->vc)->connects : 0);
+}
+
+void
+idem_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
+						long *node_errors)
+{
+	const idem_vc_stats *s = (g && g->vc) ? idem_vc_get_stats(g->vc) : NULL;
+
+	*redirects = s ? (long) (s->moved + s->ask) : 0;
+	*refreshes = s ? (long) s->refreshes : 0;
+	*node_errors = s ? (long) s->node_errors : 0;
 }
 
 static int
@@ -250,13 +384,20 @@ do_connect(idem_gate *g)
 	char	   *buf = NULL;
 	size_t		len = 0;
 	int64_t		deadline;
+	int			info_at = -1;	/* index of INFO cluster's reply */
+	int			cluster = 0;
 
 	g->connects++;
+	if (g->cluster_mode > 0 || g->vc != NULL)
+		return cluster_open(g);
 	c = redisConnectWithTimeout(g->host, g->port, tv);
 	if (c == NULL || c->err)
 	{
 		if (c)
 			redisFree(c);
+		/* the first node is down: the others may be a cluster's */
+		if (g->nodes != NULL && g->cluster_mode == 0)
+			return cluster_open(g);
 		g->down_until = idem_now_ms() + g->retry_ms;
 		return -1;
 	}
@@ -275,6 +416,14 @@ do_connect(idem_gate *g)
 		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
 		ok = append_cmd(&buf, &len, 2, argv) == 0;
 		n++;
+	}
+	if (ok && g->cluster_mode == 0)
+	{
+		const char *argv[2] = {"INFO", "cluster"};
+
+		ok = append_cmd(&buf, &len, 2, argv) == 0;
+		n++;
+		info_at = n - 1;
 	}
 	if (ok)
 	{
@@ -299,6 +448,9 @@ do_connect(idem_gate *g)
 
 		if (rep == NULL)
 			ok = 0;
+		else if (i == info_at)
+			cluster = ((redisReply *) rep)->type == REDIS_REPLY_STRING &&
+				strstr(((redisReply *) rep)->str, "cluster_enabled:1") != NULL;
 		else if (!reply_ok(rep, is_sha,
 						   i == n - 2 ? g->sha_gate : g->sha_cad))
 			ok = 0;
@@ -311,12 +463,19 @@ do_connect(idem_gate *g)
 		g->down_until = idem_now_ms() + g->retry_ms;
 		return -1;
 	}
+	if (cluster)
+	{
+		drop(g);
+		return cluster_open(g);
+	}
 	return 0;
 }
 
 int
 idem_gate_resting(const idem_gate *g)
 {
+	if (g->vc != NULL && idem_vc_is_open(g->vc))
+		return 0;				/* nodes rest one by one */
 	return g->c == NULL && idem_now_ms() < g->down_until;
 }
 
@@ -332,7 +491,7 @@ ensure(idem_gate *g)
 	pipe_guard	pg;
 	int			rc;
 
-	if (g->c)
+	if (g->c || (g->vc != NULL && idem_vc_is_open(g->vc)))
 		return 0;
 	if (idem_gate_resting(g))
 		return -1;
@@ -511,6 +670,29 @@ connection_died(const idem_gate *g)
 }
 
 /*
+ * Cluster mode: one command to the master of its key (argv[3] of EVAL and
+ * EVALSHA, argv[1] otherwise).  NULL when that node cannot answer now.
+ */
+static redisReply *
+cluster_command(idem_gate *g, int argc, const char **argv,
+				const size_t *argvlen)
+{
+	idem_vc_cmd cmd;
+	int			k = (argv[0][0] == 'E') ? 3 : 1;
+
+	memset(&cmd, 0, sizeof(cmd));
+	cmd.key = argv[k];
+	cmd.keylen = argvlen ? argvlen[k] : strlen(argv[k]);
+	cmd.argc = argc;
+	cmd.argv = argv;
+	cmd.argvlen = argvlen;
+	g->round_trips++;
+	if (idem_vc_pipeline(g->vc, &cmd, 1, idem_now_ms() + g->command_timeout_ms) != 1)
+		return NULL;
+	return cmd.reply;
+}
+
+/*
  * Run one command; on a dead reused connection, reconnect and try once more.
  * Returns the reply (caller frees) or NULL with the connection dropped.
  */
@@ -518,6 +700,9 @@ static redisReply *
 command(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 {
 	int			tries;
+
+	if (g->vc != NULL)
+		return ensure(g) == 0 ? cluster_command(g, argc, argv, argvlen) : NULL;
 
 	for (tries = 0; tries < 2; tries++)
 	{

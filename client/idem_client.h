@@ -94,6 +94,11 @@ typedef struct idem_options
 	 */
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
+	const char *valkey_nodes;	/* Valkey Cluster: more nodes to try when
+								 * valkey_host:valkey_port does not answer,
+								 * "host:port,host:port"; NULL: none */
+	int			valkey_cluster; /* 0 (default): ask the node (INFO
+								 * cluster); 1: a cluster; -1: not one */
 } idem_options;
 
 void		idem_options_init(idem_options *opts);
@@ -282,6 +287,9 @@ typedef struct idem_runner_stats
 								 * verify (forged, altered, moved to another
 								 * key), an unknown key id, a marker claiming
 								 * more than our lease */
+	long		valkey_redirects;	/* Valkey Cluster: MOVED/ASK followed */
+	long		valkey_map_refreshes;	/* slot maps read */
+	long		valkey_node_errors; /* failed connects/exchanges with a node */
 } idem_runner_stats;
 
 void		idem_runner_get_stats(const idem_runner *runner,

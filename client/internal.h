@@ -93,6 +93,11 @@ long		idem_gate_round_trips(const idem_gate *g);
 long		idem_gate_connects(const idem_gate *g);
 /* Try to connect now (used at open). */
 void		idem_gate_connect(idem_gate *g);
+/* Valkey Cluster: more seed nodes ("host:port,..."), mode 0 auto, 1 on,
+ * -1 off.  Before the first connect.  0, or -1 out of memory. */
+int			idem_gate_set_cluster(idem_gate *g, const char *nodes, int mode);
+void		idem_gate_cluster_stats(const idem_gate *g, long *redirects,
+									long *refreshes, long *node_errors);
 
 /* ---- pg.c: the PostgreSQL side ---- */
 

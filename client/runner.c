@@ -172,7 +172,9 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 								o.valkey_db, o.valkey_connect_timeout_ms,
 								o.valkey_command_timeout_ms,
 								o.valkey_retry_ms);
-		if (r->gate == NULL)
+		if (r->gate == NULL ||
+			idem_gate_set_cluster(r->gate, o.valkey_nodes,
+								  o.valkey_cluster) != 0)
 			goto oom;
 		idem_gate_connect(r->gate);
 	}
@@ -221,6 +223,9 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 	out->valkey_round_trips = idem_gate_round_trips(r->gate);
 	out->valkey_connects = idem_gate_connects(r->gate);
 	out->cache_rejected = r->trust.rejected;
+	idem_gate_cluster_stats(r->gate, &out->valkey_redirects,
+							&out->valkey_map_refreshes,
+							&out->valkey_node_errors);
 }
 
 const char *

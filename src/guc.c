@@ -13,7 +13,7 @@
  *		idem.valkey_password_file,
  *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
  *		idem.valkey_command_timeout, idem.valkey_batch_delay,
- *		idem.standby_slots
+ *		idem.standby_slots, idem.valkey_nodes, idem.valkey_cluster
  *	  Server start only:
  *		idem.queue_size
  *
@@ -40,6 +40,17 @@ char	   *idem_valkey_prefix = NULL;
 int			idem_valkey_connect_timeout_ms = 1000;
 int			idem_valkey_command_timeout_ms = 1000;
 int			idem_valkey_batch_delay_ms = 1;
+char	   *idem_valkey_nodes = NULL;
+int			idem_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
+
+static const struct config_enum_entry valkey_cluster_options[] = {
+	{"auto", IDEM_VALKEY_CLUSTER_AUTO, false},
+	{"on", IDEM_VALKEY_CLUSTER_ON, false},
+	{"off", IDEM_VALKEY_CLUSTER_OFF, false},
+	{"true", IDEM_VALKEY_CLUSTER_ON, true},
+	{"false", IDEM_VALKEY_CLUSTER_OFF, true},
+	{NULL, 0, false}
+};
 int			idem_queue_size = 65536;
 char	   *idem_standby_slots = NULL;
 
@@ -75,6 +86,43 @@ check_valkey_prefix(char **newval, void **extra, GucSource source)
 			GUC_check_errdetail("idem.valkey_prefix may contain only printable ASCII characters other than space.");
 			return false;
 		}
+	}
+	return true;
+}
+
+/* host[:port] items separated by commas or spaces; port 1..65535. */
+static bool
+check_valkey_nodes(char **newval, void **extra, GucSource source)
+{
+	const char *p = *newval ? *newval : "";
+
+	while (*p)
+	{
+		size_t		len = strcspn(p, ", ");
+		const char *colon = memchr(p, ':', len);
+
+		if (len > 0)
+		{
+			if (colon == p || len >= 256)
+			{
+				GUC_check_errdetail("\"%.*s\" is not host:port.", (int) Min(len, 80), p);
+				return false;
+			}
+			if (colon != NULL)
+			{
+				char	   *end;
+				long		port = strtol(colon + 1, &end, 10);
+
+				if (end != p + len || end == colon + 1 || port < 1 || port > 65535)
+				{
+					GUC_check_errdetail("\"%.*s\" is not host:port.", (int) Min(len, 80), p);
+					return false;
+				}
+			}
+			p += len;
+		}
+		else
+			p++;
 	}
 	return true;
 }
@@ -193,6 +241,23 @@ idem_define_gucs(void)
 							   "",
 							   PGC_SIGHUP, GUC_LIST_INPUT,
 							   idem_check_standby_slots, NULL, NULL);
+
+	DefineCustomStringVariable("idem.valkey_nodes",
+							   "More nodes of the same Valkey Cluster, tried when idem.valkey_host:idem.valkey_port does not answer.",
+							   "A list of host:port (a host alone takes idem.valkey_port), separated by commas.  The worker reads the slot map from the first node that answers.",
+							   &idem_valkey_nodes,
+							   "",
+							   PGC_SIGHUP, 0,
+							   check_valkey_nodes, NULL, NULL);
+
+	DefineCustomEnumVariable("idem.valkey_cluster",
+							 "Whether the worker talks to a Valkey Cluster: auto (ask the node), on, or off.",
+							 "auto asks INFO cluster at every connect; in cluster mode every SET goes to the master of its key's slot, redirects are followed, and idem.valkey_db must be 0.",
+							 &idem_valkey_cluster,
+							 IDEM_VALKEY_CLUSTER_AUTO,
+							 valkey_cluster_options,
+							 PGC_SIGHUP, 0,
+							 NULL, NULL, NULL);
 
 	/*
 	 * PostgreSQL refuses (FATAL) to define a PGC_POSTMASTER setting after

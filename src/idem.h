@@ -73,8 +73,18 @@ extern char *idem_valkey_prefix;
 extern int	idem_valkey_connect_timeout_ms;
 extern int	idem_valkey_command_timeout_ms;
 extern int	idem_valkey_batch_delay_ms;
+extern char *idem_valkey_nodes;
+extern int	idem_valkey_cluster;
 extern int	idem_queue_size;
 extern char *idem_standby_slots;
+
+/* idem.valkey_cluster */
+typedef enum IdemValkeyCluster
+{
+	IDEM_VALKEY_CLUSTER_AUTO = 0,
+	IDEM_VALKEY_CLUSTER_ON,
+	IDEM_VALKEY_CLUSTER_OFF
+} IdemValkeyCluster;
 extern void idem_define_gucs(void);
 
 /* standby_slots.c */
@@ -171,5 +181,18 @@ extern Size idem_stats_shmem_size(void);
 extern void idem_stats_shmem_init(void);
 extern void idem_stats_add(IdemStat stat, uint64 n);
 extern void idem_stats_set_valkey(bool connected, const char *error);
+
+/* Valkey Cluster counters (worker_cluster.c), idem_stats()'s last columns. */
+typedef enum IdemClusterStat
+{
+	IDEM_STAT_REDIRECTS = 0,	/* MOVED and ASK replies followed */
+	IDEM_STAT_MAP_REFRESHES,	/* slot maps read */
+	IDEM_STAT_NODE_ERRORS,		/* failed connects/exchanges with a node */
+	IDEM_STAT_CLUSTER_RETRIES,	/* CLUSTERDOWN/TRYAGAIN/READONLY retried */
+	IDEM_CLUSTER_STAT_COUNT
+} IdemClusterStat;
+
+extern void idem_stats_add_cluster(IdemClusterStat stat, uint64 n);
+extern void idem_stats_set_cluster(bool cluster, const char *nodes);
 
 #endif							/* IDEM_H */

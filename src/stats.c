@@ -22,14 +22,18 @@
 #include "utils/builtins.h"
 
 #define IDEM_LAST_ERROR_LEN 256
+#define IDEM_NODES_TEXT_LEN 1024
 
 typedef struct IdemStatsShared
 {
 	pg_atomic_uint64 counters[IDEM_STAT_COUNT];
 	pg_atomic_uint64 claims[IDEM_DECISION_COUNT];
+	pg_atomic_uint64 cluster_counters[IDEM_CLUSTER_STAT_COUNT];
 	pg_atomic_uint32 connected;
-	slock_t		mutex;			/* protects last_error */
+	pg_atomic_uint32 cluster;	/* the worker talks to a Valkey Cluster */
+	slock_t		mutex;			/* protects last_error and nodes */
 	char		last_error[IDEM_LAST_ERROR_LEN];
+	char		nodes[IDEM_NODES_TEXT_LEN];
 } IdemStatsShared;
 
 static IdemStatsShared *idem_stats_shared = NULL;
@@ -47,7 +51,10 @@ enum
 	COL_QUEUE_DEPTH,
 	COL_LAST_ERROR,
 	COL_CLAIMS,					/* one column per IdemDecision from here */
-	COL_COUNT = COL_CLAIMS + IDEM_DECISION_COUNT
+	COL_CLUSTER = COL_CLAIMS + IDEM_DECISION_COUNT,
+	COL_CLUSTER_COUNTERS,		/* one column per IdemClusterStat from here */
+	COL_NODES = COL_CLUSTER_COUNTERS + IDEM_CLUSTER_STAT_COUNT,
+	COL_COUNT
 };
 
 StaticAssertDecl(COL_QUEUED + IDEM_STAT_COUNT == COL_QUEUE_DEPTH,
@@ -74,9 +81,13 @@ idem_stats_shmem_init(void)
 		pg_atomic_init_u64(&idem_stats_shared->counters[i], 0);
 	for (i = 0; i < IDEM_DECISION_COUNT; i++)
 		pg_atomic_init_u64(&idem_stats_shared->claims[i], 0);
+	for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
+		pg_atomic_init_u64(&idem_stats_shared->cluster_counters[i], 0);
 	pg_atomic_init_u32(&idem_stats_shared->connected, 0);
+	pg_atomic_init_u32(&idem_stats_shared->cluster, 0);
 	SpinLockInit(&idem_stats_shared->mutex);
 	idem_stats_shared->last_error[0] = '\0';
+	idem_stats_shared->nodes[0] = '\0';
 }
 
 /* Called by ledger.c on every claim: one atomic add, no lock. */
@@ -116,6 +127,29 @@ idem_stats_set_valkey(bool connected, const char *error)
 	}
 }
 
+void
+idem_stats_add_cluster(IdemClusterStat stat, uint64 n)
+{
+	if (idem_stats_shared == NULL || n == 0)
+		return;
+	pg_atomic_fetch_add_u64(&idem_stats_shared->cluster_counters[stat], n);
+}
+
+/* Cluster mode or not, and (if not NULL) the nodes' summary text. */
+void
+idem_stats_set_cluster(bool cluster, const char *nodes)
+{
+	if (idem_stats_shared == NULL)
+		return;
+	pg_atomic_write_u32(&idem_stats_shared->cluster, cluster ? 1 : 0);
+	if (nodes != NULL)
+	{
+		SpinLockAcquire(&idem_stats_shared->mutex);
+		strlcpy(idem_stats_shared->nodes, nodes, IDEM_NODES_TEXT_LEN);
+		SpinLockRelease(&idem_stats_shared->mutex);
+	}
+}
+
 PG_FUNCTION_INFO_V1(idem_stats);
 
 /*
@@ -129,6 +163,7 @@ idem_stats(PG_FUNCTION_ARGS)
 	Datum		values[COL_COUNT];
 	bool		nulls[COL_COUNT];
 	char		last_error[IDEM_LAST_ERROR_LEN];
+	char		nodes[IDEM_NODES_TEXT_LEN];
 	int			i;
 
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
@@ -151,6 +186,8 @@ idem_stats(PG_FUNCTION_ARGS)
 		for (i = COL_QUEUED; i < COL_COUNT; i++)
 			values[i] = Int64GetDatum(0);
 		values[COL_LAST_ERROR] = CStringGetTextDatum("idem is not in shared_preload_libraries: results are not copied to Valkey");
+		values[COL_CLUSTER] = BoolGetDatum(false);
+		nulls[COL_NODES] = true;
 	}
 	else
 	{
@@ -165,6 +202,7 @@ idem_stats(PG_FUNCTION_ARGS)
 
 		SpinLockAcquire(&idem_stats_shared->mutex);
 		strlcpy(last_error, idem_stats_shared->last_error, sizeof(last_error));
+		strlcpy(nodes, idem_stats_shared->nodes, sizeof(nodes));
 		SpinLockRelease(&idem_stats_shared->mutex);
 		if (last_error[0] == '\0')
 			nulls[COL_LAST_ERROR] = true;
@@ -174,6 +212,16 @@ idem_stats(PG_FUNCTION_ARGS)
 		for (i = 0; i < IDEM_DECISION_COUNT; i++)
 			values[COL_CLAIMS + i] =
 				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->claims[i]));
+
+		values[COL_CLUSTER] =
+			BoolGetDatum(pg_atomic_read_u32(&idem_stats_shared->cluster) != 0);
+		for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
+			values[COL_CLUSTER_COUNTERS + i] =
+				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->cluster_counters[i]));
+		if (nodes[0] == '\0')
+			nulls[COL_NODES] = true;
+		else
+			values[COL_NODES] = CStringGetTextDatum(nodes);
 	}
 
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));

@@ -62,6 +62,8 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
+#include "worker_cluster.h"
+
 #define IDEM_WORKER_RESTART_S	2
 #define IDEM_BATCH_MAX			512
 #define IDEM_BACKOFF_MIN_MS		100
@@ -96,6 +98,8 @@ static char *vk_host = NULL;
 static int	vk_port = 0;
 static char *vk_password = NULL;
 static int	vk_db = 0;
+static char *vk_nodes = NULL;	/* idem.valkey_nodes */
+static int	vk_cluster = IDEM_VALKEY_CLUSTER_AUTO;
 
 static char errbuf[IDEM_ERRBUF_LEN];
 
@@ -261,9 +265,17 @@ vk_read_reply(TimestampTz deadline, VkReplyClass *class)
 	}
 }
 
+/* Connected: to one Valkey (vk), or to a cluster (worker_cluster.c). */
+static bool
+vk_connected(void)
+{
+	return vk != NULL || idem_wc_active();
+}
+
 static void
 vk_disconnect(void)
 {
+	idem_wc_disconnect();
 	if (vk_wes != NULL)
 	{
 		FreeWaitEventSet(vk_wes);
@@ -320,6 +332,11 @@ vk_remember_settings(void)
 		pfree(vk_host);
 	if (vk_password)
 		pfree(vk_password);
+	if (vk_nodes)
+		pfree(vk_nodes);
+	vk_nodes = MemoryContextStrdup(TopMemoryContext,
+								   idem_valkey_nodes ? idem_valkey_nodes : "");
+	vk_cluster = idem_valkey_cluster;
 	vk_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
 	vk_password = MemoryContextStrdup(TopMemoryContext, password ? password : "");
 	vk_port = idem_valkey_port;
@@ -341,7 +358,9 @@ vk_settings_changed(void)
 	changed = strcmp(vk_host, idem_valkey_host) != 0 ||
 		password == NULL || strcmp(vk_password, password) != 0 ||
 		vk_port != idem_valkey_port ||
-		vk_db != idem_valkey_db;
+		vk_db != idem_valkey_db ||
+		vk_cluster != idem_valkey_cluster ||
+		strcmp(vk_nodes, idem_valkey_nodes ? idem_valkey_nodes : "") != 0;
 	if (password)
 		pfree(password);
 	return changed;
@@ -359,6 +378,21 @@ vk_connect(void)
 
 	if (!vk_remember_settings())
 		return VK_FAILED;		/* errbuf says why */
+
+	/* A Valkey Cluster (detected, or idem.valkey_cluster = on)? */
+	switch (idem_wc_connect(vk_password, errbuf, sizeof(errbuf)))
+	{
+		case IDEM_WC_SINGLE:
+			break;
+		case IDEM_WC_CLUSTER:
+			return VK_OK;
+		case IDEM_WC_SHUTDOWN:
+			return VK_SHUTDOWN;
+		case IDEM_WC_MISCONFIGURED:
+		case IDEM_WC_FAILED:
+			return VK_FAILED;
+	}
+
 	vk = redisConnectNonBlock(vk_host, vk_port);
 	if (vk == NULL || vk->err)
 	{
@@ -437,19 +471,79 @@ epoch_ms(TimestampTz t)
 }
 
 /*
- * Append SETs for records[] to the connection's output buffer: each an
- * idem2 value in its database's keyspace on this timeline, MACed with the
- * current secret.  Records whose retention already ended are skipped, and
- * one that cannot be encoded is counted in *errors.  Returns the number of
- * commands appended, or -1.
+ * What one batch's records are encoded with: the time, the timeline that
+ * names the keyspace, the current secret, and the last database's keyspace.
+ */
+typedef struct VkEncoder
+{
+	TimestampTz now;
+	TimeLineID	timeline;
+	IdemCacheSecrets secrets;
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	Oid			keyspace_db;
+} VkEncoder;
+
+static void
+vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
+{
+	enc->now = GetCurrentTimestamp();
+	enc->timeline = timeline;
+	enc->keyspace_db = InvalidOid;
+	idem_cache_secrets_get(&enc->secrets);
+}
+
+/*
+ * One record as SET key value PX ttl (both modes use this): an idem2 value
+ * in its database's keyspace on this timeline, MACed with the current
+ * secret.  1 done, 0 the row's retention already ended, -1 it cannot be
+ * encoded (errbuf says why).
  */
 static int
-vk_append_batch(const IdemOutboxRecord **records, int n, TimeLineID timeline,
-				const IdemCacheSecrets *secrets, uint64 *errors)
+vk_encode_record(void *arg, const IdemOutboxRecord *rec,
+				 char *key, int *keylen, char *value, int *valuelen,
+				 char *ttl, size_t ttllen)
 {
-	TimestampTz now = GetCurrentTimestamp();
-	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
-	Oid			keyspace_db = InvalidOid;
+	VkEncoder  *enc = (VkEncoder *) arg;
+	int64		ttl_ms = (rec->expires_at - enc->now) / 1000;	/* rounds down */
+	const char *why = "could not encode a queued result";
+
+	if (ttl_ms < 1)
+		return 0;
+	*keylen = -1;
+	if (rec->dboid != enc->keyspace_db &&
+		idem_cache_keyspace_of(enc->keyspace, sizeof(enc->keyspace), rec->dboid,
+							   enc->timeline) >= 0)
+		enc->keyspace_db = rec->dboid;
+	if (rec->dboid == enc->keyspace_db)
+		*keylen = idem_cache_key(key, IDEM_CACHE_KEY_MAX, enc->keyspace,
+								 rec->is_platform, rec->tenant_id, rec->key);
+	*valuelen = idem_cache_encode_terminal(value, IDEM_CACHE_VALUE_MAX,
+										   enc->secrets.current_id,
+										   (IdemCacheKind) rec->kind,
+										   rec->attempt,
+										   epoch_ms(rec->expires_at),
+										   rec->fingerprint,
+										   rec->outcome, rec->outcome_len);
+	if (*keylen < 0 || *valuelen < 0 ||
+		!idem_cache_sign(&enc->secrets, key, *keylen, value, *valuelen, &why))
+	{
+		snprintf(errbuf, sizeof(errbuf), "%s", why);
+		return -1;
+	}
+	snprintf(ttl, ttllen, INT64_FORMAT, ttl_ms);
+	return 1;
+}
+
+/*
+ * Append SETs for records[] to the connection's output buffer
+ * (vk_encode_record).  Records whose retention already ended are skipped,
+ * and one that cannot be encoded is counted in *errors.  Returns the number
+ * of commands appended, or -1.
+ */
+static int
+vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
+				uint64 *errors)
+{
 	char		key[IDEM_CACHE_KEY_MAX];
 	char		value[IDEM_CACHE_VALUE_MAX];
 	char		ttl[32];
@@ -458,38 +552,21 @@ vk_append_batch(const IdemOutboxRecord **records, int n, TimeLineID timeline,
 
 	for (i = 0; i < n; i++)
 	{
-		const IdemOutboxRecord *rec = records[i];
-		int64		ttl_ms = (rec->expires_at - now) / 1000;	/* rounds down */
-		int			keylen = -1;
+		int			keylen;
 		int			valuelen;
-		const char *why = "could not encode a queued result";
 		const char *argv[5];
 		size_t		argvlen[5];
+		int			rc;
 
-		if (ttl_ms < 1)
+		rc = vk_encode_record(enc, records[i], key, &keylen, value, &valuelen,
+							  ttl, sizeof(ttl));
+		if (rc == 0)
 			continue;			/* the row's retention already ended */
-		if (rec->dboid != keyspace_db &&
-			idem_cache_keyspace_of(keyspace, sizeof(keyspace), rec->dboid,
-								   timeline) >= 0)
-			keyspace_db = rec->dboid;
-		if (rec->dboid == keyspace_db)
-			keylen = idem_cache_key(key, sizeof(key), keyspace,
-									rec->is_platform, rec->tenant_id, rec->key);
-		valuelen = idem_cache_encode_terminal(value, sizeof(value),
-											  secrets->current_id,
-											  (IdemCacheKind) rec->kind,
-											  rec->attempt,
-											  epoch_ms(rec->expires_at),
-											  rec->fingerprint,
-											  rec->outcome, rec->outcome_len);
-		if (keylen < 0 || valuelen < 0 ||
-			!idem_cache_sign(secrets, key, keylen, value, valuelen, &why))
+		if (rc < 0)
 		{
-			snprintf(errbuf, sizeof(errbuf), "%s", why);
-			(*errors)++;
+			(*errors)++;		/* errbuf says why */
 			continue;
 		}
-		snprintf(ttl, sizeof(ttl), INT64_FORMAT, ttl_ms);
 		argv[0] = "SET";
 		argvlen[0] = 3;
 		argv[1] = key;
@@ -531,7 +608,7 @@ worker_report_standby(void)
 
 	snprintf(text, sizeof(text), "%s: copies wait: %s",
 			 timestamptz_to_str(now), errbuf);
-	idem_stats_set_valkey(vk != NULL, text);
+	idem_stats_set_valkey(vk_connected(), text);
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
@@ -619,7 +696,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX,
 											 durable, &held);
 			int			nsent;
-			IdemCacheSecrets secrets;
+			VkEncoder	enc;
 
 			if (pos == start)
 				break;
@@ -629,10 +706,10 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				waiting = true;
 				break;
 			}
-			idem_cache_secrets_get(&secrets);
+			vk_encoder_init(&enc, timeline);
 			nrej = 0;
-			nsent = vk_append_batch(records, n, timeline, &secrets, &nrej);
-			explicit_bzero(&secrets, sizeof(secrets));
+			nsent = vk_append_batch(records, n, &enc, &nrej);
+			explicit_bzero(&enc.secrets, sizeof(enc.secrets));
 			if (nsent < 0)
 				return VK_FAILED;
 			idem_stats_add(IDEM_STAT_REJECTED, nrej);
@@ -710,6 +787,78 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	}
 }
 
+/* Does this error reply mean "not now" (keep the batch)? */
+static bool
+vk_reply_keeps_batch(const char *str, size_t len)
+{
+	return vk_classify_error(str, len) == VK_REPLY_RETRY;
+}
+
+/*
+ * vk_drain() for a Valkey Cluster: the same durable records, one batch at a
+ * time through worker_cluster.c (every node's share is sent before any
+ * reply is read); a batch leaves the queue only when every node answered.
+ */
+static VkResult
+vk_cluster_drain(uint64 *copied, uint64 *rejected)
+{
+	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	bool		standby_reported = false;
+
+	*copied = 0;
+	*rejected = 0;
+	for (;;)
+	{
+		uint64		pos = 0;	/* from the oldest record */
+		bool		held = false;
+		bool		standby_problem;
+		TimeLineID	timeline;
+		XLogRecPtr	durable = worker_durable_lsn(&timeline, &standby_problem);
+		VkEncoder	enc;
+		uint64		ok = 0;
+		uint64		nrej = 0;
+		IdemWcCopy	rc;
+		int			n;
+
+		if (standby_problem && !standby_reported)
+		{
+			worker_report_standby();
+			standby_reported = true;
+		}
+		if (ShutdownRequestPending)
+			return VK_SHUTDOWN;
+		if (ConfigReloadPending)
+			return VK_OK;
+		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held);
+		if (n == 0)
+		{
+			if (!held)
+			{
+				idem_outbox_consume(pos, 0);	/* past any padding */
+				return VK_OK;
+			}
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 IDEM_DURABLE_POLL_MS, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+			continue;
+		}
+		vk_encoder_init(&enc, timeline);
+		rc = idem_wc_copy(records, n, vk_encode_record, &enc,
+						  vk_reply_keeps_batch, &ok, &nrej,
+						  errbuf, sizeof(errbuf));
+		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
+		if (rc == IDEM_WC_STOPPING)
+			return VK_SHUTDOWN;
+		if (rc == IDEM_WC_NOT_ACKED)
+			return VK_FAILED;	/* errbuf says why; the batch is kept */
+		idem_outbox_consume(pos, n);
+		idem_stats_add(IDEM_STAT_COPIED, ok);
+		idem_stats_add(IDEM_STAT_REJECTED, nrej);
+		*copied += ok;
+		*rejected += nrej;
+	}
+}
+
 /*
  * Record a problem (errbuf) in idem_stats() (counted as a copy error if
  * is_error) and, at most every IDEM_LOG_INTERVAL_MS, in the server log.
@@ -722,7 +871,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 
 	snprintf(text, sizeof(text), "%s: %s %s:%d: %s",
 			 timestamptz_to_str(now), doing, vk_host, vk_port, errbuf);
-	idem_stats_set_valkey(vk != NULL, text);
+	idem_stats_set_valkey(vk_connected(), text);
 	if (is_error)
 		idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
 	if (!failing ||
@@ -804,17 +953,17 @@ idem_worker_main(Datum main_arg)
 		{
 			ConfigReloadPending = false;
 			ProcessConfigFile(PGC_SIGHUP);
-			if (vk == NULL || vk_settings_changed())
+			if (!vk_connected() || vk_settings_changed())
 			{
 				/* Reconnect now, to new settings or for a new try. */
-				if (vk != NULL)
+				if (vk_connected())
 					vk_disconnect();
 				retry_at = 0;
 				backoff_ms = IDEM_BACKOFF_MIN_MS;
 			}
 		}
 
-		if (vk == NULL)
+		if (!vk_connected())
 		{
 			long		wait_ms = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
 																  retry_at);
@@ -836,11 +985,17 @@ idem_worker_main(Datum main_arg)
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
-			ereport(LOG,
-					(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
+			if (idem_wc_active())
+				ereport(LOG,
+						(errmsg("idem: connected to Valkey Cluster at %s:%d (%s)",
+								vk_host, vk_port, idem_wc_describe())));
+			else
+				ereport(LOG,
+						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = vk_drain(&copied, &rejected);
+		r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
+			vk_drain(&copied, &rejected);
 		if (r == VK_SHUTDOWN)
 			break;
 		if (r != VK_OK)

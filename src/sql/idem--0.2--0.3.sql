@@ -74,6 +74,7 @@ FROM PUBLIC;
 -- example NOPERM for a key the server's ACL refuses), dropped; copy_errors now counts only
 -- failures that keep the copies queued (connects, timeouts, replies such as
 -- READONLY or LOADING that say the server cannot take writes now).
+-- It also gains the Valkey Cluster columns.
 DROP FUNCTION @extschema@.idem_stats();
 CREATE FUNCTION @extschema@.idem_stats(
     OUT preloaded boolean,                 -- idem is in shared_preload_libraries
@@ -89,7 +90,13 @@ CREATE FUNCTION @extschema@.idem_stats(
     OUT claims_completed bigint,
     OUT claims_failed_permanent bigint,
     OUT claims_busy bigint,
-    OUT claims_mismatch bigint)
+    OUT claims_mismatch bigint,
+    OUT valkey_cluster boolean,            -- the worker talks to a Valkey Cluster
+    OUT valkey_redirects bigint,           -- MOVED and ASK replies followed
+    OUT valkey_map_refreshes bigint,       -- cluster slot maps read
+    OUT valkey_node_errors bigint,         -- failed connects/exchanges with a cluster node
+    OUT valkey_cluster_retries bigint,     -- CLUSTERDOWN/TRYAGAIN/READONLY answers retried
+    OUT valkey_nodes text)                 -- each node: host:port, master or not, errors
 RETURNS record
 AS 'MODULE_PATHNAME', 'idem_stats'
 LANGUAGE C VOLATILE STRICT PARALLEL SAFE;

@@ -219,4 +219,49 @@ sub move_slot
 	}
 }
 
+# Start moving @slots to $to without moving any key yet: IMPORTING on the
+# target, MIGRATING on each source.  A key absent from its source is then
+# answered with ASK.
+sub begin_migration
+{
+	my ($self, $to, @slots) = @_;
+	my $to_id = $self->id_of($to);
+	my @moves;
+	foreach my $slot (@slots)
+	{
+		my $from = $self->master_of_slot($slot);
+		next if $from->port == $to->port;
+		$to->command('CLUSTER', 'SETSLOT', $slot, 'IMPORTING', $self->id_of($from));
+		$from->command('CLUSTER', 'SETSLOT', $slot, 'MIGRATING', $to_id);
+		push @moves, [ $slot, $from ];
+	}
+	return \@moves;
+}
+
+# Move the keys of begun migrations and give the slots to $to everywhere.
+sub finish_migration
+{
+	my ($self, $to, $moves) = @_;
+	my $to_id = $self->id_of($to);
+	foreach my $m (@$moves)
+	{
+		my ($slot, $from) = @$m;
+		while (1)
+		{
+			my $keys = $from->command('CLUSTER', 'GETKEYSINSLOT', $slot, 100);
+			last unless @$keys;
+			$from->command('MIGRATE', '127.0.0.1', $to->port, '', 0, 5000, 'KEYS', @$keys);
+		}
+		$to->command('CLUSTER', 'SETSLOT', $slot, 'NODE', $to_id);
+		$from->command('CLUSTER', 'SETSLOT', $slot, 'NODE', $to_id);
+	}
+	foreach my $m (@$moves)
+	{
+		foreach my $n ($self->masters)
+		{
+			eval { $n->command('CLUSTER', 'SETSLOT', $m->[0], 'NODE', $to_id) };
+		}
+	}
+}
+
 1;

@@ -1,0 +1,397 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker_cluster.c
+ *	  The worker's Valkey Cluster mode: mode detection at connect, and the
+ *	  copy of the commit queue's batches through the shared router
+ *	  (valkey_cluster.c).
+ *
+ * worker.c calls idem_wc_connect() when it (re)connects.  Unless
+ * idem.valkey_cluster is off, the router opens the first node of
+ * idem.valkey_host:idem.valkey_port then idem.valkey_nodes that answers
+ * and asks it INFO cluster (idem.valkey_cluster = on skips the question).
+ * A node that is not a cluster leaves the worker on its single-connection
+ * path (worker.c); a cluster keeps the router, and idem_wc_copy() writes the
+ * batches worker.c takes from the queue (durable records, encoded and MACed
+ * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
+ * of its key's slot, all nodes pipelined at once, redirects followed by the
+ * router.  A batch leaves the queue only when every SET in it has a reply
+ * from the node that owns its key; otherwise (node down, failover in
+ * progress, deadline, a "not now" reply) the whole batch stays queued and
+ * is sent again after worker.c's backoff: a SET is idempotent, and the
+ * copies are counted only when the batch leaves the queue, so none is lost
+ * or counted twice.
+ *
+ * Waits go through a WaitEventSet per socket that also holds the latch and
+ * postmaster death, so SIGTERM is answered at once.  The sets are cached
+ * per file descriptor and freed when the router closes that socket.
+ * Runs in the worker only; no shared state besides the queue and the stats.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+
+#include "lib/stringinfo.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/interrupt.h"
+#include "storage/latch.h"
+#include "utils/memutils.h"
+#include "utils/timestamp.h"
+
+#include "valkey_cluster.h"
+#include "worker_cluster.h"
+
+#define IDEM_WC_BATCH		512
+
+typedef struct WcWait
+{
+	int			fd;				/* -1: free slot */
+	WaitEventSet *wes;
+	int			pos;
+} WcWait;
+
+static idem_vc *wc = NULL;
+static WcWait wc_waits[IDEM_VC_MAX_NODES];
+static idem_vc_stats wc_reported;	/* what idem_stats() has seen */
+
+/* Per batch: the encoded commands (allocated once). */
+typedef struct WcSlot
+{
+	char		key[IDEM_CACHE_KEY_MAX];
+	char		value[IDEM_CACHE_VALUE_MAX];
+	char		ttl[32];
+	const char *argv[5];
+	size_t		argvlen[5];
+} WcSlot;
+
+static WcSlot *wc_slots = NULL;
+static idem_vc_cmd *wc_cmds = NULL;
+
+static void wc_publish_nodes(void);
+
+static void
+wc_forget_fd(void *arg, int fd)
+{
+	int			i;
+
+	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
+		if (wc_waits[i].fd == fd)
+		{
+			FreeWaitEventSet(wc_waits[i].wes);
+			wc_waits[i].fd = -1;
+			wc_waits[i].wes = NULL;
+		}
+}
+
+static WcWait *
+wc_wait_for(int fd)
+{
+	int			i;
+	int			free_slot = -1;
+	WcWait	   *w;
+
+	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
+	{
+		if (wc_waits[i].fd == fd)
+			return &wc_waits[i];
+		if (wc_waits[i].fd < 0 && free_slot < 0)
+			free_slot = i;
+	}
+	if (free_slot < 0)
+		elog(ERROR, "idem: more Valkey sockets than nodes");
+	w = &wc_waits[free_slot];
+#if PG_VERSION_NUM >= 170000
+	w->wes = CreateWaitEventSet(NULL, 3);
+#else
+	w->wes = CreateWaitEventSet(TopMemoryContext, 3);
+#endif
+	AddWaitEventToSet(w->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
+	AddWaitEventToSet(w->wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
+	w->pos = AddWaitEventToSet(w->wes, WL_SOCKET_WRITEABLE, fd, NULL, NULL);
+	w->fd = fd;
+	return w;
+}
+
+/* idem_vc_io.wait: latch wakeups are absorbed, SIGTERM abandons. */
+static int
+wc_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
+{
+	for (;;)
+	{
+		long		timeout = (long) (deadline_ms - idem_vc_now_ms());
+		uint32		events = for_write ? WL_SOCKET_WRITEABLE : WL_SOCKET_READABLE;
+
+		if (ShutdownRequestPending)
+			return -2;
+		if (timeout <= 0)
+			return fd < 0 ? 0 : -1;
+		if (fd < 0)
+		{
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 timeout, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+		}
+		else
+		{
+			WcWait	   *w = wc_wait_for(fd);
+			WaitEvent	ev;
+			int			rc;
+
+			ModifyWaitEvent(w->wes, w->pos, events, NULL);
+			rc = WaitEventSetWait(w->wes, timeout, &ev, 1, PG_WAIT_EXTENSION);
+			if (rc > 0 && (ev.events & WL_LATCH_SET))
+			{
+				ResetLatch(MyLatch);
+				continue;
+			}
+			if (rc > 0 && (ev.events & events))
+				return 0;
+		}
+	}
+}
+
+bool
+idem_wc_active(void)
+{
+	return wc != NULL;
+}
+
+void
+idem_wc_disconnect(void)
+{
+	if (wc != NULL)
+	{
+		idem_wc_report_stats();
+		idem_vc_free(wc);		/* closes the sockets through wc_forget_fd */
+		wc = NULL;
+	}
+}
+
+/* The nodes to try: idem.valkey_host:idem.valkey_port, then idem.valkey_nodes. */
+static char *
+wc_seeds(void)
+{
+	StringInfoData s;
+
+	initStringInfo(&s);
+	appendStringInfo(&s, "%s:%d", idem_valkey_host, idem_valkey_port);
+	if (idem_valkey_nodes != NULL && idem_valkey_nodes[0] != '\0')
+		appendStringInfo(&s, ",%s", idem_valkey_nodes);
+	return s.data;
+}
+
+IdemWcConnect
+idem_wc_connect(const char *password, char *errbuf, size_t errlen)
+{
+	idem_vc_options opt;
+	idem_vc_io	io;
+	char	   *seeds;
+	int			rc;
+	int			i;
+
+	idem_wc_disconnect();
+	if (idem_valkey_cluster == IDEM_VALKEY_CLUSTER_OFF)
+		return IDEM_WC_SINGLE;
+	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
+		if (wc_waits[i].wes == NULL)
+			wc_waits[i].fd = -1;
+	seeds = wc_seeds();
+	memset(&opt, 0, sizeof(opt));
+	opt.seeds = seeds;
+	opt.default_port = idem_valkey_port;
+	opt.password = password;
+	opt.db = idem_valkey_db;
+	opt.mode = idem_valkey_cluster == IDEM_VALKEY_CLUSTER_ON ?
+		IDEM_VC_MODE_CLUSTER : IDEM_VC_MODE_AUTO;
+	opt.connect_timeout_ms = idem_valkey_connect_timeout_ms;
+	opt.retry_ms = 100;
+	io.wait = wc_wait;
+	io.closing = wc_forget_fd;
+	io.arg = NULL;
+	wc = idem_vc_new(&opt, &io, errbuf, errlen);
+	pfree(seeds);
+	if (wc == NULL)
+		return IDEM_WC_FAILED;
+	memset(&wc_reported, 0, sizeof(wc_reported));
+	rc = idem_vc_open(wc, idem_vc_now_ms() + idem_valkey_connect_timeout_ms +
+					  idem_valkey_command_timeout_ms, errbuf, errlen);
+	if (rc == 0 && idem_vc_is_cluster(wc))
+	{
+		if (wc_slots == NULL)
+		{
+			wc_slots = MemoryContextAllocHuge(TopMemoryContext,
+											  sizeof(WcSlot) * IDEM_WC_BATCH);
+			wc_cmds = MemoryContextAlloc(TopMemoryContext,
+										 sizeof(idem_vc_cmd) * IDEM_WC_BATCH);
+		}
+		wc_publish_nodes();
+		idem_wc_report_stats();
+		return IDEM_WC_CLUSTER;
+	}
+	idem_wc_report_stats();
+	idem_vc_free(wc);
+	wc = NULL;
+	idem_stats_set_cluster(false, "");
+	if (rc == 0)
+		return IDEM_WC_SINGLE;
+	if (rc == -3)
+		return IDEM_WC_SHUTDOWN;
+	if (rc == -2)
+	{
+		snprintf(errbuf, errlen,
+				 "idem.valkey_db is %d, but a Valkey Cluster has only database 0: set idem.valkey_db = 0",
+				 idem_valkey_db);
+		return IDEM_WC_MISCONFIGURED;
+	}
+	return IDEM_WC_FAILED;
+}
+
+/*
+ * idem_stats().valkey_nodes: every node the worker knows, whether it
+ * serves slots now, and its failed connects/exchanges since the worker
+ * connected.
+ */
+static void
+wc_publish_nodes(void)
+{
+	StringInfoData s;
+	int			i;
+
+	initStringInfo(&s);
+	for (i = 0; i < idem_vc_nnodes(wc); i++)
+		appendStringInfo(&s, "%s%s %s errors=%lld", i ? ", " : "",
+						 idem_vc_node_name(wc, i),
+						 idem_vc_node_in_map(wc, i) ? "master" : "other",
+						 idem_vc_node_errors(wc, i));
+	idem_stats_set_cluster(true, s.data);
+	pfree(s.data);
+}
+
+/* Add what the router counted since the last report to idem_stats(). */
+void
+idem_wc_report_stats(void)
+{
+	const idem_vc_stats *s;
+
+	if (wc == NULL)
+		return;
+	s = idem_vc_get_stats(wc);
+	if (s->refreshes != wc_reported.refreshes ||
+		s->node_errors != wc_reported.node_errors)
+		wc_publish_nodes();
+	idem_stats_add_cluster(IDEM_STAT_REDIRECTS,
+				   (s->moved + s->ask) - (wc_reported.moved + wc_reported.ask));
+	idem_stats_add_cluster(IDEM_STAT_MAP_REFRESHES, s->refreshes - wc_reported.refreshes);
+	idem_stats_add_cluster(IDEM_STAT_NODE_ERRORS, s->node_errors - wc_reported.node_errors);
+	idem_stats_add_cluster(IDEM_STAT_CLUSTER_RETRIES, s->retries - wc_reported.retries);
+	wc_reported = *s;
+}
+
+/* "N masters, through host:port" for the log. */
+const char *
+idem_wc_describe(void)
+{
+	static char text[64];
+	int			i,
+				masters = 0;
+
+	if (wc == NULL)
+		return "";
+	for (i = 0; i < idem_vc_nnodes(wc); i++)
+		masters += idem_vc_node_in_map(wc, i);
+	snprintf(text, sizeof(text), "%d masters", masters);
+	return text;
+}
+
+/*
+ * Copy one batch: each record's SET to the master of its key's slot, every
+ * node's share written before any reply is read, redirects followed by the
+ * router.  IDEM_WC_ACKED when every SET has a reply from the node that owns
+ * its key (*copied OK, *rejected refused or unencodable); otherwise the
+ * batch must stay queued.
+ */
+IdemWcCopy
+idem_wc_copy(const IdemOutboxRecord **records, int n,
+			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
+			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+{
+	int			nc = 0;
+	int			done;
+	int			i;
+	bool		keep = false;
+
+	Assert(n <= IDEM_WC_BATCH);
+	*copied = 0;
+	*rejected = 0;
+	for (i = 0; i < n; i++)
+	{
+		WcSlot	   *s = &wc_slots[nc];
+		idem_vc_cmd *c = &wc_cmds[nc];
+		int			keylen,
+					valuelen;
+		int			rc;
+
+		rc = encode(encode_arg, records[i], s->key, &keylen, s->value,
+					&valuelen, s->ttl, sizeof(s->ttl));
+		if (rc == 0)
+			continue;			/* retention over */
+		if (rc < 0)
+		{
+			(*rejected)++;		/* errbuf says why */
+			continue;
+		}
+		s->argv[0] = "SET";
+		s->argvlen[0] = 3;
+		s->argv[1] = s->key;
+		s->argvlen[1] = keylen;
+		s->argv[2] = s->value;
+		s->argvlen[2] = valuelen;
+		s->argv[3] = "PX";
+		s->argvlen[3] = 2;
+		s->argv[4] = s->ttl;
+		s->argvlen[4] = strlen(s->ttl);
+		memset(c, 0, sizeof(*c));
+		c->key = s->key;
+		c->keylen = keylen;
+		c->argc = 5;
+		c->argv = s->argv;
+		c->argvlen = s->argvlen;
+		nc++;
+	}
+	if (nc == 0)
+		return IDEM_WC_ACKED;
+	done = idem_vc_pipeline(wc, wc_cmds, nc,
+							idem_vc_now_ms() + idem_valkey_command_timeout_ms);
+	idem_wc_report_stats();
+	if (done == -2)
+		return IDEM_WC_STOPPING;
+	for (i = 0; i < nc; i++)
+	{
+		redisReply *r = wc_cmds[i].reply;
+
+		if (r == NULL)
+			continue;
+		if (r->type == REDIS_REPLY_ERROR)
+		{
+			snprintf(errbuf, errlen, "%s replied: %.*s",
+					 idem_vc_node_name(wc, wc_cmds[i].node),
+					 (int) Min(r->len, 120), r->str);
+			if (keeps(r->str, r->len))
+				keep = true;
+			else
+				(*rejected)++;
+		}
+		else
+			(*copied)++;
+		freeReplyObject(r);
+		wc_cmds[i].reply = NULL;
+	}
+	if (done < nc)
+	{
+		/* some node did not answer: keep the whole batch queued */
+		snprintf(errbuf, errlen, "%d of %d copies not acknowledged: %s",
+				 nc - done, nc, idem_vc_last_error(wc));
+		return IDEM_WC_NOT_ACKED;
+	}
+	return keep ? IDEM_WC_NOT_ACKED : IDEM_WC_ACKED;
+}

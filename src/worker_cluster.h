@@ -1,0 +1,51 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker_cluster.h
+ *	  The worker's Valkey Cluster mode (worker_cluster.c), as worker.c sees it.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_WORKER_CLUSTER_H
+#define IDEM_WORKER_CLUSTER_H
+
+#include "idem.h"
+
+typedef enum IdemWcConnect
+{
+	IDEM_WC_SINGLE,				/* not a cluster: use worker.c's connection */
+	IDEM_WC_CLUSTER,			/* routing through the cluster */
+	IDEM_WC_FAILED,				/* no node answered; errbuf says why */
+	IDEM_WC_MISCONFIGURED,		/* a cluster, but idem.valkey_db is not 0 */
+	IDEM_WC_SHUTDOWN
+} IdemWcConnect;
+
+typedef enum IdemWcCopy
+{
+	IDEM_WC_ACKED,				/* every record answered: consume the batch */
+	IDEM_WC_NOT_ACKED,			/* keep the batch queued; errbuf says why */
+	IDEM_WC_STOPPING
+} IdemWcCopy;
+
+/*
+ * How worker.c encodes one queued record as SET key value PX ttl: 1 done,
+ * 0 the record's retention is over (skip it), -1 it cannot be encoded.
+ */
+typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
+							 char *key, int *keylen, char *value,
+							 int *valuelen, char *ttl, size_t ttllen);
+
+/* Does an error reply (not a redirect) mean "not now, keep the batch"? */
+typedef bool (*IdemWcKeeps) (const char *str, size_t len);
+
+extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
+									 size_t errlen);
+extern bool idem_wc_active(void);
+extern void idem_wc_disconnect(void);
+extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
+							   IdemWcEncode encode, void *encode_arg,
+							   IdemWcKeeps keeps, uint64 *copied,
+							   uint64 *rejected, char *errbuf, size_t errlen);
+extern void idem_wc_report_stats(void);
+extern const char *idem_wc_describe(void);
+
+#endif							/* IDEM_WORKER_CLUSTER_H */

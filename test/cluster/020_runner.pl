@@ -1,0 +1,105 @@
+# The client's runner against a real Valkey Cluster (3 masters, 3 replicas):
+# mode detected; the gate script and GET go to each key's master, so
+# replays come from every node; ASK during a slot migration is followed,
+# and NOSCRIPT on a node that never saw the script is handled; a master
+# that hangs costs only its own keys the cache (PostgreSQL answers them).
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+use lib "$FindBin::RealBin/../t";
+
+use IdemValkey;
+use IdemValkeyCluster;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
+  . '/cluster_runner';
+plan skip_all => "$bin is not built" unless -x $bin;
+
+# No automatic failover while a master hangs for a moment.
+my $vc = IdemValkeyCluster->new(masters => 3, replicas => 1, node_timeout => 15000);
+my @nodes = $vc->nodes;
+my $first = $nodes[0];
+my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
+my $node = IdemValkey::idem_node('runner', $first,
+	'idem.valkey_nodes' => "'$others'");
+ok(IdemValkey::wait_connected($node, 1), 'worker connects');
+my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
+
+# Run ids first..first+n-1 of scope; returns ({id => [status, source]}, {stats}).
+sub runs
+{
+	my ($scope, $n, $first_id, $port, $nodes) = @_;
+	my ($out, $err);
+	IPC::Run::run([ $bin, $conninfo, '127.0.0.1', $port // $first->port,
+			$nodes // $others, 0, $scope, $n, $first_id // 1 ],
+		'>', \$out, '2>', \$err);
+	diag($err) if $err;
+	my (%runs, %stats);
+	foreach (split /\n/, $out)
+	{
+		$runs{$1} = [ $2, $3 ] if /^run (\S+) (\S+) (\S+) \d/;
+		%stats = /(\w+)=(\d+)/g if /^stats /;
+	}
+	return (\%runs, \%stats);
+}
+
+sub key_of { return IdemValkey::tenant_key($node, 1, $_[0], $_[1]); }
+
+sub count_where
+{
+	my ($runs, $status, $source) = @_;
+	return scalar grep { $_->[0] eq $status && (!$source || $_->[1] eq $source) } values %$runs;
+}
+
+# --- apply, wait for the worker's copies, replay from Valkey ---
+my ($runs) = runs('r', 60);
+is(count_where($runs, 'applied'), 60, '60 runs applied');
+ok( IdemValkey::poll_until(30,
+		sub { !grep { !defined(eval { $vc->master_of_key(key_of('r', $_))->command('GET', key_of('r', $_)) }) } 1 .. 60 }),
+	'their results are on their masters');
+my $stats;
+($runs, $stats) = runs('r', 60);
+is(count_where($runs, 'replayed', 'valkey'), 60, 'all 60 replayed from Valkey');
+my %masters = map { $vc->master_of_key(key_of('r', $_))->port => 1 } 1 .. 60;
+is(scalar(keys %masters), 3, 'the replays came from all three masters');
+cmp_ok($stats->{refreshes}, '>=', 1, 'the runner read the slot map');
+
+# Seeds: the first node down, the runner opens through another one.
+($runs, $stats) = runs('r', 60, 1, 1, $others);
+is(count_where($runs, 'replayed', 'valkey'), 60,
+	'a seed that is down: the next one gives the map');
+
+# --- ASK: slots migrating, new keys go to the importing node ---
+my %slots = map { $vc->slot_of(key_of('m', $_)) => 1 } 1 .. 20;
+my $target = ($vc->masters)[0];
+my $moves = $vc->begin_migration($target, keys %slots);
+($runs, $stats) = runs('m', 20);
+is(count_where($runs, 'applied'), 20, 'runs on migrating slots applied');
+cmp_ok($stats->{redirects}, '>', 0, "ASK followed ($stats->{redirects} redirects)");
+$vc->finish_migration($target, $moves);
+ok( IdemValkey::poll_until(30,
+		sub { !grep { !defined(eval { $target->command('GET', key_of('m', $_)) }) } 1 .. 20 }),
+	'their results are on the new owner');
+($runs, $stats) = runs('m', 20);
+is(count_where($runs, 'replayed', 'valkey'), 20, 'and replay from it');
+
+# --- a master hangs: only its keys go to PostgreSQL ---
+my $hung = $vc->master_of_key(key_of('r', 1));
+my @on_hung = grep { $vc->master_of_key(key_of('r', $_))->port == $hung->port } 1 .. 60;
+$hung->pause;
+($runs, $stats) = runs('r', 60);
+$hung->resume;
+is(count_where($runs, 'replayed'), 60, 'every run still replays');
+is(scalar(grep { $runs->{$_}[1] eq 'postgres' } @on_hung), scalar(@on_hung),
+	'keys of the hung master come from PostgreSQL');
+is(count_where($runs, 'replayed', 'valkey'), 60 - @on_hung,
+	'all other keys still come from Valkey');
+cmp_ok($stats->{node_errors}, '>', 0, 'the hung node is counted');
+
+$node->stop;
+done_testing();
