@@ -804,6 +804,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	bool		standby_reported = false;
+	TimestampTz held_since = 0; /* when the wait for durability began */
 
 	*copied = 0;
 	*rejected = 0;
@@ -837,11 +838,17 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 				idem_outbox_consume(pos, 0);	/* past any padding */
 				return VK_OK;
 			}
+			if (held_since == 0)
+				held_since = GetCurrentTimestamp();
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 IDEM_DURABLE_POLL_MS, PG_WAIT_EXTENSION);
+							 TimestampDifferenceExceeds(held_since, GetCurrentTimestamp(),
+														IDEM_DURABLE_SLOW_AFTER_MS) ?
+							 IDEM_DURABLE_SLOW_POLL_MS : IDEM_DURABLE_POLL_MS,
+							 PG_WAIT_EXTENSION);
 			ResetLatch(MyLatch);
 			continue;
 		}
+		held_since = 0;
 		vk_encoder_init(&enc, timeline);
 		rc = idem_wc_copy(records, n, vk_encode_record, &enc,
 						  vk_reply_keeps_batch, &ok, &nrej,
