@@ -21,6 +21,8 @@
  */
 #include "internal.h"
 
+#include <errno.h>
+
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -787,11 +789,13 @@ idem_json_canonical(const char *json, size_t len, size_t *out_len,
 	if (json == NULL)
 	{
 		idem_set_err(errbuf, errbuflen, "JSON text is NULL");
+		errno = EINVAL;
 		return NULL;
 	}
 	if (!idem_utf8_valid(json, len))
 	{
 		idem_set_err(errbuf, errbuflen, "JSON text is not valid UTF-8 (or contains a NUL byte)");
+		errno = EINVAL;
 		return NULL;
 	}
 	memset(&P, 0, sizeof(P));
@@ -813,6 +817,7 @@ idem_json_canonical(const char *json, size_t len, size_t *out_len,
 	if (P.oom)
 		idem_set_err(errbuf, errbuflen, "out of memory");
 	free(out.p);
+	errno = P.oom ? ENOMEM : EINVAL;	/* what callers classify by */
 	return NULL;
 }
 

@@ -322,8 +322,8 @@ int			idem_fingerprint(const char *json, size_t len,
  * deduplicated (last wins) and sorted (shorter first, then bytewise),
  * separators ", " and ": ", strings re-escaped, numbers as numeric_out
  * prints them.  Returns a NUL-terminated malloc'd string (free it with
- * idem_free) and its length in *out_len, or NULL if json is invalid or memory
- * is exhausted (errbuf says which).  Nesting deeper than 512 levels is
+ * idem_free) and its length in *out_len, or NULL if json is invalid (errno
+ * EINVAL) or memory is exhausted (errno ENOMEM); errbuf says why.  Nesting deeper than 512 levels is
  * refused (PostgreSQL's own limit depends on its stack).
  */
 char	   *idem_json_canonical(const char *json, size_t len, size_t *out_len,

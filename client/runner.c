@@ -1094,7 +1094,7 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	s.request = idem_json_canonical(request_json, strlen(request_json),
 									&s.request_len, err, sizeof(err));
 	if (s.request == NULL)
-		return finish_error(&s, strcmp(err, "out of memory") == 0 ?
+		return finish_error(&s, errno == ENOMEM ?
 							IDEM_ERR_OUT_OF_MEMORY : IDEM_ERR_REQUEST_JSON,
 							NULL, "request: %s", err);
 	{
