@@ -9,6 +9,7 @@
  *	  queue.c     Valkey Streams: XADD, XREADGROUP, XAUTOCLAIM, XACK, XPENDING
  *	  workload.c  the plan (tasks, duplicates), the schema, the handlers
  *	  worker.c    one worker process: read, run through the runner, ack
+ *	  batch.c     a batch of new messages in one transaction (batch API)
  *	  chaos.c     kill -9 workers, restart/FLUSHALL the cache, kill backends
  *	  report.c    progress line, final report, the exactly-once check
  */
@@ -94,6 +95,7 @@ typedef struct demo_config
 	const char *cache_restart_cmd;
 	int			verbose;
 	int			handler_sleep_ms;	/* up to this long inside the handler */
+	int			batch;			/* messages per XREADGROUP; > 1: batch runs */
 	int			without_idem;	/* negative control: no runner at all */
 	char		tag[16];		/* this run's tag: run ids, stream name */
 	char		stream[64];
@@ -128,6 +130,9 @@ typedef struct demo_counters
 	long		valkey_round_trips;
 	long		valkey_skipped;
 	long		broker_errors;
+	long		broker_round_trips;
+	long		batches;		/* batch transactions (idem_claim_many) */
+	long		batch_msgs;		/* messages run in them */
 } demo_counters;
 
 typedef struct demo_shared
@@ -191,6 +196,7 @@ int			queue_autoclaim(queue *q, const char *consumer, int min_idle_ms,
 							char *cursor, size_t cursorlen, int count,
 							queue_msg *out, int max);
 int			queue_ack(queue *q, const char *id);
+int			queue_ack_many(queue *q, const char *const *ids, int n);
 int			queue_group_state(queue *q, long *pending, char *last_delivered,
 							  size_t len);
 int			queue_drop_stream(queue *q);
@@ -198,6 +204,14 @@ int			queue_drop_stream(queue *q);
 /* worker.c */
 void		worker_main(const demo_config *cfg, int slot, int gen) __attribute__((noreturn));
 void		producer_main(const demo_config *cfg, const demo_plan *plan) __attribute__((noreturn));
+
+/* batch.c */
+typedef struct batch_ctx batch_ctx;
+batch_ctx  *batch_new(const demo_config *cfg, int slot);
+void		batch_free(batch_ctx *b);
+/* Runs msgs[0..n) that batch_wants(); returns how many it took. */
+int			batch_wants(const queue_msg *m);
+void		batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n);
 
 /* chaos.c */
 typedef struct chaos chaos;

@@ -107,6 +107,10 @@ usage(FILE *f)
 			"      --handler-sleep MS  handlers sleep up to MS after the effect, inside\n"
 			"                          the transaction (kills land mid-handler; above\n"
 			"                          --lease, runs outlive their lease)\n"
+			"      --batch N           read up to N new messages at once and run their\n"
+			"                          transfers in one transaction with the batch API\n"
+			"                          (idem_claim_many; default 32, at most 64);\n"
+			"                          1: one message at a time through the runner\n"
 			"      --without-idem      negative control: the handlers' effects run\n"
 			"                          directly, without the runner; the check must FAIL\n"
 			"  -v, --verbose           print every run error\n");
@@ -181,6 +185,7 @@ main(int argc, char **argv)
 	cfg.dup_ratio = 0.25;
 	cfg.chaos = 1;
 	cfg.lease_ms = 1500;
+	cfg.batch = 32;
 	cfg.max_seconds = 300;
 	cfg.chaos_interval_ms = 600;
 	cfg.purges = 6;
@@ -287,6 +292,16 @@ main(int argc, char **argv)
 		}
 		else if (strcmp(a, "--without-idem") == 0)
 			cfg.without_idem = 1;
+		else if (strcmp(a, "--batch") == 0)
+		{
+			NEEDV();
+			cfg.batch = atoi(v);
+			if (cfg.batch < 1 || cfg.batch > 64)
+			{
+				fprintf(stderr, "idem-demo: --batch must be 1..64\n");
+				return 2;
+			}
+		}
 		else if (strcmp(a, "--handler-sleep") == 0)
 		{
 			NEEDV();

@@ -5,7 +5,7 @@
  *	  Producer: XADD (pipelined).  Worker: XREADGROUP ... > for new
  *	  messages, XAUTOCLAIM for messages that stayed pending longer than the
  *	  lease (a consumer that died, a busy or failed run left unacked), XACK
- *	  once the run ended with a final decision.  A message carries its
+ *	  once the run ended with a final decision (one XACK for a whole batch).  A message carries its
  *	  run_id in a field: a duplicate is the same run_id enqueued again.
  *	  Only commands that Redis 7 and Valkey both have.
  */
@@ -366,6 +366,34 @@ queue_ack(queue *q, const char *id)
 	redisReply *r = command_argv(q, 4, argv);
 	int			rc = -1;
 
+	if (r && r->type == REDIS_REPLY_INTEGER)
+		rc = (int) r->integer;
+	if (r)
+		freeReplyObject(r);
+	return rc;
+}
+
+/* XACK of many ids in one command.  Returns the count acked, or -1. */
+int
+queue_ack_many(queue *q, const char *const *ids, int n)
+{
+	const char **argv;
+	redisReply *r;
+	int			rc = -1,
+				i;
+
+	if (n <= 0)
+		return 0;
+	argv = malloc(sizeof(char *) * (n + 3));
+	if (argv == NULL)
+		return -1;
+	argv[0] = "XACK";
+	argv[1] = q->stream;
+	argv[2] = q->group;
+	for (i = 0; i < n; i++)
+		argv[3 + i] = ids[i];
+	r = command_argv(q, n + 3, argv);
+	free(argv);
 	if (r && r->type == REDIS_REPLY_INTEGER)
 		rc = (int) r->integer;
 	if (r)

@@ -58,11 +58,14 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 		fflush(stdout);
 	}
 	else if (!final)
+	{
 		printf("  %5.1fs  acked %ld/%d (%d%%)  applied %ld  replays %ld  busy %ld  errors %ld  chaos events %ld\n",
 			   secs, t.acks, plan->nmsgs, (int) (frac * 100), t.applied,
 			   t.replay_valkey + t.replay_pg, t.busy_valkey + t.busy_pg,
 			   t.err_connection + t.err_commit_unknown + t.err_other,
 			   chaos_events);
+		fflush(stdout);
+	}
 	else
 		printf("\n");
 }
@@ -196,6 +199,11 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 		   t.deliveries ? (double) t.pg_round_trips / t.deliveries : 0.0,
 		   t.deliveries ? (double) t.valkey_round_trips / t.deliveries : 0.0,
 		   t.valkey_skipped);
+	printf("    %.2f broker round trips per delivery; %ld batches of %.1f messages on\n"
+		   "    average (--batch %d) ran %ld deliveries, the rest ran one by one\n",
+		   t.deliveries ? (double) t.broker_round_trips / t.deliveries : 0.0,
+		   t.batches, t.batches ? (double) t.batch_msgs / t.batches : 0.0,
+		   cfg->batch, t.batch_msgs);
 	snprintf(sql, sizeof(sql),
 			 "SELECT to_regprocedure('%s.idem_stats()') IS NOT NULL", cfg->schema);
 	{

@@ -2,13 +2,17 @@
  * worker.c
  *	  One worker process and the producer.
  *
- *	  A worker owns one runner (one PostgreSQL and one Valkey connection) and
- *	  one broker connection.  Loop: every claim interval, XAUTOCLAIM the
- *	  messages pending for longer than the lease (a killed worker's, or ones
- *	  left unacked); else XREADGROUP new ones.  Each message is run through
- *	  idem_run / idem_run_platform; a final decision (applied, replayed,
- *	  failed_permanent, mismatch) is XACKed, anything else (busy, retryable
- *	  failure, error) stays pending and is redelivered after the lease.
+ *	  A worker owns one runner (one PostgreSQL and one Valkey connection),
+ *	  with --batch > 1 a second PostgreSQL connection for batches
+ *	  (batch.c), and one broker connection.  Loop: every claim interval,
+ *	  XAUTOCLAIM the messages pending for longer than the lease (a killed
+ *	  worker's, or ones left unacked); else XREADGROUP up to --batch new
+ *	  ones.  New transfers and invoices run as one batch (batch.c); the
+ *	  rest (redeliveries, purges, and everything with --batch 1) run one by
+ *	  one through idem_run / idem_run_platform.  A final decision (applied,
+ *	  replayed, failed_permanent, mismatch) is XACKed, anything else (busy,
+ *	  retryable failure, error) stays pending and is redelivered after the
+ *	  lease.
  */
 #include "demo.h"
 #include "idem_client.h"
@@ -333,6 +337,7 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	{
 		int			a = queue_ack(q, m->id);
 
+		ADD(broker_round_trips, 1);
 		if (a == 1)
 			ADD(acks, 1);
 		else if (a < 0)
@@ -355,7 +360,9 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	queue_msg  *msgs;
 	int64_t		next_claim = 0;
 	int			min_idle = cfg->lease_ms + 200;
-	int			maxn = 16;
+	int			maxn = cfg->batch > 16 ? cfg->batch : 16;
+	batch_ctx  *batch = NULL;
+	const queue_msg **batched;
 
 	signal(SIGTERM, on_term);
 	signal(SIGINT, SIG_IGN);	/* the parent decides when to stop */
@@ -365,6 +372,9 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	snprintf(consumer, sizeof(consumer), "w%d.%d.%d", slot, gen, (int) getpid());
 	srand((unsigned) getpid());
 	msgs = calloc(maxn, sizeof(queue_msg));
+	batched = calloc(maxn, sizeof(queue_msg *));
+	if (cfg->batch > 1 && !cfg->without_idem)
+		batch = batch_new(cfg, slot);
 
 	idem_options_init(&opts);
 	opts.lease_ms = cfg->lease_ms;
@@ -372,7 +382,8 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	opts.valkey_retry_ms = 300;
 	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
 							  cfg->cache_port, &opts);
-	if (runner == NULL || msgs == NULL)
+	if (runner == NULL || msgs == NULL || batched == NULL ||
+		(cfg->batch > 1 && !cfg->without_idem && batch == NULL))
 		_exit(3);
 
 	while (!stop_requested)
@@ -395,11 +406,16 @@ worker_main(const demo_config *cfg, int slot, int gen)
 		{
 			n = queue_autoclaim(q, consumer, min_idle, cursor, sizeof(cursor),
 								maxn, msgs, maxn);
+			ADD(broker_round_trips, 1);
 			if (n == 0 || strcmp(cursor, "0-0") == 0)
 				next_claim = demo_now_ms() + 100;
 		}
 		if (n == 0)
-			n = queue_read(q, consumer, 1, 100, msgs, maxn);
+		{
+			n = queue_read(q, consumer, cfg->batch > 1 ? cfg->batch : 1, 100,
+						   msgs, maxn);
+			ADD(broker_round_trips, 1);
+		}
 		if (n < 0)
 		{
 			ADD(broker_errors, 1);
@@ -408,14 +424,26 @@ worker_main(const demo_config *cfg, int slot, int gen)
 			usleep(50 * 1000);
 			continue;
 		}
+		if (batch)
+		{
+			int			nb = 0;
+
+			for (i = 0; i < n; i++)
+				if (batch_wants(&msgs[i]))
+					batched[nb++] = &msgs[i];
+			if (nb > 0 && !stop_requested)
+				batch_run(batch, q, batched, nb);
+		}
 		for (i = 0; i < n && !stop_requested; i++)
 		{
 			if (cfg->without_idem)
 				process_without_idem(&direct, cfg, q, slot, &msgs[i]);
-			else
+			else if (batch == NULL || !batch_wants(&msgs[i]))
 				process(cfg, runner, q, slot, &msgs[i]);
 		}
 	}
+	batch_free(batch);
+	free(batched);
 	idem_runner_close(runner);
 	PQfinish(direct);
 	queue_close(q);

@@ -1,0 +1,787 @@
+/*
+ * batch.c
+ *	  A batch of new messages in one transaction, with idem's batch API.
+ *
+ *	  A worker reads new messages with XREADGROUP COUNT n (--batch n) and
+ *	  runs the transfers and invoices among them here, in two PostgreSQL
+ *	  round trips for the whole batch:
+ *
+ *	    1. BEGIN; idem_claim_many(tenants, keys, fingerprints, lease)
+ *	    2. idem_demo.lock_accounts(...) -- every account the claimed
+ *	       effects touch, in one global order, so batches never deadlock;
+ *	       one statement that runs each claimed message's effect
+ *	       (transfer / pay_invoice) and settles the keys: idem_complete_many
+ *	       for the applied ones, idem_fail for the refused (frozen,
+ *	       permanent); idem_fail for the flaky (retryable) ones; COMMIT
+ *
+ *	  and one XACK for every message with a final decision.  The ledger
+ *	  is the guard exactly as in a single run: a key another transaction
+ *	  holds answers busy (left pending, redelivered after the lease), a
+ *	  committed one replays; the effects and their keys commit together or
+ *	  not at all.  The batch does not consult the Valkey gate: its point is
+ *	  to stop a duplicate without opening a transaction, and here one
+ *	  transaction is shared by the whole batch anyway.  Redeliveries
+ *	  (XAUTOCLAIM) and purges still go through the runner (worker.c), so
+ *	  both paths meet on the same keys under chaos.
+ *
+ *	  Any error inside the transaction rolls the whole batch back; its
+ *	  claimed messages stay pending and are redelivered, one by one.
+ */
+#include "demo.h"
+#include "idem_client.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define ADD(field, n) __atomic_add_fetch(&c->field, (n), __ATOMIC_RELAXED)
+
+/* What happens to one message of the batch. */
+typedef enum item_fate
+{
+	FATE_NONE = 0,				/* not decided yet / error: stays pending */
+	FATE_EFFECT,				/* claimed: its effect runs */
+	FATE_FAIL_RETRYABLE,		/* claimed, flaky first attempt */
+	FATE_FAIL_PERMANENT,		/* claimed, the effect refused (frozen) */
+	FATE_APPLIED,				/* claimed, the effect ran */
+	FATE_REPLAY,				/* completed earlier */
+	FATE_REPLAY_FAILED,			/* failed_permanent earlier */
+	FATE_MISMATCH,
+	FATE_BUSY
+} item_fate;
+
+typedef struct item
+{
+	const queue_msg *m;
+	uint8_t		key[IDEM_DIGEST_BYTES];
+	uint8_t		fp[IDEM_DIGEST_BYTES];
+	char		key_hex[2 * IDEM_DIGEST_BYTES + 1];
+	int			ok;				/* key and fingerprint computed */
+	int			attempt;
+	item_fate	fate;
+	int			effect_cmd;		/* its command in round trip 2 */
+	char		outcome[160];
+} item;
+
+struct batch_ctx
+{
+	const demo_config *cfg;
+	int			slot;
+	PGconn	   *conn;
+	char		claim_sql[256];
+	char		apply_sql[1536];
+	char		fail_sql[192];
+};
+
+typedef struct bcmd
+{
+	const char *sql;
+	int			nparams;
+	const char *values[10];
+} bcmd;
+
+static void
+quiet(void *arg, const char *message)
+{
+	(void) arg;
+	(void) message;
+}
+
+batch_ctx *
+batch_new(const demo_config *cfg, int slot)
+{
+	batch_ctx  *b = calloc(1, sizeof(batch_ctx));
+
+	if (b == NULL)
+		return NULL;
+	b->cfg = cfg;
+	b->slot = slot;
+	snprintf(b->claim_sql, sizeof(b->claim_sql),
+			 "SELECT ord, decision, attempt FROM %s.idem_claim_many("
+			 "$1::bigint[], $2::bytea[], $3::bytea[], $4::interval)", cfg->schema);
+	/*
+	 * The claimed messages' effects, in order, then their keys settled:
+	 * completed with the transfer id, or failed for good (frozen account).
+	 * The unused outputs of done and refused stay: their functions are
+	 * volatile, so PostgreSQL runs them.
+	 */
+	snprintf(b->apply_sql, sizeof(b->apply_sql),
+			 "WITH e AS MATERIALIZED ("
+			 " SELECT u.ord, u.t, u.k,"
+			 "  CASE WHEN u.inv IS NULL"
+			 "   THEN idem_demo.transfer(u.t, 'transfer:' || u.run, u.run, u.f, u.o, u.amt, u.att, $9::int)"
+			 "   ELSE idem_demo.pay_invoice(u.t, u.inv, u.run, u.att, $9::int) END AS tid"
+			 " FROM unnest($1::bigint[], $2::bytea[], $3::text[], $4::int[], $5::int[],"
+			 "   $6::bigint[], $7::int[], $8::text[])"
+			 "   WITH ORDINALITY AS u(t, k, run, f, o, amt, att, inv, ord)"
+			 " ORDER BY u.ord),"
+			 " done AS (SELECT %s.idem_complete_many(array_agg(t ORDER BY ord), array_agg(k ORDER BY ord),"
+			 "   array_agg(jsonb_build_object('transfer_id', tid) ORDER BY ord))"
+			 "  FROM e WHERE tid IS NOT NULL HAVING count(*) > 0),"
+			 " refused AS (SELECT %s.idem_fail(t, k, '{\"error\": \"account frozen\"}', false)"
+			 "  FROM e WHERE tid IS NULL)"
+			 " SELECT e.ord, e.tid FROM e"
+			 "  CROSS JOIN (SELECT count(*) FROM done) d CROSS JOIN (SELECT count(*) FROM refused) r"
+			 " ORDER BY e.ord",
+			 cfg->schema, cfg->schema);
+	snprintf(b->fail_sql, sizeof(b->fail_sql),
+			 "SELECT %s.idem_fail($1::bigint, $2::bytea, $3::jsonb, $4::boolean)",
+			 cfg->schema);
+	return b;
+}
+
+void
+batch_free(batch_ctx *b)
+{
+	if (b == NULL)
+		return;
+	PQfinish(b->conn);
+	free(b);
+}
+
+int
+batch_wants(const queue_msg *m)
+{
+	return !m->redelivered &&
+		(strcmp(m->kind, "transfer.create") == 0 ||
+		 strcmp(m->kind, "invoice.pay") == 0);
+}
+
+/*
+ * cmds as one pipeline with one Sync: one round trip.  res[i] gets each
+ * command's result.  Returns 0 when every command succeeded, 1 when one
+ * failed (the transaction is aborted; err says why), -1 when the
+ * connection was lost (it is closed).
+ */
+static int
+pipeline(batch_ctx *b, const bcmd *cmds, int n, PGresult **res,
+		 char *err, size_t errlen)
+{
+	PGconn	   *conn = b->conn;
+	int			i,
+				rc = 0;
+	PGresult   *r;
+
+	for (i = 0; i < n; i++)
+		res[i] = NULL;
+	if (PQenterPipelineMode(conn) != 1)
+		goto lost;
+	for (i = 0; i < n; i++)
+		if (PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
+							  cmds[i].values, NULL, NULL, 0) != 1)
+			goto lost;
+	if (PQpipelineSync(conn) != 1)
+		goto lost;
+	for (i = 0; i < n; i++)
+	{
+		ExecStatusType st;
+
+		r = PQgetResult(conn);
+		if (r == NULL)
+			goto lost;
+		res[i] = r;
+		st = PQresultStatus(r);
+		if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
+		{
+			if (rc == 0)
+				snprintf(err, errlen, "%s", PQresultErrorMessage(r));
+			rc = 1;
+		}
+		while ((r = PQgetResult(conn)) != NULL)
+			PQclear(r);
+		if (PQstatus(conn) != CONNECTION_OK)
+			goto lost;
+	}
+	r = PQgetResult(conn);
+	if (r == NULL || PQresultStatus(r) != PGRES_PIPELINE_SYNC)
+	{
+		if (r)
+			PQclear(r);
+		goto lost;
+	}
+	PQclear(r);
+	if (PQexitPipelineMode(conn) != 1)
+		goto lost;
+	return rc;
+
+lost:
+	for (i = 0; i < n; i++)
+	{
+		if (res[i])
+			PQclear(res[i]);
+		res[i] = NULL;
+	}
+	snprintf(err, errlen, "%s", PQerrorMessage(conn));
+	PQfinish(b->conn);
+	b->conn = NULL;
+	return -1;
+}
+
+static void
+clear_all(PGresult **res, int n)
+{
+	int			i;
+
+	for (i = 0; i < n; i++)
+		if (res[i])
+			PQclear(res[i]);
+}
+
+static void
+hex(const uint8_t *d, char *out)
+{
+	static const char digits[] = "0123456789abcdef";
+	int			i;
+
+	for (i = 0; i < IDEM_DIGEST_BYTES; i++)
+	{
+		out[2 * i] = digits[d[i] >> 4];
+		out[2 * i + 1] = digits[d[i] & 15];
+	}
+	out[2 * IDEM_DIGEST_BYTES] = '\0';
+}
+
+/* A growing text buffer for array literals; aborts the batch when full. */
+typedef struct sbuf
+{
+	char	   *s;
+	size_t		len;
+	size_t		cap;
+	int			failed;
+} sbuf;
+
+static void
+sb_add(sbuf *sb, const char *fmt,...) __attribute__((format(printf, 2, 3)));
+
+static void
+sb_add(sbuf *sb, const char *fmt,...)
+{
+	va_list		ap;
+	int			n;
+
+	if (sb->failed)
+		return;
+	for (;;)
+	{
+		va_start(ap, fmt);
+		n = vsnprintf(sb->s ? sb->s + sb->len : NULL,
+					  sb->s ? sb->cap - sb->len : 0, fmt, ap);
+		va_end(ap);
+		if (n < 0)
+		{
+			sb->failed = 1;
+			return;
+		}
+		if (sb->s && sb->len + n < sb->cap)
+		{
+			sb->len += n;
+			return;
+		}
+		sb->cap = (sb->cap ? sb->cap * 2 : 1024) + n;
+		sb->s = realloc(sb->s, sb->cap);
+		if (sb->s == NULL)
+		{
+			sb->failed = 1;
+			return;
+		}
+	}
+}
+
+/* A text[] element: quoted, with " and \ escaped. */
+static void
+sb_add_quoted(sbuf *sb, const char *v)
+{
+	sb_add(sb, "\"");
+	for (; *v; v++)
+		sb_add(sb, "%s%c", (*v == '"' || *v == '\\') ? "\\" : "", *v);
+	sb_add(sb, "\"");
+}
+
+static int
+is_invoice(const queue_msg *m)
+{
+	return strcmp(m->kind, "invoice.pay") == 0;
+}
+
+static int
+ensure_conn(batch_ctx *b, demo_counters *c)
+{
+	if (b->conn && PQstatus(b->conn) == CONNECTION_OK)
+		return 0;
+	PQfinish(b->conn);
+	ADD(pg_connects, 1);
+	b->conn = PQconnectdb(b->cfg->pg);
+	if (PQstatus(b->conn) != CONNECTION_OK)
+	{
+		PQfinish(b->conn);
+		b->conn = NULL;
+		return -1;
+	}
+	PQsetNoticeProcessor(b->conn, quiet, NULL);
+	return 0;
+}
+
+static void
+rollback(batch_ctx *b)
+{
+	PGresult   *r;
+
+	if (b->conn == NULL)
+		return;
+	r = PQexec(b->conn, "ROLLBACK");
+	PQclear(r);
+	if (PQstatus(b->conn) != CONNECTION_OK)
+	{
+		PQfinish(b->conn);
+		b->conn = NULL;
+	}
+}
+
+/*
+ * Round trip 2, one pipeline: lock the accounts of the claimed messages,
+ * run their effects and settle their keys in one statement
+ * (idem_complete_many for the applied ones, idem_fail for the refused),
+ * idem_fail for the flaky ones, COMMIT.  The account locks are held for
+ * this one round trip only.
+ */
+static int
+apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
+				 size_t errlen, int *commit_unknown)
+{
+	sbuf		a[8] = {{0}};	/* tenants, keys, run ids, from, to, amount,
+								 * attempt, invoice (NULL: a transfer) */
+	bcmd	   *cmds = calloc(n + 4, sizeof(bcmd));
+	PGresult  **res = calloc(n + 4, sizeof(PGresult *));
+	char	  (*p)[2][96] = calloc(n, sizeof(*p));
+	int		   *effect_item = calloc(n, sizeof(int));
+	char		worker[16],
+				sleep_sql[96];
+	int			ncmd = 0,
+				neffects = 0,
+				effects_cmd = -1,
+				i,
+				j,
+				rc;
+
+	*commit_unknown = 0;
+	if (cmds == NULL || res == NULL || p == NULL || effect_item == NULL)
+	{
+		free(cmds);
+		free(res);
+		free(p);
+		free(effect_item);
+		snprintf(err, errlen, "out of memory");
+		return 1;
+	}
+	snprintf(worker, sizeof(worker), "%d", b->slot);
+	for (j = 0; j < 8; j++)
+		sb_add(&a[j], "{");
+	for (i = 0; i < n; i++)
+	{
+		const queue_msg *m = items[i].m;
+		const char *sep = neffects ? "," : "";
+
+		if (items[i].fate != FATE_EFFECT)
+			continue;
+		effect_item[neffects++] = i;
+		sb_add(&a[0], "%s%lld", sep, (long long) m->tenant);
+		sb_add(&a[1], "%s\"\\\\x%s\"", sep, items[i].key_hex);
+		sb_add(&a[2], "%s", sep);
+		sb_add_quoted(&a[2], m->run_id);
+		sb_add(&a[3], "%s%d", sep, m->from);
+		sb_add(&a[4], "%s%d", sep, m->to);
+		sb_add(&a[5], "%s%lld", sep, (long long) m->amount);
+		sb_add(&a[6], "%s%d", sep, items[i].attempt);
+		sb_add(&a[7], "%s", sep);
+		if (is_invoice(m))
+			sb_add_quoted(&a[7], m->invoice);
+		else
+			sb_add(&a[7], "NULL");
+	}
+	for (j = 0; j < 8; j++)
+		sb_add(&a[j], "}");
+	if (neffects > 0)
+	{
+		cmds[ncmd].sql = "SELECT idem_demo.lock_accounts($1::bigint[], $2::int[], $3::int[], $4::text[])";
+		cmds[ncmd].nparams = 4;
+		cmds[ncmd].values[0] = a[0].s;
+		cmds[ncmd].values[1] = a[3].s;
+		cmds[ncmd].values[2] = a[4].s;
+		cmds[ncmd].values[3] = a[7].s;
+		ncmd++;
+		effects_cmd = ncmd;
+		cmds[ncmd].sql = b->apply_sql;
+		cmds[ncmd].nparams = 9;
+		for (j = 0; j < 8; j++)
+			cmds[ncmd].values[j] = a[j].s;
+		cmds[ncmd].values[8] = worker;
+		ncmd++;
+	}
+	for (i = 0; i < n; i++)
+	{
+		if (items[i].fate != FATE_FAIL_RETRYABLE)
+			continue;
+		snprintf(p[i][0], 96, "%lld", (long long) items[i].m->tenant);
+		snprintf(p[i][1], 96, "\\x%s", items[i].key_hex);
+		cmds[ncmd].sql = b->fail_sql;
+		cmds[ncmd].nparams = 4;
+		cmds[ncmd].values[0] = p[i][0];
+		cmds[ncmd].values[1] = p[i][1];
+		cmds[ncmd].values[2] = items[i].outcome;
+		cmds[ncmd].values[3] = "true";
+		ncmd++;
+	}
+	if (b->cfg->handler_sleep_ms > 0)
+	{
+		/* inside the transaction, so that kills land mid-batch */
+		snprintf(sleep_sql, sizeof(sleep_sql), "SELECT pg_sleep(random() * %d / 1000.0)",
+				 b->cfg->handler_sleep_ms);
+		cmds[ncmd++].sql = sleep_sql;
+	}
+	cmds[ncmd++].sql = "COMMIT";
+	rc = 0;
+	for (j = 0; j < 8; j++)
+		if (a[j].failed)
+		{
+			snprintf(err, errlen, "out of memory");
+			rc = 1;
+		}
+	if (rc == 0)
+	{
+		(*rts)++;
+		rc = pipeline(b, cmds, ncmd, res, err, errlen);
+		/* lost with COMMIT sent: it may have committed */
+		if (rc < 0)
+			*commit_unknown = 1;
+		/* a failed command turns COMMIT into ROLLBACK */
+		else if (rc == 0 && strcmp(PQcmdStatus(res[ncmd - 1]), "COMMIT") != 0)
+		{
+			snprintf(err, errlen, "COMMIT answered %s", PQcmdStatus(res[ncmd - 1]));
+			rc = 1;
+		}
+	}
+	if (rc == 0 && effects_cmd >= 0)
+	{
+		PGresult   *r = res[effects_cmd];
+
+		if (PQntuples(r) != neffects)
+		{
+			/* committed, but the answer is not what was asked: say so */
+			snprintf(err, errlen, "the effects returned %d rows for %d messages",
+					 PQntuples(r), neffects);
+			demo_note_error("worker %d: %s", b->slot, err);
+		}
+		for (j = 0; j < PQntuples(r); j++)
+		{
+			int			ord = atoi(PQgetvalue(r, j, 0));
+			item	   *it;
+
+			if (ord < 1 || ord > neffects)
+				continue;
+			it = &items[effect_item[ord - 1]];
+			it->fate = PQgetisnull(r, j, 1) ? FATE_FAIL_PERMANENT : FATE_APPLIED;
+		}
+	}
+	clear_all(res, ncmd);
+	free(cmds);
+	free(res);
+	free(p);
+	free(effect_item);
+	for (j = 0; j < 8; j++)
+		free(a[j].s);
+	return rc;
+}
+
+/*
+ * The same key twice in one batch: the second was told busy (one
+ * transaction runs an effect once).  Once the first's result is committed,
+ * the second is answered from it, as a claim would answer it now: a replay
+ * with the same request, a mismatch with another.
+ */
+static void
+answer_twins(item *items, int n)
+{
+	int			i,
+				j;
+
+	for (i = 0; i < n; i++)
+	{
+		if (items[i].fate != FATE_BUSY)
+			continue;
+		for (j = 0; j < i; j++)
+		{
+			const item *t = &items[j];
+
+			if (!t->ok || t->m->tenant != items[i].m->tenant ||
+				memcmp(t->key, items[i].key, IDEM_DIGEST_BYTES) != 0)
+				continue;
+			if (t->fate != FATE_APPLIED && t->fate != FATE_FAIL_PERMANENT)
+				break;
+			if (memcmp(t->fp, items[i].fp, IDEM_DIGEST_BYTES) != 0)
+				items[i].fate = FATE_MISMATCH;
+			else
+				items[i].fate = t->fate == FATE_APPLIED ? FATE_REPLAY : FATE_REPLAY_FAILED;
+			break;
+		}
+	}
+}
+
+void
+batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
+{
+	const demo_config *cfg = b->cfg;
+	demo_counters *c = &g_shared->slot[b->slot];
+	item	   *items = calloc(n, sizeof(item));
+	const char **acks = calloc(n, sizeof(char *));
+	sbuf		tenants = {0},
+				keys = {0},
+				fps = {0};
+	char		lease[32],
+				err[512] = "";
+	bcmd		cmds[2];
+	PGresult   *res[2] = {NULL, NULL};
+	long		rts = 0;
+	int			i,
+				rc,
+				nacks = 0,
+				any_claimed = 0,
+				first = 1,
+				commit_unknown = 0;
+
+	ADD(deliveries, n);
+	ADD(batches, 1);
+	ADD(batch_msgs, n);
+	if (items == NULL || acks == NULL)
+	{
+		ADD(err_other, n);
+		free(items);
+		free(acks);
+		return;
+	}
+
+	/* Keys and fingerprints, as idem_run computes them. */
+	sb_add(&tenants, "{");
+	sb_add(&keys, "{");
+	sb_add(&fps, "{");
+	for (i = 0; i < n; i++)
+	{
+		const queue_msg *m = msgs[i];
+		char		fphex[2 * IDEM_DIGEST_BYTES + 1];
+
+		items[i].m = m;
+		items[i].effect_cmd = -1;
+		if (idem_key(m->kind, is_invoice(m) ? m->invoice : m->run_id, items[i].key) != 0 ||
+			idem_fingerprint(m->request, strlen(m->request), items[i].fp, err, sizeof(err)) != 0)
+		{
+			demo_note_error("worker %d: %s %s: %s", b->slot, m->kind, m->run_id, err);
+			ADD(err_other, 1);
+			continue;
+		}
+		items[i].ok = 1;
+		hex(items[i].key, items[i].key_hex);
+		hex(items[i].fp, fphex);
+		sb_add(&tenants, "%s%lld", first ? "" : ",", (long long) m->tenant);
+		sb_add(&keys, "%s\"\\\\x%s\"", first ? "" : ",", items[i].key_hex);
+		sb_add(&fps, "%s\"\\\\x%s\"", first ? "" : ",", fphex);
+		first = 0;
+	}
+	sb_add(&tenants, "}");
+	sb_add(&keys, "}");
+	sb_add(&fps, "}");
+	snprintf(lease, sizeof(lease), "%d milliseconds", cfg->lease_ms);
+	if (first || tenants.failed || keys.failed || fps.failed)
+		goto done;
+
+	if (ensure_conn(b, c) != 0)
+	{
+		for (i = 0; i < n; i++)
+			if (items[i].ok)
+				ADD(err_connection, 1);
+		goto done;
+	}
+
+	/* Round trip 1: BEGIN and the claims. */
+	cmds[0].sql = "BEGIN";
+	cmds[0].nparams = 0;
+	cmds[1].sql = b->claim_sql;
+	cmds[1].nparams = 4;
+	cmds[1].values[0] = tenants.s;
+	cmds[1].values[1] = keys.s;
+	cmds[1].values[2] = fps.s;
+	cmds[1].values[3] = lease;
+	rts++;
+	rc = pipeline(b, cmds, 2, res, err, sizeof(err));
+	if (rc != 0)
+	{
+		for (i = 0; i < n; i++)
+		{
+			if (!items[i].ok)
+				continue;
+			if (rc < 0)
+				ADD(err_connection, 1);
+			else
+				ADD(err_other, 1);
+		}
+		if (rc > 0)
+		{
+			demo_note_error("worker %d: idem_claim_many: %s", b->slot, err);
+			rollback(b);
+		}
+		clear_all(res, 2);
+		goto done;
+	}
+	{
+		PGresult   *r = res[1];
+		int			row,
+					k = 0;
+		int		   *pos = calloc(n, sizeof(int));
+
+		/* ord counts only the items whose key was computed */
+		for (i = 0; i < n && pos; i++)
+			if (items[i].ok)
+				pos[k++] = i;
+		for (row = 0; pos && row < PQntuples(r); row++)
+		{
+			int			ord = atoi(PQgetvalue(r, row, 0));
+			const char *d = PQgetvalue(r, row, 1);
+			item	   *it;
+
+			if (ord < 1 || ord > k)
+				continue;
+			it = &items[pos[ord - 1]];
+			it->attempt = PQgetisnull(r, row, 2) ? 0 : atoi(PQgetvalue(r, row, 2));
+			if (strcmp(d, "claimed") == 0)
+			{
+				any_claimed = 1;
+				if (it->m->flaky && it->attempt == 1)
+				{
+					it->fate = FATE_FAIL_RETRYABLE;
+					snprintf(it->outcome, sizeof(it->outcome),
+							 "{\"error\": \"downstream timeout (simulated)\"}");
+				}
+				else
+				{
+					it->fate = FATE_EFFECT;
+				}
+			}
+			else if (strcmp(d, "completed") == 0)
+				it->fate = FATE_REPLAY;
+			else if (strcmp(d, "failed_permanent") == 0)
+				it->fate = FATE_REPLAY_FAILED;
+			else if (strcmp(d, "mismatch") == 0)
+				it->fate = FATE_MISMATCH;
+			else
+				it->fate = FATE_BUSY;
+		}
+		free(pos);
+	}
+	clear_all(res, 2);
+
+	/* Round trips 2 and 3, only when something was claimed. */
+	rc = 0;
+	if (any_claimed)
+	{
+		rc = apply_and_commit(b, items, n, &rts, err, sizeof(err), &commit_unknown);
+		if (rc == 0)
+			answer_twins(items, n);
+	}
+	else
+	{
+		/* nothing claimed: end the (read-only) transaction */
+		rts++;
+		rollback(b);
+	}
+	if (rc != 0)
+	{
+		/* every claimed item stays pending: redelivered, one by one */
+		for (i = 0; i < n; i++)
+		{
+			item_fate	f = items[i].fate;
+
+			if (f == FATE_EFFECT || f == FATE_APPLIED || f == FATE_FAIL_PERMANENT ||
+				f == FATE_FAIL_RETRYABLE)
+			{
+				items[i].fate = FATE_NONE;
+				if (commit_unknown)
+					ADD(err_commit_unknown, 1);
+				else if (rc < 0)
+					ADD(err_connection, 1);
+				else
+					ADD(err_other, 1);
+			}
+		}
+		if (rc > 0)
+		{
+			demo_note_error("worker %d: batch rolled back: %s", b->slot, err);
+			if (cfg->verbose)
+				fprintf(stderr, "worker %d: batch rolled back: %s\n", b->slot, err);
+			rts++;
+			rollback(b);
+		}
+	}
+
+	/* Decisions and one XACK for the final ones. */
+	for (i = 0; i < n; i++)
+	{
+		const queue_msg *m = items[i].m;
+		int			final = 1;
+
+		switch (items[i].fate)
+		{
+			case FATE_APPLIED:
+				ADD(applied, 1);
+				if (is_invoice(m))
+					ADD(applied_invoice, 1);
+				else
+					ADD(applied_transfer, 1);
+				break;
+			case FATE_FAIL_PERMANENT:
+				ADD(failed_permanent_now, 1);
+				break;
+			case FATE_REPLAY:
+				ADD(replay_pg, 1);
+				break;
+			case FATE_REPLAY_FAILED:
+				ADD(failed_permanent_replay, 1);
+				break;
+			case FATE_MISMATCH:
+				ADD(mismatch, 1);
+				demo_note_error("worker %d: mismatch for %s %s", b->slot, m->kind,
+								m->run_id);
+				break;
+			case FATE_FAIL_RETRYABLE:
+				ADD(failed_retryable, 1);
+				final = 0;
+				break;
+			case FATE_BUSY:
+				ADD(busy_pg, 1);
+				final = 0;
+				break;
+			default:
+				final = 0;
+				break;
+		}
+		if (final)
+			acks[nacks++] = m->id;
+	}
+	if (nacks > 0)
+	{
+		int			a = queue_ack_many(q, acks, nacks);
+
+		ADD(broker_round_trips, 1);
+		if (a >= 0)
+			ADD(acks, a);
+		else
+			ADD(broker_errors, 1);	/* stays pending: redelivered, replayed */
+	}
+
+done:
+	ADD(pg_round_trips, rts);
+	free(tenants.s);
+	free(keys.s);
+	free(fps.s);
+	free(items);
+	free(acks);
+}
