@@ -116,19 +116,21 @@ terminate_backends(chaos *c)
 	PQclear(r);
 }
 
-static void
-flush_cache(chaos *c)
+/* FLUSHALL (FLUSHDB on a shared server) on one cache node; 1 if done. */
+static int
+flush_node(chaos *c, const char *host, int port)
 {
 	struct timeval tv = {1, 0};
 	redisContext *rc;
 	redisReply *r;
+	int			done;
 
-	rc = redisConnectWithTimeout(c->cfg->cache_host, c->cfg->cache_port, tv);
+	rc = redisConnectWithTimeout(host, port, tv);
 	if (rc == NULL || rc->err)
 	{
 		if (rc)
 			redisFree(rc);
-		return;
+		return 0;
 	}
 	redisSetTimeout(rc, tv);
 	if (c->cfg->shared_valkey)
@@ -141,11 +143,39 @@ flush_cache(chaos *c)
 	}
 	else
 		r = redisCommand(rc, "FLUSHALL");
-	if (r && r->type == REDIS_REPLY_STATUS)
-		g_shared->flushes++;
+	done = r && r->type == REDIS_REPLY_STATUS;
 	if (r)
 		freeReplyObject(r);
 	redisFree(rc);
+	return done;
+}
+
+/* Flush the cache: its server, or every master of a cluster (replicas
+ * refuse, and follow their master). */
+static void
+flush_cache(chaos *c)
+{
+	int			done = flush_node(c, c->cfg->cache_host, c->cfg->cache_port);
+	const char *p = c->cfg->cache_nodes;
+
+	while (p && *p)
+	{
+		char		host[128];
+		size_t		len = strcspn(p, ",");
+		const char *colon = memchr(p, ':', len);
+
+		if (colon && (size_t) (colon - p) < sizeof(host))
+		{
+			memcpy(host, p, colon - p);
+			host[colon - p] = '\0';
+			done |= flush_node(c, host, atoi(colon + 1));
+		}
+		p += len;
+		if (*p == ',')
+			p++;
+	}
+	if (done)
+		g_shared->flushes++;
 }
 
 /* The restart runs in the background (it takes a moment); one at a time. */
@@ -232,7 +262,7 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 		fprintf(stderr, "chaos: %s (%lld ms)\n",
 				ev == EV_KILL ? "kill -9 a worker" : ev == EV_TERMINATE ?
 				"terminate backends" : ev == EV_FLUSH ? "flush the cache" :
-				"restart the cache", (long long) (demo_now_ms() - t0));
+				c->cfg->cache_nodes ? "kill a cache master" : "restart the cache", (long long) (demo_now_ms() - t0));
 	schedule(c);
 	return killed;
 }
@@ -240,8 +270,9 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 void
 chaos_describe(const chaos *c, char *buf, size_t len)
 {
-	snprintf(buf, len, "%ld kill -9, %ld backends terminated, %ld FLUSHALL, %ld cache restarts",
+	snprintf(buf, len, "%ld kill -9, %ld backends terminated, %ld FLUSHALL, %ld %s",
 			 g_shared->kills, g_shared->backends_terminated, g_shared->flushes,
-			 g_shared->cache_restarts);
+			 g_shared->cache_restarts,
+			 c->cfg->cache_nodes ? "cache masters killed (failovers)" : "cache restarts");
 	(void) c;
 }

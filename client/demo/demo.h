@@ -92,6 +92,8 @@ typedef struct demo_config
 	int			broker_port;
 	int			broker_db;
 	int			shared_valkey;	/* broker and cache on one server */
+	const char *cache_nodes;	/* Valkey Cluster: the other nodes,
+								 * "host:port,..." (NULL: not a cluster) */
 	const char *cache_restart_cmd;
 	int			verbose;
 	int			handler_sleep_ms;	/* up to this long inside the handler */

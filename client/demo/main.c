@@ -98,7 +98,10 @@ usage(FILE *f)
 			"      --valkey HOST:PORT  the cache Valkey idem's gate uses ('none': no cache)\n"
 			"      --broker HOST:PORT  the queue's Valkey (default: the cache server,\n"
 			"                          database 1; chaos then uses FLUSHDB, no restarts)\n"
+			"      --valkey-nodes LIST the cache is a Valkey Cluster: its other nodes,\n"
+			"                          host:port,... (the runners' seeds; FLUSHALL on each)\n"
 			"      --cache-restart-cmd CMD  shell command that restarts the cache Valkey\n"
+			"                          (a cluster: kills a master, its replica takes over)\n"
 			"      --lease MS          claim lease / Valkey marker TTL (default 1500;\n"
 			"                          --short 800); redelivery after lease + 200 ms\n"
 			"      --purges P          maintenance.purge tasks (default 6)\n"
@@ -261,6 +264,11 @@ main(int argc, char **argv)
 		{
 			NEEDV();
 			broker = v;
+		}
+		else if (strcmp(a, "--valkey-nodes") == 0)
+		{
+			NEEDV();
+			cfg.cache_nodes = v;
 		}
 		else if (strcmp(a, "--cache-restart-cmd") == 0)
 		{

@@ -320,6 +320,9 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 				"ledger: %ld of %ld tenant tasks have their terminal row; %ld of %d purges completed in the platform ledger",
 				ledger_ok, ledger_tasks, v[0], plan->n_purges);
 	}
+	if (cfg->cache_nodes)
+		printf("    [info] Valkey Cluster cache: %ld of %ld replays came from Valkey\n",
+			   t.replay_valkey, t.replay_valkey + t.replay_pg);
 	verdict(!timed_out && pending == 0 && all_delivered &&
 			g_shared->enqueued == plan->nmsgs,
 			"queue drained: %ld of %d messages enqueued, all delivered: %s, %ld pending",

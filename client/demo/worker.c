@@ -380,6 +380,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	opts.lease_ms = cfg->lease_ms;
 	opts.valkey_db = cfg->cache_db;
 	opts.valkey_retry_ms = 300;
+	opts.valkey_nodes = cfg->cache_nodes;
 	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
 							  cfg->cache_port, &opts);
 	if (runner == NULL || msgs == NULL || batched == NULL ||

@@ -273,3 +273,102 @@ idem_valkey_restart() {
 	sleep "$down"
 	idem_valkey_start "$dir" "$port"
 }
+
+# ---- a throwaway Valkey Cluster (make demo --cache-cluster, make bench) ----
+# idem_valkey_cluster_start DIR [MASTERS]: MASTERS masters (default 3) with
+# one replica each on free loopback ports, cluster-node-timeout 1000 ms, in
+# DIR/node*/; DIR/ports lists "port" per node.  0 when cluster_state is ok.
+idem_valkey_cluster_start() {
+	local dir=$1 masters=${2:-3} server cli i port addrs=()
+	server=$(idem_valkey_server) || return 1
+	cli=$(idem_valkey_cli)
+	: >"$dir/ports"
+	for i in $(seq 1 $((masters * 2))); do
+		port=$(idem_free_port)
+		echo "$port" >>"$dir/ports"
+		idem_valkey_cluster_node_start "$dir" "$port" || return 1
+		addrs+=("127.0.0.1:$port")
+	done
+	"$cli" --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
+		>"$dir/create.log" 2>&1 || { cat "$dir/create.log" >&2; return 1; }
+	idem_valkey_cluster_wait_ok "$dir"
+}
+
+# Start (or restart: nodes.conf keeps its identity) the node on PORT.
+idem_valkey_cluster_node_start() {
+	local dir=$1 port=$2 server
+	server=$(idem_valkey_server) || return 1
+	mkdir -p "$dir/node$port"
+	# the bus port is explicit: PORT + 10000 may be out of range
+	"$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+		--cluster-enabled yes --cluster-config-file nodes.conf \
+		--cluster-port "$(idem_free_port)" \
+		--cluster-node-timeout 1000 --cluster-replica-validity-factor 0 \
+		--dir "$dir/node$port" --daemonize yes \
+		--pidfile "$dir/node$port/valkey.pid" \
+		--logfile "$dir/node$port/valkey.log" >/dev/null || return 1
+	for _ in $(seq 1 50); do
+		"$(idem_valkey_cli)" -p "$port" ping 2>/dev/null | grep -q PONG && return 0
+		sleep 0.1
+	done
+	return 1
+}
+
+# Every live node says cluster_state:ok (30 s at most).
+idem_valkey_cluster_wait_ok() {
+	local dir=$1 port ok
+	for _ in $(seq 1 300); do
+		ok=1
+		while read -r port; do
+			[ -f "$dir/node$port/valkey.pid" ] || continue
+			"$(idem_valkey_cli)" -p "$port" cluster info 2>/dev/null |
+				grep -q 'cluster_state:ok' || { ok=0; break; }
+		done <"$dir/ports"
+		[ $ok -eq 1 ] && return 0
+		sleep 0.1
+	done
+	echo "idem: Valkey Cluster in $dir is not ok" >&2
+	return 1
+}
+
+# "host:port,..." of every node but the first (the runners' extra seeds).
+idem_valkey_cluster_others() {
+	tail -n +2 "$1/ports" | sed 's/^/127.0.0.1:/' | paste -sd, -
+}
+
+idem_valkey_cluster_first() { head -n 1 "$1/ports"; }
+
+# Kill a master with SIGKILL (its replica takes over), wait for the
+# failover, start the node again (it comes back as a replica).
+idem_valkey_cluster_kill_master() {
+	local dir=$1 port pid victim=
+	while read -r port; do
+		[ -f "$dir/node$port/valkey.pid" ] || continue
+		victim=$("$(idem_valkey_cli)" -p "$port" cluster nodes 2>/dev/null |
+			awk '$3 ~ /master/ && $3 !~ /fail/ && $8 == "connected" && NF > 8 { split($2, a, "[:@]"); print a[2] }' |
+			shuf -n 1)
+		[ -n "$victim" ] && break
+	done <"$dir/ports"
+	[ -n "$victim" ] || return 1
+	pid=$(cat "$dir/node$victim/valkey.pid" 2>/dev/null) || return 1
+	kill -KILL "$pid" 2>/dev/null
+	rm -f "$dir/node$victim/valkey.pid"
+	# until the others have marked it failed and promoted its replica
+	port=$(grep -vx "$victim" "$dir/ports" | head -n 1)
+	for _ in $(seq 1 300); do
+		"$(idem_valkey_cli)" -p "$port" cluster nodes 2>/dev/null |
+			grep -q "127.0.0.1:$victim@[0-9]* master,fail" && break
+		sleep 0.1
+	done
+	idem_valkey_cluster_wait_ok "$dir" || return 1
+	idem_valkey_cluster_node_start "$dir" "$victim"
+}
+
+idem_valkey_cluster_stop() {
+	local dir=$1 port
+	[ -f "$dir/ports" ] || return 0
+	while read -r port; do
+		[ -f "$dir/node$port/valkey.pid" ] && kill "$(cat "$dir/node$port/valkey.pid")" 2>/dev/null
+		rm -f "$dir/node$port/valkey.pid"
+	done <"$dir/ports"
+}
