@@ -12,6 +12,7 @@
 
 #include "miscadmin.h"
 #include "utils/inval.h"
+#include "utils/syscache.h"
 
 PG_MODULE_MAGIC;
 
@@ -27,6 +28,10 @@ _PG_init(void)
 	idem_define_gucs();
 	idem_pending_init();
 	CacheRegisterRelcacheCallback(ledger_store_relcache_cb, (Datum) 0);
+	CacheRegisterRelcacheCallback(ledger_insert_relcache_cb, (Datum) 0);
+	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
+	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
+	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
 	idem_outbox_init(process_shared_preload_libraries_in_progress);
 	if (process_shared_preload_libraries_in_progress)
 		idem_worker_register();

@@ -114,6 +114,9 @@ extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk,
 								 int32 attempt, Datum outcome,
 								 TimestampTz expires_at);
 
+extern void ledger_insert_relcache_cb(Datum arg, Oid relid);
+extern void ledger_insert_syscache_cb(Datum arg, int cacheid, uint32 hashvalue);
+
 /* pending.c */
 typedef struct PendingClaim
 {

@@ -12,7 +12,12 @@
  *	  ExecSimpleRelationInsert, as logical replication applies a row, while
  *	  the CHECK constraints and the column defaults (the identity, the
  *	  timestamps) are prepared once per backend and kept until the ledger,
- *	  a function or a type changes (relcache and syscache callbacks).
+ *	  or a function or type they use, changes (relcache and syscache
+ *	  callbacks, registered by _PG_init).  The executor checks EXECUTE on
+ *	  the functions of an expression when it prepares it; here that check
+ *	  is made again for every role that writes (SET ROLE, SECURITY DEFINER,
+ *	  a pooler switching roles), and a role that may not run them all gets
+ *	  the SPI INSERT, which raises the error.
  *	  PostgreSQL still does all the checking: NOT NULL, the CHECK
  *	  constraints, every index (unique included), and the foreign key,
  *	  through its AFTER trigger at the end of the "query".
@@ -39,6 +44,7 @@
 #include "commands/trigger.h"
 #include "executor/executor.h"
 #include "miscadmin.h"
+#include "nodes/nodeFuncs.h"
 #include "optimizer/optimizer.h"
 #include "rewrite/rewriteHandler.h"
 #include "utils/acl.h"
@@ -91,13 +97,28 @@ typedef struct InsertCache
 	ExprState **defaults;		/* per attribute, for the others; NULL: null */
 	int			ncheck;
 	ExprState **checks;			/* in the relcache's constr->check order */
+
+	/*
+	 * The functions the prepared expressions call, and the column types:
+	 * only a change to one of them makes the cache stale (not every
+	 * function or type created elsewhere, such as a temporary table's row
+	 * type).  The executor checks EXECUTE on a function when it prepares
+	 * an expression, which happened once, as some role: the role allowed
+	 * to run them all is remembered and any other role is checked again.
+	 */
+	int			nfuncs;
+	Oid		   *funcs;
+	uint32	   *func_hashes;
+	int			ntypes;
+	uint32	   *type_hashes;
+	Oid			allowed_role;	/* InvalidOid: none checked yet */
 } InsertCache;
 
 static InsertCache caches[LEDGER_KINDS];
-static bool callbacks_registered = false;
 
-static void
-insert_cache_relcache_cb(Datum arg, Oid relid)
+/* Registered by _PG_init: any change to a ledger's definition. */
+void
+ledger_insert_relcache_cb(Datum arg, Oid relid)
 {
 	int			i;
 
@@ -106,20 +127,94 @@ insert_cache_relcache_cb(Datum arg, Oid relid)
 			caches[i].stale = true;
 }
 
-/* A function or type changed: expressions may have inlined or cached it. */
-static void
-insert_cache_syscache_cb(Datum arg, int cacheid, uint32 hashvalue)
+static bool
+hash_listed(uint32 hashvalue, const uint32 *hashes, int n)
+{
+	int			i;
+
+	for (i = 0; i < n; i++)
+		if (hashes[i] == hashvalue)
+			return true;
+	return false;
+}
+
+/*
+ * Registered by _PG_init for pg_proc, pg_type and role membership: a
+ * function or type the expressions use changed (they may have inlined or
+ * cached it, or its EXECUTE grant changed), or who may run what did.
+ */
+void
+ledger_insert_syscache_cb(Datum arg, int cacheid, uint32 hashvalue)
 {
 	int			i;
 
 	for (i = 0; i < LEDGER_KINDS; i++)
-		caches[i].stale = true;
+	{
+		InsertCache *cache = &caches[i];
+
+		if (cacheid == AUTHMEMROLEMEM)
+			cache->allowed_role = InvalidOid;
+		else if (hashvalue == 0 ||
+				 (cacheid == PROCOID &&
+				  hash_listed(hashvalue, cache->func_hashes, cache->nfuncs)) ||
+				 (cacheid == TYPEOID &&
+				  hash_listed(hashvalue, cache->type_hashes, cache->ntypes)))
+			cache->stale = true;
+	}
 }
 
-static ExprState *
-prepare_expr(Expr *expr)
+static bool
+collect_func(Oid func, void *context)
 {
-	return ExecInitExpr(expression_planner(expr), NULL);
+	List	  **funcs = (List **) context;
+
+	*funcs = list_append_unique_oid(*funcs, func);
+	return false;
+}
+
+static bool
+collect_funcs_walker(Node *node, void *context)
+{
+	if (node == NULL)
+		return false;
+	(void) check_functions_in_node(node, collect_func, context);
+	return expression_tree_walker(node, collect_funcs_walker, context);
+}
+
+/*
+ * Plan an expression, note the functions it calls, and prepare it.  The
+ * functions are noted before planning too: the planner inlines a SQL
+ * function only for a role that may execute it, so what it left out for
+ * one role must still be checked for the next.
+ */
+static ExprState *
+prepare_expr(Expr *expr, List **funcs)
+{
+	Expr	   *planned;
+
+	(void) collect_funcs_walker((Node *) expr, funcs);
+	planned = expression_planner(expr);
+	(void) collect_funcs_walker((Node *) planned, funcs);
+	return ExecInitExpr(planned, NULL);
+}
+
+/*
+ * Whether the current role may run every function the prepared
+ * expressions call, as the executor would check when it prepares them.
+ */
+static bool
+insert_cache_allowed(InsertCache *cache)
+{
+	Oid			role = GetUserId();
+	int			i;
+
+	if (role == cache->allowed_role)
+		return true;
+	for (i = 0; i < cache->nfuncs; i++)
+		if (pg_proc_aclcheck(cache->funcs[i], role, ACL_EXECUTE) != ACLCHECK_OK)
+			return false;
+	cache->allowed_role = role;
+	return true;
 }
 
 /*
@@ -133,6 +228,8 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 	TupleDesc	desc = RelationGetDescr(rel);
 	TupleConstr *constr = desc->constr;
 	MemoryContext old;
+	List	   *funcs = NIL;
+	ListCell   *lc;
 	int			i;
 
 	if (cache->cxt != NULL)
@@ -143,7 +240,9 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 	old = MemoryContextSwitchTo(cache->cxt);
 
 	cache->usable = true;
+	cache->allowed_role = InvalidOid;
 	cache->natts = desc->natts;
+	cache->type_hashes = palloc(sizeof(uint32) * desc->natts);
 	cache->source = palloc(sizeof(int8) * desc->natts);
 	cache->defaults = palloc0(sizeof(ExprState *) * desc->natts);
 	for (i = 0; i < desc->natts; i++)
@@ -154,6 +253,8 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 		cache->source[i] = -1;
 		if (att->attisdropped)
 			continue;
+		cache->type_hashes[cache->ntypes++] =
+			GetSysCacheHashValue1(TYPEOID, ObjectIdGetDatum(att->atttypid));
 		for (c = 0; c < IC_COUNT; c++)
 		{
 			if (c == IC_TENANT && kind != LEDGER_TENANT)
@@ -175,7 +276,7 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 			Node	   *def = build_column_default(rel, i + 1);
 
 			if (def != NULL)
-				cache->defaults[i] = prepare_expr((Expr *) def);
+				cache->defaults[i] = prepare_expr((Expr *) def, &funcs);
 			else if (get_typtype(att->atttypid) == TYPTYPE_DOMAIN)
 				cache->usable = false;	/* a null the domain must check */
 		}
@@ -189,8 +290,19 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 		{
 			Expr	   *check = (Expr *) stringToNode(constr->check[i].ccbin);
 
-			cache->checks[i] = prepare_expr(check);
+			cache->checks[i] = prepare_expr(check, &funcs);
 		}
+	}
+
+	cache->nfuncs = list_length(funcs);
+	cache->funcs = palloc(sizeof(Oid) * Max(cache->nfuncs, 1));
+	cache->func_hashes = palloc(sizeof(uint32) * Max(cache->nfuncs, 1));
+	i = 0;
+	foreach(lc, funcs)
+	{
+		cache->funcs[i] = lfirst_oid(lc);
+		cache->func_hashes[i++] = GetSysCacheHashValue1(PROCOID,
+														ObjectIdGetDatum(lfirst_oid(lc)));
 	}
 
 	MemoryContextSwitchTo(old);
@@ -242,14 +354,6 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	Datum		given[IC_COUNT];
 	int			i;
 
-	if (!callbacks_registered)
-	{
-		CacheRegisterRelcacheCallback(insert_cache_relcache_cb, (Datum) 0);
-		CacheRegisterSyscacheCallback(PROCOID, insert_cache_syscache_cb, (Datum) 0);
-		CacheRegisterSyscacheCallback(TYPEOID, insert_cache_syscache_cb, (Datum) 0);
-		callbacks_registered = true;
-	}
-
 	rel = table_open(relid, RowExclusiveLock);
 	if (insert_declined(rel))
 	{
@@ -259,8 +363,9 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	/* Any change to the ledger's definition invalidates its relcache entry. */
 	if (cache->relid != relid || cache->stale)
 		insert_cache_build(cache, rel, lk->kind);
-	if (!cache->usable)
+	if (!cache->usable || !insert_cache_allowed(cache))
 	{
+		/* the INSERT raises the permission error, or uses the layout */
 		table_close(rel, NoLock);
 		return false;
 	}

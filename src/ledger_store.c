@@ -122,6 +122,7 @@ struct LedgerStore
 	bool		tenants_probe;	/* the index can be probed directly */
 	AttrNumber	att[COL_COUNT];
 	SPIPlanPtr	plans[PLAN_COUNT];
+	Oid			plan_roles[PLAN_COUNT];	/* the role each was planned for */
 };
 
 static LedgerStore stores[LEDGER_KINDS];
@@ -510,13 +511,38 @@ store_check(LedgerStore *store, Relation rel)
 	}
 }
 
+/*
+ * A prepared statement of the store, for the current role (the caller is
+ * connected to SPI).  The planner inlines a SQL function in a default or
+ * a constraint only for a role that may execute it, and a plan is kept for
+ * reuse: so each role gets statements planned for it, and a role that may
+ * not run such a function gets the executor's permission error, never the
+ * previous role's inlined result.
+ */
+static SPIPlanPtr
+store_plan(LedgerStore *store, StorePlanId id)
+{
+	Oid			role = GetUserId();
+
+	if (store->plans[id] == NULL || store->plan_roles[id] != role)
+	{
+		if (store->plans[id])
+			SPI_freeplan(store->plans[id]);
+		store->plans[id] = NULL;
+		store->plans[id] = prepare_plan(store->kind, id,
+										quote_qualified_identifier(get_namespace_name(store->nsp),
+																   ledger_tables[store->kind]));
+		store->plan_roles[id] = role;
+	}
+	return store->plans[id];
+}
+
 static void
 store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
 {
 	uint32		generation;
 	Oid			relid;
 	Relation	rel;
-	char	   *qtable;
 	int			i;
 
 	store->valid = false;
@@ -545,11 +571,7 @@ store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
 	store_check(store, rel);
 	relation_close(rel, NoLock);
 
-	qtable = quote_qualified_identifier(get_namespace_name(nsp), ledger_tables[kind]);
-	SPI_connect();
-	for (i = 0; i < PLAN_COUNT; i++)
-		store->plans[i] = prepare_plan(kind, (StorePlanId) i, qtable);
-	SPI_finish();
+	/* The statements are prepared when first used (store_plan). */
 
 	/* Valid unless something changed while we were looking. */
 	store->valid = store->generation == generation;
@@ -865,7 +887,7 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 	values[1] = PointerGetDatum(keybuf);
 	for (i = 0; i < nextra; i++)
 		values[2 + i] = extra[i];
-	rc = SPI_execute_plan(store->plans[id], values, NULL, false, 0);
+	rc = SPI_execute_plan(store_plan(store, id), values, NULL, false, 0);
 	if (rc != expect)
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
@@ -974,7 +996,7 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 	values[2] = Int32GetDatum(batch);
 	values[3] = TimestampTzGetDatum(finished_before);
 	SPI_connect();
-	if (SPI_execute_plan(store->plans[PLAN_PURGE], values, NULL, false, 0) != SPI_OK_DELETE)
+	if (SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");
 	deleted = (int64) SPI_processed;
 	SPI_finish();
