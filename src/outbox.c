@@ -91,6 +91,26 @@ static LWLock *outbox_lock = NULL;
 static List *pending_records = NIL;	/* of IdemOutboxRecord * */
 static List *pending_levels = NIL;	/* nesting level of each, same order */
 
+/*
+ * What the pending copies would take in the ring, and the copies dropped
+ * at once because the ring could never take them all: a transaction's
+ * memory for copies is bounded by the ring's size, whatever it completes.
+ * (Copies dropped inside a subtransaction that rolls back are counted all
+ * the same.)
+ */
+static uint64 pending_bytes = 0;
+static uint64 pending_dropped = 0;
+
+static void
+outbox_pending_reset(void)
+{
+	/* The lists live in TopTransactionContext, which goes away. */
+	pending_records = NIL;
+	pending_levels = NIL;
+	pending_bytes = 0;
+	pending_dropped = 0;
+}
+
 static bool callbacks_registered = false;
 
 #if PG_VERSION_NUM >= 150000
@@ -234,7 +254,7 @@ outbox_flush(void)
 	LWLockRelease(outbox_lock);
 
 	idem_stats_add(IDEM_STAT_QUEUED, accepted);
-	idem_stats_add(IDEM_STAT_DROPPED, dropped);
+	idem_stats_add(IDEM_STAT_DROPPED, dropped + pending_dropped);
 	if (accepted > 0)
 		outbox_wake_worker();
 }
@@ -242,12 +262,14 @@ outbox_flush(void)
 static void
 outbox_xact_callback(XactEvent event, void *arg)
 {
-	if (pending_records == NIL)
+	if (pending_records == NIL && pending_dropped == 0)
 		return;
 
 	switch (event)
 	{
 		case XACT_EVENT_PRE_PREPARE:
+			if (pending_records == NIL)
+				break;			/* only dropped copies: nothing to defer */
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 					 errmsg("cannot PREPARE a transaction that completed or failed an idem key"),
@@ -261,16 +283,13 @@ outbox_xact_callback(XactEvent event, void *arg)
 			/* The commit record is written: no ERROR from here on. */
 			if (outbox != NULL)
 				outbox_flush();
-			pending_records = NIL;
-			pending_levels = NIL;
+			outbox_pending_reset();
 			break;
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PREPARE:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PARALLEL_ABORT:
-			/* The lists live in TopTransactionContext, which goes away. */
-			pending_records = NIL;
-			pending_levels = NIL;
+			outbox_pending_reset();
 			break;
 		default:
 			break;
@@ -296,6 +315,7 @@ outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 		case SUBXACT_EVENT_ABORT_SUB:
 			while (pending_levels != NIL && llast_int(pending_levels) >= level)
 			{
+				pending_bytes -= ((IdemOutboxRecord *) llast(pending_records))->size;
 				pfree(llast(pending_records));
 				pending_records = list_delete_last(pending_records);
 				pending_levels = list_delete_last(pending_levels);
@@ -372,6 +392,14 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 			 (int) kind, (int) attempt, outcome_len);
 
 	size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
+	if ((uint64) list_length(pending_records) >= outbox->max_records ||
+		pending_bytes + size > outbox->capacity)
+	{
+		/* More than the ring can ever take from one commit: drop it now. */
+		pending_dropped++;
+		return;
+	}
+	pending_bytes += size;
 	oldcxt = MemoryContextSwitchTo(TopTransactionContext);
 	rec = palloc0(size);
 	rec->size = (uint32) size;

@@ -22,6 +22,7 @@
 #include "ledger.h"
 
 #include "access/xact.h"
+#include "commands/trigger.h"
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
 #include "utils/jsonb.h"
@@ -87,11 +88,21 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	claim->settled_level = 0;
 }
 
-/* The claim's row was written by the current subtransaction. */
+/*
+ * The claim's row was written by the current subtransaction.  Written by
+ * the top level, no rollback short of the transaction's can open it again:
+ * forget it, so that a transaction's memory does not grow with every key
+ * it completes.  The caller must not use the claim afterwards.
+ */
 void
 pending_settle(PendingClaim *claim)
 {
-	claim->settled_level = GetCurrentTransactionNestLevel();
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (level <= 1)
+		hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+	else
+		claim->settled_level = level;
 }
 
 /* Write every open claim as a processing row (lease mode). */
@@ -116,6 +127,14 @@ pending_flush(void)
 					  claim->fingerprint, "processing", 1, empty,
 					  claim->lease_end);
 	}
+
+	/*
+	 * Pre-commit comes after the transaction's deferred triggers fired:
+	 * fire the ones these rows queued (a DEFERRABLE INITIALLY DEFERRED
+	 * foreign key to tenants, a deferred constraint trigger), or they
+	 * would be dropped unchecked and commit, say, an orphan row.
+	 */
+	AfterTriggerFireDeferred();
 	PopActiveSnapshot();
 	pending_reset();
 }
