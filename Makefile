@@ -19,11 +19,11 @@ SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache batch retention ddl
+REGRESS = install ledger errors security write hot upgrade stats cache batch retention deferred roles ddl serverlog
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
-ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race
+ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race reindex serverlog
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 
@@ -64,3 +64,8 @@ installcheck-isolation:
 .PHONY: valgrind
 valgrind:
 	@bash test/valgrind
+
+# The fuzz suite for longer than make test's minute (FUZZ_SECONDS, 600).
+.PHONY: fuzz
+fuzz:
+	@IDEM_SUITES=fuzz FUZZ_SECONDS=$${FUZZ_SECONDS:-600} bash test/run

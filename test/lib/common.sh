@@ -27,6 +27,7 @@ spin:/usr/bin/spin
 gcc:/usr/bin/gcc
 make:/usr/bin/make
 valgrind:/usr/bin/valgrind
+sqlsmith:/usr/bin/sqlsmith
 EOT
 	# A RESP server: Valkey when the machine has one, else Debian's Redis 7.
 	if ! idem_valkey_server >/dev/null 2>&1; then
