@@ -46,13 +46,7 @@ else
 	idem_valkey_start "$WORK" "$VKPORT" || exit 1
 	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
 		"idem.valkey_port = $VKPORT" || exit 1
-	idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -v ON_ERROR_STOP=1 -h "$WORK" \
-		-p "$PGPORT" -U postgres -d postgres >/dev/null <<-'SQL' || exit 1
-		CREATE EXTENSION idem;
-		CREATE TABLE tenants (id bigint PRIMARY KEY);
-		INSERT INTO tenants VALUES (1);
-		SELECT idem_install('tenants');
-	SQL
+	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
 fi
 
 BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark

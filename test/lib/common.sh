@@ -12,6 +12,7 @@
 #   idem_pg_bindir        PostgreSQL 15's bindir
 #   idem_serialize LOCK   one run at a time per checkout
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
+#   idem_pg_install_ledgers DIR PORT   idem, tenant 1 and the ledgers
 
 IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
 
@@ -224,6 +225,18 @@ idem_pg_start() {
 	} | idem_as_test_user tee -a "$dir/pg/postgresql.conf" >/dev/null
 	idem_as_test_user "$bindir/pg_ctl" -D "$dir/pg" -l "$dir/pg.log" -w -t 60 start \
 		>/dev/null || { tail -n 20 "$dir/pg.log" >&2; return 1; }
+}
+
+# idem_pg_install_ledgers DIR PORT: in the cluster idem_pg_start started,
+# CREATE EXTENSION idem, a tenants table with tenant 1, and the ledgers.
+idem_pg_install_ledgers() {
+	idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -v ON_ERROR_STOP=1 -h "$1" \
+		-p "$2" -U postgres -d postgres >/dev/null <<-'SQL'
+		CREATE EXTENSION idem;
+		CREATE TABLE tenants (id bigint PRIMARY KEY);
+		INSERT INTO tenants VALUES (1);
+		SELECT idem_install('tenants');
+	SQL
 }
 
 idem_pg_stop() {
