@@ -22,7 +22,7 @@
 # Drain: the worker is pointed at a closed port (reload), --drain results
 # are committed and stay queued, the worker is pointed back (reload), and a
 # loop inside the server times copied results from the first to the last.
-# Next to it, the same server's raw SET rate from valkey-/redis-benchmark
+# Next to it, the same server's raw SET rate from valkey-benchmark
 # with 16 commands per pipeline, values of the same size.
 use strict;
 use warnings;
@@ -37,7 +37,7 @@ use POSIX ();
 use Time::HiRes qw(time usleep);
 
 my %o = (rate => 5000, seconds => 10, clients => 8, drain => 50000, sync => 'on');
-GetOptions(\%o, 'dir=s', 'pgport=i', 'vkport=i', 'benchmark=s', 'rate=i',
+GetOptions(\%o, 'dir=s', 'pgport=i', 'vkport=i', 'benchmark=s', 'server=s', 'rate=i',
 	'seconds=i', 'clients=i', 'drain=i', 'sync=s')
   or die "usage: see bench/commit_latency.sh\n";
 
@@ -289,7 +289,7 @@ psql(q{
 # --- the table ---
 my $p50 = percentile(\@lat, 50);
 my $p99 = percentile(\@lat, 99);
-printf "idem: commit -> visible in Valkey (%s)\n", $o{benchmark} =~ /valkey/ ? 'Valkey' : 'Redis 7 stand-in';
+printf "idem: commit -> visible in Valkey (%s)\n", $o{server} // 'Valkey';
 printf "  offered %d commits/s for %d s, %d clients, synchronous_commit=%s\n",
   $o{rate}, $o{seconds}, $o{clients}, $o{sync};
 printf "  %-36s %12s %12s %8s\n", 'commit latency (pgbench)', 'copying', 'not copying', 'ratio';

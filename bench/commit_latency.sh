@@ -5,7 +5,7 @@
 #      sustained rate of claim+complete transactions, and the commit latency
 #      of that run next to the same run with the worker copying nothing;
 #   2. the worker's drain rate (SETs/s) emptying a full queue, next to the
-#      same server's raw pipelined SET rate (valkey-/redis-benchmark -P 16),
+#      same server's raw pipelined SET rate (valkey-benchmark -P 16),
 #      in the same run.
 #
 # Run by `make bench` (bench/run passes its server in BENCH_WORK,
@@ -50,13 +50,13 @@ else
 fi
 
 BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark
-[ -x "$BENCHMARK" ] || BENCHMARK=$(command -v valkey-benchmark || command -v redis-benchmark)
+[ -x "$BENCHMARK" ] || BENCHMARK=$(command -v valkey-benchmark)
 
 cp "$ROOT/bench/commit_latency.pl" "$WORK/commit_latency.pl"
 cp "$ROOT/test/t/IdemResp.pm" "$WORK/IdemResp.pm"
 chmod a+r "$WORK/commit_latency.pl" "$WORK/IdemResp.pm"
 idem_as_test_user env PATH="$(idem_pg_bindir):$PATH" perl "$WORK/commit_latency.pl" \
-	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" \
+	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" --server "$(idem_valkey_version)" \
 	--rate "${BENCH_RATE:-5000}" --seconds "${BENCH_LATENCY_SECONDS:-10}" \
 	--clients "${BENCH_LATENCY_CLIENTS:-8}" --drain "${BENCH_DRAIN_N:-50000}" \
 	--sync "${BENCH_SYNC_COMMIT:-on}"

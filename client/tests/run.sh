@@ -3,7 +3,7 @@
 #
 # Starts a throwaway PostgreSQL 15 (idem preloaded, its worker pointed at the
 # RESP server) and a RESP server ($IDEM_VALKEY_SERVER, else valkey-server on
-# PATH, else /usr/bin/redis-server) on free loopback ports in a temp folder,
+# PATH) on free loopback ports in a temp folder,
 # runs the unit and integration tests, and always stops both servers.
 #
 # PostgreSQL refuses to run as root: as root, the script copies the test
@@ -87,11 +87,8 @@ resp_server=${IDEM_VALKEY_SERVER:-}
 if [ -z "$resp_server" ]; then
 	resp_server=$(command -v valkey-server || true)
 fi
-if [ -z "$resp_server" ] && [ -x /usr/bin/redis-server ]; then
-	resp_server=/usr/bin/redis-server
-fi
 if [ -z "$resp_server" ]; then
-	echo "Bail out! no RESP server: install valkey-server or redis-server"
+	echo "Bail out! no RESP server: install valkey-server (or set IDEM_VALKEY_SERVER)"
 	exit 1
 fi
 

@@ -8,7 +8,11 @@
 #   idem_test_user        the unprivileged OS user that runs throwaway clusters
 #   idem_as_test_user     run a command as that user (directly if not root)
 #   idem_free_port        a free TCP port on 127.0.0.1
-#   idem_valkey_server    path of valkey-server, or redis-server as stand-in
+#   idem_valkey_server    path of the RESP server: $IDEM_VALKEY_SERVER, else
+#                         valkey-server
+#   idem_valkey_version   "Valkey 8.0.1" (name and version of that server)
+#   idem_backports_entry  an apt source entry for bookworm-backports, derived
+#                         from the system's own Debian entry
 #   idem_pg_bindir        PostgreSQL 15's bindir
 #   idem_serialize LOCK   one run at a time per checkout
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
@@ -30,10 +34,102 @@ make:/usr/bin/make
 valgrind:/usr/bin/valgrind
 sqlsmith:/usr/bin/sqlsmith
 EOT
-	# A RESP server: Valkey when the machine has one, else Debian's Redis 7.
-	if ! idem_valkey_server >/dev/null 2>&1; then
-		echo "redis-server:/usr/bin/redis-server"
+	# Valkey 8 (bookworm-backports, see idem_ensure_deps), unless the user
+	# names another RESP server.
+	if [ -z "${IDEM_VALKEY_SERVER:-}" ]; then
+		echo "valkey-server:/usr/bin/valkey-server"
+		echo "valkey-tools:/usr/bin/valkey-cli"
 	fi
+}
+
+# Packages that come from bookworm-backports on Debian 12.
+idem_backports_packages() {
+	echo "valkey-server valkey-tools"
+}
+
+# idem_backports_entry ETC_APT [CODENAME]: print a deb822 entry for the backports suite
+# of this Debian release, derived from the system's own Debian entry in
+# ETC_APT (sources.list.d/debian.sources, or a one-line sources.list): the
+# same URIs, components and Signed-By, suite CODENAME-backports.  Prints
+# nothing if ETC_APT already lists that suite or has no Debian entry.
+idem_backports_entry() {
+	local etc=$1 codename=${2:-} f
+	if [ -z "$codename" ]; then
+		codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+	fi
+	[ -n "$codename" ] || return 1
+	for f in "$etc"/sources.list "$etc"/sources.list.d/*.list "$etc"/sources.list.d/*.sources; do
+		[ -f "$f" ] || continue
+		grep -qE "^[^#]*[[:space:]]$codename-backports([[:space:]]|$)|^Suites:.*[[:space:]]$codename-backports([[:space:]]|$)" "$f" &&
+			return 0
+	done
+	# deb822: the first stanza of type deb whose suites include CODENAME.
+	for f in "$etc"/sources.list.d/*.sources; do
+		[ -f "$f" ] || continue
+		awk -v cn="$codename" '
+			function flush() {
+				if (!done && types ~ /(^| )deb( |$)/ && (" " suites " ") ~ (" " cn " ")) {
+					print "Types: deb"
+					print "URIs: " uris
+					print "Suites: " cn "-backports"
+					print "Components: " comps
+					if (signed != "") print "Signed-By: " signed
+					done = 1
+				}
+				types = uris = suites = comps = signed = ""; field = ""
+			}
+			/^#/ { next }
+			/^[ 	]*$/ { flush(); next }
+			/^[ 	]/ { if (field == "signed-by") signed = signed "\n" $0; next }
+			{
+				field = tolower(substr($0, 1, index($0, ":") - 1))
+				val = substr($0, index($0, ":") + 1); sub(/^[ 	]+/, "", val); sub(/[ 	]+$/, "", val)
+				if (field == "types") types = val
+				else if (field == "uris") uris = val
+				else if (field == "suites") suites = val
+				else if (field == "components") comps = val
+				else if (field == "signed-by") signed = val
+			}
+			END { flush() }' "$f" | grep . && return 0
+	done
+	# One-line format: deb [options] URI CODENAME COMPONENTS...
+	for f in "$etc"/sources.list "$etc"/sources.list.d/*.list; do
+		[ -f "$f" ] || continue
+		awk -v cn="$codename" '
+			/^[ 	]*deb[ 	]/ {
+				line = $0; sub(/^[ 	]*deb[ 	]+/, "", line)
+				opts = ""
+				if (line ~ /^\[/) {
+					opts = substr(line, 2, index(line, "]") - 2)
+					line = substr(line, index(line, "]") + 1); sub(/^[ 	]+/, "", line)
+				}
+				n = split(line, w, /[ 	]+/)
+				if (n < 3 || w[2] != cn) next
+				comps = w[3]; for (i = 4; i <= n; i++) comps = comps " " w[i]
+				print "Types: deb"; print "URIs: " w[1]
+				print "Suites: " cn "-backports"; print "Components: " comps
+				m = split(opts, o, /[ 	]+/)
+				for (i = 1; i <= m; i++)
+					if (o[i] ~ /^signed-by=/) print "Signed-By: " substr(o[i], 11)
+				exit
+			}' "$f" | grep . && return 0
+	done
+	return 1
+}
+
+# idem_enable_backports ETC_APT [CODENAME]: write ETC_APT/sources.list.d/
+# idem-backports.sources from idem_backports_entry, if the suite is not
+# there yet.  Returns 0 if the suite is (now) listed.
+idem_enable_backports() {
+	local etc=${1:-/etc/apt} entry
+	entry=$(idem_backports_entry "$etc" "${2:-}") || {
+		echo "idem: no Debian source entry in $etc to derive backports from" >&2
+		return 1
+	}
+	[ -z "$entry" ] && return 0
+	mkdir -p "$etc/sources.list.d" &&
+		printf '# Written by idem (test/lib/common.sh) from the system'"'"'s own Debian entry.\n%s\n' \
+			"$entry" >"$etc/sources.list.d/idem-backports.sources"
 }
 
 idem_missing_packages() {
@@ -59,12 +155,35 @@ idem_ensure_deps() {
 			policy=/usr/sbin/policy-rc.d
 			printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
 		fi
-		local ok=0
-		if apt-get install -y -q --no-install-recommends $missing >/tmp/idem-apt.log 2>&1; then
+		# Valkey 8 is in bookworm-backports on Debian 12: enable that suite
+		# (derived from the system's own entry) and take those from it.
+		local bp="" p plain="" ok=0 codename
+		codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+		for p in $missing; do
+			if [ "$codename" = bookworm ] && [[ " $(idem_backports_packages) " == *" $p "* ]]; then
+				bp="$bp $p"
+			else
+				plain="$plain $p"
+			fi
+		done
+		if [ -n "$bp" ]; then
+			local had
+			had=$(ls /etc/apt/sources.list.d/idem-backports.sources 2>/dev/null)
+			idem_enable_backports /etc/apt || return 1
+			[ -n "$had" ] || [ ! -e /etc/apt/sources.list.d/idem-backports.sources ] ||
+				echo "idem: enabled bookworm-backports (/etc/apt/sources.list.d/idem-backports.sources)"
+		fi
+		# -o DPkg::Lock::Timeout: wait for another apt run rather than fail.
+		local apt="apt-get -y -q -o DPkg::Lock::Timeout=600 --no-install-recommends"
+		_idem_apt() {
+			{ [ -z "$plain" ] || $apt install $plain; } &&
+				{ [ -z "$bp" ] || $apt install -t "$codename-backports" $bp; }
+		}
+		if _idem_apt >/tmp/idem-apt.log 2>&1; then
 			ok=1
 		else
-			apt-get update -q >>/tmp/idem-apt.log 2>&1
-			apt-get install -y -q --no-install-recommends $missing >>/tmp/idem-apt.log 2>&1 && ok=1
+			apt-get update -q -o DPkg::Lock::Timeout=600 >>/tmp/idem-apt.log 2>&1
+			_idem_apt >>/tmp/idem-apt.log 2>&1 && ok=1
 		fi
 		[ -n "$policy" ] && rm -f "$policy"
 		if [ $ok -ne 1 ]; then
@@ -125,28 +244,39 @@ idem_pg_config() {
 }
 
 idem_valkey_server() {
-	if [ -n "${IDEM_VALKEY_SERVER:-}" ] && [ -x "$IDEM_VALKEY_SERVER" ]; then
+	if [ -n "${IDEM_VALKEY_SERVER:-}" ]; then
+		[ -x "$IDEM_VALKEY_SERVER" ] || return 1
 		echo "$IDEM_VALKEY_SERVER"
 	elif command -v valkey-server >/dev/null 2>&1; then
 		command -v valkey-server
-	elif [ -x /usr/bin/redis-server ]; then
-		echo /usr/bin/redis-server
 	else
 		return 1
 	fi
 }
 
-# The CLI that comes with the server: valkey-cli beside valkey-server, else
-# redis-cli.
+# "Valkey 8.0.1": the name and version the server reports for itself.
+idem_valkey_version() {
+	local server out
+	server=$(idem_valkey_server) || { echo "no RESP server"; return 1; }
+	out=$("$server" --version 2>/dev/null | head -n 1)
+	case $out in
+	"Valkey server v="*) out=${out#Valkey server v=}; echo "Valkey ${out%% *} ($server)" ;;
+	"Redis server v="*) out=${out#Redis server v=}; echo "Redis ${out%% *} ($server)" ;;
+	*) echo "${out:-unknown} ($server)" ;;
+	esac
+}
+
+# The CLI that comes with the server: the valkey-cli (or redis-cli) beside
+# it, else valkey-cli on PATH.
 idem_valkey_cli() {
 	local dir
 	dir=$(dirname "$(idem_valkey_server)")
 	if [ -x "$dir/valkey-cli" ]; then
 		echo "$dir/valkey-cli"
-	elif command -v valkey-cli >/dev/null 2>&1; then
-		command -v valkey-cli
+	elif [ -x "$dir/redis-cli" ]; then
+		echo "$dir/redis-cli"
 	else
-		echo redis-cli
+		echo valkey-cli
 	fi
 }
 
@@ -245,11 +375,11 @@ idem_pg_stop() {
 	idem_as_test_user "$(idem_pg_bindir)/pg_ctl" -D "$dir/pg" -m fast -w stop >/dev/null 2>&1
 }
 
-# idem_valkey_start DIR PORT: a RESP server (Valkey, or Redis as stand-in)
+# idem_valkey_start DIR PORT: a RESP server (Valkey, or IDEM_VALKEY_SERVER)
 # on 127.0.0.1:PORT with no persistence; its pid in DIR/valkey.pid.
 idem_valkey_start() {
 	local dir=$1 port=$2 server
-	server=$(idem_valkey_server) || { echo "idem: no valkey-server or redis-server" >&2; return 1; }
+	server=$(idem_valkey_server) || { echo "idem: no valkey-server (or IDEM_VALKEY_SERVER)" >&2; return 1; }
 	mkdir -p "$dir/valkey"
 	"$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
 		--dir "$dir/valkey" --daemonize yes --pidfile "$dir/valkey.pid" \

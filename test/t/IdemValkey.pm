@@ -1,10 +1,10 @@
-# IdemValkey: a throwaway RESP server (valkey-server, or Debian's
-# redis-server as a stand-in) for idem's TAP tests, a tiny RESP client to
+# IdemValkey: a throwaway RESP server (valkey-server, or the server named
+# by IDEM_VALKEY_SERVER) for idem's TAP tests, a tiny RESP client to
 # look at it, and the helpers the tests share (a node that preloads idem,
 # polling with a deadline, finding the worker's pid).
 #
 # The server binary is $ENV{IDEM_VALKEY_SERVER} if set, else valkey-server on
-# PATH, else /usr/bin/redis-server.  Each server listens on a free loopback
+# PATH.  Each server listens on a free loopback
 # port with persistence off, in a directory under the test's tmp_check, and
 # is stopped at the end of the test whatever happens (END block).
 package IdemValkey;
@@ -31,7 +31,7 @@ sub server_binary
 	{
 		return "$dir/valkey-server" if -x "$dir/valkey-server";
 	}
-	return '/usr/bin/redis-server';
+	die "no valkey-server on PATH (or set IDEM_VALKEY_SERVER)\n";
 }
 
 # IdemValkey->new(name => 'v1', password => 'pw', extra => [...]): a stopped
