@@ -34,6 +34,10 @@ PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 
 ifneq ($(wildcard $(PGXS)),)
 include $(PGXS)
+# What only PostgreSQL 18 and later have (NOT ENFORCED, virtual columns).
+ifeq ($(shell test $(VERSION_NUM) -ge 180000 2>/dev/null && echo y),y)
+REGRESS += write_pg18
+endif
 else
 # No PostgreSQL server headers yet: only the entry points that install them work.
 all install installcheck:
@@ -41,6 +45,19 @@ all install installcheck:
 	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev; valkey-server valkey-tools from bookworm-backports" >&2
 	@exit 1
 endif
+
+# make install also installs the client library (libidemclient.so.0,
+# idem_client.h, idemclient.pc) under CLIENT_PREFIX; NO_CLIENT=1 skips it.
+CLIENT_PREFIX ?= /usr/local
+.PHONY: install-client uninstall-client
+ifndef NO_CLIENT
+install: install-client
+uninstall: uninstall-client
+endif
+install-client:
+	$(MAKE) -C $(srcdir)/client install prefix='$(CLIENT_PREFIX)' PG_CONFIG='$(PG_CONFIG)'
+uninstall-client:
+	$(MAKE) -C $(srcdir)/client uninstall prefix='$(CLIENT_PREFIX)'
 
 .PHONY: test demo bench
 test:
