@@ -99,6 +99,14 @@ typedef struct idem_options
 								 * "host:port,host:port"; NULL: none */
 	int			valkey_cluster; /* 0 (default): ask the node (INFO
 								 * cluster); 1: a cluster; -1: not one */
+	int			prepared_statements;	/* -1 (default): named prepared
+										 * statements on a direct connection,
+										 * none through a pooler (detected at
+										 * connect: the backend pid libpq was
+										 * given is not the server's, as
+										 * behind pgbouncer); 1: always; 0:
+										 * never (unnamed statements only,
+										 * safe with transaction pooling) */
 } idem_options;
 
 void		idem_options_init(idem_options *opts);

@@ -121,6 +121,8 @@ typedef struct idem_pg
 	PGconn	   *conn;
 	char	   *sql[STMT_COUNT];	/* built at connect, schema-qualified */
 	unsigned	prepared;		/* bit per pg_stmt prepared on this conn */
+	int			named_opt;		/* idem_options.prepared_statements */
+	int			named;			/* this connection uses named statements */
 	long		round_trips;
 	long		connects;
 } idem_pg;

@@ -6,7 +6,9 @@
  *	  that they cost one round trip.  The API's statements are named
  *	  prepared statements, prepared inside the pipeline that first uses
  *	  them on a connection (no extra round trip), so the server parses and
- *	  plans them once per connection instead of once per call.
+ *	  plans them once per connection instead of once per call -- except
+ *	  through a transaction pooler (idem_options.prepared_statements),
+ *	  where every command is an unnamed statement.
  */
 #include "internal.h"
 
@@ -42,6 +44,7 @@ idem_pg_drop(idem_pg *p)
 	}
 	p->conn = NULL;
 	p->prepared = 0;
+	p->named = 0;
 	free_sql(p);
 }
 
@@ -132,6 +135,22 @@ silent_notice(void *arg, const char *message)
 	(void) message;
 }
 
+/*
+ * Whether this connection may use named prepared statements.  A pooler in
+ * transaction mode (pgbouncer) runs each transaction on any of its server
+ * connections, where a statement prepared earlier may be missing, or
+ * present under the same name from another client: only unnamed
+ * statements are safe there.  A pooler gives the client its own cancel
+ * key, so the backend pid libpq was told is not the server's.
+ */
+static int
+use_named(const idem_pg *p, int server_pid)
+{
+	if (p->named_opt >= 0)
+		return p->named_opt > 0;
+	return server_pid == PQbackendPID(p->conn);
+}
+
 int
 idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 {
@@ -176,14 +195,14 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 
 		p->round_trips++;
 		r = PQexec(p->conn,
-				   "SELECT pg_catalog.quote_ident(n.nspname) "
+				   "SELECT (SELECT pg_catalog.quote_ident(n.nspname) "
 				   "FROM pg_catalog.pg_extension e "
 				   "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
-				   "WHERE e.extname = 'idem'");
-		if (PQresultStatus(r) != PGRES_TUPLES_OK)
+				   "WHERE e.extname = 'idem'), pg_catalog.pg_backend_pid()");
+		if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
 			copy_msg(msg, msglen, "PostgreSQL: looking up the idem extension: ",
 					 PQresultErrorMessage(r));
-		else if (PQntuples(r) != 1)
+		else if (PQgetisnull(r, 0, 0))
 			copy_msg(msg, msglen, "",
 					 "the extension idem is not installed in this database (CREATE EXTENSION idem)");
 		else
@@ -191,9 +210,22 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 			quoted = strdup(PQgetvalue(r, 0, 0));
 			if (quoted == NULL)
 				copy_msg(msg, msglen, "", "out of memory");
+			p->named = use_named(p, atoi(PQgetvalue(r, 0, 1)));
 		}
 		PQclear(r);
 	}
+	if (p->schema_opt && quoted != NULL && p->named_opt < 0)
+	{
+		PGresult   *r;
+
+		p->round_trips++;
+		r = PQexec(p->conn, "SELECT pg_catalog.pg_backend_pid()");
+		if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+			p->named = use_named(p, atoi(PQgetvalue(r, 0, 0)));
+		PQclear(r);
+	}
+	else if (p->schema_opt)
+		p->named = p->named_opt > 0;
 	if (quoted != NULL)
 	{
 		if (build_sql(p, quoted) == 0)
@@ -324,7 +356,7 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	{
 		int			ok;
 
-		stmt[i] = stmt_of(p, cmds[i].sql);
+		stmt[i] = p->named ? stmt_of(p, cmds[i].sql) : -1;
 		parse[i] = stmt[i] >= 0 && !(p->prepared & (1u << stmt[i]));
 		if (parse[i] &&
 			PQsendPrepare(conn, stmt_names[stmt[i]], cmds[i].sql,

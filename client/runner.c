@@ -86,6 +86,7 @@ idem_options_init(idem_options *o)
 	o->retention_ms = 0;
 	o->cache_results = 1;		/* ignored since 0.3: the worker copies */
 	o->lookup_first = 1;
+	o->prepared_statements = -1;
 }
 
 static int
@@ -126,6 +127,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 			goto oom;
 	}
 	r->pg.trace = o.pg_trace;
+	r->pg.named_opt = o.prepared_statements;
 	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
 	r->retention_ms = o.retention_ms;
 	r->lookup_first = o.lookup_first;
