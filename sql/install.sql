@@ -40,11 +40,13 @@ SELECT c.relname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod) AS t
    AND a.attnum > 0 AND NOT a.attisdropped
  ORDER BY c.relname, a.attnum;
 
--- Constraints: exact names and definitions.
+-- Constraints: exact names and definitions.  PostgreSQL 18 also lists
+-- NOT NULL as constraints (contype 'n'); the columns above show those.
 SELECT conrelid::regclass AS ledger, conname, contype,
        pg_get_constraintdef(oid) AS definition
   FROM pg_constraint
  WHERE conrelid IN ('idempotency_keys'::regclass, 'platform_idempotency_keys'::regclass)
+   AND contype <> 'n'
  ORDER BY conrelid::regclass::text, conname;
 
 -- Storage: room on each page for the HOT processing -> completed update.

@@ -33,7 +33,20 @@ gcc:/usr/bin/gcc
 make:/usr/bin/make
 valgrind:/usr/bin/valgrind
 sqlsmith:/usr/bin/sqlsmith
+pkgconf:/usr/bin/pkg-config
 EOT
+	# The operations suite (test/ops): the tools it runs idem with.
+	if [ -n "${IDEM_NEED_OPS:-}" ]; then
+		echo "postgresql-$IDEM_PG_MAJOR-cron:/usr/lib/postgresql/$IDEM_PG_MAJOR/lib/pg_cron.so"
+		echo "prometheus-postgres-exporter:/usr/bin/prometheus-postgres-exporter"
+		echo "pgbouncer:/usr/sbin/pgbouncer"
+	fi
+	# Building PostgreSQL 18 (test/lib/cache.sh), when it is not cached yet.
+	if [ -n "${IDEM_NEED_PG_BUILD:-}" ]; then
+		echo "bison:/usr/bin/bison"
+		echo "flex:/usr/bin/flex"
+		echo "zlib1g-dev:/usr/include/zlib.h"
+	fi
 	# Valkey 8 (bookworm-backports, see idem_ensure_deps), unless the user
 	# names another RESP server.
 	if [ -z "${IDEM_VALKEY_SERVER:-}" ]; then
@@ -236,8 +249,15 @@ idem_pg_private() {
 }
 
 idem_pg_bindir() {
-	echo "${IDEM_PG_ROOT:-}/usr/lib/postgresql/$IDEM_PG_MAJOR/bin"
+	if [ -n "${IDEM_PG_BINDIR:-}" ]; then
+		echo "$IDEM_PG_BINDIR"	# another build (PostgreSQL 18, cache.sh)
+	else
+		echo "${IDEM_PG_ROOT:-}/usr/lib/postgresql/$IDEM_PG_MAJOR/bin"
+	fi
 }
+
+# The warnings every build of idem must pass without (pgvector's set).
+IDEM_WARNING_FLAGS="-Wall -Wextra -Werror -Wno-unused-parameter -Wno-sign-compare"
 
 idem_pg_config() {
 	echo "$(idem_pg_bindir)/pg_config"
@@ -283,12 +303,15 @@ idem_valkey_cli() {
 idem_build_install() {
 	local root=$1 pgc
 	pgc=$(idem_pg_config)
-	make -C "$root" -s PG_CONFIG="$pgc" all || return 1
+	make -C "$root" -s PG_CONFIG="$pgc" PG_CFLAGS="$IDEM_WARNING_FLAGS" all || return 1
 	if [ -f "$root/client/Makefile" ]; then
 		make -C "$root/client" -s PG_CONFIG="$pgc" all || return 1
 	fi
+	# The client goes beside the private PostgreSQL copy, not /usr/local.
+	local client_prefix=${IDEM_CLIENT_PREFIX:-${IDEM_PG_ROOT:+$IDEM_PG_ROOT/usr/local}}
 	if [ -w "$("$pgc" --pkglibdir)" ]; then
-		make -C "$root" -s PG_CONFIG="$pgc" install >/dev/null || return 1
+		make -C "$root" -s PG_CONFIG="$pgc" ${client_prefix:+CLIENT_PREFIX="$client_prefix"} \
+			install >/dev/null || return 1
 	else
 		echo "idem: cannot write $("$pgc" --pkglibdir); run as root (or sudo make install) first" >&2
 		return 1
