@@ -216,7 +216,8 @@ idem_ensure_deps() {
 # Tests install idem into a private copy of the machine's PostgreSQL (see
 # idem_pg_private), one per checkout; two runs in the same checkout would
 # still share it, so each run holds that checkout's lock until it exits
-# (fd 9 stays open).  Runs in different checkouts do not wait.
+# (fd 9 stays open; servers are started without it, so that one left
+# running cannot hold the lock).  Runs in different checkouts do not wait.
 idem_serialize() {
 	local lock=$1
 	command -v flock >/dev/null 2>&1 || return 0
@@ -377,7 +378,7 @@ idem_pg_start() {
 		for line in "$@"; do echo "$line"; done
 	} | idem_as_test_user tee -a "$dir/pg/postgresql.conf" >/dev/null
 	idem_as_test_user "$bindir/pg_ctl" -D "$dir/pg" -l "$dir/pg.log" -w -t 60 start \
-		>/dev/null || { tail -n 20 "$dir/pg.log" >&2; return 1; }
+		>/dev/null 9>&- || { tail -n 20 "$dir/pg.log" >&2; return 1; }
 }
 
 # idem_pg_install_ledgers DIR PORT: in the cluster idem_pg_start started,
@@ -406,7 +407,7 @@ idem_valkey_start() {
 	mkdir -p "$dir/valkey"
 	"$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
 		--dir "$dir/valkey" --daemonize yes --pidfile "$dir/valkey.pid" \
-		--logfile "$dir/valkey.log" >/dev/null || return 1
+		--logfile "$dir/valkey.log" >/dev/null 9>&- || return 1
 	for _ in $(seq 1 50); do
 		"$(idem_valkey_cli)" -p "$port" ping 2>/dev/null | grep -q PONG && return 0
 		sleep 0.1
