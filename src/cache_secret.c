@@ -50,7 +50,6 @@
 #include "utils/builtins.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
-#define IDEM_SECRET_TRANCHE		"idem cache secret"
 
 typedef struct IdemSecretShared
 {
@@ -67,15 +66,7 @@ idem_cache_secret_shmem_size(void)
 	return MAXALIGN(sizeof(IdemSecretShared));
 }
 
-/* From the shmem request hook. */
-void
-idem_cache_secret_shmem_request(void)
-{
-	RequestAddinShmemSpace(idem_cache_secret_shmem_size());
-	RequestNamedLWLockTranche(IDEM_SECRET_TRANCHE, 1);
-}
-
-/* From the shmem startup hook, with AddinShmemInitLock held. */
+/* From shmem.c's startup hook, with AddinShmemInitLock held. */
 void
 idem_cache_secret_shmem_init(void)
 {
@@ -85,7 +76,7 @@ idem_cache_secret_shmem_init(void)
 									sizeof(IdemSecretShared), &found);
 	if (!found)
 		memset(secret_shared, 0, sizeof(IdemSecretShared));
-	secret_lock = &(GetNamedLWLockTranche(IDEM_SECRET_TRANCHE))->lock;
+	secret_lock = &(GetNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE))->lock;
 }
 
 /*

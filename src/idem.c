@@ -1,9 +1,19 @@
 /*-------------------------------------------------------------------------
  *
  * idem.c
- *	  Module load: defines the settings, registers the transaction callbacks
- *	  once per process, and, when loaded through shared_preload_libraries,
- *	  reserves the shared queue and registers the background worker.
+ *	  Module load.  _PG_init is the one place that wires idem into the
+ *	  server: it defines the settings, registers every callback (once per
+ *	  process: _PG_init runs once per process), and, when idem is loaded
+ *	  through shared_preload_libraries, hands shared memory to shmem.c and
+ *	  registers the background worker.
+ *
+ *	  Callbacks registered here:
+ *		xact.c			the transaction and subtransaction callbacks
+ *		ledger_store.c	a relcache callback that forgets a ledger's cached
+ *						identity when the ledger changes
+ *		ledger_insert.c	relcache and syscache (functions, types, role
+ *						membership) callbacks that invalidate the prepared
+ *						direct insert
  *
  *-------------------------------------------------------------------------
  */
@@ -16,7 +26,7 @@
 
 PG_MODULE_MAGIC;
 
-void		_PG_init(void);
+extern IDEM_EXPORT void _PG_init(void);
 
 const char *const idem_decision_names[IDEM_DECISION_COUNT] = {
 	"claimed", "completed", "failed_permanent", "busy", "mismatch"
@@ -26,13 +36,18 @@ void
 _PG_init(void)
 {
 	idem_define_gucs();
-	idem_pending_init();
+
+	RegisterXactCallback(idem_xact_callback, NULL);
+	RegisterSubXactCallback(idem_subxact_callback, NULL);
 	CacheRegisterRelcacheCallback(ledger_store_relcache_cb, (Datum) 0);
 	CacheRegisterRelcacheCallback(ledger_insert_relcache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
-	idem_outbox_init(process_shared_preload_libraries_in_progress);
+
 	if (process_shared_preload_libraries_in_progress)
+	{
+		idem_shmem_register();
 		idem_worker_register();
+	}
 }

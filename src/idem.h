@@ -29,6 +29,9 @@
 
 #include "postgres.h"
 
+#include "compat.h"
+
+#include "access/xact.h"
 #include "access/xlogdefs.h"
 #include "fmgr.h"
 #include "utils/guc.h"
@@ -93,9 +96,33 @@ extern bool idem_check_standby_slots(char **newval, void **extra,
 extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 									   size_t whylen);
 
-/* outbox.c */
-extern void idem_outbox_init(bool preloading);
-extern bool idem_outbox_available(void);
+/*
+ * Subtransactions (xact.c).  Per-transaction state is tagged with the
+ * nesting level that made it (GetCurrentTransactionNestLevel()).  When the
+ * subtransaction at level ends, each tag goes through this one rule: state
+ * of outer levels is untouched; state of this level or deeper is handed to
+ * the parent (level - 1) when the subtransaction committed, and must be
+ * forgotten (false) when it aborted.
+ */
+static inline bool
+idem_subxact_follow(int *tag, bool committed, int level)
+{
+	if (*tag < level)
+		return true;
+	if (!committed)
+		return false;
+	*tag = level - 1;
+	return true;
+}
+
+extern void idem_xact_callback(XactEvent event, void *arg);
+extern void idem_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+								  SubTransactionId parentSubid, void *arg);
+
+/* shmem.c */
+extern void idem_shmem_register(void);
+
+/* outbox.c (the queue itself: outbox_ring.h) */
 extern void idem_outbox_add(bool is_platform, int64 tenant_id,
 							const uint8 *key, IdemCacheKind kind,
 							int32 attempt, const uint8 *fingerprint,
@@ -106,37 +133,8 @@ extern void idem_outbox_repopulate(bool is_platform, int64 tenant_id,
 								   int32 attempt, const uint8 *fingerprint,
 								   const char *outcome, int outcome_len,
 								   TimestampTz expires_at);
-
-/*
- * One queued copy as it sits in the shared queue.  Records are variable
- * length (the header plus the outcome, MAXALIGNed); kind 0 marks the padding
- * that skips the end of the ring.  Only the worker reads them.
- */
-typedef struct IdemOutboxRecord
-{
-	uint32		size;			/* bytes this record occupies in the ring */
-	uint16		outcome_len;
-	char		kind;			/* IdemCacheKind, or 0 for padding */
-	bool		is_platform;
-	int32		attempt;
-	Oid			dboid;			/* the database: part of the Valkey keyspace */
-	int64		tenant_id;
-	TimestampTz expires_at;
-	XLogRecPtr	lsn;			/* copy once WAL is durable up to here */
-	uint8		key[IDEM_DIGEST_LEN];
-	uint8		fingerprint[IDEM_DIGEST_LEN];
-	char		outcome[FLEXIBLE_ARRAY_MEMBER];
-} IdemOutboxRecord;
-
-/* The worker's side of the queue (single consumer). */
-extern void idem_outbox_attach_worker(void);
-extern void idem_outbox_detach_worker(void);
-extern void idem_outbox_worker_awake(void);
-extern bool idem_outbox_worker_sleepy(void);
-extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
-							 int max, XLogRecPtr durable, bool *held);
-extern void idem_outbox_consume(uint64 next_pos, int nrecords);
-extern uint64 idem_outbox_depth(void);
+extern void idem_outbox_xact_event(XactEvent event);
+extern void idem_outbox_subxact_end(bool committed, int level);
 
 /* cache_secret.c */
 typedef struct IdemCacheSecrets
@@ -147,8 +145,10 @@ typedef struct IdemCacheSecrets
 	uint8		previous[IDEM_MAC_LEN];
 } IdemCacheSecrets;
 
+/* The named LWLock tranche of the shared copy (one lock), for shmem.c. */
+#define IDEM_CACHE_SECRET_TRANCHE	"idem cache secret"
+
 extern Size idem_cache_secret_shmem_size(void);
-extern void idem_cache_secret_shmem_request(void);
 extern void idem_cache_secret_shmem_init(void);
 extern void idem_cache_secrets_get(IdemCacheSecrets *out);
 extern bool idem_cache_hmac(const uint8 *secret, const char *input, size_t len,
@@ -163,7 +163,7 @@ extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
 
 /* worker.c */
 extern void idem_worker_register(void);
-extern PGDLLEXPORT void idem_worker_main(Datum main_arg);
+extern IDEM_EXPORT void idem_worker_main(Datum main_arg);
 
 /* stats.c */
 typedef enum IdemStat

@@ -113,7 +113,6 @@ extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk,
 								 const uint8 *fingerprint, const char *status,
 								 int32 attempt, Datum outcome,
 								 TimestampTz expires_at);
-
 extern void ledger_insert_relcache_cb(Datum arg, Oid relid);
 extern void ledger_insert_syscache_cb(Datum arg, int cacheid, uint32 hashvalue);
 
@@ -128,7 +127,8 @@ typedef struct PendingClaim
 	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
 } PendingClaim;
 
-extern void idem_pending_init(void);
+extern void idem_pending_xact_event(XactEvent event);
+extern void idem_pending_subxact_end(bool committed, int level);
 extern PendingClaim *pending_find(const LedgerKey *lk);
 extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 						TimestampTz lease_end, Oid relid);

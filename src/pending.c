@@ -15,7 +15,9 @@
  *	  was written is only marked settled, at the level that wrote it, so
  *	  that rolling back that write (ROLLBACK TO) makes it open again.
  *
- *	  The callbacks are registered once per process, from _PG_init.
+ *	  Claims follow their subtransaction by xact.c's rule
+ *	  (idem_subxact_follow), applied to both levels of a claim.  The events
+ *	  arrive from xact.c, which owns the transaction callbacks.
  *
  *-------------------------------------------------------------------------
  */
@@ -139,8 +141,9 @@ pending_flush(void)
 	pending_reset();
 }
 
-static void
-pending_xact_callback(XactEvent event, void *arg)
+/* A transaction event, from xact.c. */
+void
+idem_pending_xact_event(XactEvent event)
 {
 	switch (event)
 	{
@@ -161,41 +164,21 @@ pending_xact_callback(XactEvent event, void *arg)
 	}
 }
 
-static void
-pending_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
-						 SubTransactionId parentSubid, void *arg)
+/* The subtransaction at level ended (committed or aborted), from xact.c. */
+void
+idem_pending_subxact_end(bool committed, int level)
 {
 	HASH_SEQ_STATUS seq;
 	PendingClaim *claim;
-	int			level;
 
-	if (pending == NULL ||
-		(event != SUBXACT_EVENT_ABORT_SUB && event != SUBXACT_EVENT_COMMIT_SUB))
+	if (pending == NULL)
 		return;
-	level = GetCurrentTransactionNestLevel();
 	hash_seq_init(&seq, pending);
 	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
 	{
-		if (event == SUBXACT_EVENT_ABORT_SUB)
-		{
-			if (claim->nest_level >= level)
-				hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
-			else if (claim->settled_level >= level)
-				claim->settled_level = 0;	/* its row was rolled back */
-		}
-		else
-		{
-			if (claim->nest_level >= level)
-				claim->nest_level = level - 1;
-			if (claim->settled_level >= level)
-				claim->settled_level = level - 1;
-		}
+		if (!idem_subxact_follow(&claim->nest_level, committed, level))
+			hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
+		else if (!idem_subxact_follow(&claim->settled_level, committed, level))
+			claim->settled_level = 0;	/* its row was rolled back */
 	}
-}
-
-void
-idem_pending_init(void)
-{
-	RegisterXactCallback(pending_xact_callback, NULL);
-	RegisterSubXactCallback(pending_subxact_callback, NULL);
 }

@@ -3,8 +3,8 @@
  * stats.c
  *	  idem_stats() and the shared counters behind it.
  *
- * The counters live in shared memory (reserved by outbox.c's shmem hooks
- * when idem is preloaded) as 64-bit atomics, so that counting a claim or a
+ * The counters live in shared memory (reserved and initialised through
+ * shmem.c when idem is preloaded) as 64-bit atomics, so that counting a claim or a
  * copy takes no lock.  The worker's connection state and last error text
  * sit beside them, the text under a spinlock held for one copy.  Without
  * preloading there is no shared memory: counting is a no-op and
@@ -12,7 +12,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "outbox_ring.h"
 
 #include "access/htup_details.h"
 #include "funcapi.h"
@@ -66,7 +66,7 @@ idem_stats_shmem_size(void)
 	return MAXALIGN(sizeof(IdemStatsShared));
 }
 
-/* Called from the shmem startup hook, with AddinShmemInitLock held. */
+/* Called from shmem.c's startup hook, with AddinShmemInitLock held. */
 void
 idem_stats_shmem_init(void)
 {

@@ -41,7 +41,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "outbox_ring.h"
 
 #include <sys/socket.h>
 

@@ -8,7 +8,7 @@
 #ifndef IDEM_WORKER_CLUSTER_H
 #define IDEM_WORKER_CLUSTER_H
 
-#include "idem.h"
+#include "outbox_ring.h"
 
 typedef enum IdemWcConnect
 {

@@ -1,0 +1,342 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox_ring.c
+ *	  The shared-memory queue that committing backends write and the
+ *	  background worker reads: a byte ring of variable-length
+ *	  IdemOutboxRecords (header plus outcome, see outbox_ring.h).
+ *
+ * Size.  The ring accepts at most idem.queue_size records and reserves
+ * IDEM_OUTBOX_BYTES_PER_RECORD bytes per record, plus room for two records
+ * of the largest size, so a queue of large outcomes holds fewer records.
+ * Its space is reserved and initialised by shmem.c, the one owner of idem's
+ * shared memory.
+ *
+ * Locking rules.
+ *	  - One LWLock (the named tranche IDEM_OUTBOX_RING_TRANCHE) protects head,
+ *		tail and nrecords.  Writers (committing backends, in
+ *		idem_outbox_ring_put) hold it exclusively while they copy their
+ *		records in; the worker holds it shared to read head and tail, and
+ *		exclusively to move tail.  It is never held while waiting for
+ *		anything else, and never together with another lock.
+ *	  - capacity and max_records are set once at startup and read without
+ *		the lock.
+ *	  - There is exactly one reader.  It reads records in place, without the
+ *		lock, between tail and the head it saw: writers only write beyond
+ *		head and never move tail, so that span cannot change under it.  It
+ *		moves tail only once Valkey has acknowledged the records, so they
+ *		survive a Valkey outage while the queue has room.
+ *	  - worker_procno and worker_awake are atomics, read and written without
+ *		the lock (see idem_outbox_worker_sleepy for the handshake).
+ *	  - The writers' side runs after the commit record is written: nothing
+ *		here allocates, raises an error or waits for anything but the
+ *		LWLock.  A full queue drops the copy and counts it.
+ *
+ * Shared memory holds no process-local pointers: the worker is found by its
+ * PGPROC number, and the LWLock through the named tranche.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "outbox_ring.h"
+
+#include "miscadmin.h"
+#include "port/atomics.h"
+#include "storage/latch.h"
+#include "storage/lwlock.h"
+#include "storage/proc.h"
+#include "storage/shmem.h"
+
+/* Average bytes reserved per queued record (96-byte header + outcome). */
+#define IDEM_OUTBOX_BYTES_PER_RECORD	256
+#define IDEM_OUTBOX_RECORD_MAX	IDEM_OUTBOX_RECORD_SIZE(IDEM_OUTCOME_MAX)
+#define IDEM_OUTBOX_NO_WORKER	PG_UINT32_MAX
+
+typedef struct IdemOutboxShared
+{
+	/* Protected by the LWLock; positions are byte offsets that only grow. */
+	uint64		head;			/* where the next record is written */
+	uint64		tail;			/* the oldest record not yet copied */
+	uint64		nrecords;		/* records (not padding) in [tail, head) */
+	/* Set once at startup. */
+	uint64		capacity;		/* bytes in the ring, a MAXALIGN multiple */
+	uint64		max_records;	/* idem.queue_size */
+	/* The worker's PGPROC number, or IDEM_OUTBOX_NO_WORKER. */
+	pg_atomic_uint32 worker_procno;
+	/* 0 only while the worker sleeps waiting for work: wake it then. */
+	pg_atomic_uint32 worker_awake;
+} IdemOutboxShared;
+
+#define IDEM_OUTBOX_RING(shared) \
+	((char *) (shared) + MAXALIGN(sizeof(IdemOutboxShared)))
+
+static IdemOutboxShared *outbox = NULL;
+static LWLock *outbox_lock = NULL;
+
+static Size
+outbox_ring_capacity(void)
+{
+	return mul_size(idem_queue_size, IDEM_OUTBOX_BYTES_PER_RECORD) +
+		2 * IDEM_OUTBOX_RECORD_MAX;
+}
+
+Size
+idem_outbox_ring_shmem_size(void)
+{
+	return add_size(MAXALIGN(sizeof(IdemOutboxShared)), outbox_ring_capacity());
+}
+
+/* Called from shmem.c's startup hook, with AddinShmemInitLock held. */
+void
+idem_outbox_ring_shmem_init(void)
+{
+	bool		found;
+
+	outbox = ShmemInitStruct("idem outbox", idem_outbox_ring_shmem_size(),
+							 &found);
+	if (!found)
+	{
+		outbox->head = 0;
+		outbox->tail = 0;
+		outbox->nrecords = 0;
+		outbox->capacity = outbox_ring_capacity();
+		outbox->max_records = idem_queue_size;
+		pg_atomic_init_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
+		pg_atomic_init_u32(&outbox->worker_awake, 0);
+	}
+	outbox_lock = &(GetNamedLWLockTranche(IDEM_OUTBOX_RING_TRANCHE))->lock;
+}
+
+/*
+ * Whether one commit's nrecords copies of bytes in all could ever go into
+ * the ring (read without the lock: both limits are set once at startup).
+ */
+bool
+idem_outbox_ring_fits(uint64 nrecords, uint64 bytes)
+{
+	return nrecords <= outbox->max_records && bytes <= outbox->capacity;
+}
+
+/* Whether the ring exists (idem is in shared_preload_libraries). */
+bool
+idem_outbox_available(void)
+{
+	return outbox != NULL;
+}
+
+/*
+ * Append one record to the ring.  Caller holds outbox_lock exclusively.
+ * Returns false, changing nothing, when the queue is full.  No allocation,
+ * no error: this runs after the commit record.
+ */
+static bool
+outbox_ring_append(const IdemOutboxRecord *rec)
+{
+	char	   *ring = IDEM_OUTBOX_RING(outbox);
+	uint64		off = outbox->head % outbox->capacity;
+	uint64		contiguous = outbox->capacity - off;
+	uint64		pad = (rec->size > contiguous) ? contiguous : 0;
+
+	if (outbox->nrecords >= outbox->max_records ||
+		outbox->head + pad + rec->size - outbox->tail > outbox->capacity)
+		return false;
+
+	if (pad > 0)
+	{
+		/* Skip the end of the ring: a padding record (kind 0). */
+		IdemOutboxRecord *p = (IdemOutboxRecord *) (ring + off);
+
+		p->size = (uint32) pad;
+		p->kind = 0;
+		outbox->head += pad;
+		off = 0;
+	}
+	memcpy(ring + off, rec, rec->size);
+	outbox->head += rec->size;
+	outbox->nrecords++;
+	return true;
+}
+
+/*
+ * Called after the records are in the ring and the LWLock is released (a
+ * full barrier).  A worker that is awake looks at the queue again before
+ * it sleeps (see idem_outbox_worker_sleepy), so only a sleeping one needs
+ * the latch: a busy worker costs commits no system call.
+ */
+static void
+outbox_wake_worker(void)
+{
+	uint32		procno;
+
+	if (pg_atomic_read_u32(&outbox->worker_awake) != 0)
+		return;
+	procno = pg_atomic_read_u32(&outbox->worker_procno);
+	/* A stale number only costs another process a spurious wakeup. */
+	if (procno != IDEM_OUTBOX_NO_WORKER)
+		SetLatch(&GetPGProcByNumber(procno)->procLatch);
+}
+
+/*
+ * At XACT_EVENT_COMMIT: move a transaction's copies (a List of
+ * IdemOutboxRecord *) into the ring, count them and wake the worker.
+ * Safe after the commit record: no allocation, no error.
+ */
+void
+idem_outbox_ring_put(List *records)
+{
+	ListCell   *lc;
+	uint64		accepted = 0;
+	uint64		dropped = 0;
+
+	if (outbox == NULL || records == NIL)
+		return;
+
+	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
+	foreach(lc, records)
+	{
+		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc)))
+			accepted++;
+		else
+			dropped++;
+	}
+	LWLockRelease(outbox_lock);
+
+	idem_stats_add(IDEM_STAT_QUEUED, accepted);
+	idem_stats_add(IDEM_STAT_DROPPED, dropped);
+	if (accepted > 0)
+		outbox_wake_worker();
+}
+
+/*
+ * Put one record into the ring now, unless the queue is more than half full
+ * (so that repopulating reads cannot crowd out the copies of new commits);
+ * count it and wake the worker.  Returns whether it was queued.
+ */
+bool
+idem_outbox_ring_offer(const IdemOutboxRecord *rec)
+{
+	bool		accepted = false;
+
+	if (outbox == NULL)
+		return false;
+	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
+	if (outbox->nrecords < outbox->max_records / 2)
+		accepted = outbox_ring_append(rec);
+	LWLockRelease(outbox_lock);
+	if (accepted)
+	{
+		idem_stats_add(IDEM_STAT_QUEUED, 1);
+		outbox_wake_worker();
+	}
+	return accepted;
+}
+
+/*
+ * The worker's side.  There is exactly one reader, so the span between the
+ * read position and the write position it saw cannot change under it.
+ */
+void
+idem_outbox_attach_worker(void)
+{
+	pg_atomic_write_u32(&outbox->worker_procno, IDEM_MY_PROCNO);
+	/* Until its first sleep, commits need not wake it. */
+	pg_atomic_write_u32(&outbox->worker_awake, 1);
+}
+
+void
+idem_outbox_detach_worker(void)
+{
+	if (outbox != NULL)
+		pg_atomic_write_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
+}
+
+/* The worker is at work: committing backends need not set its latch. */
+void
+idem_outbox_worker_awake(void)
+{
+	pg_atomic_write_u32(&outbox->worker_awake, 1);
+}
+
+/*
+ * The worker is about to sleep: from now on committing backends set its
+ * latch.  Returns whether the queue is empty, read after the flag is
+ * cleared and a barrier, so that a commit either sees the flag cleared
+ * (and wakes the worker) or its record is seen here (and the worker does
+ * not sleep).  When false, the worker has been marked awake again.
+ */
+bool
+idem_outbox_worker_sleepy(void)
+{
+	pg_atomic_write_u32(&outbox->worker_awake, 0);
+	pg_memory_barrier();
+	if (idem_outbox_depth() == 0)
+		return true;
+	idem_outbox_worker_awake();
+	return false;
+}
+
+/*
+ * Point records[] at up to max queued records from *pos on (or from the
+ * oldest, if *pos is older than that), without removing them, and move *pos
+ * past them (and past any padding).  The worker may peek further while
+ * earlier records are still being written, and passes a position it was
+ * given to idem_outbox_consume() once everything before it is written.
+ * Stops before the first record whose WAL position is beyond durable, and
+ * then sets *held (records stay in order: one not durable yet holds back
+ * those behind it, which become durable at about the same time).
+ */
+int
+idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
+				 XLogRecPtr durable, bool *held)
+{
+	const char *ring = IDEM_OUTBOX_RING(outbox);
+	uint64		p;
+	uint64		head;
+	int			n = 0;
+
+	LWLockAcquire(outbox_lock, LW_SHARED);
+	p = Max(*pos, outbox->tail);
+	head = outbox->head;
+	LWLockRelease(outbox_lock);
+
+	*held = false;
+	while (p < head && n < max)
+	{
+		const IdemOutboxRecord *rec =
+			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
+
+		if (rec->kind != 0)
+		{
+			if (rec->lsn > durable)
+			{
+				*held = true;
+				break;
+			}
+			records[n++] = rec;
+		}
+		p += rec->size;
+	}
+	*pos = p;
+	return n;
+}
+
+void
+idem_outbox_consume(uint64 next_pos, int nrecords)
+{
+	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
+	Assert(next_pos >= outbox->tail && next_pos <= outbox->head);
+	outbox->tail = next_pos;
+	outbox->nrecords -= nrecords;
+	LWLockRelease(outbox_lock);
+}
+
+uint64
+idem_outbox_depth(void)
+{
+	uint64		n;
+
+	if (outbox == NULL)
+		return 0;
+	LWLockAcquire(outbox_lock, LW_SHARED);
+	n = outbox->nrecords;
+	LWLockRelease(outbox_lock);
+	return n;
+}

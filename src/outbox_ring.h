@@ -1,0 +1,64 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox_ring.h
+ *	  The shared-memory queue between committing backends and the worker:
+ *	  the record format and both sides' functions.  See outbox_ring.c for
+ *	  the layout and its locking rules.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_OUTBOX_RING_H
+#define IDEM_OUTBOX_RING_H
+
+#include "idem.h"
+
+#include "nodes/pg_list.h"
+
+/* The named LWLock tranche of the ring (one lock), requested by shmem.c. */
+#define IDEM_OUTBOX_RING_TRANCHE	"idem"
+
+/*
+ * One queued copy as it sits in the shared queue.  Records are variable
+ * length (the header plus the outcome, MAXALIGNed); kind 0 marks the padding
+ * that skips the end of the ring.  Only the worker reads them.
+ */
+typedef struct IdemOutboxRecord
+{
+	uint32		size;			/* bytes this record occupies in the ring */
+	uint16		outcome_len;
+	char		kind;			/* IdemCacheKind, or 0 for padding */
+	bool		is_platform;
+	int32		attempt;
+	Oid			dboid;			/* the database: part of the Valkey keyspace */
+	int64		tenant_id;
+	TimestampTz expires_at;
+	XLogRecPtr	lsn;			/* copy once WAL is durable up to here */
+	uint8		key[IDEM_DIGEST_LEN];
+	uint8		fingerprint[IDEM_DIGEST_LEN];
+	char		outcome[FLEXIBLE_ARRAY_MEMBER];
+} IdemOutboxRecord;
+
+#define IDEM_OUTBOX_RECORD_SIZE(outcome_len) \
+	MAXALIGN(offsetof(IdemOutboxRecord, outcome) + (outcome_len))
+
+/* Shared memory (shmem.c). */
+extern Size idem_outbox_ring_shmem_size(void);
+extern void idem_outbox_ring_shmem_init(void);
+
+/* The writers' side: committing backends. */
+extern bool idem_outbox_available(void);
+extern void idem_outbox_ring_put(List *records);
+extern bool idem_outbox_ring_offer(const IdemOutboxRecord *rec);
+extern bool idem_outbox_ring_fits(uint64 nrecords, uint64 bytes);
+
+/* The worker's side of the queue (single consumer). */
+extern void idem_outbox_attach_worker(void);
+extern void idem_outbox_detach_worker(void);
+extern void idem_outbox_worker_awake(void);
+extern bool idem_outbox_worker_sleepy(void);
+extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
+							 int max, XLogRecPtr durable, bool *held);
+extern void idem_outbox_consume(uint64 next_pos, int nrecords);
+extern uint64 idem_outbox_depth(void);
+
+#endif							/* IDEM_OUTBOX_RING_H */

@@ -1,0 +1,47 @@
+/*-------------------------------------------------------------------------
+ *
+ * xact.c
+ *	  Transaction and subtransaction ends: the one transaction callback and
+ *	  the one subtransaction callback of idem (registered by _PG_init), which
+ *	  pass each event on to the two holders of per-transaction state, in a
+ *	  fixed order:
+ *		outbox.c	the copies of terminal results for the Valkey cache
+ *		pending.c	the claims whose ledger row is not written yet
+ *
+ *	  Both tag their state with the subtransaction nesting level that made
+ *	  it and follow subtransactions by the same rule, idem_subxact_follow()
+ *	  (idem.h): what the ending subtransaction made is forgotten when it
+ *	  aborts and handed to its parent when it commits.
+ *
+ *	  The outbox goes first: at PRE_PREPARE it refuses the PREPARE before
+ *	  pending.c writes anything, and at COMMIT both only drop their state.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+#include "ledger.h"
+
+void
+idem_xact_callback(XactEvent event, void *arg)
+{
+	idem_outbox_xact_event(event);
+	idem_pending_xact_event(event);
+}
+
+void
+idem_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					  SubTransactionId parentSubid, void *arg)
+{
+	bool		committed;
+	int			level;
+
+	if (event == SUBXACT_EVENT_COMMIT_SUB)
+		committed = true;
+	else if (event == SUBXACT_EVENT_ABORT_SUB)
+		committed = false;
+	else
+		return;
+	level = GetCurrentTransactionNestLevel();
+	idem_outbox_subxact_end(committed, level);
+	idem_pending_subxact_end(committed, level);
+}
