@@ -1,9 +1,17 @@
 /*-------------------------------------------------------------------------
  *
  * compat.h
- *	  The one place for differences between PostgreSQL versions (15 and
- *	  later).  Every other file includes it through idem.h and uses the
+ *	  The one place for differences between PostgreSQL versions.  idem
+ *	  supports 15 and later: 15 and 18 are built and tested on every run
+ *	  (make test), 16 and 17 build under the same guards, and the changes
+ *	  announced for 19 are handled here so idem builds the day it is
+ *	  released.  Every other file includes it through idem.h and uses the
  *	  names defined here instead of testing PG_VERSION_NUM itself.
+ *
+ *	  19, for the record: funcapi.h no longer includes access/htup_details.h
+ *	  (files that form tuples include it themselves), and signal handlers
+ *	  receive a const pg_signal_info * (idem installs only PostgreSQL's own
+ *	  handlers; any of its own would be declared with SIGNAL_ARGS).
  *
  * Symbol visibility.  idem.so is built with -fvisibility=hidden (Makefile),
  * so that its internal functions cannot clash with another library's:
@@ -24,6 +32,60 @@
 #include "postgres.h"
 
 #include "fmgr.h"
+
+#if PG_VERSION_NUM < 150000
+#error "idem needs PostgreSQL 15 or later"
+#endif
+
+/*
+ * index_beginscan: 18 added the instrumentation argument (NULL: none), 19
+ * a flags argument (0: a plain scan).
+ */
+#if PG_VERSION_NUM >= 190000
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), NULL, (nkeys), (norderbys), 0)
+#elif PG_VERSION_NUM >= 180000
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), NULL, (nkeys), (norderbys))
+#else
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
+#endif
+
+/*
+ * CHECK constraints of a result relation, as ExecRelCheck evaluates them.
+ * 18 renamed the field, can leave a check unenforced (NOT ENFORCED: its
+ * entry stays NULL, which ExecRelCheck skips), and has virtual generated
+ * columns, whose references a check's expression must have replaced by
+ * the column's expression before it is evaluated.
+ */
+#if PG_VERSION_NUM >= 180000
+#define IDEM_RRI_CHECK_EXPRS(rri)	((rri)->ri_CheckConstraintExprs)
+#define IDEM_CHECK_ENFORCED(check)	((check)->ccenforced)
+#define idem_expand_virtual_columns(node, rel) \
+	expand_generated_columns_in_expr((node), (rel), 1)
+#else
+#define IDEM_RRI_CHECK_EXPRS(rri)	((rri)->ri_ConstraintExprs)
+#define IDEM_CHECK_ENFORCED(check)	true
+#define idem_expand_virtual_columns(node, rel)	(node)
+#endif
+
+/* 16: the per-kind ACL checks became object_aclcheck. */
+#if PG_VERSION_NUM >= 160000
+#include "catalog/pg_proc.h"
+#define idem_proc_aclcheck(proc, role, mode) \
+	object_aclcheck(ProcedureRelationId, (proc), (role), (mode))
+#else
+#define idem_proc_aclcheck(proc, role, mode) pg_proc_aclcheck((proc), (role), (mode))
+#endif
+
+/* 17: a wait event set no longer takes a memory context. */
+#if PG_VERSION_NUM >= 170000
+#define idem_create_wait_event_set(nevents) CreateWaitEventSet(NULL, (nevents))
+#else
+#define idem_create_wait_event_set(nevents) \
+	CreateWaitEventSet(TopMemoryContext, (nevents))
+#endif
 
 #if PG_VERSION_NUM >= 160000 || defined(WIN32) || !defined(__GNUC__)
 #define IDEM_EXPORT PGDLLEXPORT

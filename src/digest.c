@@ -15,9 +15,7 @@
  */
 #include "idem.h"
 
-#if PG_VERSION_NUM >= 140000
 #include "common/cryptohash.h"
-#endif
 #include "common/sha2.h"
 #include "utils/builtins.h"
 #include "utils/jsonb.h"
@@ -27,21 +25,16 @@ PG_FUNCTION_INFO_V1(idem_fingerprint);
 
 /*
  * A SHA-256 in progress, on PostgreSQL's own implementation: the
- * cryptohash API from 14 on (which may use OpenSSL), the plain sha2 one on 13.
+ * cryptohash API (which may use OpenSSL).
  */
 typedef struct IdemSha256
 {
-#if PG_VERSION_NUM >= 140000
 	pg_cryptohash_ctx *ctx;
-#else
-	pg_sha256_ctx ctx;
-#endif
 } IdemSha256;
 
 static void
 sha256_begin(IdemSha256 *h)
 {
-#if PG_VERSION_NUM >= 140000
 	h->ctx = pg_cryptohash_create(PG_SHA256);
 	if (h->ctx == NULL)
 		ereport(ERROR,
@@ -49,20 +42,13 @@ sha256_begin(IdemSha256 *h)
 				 errmsg("out of memory")));
 	if (pg_cryptohash_init(h->ctx) < 0)
 		elog(ERROR, "could not initialize SHA-256 context");
-#else
-	pg_sha256_init(&h->ctx);
-#endif
 }
 
 static void
 sha256_update(IdemSha256 *h, const void *data, size_t len)
 {
-#if PG_VERSION_NUM >= 140000
 	if (pg_cryptohash_update(h->ctx, (const uint8 *) data, len) < 0)
 		elog(ERROR, "could not update SHA-256 context");
-#else
-	pg_sha256_update(&h->ctx, (const uint8 *) data, len);
-#endif
 }
 
 static bytea *
@@ -71,18 +57,10 @@ sha256_finish(IdemSha256 *h)
 	bytea	   *result = (bytea *) palloc(VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
 
 	SET_VARSIZE(result, VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
-#if PG_VERSION_NUM >= 150000
 	if (pg_cryptohash_final(h->ctx, (uint8 *) VARDATA(result),
 							PG_SHA256_DIGEST_LENGTH) < 0)
 		elog(ERROR, "could not finalize SHA-256 context");
 	pg_cryptohash_free(h->ctx);
-#elif PG_VERSION_NUM >= 140000
-	if (pg_cryptohash_final(h->ctx, (uint8 *) VARDATA(result)) < 0)
-		elog(ERROR, "could not finalize SHA-256 context");
-	pg_cryptohash_free(h->ctx);
-#else
-	pg_sha256_final(&h->ctx, (uint8 *) VARDATA(result));
-#endif
 	return result;
 }
 

@@ -273,9 +273,5 @@ idem_define_gucs(void)
 								PGC_POSTMASTER, 0,
 								NULL, NULL, NULL);
 
-#if PG_VERSION_NUM >= 150000
 	MarkGUCPrefixReserved("idem");
-#else
-	EmitWarningsOnPlaceholders("idem");
-#endif
 }

@@ -22,6 +22,7 @@
  */
 #include "ledger.h"
 
+#include "access/htup_details.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
 #include "common/hashfn.h"

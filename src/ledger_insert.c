@@ -56,8 +56,6 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
-#if PG_VERSION_NUM >= 140000
-
 /* The columns idem supplies, and their types. */
 typedef enum InsertColumn
 {
@@ -211,7 +209,7 @@ insert_cache_allowed(InsertCache *cache)
 	if (role == cache->allowed_role)
 		return true;
 	for (i = 0; i < cache->nfuncs; i++)
-		if (pg_proc_aclcheck(cache->funcs[i], role, ACL_EXECUTE) != ACLCHECK_OK)
+		if (idem_proc_aclcheck(cache->funcs[i], role, ACL_EXECUTE) != ACLCHECK_OK)
 			return false;
 	cache->allowed_role = role;
 	return true;
@@ -288,9 +286,15 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 		cache->checks = palloc(sizeof(ExprState *) * cache->ncheck);
 		for (i = 0; i < cache->ncheck; i++)
 		{
-			Expr	   *check = (Expr *) stringToNode(constr->check[i].ccbin);
+			Node	   *check;
 
-			cache->checks[i] = prepare_expr(check, &funcs);
+			/* as ExecRelCheck: NULL for a NOT ENFORCED check (skipped) */
+			cache->checks[i] = NULL;
+			if (!IDEM_CHECK_ENFORCED(&constr->check[i]))
+				continue;
+			check = stringToNode(constr->check[i].ccbin);
+			check = idem_expand_virtual_columns(check, rel);
+			cache->checks[i] = prepare_expr((Expr *) check, &funcs);
 		}
 	}
 
@@ -385,7 +389,7 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 		estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
 	rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(rri, rel, 0, NULL, 0);
-	rri->ri_ConstraintExprs = cache->checks;
+	IDEM_RRI_CHECK_EXPRS(rri) = cache->checks;
 	estate->es_opened_result_relations =
 		lappend(estate->es_opened_result_relations, rri);
 	ExecOpenIndices(rri, false);
@@ -424,15 +428,3 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	CommandCounterIncrement();
 	return true;
 }
-
-#else							/* PG 13: the SPI INSERT only */
-
-bool
-ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
-					 const char *status, int32 attempt, Datum outcome,
-					 TimestampTz expires_at)
-{
-	return false;
-}
-
-#endif

@@ -693,7 +693,7 @@ probe_unique(Oid relid, Oid indexid, ScanKey keys, int nkeys, Snapshot snapshot,
 	bool		found;
 
 	snapshot = RegisterSnapshot(snapshot);
-	scan = index_beginscan(rel, idx, snapshot, nkeys, 0);
+	scan = idem_index_beginscan(rel, idx, snapshot, nkeys, 0);
 	index_rescan(scan, keys, nkeys, NULL, 0);
 	found = index_getnext_slot(scan, ForwardScanDirection, slot);
 	if (found)

@@ -400,11 +400,7 @@ vk_connect(void)
 		return VK_FAILED;
 	}
 
-#if PG_VERSION_NUM >= 170000
-	vk_wes = CreateWaitEventSet(NULL, 3);
-#else
-	vk_wes = CreateWaitEventSet(TopMemoryContext, 3);
-#endif
+	vk_wes = idem_create_wait_event_set(3);
 	AddWaitEventToSet(vk_wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
 	AddWaitEventToSet(vk_wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
 	vk_sock_pos = AddWaitEventToSet(vk_wes, WL_SOCKET_WRITEABLE, vk->fd,

@@ -100,11 +100,7 @@ wc_wait_for(int fd)
 	if (free_slot < 0)
 		elog(ERROR, "idem: more Valkey sockets than nodes");
 	w = &wc_waits[free_slot];
-#if PG_VERSION_NUM >= 170000
-	w->wes = CreateWaitEventSet(NULL, 3);
-#else
-	w->wes = CreateWaitEventSet(TopMemoryContext, 3);
-#endif
+	w->wes = idem_create_wait_event_set(3);
 	AddWaitEventToSet(w->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
 	AddWaitEventToSet(w->wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
 	w->pos = AddWaitEventToSet(w->wes, WL_SOCKET_WRITEABLE, fd, NULL, NULL);
