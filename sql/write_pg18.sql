@@ -28,15 +28,11 @@ LANGUAGE sql AS $$
   SELECT 'inserted';
 $$;
 
+\set VERBOSITY terse
 -- A NOT ENFORCED check is not checked.
 ALTER TABLE idempotency_keys ADD CONSTRAINT never CHECK (false) NOT ENFORCED;
 SELECT msg('a');
 SELECT ins('a');
--- Enforced again: it is (and VALIDATE refuses the rows written meanwhile).
-DELETE FROM idempotency_keys;
-ALTER TABLE idempotency_keys ALTER CONSTRAINT never ENFORCED;
-SELECT msg('b');
-SELECT ins('b');
 ALTER TABLE idempotency_keys DROP CONSTRAINT never;
 
 -- A check on a virtual generated column is checked on its expression.
@@ -46,11 +42,14 @@ ALTER TABLE idempotency_keys ADD CONSTRAINT twice_small CHECK (twice < 10);
 SELECT msg('c');
 SELECT ins('c');
 SELECT twice FROM idempotency_keys WHERE idempotency_key = idem_key('w18', 'c');
+-- (constraints added to an empty ledger: 18 validates them on the rows)
+DELETE FROM idempotency_keys;
 ALTER TABLE idempotency_keys ADD CONSTRAINT twice_big CHECK (twice > 2);
 SELECT msg('d');
 SELECT ins('d');
 ALTER TABLE idempotency_keys DROP CONSTRAINT twice_big;
 -- A NOT NULL virtual generated column.
+DELETE FROM idempotency_keys;
 ALTER TABLE idempotency_keys
   ADD COLUMN maybe integer GENERATED ALWAYS AS (nullif(attempt, 1)) VIRTUAL NOT NULL;
 SELECT msg('e');

@@ -183,7 +183,7 @@ idem_define_gucs(void)
 							   NULL,
 							   &idem_valkey_password,
 							   "",
-							   PGC_SIGHUP, GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL,
+							   PGC_SIGHUP, GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL | GUC_NOT_IN_SAMPLE,
 							   NULL, NULL, NULL);
 
 	DefineCustomStringVariable("idem.valkey_password_file",

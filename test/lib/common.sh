@@ -346,7 +346,8 @@ idem_as_test_user() {
 idem_test_tree() {
 	local root=$1 dest=$2
 	mkdir -p "$dest"
-	(cd "$root" && tar --exclude=.git --exclude=tmp_check --exclude=tmp_pgroot --exclude=results -cf - .) |
+	(cd "$root" && tar --exclude=.git --exclude=tmp_check --exclude=tmp_pgroot \
+		--exclude=tmp_pgroot18 --exclude=results -cf - .) |
 		(cd "$dest" && tar -xf -) || return 1
 	if [ "$(id -u)" -eq 0 ]; then
 		chown -R "$(idem_test_user)" "$dest"

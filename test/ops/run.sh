@@ -72,8 +72,9 @@ SELECT idem_claim(1, idem_key('ops', n::text), idem_fingerprint('{}'))
   FROM generate_series(1, 5) n;
 SELECT idem_complete(1, idem_key('ops', n::text), '{"done": true}')
   FROM generate_series(1, 5) n;
--- three of them past their retention, two not
-UPDATE idempotency_keys SET expires_at = now() - interval '1 hour'
+-- three of them past their retention (and finished before idem.min_retention), two not
+UPDATE idempotency_keys SET expires_at = now() - interval '1 hour',
+       updated_at = now() - interval '1 day'
  WHERE idempotency_key IN (SELECT idem_key('ops', n::text) FROM generate_series(1, 3) n);
 SQL
 job=$(PSQL -c "SELECT cron.schedule('idem-purge', '* * * * *', 'SELECT idem_purge()')" 2>&1)
