@@ -41,6 +41,9 @@ include $(PGXS)
 ifeq ($(shell test $(VERSION_NUM) -ge 180000 2>/dev/null && echo y),y)
 REGRESS += write_pg18
 endif
+# PGXS tracks no header dependencies: rebuild every object when a header
+# (src/compat.h, say) changes.
+$(OBJS): $(wildcard $(srcdir)/src/*.h)
 # ddl drives its sessions through dblink: without that contrib module
 # (PostgreSQL 18 as make test builds it), it cannot run.
 ifeq ($(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/dblink.control),)
