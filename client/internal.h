@@ -11,7 +11,10 @@
  *	  gate.c			the Valkey side: connection, gate script,
  *						compare-and-delete
  *	  pg.c				the PostgreSQL side: connection, pipelines
- *	  runner.c			the run itself, options, results
+ *	  lifecycle.c		a runner's life: options, open, close, last error,
+ *						counters
+ *	  runner.c			one run, step by step: the gate, the claim, the
+ *						handler's call, the result
  */
 #ifndef IDEM_CLIENT_INTERNAL_H
 #define IDEM_CLIENT_INTERNAL_H
@@ -222,5 +225,24 @@ trust_verdict idem_trust_check(idem_trust *t, const char *key,
 int			idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
 							  const uint8_t token[IDEM_TOKEN_LEN], char *buf,
 							  size_t buflen);
+
+/* ---- the runner: lifecycle.c opens and closes it, runner.c runs it ---- */
+
+struct idem_runner
+{
+	idem_pg		pg;
+	idem_gate  *gate;			/* NULL: no Valkey */
+	idem_trust	trust;			/* keyspace and secrets (trust.c) */
+	void		(*notice) (void *arg, const char *message);
+	void	   *notice_arg;
+	int			cache_off_said; /* the "running without the cache" notice */
+	int			lease_ms;
+	int			retention_ms;
+	int			lookup_first;	/* option; cleared if idem_lookup is refused */
+	int			broken;			/* invalid options: every run fails */
+	uint64_t	token_counter;
+	char		errmsg[512];
+	idem_runner_stats stats;
+};
 
 #endif

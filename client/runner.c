@@ -1,7 +1,8 @@
 /*
  * runner.c
  *	  The GatedIdempotencyRunner: one run, step by step (SPEC section 1,
- *	  issue 4).
+ *	  issue 4), the handler's call and the names of the results.  Opening
+ *	  and closing a runner is in lifecycle.c.
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
  *	  2. Valkey, one round trip (gate script), in the keyspace the server
@@ -41,23 +42,6 @@
 #include <unistd.h>
 #include <sys/random.h>
 
-struct idem_runner
-{
-	idem_pg		pg;
-	idem_gate  *gate;			/* NULL: no Valkey */
-	idem_trust	trust;			/* keyspace and secrets (trust.c) */
-	void		(*notice) (void *arg, const char *message);
-	void	   *notice_arg;
-	int			cache_off_said; /* the "running without the cache" notice */
-	int			lease_ms;
-	int			retention_ms;
-	int			lookup_first;	/* option; cleared if idem_lookup is refused */
-	int			broken;			/* invalid options: every run fails */
-	uint64_t	token_counter;
-	char		errmsg[512];
-	idem_runner_stats stats;
-};
-
 struct idem_call
 {
 	int			attempt;
@@ -71,164 +55,7 @@ struct idem_call
 	int			oom;
 };
 
-/* ---- options ---- */
-
-void
-idem_options_init(idem_options *o)
-{
-	if (o == NULL)
-		return;
-	memset(o, 0, sizeof(*o));
-	o->valkey_connect_timeout_ms = 200;
-	o->valkey_command_timeout_ms = 200;
-	o->valkey_retry_ms = 1000;
-	o->lease_ms = 30000;
-	o->retention_ms = 0;
-	o->cache_results = 1;		/* ignored since 0.3: the worker copies */
-	o->lookup_first = 1;
-	o->prepared_statements = -1;
-}
-
-static int
-prefix_ok(const char *p)
-{
-	size_t		n = strlen(p);
-	size_t		i;
-
-	if (n > IDEM_CACHE_PREFIX_MAX)
-		return 0;
-	for (i = 0; i < n; i++)
-		if (p[i] <= ' ' || p[i] > '~')
-			return 0;
-	return 1;
-}
-
-idem_runner *
-idem_runner_open(const char *pg_conninfo, const char *valkey_host,
-				 int valkey_port, const idem_options *opts)
-{
-	idem_options o;
-	idem_runner *r = calloc(1, sizeof(idem_runner));
-
-	if (r == NULL)
-		return NULL;
-	if (opts)
-		o = *opts;
-	else
-		idem_options_init(&o);
-	idem_pg_init(&r->pg);
-	r->pg.conninfo = strdup(pg_conninfo ? pg_conninfo : "");
-	if (r->pg.conninfo == NULL)
-		goto oom;
-	if (o.schema && o.schema[0])
-	{
-		r->pg.schema_opt = strdup(o.schema);
-		if (r->pg.schema_opt == NULL)
-			goto oom;
-	}
-	r->pg.trace = o.pg_trace;
-	r->pg.named_opt = o.prepared_statements;
-	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
-	r->retention_ms = o.retention_ms;
-	r->lookup_first = o.lookup_first;
-	r->notice = o.notice;
-	r->notice_arg = o.notice_arg;
-	idem_trust_init(&r->trust);
-	if (o.valkey_connect_timeout_ms <= 0)
-		o.valkey_connect_timeout_ms = 200;
-	if (o.valkey_command_timeout_ms <= 0)
-		o.valkey_command_timeout_ms = 200;
-	if (o.valkey_retry_ms < 0)
-		o.valkey_retry_ms = 1000;
-
-	if (pg_conninfo == NULL)
-	{
-		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
-	}
-	else if (o.retention_ms < 0)
-	{
-		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
-					 "retention_ms must not be negative");
-	}
-	else if (o.valkey_prefix && !prefix_ok(o.valkey_prefix))
-	{
-		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
-					 "valkey_prefix must be at most %d printable ASCII characters without spaces",
-					 IDEM_CACHE_PREFIX_MAX);
-	}
-	else if (valkey_host && (valkey_port <= 0 || valkey_port > 65535))
-	{
-		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
-					 "valkey_port %d is out of range", valkey_port);
-	}
-	if (r->broken)
-		return r;
-
-	if (valkey_host && valkey_host[0])
-	{
-		r->gate = idem_gate_new(valkey_host, valkey_port, o.valkey_password,
-								o.valkey_db, o.valkey_connect_timeout_ms,
-								o.valkey_command_timeout_ms,
-								o.valkey_retry_ms);
-		if (r->gate == NULL ||
-			idem_gate_set_cluster(r->gate, o.valkey_nodes,
-								  o.valkey_cluster) != 0)
-			goto oom;
-		idem_gate_connect(r->gate);
-	}
-	{
-		int			fresh;
-
-		/* a server that is down is not an error here */
-		if (idem_pg_ensure(&r->pg, &fresh, r->errmsg, sizeof(r->errmsg)) == 0)
-			r->errmsg[0] = '\0';
-	}
-	return r;
-
-oom:
-	idem_runner_close(r);
-	return NULL;
-}
-
-void
-idem_runner_close(idem_runner *r)
-{
-	if (r == NULL)
-		return;
-	idem_pg_close(&r->pg);
-	idem_gate_free(r->gate);
-	idem_trust_clear(&r->trust);
-	free(r);
-}
-
-const char *
-idem_runner_error_message(const idem_runner *r)
-{
-	return r ? r->errmsg : "runner is NULL";
-}
-
-void
-idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
-{
-	if (out == NULL)
-		return;
-	memset(out, 0, sizeof(*out));
-	if (r == NULL)
-		return;
-	*out = r->stats;
-	out->pg_round_trips = r->pg.round_trips;
-	out->pg_connects = r->pg.connects;
-	out->valkey_round_trips = idem_gate_round_trips(r->gate);
-	out->valkey_connects = idem_gate_connects(r->gate);
-	out->cache_rejected = r->trust.rejected;
-	idem_gate_cluster_stats(r->gate, &out->valkey_redirects,
-							&out->valkey_map_refreshes,
-							&out->valkey_node_errors);
-}
+/* ---- names ---- */
 
 const char *
 idem_status_name(idem_status s)

@@ -1,0 +1,171 @@
+/*
+ * lifecycle.c
+ *	  A runner's life: its options, opening it (and the first connect to
+ *	  both servers, neither of which has to be up), closing it, its last
+ *	  error and its counters.  What a run does with it is in runner.c; the
+ *	  connections themselves are kept by pg.c and gate.c, which reconnect
+ *	  on the next run after a failure.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- options ---- */
+
+void
+idem_options_init(idem_options *o)
+{
+	if (o == NULL)
+		return;
+	memset(o, 0, sizeof(*o));
+	o->valkey_connect_timeout_ms = 200;
+	o->valkey_command_timeout_ms = 200;
+	o->valkey_retry_ms = 1000;
+	o->lease_ms = 30000;
+	o->retention_ms = 0;
+	o->cache_results = 1;		/* ignored since 0.3: the worker copies */
+	o->lookup_first = 1;
+	o->prepared_statements = -1;
+}
+
+static int
+prefix_ok(const char *p)
+{
+	size_t		n = strlen(p);
+	size_t		i;
+
+	if (n > IDEM_CACHE_PREFIX_MAX)
+		return 0;
+	for (i = 0; i < n; i++)
+		if (p[i] <= ' ' || p[i] > '~')
+			return 0;
+	return 1;
+}
+
+idem_runner *
+idem_runner_open(const char *pg_conninfo, const char *valkey_host,
+				 int valkey_port, const idem_options *opts)
+{
+	idem_options o;
+	idem_runner *r = calloc(1, sizeof(idem_runner));
+
+	if (r == NULL)
+		return NULL;
+	if (opts)
+		o = *opts;
+	else
+		idem_options_init(&o);
+	idem_pg_init(&r->pg);
+	r->pg.conninfo = strdup(pg_conninfo ? pg_conninfo : "");
+	if (r->pg.conninfo == NULL)
+		goto oom;
+	if (o.schema && o.schema[0])
+	{
+		r->pg.schema_opt = strdup(o.schema);
+		if (r->pg.schema_opt == NULL)
+			goto oom;
+	}
+	r->pg.trace = o.pg_trace;
+	r->pg.named_opt = o.prepared_statements;
+	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
+	r->retention_ms = o.retention_ms;
+	r->lookup_first = o.lookup_first;
+	r->notice = o.notice;
+	r->notice_arg = o.notice_arg;
+	idem_trust_init(&r->trust);
+	if (o.valkey_connect_timeout_ms <= 0)
+		o.valkey_connect_timeout_ms = 200;
+	if (o.valkey_command_timeout_ms <= 0)
+		o.valkey_command_timeout_ms = 200;
+	if (o.valkey_retry_ms < 0)
+		o.valkey_retry_ms = 1000;
+
+	if (pg_conninfo == NULL)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
+	}
+	else if (o.retention_ms < 0)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "retention_ms must not be negative");
+	}
+	else if (o.valkey_prefix && !prefix_ok(o.valkey_prefix))
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "valkey_prefix must be at most %d printable ASCII characters without spaces",
+					 IDEM_CACHE_PREFIX_MAX);
+	}
+	else if (valkey_host && (valkey_port <= 0 || valkey_port > 65535))
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "valkey_port %d is out of range", valkey_port);
+	}
+	if (r->broken)
+		return r;
+
+	if (valkey_host && valkey_host[0])
+	{
+		r->gate = idem_gate_new(valkey_host, valkey_port, o.valkey_password,
+								o.valkey_db, o.valkey_connect_timeout_ms,
+								o.valkey_command_timeout_ms,
+								o.valkey_retry_ms);
+		if (r->gate == NULL ||
+			idem_gate_set_cluster(r->gate, o.valkey_nodes,
+								  o.valkey_cluster) != 0)
+			goto oom;
+		idem_gate_connect(r->gate);
+	}
+	{
+		int			fresh;
+
+		/* a server that is down is not an error here */
+		if (idem_pg_ensure(&r->pg, &fresh, r->errmsg, sizeof(r->errmsg)) == 0)
+			r->errmsg[0] = '\0';
+	}
+	return r;
+
+oom:
+	idem_runner_close(r);
+	return NULL;
+}
+
+void
+idem_runner_close(idem_runner *r)
+{
+	if (r == NULL)
+		return;
+	idem_pg_close(&r->pg);
+	idem_gate_free(r->gate);
+	idem_trust_clear(&r->trust);
+	free(r);
+}
+
+const char *
+idem_runner_error_message(const idem_runner *r)
+{
+	return r ? r->errmsg : "runner is NULL";
+}
+
+void
+idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
+{
+	if (out == NULL)
+		return;
+	memset(out, 0, sizeof(*out));
+	if (r == NULL)
+		return;
+	*out = r->stats;
+	out->pg_round_trips = r->pg.round_trips;
+	out->pg_connects = r->pg.connects;
+	out->valkey_round_trips = idem_gate_round_trips(r->gate);
+	out->valkey_connects = idem_gate_connects(r->gate);
+	out->cache_rejected = r->trust.rejected;
+	idem_gate_cluster_stats(r->gate, &out->valkey_redirects,
+							&out->valkey_map_refreshes,
+							&out->valkey_node_errors);
+}
