@@ -57,7 +57,7 @@ all install installcheck:
 	@exit 1
 endif
 
-# make install also installs the client library (libidemclient.so.0,
+# make install also installs the client library (libidemclient.so.1,
 # idem_client.h, idemclient.pc) under CLIENT_PREFIX; NO_CLIENT=1 skips it.
 CLIENT_PREFIX ?= /usr/local
 .PHONY: install-client uninstall-client

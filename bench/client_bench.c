@@ -265,6 +265,7 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 
 		if (r == NULL || res == NULL)
 			return -1;
+		idem_result_init(res);
 		while (now_s() < end)
 		{
 			int64_t		tenant;

@@ -11,6 +11,7 @@
  *	  idem_runner *r = idem_runner_open("dbname=app", "127.0.0.1", 6379, NULL);
  *	  idem_result res;
  *
+ *	  idem_result_init(&res);
  *	  idem_run(r, tenant_id, "billing.charge", run_id, request_json,
  *			   charge_handler, &ctx, &res);
  *	  switch (res.status) { case IDEM_APPLIED: ... case IDEM_BUSY: ... }
@@ -26,9 +27,16 @@
  *	- Either server may be down when the runner is opened or at any time
  *	  later: the runner reconnects on its next run.  Without Valkey it runs on
  *	  PostgreSQL alone (slower, still correct).
- *	- While it talks to Valkey the calling thread blocks SIGPIPE and discards
- *	  a SIGPIPE raised by a dead socket (as libpq does), so a Valkey crash
- *	  never kills the process.
+ *	- A Valkey crash never raises SIGPIPE: commands are sent with
+ *	  send(MSG_NOSIGNAL).  Only while hiredis connects (its own writes) does
+ *	  the calling thread block SIGPIPE and discard one raised meanwhile, as
+ *	  libpq does; the process's signal handling is left alone otherwise.
+ *	- The structs the caller allocates (idem_options, idem_result,
+ *	  idem_runner_stats) begin with struct_size, set by their _init
+ *	  function, which the library checks: new fields are only ever added at
+ *	  the end, so a program built against an older idem_client.h keeps
+ *	  working with a newer library of the same soname.  Always call the
+ *	  _init function before use.
  *
  *-------------------------------------------------------------------------
  */
@@ -45,20 +53,31 @@
 extern "C" {
 #endif
 
-#define IDEM_CLIENT_VERSION		"0.1"
+/*
+ * The version of this header: IDEM_CLIENT_VERSION_NUM is major * 10000 +
+ * minor * 100 + patch (as PG_VERSION_NUM), for #if tests.
+ * idem_client_version() returns the number of the library actually loaded.
+ */
+#define IDEM_CLIENT_VERSION		"0.3.0"
+#define IDEM_CLIENT_VERSION_NUM	300
 #define IDEM_DIGEST_BYTES		32
 /* Longest outcome or failure detail: canonical JSON text, in bytes. */
 #define IDEM_OUTCOME_MAX_BYTES	4096
 
 typedef struct idem_runner idem_runner;
 
+/* IDEM_CLIENT_VERSION_NUM of the library loaded at run time. */
+int			idem_client_version(void);
+
 /*
  * Options of a runner.  Initialise with idem_options_init() and change what
  * you need; a NULL idem_options * means all defaults.  The strings are copied
- * by idem_runner_open().
+ * by idem_runner_open().  Options not initialised with idem_options_init()
+ * (a wrong struct_size) make every run fail with IDEM_ERR_ARGUMENT.
  */
 typedef struct idem_options
 {
+	size_t		struct_size;	/* set by idem_options_init() */
 	const char *schema;			/* schema of the extension; NULL: looked up
 								 * in pg_extension at each connect */
 	const char *valkey_prefix;	/* ignored since 0.3: the keyspace (the
@@ -243,9 +262,15 @@ typedef enum idem_error_code
 								 * lease may run it again */
 } idem_error_code;
 
-/* Filled by idem_run(); no allocation, nothing to free. */
+/*
+ * Filled by idem_run(); no allocation, nothing to free.  Initialise it once
+ * with idem_result_init(); it can then serve any number of runs.  A result
+ * not initialised (a wrong struct_size) is not written: idem_run() returns
+ * IDEM_ERROR and idem_runner_error_message() says why.
+ */
 typedef struct idem_result
 {
+	size_t		struct_size;	/* set by idem_result_init() */
 	idem_status status;
 	idem_source source;
 	int			attempt;		/* attempt that produced the outcome, or this
@@ -260,6 +285,8 @@ typedef struct idem_result
 	char		error_message[512];
 	int			valkey_used;	/* 1 if the Valkey gate answered this run */
 } idem_result;
+
+void		idem_result_init(idem_result *res);
 
 /*
  * Run handler once for (task_scope, id) of tenant tenant_id (idem_run) or of
@@ -281,9 +308,14 @@ idem_status idem_run_platform(idem_runner *runner,
 const char *idem_status_name(idem_status status);	/* "applied", ... */
 const char *idem_source_name(idem_source source);	/* "valkey", ... */
 
-/* Counters of a runner, for tests and monitoring. */
+/*
+ * Counters of a runner, for tests and monitoring.  Initialise with
+ * idem_runner_stats_init(); idem_runner_get_stats() leaves a struct with a
+ * wrong struct_size alone.
+ */
 typedef struct idem_runner_stats
 {
+	size_t		struct_size;	/* set by idem_runner_stats_init() */
 	long		runs;
 	long		pg_round_trips; /* waits for PostgreSQL, handler excluded */
 	long		pg_connects;
@@ -300,6 +332,7 @@ typedef struct idem_runner_stats
 	long		valkey_node_errors; /* failed connects/exchanges with a node */
 } idem_runner_stats;
 
+void		idem_runner_stats_init(idem_runner_stats *stats);
 void		idem_runner_get_stats(const idem_runner *runner,
 								  idem_runner_stats *out);
 

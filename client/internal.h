@@ -228,6 +228,15 @@ int			idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
 
 /* ---- the runner: lifecycle.c opens and closes it, runner.c runs it ---- */
 
+/*
+ * The caller-allocated structs start with struct_size, set by their _init
+ * function.  This library accepts exactly its own sizes.  A later version
+ * that appends fields keeps accepting the sizes of earlier layouts (from
+ * 0.3 on), filling only the fields they have, so that programs built
+ * against an older idem_client.h keep working without a new soname.
+ */
+#define IDEM_STRUCT_SIZE_OK(p, type)	((p)->struct_size == sizeof(type))
+
 struct idem_runner
 {
 	idem_pg		pg;

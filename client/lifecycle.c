@@ -11,6 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+int
+idem_client_version(void)
+{
+	return IDEM_CLIENT_VERSION_NUM;
+}
+
 /* ---- options ---- */
 
 void
@@ -19,6 +25,7 @@ idem_options_init(idem_options *o)
 	if (o == NULL)
 		return;
 	memset(o, 0, sizeof(*o));
+	o->struct_size = sizeof(idem_options);
 	o->valkey_connect_timeout_ms = 200;
 	o->valkey_command_timeout_ms = 200;
 	o->valkey_retry_ms = 1000;
@@ -48,11 +55,13 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 				 int valkey_port, const idem_options *opts)
 {
 	idem_options o;
+	int			opts_ok = opts == NULL || IDEM_STRUCT_SIZE_OK(opts, idem_options);
 	idem_runner *r = calloc(1, sizeof(idem_runner));
 
 	if (r == NULL)
 		return NULL;
-	if (opts)
+	r->stats.struct_size = sizeof(idem_runner_stats);
+	if (opts && opts_ok)
 		o = *opts;
 	else
 		idem_options_init(&o);
@@ -81,7 +90,14 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	if (o.valkey_retry_ms < 0)
 		o.valkey_retry_ms = 1000;
 
-	if (pg_conninfo == NULL)
+	if (!opts_ok)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "options were not initialised by idem_options_init() of this library (struct_size %zu, expected %zu)",
+					 opts->struct_size, sizeof(idem_options));
+	}
+	else if (pg_conninfo == NULL)
 	{
 		r->broken = 1;
 		idem_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
@@ -152,11 +168,20 @@ idem_runner_error_message(const idem_runner *r)
 }
 
 void
+idem_runner_stats_init(idem_runner_stats *st)
+{
+	if (st == NULL)
+		return;
+	memset(st, 0, sizeof(*st));
+	st->struct_size = sizeof(idem_runner_stats);
+}
+
+void
 idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 {
-	if (out == NULL)
+	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out, idem_runner_stats))
 		return;
-	memset(out, 0, sizeof(*out));
+	idem_runner_stats_init(out);
 	if (r == NULL)
 		return;
 	*out = r->stats;

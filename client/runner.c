@@ -858,6 +858,15 @@ pg_step(run_state *s, const char *scope, const char *id,
 	return s->out->status;
 }
 
+void
+idem_result_init(idem_result *res)
+{
+	if (res == NULL)
+		return;
+	memset(res, 0, sizeof(*res));
+	res->struct_size = sizeof(idem_result);
+}
+
 static idem_status
 run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	const char *id, const char *request_json, idem_handler_fn handler,
@@ -869,7 +878,16 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 
 	if (out == NULL)
 		return IDEM_ERROR;
-	memset(out, 0, sizeof(*out));
+	if (!IDEM_STRUCT_SIZE_OK(out, idem_result))
+	{
+		/* its size is unknown: write nothing into it */
+		if (r)
+			idem_set_err(r->errmsg, sizeof(r->errmsg),
+						 "result was not initialised by idem_result_init() of this library (struct_size %zu, expected %zu)",
+						 out->struct_size, sizeof(idem_result));
+		return IDEM_ERROR;
+	}
+	idem_result_init(out);
 	memset(&s, 0, sizeof(s));
 	s.r = r;
 	s.out = out;

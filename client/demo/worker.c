@@ -257,6 +257,9 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	ADD(deliveries, 1);
 	if (m->redelivered)
 		ADD(redeliveries, 1);
+	idem_result_init(&res);
+	idem_runner_stats_init(&before);
+	idem_runner_stats_init(&after);
 	idem_runner_get_stats(runner, &before);
 	if (strcmp(m->kind, "maintenance.purge") == 0)
 		idem_run_platform(runner, m->kind, m->run_id, m->request,

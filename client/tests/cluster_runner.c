@@ -56,6 +56,7 @@ main(int argc, char **argv)
 		char		id[32];
 		idem_result res;
 
+		idem_result_init(&res);
 		snprintf(id, sizeof(id), "%d", i);
 		idem_run(r, 1, argv[6], id, "{}", handler, NULL, &res);
 		printf("run %s %s %s %d\n", id, idem_status_name(res.status),
@@ -63,6 +64,7 @@ main(int argc, char **argv)
 		if (res.status == IDEM_ERROR)
 			fprintf(stderr, "run %s: %s\n", id, res.error_message);
 	}
+	idem_runner_stats_init(&st);
 	idem_runner_get_stats(r, &st);
 	printf("stats redirects=%ld refreshes=%ld node_errors=%ld skipped=%ld connects=%ld\n",
 		   st.valkey_redirects, st.valkey_map_refreshes, st.valkey_node_errors,

@@ -1243,6 +1243,7 @@ handler(PGconn *conn, idem_call *call, void *ud)
 			(void) vk;
 			sleep_ms(h->dup_after_ms);
 			idem_options_init(&o);
+			idem_result_init(&res);
 			o.lease_ms = 300;
 			memset(&h2, 0, sizeof(h2));
 			r2 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o);
@@ -1469,6 +1470,7 @@ rt_mark(rt *m)
 {
 	idem_runner_stats st;
 
+	idem_runner_stats_init(&st);
 	idem_runner_get_stats(R, &st);
 	m->pg = PP.bursts;
 	m->vk = VP.bursts;
@@ -1537,6 +1539,7 @@ cmd_scenario(void)
 	snprintf(tracepath, sizeof(tracepath), "%s/pgtrace.txt", getenv("IDEM_TEST_WORKDIR") ? getenv("IDEM_TEST_WORKDIR") : "/tmp");
 	trace = fopen(tracepath, "w+");
 	idem_options_init(&o);
+	idem_result_init(&res);
 	o.lease_ms = 1000;
 	o.valkey_retry_ms = 200;
 	o.valkey_command_timeout_ms = E.slow ? 2000 : 200;
@@ -1763,6 +1766,8 @@ cmd_scenario(void)
 		/* Valkey configured on a port nobody listens on: it rests after
 		 * the first failed connect */
 		idem_options_init(&od);
+		idem_runner_stats_init(&s0);
+		idem_runner_stats_init(&s1);
 		od.valkey_retry_ms = 60000;
 		RD = idem_runner_open(conninfo, "127.0.0.1", closed_port(), &od);
 		memset(&h, 0, sizeof(h));

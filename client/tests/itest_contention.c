@@ -222,6 +222,7 @@ worker(int idx)
 		wctx		c;
 		int			again = 0;
 
+		idem_result_init(&res);
 		head++;
 		if (now_ms() > deadline)
 			return 3;

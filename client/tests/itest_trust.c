@@ -144,6 +144,9 @@ test_values(idem_runner *R)
 	const char *req = "{\"amount\": 7}";
 	const char *forged_out = "{\"done\": \"forged\"}";
 
+	idem_result_init(&res);
+	idem_runner_stats_init(&st0);
+	idem_runner_stats_init(&st1);
 	fingerprint_of(req, fp, fph);
 	memset(other, 0xab, sizeof(other));
 	idem_cache_hex(oph, other, 32);
@@ -435,6 +438,7 @@ test_commit_unknown(void)
 	thctx		h;
 	char	   *st;
 
+	idem_result_init(&res);
 	if (cproxy_start(&p, E.pg_port) != 0)
 	{
 		tap_ok_ext(0, "COMMIT-dropping proxy starts");
@@ -485,6 +489,7 @@ timer_child(int fresh_runner, int bound_ms)
 	char		id[32];
 
 	idem_options_init(&o);
+	idem_result_init(&res);
 	o.valkey_command_timeout_ms = 200;
 	o.valkey_connect_timeout_ms = 200;
 	R = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o);
@@ -588,6 +593,7 @@ test_handler_ends_tx(idem_runner *R)
 		thctx		h;
 		char		id[32];
 
+		idem_result_init(&res);
 		snprintf(id, sizeof(id), "htx-%s", modes[i]);
 		memset(&h, 0, sizeof(h));
 		h.mode = modes[i];
@@ -639,6 +645,9 @@ test_no_grant(void)
 	snprintf(conninfo, sizeof(conninfo), "host=%s port=%d dbname=%s user=idem_nocache connect_timeout=5",
 			 E.pg_host, E.pg_port, E.dbname);
 	idem_options_init(&o);
+	idem_result_init(&res);
+	idem_result_init(&res2);
+	idem_runner_stats_init(&st);
 	o.notice = on_notice;
 	R = idem_runner_open(conninfo, "127.0.0.1", E.valkey_port, &o);
 	memset(&h, 0, sizeof(h));

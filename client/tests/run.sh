@@ -46,7 +46,7 @@ if [ "${1:-}" != "--inner" ]; then
 	chmod 755 "$work"
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
-		"$client/build/libidemclient.so.0" "$here/run.sh" "$work/bin/"
+		"$client/build/libidemclient.so.1" "$here/run.sh" "$work/bin/"
 	for b in unit itest; do
 		[ -x "$client/build-asan/$b" ] && cp "$client/build-asan/$b" "$work/bin/$b-asan"
 	done

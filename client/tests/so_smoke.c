@@ -33,6 +33,8 @@ main(void)
 	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", NULL, 0, &o);
 	tap_ok(r != NULL, "idem_runner_open without Valkey");
 	idem_runner_close(r);
+	tap_ok(idem_client_version() == IDEM_CLIENT_VERSION_NUM,
+		   "the library's version is the header's (%d)", idem_client_version());
 	tap_ok(dlsym(RTLD_DEFAULT, "idem_gate_enter") == NULL &&
 		   dlsym(RTLD_DEFAULT, "idem_sha256_init") == NULL &&
 		   dlsym(RTLD_DEFAULT, "idem_run") != NULL,

@@ -457,6 +457,36 @@ test_api_without_servers(void)
 	int			ran = 0;
 	idem_runner_stats st;
 
+	tap_ok(idem_client_version() == IDEM_CLIENT_VERSION_NUM,
+		   "idem_client_version() is IDEM_CLIENT_VERSION_NUM (%d)", idem_client_version());
+
+	/* structs not set up by their _init function are refused, not written */
+	memset(&res, 0, sizeof(res));
+	res.status = IDEM_APPLIED;
+	tap_ok(idem_run(NULL, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.status == IDEM_APPLIED && res.struct_size == 0,
+		   "idem_run with a result not from idem_result_init: error, result untouched");
+	memset(&o, 0, sizeof(o));
+	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", NULL, 0, &o);
+	tap_ok(r != NULL && strstr(idem_runner_error_message(r), "idem_options_init") != NULL,
+		   "options not from idem_options_init: the runner says so (%s)",
+		   r ? idem_runner_error_message(r) : "NULL");
+	idem_result_init(&res);
+	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_ARGUMENT && ran == 0,
+		   "... and every run is IDEM_ERR_ARGUMENT");
+	res.struct_size = sizeof(res) - 8;
+	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.struct_size == sizeof(res) - 8 && res.error_code == IDEM_ERR_ARGUMENT &&
+		   strstr(idem_runner_error_message(r), "idem_result_init") != NULL,
+		   "a result of another size is not written, the runner says why");
+	idem_runner_close(r);
+	memset(&st, 0xff, sizeof(st));
+	st.struct_size = 0;
+	idem_runner_get_stats(NULL, &st);
+	tap_ok(st.runs == -1, "idem_runner_get_stats leaves stats not from idem_runner_stats_init alone");
+
+	idem_result_init(&res);
 	tap_ok(idem_run(NULL, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
 		   res.error_code == IDEM_ERR_ARGUMENT, "idem_run(NULL runner) is an error");
 	tap_ok(idem_run(NULL, 1, "s", "i", "{}", never, &ran, NULL) == IDEM_ERROR,
@@ -489,6 +519,7 @@ test_api_without_servers(void)
 		   idem_run(r, 1, "s", "i", "{}", NULL, NULL, &res) == IDEM_ERROR &&
 		   idem_run_platform(r, "s", "\xff", "{}", never, &ran, &res) == IDEM_ERROR,
 		   "NULL scope, NULL handler, invalid UTF-8 id: IDEM_ERR_ARGUMENT");
+	idem_runner_stats_init(&st);
 	idem_runner_get_stats(r, &st);
 	tap_ok(st.runs == 5 && st.valkey_skipped >= 1, "stats count runs (%ld) and skipped gates (%ld)",
 		   st.runs, st.valkey_skipped);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The client as make install leaves it: a program built with nothing but
-# `pkg-config --cflags --libs idemclient` links libidemclient.so.0 by its
+# `pkg-config --cflags --libs idemclient` links libidemclient.so.1 by its
 # soname and computes the same key as SQL's idem_key.  TAP.
 #   IDEM_CLIENT_PREFIX  where make install put the client (the harness sets
 #                       it to the private PostgreSQL copy's usr/local)
@@ -42,11 +42,11 @@ ok $? "a program builds with \`pkg-config --cflags --libs idemclient\`"
 sed 's/^/# /' "$T/cc.err"
 
 soname=$(readelf -d "$prefix/lib/libidemclient.so" 2>/dev/null | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-[ "$soname" = libidemclient.so.0 ]
-ok $? "the installed library's soname is libidemclient.so.0 (got '$soname')"
+[ "$soname" = libidemclient.so.1 ]
+ok $? "the installed library's soname is libidemclient.so.1 (got '$soname')"
 needed=$(readelf -d "$T/app" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(libidemclient[^]]*\)\]/\1/p')
-[ "$needed" = libidemclient.so.0 ]
-ok $? "the program needs libidemclient.so.0 by soname (got '$needed')"
+[ "$needed" = libidemclient.so.1 ]
+ok $? "the program needs libidemclient.so.1 by soname (got '$needed')"
 
 out=$(LD_LIBRARY_PATH=$(pkg-config --variable=libdir idemclient) "$T/app" 2>&1)
 [ "$out" = 5c76c6f58eff897da07846a990b77e88e8a0d282df751a06dfd7653c771f32cd ]

@@ -53,6 +53,7 @@ main(int argc, char **argv)
 		return 2;
 	}
 	idem_options_init(&o);
+	idem_result_init(&res);
 	r = idem_runner_open(argv[1], "127.0.0.1", atoi(argv[2]), &o);
 	if (r == NULL)
 	{
