@@ -68,13 +68,15 @@ RELEASE before_complete;
 COMMIT;
 SELECT queued - :q0 AS queued FROM idem_stats();
 
--- PREPARE TRANSACTION with a result to copy is refused, and rolls back.
+-- Two-phase commit copies nothing: a result committed by COMMIT PREPARED
+-- is in the ledger and is not queued.
 BEGIN;
 SELECT decision FROM idem_claim(1, idem_key('s', '7'), idem_fingerprint('{}'));
 SELECT idem_complete(1, idem_key('s', '7'), '{}');
 PREPARE TRANSACTION 'idem_stats_prepared';
-SELECT count(*) AS rows_left FROM idem_lookup(1, idem_key('s', '7'));
--- Without one, PREPARE works.
+COMMIT PREPARED 'idem_stats_prepared';
+SELECT status FROM idem_lookup(1, idem_key('s', '7'));
+-- A claim alone: PREPARE writes its processing row.
 BEGIN;
 SELECT decision FROM idem_claim(1, idem_key('s', '8'), idem_fingerprint('{}'));
 PREPARE TRANSACTION 'idem_stats_prepared';

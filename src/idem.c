@@ -19,6 +19,7 @@
  */
 #include "idem.h"
 #include "ledger.h"
+#include "citus.h"
 
 #include "miscadmin.h"
 #include "utils/inval.h"
@@ -44,6 +45,7 @@ _PG_init(void)
 	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
+	CacheRegisterRelcacheCallback(idem_citus_relcache_cb, (Datum) 0);
 
 	if (process_shared_preload_libraries_in_progress)
 	{

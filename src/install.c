@@ -27,6 +27,7 @@
  */
 #include "idem.h"
 #include "ledger.h"
+#include "citus.h"
 
 #include "access/htup_details.h"
 #include "catalog/namespace.h"
@@ -51,7 +52,7 @@ PG_FUNCTION_INFO_V1(idem_install);
  */
 static void
 append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
-				  const char *unique_name, const char *fk_target)
+				  const char *unique_name, const char *fk_target, bool citus)
 {
 	const char *table = ledger_table_name(kind);
 	const char *qt = quote_identifier(table);
@@ -72,9 +73,10 @@ append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
 					 "  expires_at timestamptz NOT NULL,\n"
 					 "  created_at timestamptz NOT NULL DEFAULT clock_timestamp(),\n"
 					 "  updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),\n"
-					 "  CONSTRAINT %s_pkey PRIMARY KEY (id),\n"
+					 "  CONSTRAINT %s_pkey PRIMARY KEY (%sid),\n"
 					 "  CONSTRAINT %s UNIQUE (%sidempotency_key),\n",
-					 table, unique_name, tenant ? "tenant_id, " : "");
+					 table, citus && tenant ? "tenant_id, " : "",
+					 unique_name, tenant ? "tenant_id, " : "");
 	if (fk_target)
 		appendStringInfo(buf,
 						 "  CONSTRAINT %s_tenant_id_fkey FOREIGN KEY (tenant_id) REFERENCES %s (id),\n",
@@ -187,7 +189,7 @@ extension_owner(void)
  * idem_install creates.
  */
 static void
-check_adoptable(LedgerKind kind, Oid relid, Oid tenants)
+check_adoptable(LedgerKind kind, Oid relid, Oid tenants, bool citus)
 {
 	const char *table = ledger_table_name(kind);
 	Oid			owner = rel_owner(relid);
@@ -208,7 +210,7 @@ check_adoptable(LedgerKind kind, Oid relid, Oid tenants)
 
 	/* A reference copy in pg_temp, compared column by column, then gone. */
 	initStringInfo(&ddl);
-	append_ledger_ddl(&ddl, "pg_temp", kind, unique_names[kind], NULL);
+	append_ledger_ddl(&ddl, "pg_temp", kind, unique_names[kind], NULL, citus);
 	if (SPI_execute(ddl.data, false, 0) != SPI_OK_UTILITY)
 		elog(ERROR, "could not create the reference ledger");
 	ref = get_relname_relid(table, LookupExplicitNamespace("pg_temp", false));
@@ -339,6 +341,7 @@ idem_install(PG_FUNCTION_ARGS)
 	char	   *qregistry;
 	int			save_nestlevel;
 	int			kind;
+	bool		citus;
 
 	idem_require_arg(fcinfo, 0, "tenants");
 	tenants = PG_GETARG_OID(0);
@@ -360,6 +363,8 @@ idem_install(PG_FUNCTION_ARGS)
 
 	SPI_connect();
 	check_tenants_table(tenants);
+	/* tenants distributed with Citus: see idem_citus_distribute() */
+	citus = idem_citus_check_tenants(tenants);
 
 	for (kind = 0; kind < LEDGER_KINDS; kind++)
 	{
@@ -393,19 +398,32 @@ idem_install(PG_FUNCTION_ARGS)
 					 errhint("Rename it back to %s.%s.", nspname, table)));
 
 		if (OidIsValid(named))
-			check_adoptable((LedgerKind) kind, named, tenants);
+			check_adoptable((LedgerKind) kind, named, tenants, citus);
 		else
 		{
 			StringInfoData ddl;
+			char	   *qtenants = quote_qualified_identifier(get_namespace_name(get_rel_namespace(tenants)),
+																 get_rel_name(tenants));
 
 			initStringInfo(&ddl);
 			append_ledger_ddl(&ddl, nspname, (LedgerKind) kind, unique_names[kind],
-							  kind == LEDGER_TENANT ?
-							  quote_qualified_identifier(get_namespace_name(get_rel_namespace(tenants)),
-														 get_rel_name(tenants)) : NULL);
+							  kind == LEDGER_TENANT ? qtenants : NULL,
+							  citus);
 			if (SPI_execute(ddl.data, false, 0) != SPI_OK_UTILITY)
 				elog(ERROR, "could not create the idem ledger %s", table);
 			named = get_relname_relid(table, nsp);
+
+			/*
+			 * On Citus the tenant ledger is distributed by tenant_id,
+			 * co-located with tenants, and the tenant API delegated to
+			 * the tenant's worker.  Citus requires the distribution column
+			 * in every unique constraint, hence its primary key (tenant_id,
+			 * id) there: the one difference from SPEC 2.  The platform
+			 * ledger stays a local table of the coordinator.
+			 */
+			if (citus && kind == LEDGER_TENANT)
+				idem_citus_distribute(quote_qualified_identifier(nspname, table),
+									  qtenants, nsp);
 		}
 		if (qregistry)
 			registry_put(qregistry, (LedgerKind) kind, named);

@@ -481,7 +481,7 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	next = key_args(fcinfo, kind, &lk);
 	digest_arg(fcinfo, next, "fingerprint", fingerprint);
 	lease_end = deadline_arg(fcinfo, next + 1, "lease", idem_lease_ms, now);
-	store = ledger_store_open(cc->nsp, kind);
+	store = ledger_store_open_key(cc->nsp, &lk);
 
 	ledger_claim_key(store, &lk, fingerprint, now, lease_end, &ans);
 
@@ -531,7 +531,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("attempt must be positive, not %d", fence)));
 	}
-	ledger_settle_key(ledger_store_open(cc->nsp, kind), &lk, what, status,
+	ledger_settle_key(ledger_store_open_key(cc->nsp, &lk), &lk, what, status,
 					  outcome, outcome_text, retention_end, fence);
 }
 
@@ -630,7 +630,7 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		key_args(fcinfo, kind, &lk);
 		if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
 			elog(ERROR, "idem_lookup must return a composite type");
-		store = ledger_store_open(get_func_namespace(fcinfo->flinfo->fn_oid), kind);
+		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 		mine = pending_find(&lk);
 		if (mine)
 		{

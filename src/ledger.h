@@ -86,6 +86,7 @@ extern const char *ledger_table_name(LedgerKind kind);
 extern const char *ledger_kind_name(LedgerKind kind);
 extern void ledger_store_relcache_cb(Datum arg, Oid relid);
 extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);
+extern LedgerStore *ledger_store_open_key(Oid nsp, const LedgerKey *lk);
 extern LedgerStore *ledger_store_for(LedgerKind kind, Oid relid);
 extern Oid	ledger_store_relid(const LedgerStore *store);
 extern bool ledger_probe(LedgerStore *store, const LedgerKey *lk,

@@ -28,6 +28,7 @@
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
+#include "citus.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"
@@ -38,6 +39,7 @@
 #include "access/xact.h"
 #include "catalog/pg_am.h"
 #include "catalog/pg_class.h"
+#include "catalog/dependency.h"
 #include "catalog/pg_constraint.h"
 #include "catalog/pg_index.h"
 #include "commands/defrem.h"
@@ -50,6 +52,8 @@
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
+#include "utils/hsearch.h"
+#include "utils/memutils.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/rls.h"
@@ -123,9 +127,40 @@ struct LedgerStore
 	AttrNumber	att[COL_COUNT];
 	SPIPlanPtr	plans[PLAN_COUNT];
 	Oid			plan_roles[PLAN_COUNT];	/* the role each was planned for */
+	/* On Citus (citus.c): */
+	bool		distributed;	/* the distributed ledger: purge only */
+	Oid			shard;			/* a shard of it: its table ... */
+	int64		shardid;		/* ... its shard id (name suffix) ... */
+	Oid			idseq;			/* ... and the sequence of its id */
 };
 
 static LedgerStore stores[LEDGER_KINDS];
+
+/*
+ * On Citus, one store per shard of the tenant ledger this backend used
+ * (keyed by the shard's table), and one standing for the distributed table
+ * itself, which only the purge uses.
+ */
+typedef struct CitusStore
+{
+	Oid			shard;			/* hash key */
+	LedgerStore store;
+} CitusStore;
+
+static HTAB *citus_stores = NULL;
+static LedgerStore distributed_store;
+
+static void
+store_invalidate(LedgerStore *store, Oid relid)
+{
+	if (!OidIsValid(relid) || relid == store->relid ||
+		relid == store->keyidx || relid == store->tenants_relid ||
+		relid == store->tenants_idx || relid == store->registry)
+	{
+		store->valid = false;
+		store->generation++;
+	}
+}
 
 static const char *const ledger_tables[LEDGER_KINDS] = {
 	"idempotency_keys", "platform_idempotency_keys"
@@ -167,21 +202,20 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 	int			i;
 
 	for (i = 0; i < LEDGER_KINDS; i++)
+		store_invalidate(&stores[i], relid);
+	if (citus_stores != NULL)
 	{
-		LedgerStore *store = &stores[i];
+		HASH_SEQ_STATUS seq;
+		CitusStore *entry;
 
-		if (!OidIsValid(relid) || relid == store->relid ||
-			relid == store->keyidx || relid == store->tenants_relid ||
-			relid == store->tenants_idx || relid == store->registry)
-		{
-			store->valid = false;
-			store->generation++;
-		}
+		hash_seq_init(&seq, citus_stores);
+		while ((entry = hash_seq_search(&seq)) != NULL)
+			store_invalidate(&entry->store, relid);
 	}
 }
 
 static SPIPlanPtr
-prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable)
+prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 {
 	const char *owner = owner_clause[kind];
 	char	   *sql;
@@ -192,11 +226,19 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable)
 	switch (id)
 	{
 		case PLAN_INSERT:
-			sql = psprintf("INSERT INTO %s (%sidempotency_key, request_fingerprint,"
+			/*
+			 * A Citus shard has no identity of its own: its id comes from
+			 * the identity sequence of the node's shell table, which Citus
+			 * gives a range of its own on each node.
+			 */
+			sql = psprintf("INSERT INTO %s (%s%sidempotency_key, request_fingerprint,"
 						   " status, attempt, outcome, expires_at)"
-						   " VALUES (%s$2, $3, $4, $5, $6, $7)",
+						   " VALUES (%s%s$2, $3, $4, $5, $6, $7)",
 						   qtable,
+						   OidIsValid(idseq) ? "id, " : "",
 						   kind == LEDGER_TENANT ? "tenant_id, " : "",
+						   OidIsValid(idseq) ?
+						   psprintf("pg_catalog.nextval(%u::pg_catalog.regclass), ", idseq) : "",
 						   kind == LEDGER_TENANT ? "$1, " : "");
 			types[2] = BYTEAOID;
 			types[3] = TEXTOID;
@@ -438,8 +480,11 @@ store_check(LedgerStore *store, Relation rel)
 		store->att[i] = attnum;
 	}
 
-	/* The unique index probed by key. */
-	conoid = get_relation_constraint_oid(RelationGetRelid(rel), ledger_unique[kind], true);
+	/* The unique index probed by key (on a Citus shard, its suffixed copy). */
+	conoid = get_relation_constraint_oid(RelationGetRelid(rel),
+										 store->shardid ?
+										 psprintf("%s_" INT64_FORMAT, ledger_unique[kind], store->shardid) :
+										 ledger_unique[kind], true);
 	if (OidIsValid(conoid))
 		store->keyidx = constraint_index(conoid);
 	if (kind == LEDGER_TENANT)
@@ -531,7 +576,8 @@ store_plan(LedgerStore *store, StorePlanId id)
 		store->plans[id] = NULL;
 		store->plans[id] = prepare_plan(store->kind, id,
 										quote_qualified_identifier(get_namespace_name(store->nsp),
-																   ledger_tables[store->kind]));
+																   get_rel_name(store->relid)),
+										store->idseq);
 		store->plan_roles[id] = role;
 	}
 	return store->plans[id];
@@ -560,7 +606,10 @@ store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
 	store->tenants_idx = InvalidOid;
 	generation = store->generation;
 
-	relid = ledger_relation_find(nsp, kind, &store->registry);
+	if (OidIsValid(store->shard))
+		relid = store->shard;	/* a Citus shard (store_open_shard) */
+	else
+		relid = ledger_relation_find(nsp, kind, &store->registry);
 	rel = try_relation_open(relid, AccessShareLock);
 	if (rel == NULL)
 		ereport(ERROR,
@@ -586,9 +635,8 @@ store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
  * the store is built again; once locked, nothing can drop them.
  */
 static LedgerStore *
-store_get(Oid nsp, LedgerKind kind)
+store_lock_valid(LedgerStore *store, Oid nsp, LedgerKind kind)
 {
-	LedgerStore *store = &stores[kind];
 	int			tries;
 
 	if (store->nsp != nsp)
@@ -615,14 +663,19 @@ store_get(Oid nsp, LedgerKind kind)
 	}
 }
 
+static LedgerStore *
+store_get(Oid nsp, LedgerKind kind)
+{
+	return store_lock_valid(&stores[kind], nsp, kind);
+}
+
 /*
  * The ledger of this kind in the extension's schema, ready for use by the
  * current role; ERROR when idem_install has not run.
  */
-LedgerStore *
-ledger_store_open(Oid nsp, LedgerKind kind)
+static LedgerStore *
+store_checked(LedgerStore *store, LedgerKind kind)
 {
-	LedgerStore *store = store_get(nsp, kind);
 	Oid			relid = store->relid;
 
 	/*
@@ -648,13 +701,117 @@ ledger_store_open(Oid nsp, LedgerKind kind)
 }
 
 /*
+ * The tenant ledger when it is a Citus distributed table (found by name:
+ * the registry is the coordinator's, and Citus's own catalog says what the
+ * table is), or InvalidOid.
+ */
+static Oid
+citus_ledger(Oid nsp, LedgerKind kind)
+{
+	Oid			relid;
+
+	if (kind != LEDGER_TENANT)
+		return InvalidOid;
+	relid = get_relname_relid(ledger_tables[kind], nsp);
+	return OidIsValid(relid) && idem_citus_distributed(relid) ? relid : InvalidOid;
+}
+
+/* The store of one local Citus shard of the tenant ledger, checked and locked. */
+static LedgerStore *
+store_open_shard(Oid nsp, Oid ledger, Oid shard, int64 shardid)
+{
+	CitusStore *entry;
+	bool		found;
+
+	if (citus_stores == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(Oid);
+		ctl.entrysize = sizeof(CitusStore);
+		ctl.hcxt = TopMemoryContext;
+		citus_stores = hash_create("idem Citus ledger shards", 16, &ctl,
+								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	entry = hash_search(citus_stores, &shard, HASH_ENTER, &found);
+	if (!found)
+	{
+		memset(&entry->store, 0, sizeof(LedgerStore));
+		entry->store.shard = shard;
+		entry->store.shardid = shardid;
+		entry->store.idseq = getIdentitySequence(ledger, get_attnum(ledger, "id"), false);
+	}
+	return store_lock_valid(&entry->store, nsp, LEDGER_TENANT);
+}
+
+/*
+ * The ledger of this kind in the extension's schema, ready for use by the
+ * current role; ERROR when idem_install has not run.  On Citus the tenant
+ * ledger's store stands for the distributed table and serves only the
+ * purge (ledger_purge); reading or writing a key needs its shard.
+ */
+LedgerStore *
+ledger_store_open(Oid nsp, LedgerKind kind)
+{
+	Oid			ledger = citus_ledger(nsp, kind);
+
+	if (OidIsValid(ledger))
+	{
+		distributed_store.relid = ledger;
+		distributed_store.kind = kind;
+		distributed_store.distributed = true;
+		return &distributed_store;
+	}
+	return store_checked(store_get(nsp, kind), kind);
+}
+
+/* The store that holds this key: on Citus, the tenant's local shard. */
+LedgerStore *
+ledger_store_open_key(Oid nsp, const LedgerKey *lk)
+{
+	Oid			ledger = citus_ledger(nsp, lk->kind);
+	int64		shardid;
+	Oid			shard;
+
+	if (!OidIsValid(ledger))
+		return ledger_store_open(nsp, lk->kind);
+	shard = idem_citus_local_shard(ledger, lk->tenant_id, &shardid);
+	return store_checked(store_open_shard(nsp, ledger, shard, shardid), lk->kind);
+}
+
+/*
+ * The store of a Citus distributed ledger stands for the whole table and
+ * serves only the purge.  The batch API, whose keys may belong to tenants
+ * on several workers, ends here.
+ */
+static void
+store_check_local(const LedgerStore *store)
+{
+	if (store->distributed)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("the idem batch API is not available for the tenant ledger on Citus"),
+				 errdetail("The keys of a batch may belong to tenants on different workers; idem reads and writes only the local shard of one tenant."),
+				 errhint("Call idem_claim and idem_complete per key: Citus delegates each call to the tenant's worker.")));
+}
+
+/*
  * The store a pending claim was made against (pre-commit has no fcinfo),
  * checked again: the ledger may have been altered since the claim.
  */
 LedgerStore *
 ledger_store_for(LedgerKind kind, Oid relid)
 {
-	LedgerStore *store = store_get(stores[kind].nsp, kind);
+	LedgerStore *store;
+
+	if (citus_stores != NULL)
+	{
+		CitusStore *entry = hash_search(citus_stores, &relid, HASH_FIND, NULL);
+
+		if (entry != NULL)
+			return store_lock_valid(&entry->store, entry->store.nsp, kind);
+	}
+	store = store_get(stores[kind].nsp, kind);
 
 	if (store->relid != relid)
 		ereport(ERROR,
@@ -791,6 +948,7 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	Relation	rel;
 	TupleTableSlot *slot;
 
+	store_check_local(store);
 	key_scankeys(lk, keys, &nkeys, (bytea *) keybuf);
 	slot = probe_unique(store->relid, store->keyidx, keys, nkeys, snapshot, &rel);
 	if (slot == NULL)
@@ -910,7 +1068,9 @@ ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 {
 	Datum		extra[5];
 
-	if (ledger_insert_direct(store->relid, lk, fingerprint, status, attempt,
+	store_check_local(store);
+	if (!OidIsValid(store->idseq) &&
+		ledger_insert_direct(store->relid, lk, fingerprint, status, attempt,
 							 outcome, expires_at))
 		return;
 	extra[0] = PointerGetDatum(ledger_digest_datum(fingerprint));
@@ -932,6 +1092,7 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 	bool		isnull;
 	bool		done;
 
+	store_check_local(store);
 	extra[0] = TimestampTzGetDatum(lease_end);
 	extra[1] = Int32GetDatum(seen->attempt);
 	extra[2] = CStringGetTextDatum(seen->status);
@@ -958,6 +1119,7 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
 	bool		isnull;
 	bool		done;
 
+	store_check_local(store);
 	extra[0] = CStringGetTextDatum(status);
 	extra[1] = outcome;
 	extra[2] = TimestampTzGetDatum(expires_at);
@@ -995,6 +1157,9 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 	values[1] = TimestampTzGetDatum(processing_before);
 	values[2] = Int32GetDatum(batch);
 	values[3] = TimestampTzGetDatum(finished_before);
+	if (store->distributed)
+		return idem_citus_purge(store->relid, terminal_before, processing_before,
+								finished_before, batch);
 	SPI_connect();
 	if (SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");

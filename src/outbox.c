@@ -13,9 +13,12 @@
  *	  - a subtransaction that aborts (ROLLBACK TO, an exception block) drops
  *		the copies made at its level and below; one that commits (RELEASE)
  *		hands them to its parent;
- *	  - PREPARE TRANSACTION with pending copies is refused (0A000): the copy
- *		would have to wait for COMMIT PREPARED, which may run in another
- *		session after a restart, and idem does not defer it;
+ *	  - a transaction committed in two phases (PREPARE TRANSACTION, as
+ *		Citus does for a handler that writes more than one node) copies
+ *		nothing: COMMIT PREPARED may run in another session, after a
+ *		restart, or never, and idem does not defer copies to it.
+ *		PostgreSQL stays the truth; a reader that misses the cache reads
+ *		the ledger and repopulates Valkey;
  *	  - at XACT_EVENT_COMMIT, which runs after the commit record is written,
  *		the copies move into the shared queue (outbox_ring.c), each marked
  *		with the end of the commit record (XactLastCommitEnd), and the
@@ -90,18 +93,6 @@ idem_outbox_xact_event(XactEvent event)
 
 	switch (event)
 	{
-		case XACT_EVENT_PRE_PREPARE:
-			if (pending_records == NIL)
-				break;			/* only dropped copies: nothing to defer */
-			ereport(ERROR,
-					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-					 errmsg("cannot PREPARE a transaction that completed or failed an idem key"),
-					 errdetail_plural("The transaction queued %d result for the Valkey cache; idem copies results when a transaction commits, not at COMMIT PREPARED.",
-									  "The transaction queued %d results for the Valkey cache; idem copies results when a transaction commits, not at COMMIT PREPARED.",
-									  list_length(pending_records),
-									  list_length(pending_records)),
-					 errhint("Call idem_complete() and idem_fail() in a transaction that is committed directly, not with PREPARE TRANSACTION.")));
-			break;
 		case XACT_EVENT_COMMIT:
 			/* The commit record is written: no ERROR from here on. */
 			outbox_set_lsn();
@@ -109,8 +100,9 @@ idem_outbox_xact_event(XactEvent event)
 			idem_stats_add(IDEM_STAT_DROPPED, pending_dropped);
 			outbox_pending_reset();
 			break;
-		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PREPARE:
+			/* Two-phase commit: no copy (see the header comment). */
+		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PARALLEL_ABORT:
 			outbox_pending_reset();

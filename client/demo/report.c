@@ -247,11 +247,12 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 	extra_rows = v[1];
 	q_ints(conn,
 		   "SELECT count(*) FROM idem_demo.expected e WHERE should_apply AND NOT EXISTS "
-		   "(SELECT 1 FROM idem_demo.transfers t WHERE t.task_key = e.task_key)", v, 1);
+		   "(SELECT 1 FROM idem_demo.transfers t WHERE t.tenant_id = e.tenant_id AND t.task_key = e.task_key)", v, 1);
 	missing = v[0];
 	q_ints(conn,
 		   "SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS "
-		   "(SELECT 1 FROM idem_demo.expected e WHERE e.task_key = t.task_key AND e.should_apply)",
+		   "(SELECT 1 FROM idem_demo.expected e WHERE e.tenant_id = t.tenant_id AND e.task_key = t.task_key"
+		   " AND e.should_apply)",
 		   v, 1);
 	unexpected = v[0];
 	verdict(doubled_keys == 0 && missing == 0 && unexpected == 0 &&
@@ -267,12 +268,12 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 		show_rows(conn, "never applied",
 				  "SELECT task_key, tenant_id, from_account, to_account, amount FROM idem_demo.expected e "
 				  "WHERE should_apply AND NOT EXISTS (SELECT 1 FROM idem_demo.transfers t "
-				  "WHERE t.task_key = e.task_key) LIMIT 5");
+				  "WHERE t.tenant_id = e.tenant_id AND t.task_key = e.task_key) LIMIT 5");
 	(void) extra_rows;
 
 	q_ints(conn,
 		   "SELECT count(*) FROM idem_demo.transfers t JOIN idem_demo.expected e "
-		   "ON e.task_key = t.task_key WHERE NOT e.should_apply", v, 1);
+		   "ON e.tenant_id = t.tenant_id AND e.task_key = t.task_key WHERE NOT e.should_apply", v, 1);
 	verdict(v[0] == 0, "frozen accounts: %ld tasks refused for good, %ld of them applied",
 			expected_frozen, v[0]);
 

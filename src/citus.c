@@ -1,0 +1,311 @@
+/*-------------------------------------------------------------------------
+ *
+ * citus.c
+ *	  idem on Citus: whether a table is distributed, the local shard that
+ *	  holds a tenant's keys, the Citus half of idem_install, and the purge
+ *	  of every shard.  idem does not link against Citus: everything here
+ *	  goes through Citus's catalog tables and SQL functions, and only when
+ *	  they exist (pg_catalog.pg_dist_partition), so plain PostgreSQL never
+ *	  runs any of it.
+ *
+ *	  On Citus the tenant ledger is distributed by tenant_id and co-located
+ *	  with tenants, and the tenant API functions are distributed by their
+ *	  tenant_id argument with force_delegation: Citus runs the call in the
+ *	  worker backend that holds the tenant's shard, inside the handler's
+ *	  distributed transaction.  There idem reads and writes the shard
+ *	  itself (idempotency_keys_<shardid>, with its FK to the co-located
+ *	  tenants shard), exactly as it does the single-node ledger: key lock,
+ *	  probes, direct write, commit hook and Valkey copy all run in that
+ *	  backend.  The distributed table on the coordinator and the shell
+ *	  tables on workers are never read or written by idem: a call that
+ *	  reaches a node without an active placement of the shard fails.
+ *
+ *	  Locking: before resolving the shard, a call takes Citus's own shard
+ *	  metadata lock (advisory class 4) in ShareLock, as Citus's executor
+ *	  does for a write; a shard move or split takes it in ExclusiveLock on
+ *	  every node before its final catch-up, so a move waits for running
+ *	  handler transactions, and a call arriving meanwhile waits for the
+ *	  move and then finds the shard gone (an error: the caller retries and
+ *	  Citus delegates to the new node).  Nothing is lost or written twice.
+ *
+ *	  Cached state: whether a ledger is distributed is remembered per
+ *	  relation and forgotten by a relcache callback (Citus invalidates the
+ *	  relation when its distribution changes).  Shard ids are resolved
+ *	  per call, through SPI; nothing about placements is cached.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "idem.h"
+#include "citus.h"
+
+#include "access/xact.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_namespace.h"
+#include "catalog/pg_type.h"
+#include "executor/spi.h"
+#include "lib/stringinfo.h"
+#include "miscadmin.h"
+#include "storage/lock.h"
+#include "utils/builtins.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/timestamp.h"
+
+/* Citus's advisory lock class for shard metadata (resource_lock.h). */
+#define CITUS_LOCKTAG_SHARD_METADATA	4
+
+/* The last relation asked about, and the answer. */
+static Oid	dist_relid = InvalidOid;
+static bool dist_answer = false;
+
+static SPIPlanPtr shard_plan = NULL;
+
+/* Registered by _PG_init. */
+void
+idem_citus_relcache_cb(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == dist_relid)
+		dist_relid = InvalidOid;
+}
+
+/* Citus is loaded and created in this database. */
+static bool
+citus_present(void)
+{
+	return OidIsValid(get_relname_relid("pg_dist_partition", PG_CATALOG_NAMESPACE));
+}
+
+/*
+ * The distribution method of a Citus table ('h' hash, 'n' reference or
+ * local, ...), or 0 for a table Citus does not know; *distcol receives
+ * the name of the hash distribution column.
+ */
+static char
+citus_partmethod(Oid relid, char **distcol)
+{
+	Datum		arg = ObjectIdGetDatum(relid);
+	Oid			argtype = OIDOID;
+	char		method = 0;
+	bool		isnull;
+
+	if (!citus_present())
+		return 0;
+	SPI_connect();
+	if (SPI_execute_with_args("SELECT partmethod::text,"
+							  " CASE WHEN partmethod OPERATOR(pg_catalog.=) 'h'"
+							  " THEN pg_catalog.column_to_column_name(logicalrelid, partkey) END"
+							  " FROM pg_catalog.pg_dist_partition WHERE logicalrelid OPERATOR(pg_catalog.=) $1",
+							  1, &argtype, &arg, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read pg_dist_partition");
+	if (SPI_processed > 0)
+	{
+		char	   *m = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
+		char	   *col = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2);
+
+		method = m ? m[0] : 0;
+		if (distcol)
+			*distcol = col ? MemoryContextStrdup(CurrentMemoryContext, col) : NULL;
+		(void) isnull;
+	}
+	SPI_finish();
+	if (distcol && method == 0)
+		*distcol = NULL;
+	return method;
+}
+
+bool
+idem_citus_distributed(Oid relid)
+{
+	if (relid != dist_relid)
+	{
+		bool		answer = citus_partmethod(relid, NULL) == 'h';
+
+		dist_answer = answer;
+		dist_relid = relid;
+	}
+	return dist_answer;
+}
+
+/*
+ * The local shard of the distributed ledger that holds tenant_id; ERROR
+ * when this node has no active placement of it.  *shardid receives the
+ * shard's id, which suffixes the shard's table and constraint names.
+ */
+Oid
+idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
+{
+	Datum		args[2];
+	Oid			argtypes[2] = {REGCLASSOID, INT8OID};
+	bool		isnull;
+	bool		local;
+	int64		id;
+	LOCKTAG		tag;
+	char	   *shardname;
+	Oid			shard;
+
+	args[0] = ObjectIdGetDatum(relid);
+	args[1] = Int64GetDatum(tenant_id);
+	SPI_connect();
+	if (shard_plan == NULL)
+	{
+		SPIPlanPtr	plan = SPI_prepare("SELECT pg_catalog.get_shard_id_for_distribution_column($1, $2)",
+									   2, argtypes);
+
+		if (plan == NULL)
+			elog(ERROR, "could not prepare the Citus shard lookup: %s",
+				 SPI_result_code_string(SPI_result));
+		SPI_keepplan(plan);
+		shard_plan = plan;
+	}
+	if (SPI_execute_plan(shard_plan, args, NULL, true, 1) != SPI_OK_SELECT ||
+		SPI_processed != 1)
+		elog(ERROR, "could not find the Citus shard of tenant " INT64_FORMAT, tenant_id);
+	id = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
+									 &isnull));
+	if (isnull)
+		elog(ERROR, "could not find the Citus shard of tenant " INT64_FORMAT, tenant_id);
+
+	/*
+	 * Hold off shard moves (they take this in ExclusiveLock on every node)
+	 * until the transaction ends, then look at the placement: a move that
+	 * finished meanwhile has taken it away.
+	 */
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (id >> 32), (uint32) id,
+						 CITUS_LOCKTAG_SHARD_METADATA);
+	(void) LockAcquire(&tag, ShareLock, false, false);
+
+	args[0] = Int64GetDatum(id);
+	argtypes[0] = INT8OID;
+	if (SPI_execute_with_args("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_placement p"
+							  " WHERE p.shardid OPERATOR(pg_catalog.=) $1"
+							  " AND p.shardstate OPERATOR(pg_catalog.=) 1"
+							  " AND p.groupid OPERATOR(pg_catalog.=) (SELECT groupid FROM pg_catalog.pg_dist_local_group))",
+							  1, argtypes, args, NULL, false, 1) != SPI_OK_SELECT ||
+		SPI_processed != 1)
+		elog(ERROR, "could not read the placement of Citus shard " INT64_FORMAT, id);
+	local = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
+									   &isnull));
+	SPI_finish();
+
+	shardname = psprintf("%s_" INT64_FORMAT, get_rel_name(relid), id);
+	shard = local ? get_relname_relid(shardname, get_rel_namespace(relid)) : InvalidOid;
+	if (!OidIsValid(shard))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the idem ledger shard of tenant " INT64_FORMAT " is not on this node", tenant_id),
+				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it.",
+						   shardname),
+				 errhint("Call the function as a statement of its own, SELECT idem_claim(...) or SELECT * FROM idem_claim(...), with tenant_id a constant or a parameter, so that Citus delegates it; not from a PL/pgSQL expression, a subquery or an INSERT ... SELECT.")));
+	*shardid = id;
+	return shard;
+}
+
+/*
+ * idem_install on a coordinator whose tenants table is distributed: the
+ * tenants table must be hash-distributed by id.  Returns false when
+ * tenants is not a Citus table (plain PostgreSQL), true when the tenant
+ * ledger is to be distributed.
+ */
+bool
+idem_citus_check_tenants(Oid tenants)
+{
+	char	   *distcol = NULL;
+	char		method = citus_partmethod(tenants, &distcol);
+
+	if (method == 0)
+		return false;
+	if (method != 'h' || distcol == NULL || strcmp(distcol, "id") != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("table \"%s\" is a Citus table not distributed by \"id\"",
+						get_rel_name(tenants)),
+				 errdetail("On Citus, idem distributes its tenant ledger by tenant_id, co-located with tenants, which must be hash-distributed by id."),
+				 errhint("SELECT create_distributed_table('%s', 'id'), then idem_install.",
+						 get_rel_name(tenants))));
+	return true;
+}
+
+/*
+ * Distribute the tenant ledger (just created, its primary key made
+ * (tenant_id, id) because Citus requires the distribution column in every
+ * unique constraint) co-located with tenants, and the tenant API by its
+ * tenant_id argument with force_delegation.  Runs inside idem_install's
+ * SPI connection and search_path.
+ */
+void
+idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
+{
+	StringInfoData sql;
+
+	initStringInfo(&sql);
+	appendStringInfo(&sql,
+					 "SELECT pg_catalog.create_distributed_table(%s, 'tenant_id',"
+					 " colocate_with => %s)",
+					 quote_literal_cstr(qledger), quote_literal_cstr(qtenants));
+	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not distribute the idem tenant ledger");
+
+	resetStringInfo(&sql);
+	appendStringInfo(&sql,
+					 "SELECT pg_catalog.create_distributed_function(p.oid::pg_catalog.regprocedure,"
+					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
+					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
+					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup}')",
+					 quote_literal_cstr(qledger), nsp);
+	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed != 4)
+		elog(ERROR, "could not distribute the idem tenant functions");
+}
+
+/*
+ * Delete up to batch expired rows from every shard of the distributed
+ * tenant ledger, through run_command_on_shards (a connection per shard
+ * placement, outside this transaction: each shard's batch commits on its
+ * own, like a purge batch).  Returns the rows deleted.
+ */
+int64
+idem_citus_purge(Oid relid, TimestampTz terminal_before,
+				 TimestampTz processing_before, TimestampTz finished_before,
+				 int32 batch)
+{
+	char	   *t1 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
+														 TimestampTzGetDatum(terminal_before)));
+	char	   *t2 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
+														 TimestampTzGetDatum(processing_before)));
+	char	   *t3 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
+														 TimestampTzGetDatum(finished_before)));
+	char	   *cmd;
+	Datum		args[2];
+	Oid			argtypes[2] = {REGCLASSOID, TEXTOID};
+	int64		deleted = 0;
+	uint64		i;
+
+	cmd = psprintf("WITH d AS (DELETE FROM %%1$s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
+				   "SELECT id FROM %%1$s WHERE"
+				   " (status OPERATOR(pg_catalog.<>) 'processing' AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz"
+				   "  AND updated_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
+				   " OR (status OPERATOR(pg_catalog.=) 'processing' AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
+				   " LIMIT %d FOR UPDATE SKIP LOCKED)) RETURNING 1) SELECT pg_catalog.count(*) FROM d",
+				   quote_literal_cstr(t1), quote_literal_cstr(t3), quote_literal_cstr(t2), batch);
+	args[0] = ObjectIdGetDatum(relid);
+	args[1] = CStringGetTextDatum(cmd);
+	SPI_connect();
+	if (SPI_execute_with_args("SELECT success, result FROM pg_catalog.run_command_on_shards($1, $2)",
+							  2, argtypes, args, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not run the idem purge on the Citus shards");
+	for (i = 0; i < SPI_processed; i++)
+	{
+		bool		isnull;
+		bool		ok = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[i],
+													SPI_tuptable->tupdesc, 1, &isnull));
+		char	   *result = SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 2);
+
+		if (!ok)
+			ereport(ERROR,
+					(errcode(ERRCODE_CONNECTION_FAILURE),
+					 errmsg("idem purge failed on a shard of the tenant ledger"),
+					 errdetail("%s", result ? result : "(no message)")));
+		deleted += pg_strtoint64(result);
+	}
+	SPI_finish();
+	return deleted;
+}
