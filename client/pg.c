@@ -96,8 +96,13 @@ build_sql(idem_pg *p, const char *s)
 		"SELECT %s.idem_platform_complete($1::bytea, $2::jsonb, $3::interval)",
 		"SELECT %s.idem_fail($1::bigint, $2::bytea, $3::jsonb, $4::boolean, $5::interval)",
 		"SELECT %s.idem_platform_fail($1::bytea, $2::jsonb, $3::boolean, $4::interval)",
-		/* TTL_*: ms until the row's expires_at (retention deadline) */
-		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
+		/*
+		 * TTL_*: ms until the row's expires_at (retention deadline).  The
+		 * tenant one selects a second column: Citus delegates SELECT ...
+		 * FROM f(...) to the tenant's worker only when the select list is
+		 * not one function call (here the ::bigint).
+		 */
+		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint, l.attempt "
 		"FROM %s.idem_lookup($1::bigint, $2::bytea) AS l",
 		"SELECT floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000)::bigint "
 		"FROM %s.idem_platform_lookup($1::bytea) AS l",

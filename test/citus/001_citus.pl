@@ -85,10 +85,22 @@ my $t1 = $cl->tenant_on($w1);
 my $t2 = $cl->tenant_on($w2);
 my $fp = $c->safe_psql('postgres', "SELECT encode(idem_fingerprint('{}'), 'hex')");
 
+# The Valkey key of a tenant's row, in the keyspace of the worker that
+# holds the tenant (each node copies under its own keyspace).
 sub vkey
 {
 	my ($t, $scope, $id) = @_;
-	return IdemValkey::tenant_key($c, $t, $scope, $id);
+	return IdemValkey::tenant_key($cl->node_of($t), $t, $scope, $id);
+}
+
+# kind attempt fingerprint outcome of a value, with its MAC checked under
+# the secrets of the node that wrote it.
+sub shape
+{
+	my ($node, $key, $value) = @_;
+	my $v = IdemValkey::parse_value($value) or return 'not an idem2 value';
+	return 'bad MAC' unless IdemValkey::mac_ok($node, $key, $value);
+	return "$v->{kind} $v->{attempt} $v->{fingerprint} $v->{outcome}";
 }
 
 sub shard_rows
@@ -113,7 +125,8 @@ is($out, "claimed\n", 'claim -> effect -> complete through the coordinator');
 is(shard_rows($w1, $t1, "idempotency_key = idem_key('c', 'a')"), 'completed 1',
 	'the row is in the tenant\'s shard on the worker that holds it');
 is(shard_rows($w2, $t1, 'true'), 'no shard', '... and nowhere else');
-is($valkey->wait_for_key(vkey($t1, 'c', 'a'), 10), qq(idem1 c 1 $fp {"ok": 1}),
+my $k = vkey($t1, 'c', 'a');
+is(shape($w1, $k, $valkey->wait_for_key($k, 10)), qq(c 1 $fp {"ok": 1}),
 	'the worker holding the shard copied the result into Valkey');
 is( $c->safe_psql('postgres', qq{
 		SELECT decision || ' ' || outcome FROM idem_claim($t1, idem_key('c', 'a'), idem_fingerprint('{}'))}),
@@ -127,7 +140,8 @@ $c->safe_psql('postgres', qq{
 	SELECT idem_claim($t2, idem_key('c', 'f'), idem_fingerprint('{}'));
 	SELECT idem_fail($t2, idem_key('c', 'f'), '{"why": "no"}', false);
 });
-is($valkey->wait_for_key(vkey($t2, 'c', 'f'), 10), qq(idem1 f 1 $fp {"why": "no"}),
+$k = vkey($t2, 'c', 'f');
+is(shape($w2, $k, $valkey->wait_for_key($k, 10)), qq(f 1 $fp {"why": "no"}),
 	'idem_fail on the other worker: copied by that worker');
 like( $c->safe_psql('postgres', q{
 		SELECT decision FROM idem_platform_claim(idem_key('p', 'x'), idem_fingerprint('{}'));
@@ -188,9 +202,9 @@ $c->safe_psql('postgres', qq{
 	SELECT idem_claim($t1, idem_key('c', 'after-multi'), idem_fingerprint('{}'));
 	SELECT idem_complete($t1, idem_key('c', 'after-multi'), '{}');
 });
-ok(defined $valkey->wait_for_key(vkey($t1, 'c', 'after-multi'), 10)
-	  && !defined $valkey->command('GET', vkey($t1, 'c', 'multi')),
-	'a two-phase commit is not copied into Valkey (a one-node commit after it is)');
+my ($k_after, $k_multi) = (vkey($t1, 'c', 'after-multi'), vkey($t1, 'c', 'multi'));
+ok(defined $valkey->wait_for_key($k_after, 10), 'a one-node commit after it is copied');
+is($valkey->command('GET', $k_multi), undef, 'a two-phase commit is not copied into Valkey');
 is( $c->safe_psql('postgres', qq{
 		SELECT decision || ' ' || outcome FROM idem_claim($t1, idem_key('c', 'multi'), idem_fingerprint('{}'))}),
 	'completed {"multi": true}', '... and replays from PostgreSQL');
