@@ -68,8 +68,8 @@ RELEASE before_complete;
 COMMIT;
 SELECT queued - :q0 AS queued FROM idem_stats();
 
--- Two-phase commit copies nothing: a result committed by COMMIT PREPARED
--- is in the ledger and is not queued.
+-- Two-phase commit copies nothing at commit: a result committed by COMMIT
+-- PREPARED is in the ledger, and the lookup that reads it queues its copy.
 BEGIN;
 SELECT decision FROM idem_claim(1, idem_key('s', '7'), idem_fingerprint('{}'));
 SELECT idem_complete(1, idem_key('s', '7'), '{}');

@@ -20,6 +20,8 @@
  *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
  *					timeline, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
+ *	  citus.c		idem on Citus: the tenant's local shard, distribution
+ *					at install, the purge of every shard (citus.h)
  *	  cache_format.h the Valkey key/value format, shared with client/
  *
  *-------------------------------------------------------------------------

@@ -195,9 +195,6 @@ $out = $c->safe_psql('postgres', qq{
 	COMMIT;
 });
 is($out, "claimed\n", 'a handler writing another worker and a reference table commits (two-phase)');
-is( $c->safe_psql('postgres', qq{SELECT status FROM idem_lookup($t1, idem_key('c', 'multi'))})
-	  . ' ' . $c->safe_psql('postgres', "SELECT count(*) FROM audit WHERE note = 'multi'"),
-	'completed 1', '... with its key and its effects');
 $c->safe_psql('postgres', qq{
 	SELECT idem_claim($t1, idem_key('c', 'after-multi'), idem_fingerprint('{}'));
 	SELECT idem_complete($t1, idem_key('c', 'after-multi'), '{}');
@@ -205,6 +202,11 @@ $c->safe_psql('postgres', qq{
 my ($k_after, $k_multi) = (vkey($t1, 'c', 'after-multi'), vkey($t1, 'c', 'multi'));
 ok(defined $valkey->wait_for_key($k_after, 10), 'a one-node commit after it is copied');
 is($valkey->command('GET', $k_multi), undef, 'a two-phase commit is not copied into Valkey');
+is( $c->safe_psql('postgres', qq{SELECT status FROM idem_lookup($t1, idem_key('c', 'multi'))})
+	  . ' ' . $c->safe_psql('postgres', "SELECT count(*) FROM audit WHERE note = 'multi'"),
+	'completed 1', '... with its key and its effects');
+ok(defined $valkey->wait_for_key($k_multi, 10),
+	'... and the first read of it in PostgreSQL repopulates Valkey');
 is( $c->safe_psql('postgres', qq{
 		SELECT decision || ' ' || outcome FROM idem_claim($t1, idem_key('c', 'multi'), idem_fingerprint('{}'))}),
 	'completed {"multi": true}', '... and replays from PostgreSQL');

@@ -150,9 +150,6 @@ is( $node->safe_psql('postgres',
 		"SELECT count(*) FROM idem_lookup(1, idem_key('o', 'prepared'))"),
 	'0', 'a prepared transaction\'s result is not visible before COMMIT PREPARED');
 $node->safe_psql('postgres', "COMMIT PREPARED 'idem_p1'");
-is( $node->safe_psql('postgres',
-		"SELECT status FROM idem_lookup(1, idem_key('o', 'prepared'))"),
-	'completed', 'PREPARE with a completed key works; COMMIT PREPARED commits it');
 
 $node->safe_psql('postgres', q{
 	BEGIN;
@@ -160,15 +157,18 @@ $node->safe_psql('postgres', q{
 	PREPARE TRANSACTION 'idem_p2';
 	COMMIT PREPARED 'idem_p2';
 });
-is( $node->safe_psql('postgres',
-		"SELECT status FROM idem_lookup(1, idem_key('o', 'prepared-claim'))"),
-	'processing',
-	'PREPARE of an open claim writes its processing row (lease mode)');
-# A later commit is copied; the prepared one never is.
+# A later commit is copied; the prepared one is not (no read of it yet).
 run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'sentinel2') . ' COMMIT;');
 ok(defined $valkey->wait_for_key(key_of('sentinel2'), 5)
 	  && !defined $valkey->command('GET', key_of('prepared')),
 	'two-phase commit copied nothing into Valkey');
+is( $node->safe_psql('postgres',
+		"SELECT status FROM idem_lookup(1, idem_key('o', 'prepared'))"),
+	'completed', 'PREPARE with a completed key works; COMMIT PREPARED commits it');
+is( $node->safe_psql('postgres',
+		"SELECT status FROM idem_lookup(1, idem_key('o', 'prepared-claim'))"),
+	'processing',
+	'PREPARE of an open claim writes its processing row (lease mode)');
 
 # --- bad settings are refused, with the reason ---
 foreach my $bad (
@@ -190,8 +190,8 @@ like($e2, qr/cannot be changed now/, 'worker settings cannot be SET in a session
 IdemValkey::poll_until(5, sub { IdemValkey::stats_col($node, 'queue_depth') eq '0' });
 is( $node->safe_psql('postgres',
 		'SELECT queued, copied, dropped, copy_errors, queue_depth FROM idem_stats()'),
-	'7|7|0|0|0',
-	'idem_stats(): 6 commits and 1 read of a committed row queued and copied, nothing dropped or failed');
+	'8|8|0|0|0',
+	'idem_stats(): 6 commits and 2 reads of committed rows (one of them prepared) queued and copied, nothing dropped or failed');
 ok(IdemValkey::stats_col($node, 'claims_claimed') >= 12, 'claims are counted');
 
 # --- pacing (idem.valkey_batch_delay): a lone commit goes at once, the
