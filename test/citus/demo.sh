@@ -71,7 +71,8 @@ psql_on coord -c "SELECT citus_set_coordinator_host('127.0.0.1', ${PORT[coord]})
 	-c "SELECT citus_add_node('127.0.0.1', ${PORT[w2]})" >/dev/null || exit 2
 
 # Chaos on the workers: once the demo's tables are distributed, terminate a
-# worker backend that serves the coordinator every second or so, and move
+# worker backend in the middle of a handler (holding an idem key lock)
+# every second or so, and move
 # the shard of tenant 1 to the other worker a few seconds in.
 (
 	until [ "$(psql_on coord -c "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text = 'idem_demo.transfers'" 2>/dev/null)" = 1 ]; do
@@ -80,9 +81,9 @@ psql_on coord -c "SELECT citus_set_coordinator_host('127.0.0.1', ${PORT[coord]})
 	start=$SECONDS moved=0 killed=0
 	while sleep 0.$((RANDOM % 5 + 5)); do
 		n=w$((RANDOM % 2 + 1))
-		k=$(psql_on "$n" -c "SELECT count(pg_terminate_backend(pid)) FROM (SELECT pid FROM pg_stat_activity
-			WHERE backend_type = 'client backend' AND application_name LIKE 'citus_internal%'
-			AND state = 'idle in transaction' ORDER BY random() LIMIT 1) s" 2>/dev/null)
+		# a backend in the middle of a handler: it holds an idem key lock
+		k=$(psql_on "$n" -c "SELECT count(pg_terminate_backend(pid)) FROM (SELECT DISTINCT pid FROM pg_locks
+			WHERE locktype = 'advisory' AND objsubid = 478 AND granted ORDER BY 1 LIMIT 1) s" 2>/dev/null)
 		killed=$((killed + ${k:-0}))
 		echo "terminated on $n: ${k:-?} (total $killed)"
 		if [ $moved -eq 0 ] && [ $((SECONDS - start)) -ge 3 ]; then
