@@ -98,7 +98,10 @@ psql_on coord -c "SELECT citus_set_coordinator_host('127.0.0.1', ${PORT[coord]})
 ) >"$WORK/chaos.log" 2>&1 &
 BG+=($!)
 
-"$ROOT/client/demo/build/idem-demo" --pg "host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres" \
+# --batch 1: one message per transaction, through idem_claim / idem_complete
+# (the batch API is refused on Citus: a batch's tenants span workers).
+"$ROOT/client/demo/build/idem-demo" --batch 1 \
+	--pg "host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres" \
 	--valkey "127.0.0.1:$CACHE_PORT" --broker "127.0.0.1:$BROKER_PORT" \
 	--cache-restart-cmd "bash '$WORK/restart-cache.sh'" "$@"
 status=$?
