@@ -33,6 +33,7 @@ sub new
 				"max_replication_slots = 20\n",
 				"citus.shard_count = 8\n",
 				"citus.node_conninfo = 'sslmode=disable'\n",
+				"idem.min_retention = 0\n",
 				"citus.distributed_deadlock_detection_factor = 1.5\n",
 				"citus.background_task_queue_interval = '200ms'\n",
 				"citus.defer_shard_delete_interval = 1000\n",

@@ -61,7 +61,7 @@ for n in coord w1 w2; do
 		"shared_preload_libraries = 'citus,idem'" "max_connections = 200" \
 		"max_prepared_transactions = 200" "wal_level = logical" \
 		"max_wal_senders = 20" "max_replication_slots = 20" "citus.shard_count = 8" \
-		"citus.node_conninfo = 'sslmode=disable'" \
+		"citus.node_conninfo = 'sslmode=disable'" "idem.min_retention = 0" \
 		"idem.valkey_host = '127.0.0.1'" "idem.valkey_port = $CACHE_PORT" || exit 2
 done
 psql_on() { local n=$1; shift; "$(idem_pg_bindir)/psql" -X -At -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "${PORT[$n]}" -U postgres -d postgres "$@"; }
