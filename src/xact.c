@@ -13,8 +13,9 @@
  *	  (idem.h): what the ending subtransaction made is forgotten when it
  *	  aborts and handed to its parent when it commits.
  *
- *	  The outbox goes first: at PRE_PREPARE it refuses the PREPARE before
- *	  pending.c writes anything, and at COMMIT both only drop their state.
+ *	  The outbox goes first; at PREPARE (two-phase commit: nothing is
+ *	  copied, see outbox.c) and at COMMIT both only drop their state, and
+ *	  at PRE_PREPARE pending.c writes the open claims as at PRE_COMMIT.
  *
  *-------------------------------------------------------------------------
  */
