@@ -60,7 +60,7 @@ static bool dist_answer = false;
 
 static SPIPlanPtr shard_plan = NULL;
 
-/* Registered by _PG_init. */
+/* Called by ledger_store_relcache_cb: no callback slot of its own. */
 void
 idem_citus_relcache_cb(Datum arg, Oid relid)
 {

@@ -45,7 +45,6 @@ _PG_init(void)
 	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
-	CacheRegisterRelcacheCallback(idem_citus_relcache_cb, (Datum) 0);
 
 	if (process_shared_preload_libraries_in_progress)
 	{

@@ -203,6 +203,8 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 
 	for (i = 0; i < LEDGER_KINDS; i++)
 		store_invalidate(&stores[i], relid);
+	/* citus.c's one cached answer (PostgreSQL 15 has 10 callback slots) */
+	idem_citus_relcache_cb(arg, relid);
 	if (citus_stores != NULL)
 	{
 		HASH_SEQ_STATUS seq;
