@@ -304,7 +304,7 @@ idem_valkey_cli() {
 idem_build_install() {
 	local root=$1 pgc
 	pgc=$(idem_pg_config)
-	make -C "$root" -s PG_CONFIG="$pgc" PG_CFLAGS="$IDEM_WARNING_FLAGS" all || return 1
+	make -C "$root" -s PG_CONFIG="$pgc" COPT="$IDEM_WARNING_FLAGS" all || return 1
 	if [ -f "$root/client/Makefile" ]; then
 		make -C "$root/client" -s PG_CONFIG="$pgc" all || return 1
 	fi
