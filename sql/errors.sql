@@ -103,6 +103,15 @@ VALUES (NULL, idem_key('e', 'x'), :fp, now());
 INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, outcome, expires_at)
 VALUES (1, idem_key('e', 'x'), :fp, 'completed', '[1]', now());
 
+-- An altered ledger: a status its check would refuse is reported, not trusted.
+ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_status_check;
+INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, expires_at)
+VALUES (1, idem_key('e', 'odd'), :fp, 'done', now() + interval '1 hour');
+\set VERBOSITY default
+SELECT idem_claim(1, idem_key('e', 'odd'), :fp);
+\set VERBOSITY sqlstate
+SELECT * FROM idem_lookup(1, idem_key('e', 'odd'));
+
 -- Leave the database as we found it for the next test.
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

@@ -82,6 +82,21 @@ typedef enum IdemCacheKind
 	IDEM_CACHE_MARKER = 'p'
 } IdemCacheKind;
 
+/*
+ * Whether a terminal result is one the cache carries: a terminal kind, a
+ * positive attempt, and an outcome of 1..IDEM_OUTCOME_MAX bytes of text that
+ * is shaped like a JSON object.  The one check, for the encoders below and
+ * for the extension's commit hook, which refuses to queue anything else.
+ */
+static inline int
+idem_cache_result_ok(IdemCacheKind kind, int32_t attempt,
+					 const char *outcome, size_t outcome_len)
+{
+	return (kind == IDEM_CACHE_COMPLETED || kind == IDEM_CACHE_FAILED_PERMANENT) &&
+		attempt > 0 && outcome_len > 0 && outcome_len <= IDEM_OUTCOME_MAX &&
+		outcome[0] == '{' && outcome[outcome_len - 1] == '}';
+}
+
 /* A decoded idem2 value; pointers point into the decoded buffer. */
 typedef struct IdemCacheEntry
 {
@@ -207,11 +222,8 @@ idem_cache_encode_terminal(char *buf, size_t buflen, int32_t key_id,
 {
 	int			n;
 
-	if ((kind != IDEM_CACHE_COMPLETED && kind != IDEM_CACHE_FAILED_PERMANENT) ||
-		key_id <= 0 || attempt <= 0 || expires_ms < 0 ||
-		expires_ms > IDEM_CACHE_EXPIRES_MAX ||
-		outcome_len == 0 || outcome_len > IDEM_OUTCOME_MAX ||
-		outcome[0] != '{' || outcome[outcome_len - 1] != '}' ||
+	if (!idem_cache_result_ok(kind, attempt, outcome, outcome_len) ||
+		key_id <= 0 || expires_ms < 0 || expires_ms > IDEM_CACHE_EXPIRES_MAX ||
 		buflen < IDEM_CACHE_REST_OFFSET)
 		return -1;
 	idem_cache_put_head(buf);
@@ -431,9 +443,7 @@ idem_cache_encode_result(char *buf, size_t buflen, IdemCacheKind kind,
 {
 	int			n;
 
-	if ((kind != IDEM_CACHE_COMPLETED && kind != IDEM_CACHE_FAILED_PERMANENT) ||
-		attempt <= 0 || outcome_len == 0 || outcome_len > IDEM_OUTCOME_MAX ||
-		outcome[0] != '{')
+	if (!idem_cache_result_ok(kind, attempt, outcome, outcome_len))
 		return -1;
 	n = snprintf(buf, buflen, IDEM_CACHE_V1_TAG " %c %d ",
 				 (char) kind, (int) attempt);

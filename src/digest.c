@@ -51,12 +51,30 @@ sha256_update(IdemSha256 *h, const void *data, size_t len)
 		elog(ERROR, "could not update SHA-256 context");
 }
 
+/*
+ * A digest as a bytea: in buf, or palloc'd when buf is NULL.  With a NULL
+ * digest the bytes are left for the caller to fill.  The one place that
+ * builds the 32-byte bytea of keys and fingerprints.
+ */
+bytea *
+idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf)
+{
+	bytea	   *b = buf ? (bytea *) buf->bytes : (bytea *) palloc(VARHDRSZ + IDEM_DIGEST_LEN);
+
+	SET_VARSIZE(b, VARHDRSZ + IDEM_DIGEST_LEN);
+	if (digest)
+		memcpy(VARDATA(b), digest, IDEM_DIGEST_LEN);
+	return b;
+}
+
+StaticAssertDecl(PG_SHA256_DIGEST_LENGTH == IDEM_DIGEST_LEN,
+				 "keys and fingerprints are SHA-256 digests");
+
 static bytea *
 sha256_finish(IdemSha256 *h)
 {
-	bytea	   *result = (bytea *) palloc(VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
+	bytea	   *result = idem_digest_bytea(NULL, NULL);
 
-	SET_VARSIZE(result, VARHDRSZ + PG_SHA256_DIGEST_LENGTH);
 	if (pg_cryptohash_final(h->ctx, (uint8 *) VARDATA(result),
 							PG_SHA256_DIGEST_LENGTH) < 0)
 		elog(ERROR, "could not finalize SHA-256 context");

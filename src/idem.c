@@ -33,6 +33,25 @@ const char *const idem_decision_names[IDEM_DECISION_COUNT] = {
 	"claimed", "completed", "failed_permanent", "busy", "mismatch"
 };
 
+const char *const idem_status_names[IDEM_STATUS_COUNT] = {
+	"processing", "completed", "failed_retryable", "failed_permanent"
+};
+
+/* The status spelled name; false when it is none of them. */
+bool
+idem_status_parse(const char *name, IdemStatus *status)
+{
+	int			i;
+
+	for (i = 0; i < IDEM_STATUS_COUNT; i++)
+		if (strcmp(name, idem_status_names[i]) == 0)
+		{
+			*status = (IdemStatus) i;
+			return true;
+		}
+	return false;
+}
+
 void
 _PG_init(void)
 {

@@ -54,6 +54,23 @@ typedef enum IdemDecision
 
 extern const char *const idem_decision_names[IDEM_DECISION_COUNT];
 
+/*
+ * The status of a ledger row.  idem_status_names[] is its spelling in the
+ * ledgers' status column: install.c builds the CHECK constraint from it, and
+ * every read and write of the column goes through it.
+ */
+typedef enum IdemStatus
+{
+	IDEM_STATUS_PROCESSING = 0,
+	IDEM_STATUS_COMPLETED,
+	IDEM_STATUS_FAILED_RETRYABLE,
+	IDEM_STATUS_FAILED_PERMANENT,
+	IDEM_STATUS_COUNT
+} IdemStatus;
+
+extern const char *const idem_status_names[IDEM_STATUS_COUNT];
+extern bool idem_status_parse(const char *name, IdemStatus *status);
+
 /* Every SQL function refuses NULL arguments with the same error. */
 static inline void
 idem_require_arg(FunctionCallInfo fcinfo, int argno, const char *name)
@@ -63,6 +80,17 @@ idem_require_arg(FunctionCallInfo fcinfo, int argno, const char *name)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("%s must not be null", name)));
 }
+
+/* digest.c */
+
+/* Room for a digest as a bytea (e.g. on the stack), suitably aligned. */
+typedef union IdemDigestBytea
+{
+	char		bytes[VARHDRSZ + IDEM_DIGEST_LEN];
+	int32		align;
+} IdemDigestBytea;
+
+extern bytea *idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf);
 
 /* guc.c */
 extern int	idem_lease_ms;

@@ -23,6 +23,10 @@
  *	  the same columns, constraints and foreign key, and no triggers, rules,
  *	  policies or other indexes that would run someone else's code.
  *
+ *	  The CHECK constraints are built from the constants the C code uses:
+ *	  the statuses (idem_status_names), the digest length (IDEM_DIGEST_LEN)
+ *	  and the outcome limit (IDEM_OUTCOME_MAX).
+ *
  *-------------------------------------------------------------------------
  */
 #include "idem.h"
@@ -57,6 +61,14 @@ append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
 	const char *table = ledger_table_name(kind);
 	const char *qt = quote_identifier(table);
 	bool		tenant = kind == LEDGER_TENANT;
+	const char *processing = idem_status_names[IDEM_STATUS_PROCESSING];
+	StringInfoData statuses;
+	int			i;
+
+	initStringInfo(&statuses);
+	for (i = 0; i < IDEM_STATUS_COUNT; i++)
+		appendStringInfo(&statuses, "%s'%s'", i > 0 ? ", " : "",
+						 idem_status_names[i]);
 
 	appendStringInfo(buf,
 					 "CREATE TABLE %s.%s (\n"
@@ -67,7 +79,7 @@ append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
 	appendStringInfo(buf,
 					 "  idempotency_key bytea NOT NULL,\n"
 					 "  request_fingerprint bytea NOT NULL,\n"
-					 "  status text NOT NULL DEFAULT 'processing',\n"
+					 "  status text NOT NULL DEFAULT '%s',\n"
 					 "  attempt integer NOT NULL DEFAULT 1,\n"
 					 "  outcome jsonb NOT NULL DEFAULT '{}'::jsonb,\n"
 					 "  expires_at timestamptz NOT NULL,\n"
@@ -75,7 +87,7 @@ append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
 					 "  updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),\n"
 					 "  CONSTRAINT %s_pkey PRIMARY KEY (%sid),\n"
 					 "  CONSTRAINT %s UNIQUE (%sidempotency_key),\n",
-					 table, citus && tenant ? "tenant_id, " : "",
+					 processing, table, citus && tenant ? "tenant_id, " : "",
 					 unique_name, tenant ? "tenant_id, " : "");
 	if (fk_target)
 		appendStringInfo(buf,
@@ -83,16 +95,22 @@ append_ledger_ddl(StringInfo buf, const char *nspname, LedgerKind kind,
 						 table, fk_target);
 	appendStringInfo(buf,
 					 "  CONSTRAINT %s_attempt_check CHECK (attempt > 0),\n"
-					 "  CONSTRAINT %s_check CHECK (status <> 'processing' OR outcome = '{}'::jsonb),\n"
-					 "  CONSTRAINT %s_idempotency_key_check CHECK (octet_length(idempotency_key) = 32),\n"
-					 "  CONSTRAINT %s_outcome_check CHECK (jsonb_typeof(outcome) = 'object' AND octet_length(outcome::text) <= 4096),\n"
-					 "  CONSTRAINT %s_request_fingerprint_check CHECK (octet_length(request_fingerprint) = 32),\n"
-					 "  CONSTRAINT %s_status_check CHECK (status IN ('processing', 'completed', 'failed_retryable', 'failed_permanent'))\n"
+					 "  CONSTRAINT %s_check CHECK (status <> '%s' OR outcome = '{}'::jsonb),\n"
+					 "  CONSTRAINT %s_idempotency_key_check CHECK (octet_length(idempotency_key) = %d),\n"
+					 "  CONSTRAINT %s_outcome_check CHECK (jsonb_typeof(outcome) = 'object' AND octet_length(outcome::text) <= %d),\n"
+					 "  CONSTRAINT %s_request_fingerprint_check CHECK (octet_length(request_fingerprint) = %d),\n"
+					 "  CONSTRAINT %s_status_check CHECK (status IN (%s))\n"
 					 ") WITH (fillfactor = 70);\n"
 					 "COMMENT ON TABLE %s.%s IS 'idem %s ledger: one row per idempotency key (created by idem_install)';\n",
-					 table, table, table, table, table, table,
+					 table,
+					 table, processing,
+					 table, IDEM_DIGEST_LEN,
+					 table, IDEM_OUTCOME_MAX,
+					 table, IDEM_DIGEST_LEN,
+					 table, statuses.data,
 					 quote_identifier(nspname), qt,
 					 ledger_kind_name(kind));
+	pfree(statuses.data);
 }
 
 static const char *const unique_names[LEDGER_KINDS] = {

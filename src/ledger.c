@@ -214,7 +214,9 @@ call_cache(FunctionCallInfo fcinfo, bool want_tupdesc)
 		if (want_tupdesc)
 		{
 			if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
-				elog(ERROR, "idem_claim must return a composite type");
+				ereport(ERROR,
+						(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+						 errmsg("function returning record called in context that cannot accept type record")));
 			cc->tupdesc = BlessTupleDesc(CreateTupleDescCopy(tupdesc));
 		}
 		MemoryContextSwitchTo(old);
@@ -237,12 +239,6 @@ key_locktag(LOCKTAG *tag, const LedgerKey *lk)
 						 IDEM_LOCKTAG_FIELD4);
 }
 
-static bool
-status_is(const LedgerRow *row, const char *status)
-{
-	return strcmp(row->status, status) == 0;
-}
-
 /*
  * The answer a claim gives from a committed row it will not change: a
  * replay, a mismatch, or busy.  retry_at is when a busy caller should come
@@ -258,14 +254,14 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 	ans->committed_row = found && !row->ours;
 	if (found && memcmp(row->fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0)
 		ans->decision = IDEM_DECISION_MISMATCH;
-	else if (found && status_is(row, "completed"))
+	else if (found && row->status == IDEM_STATUS_COMPLETED)
 		ans->decision = IDEM_DECISION_COMPLETED;
-	else if (found && status_is(row, "failed_permanent"))
+	else if (found && row->status == IDEM_STATUS_FAILED_PERMANENT)
 		ans->decision = IDEM_DECISION_FAILED_PERMANENT;
 	else
 	{
 		ans->decision = IDEM_DECISION_BUSY;
-		if (found && status_is(row, "processing") && row->expires_at > now)
+		if (found && row->status == IDEM_STATUS_PROCESSING && row->expires_at > now)
 			ans->expires_at = row->expires_at;
 		return;
 	}
@@ -291,7 +287,7 @@ static void
 pending_as_row(const PendingClaim *mine, LedgerRow *row)
 {
 	memset(row, 0, sizeof(*row));
-	strlcpy(row->status, "processing", sizeof(row->status));
+	row->status = IDEM_STATUS_PROCESSING;
 	memcpy(row->fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
 	row->attempt = 1;
 	row->outcome = DirectFunctionCall1(jsonb_in, CStringGetDatum("{}"));
@@ -350,7 +346,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 		}
 
 		/* This transaction wrote the row and it is still processing. */
-		if (row.ours && status_is(&row, "processing"))
+		if (row.ours && row.status == IDEM_STATUS_PROCESSING)
 		{
 			answer_from_row(&row, true, fingerprint, now, row.expires_at, ans);
 			return;
@@ -358,8 +354,8 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 
 		/* failed_retryable, or a committed lease that ran out: take it over. */
 		if (memcmp(row.fingerprint, fingerprint, IDEM_DIGEST_LEN) == 0 &&
-			(status_is(&row, "failed_retryable") ||
-			 (status_is(&row, "processing") && row.expires_at <= now)))
+			(row.status == IDEM_STATUS_FAILED_RETRYABLE ||
+			 (row.status == IDEM_STATUS_PROCESSING && row.expires_at <= now)))
 		{
 			if (ledger_reclaim(store, lk, &row, lease_end, &attempt))
 			{
@@ -387,16 +383,16 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
  * is durable.  Rows of this transaction are left to the commit hook.
  */
 static void
-repopulate(const LedgerKey *lk, const char *status, int32 attempt,
+repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 		   const uint8 *fingerprint, Datum outcome, TimestampTz expires_at)
 {
 	IdemCacheKind kind;
 	char	   *text;
 	Jsonb	   *jb = DatumGetJsonbP(outcome);
 
-	if (strcmp(status, "completed") == 0)
+	if (status == IDEM_STATUS_COMPLETED)
 		kind = IDEM_CACHE_COMPLETED;
-	else if (strcmp(status, "failed_permanent") == 0)
+	else if (status == IDEM_STATUS_FAILED_PERMANENT)
 		kind = IDEM_CACHE_FAILED_PERMANENT;
 	else
 		return;
@@ -444,7 +440,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
 							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
 		repopulate(lk, ans->decision == IDEM_DECISION_COMPLETED ?
-				   "completed" : "failed_permanent",
+				   IDEM_STATUS_COMPLETED : IDEM_STATUS_FAILED_PERMANENT,
 				   ans->attempt, fingerprint, ans->outcome, ans->expires_at);
 }
 
@@ -508,7 +504,7 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	TimestampTz retention_end;
 	Jsonb	   *outcome;
 	char	   *outcome_text;
-	const char *status = "completed";
+	IdemStatus	status = IDEM_STATUS_COMPLETED;
 	int32		fence;
 	int			next;
 
@@ -517,7 +513,8 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	if (is_fail)
 	{
 		idem_require_arg(fcinfo, next + 1, "retryable");
-		status = PG_GETARG_BOOL(next + 1) ? "failed_retryable" : "failed_permanent";
+		status = PG_GETARG_BOOL(next + 1) ?
+			IDEM_STATUS_FAILED_RETRYABLE : IDEM_STATUS_FAILED_PERMANENT;
 	}
 	retention_end = ledger_retention_end(PG_ARGISNULL(next + (is_fail ? 2 : 1)) ? NULL :
 										 PG_GETARG_INTERVAL_P(next + (is_fail ? 2 : 1)),
@@ -542,13 +539,13 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
  */
 void
 ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
-				  const char *status, Jsonb *outcome, const char *outcome_text,
+				  IdemStatus status, Jsonb *outcome, const char *outcome_text,
 				  TimestampTz retention_end, int32 fence)
 {
 	PendingClaim *mine;
 	int32		attempt;
 	uint8		fingerprint[IDEM_DIGEST_LEN];
-	bool		is_fail = strcmp(status, "completed") != 0;
+	bool		is_fail = status != IDEM_STATUS_COMPLETED;
 
 	mine = pending_find(lk);
 	if (mine && fence > 1)
@@ -586,7 +583,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 						(errcode(ERRCODE_NO_DATA_FOUND),
 						 errmsg("cannot %s idempotency key: it has not been claimed", what),
 						 errhint("Call idem_claim() for the key first, in this transaction.")));
-			if (status_is(&row, "processing"))
+			if (row.status == IDEM_STATUS_PROCESSING)
 				ereport(ERROR,
 						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 						 errmsg("cannot %s idempotency key as attempt %d: attempt %d holds it now",
@@ -596,13 +593,13 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("cannot %s idempotency key: its status is already %s",
-							what, row.status),
-					 status_is(&row, "failed_retryable") ?
+							what, idem_status_names[row.status]),
+					 row.status == IDEM_STATUS_FAILED_RETRYABLE ?
 					 errhint("Claim the key again before completing or failing it.") : 0));
 		}
 	}
 
-	if (strcmp(status, "failed_retryable") != 0)
+	if (status != IDEM_STATUS_FAILED_RETRYABLE)
 		idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						is_fail ? IDEM_CACHE_FAILED_PERMANENT : IDEM_CACHE_COMPLETED,
 						attempt, fingerprint, outcome_text,
@@ -629,7 +626,9 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		oldcxt = MemoryContextSwitchTo(funcctx->multi_call_memory_ctx);
 		key_args(fcinfo, kind, &lk);
 		if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
-			elog(ERROR, "idem_lookup must return a composite type");
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("function returning record called in context that cannot accept type record")));
 		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 		mine = pending_find(&lk);
 		if (mine)
@@ -647,14 +646,11 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		{
 			Datum		values[5];
 			bool		nulls[5] = {false, false, false, false, false};
-			bytea	   *fp = palloc(VARHDRSZ + IDEM_DIGEST_LEN);
 
-			SET_VARSIZE(fp, VARHDRSZ + IDEM_DIGEST_LEN);
-			memcpy(VARDATA(fp), row.fingerprint, IDEM_DIGEST_LEN);
-			values[0] = CStringGetTextDatum(row.status);
+			values[0] = CStringGetTextDatum(idem_status_names[row.status]);
 			values[1] = Int32GetDatum(row.attempt);
 			values[2] = row.outcome;
-			values[3] = PointerGetDatum(fp);
+			values[3] = PointerGetDatum(idem_digest_bytea(row.fingerprint, NULL));
 			values[4] = TimestampTzGetDatum(row.expires_at);
 			funcctx->user_fctx = heap_form_tuple(BlessTupleDesc(tupdesc),
 												 values, nulls);

@@ -43,7 +43,7 @@ typedef struct LedgerKey
 /* A ledger row as the API sees it. */
 typedef struct LedgerRow
 {
-	char		status[24];
+	IdemStatus	status;
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	int32		attempt;
 	Datum		outcome;		/* jsonb, detoasted, in the caller's context */
@@ -70,7 +70,7 @@ extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
-							  const char *what, const char *status,
+							  const char *what, IdemStatus status,
 							  Jsonb *outcome, const char *outcome_text,
 							  TimestampTz retention_end, int32 fence);
 extern void ledger_check_digest(const bytea *d, const char *name, uint8 *out);
@@ -95,23 +95,22 @@ extern bool ledger_tenant_exists(LedgerStore *store, int64 tenant_id,
 								 Snapshot snapshot);
 extern const char *ledger_tenants_name(LedgerStore *store);
 extern void ledger_insert(LedgerStore *store, const LedgerKey *lk,
-						  const uint8 *fingerprint, const char *status,
+						  const uint8 *fingerprint, IdemStatus status,
 						  int32 attempt, Datum outcome, TimestampTz expires_at);
 extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
 						   const LedgerRow *seen, TimestampTz lease_end,
 						   int32 *attempt);
 extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
-						  const char *status, Datum outcome,
+						  IdemStatus status, Datum outcome,
 						  TimestampTz expires_at, int32 fence,
 						  int32 *attempt, uint8 *fingerprint);
 extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 						  TimestampTz processing_before,
 						  TimestampTz finished_before, int32 batch);
-extern bytea *ledger_digest_datum(const uint8 *digest);
 
 /* ledger_insert.c */
 extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk,
-								 const uint8 *fingerprint, const char *status,
+								 const uint8 *fingerprint, IdemStatus status,
 								 int32 attempt, Datum outcome,
 								 TimestampTz expires_at);
 extern void ledger_insert_relcache_cb(Datum arg, Oid relid);

@@ -257,7 +257,7 @@ ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		batch_key(kind, &tenants, &keys, i, &lk);
 		outcome = DatumGetJsonbP(outcomes.elems[i]);
 		outcome_text = ledger_check_outcome(outcome, "outcome");
-		ledger_settle_key(store, &lk, "complete", "completed", outcome,
+		ledger_settle_key(store, &lk, "complete", IDEM_STATUS_COMPLETED, outcome,
 						  outcome_text, retention_end, 0);
 	}
 

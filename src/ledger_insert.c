@@ -345,7 +345,7 @@ insert_declined(Relation rel)
  */
 bool
 ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
-					 const char *status, int32 attempt, Datum outcome,
+					 IdemStatus status, int32 attempt, Datum outcome,
 					 TimestampTz expires_at)
 {
 	InsertCache *cache = &caches[lk->kind];
@@ -375,9 +375,9 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	}
 
 	given[IC_TENANT] = Int64GetDatum(lk->tenant_id);
-	given[IC_KEY] = PointerGetDatum(ledger_digest_datum(lk->key));
-	given[IC_FINGERPRINT] = PointerGetDatum(ledger_digest_datum(fingerprint));
-	given[IC_STATUS] = CStringGetTextDatum(status);
+	given[IC_KEY] = PointerGetDatum(idem_digest_bytea(lk->key, NULL));
+	given[IC_FINGERPRINT] = PointerGetDatum(idem_digest_bytea(fingerprint, NULL));
+	given[IC_STATUS] = CStringGetTextDatum(idem_status_names[status]);
 	given[IC_ATTEMPT] = Int32GetDatum(attempt);
 	given[IC_OUTCOME] = outcome;
 	given[IC_EXPIRES_AT] = TimestampTzGetDatum(expires_at);

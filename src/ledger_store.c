@@ -220,6 +220,7 @@ static SPIPlanPtr
 prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 {
 	const char *owner = owner_clause[kind];
+	const char *processing = idem_status_names[IDEM_STATUS_PROCESSING];
 	char	   *sql;
 	Oid			types[7] = {INT8OID, BYTEAOID};
 	int			nargs;
@@ -250,13 +251,13 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 			nargs = 7;
 			break;
 		case PLAN_RECLAIM:
-			sql = psprintf("UPDATE %s SET status = 'processing',"
+			sql = psprintf("UPDATE %s SET status = '%s',"
 						   " attempt = attempt OPERATOR(pg_catalog.+) 1,"
 						   " outcome = '{}'::pg_catalog.jsonb, expires_at = $3,"
 						   " updated_at = pg_catalog.clock_timestamp()"
 						   " WHERE %s AND attempt OPERATOR(pg_catalog.=) $4"
 						   " AND status OPERATOR(pg_catalog.=) $5"
-						   " RETURNING attempt", qtable, owner);
+						   " RETURNING attempt", qtable, processing, owner);
 			types[2] = TIMESTAMPTZOID;
 			types[3] = INT4OID;
 			types[4] = TEXTOID;
@@ -265,9 +266,10 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 		case PLAN_FINISH:
 			sql = psprintf("UPDATE %s SET status = $3, outcome = $4, expires_at = $5,"
 						   " updated_at = pg_catalog.clock_timestamp()"
-						   " WHERE %s AND status OPERATOR(pg_catalog.=) 'processing'"
+						   " WHERE %s AND status OPERATOR(pg_catalog.=) '%s'"
 						   " AND ($6 OPERATOR(pg_catalog.=) 0 OR attempt OPERATOR(pg_catalog.=) $6)"
-						   " RETURNING attempt, request_fingerprint", qtable, owner);
+						   " RETURNING attempt, request_fingerprint",
+						   qtable, owner, processing);
 			types[2] = TEXTOID;
 			types[3] = JSONBOID;
 			types[4] = TIMESTAMPTZOID;
@@ -278,10 +280,11 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 			/* $4: rows finished after it are younger than idem.min_retention */
 			sql = psprintf("DELETE FROM %s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
 						   "SELECT id FROM %s WHERE"
-						   " (status OPERATOR(pg_catalog.<>) 'processing' AND expires_at OPERATOR(pg_catalog.<) $1"
+						   " (status OPERATOR(pg_catalog.<>) '%s' AND expires_at OPERATOR(pg_catalog.<) $1"
 						   "  AND updated_at OPERATOR(pg_catalog.<) $4)"
-						   " OR (status OPERATOR(pg_catalog.=) 'processing' AND expires_at OPERATOR(pg_catalog.<) $2)"
-						   " LIMIT $3 FOR UPDATE SKIP LOCKED))", qtable, qtable);
+						   " OR (status OPERATOR(pg_catalog.=) '%s' AND expires_at OPERATOR(pg_catalog.<) $2)"
+						   " LIMIT $3 FOR UPDATE SKIP LOCKED))",
+						   qtable, qtable, processing, processing);
 			types[0] = TIMESTAMPTZOID;
 			types[1] = TIMESTAMPTZOID;
 			types[2] = INT4OID;
@@ -870,10 +873,11 @@ probe_unique(Oid relid, Oid indexid, ScanKey keys, int nkeys, Snapshot snapshot,
 }
 
 static void
-key_scankeys(const LedgerKey *lk, ScanKey keys, int *nkeys, bytea *keybuf)
+key_scankeys(const LedgerKey *lk, ScanKey keys, int *nkeys,
+			 IdemDigestBytea *buf)
 {
-	SET_VARSIZE(keybuf, VARHDRSZ + IDEM_DIGEST_LEN);
-	memcpy(VARDATA(keybuf), lk->key, IDEM_DIGEST_LEN);
+	bytea	   *keybuf = idem_digest_bytea(lk->key, buf);
+
 	if (lk->kind == LEDGER_TENANT)
 	{
 		ScanKeyInit(&keys[0], 1, BTEqualStrategyNumber, F_INT8EQ,
@@ -946,12 +950,13 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 {
 	ScanKeyData keys[2];
 	int			nkeys;
-	char		keybuf[VARHDRSZ + IDEM_DIGEST_LEN];
+	IdemDigestBytea keybuf;
 	Relation	rel;
 	TupleTableSlot *slot;
+	char	   *status;
 
 	store_check_local(store);
-	key_scankeys(lk, keys, &nkeys, (bytea *) keybuf);
+	key_scankeys(lk, keys, &nkeys, &keybuf);
 	slot = probe_unique(store->relid, store->keyidx, keys, nkeys, snapshot, &rel);
 	if (slot == NULL)
 	{
@@ -960,8 +965,13 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	}
 
 	/* Every column read here was checked to be of its type (store_check). */
-	text_to_cstring_buffer(DatumGetTextPP(row_attr(store, slot, COL_STATUS)),
-						   row->status, sizeof(row->status));
+	status = TextDatumGetCString(row_attr(store, slot, COL_STATUS));
+	if (!idem_status_parse(status, &row->status))
+		ereport_altered(ledger_tables[store->kind],
+						("A row has the status \"%s\".", status),
+						("Restore the constraint %s_status_check and correct the row.",
+						 ledger_tables[store->kind]));
+	pfree(status);
 	digest_value(store, row_attr(store, slot, COL_FINGERPRINT), row->fingerprint);
 	row->attempt = DatumGetInt32(row_attr(store, slot, COL_ATTEMPT));
 	row->outcome = PointerGetDatum(PG_DETOAST_DATUM_COPY(row_attr(store, slot, COL_OUTCOME)));
@@ -1037,14 +1047,12 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		  Datum *extra, int nextra, int expect)
 {
 	Datum		values[7];
-	char		keybuf[VARHDRSZ + IDEM_DIGEST_LEN];
+	IdemDigestBytea keybuf;
 	int			i;
 	int			rc;
 
-	SET_VARSIZE(keybuf, VARHDRSZ + IDEM_DIGEST_LEN);
-	memcpy(VARDATA(keybuf), lk->key, IDEM_DIGEST_LEN);
 	values[0] = Int64GetDatum(lk->tenant_id);
-	values[1] = PointerGetDatum(keybuf);
+	values[1] = PointerGetDatum(idem_digest_bytea(lk->key, &keybuf));
 	for (i = 0; i < nextra; i++)
 		values[2 + i] = extra[i];
 	rc = SPI_execute_plan(store_plan(store, id), values, NULL, false, 0);
@@ -1052,20 +1060,10 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
 
-bytea *
-ledger_digest_datum(const uint8 *digest)
-{
-	bytea	   *b = palloc(VARHDRSZ + IDEM_DIGEST_LEN);
-
-	SET_VARSIZE(b, VARHDRSZ + IDEM_DIGEST_LEN);
-	memcpy(VARDATA(b), digest, IDEM_DIGEST_LEN);
-	return b;
-}
-
 /* Write a new row (the claim's only write). */
 void
 ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
-			  const char *status, int32 attempt, Datum outcome,
+			  IdemStatus status, int32 attempt, Datum outcome,
 			  TimestampTz expires_at)
 {
 	Datum		extra[5];
@@ -1075,8 +1073,8 @@ ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 		ledger_insert_direct(store->relid, lk, fingerprint, status, attempt,
 							 outcome, expires_at))
 		return;
-	extra[0] = PointerGetDatum(ledger_digest_datum(fingerprint));
-	extra[1] = CStringGetTextDatum(status);
+	extra[0] = PointerGetDatum(idem_digest_bytea(fingerprint, NULL));
+	extra[1] = CStringGetTextDatum(idem_status_names[status]);
 	extra[2] = Int32GetDatum(attempt);
 	extra[3] = outcome;
 	extra[4] = TimestampTzGetDatum(expires_at);
@@ -1097,7 +1095,7 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 	store_check_local(store);
 	extra[0] = TimestampTzGetDatum(lease_end);
 	extra[1] = Int32GetDatum(seen->attempt);
-	extra[2] = CStringGetTextDatum(seen->status);
+	extra[2] = CStringGetTextDatum(idem_status_names[seen->status]);
 	SPI_connect();
 	run_write(store, PLAN_RECLAIM, lk, extra, 3, SPI_OK_UPDATE_RETURNING);
 	done = SPI_processed == 1;
@@ -1113,7 +1111,7 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
  * attempt fence, when fence is not 0).
  */
 bool
-ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
+ledger_finish(LedgerStore *store, const LedgerKey *lk, IdemStatus status,
 			  Datum outcome, TimestampTz expires_at, int32 fence,
 			  int32 *attempt, uint8 *fingerprint)
 {
@@ -1122,7 +1120,7 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, const char *status,
 	bool		done;
 
 	store_check_local(store);
-	extra[0] = CStringGetTextDatum(status);
+	extra[0] = CStringGetTextDatum(idem_status_names[status]);
 	extra[1] = outcome;
 	extra[2] = TimestampTzGetDatum(expires_at);
 	extra[3] = Int32GetDatum(fence);

@@ -179,9 +179,8 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 	if (!idem_outbox_available())
 		return;
 
-	if ((kind != IDEM_CACHE_COMPLETED && kind != IDEM_CACHE_FAILED_PERMANENT) ||
-		attempt <= 0 || outcome_len <= 0 || outcome_len > IDEM_OUTCOME_MAX ||
-		outcome[0] != '{')
+	if (outcome_len < 0 ||
+		!idem_cache_result_ok(kind, attempt, outcome, (size_t) outcome_len))
 		elog(ERROR, "idem: invalid result queued for the Valkey cache (kind %d, attempt %d, outcome length %d)",
 			 (int) kind, (int) attempt, outcome_len);
 
@@ -222,10 +221,8 @@ idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 {
 	IdemOutboxRecord *rec;
 
-	if (!idem_outbox_available() || RecoveryInProgress() ||
-		(kind != IDEM_CACHE_COMPLETED && kind != IDEM_CACHE_FAILED_PERMANENT) ||
-		attempt <= 0 || outcome_len <= 0 || outcome_len > IDEM_OUTCOME_MAX ||
-		outcome[0] != '{')
+	if (!idem_outbox_available() || RecoveryInProgress() || outcome_len < 0 ||
+		!idem_cache_result_ok(kind, attempt, outcome, (size_t) outcome_len))
 		return;
 
 	rec = outbox_record(is_platform, tenant_id, key, kind, attempt,

@@ -126,7 +126,7 @@ pending_flush(void)
 		if (claim->settled_level != 0)
 			continue;
 		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
-					  claim->fingerprint, "processing", 1, empty,
+					  claim->fingerprint, IDEM_STATUS_PROCESSING, 1, empty,
 					  claim->lease_end);
 	}
 
