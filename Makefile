@@ -4,7 +4,9 @@
 #   make test    install what is missing, build, and run every suite
 #   make bench   the benchmarks (not part of make test)
 #
-# make / make install / make installcheck are the usual PGXS targets.
+# make / make install / make installcheck are the usual PGXS targets;
+# installcheck runs the regress, isolation and TAP suites against the
+# installed PostgreSQL (as a non-root user, after make install).
 
 EXTENSION = idem
 MODULE_big = idem
@@ -13,7 +15,8 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/ledger_batch.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_cluster.o src/stats.o src/cache_secret.o \
 	src/cache_keyspace.o src/standby_slots.o src/valkey_cluster.o src/citus.o
-DATA = $(wildcard src/sql/idem--*.sql)
+# Install and upgrade scripts, beside idem.control as in contrib.
+DATA = $(wildcard idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src
 # Export only what PostgreSQL looks up by name (src/compat.h, IDEM_EXPORT);
 # PostgreSQL 16+ adds this flag itself.
@@ -30,6 +33,14 @@ ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip 
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 
+# TAP tests: test/t/*.pl (PostgreSQL::Test::Cluster and a real Valkey), with
+# their helper modules in test/t (added to PG_PROVE_FLAGS below, after PGXS
+# sets it; prove runs in the source directory).  015_standby_slots runs a
+# message through the client library, which REGRESS_PREP builds first.
+TAP_TESTS = 1
+PROVE_TESTS = test/t/*.pl
+REGRESS_PREP = client-lib
+
 EXTRA_CLEAN = tmp_check tmp_check_iso output_iso results regression.diffs regression.out
 
 PG_CONFIG ?= pg_config
@@ -37,6 +48,7 @@ PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 
 ifneq ($(wildcard $(PGXS)),)
 include $(PGXS)
+PG_PROVE_FLAGS += -I test/t
 # What only PostgreSQL 18 and later have (NOT ENFORCED, virtual columns).
 ifeq ($(shell test $(VERSION_NUM) -ge 180000 2>/dev/null && echo y),y)
 REGRESS += write_pg18
@@ -79,6 +91,11 @@ demo:
 
 bench:
 	@bash bench/run
+
+# What the TAP tests link (REGRESS_PREP of installcheck).
+.PHONY: client-lib
+client-lib:
+	$(MAKE) -C $(srcdir)/client build/libidemclient.a PG_CONFIG=$(PG_CONFIG)
 
 # The two pg_regress-driven suites separately, so one failing does not hide
 # the other (test/suites runs both).

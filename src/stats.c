@@ -38,7 +38,7 @@ typedef struct IdemStatsShared
 
 static IdemStatsShared *idem_stats_shared = NULL;
 
-/* Column order of idem_stats(); see src/sql/idem--0.2--0.3.sql. */
+/* Column order of idem_stats(); see idem--0.2--0.3.sql. */
 enum
 {
 	COL_PRELOADED = 0,
@@ -154,7 +154,7 @@ PG_FUNCTION_INFO_V1(idem_stats);
 
 /*
  * idem_stats() RETURNS one row; the columns are documented in the README
- * and declared in src/sql/idem--0.2--0.3.sql.
+ * and declared in idem--0.2--0.3.sql.
  */
 Datum
 idem_stats(PG_FUNCTION_ARGS)
