@@ -28,6 +28,8 @@
  *	  cache_secret.c	the secret that MACs Valkey values: file, shared copy,
  *					rotation, HMAC
  *	  standby_slots.c	idem.standby_slots: the standbys a copy waits for
+ *	  citus.c		Citus: the distributed tenant ledger, delegation to
+ *					the shard's node (citus.h)
  *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
  *					timeline, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
