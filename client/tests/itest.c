@@ -1395,6 +1395,28 @@ cache_absent(int platform, int64_t tenant, const char *scope, const char *id)
 	return v == NULL;
 }
 
+/*
+ * No processing marker under the key: it is absent, or holds a terminal
+ * value (after a read of a terminal row from PostgreSQL, the server's
+ * worker may already have repopulated the key).
+ */
+static int
+cache_no_marker(int platform, int64_t tenant, const char *scope, const char *id)
+{
+	char		k[IDEM_CACHE_KEY_MAX];
+	char	   *v;
+	char		kind = 0;
+
+	cache_key_of(k, sizeof(k), platform, tenant, scope, id);
+	v = rv_get(k);
+	if (v == NULL)
+		return 1;
+	if (sscanf(v, "idem2 %*s %*s %c", &kind) != 1 || kind == 'p')
+		tap_diag("cache key %s holds %s", k, v);
+	free(v);
+	return kind == 'c' || kind == 'f';
+}
+
 static void
 cache_del(int platform, int64_t tenant, const char *scope, const char *id)
 {
@@ -1751,7 +1773,7 @@ cmd_scenario(void)
 	cache_del(0, 1, S, "a1");
 	idem_run(R, 1, S, "a1", "{\"amount\": 6}", handler, &h, &res);
 	tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) && h.calls == 0 &&
-		   cache_absent(0, 1, S, "a1") && effects_of(S, "a1") == 1,
+		   cache_no_marker(0, 1, S, "a1") && effects_of(S, "a1") == 1,
 		   "not cached: mismatch from PostgreSQL; marker removed, nothing changed (%s)", res_str(&res));
 
 	/* --- Valkey down: a duplicate is read, not claimed ------------------ */
