@@ -108,6 +108,24 @@ extern int no_such_variable
 extern IDEM_EXPORT const Pg_magic_struct *PG_MAGIC_FUNCTION_NAME(void);
 #endif
 
+/* 17: getIdentitySequence takes the relation, not its OID. */
+#if PG_VERSION_NUM >= 170000
+#include "access/relation.h"
+#include "catalog/dependency.h"
+static inline Oid
+idem_identity_sequence(Oid relid, AttrNumber attnum)
+{
+	Relation	rel = relation_open(relid, AccessShareLock);
+	Oid			seq = getIdentitySequence(rel, attnum, false);
+
+	relation_close(rel, AccessShareLock);
+	return seq;
+}
+#else
+#define idem_identity_sequence(relid, attnum) \
+	getIdentitySequence((relid), (attnum), false)
+#endif
+
 /* The process number of the running backend (MyProcNumber from 17 on). */
 #if PG_VERSION_NUM >= 170000
 #define IDEM_MY_PROCNO	((uint32) MyProcNumber)

@@ -744,7 +744,7 @@ store_open_shard(Oid nsp, Oid ledger, Oid shard, int64 shardid)
 		memset(&entry->store, 0, sizeof(LedgerStore));
 		entry->store.shard = shard;
 		entry->store.shardid = shardid;
-		entry->store.idseq = getIdentitySequence(ledger, get_attnum(ledger, "id"), false);
+		entry->store.idseq = idem_identity_sequence(ledger, get_attnum(ledger, "id"));
 	}
 	return store_lock_valid(&entry->store, nsp, LEDGER_TENANT);
 }
