@@ -124,14 +124,16 @@ $valkey->command('DEL', $after_key);
 is($node->safe_psql('postgres',
 		"SELECT status FROM idem_lookup(1, idem_key('d', 'after'))"),
 	'completed', 'after a cache miss the row is read from PostgreSQL');
-my $again = $valkey->wait_for_key($after_key, 5);
+# The read may itself write WAL (on-access pruning, more eager on 18) that
+# only the WAL writer flushes: allow one wal_writer_delay (10 s here).
+my $again = $valkey->wait_for_key($after_key, 15);
 ok(defined $again && IdemValkey::mac_ok($node, $after_key, $again),
 	'... and the worker copies it into Valkey again, MACed');
 $valkey->command('DEL', $after_key);
 is($node->safe_psql('postgres',
 		"SELECT decision FROM idem_claim(1, idem_key('d', 'after'), idem_fingerprint('{}'))"),
 	'completed', 'a claim that replays from PostgreSQL ...');
-ok(defined $valkey->wait_for_key($after_key, 5), '... copies the row again too');
+ok(defined $valkey->wait_for_key($after_key, 15), '... copies the row again too');
 # A row this transaction wrote is left to the commit hook: nothing is copied
 # when the transaction rolls back.
 my $own_key = IdemValkey::tenant_key($node, 1, 'd', 'own');
