@@ -83,5 +83,5 @@ for c in $CLIENTS; do
 	s=$(tps "$BENCH_WORK" "$BENCH_PGPORT" "$c")
 	d=$(tps 127.0.0.1 "${PORT[coord]}" "$c")
 	printf '%-8s %12.0f %12.0f %8.2f\n' "$c" "${s:-0}" "${d:-0}" \
-		"$(awk -v a="${d:-0}" -v b="${s:-0}" 'BEGIN { print b > 0 ? a / b : 0 }')"
+		"$(awk -v a="${d:-0}" -v b="${s:-0}" 'BEGIN { print (b > 0 ? a / b : 0) }')"
 done

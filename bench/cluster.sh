@@ -3,8 +3,8 @@
 # BENCH_VKPORT set): Valkey Cluster (3 masters + 3 replicas on loopback)
 # next to the single Valkey, alternating rounds, median kept:
 #   drain      copies per second the worker writes (BENCH_DRAIN results
-#              committed in one transaction, timed until idem_stats()
-#              counts them copied)
+#              queued while it is away, timed from its first copy to an
+#              empty queue)
 #   replay     idem_run replays answered by the cache (client_bench
 #              valkey-replay, BENCH_CLIENTS clients)
 #   raw GET    valkey-benchmark GET (with --cluster on the cluster): the
@@ -47,21 +47,48 @@ use() {
 	return 1
 }
 
-# Copies per second: DRAIN results in one commit, until all are copied.
+# Copies per second: with the worker pointed at a closed port, DRAIN results
+# are committed and stay queued (in batches of max_locks_per_transaction
+# claims: each claim holds a key lock until its transaction ends, and the
+# lock table is sized by that setting); then the worker is pointed at the
+# server under test, and the server times the copies from the first to the
+# last, so the reconnection is not counted.
 drain() {
-	local tag=$1 c0 t0 t1
-	c0=$("${PSQL[@]}" -c "SELECT copied FROM idem_stats()")
-	"${PSQL[@]}" -c "DO \$\$ BEGIN FOR i IN 1..$DRAIN LOOP
+	local tag=$1 port=$2 nodes=$3
+	"${PSQL[@]}" -c "ALTER SYSTEM SET idem.valkey_port = 1" \
+		-c "ALTER SYSTEM SET idem.valkey_nodes = ''" -c "SELECT pg_reload_conf()" >/dev/null
+	for _ in $(seq 1 200); do
+		[ "$("${PSQL[@]}" -c "SELECT NOT valkey_connected FROM idem_stats()")" = t ] && break
+		sleep 0.05
+	done
+	"${PSQL[@]}" -c "SET synchronous_commit = off" -c "DO \$\$
+		DECLARE batch int := current_setting('max_locks_per_transaction')::int;
+		BEGIN FOR i IN 1..$DRAIN LOOP
 		PERFORM idem_claim(1 + i % 100, idem_key('bench.drain.$tag', i::text), idem_fingerprint('{}'));
 		PERFORM idem_complete(1 + i % 100, idem_key('bench.drain.$tag', i::text), '{\"ok\": true}');
-		END LOOP; END \$\$" >/dev/null
-	t0=$(date +%s.%N)
-	for _ in $(seq 1 6000); do
-		[ "$("${PSQL[@]}" -c "SELECT copied >= $c0 + $DRAIN FROM idem_stats()")" = t ] && break
-		sleep 0.01
-	done
-	t1=$(date +%s.%N)
-	awk -v n="$DRAIN" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f\n", n / (b - a) }'
+		IF i % batch = 0 THEN COMMIT; END IF;
+		END LOOP; END \$\$" >/dev/null || return 1
+	"${PSQL[@]}" -c "ALTER SYSTEM SET idem.valkey_port = $port" \
+		-c "ALTER SYSTEM SET idem.valkey_nodes = '$nodes'" -c "SELECT pg_reload_conf()" -c "DO \$\$
+		DECLARE
+			c0 bigint := (SELECT copied FROM idem_stats());
+			c1 bigint;
+			t0 timestamptz;
+			deadline timestamptz := clock_timestamp() + interval '60 s';
+		BEGIN
+			LOOP	-- from the first copied result ...
+				SELECT copied, clock_timestamp() INTO c1, t0 FROM idem_stats();
+				EXIT WHEN c1 > c0 OR clock_timestamp() > deadline;
+				PERFORM pg_sleep(0.002);
+			END LOOP;
+			-- ... to an empty queue
+			WHILE (SELECT queue_depth FROM idem_stats()) > 0 AND clock_timestamp() < deadline LOOP
+				PERFORM pg_sleep(0.002);
+			END LOOP;
+			RAISE NOTICE 'drained % %', (SELECT copied FROM idem_stats()) - c1,
+				extract(epoch FROM clock_timestamp() - t0);
+		END \$\$" 2>&1 >/dev/null |
+		awk '/drained/ { n = $(NF - 1); s = $NF; if (s > 0) printf "%.0f\n", (n + 1) / s }'
 }
 
 replay() {
@@ -83,10 +110,10 @@ use "$CL_PORT" "$CL_NODES" true || exit 1
 
 declare -A runs=()
 for r in $(seq 1 "$ROUNDS"); do
+	runs[drain-single]+="$(drain "s$r" "$BENCH_VKPORT" "") "
 	use "$BENCH_VKPORT" "" false || exit 1
-	runs[drain-single]+="$(drain "s$r") "
+	runs[drain-cluster]+="$(drain "c$r" "$CL_PORT" "$CL_NODES") "
 	use "$CL_PORT" "$CL_NODES" true || exit 1
-	runs[drain-cluster]+="$(drain "c$r") "
 	for c in ${BENCH_CLIENTS:-1 8 32}; do
 		runs[replay-single-$c]+="$(replay "$BENCH_VKPORT" "" "$c") "
 		runs[replay-cluster-$c]+="$(replay "$CL_PORT" "$CL_NODES" "$c") "
