@@ -35,7 +35,7 @@ cleanup() {
 			echo "--- $n log (last lines) ---" >&2
 			grep -v 'terminating connection due to administrator command' "$WORK/$n/pg.log" 2>/dev/null | tail -n 15 >&2
 		done
-		[ -f "$WORK/chaos.log" ] && { echo "--- chaos ---" >&2; tail -n 20 "$WORK/chaos.log" >&2; }
+		[ -f "$WORK/chaos.log" ] && { echo "--- chaos ---" >&2; tail -n 20 "$WORK/chaos.log" "$WORK/move.log" >&2; }
 	fi
 	[ -n "${IDEM_DEMO_KEEP:-}" ] && echo "idem: kept $WORK" >&2 || rm -rf "$WORK"
 }
@@ -70,45 +70,67 @@ psql_on coord -c "SELECT citus_set_coordinator_host('127.0.0.1', ${PORT[coord]})
 	-c "SELECT citus_add_node('127.0.0.1', ${PORT[w1]})" \
 	-c "SELECT citus_add_node('127.0.0.1', ${PORT[w2]})" >/dev/null || exit 2
 
-# Chaos on the workers: once the demo's tables are distributed, terminate a
-# worker backend in the middle of a handler (holding an idem key lock)
-# every second or so, and move
-# the shard of tenant 1 to the other worker a few seconds in.
+# Chaos on the workers, once the demo's setup is done (it prints its
+# banner; the setup's own claims are not the run's): terminate a worker
+# backend in the middle of a handler (one that holds an idem key lock),
+# about twice a second, and, a few seconds in, move the shard of tenant 1
+# to the other worker while the terminations go on.
+wait_banner() {
+	until grep -q '^idem demo:' "$WORK/demo.out" 2>/dev/null; do sleep 0.2; done
+}
 (
-	until [ "$(psql_on coord -c "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text = 'idem_demo.transfers'" 2>/dev/null)" = 1 ]; do
-		sleep 0.2
-	done
-	start=$SECONDS moved=0 killed=0
-	while sleep 0.$((RANDOM % 5 + 5)); do
+	wait_banner
+	killed=0
+	while ! grep -q '^Report' "$WORK/demo.out" 2>/dev/null; do
 		n=w$((RANDOM % 2 + 1))
-		# a backend in the middle of a handler: it holds an idem key lock
 		k=$(psql_on "$n" -c "SELECT count(pg_terminate_backend(pid)) FROM (SELECT DISTINCT pid FROM pg_locks
 			WHERE locktype = 'advisory' AND objsubid = 478 AND granted ORDER BY 1 LIMIT 1) s" 2>/dev/null)
-		killed=$((killed + ${k:-0}))
-		echo "terminated on $n: ${k:-?} (total $killed)"
-		if [ $moved -eq 0 ] && [ $((SECONDS - start)) -ge 3 ]; then
-			moved=1
-			psql_on coord -c "SELECT citus_move_shard_placement(s, '127.0.0.1', f.nodeport, '127.0.0.1', t.nodeport)
-				FROM (SELECT get_shard_id_for_distribution_column('public.tenants', 1::bigint) s) x,
-				LATERAL (SELECT nodeport FROM pg_dist_placement JOIN pg_dist_node USING (groupid) WHERE shardid = s) f,
-				LATERAL (SELECT nodeport FROM pg_dist_node WHERE noderole = 'primary' AND groupid > 0 AND nodeport <> f.nodeport) t" \
-				&& echo "moved the shard of tenant 1" || echo "shard move failed"
+		if [ "${k:-0}" -gt 0 ]; then
+			killed=$((killed + k))
+			echo "terminated a backend on $n (total $killed)"
+			sleep 0.$((RANDOM % 5 + 3))
+		else
+			sleep 0.05
 		fi
 	done
 ) >"$WORK/chaos.log" 2>&1 &
 BG+=($!)
+(
+	wait_banner
+	sleep 3
+	if psql_on coord -c "SELECT citus_move_shard_placement(s, '127.0.0.1', f.nodeport, '127.0.0.1', t.nodeport)
+		FROM (SELECT get_shard_id_for_distribution_column('public.tenants', 1::bigint) s) x,
+		LATERAL (SELECT nodeport FROM pg_dist_placement JOIN pg_dist_node USING (groupid) WHERE shardid = s) f,
+		LATERAL (SELECT nodeport FROM pg_dist_node WHERE noderole = 'primary' AND groupid > 0 AND nodeport <> f.nodeport) t"; then
+		if grep -q '^Report' "$WORK/demo.out"; then
+			echo "moved the shard of tenant 1, but only after the run"
+		else
+			echo "moved the shard of tenant 1 mid-run"
+		fi
+	else
+		echo "shard move failed"
+	fi
+) >"$WORK/move.log" 2>&1 &
+MOVER=$!
+BG+=($MOVER)
 
 # --batch 1: one message per transaction, through idem_claim / idem_complete
 # (the batch API is refused on Citus: a batch's tenants span workers).
 "$ROOT/client/demo/build/idem-demo" --batch 1 \
 	--pg "host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres" \
 	--valkey "127.0.0.1:$CACHE_PORT" --broker "127.0.0.1:$BROKER_PORT" \
-	--cache-restart-cmd "bash '$WORK/restart-cache.sh'" "$@"
-status=$?
-grep -E "moved|failed" "$WORK/chaos.log"
-echo "worker backends terminated: $(tail -n 1 "$WORK/chaos.log" | sed -n 's/.*total \([0-9]*\).*/\1/p')"
-if ! grep -q "^moved the shard" "$WORK/chaos.log"; then
+	--cache-restart-cmd "bash '$WORK/restart-cache.sh'" "$@" | tee "$WORK/demo.out"
+status=${PIPESTATUS[0]}
+wait "$MOVER"
+cat "$WORK/move.log"
+killed=$(grep -c '^terminated' "$WORK/chaos.log")
+echo "worker backends terminated mid-handler: $killed"
+if ! grep -q "^moved the shard of tenant 1 mid-run" "$WORK/move.log"; then
 	echo "idem: the shard move did not happen during the run" >&2
+	status=1
+fi
+if [ "$killed" -eq 0 ]; then
+	echo "idem: no worker backend was terminated in the middle of a handler" >&2
 	status=1
 fi
 exit $status
