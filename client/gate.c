@@ -237,9 +237,12 @@ vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 }
 
 /*
- * Open the cluster router (seeds: host:port, then the extra nodes).  The
- * scripts' SHA-1s come from SCRIPT LOAD on one node; the others load them
- * on their first NOSCRIPT.  0, or -1 with the gate resting.
+ * Open the cluster router (seeds: host:port, then the extra nodes; each
+ * seed has the connect and command timeouts to answer, so a seed that hangs
+ * costs its own time only).  The scripts are named by their SHA-1, computed
+ * here: no SCRIPT LOAD, which would have to go to some node that may be the
+ * one that hangs; each node loads them on its first NOSCRIPT (EVAL).
+ * 0, or -1 with the gate resting.
  */
 static int
 cluster_open(idem_gate *g)
@@ -248,11 +251,6 @@ cluster_open(idem_gate *g)
 	idem_vc_io	io = {vc_poll_wait, NULL, NULL};
 	char		seeds[1024];
 	char		err[256];
-	int64_t		deadline = idem_now_ms() + g->connect_timeout_ms + g->command_timeout_ms;
-	const char *a1[3] = {"SCRIPT", "LOAD", GATE_SCRIPT};
-	const char *a2[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
-	idem_vc_cmd cmds[2];
-	int			ok;
 
 	if (g->vc == NULL)
 	{
@@ -271,23 +269,13 @@ cluster_open(idem_gate *g)
 			goto fail;
 	}
 	if (!idem_vc_is_open(g->vc) &&
-		(g->db != 0 || idem_vc_open(g->vc, deadline, err, sizeof(err)) != 0))
+		(g->db != 0 ||
+		 idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
+					  err, sizeof(err)) != 0))
 		goto fail;
-	memset(cmds, 0, sizeof(cmds));
-	cmds[0].key = cmds[1].key = "";
-	cmds[0].argc = cmds[1].argc = 3;
-	cmds[0].argv = a1;
-	cmds[1].argv = a2;
-	g->round_trips++;
-	ok = idem_vc_pipeline(g->vc, cmds, 2, deadline) == 2 &&
-		reply_ok(cmds[0].reply, 1, g->sha_gate) &&
-		reply_ok(cmds[1].reply, 1, g->sha_cad);
-	if (cmds[0].reply)
-		freeReplyObject(cmds[0].reply);
-	if (cmds[1].reply)
-		freeReplyObject(cmds[1].reply);
-	if (ok)
-		return 0;
+	idem_sha1_hex(GATE_SCRIPT, sizeof(GATE_SCRIPT) - 1, g->sha_gate);
+	idem_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
+	return 0;
 fail:
 	if (g->vc != NULL && !idem_vc_is_open(g->vc))
 	{
@@ -386,6 +374,7 @@ do_connect(idem_gate *g)
 	int64_t		deadline;
 	int			info_at = -1;	/* index of INFO cluster's reply */
 	int			cluster = 0;
+	int			io_failed = 0;	/* no reply (not an error reply) */
 
 	g->connects++;
 	if (g->cluster_mode > 0 || g->vc != NULL)
@@ -439,6 +428,7 @@ do_connect(idem_gate *g)
 	{
 		g->round_trips++;
 		ok = send_all(c, buf, len, deadline, &g->last_errno) == 0;
+		io_failed = !ok;
 	}
 	free(buf);
 	for (i = 0; ok && i < n; i++)
@@ -447,7 +437,7 @@ do_connect(idem_gate *g)
 		int			is_sha = i >= n - 2;
 
 		if (rep == NULL)
-			ok = 0;
+			ok = 0, io_failed = 1;
 		else if (i == info_at)
 			cluster = ((redisReply *) rep)->type == REDIS_REPLY_STRING &&
 				strstr(((redisReply *) rep)->str, "cluster_enabled:1") != NULL;
@@ -460,6 +450,9 @@ do_connect(idem_gate *g)
 	if (!ok)
 	{
 		drop(g);
+		/* the first node hangs: the others may be a cluster's */
+		if (io_failed && g->nodes != NULL && g->cluster_mode == 0)
+			return cluster_open(g);
 		g->down_until = idem_now_ms() + g->retry_ms;
 		return -1;
 	}

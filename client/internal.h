@@ -3,6 +3,7 @@
  *	  Declarations shared by the files of libidemclient; not installed.
  *
  *	  sha256.c			SHA-256
+ *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
  *	  hmac.c			HMAC-SHA-256 (the MAC of idem2 values)
  *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
  *						MAC verification, the marker it writes
@@ -36,6 +37,9 @@ typedef struct idem_sha256
 void		idem_sha256_init(idem_sha256 *c);
 void		idem_sha256_update(idem_sha256 *c, const void *data, size_t len);
 void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
+
+/* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
+void		idem_sha1_hex(const void *data, size_t len, char out[41]);
 
 /* HMAC-SHA-256 with a prepared key (hmac.c). */
 typedef struct idem_hmac

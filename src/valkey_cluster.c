@@ -834,7 +834,7 @@ info_says_cluster(const redisReply *r)
 }
 
 int
-idem_vc_open(idem_vc *vc, int64_t deadline_ms, char *err, size_t errlen)
+idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 {
 	int			k;
 
@@ -843,6 +843,7 @@ idem_vc_open(idem_vc *vc, int64_t deadline_ms, char *err, size_t errlen)
 	for (k = 0; k < vc->nseeds; k++)
 	{
 		vc_node    *n = &vc->nodes[vc->seeds[k]];
+		int64_t		deadline_ms = idem_vc_now_ms() + seed_budget_ms;
 		int			rc;
 		int			cluster;
 

@@ -157,11 +157,13 @@ void		idem_vc_free(idem_vc *vc);
 
 /*
  * Connect to the first seed that answers, authenticate, detect the mode
- * and (cluster) read the slot map.  0, or -1 with the reason in err (a
- * cluster with idem.valkey_db other than 0 is -2, a configuration error).
- * -3: abandoned (io.wait said so).
+ * and (cluster) read the slot map.  Each seed in turn has seed_budget_ms
+ * for all of that: a seed that accepts connections but hangs (stopped,
+ * overloaded) costs its budget, and the next seed is asked.  0, or -1 with
+ * the reason in err (a cluster with idem.valkey_db other than 0 is -2, a
+ * configuration error).  -3: abandoned (io.wait said so).
  */
-int			idem_vc_open(idem_vc *vc, int64_t deadline_ms, char *err,
+int			idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err,
 						 size_t errlen);
 int			idem_vc_is_cluster(const idem_vc *vc);
 int			idem_vc_is_open(const idem_vc *vc);

@@ -209,7 +209,7 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 	if (wc == NULL)
 		return IDEM_WC_FAILED;
 	memset(&wc_reported, 0, sizeof(wc_reported));
-	rc = idem_vc_open(wc, idem_vc_now_ms() + idem_valkey_connect_timeout_ms +
+	rc = idem_vc_open(wc, idem_valkey_connect_timeout_ms +
 					  idem_valkey_command_timeout_ms, errbuf, errlen);
 	if (rc == 0 && idem_vc_is_cluster(wc))
 	{

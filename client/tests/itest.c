@@ -1276,6 +1276,17 @@ handler(PGconn *conn, idem_call *call, void *ud)
 	PQclear(r);
 	if (h->sleep_ms)
 		sleep_ms(h->sleep_ms);
+	if (strcmp(m, "dup_during") == 0 && h->dup_fd[0] >= 0)
+	{
+		/*
+		 * However slow the machine (valgrind, load), the duplicate must run
+		 * while this handler holds the claim: stay until its result is in
+		 * the pipe (left there for the test to read).
+		 */
+		struct pollfd pfd = {h->dup_fd[0], POLLIN, 0};
+
+		(void) poll(&pfd, 1, 60000);
+	}
 	if (strcmp(m, "terminate") == 0 || strcmp(m, "terminate2") == 0)
 	{
 		char		pid[16];

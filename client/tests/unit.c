@@ -34,6 +34,37 @@ sha_is(const char *msg, size_t len, const char *want)
 	return strcmp(h, want) == 0;
 }
 
+static int
+sha1_is(const char *msg, size_t len, const char *hex)
+{
+	char		out[41];
+
+	idem_sha1_hex(msg, len, out);
+	return strcmp(out, hex) == 0;
+}
+
+static void
+test_sha1(void)
+{
+	static const char *m2 =
+		"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+	char	   *million = malloc(1000000);
+
+	tap_ok(sha1_is("abc", 3, "a9993e364706816aba3e25717850c26c9cd0d89d"),
+		   "sha1 FIPS example 1 (abc)");
+	tap_ok(sha1_is("", 0, "da39a3ee5e6b4b0d3255bfef95601890afd80709"),
+		   "sha1 of the empty string");
+	tap_ok(sha1_is(m2, strlen(m2), "84983e441c3bd26ebaae4aa1f95129e5e54670f1"),
+		   "sha1 FIPS example 2 (448 bits: the padding takes a second block)");
+	memset(million, 'a', 1000000);
+	tap_ok(sha1_is(million, 1000000, "34aa973cd4c4daa4f61eeb2bdbad27316534016f"),
+		   "sha1 FIPS example 3 (a million 'a')");
+	free(million);
+	/* what Valkey names "return 1" (SCRIPT LOAD "return 1") */
+	tap_ok(sha1_is("return 1", 8, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"),
+		   "sha1 of a script is its EVALSHA name");
+}
+
 static void
 test_sha256(void)
 {
@@ -535,6 +566,7 @@ void		test_cluster(void);	/* unit_cluster.c */
 int
 main(void)
 {
+	test_sha1();
 	test_sha256();
 	test_hmac();
 	test_keys();
