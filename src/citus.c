@@ -278,14 +278,16 @@ idem_citus_purge(Oid relid, TimestampTz terminal_before,
 	Oid			argtypes[2] = {REGCLASSOID, TEXTOID};
 	int64		deleted = 0;
 	uint64		i;
+	const char *processing = quote_literal_cstr(idem_status_names[IDEM_STATUS_PROCESSING]);
 
 	cmd = psprintf("WITH d AS (DELETE FROM %%1$s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
 				   "SELECT id FROM %%1$s WHERE"
-				   " (status OPERATOR(pg_catalog.<>) 'processing' AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz"
+				   " (status OPERATOR(pg_catalog.<>) %s AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz"
 				   "  AND updated_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
-				   " OR (status OPERATOR(pg_catalog.=) 'processing' AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
+				   " OR (status OPERATOR(pg_catalog.=) %s AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
 				   " LIMIT %d FOR UPDATE SKIP LOCKED)) RETURNING 1) SELECT pg_catalog.count(*) FROM d",
-				   quote_literal_cstr(t1), quote_literal_cstr(t3), quote_literal_cstr(t2), batch);
+				   processing, quote_literal_cstr(t1), quote_literal_cstr(t3),
+				   processing, quote_literal_cstr(t2), batch);
 	args[0] = ObjectIdGetDatum(relid);
 	args[1] = CStringGetTextDatum(cmd);
 	SPI_connect();
