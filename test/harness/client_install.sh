@@ -44,6 +44,12 @@ sed 's/^/# /' "$T/cc.err"
 soname=$(readelf -d "$prefix/lib/libidemclient.so" 2>/dev/null | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$soname" = libidemclient.so.1 ]
 ok $? "the installed library's soname is libidemclient.so.1 (got '$soname')"
+# The file is named for the soname's major (.so.1.MINOR.PATCH), with
+# .so.1 and .so linking to it, as ldconfig and the linker expect.
+real=$(readlink -f "$prefix/lib/libidemclient.so")
+[[ $(basename "$real") =~ ^libidemclient\.so\.1\.[0-9]+\.[0-9]+$ ]] &&
+	[ "$(readlink -f "$prefix/lib/libidemclient.so.1")" = "$real" ]
+ok $? "the installed file is libidemclient.so.1.x.y, .so.1 and .so link to it (got '$(basename "$real")')"
 needed=$(readelf -d "$T/app" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(libidemclient[^]]*\)\]/\1/p')
 [ "$needed" = libidemclient.so.1 ]
 ok $? "the program needs libidemclient.so.1 by soname (got '$needed')"
