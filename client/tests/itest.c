@@ -573,6 +573,56 @@ now_ms(void)
 	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/*
+ * A listening TCP socket on 127.0.0.1, on a port the kernel picks (*port);
+ * -1 on failure.  For the tests' proxies.
+ */
+int
+itest_listen_loopback(int backlog, int *port)
+{
+	struct sockaddr_in a;
+	socklen_t	al = sizeof(a);
+	int			one = 1;
+	int			fd = socket(AF_INET, SOCK_STREAM, 0);
+
+	if (fd < 0)
+		return -1;
+	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	memset(&a, 0, sizeof(a));
+	a.sin_family = AF_INET;
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (bind(fd, (struct sockaddr *) &a, sizeof(a)) != 0 ||
+		listen(fd, backlog) != 0 ||
+		getsockname(fd, (struct sockaddr *) &a, &al) != 0)
+	{
+		close(fd);
+		return -1;
+	}
+	*port = ntohs(a.sin_port);
+	return fd;
+}
+
+/* A TCP connection to 127.0.0.1:port, or -1. */
+int
+itest_connect_loopback(int port)
+{
+	struct sockaddr_in a;
+	int			fd = socket(AF_INET, SOCK_STREAM, 0);
+
+	if (fd < 0)
+		return -1;
+	memset(&a, 0, sizeof(a));
+	a.sin_family = AF_INET;
+	a.sin_port = htons((uint16_t) port);
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (connect(fd, (struct sockaddr *) &a, sizeof(a)) != 0)
+	{
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
 /* ------------------------------------------------------------------ */
 /* setup */
 
@@ -1064,15 +1114,10 @@ proxy_main(void *arg)
 		if ((pf[0].revents & POLLIN) && n < 16)
 		{
 			int			c = accept(p->listen_fd, NULL, NULL);
-			int			s = socket(AF_INET, SOCK_STREAM, 0);
-			struct sockaddr_in a;
+			int			s = c >= 0 ? itest_connect_loopback(p->target_port) : -1;
 			int			one = 1;
 
-			memset(&a, 0, sizeof(a));
-			a.sin_family = AF_INET;
-			a.sin_port = htons((uint16_t) p->target_port);
-			a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-			if (c >= 0 && connect(s, (struct sockaddr *) &a, sizeof(a)) == 0)
+			if (s >= 0)
 			{
 				setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 				setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -1081,12 +1126,8 @@ proxy_main(void *arg)
 				last_dir[n] = 1;
 				n++;
 			}
-			else
-			{
-				if (c >= 0)
-					close(c);
-				close(s);
-			}
+			else if (c >= 0)
+				close(c);
 			continue;
 		}
 		for (i = 0; i < n; i++)
@@ -1150,23 +1191,11 @@ proxy_main(void *arg)
 static int
 proxy_start(proxy *p, int target_port)
 {
-	struct sockaddr_in a;
-	socklen_t	al = sizeof(a);
-	int			one = 1;
-
 	memset(p, 0, sizeof(*p));
 	p->target_port = target_port;
-	p->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
-	setsockopt(p->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-	memset(&a, 0, sizeof(a));
-	a.sin_family = AF_INET;
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	a.sin_port = 0;
-	if (bind(p->listen_fd, (struct sockaddr *) &a, sizeof(a)) != 0 ||
-		listen(p->listen_fd, 16) != 0 ||
-		getsockname(p->listen_fd, (struct sockaddr *) &a, &al) != 0)
+	p->listen_fd = itest_listen_loopback(16, &p->port);
+	if (p->listen_fd < 0)
 		return -1;
-	p->port = ntohs(a.sin_port);
 	return pthread_create(&p->thread, NULL, proxy_main, p) == 0 ? 0 : -1;
 }
 

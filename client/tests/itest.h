@@ -72,6 +72,11 @@ int64_t		wall_ms(void);
 void		sleep_ms(int ms);
 int64_t		now_ms(void);
 
+/* Loopback TCP for the tests' proxies: a listener on a free port, a
+ * connection; -1 on failure. */
+int			itest_listen_loopback(int backlog, int *port);
+int			itest_connect_loopback(int port);
+
 int			contention_main(int argc, char **argv);
 int			trust_main(int argc, char **argv);
 

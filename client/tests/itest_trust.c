@@ -348,19 +348,13 @@ cproxy_main(void *arg)
 			continue;
 		if ((pf[0].revents & POLLIN) && c < 0)
 		{
-			struct sockaddr_in a;
-
 			c = accept(p->listen_fd, NULL, NULL);
-			s = socket(AF_INET, SOCK_STREAM, 0);
-			memset(&a, 0, sizeof(a));
-			a.sin_family = AF_INET;
-			a.sin_port = htons((uint16_t) p->target);
-			a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-			if (connect(s, (struct sockaddr *) &a, sizeof(a)) != 0)
+			s = c >= 0 ? itest_connect_loopback(p->target) : -1;
+			if (s < 0)
 			{
-				close(c);
-				close(s);
-				c = s = -1;
+				if (c >= 0)
+					close(c);
+				c = -1;
 			}
 			continue;
 		}
@@ -409,22 +403,11 @@ cproxy_main(void *arg)
 static int
 cproxy_start(cproxy *p, int target)
 {
-	struct sockaddr_in a;
-	socklen_t	al = sizeof(a);
-	int			one = 1;
-
 	memset(p, 0, sizeof(*p));
 	p->target = target;
-	p->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
-	setsockopt(p->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-	memset(&a, 0, sizeof(a));
-	a.sin_family = AF_INET;
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	if (bind(p->listen_fd, (struct sockaddr *) &a, sizeof(a)) != 0 ||
-		listen(p->listen_fd, 4) != 0 ||
-		getsockname(p->listen_fd, (struct sockaddr *) &a, &al) != 0)
+	p->listen_fd = itest_listen_loopback(4, &p->port);
+	if (p->listen_fd < 0)
 		return -1;
-	p->port = ntohs(a.sin_port);
 	return pthread_create(&p->thread, NULL, cproxy_main, p) == 0 ? 0 : -1;
 }
 
