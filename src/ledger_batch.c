@@ -145,6 +145,59 @@ batch_key(LedgerKind kind, const BatchArray *tenants, const BatchArray *keys,
 	ledger_check_digest(DatumGetByteaPP(keys->elems[i]), "key", lk->key);
 }
 
+/* A call's arrays, its ledger, and its place in the error context. */
+typedef struct Batch
+{
+	const char *func;
+	BatchArray	tenants;		/* tenant ledger only */
+	BatchArray	keys;
+	BatchArray	values;			/* fingerprints or outcomes */
+	int			interval_arg;	/* the lease or retention argument */
+	LedgerStore *store;
+	BatchPosition pos;
+	ErrorContextCallback errcb;
+} Batch;
+
+/*
+ * The arguments every batch function starts with: (tenant_ids,) keys and
+ * VALUES_NAME arrays of the same length, at most max_locks_per_transaction
+ * of them; then the ledger.  The error context names the element from
+ * here until batch_end.
+ */
+static void
+batch_begin(FunctionCallInfo fcinfo, LedgerKind kind, const char *func,
+			const char *values_name, Oid values_type, Batch *b)
+{
+	int			a = 0;
+
+	memset(b, 0, sizeof(*b));
+	b->func = func;
+	if (kind == LEDGER_TENANT)
+		batch_array_arg(fcinfo, a++, "tenant_ids", INT8OID, &b->tenants);
+	batch_array_arg(fcinfo, a++, "keys", BYTEAOID, &b->keys);
+	batch_array_arg(fcinfo, a++, values_name, values_type, &b->values);
+	if (kind == LEDGER_TENANT)
+		batch_same_length(&b->tenants, "tenant_ids", &b->keys, "keys");
+	batch_same_length(&b->keys, "keys", &b->values, values_name);
+	batch_size_check(func, b->keys.n);
+	b->interval_arg = a;
+	b->store = ledger_store_open(get_func_namespace(fcinfo->flinfo->fn_oid), kind);
+
+	b->pos.func = func;
+	b->pos.i = -1;
+	b->pos.n = b->keys.n;
+	b->errcb.callback = batch_error_context;
+	b->errcb.arg = &b->pos;
+	b->errcb.previous = error_context_stack;
+	error_context_stack = &b->errcb;
+}
+
+static void
+batch_end(Batch *b)
+{
+	error_context_stack = b->errcb.previous;
+}
+
 /*
  * claim_many: (ord, decision, attempt, outcome, expires_at) per key, in
  * the order of the arrays (ord is the 1-based position).
@@ -154,41 +207,19 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 {
 	const char *func = kind == LEDGER_TENANT ? "idem_claim_many" : "idem_platform_claim_many";
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	BatchArray	tenants = {0},
-				keys,
-				fps;
-	int			a = 0;
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz lease_end;
-	LedgerStore *store;
-	BatchPosition pos;
-	ErrorContextCallback errcb;
+	Batch		b;
 	int			i;
 
 	PreventCommandIfReadOnly(kind == LEDGER_TENANT ? "idem_claim_many()" : "idem_platform_claim_many()");
-	if (kind == LEDGER_TENANT)
-		batch_array_arg(fcinfo, a++, "tenant_ids", INT8OID, &tenants);
-	batch_array_arg(fcinfo, a++, "keys", BYTEAOID, &keys);
-	batch_array_arg(fcinfo, a++, "fingerprints", BYTEAOID, &fps);
-	if (kind == LEDGER_TENANT)
-		batch_same_length(&tenants, "tenant_ids", &keys, "keys");
-	batch_same_length(&keys, "keys", &fps, "fingerprints");
-	batch_size_check(func, keys.n);
-	lease_end = ledger_deadline(batch_interval_arg(fcinfo, a), "lease",
+	batch_begin(fcinfo, kind, func, "fingerprints", BYTEAOID, &b);
+	lease_end = ledger_deadline(batch_interval_arg(fcinfo, b.interval_arg), "lease",
 								idem_lease_ms, now);
-	store = ledger_store_open(get_func_namespace(fcinfo->flinfo->fn_oid), kind);
 
 	InitMaterializedSRF(fcinfo, 0);
 
-	pos.func = func;
-	pos.i = -1;
-	pos.n = keys.n;
-	errcb.callback = batch_error_context;
-	errcb.arg = &pos;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
-
-	for (i = 0; i < keys.n; i++)
+	for (i = 0; i < b.keys.n; i++)
 	{
 		LedgerKey	lk;
 		uint8		fingerprint[IDEM_DIGEST_LEN];
@@ -196,18 +227,18 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		Datum		values[5];
 		bool		nulls[5];
 
-		pos.i = i;
+		b.pos.i = i;
 		CHECK_FOR_INTERRUPTS();
-		batch_key(kind, &tenants, &keys, i, &lk);
-		ledger_check_digest(DatumGetByteaPP(fps.elems[i]), "fingerprint", fingerprint);
-		ledger_claim_key(store, &lk, fingerprint, now, lease_end, &ans);
+		batch_key(kind, &b.tenants, &b.keys, i, &lk);
+		ledger_check_digest(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
+		ledger_claim_key(b.store, &lk, fingerprint, now, lease_end, &ans);
 		values[0] = Int32GetDatum(i + 1);
 		nulls[0] = false;
 		ledger_answer_values(&ans, values + 1, nulls + 1);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 
-	error_context_stack = errcb.previous;
+	batch_end(&b);
 	return (Datum) 0;
 }
 
@@ -216,52 +247,30 @@ static void
 ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind)
 {
 	const char *func = kind == LEDGER_TENANT ? "idem_complete_many" : "idem_platform_complete_many";
-	BatchArray	tenants = {0},
-				keys,
-				outcomes;
-	int			a = 0;
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz retention_end;
-	LedgerStore *store;
-	BatchPosition pos;
-	ErrorContextCallback errcb;
+	Batch		b;
 	int			i;
 
-	if (kind == LEDGER_TENANT)
-		batch_array_arg(fcinfo, a++, "tenant_ids", INT8OID, &tenants);
-	batch_array_arg(fcinfo, a++, "keys", BYTEAOID, &keys);
-	batch_array_arg(fcinfo, a++, "outcomes", JSONBOID, &outcomes);
-	if (kind == LEDGER_TENANT)
-		batch_same_length(&tenants, "tenant_ids", &keys, "keys");
-	batch_same_length(&keys, "keys", &outcomes, "outcomes");
-	batch_size_check(func, keys.n);
-	retention_end = ledger_retention_end(batch_interval_arg(fcinfo, a), now);
-	store = ledger_store_open(get_func_namespace(fcinfo->flinfo->fn_oid), kind);
+	batch_begin(fcinfo, kind, func, "outcomes", JSONBOID, &b);
+	retention_end = ledger_retention_end(batch_interval_arg(fcinfo, b.interval_arg), now);
 
-	pos.func = func;
-	pos.i = -1;
-	pos.n = keys.n;
-	errcb.callback = batch_error_context;
-	errcb.arg = &pos;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
-
-	for (i = 0; i < keys.n; i++)
+	for (i = 0; i < b.keys.n; i++)
 	{
 		LedgerKey	lk;
 		Jsonb	   *outcome;
 		char	   *outcome_text;
 
-		pos.i = i;
+		b.pos.i = i;
 		CHECK_FOR_INTERRUPTS();
-		batch_key(kind, &tenants, &keys, i, &lk);
-		outcome = DatumGetJsonbP(outcomes.elems[i]);
+		batch_key(kind, &b.tenants, &b.keys, i, &lk);
+		outcome = DatumGetJsonbP(b.values.elems[i]);
 		outcome_text = ledger_check_outcome(outcome, "outcome");
-		ledger_settle_key(store, &lk, "complete", IDEM_STATUS_COMPLETED, outcome,
+		ledger_settle_key(b.store, &lk, "complete", IDEM_STATUS_COMPLETED, outcome,
 						  outcome_text, retention_end, 0);
 	}
 
-	error_context_stack = errcb.previous;
+	batch_end(&b);
 }
 
 Datum
