@@ -13,42 +13,7 @@ use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
 
-# Standbys and failover (issue 12), with real streaming standbys made by
-# pg_basebackup:
-#  - idem.standby_slots: a copy waits until the named standby has flushed
-#    its commit; a stopped standby holds copies back, a missing slot too;
-#  - a promotion: a message committed on the primary while the standby
-#    lagged, then run through the C runner against the promoted standby, is
-#    applied there (not replayed from the old primary's cache entry), once.
-use strict;
-use warnings;
-
-use FindBin;
-use lib $FindBin::RealBin;
-
-use IdemValkey;
-use PostgreSQL::Test::Cluster;
-use PostgreSQL::Test::Utils;
-use Test::More;
-use Time::HiRes qw(usleep);
-
 my $valkey = IdemValkey->new(name => 'valkey')->start;
-
-# A primary that can stream, with idem preloaded and its ledgers installed.
-sub streaming_primary
-{
-	my ($name, %conf) = @_;
-	my $node = PostgreSQL::Test::Cluster->new($name);
-	$node->init(allows_streaming => 1);
-	my $extra = "shared_preload_libraries = 'idem'\n"
-	  . "idem.valkey_port = " . $valkey->port . "\n";
-	$extra .= "$_ = $conf{$_}\n" foreach sort keys %conf;
-	$node->append_conf('postgresql.conf', $extra);
-	$node->start;
-	IdemValkey::install($node);
-	$node->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
-	return $node;
-}
 
 sub commit_key
 {
@@ -57,7 +22,7 @@ sub commit_key
 }
 
 # --- idem.standby_slots ---
-my $primary = streaming_primary('primary', 'idem.standby_slots' => "'sb1'");
+my $primary = IdemValkey::streaming_node('primary', $valkey, 'idem.standby_slots' => "'sb1'");
 $primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('sb1')");
 $primary->backup('b1');
 my $standby = PostgreSQL::Test::Cluster->new('standby');

@@ -16,24 +16,8 @@ use Time::HiRes qw(usleep);
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 
-# A primary that can stream, with idem preloaded and its ledgers installed.
-sub streaming_primary
-{
-	my ($name, %conf) = @_;
-	my $node = PostgreSQL::Test::Cluster->new($name);
-	$node->init(allows_streaming => 1);
-	my $extra = "shared_preload_libraries = 'idem'\n"
-	  . "idem.valkey_port = " . $valkey->port . "\n";
-	$extra .= "$_ = $conf{$_}\n" foreach sort keys %conf;
-	$node->append_conf('postgresql.conf', $extra);
-	$node->start;
-	IdemValkey::install($node);
-	$node->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
-	return $node;
-}
-
 # --- failover to a standby that lacks the newest commit ---
-my $old = streaming_primary('old_primary');
+my $old = IdemValkey::streaming_node('old_primary', $valkey);
 $old->backup('b2');
 my $new = PostgreSQL::Test::Cluster->new('new_primary');
 $new->init_from_backup($old, 'b2', has_streaming => 1);

@@ -166,8 +166,24 @@ sub wait_for_key
 sub idem_node
 {
 	my ($name, $valkey, %conf) = @_;
+	return _idem_node($name, $valkey, [], %conf);
+}
+
+# The same, able to stream to standbys (pg_basebackup), with the table
+# effects (scope, id) that run_message's handler writes.
+sub streaming_node
+{
+	my ($name, $valkey, %conf) = @_;
+	my $node = _idem_node($name, $valkey, [ allows_streaming => 1 ], %conf);
+	$node->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
+	return $node;
+}
+
+sub _idem_node
+{
+	my ($name, $valkey, $init, %conf) = @_;
 	my $node = PostgreSQL::Test::Cluster->new($name);
-	$node->init;
+	$node->init(@$init);
 	my $extra = "shared_preload_libraries = 'idem'\n"
 	  . "idem.valkey_port = " . $valkey->port . "\n";
 	$extra .= "$_ = $conf{$_}\n" foreach sort keys %conf;
