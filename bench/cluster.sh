@@ -19,6 +19,8 @@ CL=$BENCH_WORK/cluster
 mkdir -p "$CL"
 chmod 777 "$CL"
 trap 'idem_valkey_cluster_stop "$CL"' EXIT
+cp "$ROOT/bench/drain.sql" "$BENCH_WORK/drain.sql"
+chmod a+r "$BENCH_WORK/drain.sql"
 idem_valkey_cluster_start "$CL" 3 || exit 1
 CL_PORT=$(idem_valkey_cluster_first "$CL")
 CL_NODES=$(idem_valkey_cluster_others "$CL")
@@ -29,6 +31,7 @@ BIN=$BENCH_WORK/client_bench
 	-lpq -lhiredis -lcrypto -pthread || exit 1
 PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=off"
 PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -h "$BENCH_WORK" -p "$BENCH_PGPORT" -U postgres -d postgres)
+"${PSQL[@]}" -f "$BENCH_WORK/drain.sql" >/dev/null || exit 1
 CLI=$(idem_valkey_cli)
 BENCHER=${CLI%-cli}-benchmark
 
@@ -51,8 +54,8 @@ use() {
 # are committed and stay queued (in batches of max_locks_per_transaction
 # claims: each claim holds a key lock until its transaction ends, and the
 # lock table is sized by that setting); then the worker is pointed at the
-# server under test, and the server times the copies from the first to the
-# last, so the reconnection is not counted.
+# server under test, and idem_bench_drain() (bench/drain.sql) times the
+# copies from the first to the last, so the reconnection is not counted.
 drain() {
 	local tag=$1 port=$2 nodes=$3
 	"${PSQL[@]}" -c "ALTER SYSTEM SET idem.valkey_port = 1" \
@@ -69,26 +72,9 @@ drain() {
 		IF i % batch = 0 THEN COMMIT; END IF;
 		END LOOP; END \$\$" >/dev/null || return 1
 	"${PSQL[@]}" -c "ALTER SYSTEM SET idem.valkey_port = $port" \
-		-c "ALTER SYSTEM SET idem.valkey_nodes = '$nodes'" -c "SELECT pg_reload_conf()" -c "DO \$\$
-		DECLARE
-			c0 bigint := (SELECT copied FROM idem_stats());
-			c1 bigint;
-			t0 timestamptz;
-			deadline timestamptz := clock_timestamp() + interval '60 s';
-		BEGIN
-			LOOP	-- from the first copied result ...
-				SELECT copied, clock_timestamp() INTO c1, t0 FROM idem_stats();
-				EXIT WHEN c1 > c0 OR clock_timestamp() > deadline;
-				PERFORM pg_sleep(0.002);
-			END LOOP;
-			-- ... to an empty queue
-			WHILE (SELECT queue_depth FROM idem_stats()) > 0 AND clock_timestamp() < deadline LOOP
-				PERFORM pg_sleep(0.002);
-			END LOOP;
-			RAISE NOTICE 'drained % %', (SELECT copied FROM idem_stats()) - c1,
-				extract(epoch FROM clock_timestamp() - t0);
-		END \$\$" 2>&1 >/dev/null |
-		awk '/drained/ { n = $(NF - 1); s = $NF; if (s > 0) printf "%.0f\n", (n + 1) / s }'
+		-c "ALTER SYSTEM SET idem.valkey_nodes = '$nodes'" -c "SELECT pg_reload_conf()" \
+		-c "SELECT idem_bench_drain()" | tail -n 1 |
+		awk '{ if ($2 > 0) printf "%.0f\n", ($1 + 1) / $2 }'
 }
 
 replay() {

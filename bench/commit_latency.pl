@@ -234,27 +234,10 @@ while (my @chunk = splice(@keys, 0, 1000))
 die "no latency samples\n" unless @lat;
 
 # --- 2. drain rate, between two raw rates ---
+open(my $df, '<', "$FindBin::Bin/drain.sql") or die "drain.sql: $!";
+psql(do { local $/; <$df> });
+close $df;
 psql(q{
-	CREATE OR REPLACE FUNCTION idem_bench_drain() RETURNS text LANGUAGE plpgsql AS $$
-	DECLARE
-		c0 bigint := (SELECT copied FROM idem_stats());
-		c_first bigint;
-		t_first timestamptz;
-		deadline timestamptz := clock_timestamp() + interval '60 s';
-	BEGIN
-		-- from the first copied result ...
-		LOOP
-			SELECT copied, clock_timestamp() INTO c_first, t_first FROM idem_stats();
-			EXIT WHEN c_first > c0 OR clock_timestamp() > deadline;
-			PERFORM pg_sleep(0.002);
-		END LOOP;
-		-- ... to an empty queue
-		WHILE (SELECT queue_depth FROM idem_stats()) > 0 AND clock_timestamp() < deadline LOOP
-			PERFORM pg_sleep(0.002);
-		END LOOP;
-		RETURN ((SELECT copied FROM idem_stats()) - c_first) || ' '
-			|| extract(epoch FROM clock_timestamp() - t_first);
-	END $$;
 	ALTER SYSTEM SET idem.valkey_port = 1;
 	SELECT pg_reload_conf();
 });

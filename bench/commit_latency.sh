@@ -54,7 +54,8 @@ BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark
 
 cp "$ROOT/bench/commit_latency.pl" "$WORK/commit_latency.pl"
 cp "$ROOT/test/t/IdemResp.pm" "$WORK/IdemResp.pm"
-chmod a+r "$WORK/commit_latency.pl" "$WORK/IdemResp.pm"
+cp "$ROOT/bench/drain.sql" "$WORK/drain.sql"
+chmod a+r "$WORK/commit_latency.pl" "$WORK/IdemResp.pm" "$WORK/drain.sql"
 idem_as_test_user env PATH="$(idem_pg_bindir):$PATH" perl "$WORK/commit_latency.pl" \
 	--dir "$WORK" --pgport "$PGPORT" --vkport "$VKPORT" --benchmark "$BENCHMARK" --server "$(idem_valkey_version)" \
 	--rate "${BENCH_RATE:-5000}" --seconds "${BENCH_LATENCY_SECONDS:-10}" \
