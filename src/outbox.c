@@ -29,8 +29,17 @@
  *	  - an abort forgets them.
  *
  * idem_outbox_repopulate() puts a copy of a terminal row that a lookup or
- * claim read (not wrote) straight into the queue, marked with the WAL
- * insert position at the read.
+ * claim read (not wrote) straight into the queue, marked with the end of
+ * the WAL inserted at the read (insert_end_lsn): the row's commit record
+ * is before it.  That position may also cover WAL of no commit, which
+ * nothing but the WAL writer flushes, two or three wal_writer_delay cycles
+ * later: the full-page images that setting hint bits writes when data
+ * checksums are on (initdb's default from PostgreSQL 18) or wal_log_hints
+ * is, and on-access pruning, written by any read before this one.  So such
+ * a copy is marked may_flush: the worker flushes WAL up to it itself
+ * (XLogFlush, as a committing backend would) instead of waiting.  A
+ * commit's own copy is not: with synchronous_commit = off it waits for the
+ * WAL writer, as the commit's durability does.
  *
  * The events arrive from xact.c, which owns the transaction callbacks.
  *
@@ -40,6 +49,7 @@
 
 #include "access/xact.h"
 #include "access/xlog.h"
+#include "access/xlog_internal.h"
 #include "miscadmin.h"
 #include "utils/memutils.h"
 
@@ -68,6 +78,27 @@ outbox_pending_reset(void)
 }
 
 /*
+ * Where the WAL inserted so far ends, as the flush position reaches it.
+ * GetXLogInsertRecPtr() is where the next record will start: past the page
+ * header when the last record ended at a page boundary (as after
+ * pg_switch_wal()), a position no flush reaches until more WAL is written,
+ * and one XLogFlush() refuses.  (GetXLogInsertEndRecPtr() is not in every
+ * minor release of 15.)
+ */
+static XLogRecPtr
+insert_end_lsn(void)
+{
+	XLogRecPtr	lsn = GetXLogInsertRecPtr();
+	uint64		segoff = XLogSegmentOffset(lsn, wal_segment_size);
+
+	if (segoff == SizeOfXLogLongPHD)
+		return lsn - SizeOfXLogLongPHD;
+	if (segoff % XLOG_BLCKSZ == SizeOfXLogShortPHD)
+		return lsn - SizeOfXLogShortPHD;
+	return lsn;
+}
+
+/*
  * At commit: mark each copy with the end of this transaction's commit
  * record, so that the worker copies it only once WAL is durable that far.
  */
@@ -79,7 +110,7 @@ outbox_set_lsn(void)
 
 	/* Copies are queued only by transactions that wrote a ledger row. */
 	if (XLogRecPtrIsInvalid(commit_end))
-		commit_end = GetXLogInsertRecPtr();
+		commit_end = insert_end_lsn();
 	foreach(lc, pending_records)
 		((IdemOutboxRecord *) lfirst(lc))->lsn = commit_end;
 }
@@ -144,7 +175,7 @@ static IdemOutboxRecord *
 outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
 			  IdemCacheKind kind, int32 attempt, const uint8 *fingerprint,
 			  const char *outcome, int outcome_len, TimestampTz expires_at,
-			  XLogRecPtr lsn)
+			  XLogRecPtr lsn, bool may_flush)
 {
 	Size		size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
 	IdemOutboxRecord *rec = palloc0(size);
@@ -158,6 +189,7 @@ outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
 	rec->tenant_id = is_platform ? 0 : tenant_id;
 	rec->expires_at = expires_at;
 	rec->lsn = lsn;
+	rec->may_flush = may_flush;
 	memcpy(rec->key, key, IDEM_DIGEST_LEN);
 	memcpy(rec->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	memcpy(rec->outcome, outcome, outcome_len);
@@ -198,7 +230,7 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 							  outbox_record(is_platform, tenant_id, key, kind,
 											attempt, fingerprint, outcome,
 											outcome_len, expires_at,
-											InvalidXLogRecPtr));
+											InvalidXLogRecPtr, false));
 	pending_levels = lappend_int(pending_levels,
 								 GetCurrentTransactionNestLevel());
 	MemoryContextSwitchTo(oldcxt);
@@ -208,8 +240,9 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
  * Queue a copy of a terminal row that this transaction read but did not
  * write (idem_lookup, or a claim answering with a replay after a cache
  * miss), straight into the shared queue: the row is committed already.  Its
- * commit record is before the WAL insert position now, so the worker copies
- * it once WAL is durable up to that position.  Nothing is queued during
+ * commit record is before the end of the WAL inserted now, so the worker
+ * copies it once WAL is durable up to there, flushing it itself if need be
+ * (see the header comment).  Nothing is queued during
  * recovery (a hot standby copies nothing), nor while the queue is more than
  * half full (idem_outbox_ring_offer).
  */
@@ -227,7 +260,7 @@ idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 
 	rec = outbox_record(is_platform, tenant_id, key, kind, attempt,
 						fingerprint, outcome, outcome_len, expires_at,
-						GetXLogInsertRecPtr());
+						insert_end_lsn(), true);
 	(void) idem_outbox_ring_offer(rec);
 	pfree(rec);
 }

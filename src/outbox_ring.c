@@ -45,7 +45,7 @@
 #include "storage/proc.h"
 #include "storage/shmem.h"
 
-/* Average bytes reserved per queued record (96-byte header + outcome). */
+/* Average bytes reserved per queued record (112-byte header + outcome). */
 #define IDEM_OUTBOX_BYTES_PER_RECORD	256
 #define IDEM_OUTBOX_RECORD_MAX	IDEM_OUTBOX_RECORD_SIZE(IDEM_OUTCOME_MAX)
 #define IDEM_OUTBOX_NO_WORKER	PG_UINT32_MAX
@@ -281,11 +281,13 @@ idem_outbox_worker_sleepy(void)
  * given to idem_outbox_consume() once everything before it is written.
  * Stops before the first record whose WAL position is beyond durable, and
  * then sets *held (records stay in order: one not durable yet holds back
- * those behind it, which become durable at about the same time).
+ * those behind it, which become durable at about the same time); if that
+ * record is a read's copy (may_flush), *flush_to is its WAL position, which
+ * the worker may flush itself, else InvalidXLogRecPtr.
  */
 int
 idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
-				 XLogRecPtr durable, bool *held)
+				 XLogRecPtr durable, bool *held, XLogRecPtr *flush_to)
 {
 	const char *ring = IDEM_OUTBOX_RING(outbox);
 	uint64		p;
@@ -298,6 +300,7 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 	LWLockRelease(outbox_lock);
 
 	*held = false;
+	*flush_to = InvalidXLogRecPtr;
 	while (p < head && n < max)
 	{
 		const IdemOutboxRecord *rec =
@@ -308,6 +311,8 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 			if (rec->lsn > durable)
 			{
 				*held = true;
+				if (rec->may_flush)
+					*flush_to = rec->lsn;
 				break;
 			}
 			records[n++] = rec;

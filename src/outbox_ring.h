@@ -28,6 +28,8 @@ typedef struct IdemOutboxRecord
 	uint16		outcome_len;
 	char		kind;			/* IdemCacheKind, or 0 for padding */
 	bool		is_platform;
+	bool		may_flush;		/* a read's copy: the worker may flush WAL
+								 * up to lsn itself (see outbox.c) */
 	int32		attempt;
 	Oid			dboid;			/* the database: part of the Valkey keyspace */
 	int64		tenant_id;
@@ -57,7 +59,8 @@ extern void idem_outbox_detach_worker(void);
 extern void idem_outbox_worker_awake(void);
 extern bool idem_outbox_worker_sleepy(void);
 extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
-							 int max, XLogRecPtr durable, bool *held);
+							 int max, XLogRecPtr durable, bool *held,
+							 XLogRecPtr *flush_to);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);
 extern uint64 idem_outbox_depth(void);
 

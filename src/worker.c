@@ -631,11 +631,27 @@ worker_durable_lsn(TimeLineID *timeline, bool *standby_problem)
 }
 
 /*
+ * A read's copy is held for WAL up to lsn that may be no commit's, which
+ * only the WAL writer would flush, cycles later (outbox.c): flush it now, as
+ * a committing backend would.  The copy still goes out only once the
+ * durable position (worker_durable_lsn) passes it.
+ */
+static void
+worker_flush_wal(XLogRecPtr lsn)
+{
+	if (XLogRecPtrIsInvalid(lsn) || RecoveryInProgress() ||
+		lsn <= GetFlushRecPtr(NULL))
+		return;
+	XLogFlush(lsn);
+}
+
+/*
  * Copy queued records until the queue is empty, IDEM_INFLIGHT batches at a
  * time: the next batch is written before the replies to the previous one
  * are read, so Valkey and the worker work at the same time.  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
- * next one is not, the worker looks again shortly (IDEM_DURABLE_POLL_MS).  A
+ * next one is not, the worker looks again shortly (IDEM_DURABLE_POLL_MS),
+ * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
  * batch leaves the queue once all its replies are read.  A reply that says
  * the server cannot take writes now (vk_classify_error) fails the drain with
  * the batches kept; one that condemns a record drops that record.  Returns
@@ -689,11 +705,13 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
 		{
 			uint64		start = pos;
+			XLogRecPtr	flush_to;
 			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX,
-											 durable, &held);
+											 durable, &held, &flush_to);
 			int			nsent;
 			VkEncoder	enc;
 
+			worker_flush_wal(flush_to);
 			if (pos == start)
 				break;
 			if (now < next_batch_at && n < IDEM_BATCH_EAGER)
@@ -815,6 +833,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		uint64		ok = 0;
 		uint64		nrej = 0;
 		IdemWcCopy	rc;
+		XLogRecPtr	flush_to;
 		int			n;
 
 		if (standby_problem && !standby_reported)
@@ -826,7 +845,9 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			return VK_SHUTDOWN;
 		if (ConfigReloadPending)
 			return VK_OK;
-		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held);
+		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
+							 &flush_to);
+		worker_flush_wal(flush_to);
 		if (n == 0)
 		{
 			if (!held)
