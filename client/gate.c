@@ -86,6 +86,8 @@ struct idem_gate
 	int			cluster_mode;	/* 0 auto, 1 on, -1 off */
 	idem_vc    *vc;				/* non-NULL: cluster mode */
 	long		stat_connects;	/* of routers freed */
+	char		config_error[160];	/* non-empty: Valkey is not usable as
+									 * configured (valkey_db on a cluster) */
 };
 
 /* ---- SIGPIPE while hiredis connects: blocked, a pending one discarded (libpq's way) */
@@ -288,6 +290,12 @@ fail:
 	return -1;
 }
 
+const char *
+idem_gate_config_error(const idem_gate *g)
+{
+	return (g && g->config_error[0]) ? g->config_error : NULL;
+}
+
 long
 idem_gate_round_trips(const idem_gate *g)
 {
@@ -398,14 +406,7 @@ do_connect(idem_gate *g)
 		ok = append_cmd(&buf, &len, 2, argv) == 0;
 		n++;
 	}
-	if (ok && g->db != 0)
-	{
-		const char *argv[2] = {"SELECT", dbtxt};
-
-		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
-		ok = append_cmd(&buf, &len, 2, argv) == 0;
-		n++;
-	}
+	/* before SELECT, which a cluster refuses: it must be recognised */
 	if (ok && g->cluster_mode == 0)
 	{
 		const char *argv[2] = {"INFO", "cluster"};
@@ -413,6 +414,14 @@ do_connect(idem_gate *g)
 		ok = append_cmd(&buf, &len, 2, argv) == 0;
 		n++;
 		info_at = n - 1;
+	}
+	if (ok && g->db != 0)
+	{
+		const char *argv[2] = {"SELECT", dbtxt};
+
+		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
+		ok = append_cmd(&buf, &len, 2, argv) == 0;
+		n++;
 	}
 	if (ok)
 	{
@@ -447,6 +456,15 @@ do_connect(idem_gate *g)
 		if (rep)
 			freeReplyObject(rep);
 	}
+	if (cluster && g->db != 0)
+	{
+		/* a configuration error, not an outage: the gate stays off */
+		snprintf(g->config_error, sizeof(g->config_error),
+				 "valkey_db is %d, but a Valkey Cluster has only database 0: set valkey_db = 0",
+				 g->db);
+		drop(g);
+		return -1;
+	}
 	if (!ok)
 	{
 		drop(g);
@@ -467,6 +485,8 @@ do_connect(idem_gate *g)
 int
 idem_gate_resting(const idem_gate *g)
 {
+	if (g->config_error[0])
+		return 1;
 	if (g->vc != NULL && idem_vc_is_open(g->vc))
 		return 0;				/* nodes rest one by one */
 	return g->c == NULL && idem_now_ms() < g->down_until;
@@ -795,6 +815,30 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 	}
 	/* else: an error reply (say WRONGTYPE for a key of another type):
 	 * Valkey answered but has nothing usable; skip the gate. */
+	freeReplyObject(r);
+}
+
+void
+idem_gate_get(idem_gate *g, const char *key, gate_reply *out)
+{
+	const char *argv[2] = {"GET", key};
+	redisReply *r;
+
+	memset(out, 0, sizeof(*out));
+	out->answer = GATE_SKIPPED;
+	if (g == NULL || idem_gate_resting(g))
+		return;
+	r = command(g, 2, argv, NULL);
+	if (r == NULL)
+		return;
+	if (r->type == REDIS_REPLY_STRING && (out->value = malloc(r->len + 1)) != NULL)
+	{
+		memcpy(out->value, r->str, r->len);
+		out->value[r->len] = '\0';
+		out->value_len = r->len;
+		out->pttl = -1;
+		out->answer = GATE_VALUE;
+	}
 	freeReplyObject(r);
 }
 

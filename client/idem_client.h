@@ -85,7 +85,12 @@ typedef struct idem_options
 								 * timeline, database) comes from the server
 								 * (idem_cache_keyspace()) */
 	const char *valkey_password;	/* NULL or "": no AUTH */
-	int			valkey_db;		/* SELECT this database when non-zero */
+	int			valkey_db;		/* SELECT this database when non-zero; a
+								 * Valkey Cluster has only database 0: on
+								 * one, another value keeps the cache off
+								 * (the notice hook says why), and with
+								 * valkey_cluster = 1 it is an invalid
+								 * option */
 	int			valkey_connect_timeout_ms;	/* default 200 */
 	int			valkey_command_timeout_ms;	/* default 200 */
 	int			valkey_retry_ms;	/* after a Valkey failure, go without it
@@ -304,6 +309,18 @@ idem_status idem_run_platform(idem_runner *runner,
 							  const char *request_json,
 							  idem_handler_fn handler, void *user_data,
 							  idem_result *out);
+
+/*
+ * Valkey alone, for callers that decide many tasks in one transaction of
+ * their own (a batch): no PostgreSQL transaction, no marker, one GET.
+ * Returns 1 with *out decided (IDEM_REPLAYED or IDEM_FAILED_PERMANENT,
+ * source IDEM_SOURCE_VALKEY) when the cache holds this task's verified
+ * terminal result for the same request; 0 when only PostgreSQL can decide
+ * (nothing cached, a marker, another request, Valkey unavailable).
+ */
+int			idem_cached(idem_runner *runner, int64_t tenant_id,
+						const char *task_scope, const char *id,
+						const char *request_json, idem_result *out);
 
 const char *idem_status_name(idem_status status);	/* "applied", ... */
 const char *idem_source_name(idem_source source);	/* "valkey", ... */

@@ -91,10 +91,14 @@ void		idem_gate_free(idem_gate *g);
 int			idem_gate_resting(const idem_gate *g);
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 							int lease_ms, gate_reply *out);
+/* GET only (no marker): GATE_VALUE with pttl -1, or GATE_SKIPPED. */
+void		idem_gate_get(idem_gate *g, const char *key, gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
  * -1 Valkey unavailable. */
 int			idem_gate_release(idem_gate *g, const char *key,
 							  const char *marker);
+/* Why Valkey cannot be used as configured (the gate stays off), or NULL. */
+const char *idem_gate_config_error(const idem_gate *g);
 /* Counters. */
 long		idem_gate_round_trips(const idem_gate *g);
 long		idem_gate_connects(const idem_gate *g);
@@ -249,6 +253,7 @@ struct idem_runner
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
 	int			cache_off_said; /* the "running without the cache" notice */
+	int			gate_config_said;	/* the gate's configuration error notice */
 	int			lease_ms;
 	int			retention_ms;
 	int			lookup_first;	/* option; cleared if idem_lookup is refused */
@@ -257,5 +262,9 @@ struct idem_runner
 	char		errmsg[512];
 	idem_runner_stats stats;
 };
+
+/* lifecycle.c: the gate found Valkey unusable as configured (valkey_db on a
+ * cluster): tell the notice hook, once. */
+void		idem_runner_gate_notice(idem_runner *r);
 
 #endif

@@ -121,6 +121,13 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 		idem_set_err(r->errmsg, sizeof(r->errmsg),
 					 "valkey_port %d is out of range", valkey_port);
 	}
+	else if (valkey_host && o.valkey_cluster > 0 && o.valkey_db != 0)
+	{
+		r->broken = 1;
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "valkey_db is %d with valkey_cluster = 1, but a Valkey Cluster has only database 0: set valkey_db = 0",
+					 o.valkey_db);
+	}
 	if (r->broken)
 		return r;
 
@@ -135,6 +142,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 								  o.valkey_cluster) != 0)
 			goto oom;
 		idem_gate_connect(r->gate);
+		idem_runner_gate_notice(r);
 	}
 	{
 		int			fresh;
@@ -148,6 +156,22 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 oom:
 	idem_runner_close(r);
 	return NULL;
+}
+
+void
+idem_runner_gate_notice(idem_runner *r)
+{
+	const char *why = idem_gate_config_error(r->gate);
+	char		msg[300];
+
+	if (why == NULL || r->gate_config_said)
+		return;
+	r->gate_config_said = 1;
+	if (r->notice)
+	{
+		snprintf(msg, sizeof(msg), "%s: running without the Valkey cache, on PostgreSQL only", why);
+		r->notice(r->notice_arg, msg);
+	}
 }
 
 void

@@ -317,6 +317,7 @@ gate_step(run_state *s)
 	{
 		s->r->stats.valkey_skipped++;
 		s->valkey_silent = 1;
+		idem_runner_gate_notice(s->r);
 		return 0;
 	}
 	if (!trust_ready(s) ||
@@ -902,15 +903,18 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		return IDEM_ERROR;
 	}
 	r->stats.runs++;
-	r->errmsg[0] = '\0';
 	if (r->broken)
 	{
 		char		m[sizeof(r->errmsg)];
 
+		/* the options' message stays: every run repeats it */
 		snprintf(m, sizeof(m), "%s", r->errmsg);
-		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
-							"invalid runner options: %s", m);
+		finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+					 "invalid runner options: %s", m);
+		snprintf(r->errmsg, sizeof(r->errmsg), "%s", m);
+		return IDEM_ERROR;
 	}
+	r->errmsg[0] = '\0';
 	if (handler == NULL)
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "handler is NULL");
 	if (scope == NULL || id == NULL || idem_key(scope, id, s.key) != 0)
@@ -969,4 +973,49 @@ idem_run_platform(idem_runner *runner, const char *task_scope, const char *id,
 {
 	return run(runner, 1, 0, task_scope, id, request_json, handler, user_data,
 			   out);
+}
+
+int
+idem_cached(idem_runner *r, int64_t tenant_id, const char *scope,
+			const char *id, const char *request_json, idem_result *out)
+{
+	run_state	s;
+	gate_reply	g;
+	IdemCacheEntry e;
+	char		err[200];
+	int			decided = 0;
+
+	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out, idem_result))
+		return 0;
+	idem_result_init(out);
+	if (r == NULL || r->broken || r->gate == NULL || scope == NULL ||
+		id == NULL || request_json == NULL || idem_gate_resting(r->gate))
+		return 0;
+	memset(&s, 0, sizeof(s));
+	s.r = r;
+	s.out = out;
+	s.tenant_id = tenant_id;
+	if (idem_key(scope, id, s.key) != 0 || !trust_ready(&s) ||
+		idem_cache_key(s.ckey, sizeof(s.ckey), r->trust.keyspace, 0,
+					   tenant_id, s.key) < 0 ||
+		idem_fingerprint(request_json, strlen(request_json), s.fp,
+						 err, sizeof(err)) != 0)
+		return 0;
+	idem_gate_get(r->gate, s.ckey, &g);
+	if (g.answer == GATE_VALUE &&
+		idem_trust_check(&r->trust, s.ckey, g.value, g.value_len,
+						 r->lease_ms, &e) == TRUST_VALUE_OK &&
+		e.kind != IDEM_CACHE_MARKER &&
+		memcmp(e.fingerprint, s.fp, IDEM_DIGEST_LEN) == 0)
+	{
+		out->source = IDEM_SOURCE_VALKEY;
+		out->status = e.kind == IDEM_CACHE_COMPLETED ?
+			IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+		out->attempt = e.attempt;
+		out->valkey_used = 1;
+		set_outcome(out, e.outcome, e.outcome_len);
+		decided = 1;
+	}
+	free(g.value);
+	return decided;
 }

@@ -18,11 +18,13 @@
  *	  is the guard exactly as in a single run: a key another transaction
  *	  holds answers busy (left pending, redelivered after the lease), a
  *	  committed one replays; the effects and their keys commit together or
- *	  not at all.  The batch does not consult the Valkey gate: its point is
- *	  to stop a duplicate without opening a transaction, and here one
- *	  transaction is shared by the whole batch anyway.  Redeliveries
- *	  (XAUTOCLAIM) and purges still go through the runner (worker.c), so
- *	  both paths meet on the same keys under chaos.
+ *	  not at all.  Before round trip 1, each message is looked up in the
+ *	  Valkey cache (idem_cached: one GET, no marker): a duplicate whose
+ *	  result is cached is replayed from there and stays out of the
+ *	  transaction; the gate's marker is not used, one transaction is
+ *	  shared by the whole batch anyway.  Redeliveries (XAUTOCLAIM) and
+ *	  purges still go through the runner (worker.c), so both paths meet
+ *	  on the same keys under chaos.
  *
  *	  Any error inside the transaction rolls the whole batch back; its
  *	  claimed messages stay pending and are redelivered, one by one.
@@ -47,6 +49,8 @@ typedef enum item_fate
 	FATE_FAIL_PERMANENT,		/* claimed, the effect refused (frozen) */
 	FATE_APPLIED,				/* claimed, the effect ran */
 	FATE_REPLAY,				/* completed earlier */
+	FATE_REPLAY_VALKEY,			/* completed earlier, found in Valkey */
+	FATE_REPLAY_TWIN,			/* its twin in this batch completed now */
 	FATE_REPLAY_FAILED,			/* failed_permanent earlier */
 	FATE_MISMATCH,
 	FATE_BUSY
@@ -522,14 +526,15 @@ answer_twins(item *items, int n)
 			if (memcmp(t->fp, items[i].fp, IDEM_DIGEST_BYTES) != 0)
 				items[i].fate = FATE_MISMATCH;
 			else
-				items[i].fate = t->fate == FATE_APPLIED ? FATE_REPLAY : FATE_REPLAY_FAILED;
+				items[i].fate = t->fate == FATE_APPLIED ? FATE_REPLAY_TWIN : FATE_REPLAY_FAILED;
 			break;
 		}
 	}
 }
 
 void
-batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
+batch_run(batch_ctx *b, idem_runner *runner, queue *q,
+		  const queue_msg *const *msgs, int n)
 {
 	const demo_config *cfg = b->cfg;
 	demo_counters *c = &g_shared->slot[b->slot];
@@ -543,6 +548,8 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 	bcmd		cmds[2];
 	PGresult   *res[2] = {NULL, NULL};
 	long		rts = 0;
+	idem_runner_stats vs0,
+				vs1;
 	int			i,
 				rc,
 				nacks = 0,
@@ -561,6 +568,11 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 		return;
 	}
 
+	idem_runner_stats_init(&vs0);
+	idem_runner_stats_init(&vs1);
+	if (runner != NULL)
+		idem_runner_get_stats(runner, &vs0);
+
 	/* Keys and fingerprints, as idem_run computes them. */
 	sb_add(&tenants, "{");
 	sb_add(&keys, "{");
@@ -572,6 +584,20 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 
 		items[i].m = m;
 		items[i].effect_cmd = -1;
+		if (runner != NULL)
+		{
+			idem_result res;
+
+			idem_result_init(&res);
+			if (idem_cached(runner, m->tenant, m->kind,
+							is_invoice(m) ? m->invoice : m->run_id,
+							m->request, &res))
+			{
+				items[i].fate = res.status == IDEM_REPLAYED ?
+					FATE_REPLAY_VALKEY : FATE_REPLAY_FAILED;
+				continue;
+			}
+		}
 		if (idem_key(m->kind, is_invoice(m) ? m->invoice : m->run_id, items[i].key) != 0 ||
 			idem_fingerprint(m->request, strlen(m->request), items[i].fp, err, sizeof(err)) != 0)
 		{
@@ -591,8 +617,10 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 	sb_add(&keys, "}");
 	sb_add(&fps, "}");
 	snprintf(lease, sizeof(lease), "%d milliseconds", cfg->lease_ms);
-	if (first || tenants.failed || keys.failed || fps.failed)
+	if (tenants.failed || keys.failed || fps.failed)
 		goto done;
+	if (first)
+		goto decide;			/* every message was answered by Valkey */
 
 	if (ensure_conn(b, c) != 0)
 	{
@@ -723,6 +751,7 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 	}
 
 	/* Decisions and one XACK for the final ones. */
+decide:
 	for (i = 0; i < n; i++)
 	{
 		const queue_msg *m = items[i].m;
@@ -742,6 +771,12 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 				break;
 			case FATE_REPLAY:
 				ADD(replay_pg, 1);
+				break;
+			case FATE_REPLAY_VALKEY:
+				ADD(replay_valkey, 1);
+				break;
+			case FATE_REPLAY_TWIN:
+				ADD(replay_twin, 1);
 				break;
 			case FATE_REPLAY_FAILED:
 				ADD(failed_permanent_replay, 1);
@@ -779,6 +814,12 @@ batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n)
 
 done:
 	ADD(pg_round_trips, rts);
+	if (runner != NULL)
+	{
+		idem_runner_get_stats(runner, &vs1);
+		ADD(valkey_round_trips, vs1.valkey_round_trips - vs0.valkey_round_trips);
+		ADD(pg_connects, vs1.pg_connects - vs0.pg_connects);
+	}
 	free(tenants.s);
 	free(keys.s);
 	free(fps.s);

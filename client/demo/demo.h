@@ -20,6 +20,7 @@
 #include <sys/types.h>
 
 #include <libpq-fe.h>
+#include "idem_client.h"
 
 #define DEMO_MAX_WORKERS 64
 
@@ -116,6 +117,8 @@ typedef struct demo_counters
 	long		applied_purge;
 	long		replay_valkey;
 	long		replay_pg;
+	long		replay_twin;	/* a duplicate in its original's batch,
+								 * answered by that batch's transaction */
 	long		busy_valkey;
 	long		busy_pg;
 	long		mismatch;
@@ -213,7 +216,8 @@ batch_ctx  *batch_new(const demo_config *cfg, int slot);
 void		batch_free(batch_ctx *b);
 /* Runs msgs[0..n) that batch_wants(); returns how many it took. */
 int			batch_wants(const queue_msg *m);
-void		batch_run(batch_ctx *b, queue *q, const queue_msg *const *msgs, int n);
+void		batch_run(batch_ctx *b, idem_runner *runner, queue *q,
+					  const queue_msg *const *msgs, int n);
 
 /* chaos.c */
 typedef struct chaos chaos;

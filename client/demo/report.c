@@ -47,7 +47,7 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 		snprintf(line, sizeof(line),
 				 "  [%s] %3d%% %ld/%d  applied %ld  replays %ld  busy %ld  errors %ld  chaos %ld  %.0f/s",
 				 bar, (int) (frac * 100), t.acks, plan->nmsgs, t.applied,
-				 t.replay_valkey + t.replay_pg, t.busy_valkey + t.busy_pg,
+				 t.replay_valkey + t.replay_pg + t.replay_twin, t.busy_valkey + t.busy_pg,
 				 t.err_connection + t.err_commit_unknown + t.err_other,
 				 chaos_events, secs > 0 ? t.deliveries / secs : 0.0);
 		if ((int) strlen(line) > cols - 1)
@@ -61,7 +61,7 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 	{
 		printf("  %5.1fs  acked %ld/%d (%d%%)  applied %ld  replays %ld  busy %ld  errors %ld  chaos events %ld\n",
 			   secs, t.acks, plan->nmsgs, (int) (frac * 100), t.applied,
-			   t.replay_valkey + t.replay_pg, t.busy_valkey + t.busy_pg,
+			   t.replay_valkey + t.replay_pg + t.replay_twin, t.busy_valkey + t.busy_pg,
 			   t.err_connection + t.err_commit_unknown + t.err_other,
 			   chaos_events);
 		fflush(stdout);
@@ -167,6 +167,9 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 		   t.applied, t.applied_transfer, t.applied_invoice, t.applied_purge);
 	printf("    replayed from Valkey     %7ld\n", t.replay_valkey);
 	printf("    replayed from PostgreSQL %7ld\n", t.replay_pg);
+	printf("    replayed in the batch    %7ld  (a duplicate in its original's batch: that\n"
+		   "                                       transaction's own result, read from neither)\n",
+		   t.replay_twin);
 	printf("    busy, left for redelivery%7ld  (%ld by the Valkey gate, %ld by PostgreSQL)\n",
 		   t.busy_valkey + t.busy_pg, t.busy_valkey, t.busy_pg);
 	printf("    failed, retryable        %7ld  (flaky first attempts, effects rolled back)\n",
@@ -321,9 +324,12 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 				"ledger: %ld of %ld tenant tasks have their terminal row; %ld of %d purges completed in the platform ledger",
 				ledger_ok, ledger_tasks, v[0], plan->n_purges);
 	}
-	if (cfg->cache_nodes)
-		printf("    [info] Valkey Cluster cache: %ld of %ld replays came from Valkey\n",
-			   t.replay_valkey, t.replay_valkey + t.replay_pg);
+	if (cfg->cache_host[0])
+		printf("    [info] %s cache: %ld of %ld replays of a stored result came from Valkey (%.0f%%)\n",
+			   cfg->cache_nodes ? "Valkey Cluster" : "Valkey",
+			   t.replay_valkey, t.replay_valkey + t.replay_pg,
+			   t.replay_valkey + t.replay_pg > 0 ?
+			   100.0 * t.replay_valkey / (t.replay_valkey + t.replay_pg) : 0.0);
 	verdict(!timed_out && pending == 0 && all_delivered &&
 			g_shared->enqueued == plan->nmsgs,
 			"queue drained: %ld of %d messages enqueued, all delivered: %s, %ld pending",

@@ -436,7 +436,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 				if (batch_wants(&msgs[i]))
 					batched[nb++] = &msgs[i];
 			if (nb > 0 && !stop_requested)
-				batch_run(batch, q, batched, nb);
+				batch_run(batch, runner, q, batched, nb);
 		}
 		for (i = 0; i < n && !stop_requested; i++)
 		{

@@ -4,16 +4,25 @@
  * ("run <id> <status> <source> <valkey_used>"), then the runner's counters
  * ("stats <name>=<value> ...").
  *
- *   cluster_runner CONNINFO HOST PORT NODES MODE SCOPE N [FIRST]
+ *   cluster_runner CONNINFO HOST PORT NODES MODE SCOPE N [FIRST [DB]]
  *
- * NODES "" for none; MODE 0 auto, 1 cluster, -1 not.  The handler does no
- * effect besides its outcome {"i": <id>}.
+ * NODES "" for none; MODE 0 auto, 1 cluster, -1 not; DB the valkey_db
+ * option (default 0).  The handler does no effect besides its outcome
+ * {"i": <id>}.  What the runner tells its notice hook is printed as
+ * "notice <message>"; a run that fails prints its message on stderr.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "idem_client.h"
+
+static void
+notice(void *arg, const char *message)
+{
+	(void) arg;
+	printf("notice %s\n", message);
+}
 
 static idem_handler_status
 handler(PGconn *conn, idem_call *call, void *user_data)
@@ -39,7 +48,7 @@ main(int argc, char **argv)
 
 	if (argc < 8)
 	{
-		fprintf(stderr, "usage: cluster_runner CONNINFO HOST PORT NODES MODE SCOPE N [FIRST]\n");
+		fprintf(stderr, "usage: cluster_runner CONNINFO HOST PORT NODES MODE SCOPE N [FIRST [DB]]\n");
 		return 2;
 	}
 	idem_options_init(&o);
@@ -48,6 +57,8 @@ main(int argc, char **argv)
 	o.valkey_command_timeout_ms = 300;
 	n = atoi(argv[7]);
 	first = argc > 8 ? atoi(argv[8]) : 1;
+	o.valkey_db = argc > 9 ? atoi(argv[9]) : 0;
+	o.notice = notice;
 	r = idem_runner_open(argv[1], argv[2], atoi(argv[3]), &o);
 	if (r == NULL)
 		return 1;

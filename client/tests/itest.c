@@ -1644,6 +1644,34 @@ cmd_scenario(void)
 		   "redelivery (same request, other spelling): replay from Valkey, same bytes (%s)", res_str(&res));
 	rt_check("replay from Valkey", &d, 0, 1);
 
+	/* --- idem_cached: Valkey alone, no marker, no transaction --------- */
+	{
+		char		ck2[IDEM_CACHE_KEY_MAX];
+		char	   *v2;
+		int			rc;
+
+		rt_mark(&m);
+		rc = idem_cached(R, 1, S, "a1", "{\"currency\":\"EUR\",\"amount\":5e0}", &res);
+		rt_since(&m, &d);
+		tap_ok(rc == 1 && R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1 &&
+			   strcmp(res.outcome, expect_a) == 0 && res.attempt == 1,
+			   "idem_cached: a cached result for the same request decides (%s)", res_str(&res));
+		rt_check("idem_cached, cached", &d, 0, 1);
+		rc = idem_cached(R, 1, S, "a1", "{\"amount\": 6, \"currency\": \"EUR\"}", &res);
+		tap_ok(rc == 0 && res.status != IDEM_REPLAYED,
+			   "idem_cached: another request under the key is left to PostgreSQL (a mismatch is its to say)");
+		rt_mark(&m);
+		rc = idem_cached(R, 1, S, "never-run", req_a, &res);
+		rt_since(&m, &d);
+		cache_key_of(ck2, sizeof(ck2), 0, 1, S, "never-run");
+		v2 = rv_get(ck2);
+		tap_ok(rc == 0 && v2 == NULL && h.calls == 1,
+			   "idem_cached: nothing cached: 0, the handler does not run, and no marker is left (%s)",
+			   v2 ? v2 : "absent");
+		free(v2);
+		rt_check("idem_cached, nothing cached", &d, 0, 1);
+	}
+
 	/* --- xact_commit: a replay from Valkey opens no transaction ------ */
 	{
 		long long	x0,

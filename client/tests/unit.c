@@ -524,6 +524,19 @@ test_api_without_servers(void)
 		   "idem_run(NULL result) is an error");
 
 	idem_options_init(&o);
+	o.valkey_cluster = 1;
+	o.valkey_db = 2;
+	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", "127.0.0.1", 1, &o);
+	idem_result_init(&res);
+	tap_ok(r != NULL && idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
+		   res.error_code == IDEM_ERR_ARGUMENT && ran == 0 &&
+		   strstr(res.error_message, "valkey_db is 2 with valkey_cluster = 1") != NULL &&
+		   strstr(idem_runner_error_message(r), "valkey_db is 2") != NULL,
+		   "valkey_db other than 0 with valkey_cluster = 1: an invalid option, and every run says why (%s)",
+		   res.error_message);
+	idem_runner_close(r);
+
+	idem_options_init(&o);
 	o.valkey_prefix = "has space";
 	r = idem_runner_open("host=127.0.0.1 port=1 connect_timeout=1", "127.0.0.1", 1, &o);
 	tap_ok(r != NULL && strstr(idem_runner_error_message(r), "valkey_prefix") != NULL,
