@@ -818,28 +818,88 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 	freeReplyObject(r);
 }
 
-void
-idem_gate_get(idem_gate *g, const char *key, gate_reply *out)
+/* A GET reply into a gate_reply: GATE_VALUE for a string. */
+static void
+take_value(gate_reply *out, const redisReply *r)
 {
-	const char *argv[2] = {"GET", key};
-	redisReply *r;
+	if (r == NULL || r->type != REDIS_REPLY_STRING ||
+		(out->value = malloc(r->len + 1)) == NULL)
+		return;
+	memcpy(out->value, r->str, r->len);
+	out->value[r->len] = '\0';
+	out->value_len = r->len;
+	out->pttl = -1;
+	out->answer = GATE_VALUE;
+}
 
-	memset(out, 0, sizeof(*out));
-	out->answer = GATE_SKIPPED;
-	if (g == NULL || idem_gate_resting(g))
+void
+idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
+				   gate_reply *out)
+{
+	int64_t		deadline;
+	int			i;
+
+	memset(out, 0, sizeof(*out) * (n > 0 ? n : 0));	/* GATE_SKIPPED */
+	if (g == NULL || n <= 0 || idem_gate_resting(g) || ensure(g) != 0)
 		return;
-	r = command(g, 2, argv, NULL);
-	if (r == NULL)
-		return;
-	if (r->type == REDIS_REPLY_STRING && (out->value = malloc(r->len + 1)) != NULL)
+	deadline = idem_now_ms() + g->command_timeout_ms;
+	g->round_trips++;
+	if (g->vc != NULL)
 	{
-		memcpy(out->value, r->str, r->len);
-		out->value[r->len] = '\0';
-		out->value_len = r->len;
-		out->pttl = -1;
-		out->answer = GATE_VALUE;
+		/* split per node by the router; a node that fails skips its keys */
+		idem_vc_cmd *cmds = calloc(n, sizeof(idem_vc_cmd));
+		const char **argv = calloc(2 * (size_t) n, sizeof(char *));
+
+		if (cmds != NULL && argv != NULL)
+		{
+			for (i = 0; i < n; i++)
+			{
+				argv[2 * i] = "GET";
+				argv[2 * i + 1] = keys[i];
+				cmds[i].key = keys[i];
+				cmds[i].keylen = strlen(keys[i]);
+				cmds[i].argc = 2;
+				cmds[i].argv = &argv[2 * i];
+			}
+			(void) idem_vc_pipeline(g->vc, cmds, n, deadline);
+			for (i = 0; i < n; i++)
+			{
+				take_value(&out[i], cmds[i].reply);
+				if (cmds[i].reply)
+					freeReplyObject(cmds[i].reply);
+			}
+		}
+		free(cmds);
+		free(argv);
+		return;
 	}
-	freeReplyObject(r);
+	{
+		char	   *buf = NULL;
+		size_t		len = 0;
+		int			ok = 1;
+
+		for (i = 0; ok && i < n; i++)
+		{
+			const char *argv[2] = {"GET", keys[i]};
+
+			ok = append_cmd(&buf, &len, 2, argv) == 0;
+		}
+		if (ok)
+			ok = send_all(g->c, buf, len, deadline, &g->last_errno) == 0;
+		free(buf);
+		for (i = 0; ok && i < n; i++)
+		{
+			redisReply *r = read_reply(g->c, deadline, &g->last_errno);
+
+			if (r == NULL)
+				ok = 0;
+			take_value(&out[i], r);
+			if (r)
+				freeReplyObject(r);
+		}
+		if (!ok)
+			drop(g);			/* replies may be pending: a fresh one next */
+	}
 }
 
 int

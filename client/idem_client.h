@@ -321,6 +321,18 @@ idem_status idem_run_platform(idem_runner *runner,
 int			idem_cached(idem_runner *runner, int64_t tenant_id,
 						const char *task_scope, const char *id,
 						const char *request_json, idem_result *out);
+/*
+ * idem_cached for n tenant tasks (parallel arrays) in one pipelined round
+ * trip (one per node on a cluster).  Each out[i] must come from
+ * idem_result_init; a decided one has source IDEM_SOURCE_VALKEY, the
+ * others IDEM_SOURCE_NONE.  Returns how many were decided.
+ */
+int			idem_cached_many(idem_runner *runner, int n,
+							 const int64_t *tenant_ids,
+							 const char *const *task_scopes,
+							 const char *const *ids,
+							 const char *const *request_jsons,
+							 idem_result *out);
 
 const char *idem_status_name(idem_status status);	/* "applied", ... */
 const char *idem_source_name(idem_source source);	/* "valkey", ... */

@@ -91,8 +91,10 @@ void		idem_gate_free(idem_gate *g);
 int			idem_gate_resting(const idem_gate *g);
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 							int lease_ms, gate_reply *out);
-/* GET only (no marker): GATE_VALUE with pttl -1, or GATE_SKIPPED. */
-void		idem_gate_get(idem_gate *g, const char *key, gate_reply *out);
+/* GET of n keys in one pipeline (per node on a cluster), no marker:
+ * out[i] GATE_VALUE with pttl -1, or GATE_SKIPPED. */
+void		idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
+							   gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
  * -1 Valkey unavailable. */
 int			idem_gate_release(idem_gate *g, const char *key,

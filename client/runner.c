@@ -976,46 +976,94 @@ idem_run_platform(idem_runner *runner, const char *task_scope, const char *id,
 }
 
 int
-idem_cached(idem_runner *r, int64_t tenant_id, const char *scope,
-			const char *id, const char *request_json, idem_result *out)
+idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
+				 const char *const *scopes, const char *const *ids,
+				 const char *const *requests, idem_result *out)
 {
 	run_state	s;
-	gate_reply	g;
-	IdemCacheEntry e;
 	char		err[200];
-	int			decided = 0;
+	char	   *ckeys = NULL;
+	const char **keys = NULL;
+	uint8_t    *fps = NULL;
+	int		   *at = NULL;
+	gate_reply *g = NULL;
+	int			i,
+				m = 0,
+				decided = 0;
 
-	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out, idem_result))
+	if (out == NULL || n <= 0)
 		return 0;
-	idem_result_init(out);
-	if (r == NULL || r->broken || r->gate == NULL || scope == NULL ||
-		id == NULL || request_json == NULL || idem_gate_resting(r->gate))
+	for (i = 0; i < n; i++)
+		if (!IDEM_STRUCT_SIZE_OK(&out[i], idem_result))
+			return 0;
+	for (i = 0; i < n; i++)
+		idem_result_init(&out[i]);
+	if (r == NULL || r->broken || r->gate == NULL || tenant_ids == NULL ||
+		scopes == NULL || ids == NULL || requests == NULL ||
+		idem_gate_resting(r->gate))
 		return 0;
 	memset(&s, 0, sizeof(s));
 	s.r = r;
-	s.out = out;
-	s.tenant_id = tenant_id;
-	if (idem_key(scope, id, s.key) != 0 || !trust_ready(&s) ||
-		idem_cache_key(s.ckey, sizeof(s.ckey), r->trust.keyspace, 0,
-					   tenant_id, s.key) < 0 ||
-		idem_fingerprint(request_json, strlen(request_json), s.fp,
-						 err, sizeof(err)) != 0)
+	if (!trust_ready(&s))
 		return 0;
-	idem_gate_get(r->gate, s.ckey, &g);
-	if (g.answer == GATE_VALUE &&
-		idem_trust_check(&r->trust, s.ckey, g.value, g.value_len,
-						 r->lease_ms, &e) == TRUST_VALUE_OK &&
-		e.kind != IDEM_CACHE_MARKER &&
-		memcmp(e.fingerprint, s.fp, IDEM_DIGEST_LEN) == 0)
+	ckeys = malloc((size_t) n * IDEM_CACHE_KEY_MAX);
+	keys = calloc(n, sizeof(char *));
+	fps = malloc((size_t) n * IDEM_DIGEST_LEN);
+	at = calloc(n, sizeof(int));
+	g = calloc(n, sizeof(gate_reply));
+	if (ckeys == NULL || keys == NULL || fps == NULL || at == NULL || g == NULL)
+		goto done;
+	for (i = 0; i < n; i++)
 	{
-		out->source = IDEM_SOURCE_VALKEY;
-		out->status = e.kind == IDEM_CACHE_COMPLETED ?
-			IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-		out->attempt = e.attempt;
-		out->valkey_used = 1;
-		set_outcome(out, e.outcome, e.outcome_len);
-		decided = 1;
+		uint8_t		key[IDEM_DIGEST_LEN];
+		char	   *ck = ckeys + (size_t) m * IDEM_CACHE_KEY_MAX;
+
+		if (scopes[i] == NULL || ids[i] == NULL || requests[i] == NULL ||
+			idem_key(scopes[i], ids[i], key) != 0 ||
+			idem_cache_key(ck, IDEM_CACHE_KEY_MAX, r->trust.keyspace, 0,
+						   tenant_ids[i], key) < 0 ||
+			idem_fingerprint(requests[i], strlen(requests[i]),
+							 fps + (size_t) m * IDEM_DIGEST_LEN,
+							 err, sizeof(err)) != 0)
+			continue;			/* PostgreSQL will say what is wrong */
+		keys[m] = ck;
+		at[m++] = i;
 	}
-	free(g.value);
+	idem_gate_get_many(r->gate, keys, m, g);
+	for (i = 0; i < m; i++)
+	{
+		IdemCacheEntry e;
+		idem_result *o = &out[at[i]];
+
+		if (g[i].answer == GATE_VALUE &&
+			idem_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
+							 r->lease_ms, &e) == TRUST_VALUE_OK &&
+			e.kind != IDEM_CACHE_MARKER &&
+			memcmp(e.fingerprint, fps + (size_t) i * IDEM_DIGEST_LEN,
+				   IDEM_DIGEST_LEN) == 0)
+		{
+			o->source = IDEM_SOURCE_VALKEY;
+			o->status = e.kind == IDEM_CACHE_COMPLETED ?
+				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+			o->attempt = e.attempt;
+			o->valkey_used = 1;
+			set_outcome(o, e.outcome, e.outcome_len);
+			decided++;
+		}
+		free(g[i].value);
+	}
+done:
+	free(ckeys);
+	free(keys);
+	free(fps);
+	free(at);
+	free(g);
 	return decided;
+}
+
+int
+idem_cached(idem_runner *r, int64_t tenant_id, const char *scope,
+			const char *id, const char *request_json, idem_result *out)
+{
+	return idem_cached_many(r, 1, &tenant_id, &scope, &id, &request_json, out);
 }

@@ -532,6 +532,44 @@ answer_twins(item *items, int n)
 	}
 }
 
+/*
+ * The batch's messages looked up in Valkey in one pipelined round trip:
+ * an array of n results (source VALKEY: decided there), or NULL.
+ */
+static idem_result *
+lookup_cached(idem_runner *runner, const queue_msg *const *msgs, int n)
+{
+	idem_result *res = calloc(n, sizeof(idem_result));
+	int64_t    *tenants = calloc(n, sizeof(int64_t));
+	const char **scopes = calloc(n, sizeof(char *));
+	const char **ids = calloc(n, sizeof(char *));
+	const char **reqs = calloc(n, sizeof(char *));
+	int			i;
+
+	if (runner != NULL && res && tenants && scopes && ids && reqs)
+	{
+		for (i = 0; i < n; i++)
+		{
+			idem_result_init(&res[i]);
+			tenants[i] = msgs[i]->tenant;
+			scopes[i] = msgs[i]->kind;
+			ids[i] = is_invoice(msgs[i]) ? msgs[i]->invoice : msgs[i]->run_id;
+			reqs[i] = msgs[i]->request;
+		}
+		idem_cached_many(runner, n, tenants, scopes, ids, reqs, res);
+	}
+	else
+	{
+		free(res);
+		res = NULL;
+	}
+	free(tenants);
+	free(scopes);
+	free(ids);
+	free(reqs);
+	return res;
+}
+
 void
 batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 		  const queue_msg *const *msgs, int n)
@@ -550,6 +588,7 @@ batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 	long		rts = 0;
 	idem_runner_stats vs0,
 				vs1;
+	idem_result *cached;
 	int			i,
 				rc,
 				nacks = 0,
@@ -572,6 +611,7 @@ batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 	idem_runner_stats_init(&vs1);
 	if (runner != NULL)
 		idem_runner_get_stats(runner, &vs0);
+	cached = lookup_cached(runner, msgs, n);
 
 	/* Keys and fingerprints, as idem_run computes them. */
 	sb_add(&tenants, "{");
@@ -584,19 +624,11 @@ batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 
 		items[i].m = m;
 		items[i].effect_cmd = -1;
-		if (runner != NULL)
+		if (cached != NULL && cached[i].source == IDEM_SOURCE_VALKEY)
 		{
-			idem_result res;
-
-			idem_result_init(&res);
-			if (idem_cached(runner, m->tenant, m->kind,
-							is_invoice(m) ? m->invoice : m->run_id,
-							m->request, &res))
-			{
-				items[i].fate = res.status == IDEM_REPLAYED ?
-					FATE_REPLAY_VALKEY : FATE_REPLAY_FAILED;
-				continue;
-			}
+			items[i].fate = cached[i].status == IDEM_REPLAYED ?
+				FATE_REPLAY_VALKEY : FATE_REPLAY_FAILED;
+			continue;
 		}
 		if (idem_key(m->kind, is_invoice(m) ? m->invoice : m->run_id, items[i].key) != 0 ||
 			idem_fingerprint(m->request, strlen(m->request), items[i].fp, err, sizeof(err)) != 0)
@@ -813,6 +845,7 @@ decide:
 	}
 
 done:
+	free(cached);
 	ADD(pg_round_trips, rts);
 	if (runner != NULL)
 	{

@@ -1670,6 +1670,26 @@ cmd_scenario(void)
 			   v2 ? v2 : "absent");
 		free(v2);
 		rt_check("idem_cached, nothing cached", &d, 0, 1);
+		{
+			idem_result many[3];
+			int64_t		tn[3] = {1, 1, 1};
+			const char *sc[3] = {S, S, S};
+			const char *idv[3] = {"a1", "never-run", "a1"};
+			const char *rq[3] = {req_a, req_a, "{\"amount\": 6}"};
+			int			k;
+
+			for (k = 0; k < 3; k++)
+				idem_result_init(&many[k]);
+			rt_mark(&m);
+			rc = idem_cached_many(R, 3, tn, sc, idv, rq, many);
+			rt_since(&m, &d);
+			tap_ok(rc == 1 && many[0].source == IDEM_SOURCE_VALKEY &&
+				   many[0].status == IDEM_REPLAYED &&
+				   strcmp(many[0].outcome, expect_a) == 0 &&
+				   many[1].source == IDEM_SOURCE_NONE && many[2].source == IDEM_SOURCE_NONE,
+				   "idem_cached_many: the cached task decided, the others left to PostgreSQL");
+			rt_check("idem_cached_many of 3", &d, 0, 1);
+		}
 	}
 
 	/* --- xact_commit: a replay from Valkey opens no transaction ------ */
