@@ -257,37 +257,22 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 }
 
 /*
- * Delete up to batch expired rows from every shard of the distributed
- * tenant ledger, through run_command_on_shards (a connection per shard
- * placement, outside this transaction: each shard's batch commits on its
- * own, like a purge batch).  Returns the rows deleted.
+ * Run DELETE_SQL, one purge batch (ledger_store.c), on every shard of the
+ * distributed tenant ledger RELID, through run_command_on_shards (%1$s in
+ * it is the shard's name; a connection per shard placement, outside this
+ * transaction: each shard's batch commits on its own, like a purge batch).
+ * Returns the rows deleted.
  */
 int64
-idem_citus_purge(Oid relid, TimestampTz terminal_before,
-				 TimestampTz processing_before, TimestampTz finished_before,
-				 int32 batch)
+idem_citus_purge(Oid relid, const char *delete_sql)
 {
-	char	   *t1 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
-														 TimestampTzGetDatum(terminal_before)));
-	char	   *t2 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
-														 TimestampTzGetDatum(processing_before)));
-	char	   *t3 = DatumGetCString(DirectFunctionCall1(timestamptz_out,
-														 TimestampTzGetDatum(finished_before)));
-	char	   *cmd;
+	char	   *cmd = psprintf("WITH d AS (%s RETURNING 1) SELECT pg_catalog.count(*) FROM d",
+							   delete_sql);
 	Datum		args[2];
 	Oid			argtypes[2] = {REGCLASSOID, TEXTOID};
 	int64		deleted = 0;
 	uint64		i;
-	const char *processing = quote_literal_cstr(idem_status_names[IDEM_STATUS_PROCESSING]);
 
-	cmd = psprintf("WITH d AS (DELETE FROM %%1$s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
-				   "SELECT id FROM %%1$s WHERE"
-				   " (status OPERATOR(pg_catalog.<>) %s AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz"
-				   "  AND updated_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
-				   " OR (status OPERATOR(pg_catalog.=) %s AND expires_at OPERATOR(pg_catalog.<) %s::pg_catalog.timestamptz)"
-				   " LIMIT %d FOR UPDATE SKIP LOCKED)) RETURNING 1) SELECT pg_catalog.count(*) FROM d",
-				   processing, quote_literal_cstr(t1), quote_literal_cstr(t3),
-				   processing, quote_literal_cstr(t2), batch);
 	args[0] = ObjectIdGetDatum(relid);
 	args[1] = CStringGetTextDatum(cmd);
 	SPI_connect();

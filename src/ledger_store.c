@@ -216,6 +216,41 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 	}
 }
 
+/*
+ * The purge's DELETE of up to LIMIT expired rows of TABLE, skipping rows
+ * locked by others: terminal rows that expired before TERMINAL_BEFORE and
+ * finished before FINISHED_BEFORE (younger ones are within
+ * idem.min_retention), processing rows whose lease ended before
+ * PROCESSING_BEFORE.  The arguments are SQL text: parameters for the local
+ * plan, literals for the Citus shards.
+ */
+static char *
+purge_sql(const char *table, const char *terminal_before,
+		  const char *processing_before, const char *finished_before,
+		  const char *limit)
+{
+	const char *processing = quote_literal_cstr(idem_status_names[IDEM_STATUS_PROCESSING]);
+
+	return psprintf("DELETE FROM %s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
+					"SELECT id FROM %s WHERE"
+					" (status OPERATOR(pg_catalog.<>) %s AND expires_at OPERATOR(pg_catalog.<) %s"
+					"  AND updated_at OPERATOR(pg_catalog.<) %s)"
+					" OR (status OPERATOR(pg_catalog.=) %s AND expires_at OPERATOR(pg_catalog.<) %s)"
+					" LIMIT %s FOR UPDATE SKIP LOCKED))",
+					table, table, processing, terminal_before, finished_before,
+					processing, processing_before, limit);
+}
+
+/* A timestamp as an SQL literal. */
+static char *
+timestamptz_literal(TimestampTz t)
+{
+	char	   *text = DatumGetCString(DirectFunctionCall1(timestamptz_out,
+														   TimestampTzGetDatum(t)));
+
+	return psprintf("%s::pg_catalog.timestamptz", quote_literal_cstr(text));
+}
+
 static SPIPlanPtr
 prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 {
@@ -277,14 +312,7 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 			nargs = 6;
 			break;
 		case PLAN_PURGE:
-			/* $4: rows finished after it are younger than idem.min_retention */
-			sql = psprintf("DELETE FROM %s WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY("
-						   "SELECT id FROM %s WHERE"
-						   " (status OPERATOR(pg_catalog.<>) '%s' AND expires_at OPERATOR(pg_catalog.<) $1"
-						   "  AND updated_at OPERATOR(pg_catalog.<) $4)"
-						   " OR (status OPERATOR(pg_catalog.=) '%s' AND expires_at OPERATOR(pg_catalog.<) $2)"
-						   " LIMIT $3 FOR UPDATE SKIP LOCKED))",
-						   qtable, qtable, processing, processing);
+			sql = purge_sql(qtable, "$1", "$2", "$4", "$3");
 			types[0] = TIMESTAMPTZOID;
 			types[1] = TIMESTAMPTZOID;
 			types[2] = INT4OID;
@@ -1158,8 +1186,14 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 	values[2] = Int32GetDatum(batch);
 	values[3] = TimestampTzGetDatum(finished_before);
 	if (store->distributed)
-		return idem_citus_purge(store->relid, terminal_before, processing_before,
-								finished_before, batch);
+	{
+		/* Every shard, through Citus: %1$s is the shard's name there. */
+		return idem_citus_purge(store->relid,
+								purge_sql("%1$s", timestamptz_literal(terminal_before),
+										  timestamptz_literal(processing_before),
+										  timestamptz_literal(finished_before),
+										  psprintf("%d", batch)));
+	}
 	SPI_connect();
 	if (SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");
