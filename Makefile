@@ -12,7 +12,7 @@ EXTENSION = idem
 MODULE_big = idem
 OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/install.o src/ledger.o src/ledger_store.o src/ledger_insert.o \
-	src/ledger_batch.o src/pending.o src/outbox.o src/outbox_ring.o \
+	src/ledger_batch.o src/ledger_apply.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_cluster.o src/stats.o src/cache_secret.o \
 	src/cache_keyspace.o src/standby_slots.o src/valkey_cluster.o src/citus.o
 # Install and upgrade scripts, beside idem.control as in contrib.
@@ -25,7 +25,7 @@ SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache batch retention deferred roles ddl serverlog
+REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl serverlog
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.

@@ -130,3 +130,52 @@ SELECT v.kind, c.oid::pg_catalog.regclass
    AND c.relnamespace OPERATOR(pg_catalog.=) '@extschema@'::pg_catalog.regnamespace
  WHERE c.relowner OPERATOR(pg_catalog.=) (SELECT extowner FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idem')
     OR c.relowner OPERATOR(pg_catalog.=) current_user::pg_catalog.regrole;
+
+-- idem_apply (src/ledger_apply.c): claim, run the caller's SQL function as
+-- the effect, and complete or fail the key, in one statement.  The handler
+-- is a function (args jsonb) RETURNS jsonb (the outcome); it runs as the
+-- caller, who needs EXECUTE on it.  ran tells whether it ran in this call:
+-- decision applied, failed_retryable or failed_permanent (an error it
+-- raised, recorded); otherwise the claim's answer (completed,
+-- failed_permanent, busy, mismatch).
+CREATE FUNCTION @extschema@.idem_apply(tenant_id bigint, key bytea, fingerprint bytea,
+                                       handler regprocedure, args jsonb,
+                                       retention interval DEFAULT NULL)
+RETURNS TABLE(decision text, attempt integer, outcome jsonb,
+              expires_at timestamptz, ran boolean)
+AS 'MODULE_PATHNAME', 'idem_apply'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
+
+CREATE FUNCTION @extschema@.idem_platform_apply(key bytea, fingerprint bytea,
+                                                handler regprocedure, args jsonb,
+                                                retention interval DEFAULT NULL)
+RETURNS TABLE(decision text, attempt integer, outcome jsonb,
+              expires_at timestamptz, ran boolean)
+AS 'MODULE_PATHNAME', 'idem_platform_apply'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
+
+REVOKE ALL ON FUNCTION
+    @extschema@.idem_apply(bigint, bytea, bytea, regprocedure, jsonb, interval),
+    @extschema@.idem_platform_apply(bytea, bytea, regprocedure, jsonb, interval)
+FROM PUBLIC;
+
+-- The batch API's failures: every key failed with its detail, retryably or
+-- permanently as its element of retryable says.
+CREATE FUNCTION @extschema@.idem_fail_many(tenant_ids bigint[], keys bytea[],
+                                           details jsonb[], retryable boolean[],
+                                           retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_fail_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_platform_fail_many(keys bytea[], details jsonb[],
+                                                    retryable boolean[],
+                                                    retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_platform_fail_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION
+    @extschema@.idem_fail_many(bigint[], bytea[], jsonb[], boolean[], interval),
+    @extschema@.idem_platform_fail_many(bytea[], jsonb[], boolean[], interval)
+FROM PUBLIC;

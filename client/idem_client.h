@@ -334,6 +334,55 @@ int			idem_cached_many(idem_runner *runner, int n,
 							 const char *const *request_jsons,
 							 idem_result *out);
 
+/*
+ * Options of one run (idem_run_with).  Initialise with
+ * idem_run_options_init(); a NULL idem_run_options * means all defaults.
+ */
+typedef struct idem_run_options
+{
+	size_t		struct_size;	/* set by idem_run_options_init() */
+	int			delivery_count; /* how many times the queue has delivered
+								 * this message, this one included (SQS
+								 * ApproximateReceiveCount, a Streams
+								 * entry's delivery counter, ...); 0
+								 * (default): unknown.  1: a first delivery,
+								 * so no other run can have committed it:
+								 * the Valkey gate is skipped (one round
+								 * trip less) and the claim in PostgreSQL
+								 * decides.  A duplicate flagged 1 by
+								 * mistake is still answered exactly once
+								 * (busy, replay or mismatch from the
+								 * claim), only without the cache. */
+	const char *sql_handler;	/* non-NULL: the effect is this SQL function
+								 * of the extension's idem_apply, named as
+								 * a regprocedure ("public.charge(jsonb)"):
+								 * (args jsonb) RETURNS jsonb, the outcome
+								 * (an error it raises is recorded as a
+								 * failure: see idem_apply).  The whole run
+								 * is then one statement, one PostgreSQL
+								 * round trip; the handler argument of
+								 * idem_run_with may be NULL.  The role
+								 * needs EXECUTE on idem_apply and on it. */
+	const char *sql_args;		/* JSON text passed to sql_handler; NULL:
+								 * the request */
+} idem_run_options;
+
+void		idem_run_options_init(idem_run_options *opts);
+
+/* idem_run / idem_run_platform with options for this run (may be NULL). */
+idem_status idem_run_with(idem_runner *runner, int64_t tenant_id,
+						  const char *task_scope, const char *id,
+						  const char *request_json,
+						  const idem_run_options *run_opts,
+						  idem_handler_fn handler, void *user_data,
+						  idem_result *out);
+idem_status idem_run_platform_with(idem_runner *runner,
+								   const char *task_scope, const char *id,
+								   const char *request_json,
+								   const idem_run_options *run_opts,
+								   idem_handler_fn handler, void *user_data,
+								   idem_result *out);
+
 const char *idem_status_name(idem_status status);	/* "applied", ... */
 const char *idem_source_name(idem_source source);	/* "valkey", ... */
 
@@ -359,6 +408,8 @@ typedef struct idem_runner_stats
 	long		valkey_redirects;	/* Valkey Cluster: MOVED/ASK followed */
 	long		valkey_map_refreshes;	/* slot maps read */
 	long		valkey_node_errors; /* failed connects/exchanges with a node */
+	long		gate_skipped_first; /* gates skipped for a first delivery
+									 * (also counted in valkey_skipped) */
 } idem_runner_stats;
 
 void		idem_runner_stats_init(idem_runner_stats *stats);

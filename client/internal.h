@@ -123,6 +123,7 @@ typedef enum pg_stmt
 	STMT_TTL_T, STMT_TTL_P,
 	STMT_LOOKUP_T, STMT_LOOKUP_P,
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
+	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
 	STMT_COUNT
 } pg_stmt;
 
@@ -149,9 +150,9 @@ typedef struct pg_cmd
 {
 	const char *sql;
 	int			nparams;
-	const char *values[5];
-	int			lengths[5];
-	int			formats[5];
+	const char *values[6];
+	int			lengths[6];
+	int			formats[6];
 } pg_cmd;
 
 #define PG_MAX_CMDS 5

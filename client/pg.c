@@ -115,7 +115,14 @@ build_sql(idem_pg *p, const char *s)
 		"FROM %s.idem_platform_lookup($1::bytea) AS l",
 		/* KEYSPACE, SECRETS: trust.c */
 		"SELECT %s.idem_cache_keyspace()",
-		"SELECT s.key_id, s.secret, s.is_current FROM %s.idem_cache_secrets() AS s"
+		"SELECT s.key_id, s.secret, s.is_current FROM %s.idem_cache_secrets() AS s",
+		/* APPLY_*: decision, attempt, outcome, ms until expires_at, ran */
+		"SELECT a.decision, a.attempt, a.outcome::text, "
+		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
+		"FROM %s.idem_apply($1::bigint, $2::bytea, $3::bytea, $4::regprocedure, $5::jsonb, $6::interval) AS a",
+		"SELECT a.decision, a.attempt, a.outcome::text, "
+		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
+		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a"
 	};
 	int			i;
 
@@ -293,7 +300,8 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_fail_t", "idem_client_fail_p",
 	"idem_client_ttl_t", "idem_client_ttl_p",
 	"idem_client_lookup_t", "idem_client_lookup_p",
-	"idem_client_keyspace", "idem_client_secrets"
+	"idem_client_keyspace", "idem_client_secrets",
+	"idem_client_apply_t", "idem_client_apply_p"
 };
 
 /* The pg_stmt whose text sql is, or -1 for an ad hoc command. */

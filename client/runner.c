@@ -10,7 +10,8 @@
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
- *		 lease is busy; anything else is ignored (counted); absent: our
+ *		 lease is busy (unless idem_lookup finds its run committed: a replay
+ *		 or mismatch); anything else is ignored (counted); absent: our
  *		 MACed marker is set (SET NX PX lease).  Valkey down or slow: skip
  *		 the gate (for retry_ms after a failure, without trying).
  *	  3a. Valkey configured but silent, or a mismatch hint (lookup_first):
@@ -23,9 +24,15 @@
  *		 Another decision: round trip 2 is COMMIT alone.
  *	  4. The client writes no terminal value: the server's worker copies
  *		 results (and terminal rows that a claim or lookup read) once their
- *		 commit is durable.  Our marker is removed by compare-and-delete on
- *		 its token when the run ends (a duplicate then goes to PostgreSQL
- *		 until the worker's copy arrives, instead of waiting out a lease).
+ *		 commit is durable.  A run that ends with a terminal row leaves its
+ *		 marker for that copy to overwrite (no round trip after COMMIT); a
+ *		 duplicate meeting it reads the row (idem_lookup) instead of
+ *		 answering busy.  Any other run removes its marker by
+ *		 compare-and-delete on its token.
+ *
+ *	  Per-run options (idem_run_with): delivery_count 1 skips step 2 (the
+ *	  claim guards a wrongly flagged duplicate); sql_handler makes step 3b
+ *	  one idem_apply statement.
  *
  *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
  *	  a handler that ends the runner's transaction fails the run with
@@ -177,6 +184,7 @@ typedef struct run_state
 	int			valkey_silent;	/* Valkey is configured but gave no answer */
 	int			mismatch_hint;	/* Valkey holds another fingerprint: only
 								 * PostgreSQL may say "mismatch" */
+	int			marker_busy;	/* the gate met another run's marker */
 	/* parameters as text */
 	char		tenant_txt[24];
 	char		lease_txt[32];
@@ -265,6 +273,20 @@ release_marker(run_state *s)
 {
 	if (s->own_marker)
 		idem_gate_release(s->r->gate, s->ckey, s->marker);
+	s->own_marker = 0;
+}
+
+/*
+ * A terminal row is committed (ours, or one the claim read): the worker
+ * overwrites our marker with its copy once the commit is durable (the
+ * claim queued a copy of a row it read), so no compare-and-delete round
+ * trip.  A duplicate that meets the marker meanwhile reads the row in
+ * PostgreSQL (idem_lookup) instead of answering busy; if the copy is lost
+ * (a full queue, Valkey restarted) the marker ends with its lease.
+ */
+static void
+leave_marker(run_state *s)
+{
 	s->own_marker = 0;
 }
 
@@ -359,6 +381,7 @@ gate_step(run_state *s)
 					s->out->status = IDEM_BUSY;
 					s->out->source = IDEM_SOURCE_VALKEY;
 					s->out->retry_after_ms = (long) (g.pttl < left ? g.pttl : left);
+					s->marker_busy = 1;
 					decided = 1;
 				}
 				/* a marker without a TTL is not ours to honour */
@@ -645,14 +668,15 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	{
 		case IDEM_HANDLER_OK:
 			s->out->status = IDEM_APPLIED;
-			release_marker(s);	/* nobody is processing any more; the
-								 * worker's copy follows once durable */
+			leave_marker(s);
 			break;
 		case IDEM_HANDLER_PERMANENT:
 			s->out->status = IDEM_FAILED_PERMANENT;
-			release_marker(s);
+			leave_marker(s);
 			break;
 		case IDEM_HANDLER_RETRYABLE:
+			/* no terminal value follows: the next delivery must not
+			 * meet our marker */
 			s->out->status = IDEM_FAILED_RETRYABLE;
 			release_marker(s);
 			break;
@@ -828,6 +852,7 @@ pg_step(run_state *s, const char *scope, const char *id,
 								"idem_claim returned an outcome that is not a JSON object of at most %d bytes",
 								IDEM_OUTCOME_MAX);
 		}
+		leave_marker(s);		/* the claim queued the worker's copy */
 	}
 	else if (strcmp(decision, "busy") == 0)
 	{
@@ -859,6 +884,144 @@ pg_step(run_state *s, const char *scope, const char *id,
 	return s->out->status;
 }
 
+/*
+ * Step 3b with a SQL handler: one autocommit statement, idem_apply, claims,
+ * runs the handler in a subtransaction and completes or fails the key.
+ * Once it is sent, a lost connection is "commit unknown" (the statement
+ * commits by itself); a server error committed nothing.
+ */
+static idem_status
+apply_step(run_state *s, const idem_run_options *ro)
+{
+	idem_pg    *pg = &s->r->pg;
+	pg_cmd		cmd;
+	pg_outcome	o;
+	int			fresh;
+	int			i;
+	const char *decision;
+	int			attempt;
+	int			ran;
+	long long	ms;
+	const char *outcome;
+	char	   *args = NULL;
+	size_t		args_len;
+	char		err[200];
+	char		msg[400];
+
+	if (ro->sql_args != NULL)
+	{
+		err[0] = '\0';
+		args = idem_json_canonical(ro->sql_args, strlen(ro->sql_args),
+								   &args_len, err, sizeof(err));
+		if (args == NULL)
+			return finish_error(s, errno == ENOMEM ?
+								IDEM_ERR_OUT_OF_MEMORY : IDEM_ERR_ARGUMENT,
+								NULL, "sql_args: %s", err);
+	}
+	msg[0] = '\0';
+	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+	{
+		free(args);
+		return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
+	}
+	if (PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
+		rollback_quietly(s);	/* left over; cannot normally happen */
+	if (pg->conn == NULL)
+	{
+		free(args);
+		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
+							"PostgreSQL connection lost");
+	}
+	i = params_key(s, &cmd, STMT_APPLY_T);
+	i = param_digest(&cmd, i, s->fp);
+	cmd.values[i++] = ro->sql_handler;
+	cmd.values[i++] = args ? args : s->request;
+	cmd.values[i++] = s->retention_txt[0] ? s->retention_txt : NULL;
+	cmd.nparams = i;
+	idem_pg_pipeline(pg, &cmd, 1, &o);
+	free(args);
+	if (o.rc != PG_OK)
+	{
+		idem_status st;
+
+		if (o.rc == PG_CONN_LOST && o.queued == 1 && o.failed_cmd < 0)
+			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
+							  "connection to PostgreSQL lost after idem_apply was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
+							  o.message);
+		else
+			st = pg_error(s, &o, "idem_apply");
+		idem_pg_outcome_clear(&o);
+		return st;
+	}
+	if (PQntuples(o.res[0]) != 1 || PQnfields(o.res[0]) != 5 ||
+		PQgetisnull(o.res[0], 0, 0) || PQgetisnull(o.res[0], 0, 4))
+	{
+		idem_pg_outcome_clear(&o);
+		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+							"idem_apply returned an unexpected row");
+	}
+	decision = PQgetvalue(o.res[0], 0, 0);
+	attempt = (int) int_value(o.res[0], 1, 0);
+	ms = int_value(o.res[0], 3, 0);
+	outcome = PQgetisnull(o.res[0], 0, 2) ? "" : PQgetvalue(o.res[0], 0, 2);
+	ran = PQgetvalue(o.res[0], 0, 4)[0] == 't';
+	s->out->source = ran ? IDEM_SOURCE_HANDLER : IDEM_SOURCE_POSTGRES;
+	s->out->attempt = attempt;
+	if (strcmp(decision, "completed") == 0 || strcmp(decision, "applied") == 0 ||
+		strcmp(decision, "failed_permanent") == 0 ||
+		strcmp(decision, "failed_retryable") == 0)
+	{
+		size_t		len = strlen(outcome);
+
+		if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
+		{
+			idem_pg_outcome_clear(&o);
+			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+								"idem_apply returned an outcome that is not a JSON object of at most %d bytes",
+								IDEM_OUTCOME_MAX);
+		}
+		set_outcome(s->out, outcome, len);
+		if (decision[0] == 'c')
+			s->out->status = IDEM_REPLAYED;
+		else if (decision[0] == 'a')
+			s->out->status = IDEM_APPLIED;
+		else if (strcmp(decision, "failed_permanent") == 0)
+			s->out->status = IDEM_FAILED_PERMANENT;
+		else
+			s->out->status = IDEM_FAILED_RETRYABLE;
+		if (s->out->status != IDEM_FAILED_RETRYABLE)
+			leave_marker(s);	/* a terminal row: the worker's copy follows */
+	}
+	else if (strcmp(decision, "busy") == 0)
+	{
+		s->out->status = IDEM_BUSY;
+		s->out->retry_after_ms = ms > 0 ? (long) ms : 1;
+	}
+	else if (strcmp(decision, "mismatch") == 0)
+		s->out->status = IDEM_MISMATCH;
+	else
+	{
+		char		d[32];
+
+		snprintf(d, sizeof(d), "%s", decision);
+		idem_pg_outcome_clear(&o);
+		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
+							"idem_apply returned an unknown decision \"%s\"", d);
+	}
+	idem_pg_outcome_clear(&o);
+	return s->out->status;
+}
+
+/* Step 3b: the claim and a C handler, or idem_apply with a SQL handler. */
+static idem_status
+effect_step(run_state *s, const idem_run_options *ro, const char *scope,
+			const char *id, idem_handler_fn handler, void *user_data)
+{
+	if (ro != NULL && ro->sql_handler != NULL)
+		return apply_step(s, ro);
+	return pg_step(s, scope, id, handler, user_data);
+}
+
 void
 idem_result_init(idem_result *res)
 {
@@ -868,10 +1031,19 @@ idem_result_init(idem_result *res)
 	res->struct_size = sizeof(idem_result);
 }
 
+void
+idem_run_options_init(idem_run_options *o)
+{
+	if (o == NULL)
+		return;
+	memset(o, 0, sizeof(*o));
+	o->struct_size = sizeof(idem_run_options);
+}
+
 static idem_status
 run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
-	const char *id, const char *request_json, idem_handler_fn handler,
-	void *user_data, idem_result *out)
+	const char *id, const char *request_json, const idem_run_options *ro,
+	idem_handler_fn handler, void *user_data, idem_result *out)
 {
 	run_state	s;
 	char		err[200];
@@ -915,8 +1087,18 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		return IDEM_ERROR;
 	}
 	r->errmsg[0] = '\0';
-	if (handler == NULL)
+	if (ro != NULL && !IDEM_STRUCT_SIZE_OK(ro, idem_run_options))
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"run options were not initialised by idem_run_options_init() of this library (struct_size %zu, expected %zu)",
+							ro->struct_size, sizeof(idem_run_options));
+	if (ro != NULL && ro->delivery_count < 0)
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"delivery_count must be 0 (unknown) or positive, not %d",
+							ro->delivery_count);
+	if (handler == NULL && (ro == NULL || ro->sql_handler == NULL))
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "handler is NULL");
+	if (ro != NULL && ro->sql_handler != NULL && ro->sql_handler[0] == '\0')
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "sql_handler is empty");
 	if (scope == NULL || id == NULL || idem_key(scope, id, s.key) != 0)
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
 							"task scope and id must be non-NULL valid UTF-8 strings");
@@ -942,13 +1124,35 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		snprintf(s.retention_txt, sizeof(s.retention_txt), "%d milliseconds",
 				 r->retention_ms);
 
-	if (gate_step(&s))
+	if (ro != NULL && ro->delivery_count == 1 && r->gate != NULL)
+	{
+		/*
+		 * A first delivery: no run can have committed this key, so the gate
+		 * could only answer "absent" (or busy for a concurrent duplicate,
+		 * which the claim answers too).  The claim is the guard.
+		 */
+		r->stats.valkey_skipped++;
+		r->stats.gate_skipped_first++;
+		st = effect_step(&s, ro, scope, id, handler, user_data);
+	}
+	else if (gate_step(&s))
+	{
 		st = out->status;
+
+		/*
+		 * Another run's marker: that run may have committed a terminal
+		 * row whose copy has not yet replaced its marker.  One autocommit
+		 * idem_lookup answers that duplicate now; anything else stays
+		 * busy.
+		 */
+		if (s.marker_busy && r->lookup_first && lookup_step(&s))
+			st = out->status;
+	}
 	else if ((s.valkey_silent || s.mismatch_hint) && r->lookup_first &&
 			 lookup_step(&s))
 		st = out->status;
 	else
-		st = pg_step(&s, scope, id, handler, user_data);
+		st = effect_step(&s, ro, scope, id, handler, user_data);
 
 	/* no terminal result was written: our marker goes (compare-and-delete) */
 	if (s.own_marker)
@@ -962,7 +1166,28 @@ idem_run(idem_runner *runner, int64_t tenant_id, const char *task_scope,
 		 const char *id, const char *request_json, idem_handler_fn handler,
 		 void *user_data, idem_result *out)
 {
-	return run(runner, 0, tenant_id, task_scope, id, request_json, handler,
+	return run(runner, 0, tenant_id, task_scope, id, request_json, NULL,
+			   handler, user_data, out);
+}
+
+idem_status
+idem_run_with(idem_runner *runner, int64_t tenant_id, const char *task_scope,
+			  const char *id, const char *request_json,
+			  const idem_run_options *run_opts, idem_handler_fn handler,
+			  void *user_data, idem_result *out)
+{
+	return run(runner, 0, tenant_id, task_scope, id, request_json, run_opts,
+			   handler, user_data, out);
+}
+
+idem_status
+idem_run_platform_with(idem_runner *runner, const char *task_scope,
+					   const char *id, const char *request_json,
+					   const idem_run_options *run_opts,
+					   idem_handler_fn handler, void *user_data,
+					   idem_result *out)
+{
+	return run(runner, 1, 0, task_scope, id, request_json, run_opts, handler,
 			   user_data, out);
 }
 
@@ -971,8 +1196,8 @@ idem_run_platform(idem_runner *runner, const char *task_scope, const char *id,
 				  const char *request_json, idem_handler_fn handler,
 				  void *user_data, idem_result *out)
 {
-	return run(runner, 1, 0, task_scope, id, request_json, handler, user_data,
-			   out);
+	return run(runner, 1, 0, task_scope, id, request_json, NULL, handler,
+			   user_data, out);
 }
 
 int

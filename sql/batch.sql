@@ -102,11 +102,33 @@ SELECT idem_platform_complete_many(ARRAY[k('p1'), k('p2')], ARRAY['{"p": 1}', '{
 COMMIT;
 SELECT ord, decision, attempt, outcome FROM idem_platform_claim_many(ARRAY[k('p2'), k('p1')], ARRAY[f('{}'), f('{"x": 1}')]);
 
+-- Failures in a batch: idem_fail_many, retryable or permanent per key.
+BEGIN;
+SELECT ord, decision, attempt FROM idem_claim_many(ARRAY[1, 1, 1]::bigint[],
+    ARRAY[k('fa'), k('fb'), k('fc')], ARRAY[f('{}'), f('{}'), f('{}')]);
+SELECT idem_fail_many(ARRAY[1, 1]::bigint[], ARRAY[k('fa'), k('fb')],
+                      ARRAY['{"why": "later"}', '{"why": "never"}']::jsonb[],
+                      ARRAY[true, false]);
+SELECT idem_complete_many(ARRAY[1]::bigint[], ARRAY[k('fc')], ARRAY['{"ok": 1}']::jsonb[]);
+COMMIT;
+SELECT ord, decision, attempt, outcome FROM idem_claim_many(ARRAY[1, 1, 1]::bigint[],
+    ARRAY[k('fa'), k('fb'), k('fc')], ARRAY[f('{}'), f('{}'), f('{}')]);
+SELECT idem_fail_many(ARRAY[1]::bigint[], ARRAY[k('fa')], ARRAY['{}']::jsonb[], ARRAY[true, false]);
+SELECT idem_fail_many(ARRAY[1]::bigint[], ARRAY[k('fa')], ARRAY['{}']::jsonb[], ARRAY[NULL]::boolean[]);
+SELECT idem_fail_many(ARRAY[1]::bigint[], ARRAY[k('zz')], ARRAY['{}']::jsonb[], ARRAY[true]);
+SELECT idem_fail_many('{}', '{}', '{}', '{}');
+BEGIN;
+SELECT count(*) FROM idem_platform_claim_many(ARRAY[k('pf')], ARRAY[f('{}')]);
+SELECT idem_platform_fail_many(ARRAY[k('pf')], ARRAY['{"why": "x"}']::jsonb[], ARRAY[false]);
+COMMIT;
+SELECT status, attempt, outcome FROM idem_platform_lookup(k('pf'));
+
 -- Not executable by PUBLIC; the caller's grants decide.
 CREATE ROLE batch_nobody;
 SET ROLE batch_nobody;
 SELECT * FROM idem_claim_many('{1}', '{}', '{}');
 SELECT idem_complete_many('{1}', '{}', '{}');
+SELECT idem_fail_many('{1}', '{}', '{}', '{}');
 RESET ROLE;
 DROP ROLE batch_nobody;
 SELECT p.proname, has_function_privilege('public', p.oid, 'EXECUTE') AS public_execute

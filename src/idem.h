@@ -15,6 +15,7 @@
  *	  install.c		idem_install(): creates the two ledgers
  *	  ledger.c		claim / complete / fail / lookup / purge on both ledgers
  *	  ledger_batch.c	idem_claim_many / idem_complete_many
+ *	  ledger_apply.c	idem_apply: claim, a SQL handler, complete
  *	  ledger_store.c	index probes and prepared writes on a ledger table
  *	  ledger_insert.c	the direct write of a new row (the hot write)
  *	  pending.c		this transaction's claims not written yet (ledger.h)

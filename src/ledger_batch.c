@@ -10,9 +10,12 @@
  *		idem_platform_claim_many(keys, fingerprints, lease)
  *		idem_complete_many(tenant_ids, keys, outcomes, retention)
  *		idem_platform_complete_many(keys, outcomes, retention)
+ *		idem_fail_many(tenant_ids, keys, details, retryable, retention)
+ *		idem_platform_fail_many(keys, details, retryable, retention)
  *
  *	  Each element goes through exactly the code of idem_claim /
- *	  idem_complete (ledger_claim_key, ledger_settle_key in ledger.c), in
+ *	  idem_complete / idem_fail (ledger_claim_key, ledger_settle_key in
+ *	  ledger.c), in
  *	  array order, so every decision and every error is the single-key
  *	  one.  An error in any element raises for the whole call, naming the
  *	  element (the transaction, or the caller's savepoint, rolls back).
@@ -43,6 +46,8 @@ PG_FUNCTION_INFO_V1(idem_claim_many);
 PG_FUNCTION_INFO_V1(idem_platform_claim_many);
 PG_FUNCTION_INFO_V1(idem_complete_many);
 PG_FUNCTION_INFO_V1(idem_platform_complete_many);
+PG_FUNCTION_INFO_V1(idem_fail_many);
+PG_FUNCTION_INFO_V1(idem_platform_fail_many);
 
 /* One array argument, deconstructed. */
 typedef struct BatchArray
@@ -242,18 +247,33 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 	return (Datum) 0;
 }
 
-/* complete_many: every key completed with its outcome, or an ERROR. */
+/*
+ * complete_many: every key completed with its outcome, or an ERROR.
+ * fail_many (is_fail): every key failed with its detail, retryably or
+ * permanently as its element of retryable says.
+ */
 static void
-ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind)
+ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind, bool is_fail)
 {
-	const char *func = kind == LEDGER_TENANT ? "idem_complete_many" : "idem_platform_complete_many";
+	const char *func = is_fail ?
+		(kind == LEDGER_TENANT ? "idem_fail_many" : "idem_platform_fail_many") :
+		(kind == LEDGER_TENANT ? "idem_complete_many" : "idem_platform_complete_many");
+	const char *what = is_fail ? "details" : "outcomes";
+	BatchArray	retryable = {0};
+	int			a;
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz retention_end;
 	Batch		b;
 	int			i;
 
-	batch_begin(fcinfo, kind, func, "outcomes", JSONBOID, &b);
-	retention_end = ledger_retention_end(batch_interval_arg(fcinfo, b.interval_arg), now);
+	batch_begin(fcinfo, kind, func, what, JSONBOID, &b);
+	a = b.interval_arg;
+	if (is_fail)
+	{
+		batch_array_arg(fcinfo, a++, "retryable", BOOLOID, &retryable);
+		batch_same_length(&b.keys, "keys", &retryable, "retryable");
+	}
+	retention_end = ledger_retention_end(batch_interval_arg(fcinfo, a), now);
 
 	for (i = 0; i < b.keys.n; i++)
 	{
@@ -265,9 +285,16 @@ ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		CHECK_FOR_INTERRUPTS();
 		batch_key(kind, &b.tenants, &b.keys, i, &lk);
 		outcome = DatumGetJsonbP(b.values.elems[i]);
-		outcome_text = ledger_check_outcome(outcome, "outcome");
-		ledger_settle_key(b.store, &lk, "complete", IDEM_STATUS_COMPLETED, outcome,
-						  outcome_text, retention_end, 0);
+		outcome_text = ledger_check_outcome(outcome, is_fail ? "detail" : "outcome");
+		if (is_fail)
+			ledger_settle_key(b.store, &lk, "fail",
+							  DatumGetBool(retryable.elems[i]) ?
+							  IDEM_STATUS_FAILED_RETRYABLE :
+							  IDEM_STATUS_FAILED_PERMANENT,
+							  outcome, outcome_text, retention_end, 0);
+		else
+			ledger_settle_key(b.store, &lk, "complete", IDEM_STATUS_COMPLETED,
+							  outcome, outcome_text, retention_end, 0);
 	}
 
 	batch_end(&b);
@@ -288,13 +315,27 @@ idem_platform_claim_many(PG_FUNCTION_ARGS)
 Datum
 idem_complete_many(PG_FUNCTION_ARGS)
 {
-	ledger_complete_many(fcinfo, LEDGER_TENANT);
+	ledger_complete_many(fcinfo, LEDGER_TENANT, false);
 	PG_RETURN_VOID();
 }
 
 Datum
 idem_platform_complete_many(PG_FUNCTION_ARGS)
 {
-	ledger_complete_many(fcinfo, LEDGER_PLATFORM);
+	ledger_complete_many(fcinfo, LEDGER_PLATFORM, false);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_fail_many(PG_FUNCTION_ARGS)
+{
+	ledger_complete_many(fcinfo, LEDGER_TENANT, true);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_platform_fail_many(PG_FUNCTION_ARGS)
+{
+	ledger_complete_many(fcinfo, LEDGER_PLATFORM, true);
 	PG_RETURN_VOID();
 }

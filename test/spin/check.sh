@@ -43,6 +43,8 @@ checks=(
 "pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DPERM_FAIL|real model, in-transaction effect, 2 runners, 4 deliveries, 3 faults: safety (at most once, none lost, replay = committed, cache = truth)"
 "pass|safety|idem.pml|-DNRUN=3 -DNDELIV=3 -DNFAULT=2 -DPERM_FAIL|real model, in-transaction effect, 3 runners, 3 deliveries, 2 faults: safety (at most once, none lost, replay = committed, cache = truth)"
 "pass|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DPERM_FAIL -DNO_LOOKUP_FIRST|real model without the lookup before the claim (lookup_first off; the demo's batches, which claim without the gate): safety"
+"pass|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DPERM_FAIL -DFIRST_DELIVERY|real model, any delivery (duplicates included) may be flagged as a first delivery and skip the gate, 2 runners, 3 deliveries, 2 faults: safety"
+"pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3 -DFIRST_DELIVERY|real model, deliveries flagged first may skip the gate, faults cease after 3: liveness <> effect applied (weak fairness)"
 "pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DLEASE_MODE|real model, lease mode, 2 runners, 4 deliveries, 3 faults: one unexpired lease at a time, no completion overwritten, replay = committed"
 "pass|safety|idem.pml|-DNRUN=3 -DNDELIV=3 -DNFAULT=1 -DLEASE_MODE|real model, lease mode, 3 runners, 3 deliveries, 1 fault: one unexpired lease at a time, no completion overwritten, replay = committed"
 "pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3|real model, in-transaction effect, 2 runners, faults cease after 3: liveness <> effect applied (weak fairness)"

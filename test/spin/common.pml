@@ -44,6 +44,9 @@
  *            may lack the newest flushed commits: a new timeline
  *   STANDBY_SLOTS  the worker also waits until the standby has flushed a
  *            commit before copying it (idem.standby_slots names its slot)
+ *   FIRST_DELIVERY  the consumer may flag any delivery (duplicates
+ *            included) as a first delivery: the runner skips the gate and
+ *            claims directly (client/runner.c, delivery_count = 1)
  *   RELEARN_AT_GATE  control: every gate uses the current keyspace (the
  *            code re-learns it on every (re)connect, so a client may use
  *            the old one until its next PostgreSQL round trip)
@@ -205,7 +208,7 @@ inline gate_step(me)
 		/* a keyspace learnt before a promotion: the old namespace */
 		if
 		:: ovk_kind == V_NONE -> res = R_GO    /* its marker there guards nothing */
-		:: ovk_kind == V_MARK -> res = R_BUSY
+		:: ovk_kind == V_MARK -> res = R_BUSY; saw_mark = true
 		:: ovk_kind == V_DONE || ovk_kind == V_FAILP ->
 			got_kind = ovk_kind; got_val = ovk_val; res = R_REPLAY;
 			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
@@ -213,7 +216,7 @@ inline gate_step(me)
 	:: atomic { vk_up && !STALE_NS(me) ->
 		if
 		:: vk_kind == V_NONE -> vk_kind = V_MARK; vk_val = me; marked = true; res = R_GO
-		:: vk_kind == V_MARK -> res = R_BUSY
+		:: vk_kind == V_MARK -> res = R_BUSY; saw_mark = true
 		:: vk_kind == V_DONE || vk_kind == V_FAILP ->
 			got_kind = vk_kind; got_val = vk_val; res = R_REPLAY;
 			/* REPLAY: a cached terminal value is the committed one */
@@ -224,6 +227,10 @@ inline gate_step(me)
 		 * does not know it holds a marker and goes to PostgreSQL */
 		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
 	:: atomic { !vk_up -> res = R_GO; silent = true }
+#ifdef FIRST_DELIVERY
+	:: res = R_GO   /* the consumer says "first delivery" (rightly or
+	                 * not): no gate, no marker; the claim decides */
+#endif
 	fi
 }
 #endif
@@ -246,10 +253,12 @@ inline server_repopulate()
 }
 
 /*
- * Valkey silent (the gate skipped it): the runner's lookup_first step
- * (client/runner.c lookup_step), one autocommit idem_lookup before any
- * transaction.  A committed terminal row answers the delivery as the claim
- * would (replay); anything else goes on to the claim.  The server queues
+ * Valkey silent (the gate skipped it), or the gate met a marker: the
+ * runner's lookup_first step (client/runner.c lookup_step), one autocommit
+ * idem_lookup before any transaction.  A committed terminal row answers
+ * the delivery as the claim would (replay); anything else goes on to the
+ * claim (Valkey silent) or stays busy (a marker: a run that committed
+ * leaves its marker for the worker's copy to overwrite).  The server queues
  * the terminal row it read for the worker (server_repopulate).
  */
 inline lookup_step(me)

@@ -12,6 +12,7 @@ proctype runner(byte me)
 	byte res, att, got_kind, got_val;
 	bool marked;
 	bool silent;                    /* the gate found Valkey unreachable */
+	bool saw_mark;                  /* the gate met a marker (busy) */
 	byte tx_st, tx_att, tx_out;     /* this runner's open transaction */
 	bool tx_wrote, tx_eff;
 	byte tx_gen;                    /* pg_gen at BEGIN */
@@ -25,11 +26,12 @@ end_idle:
 	:: atomic { delivered >= NDELIV -> break }
 	:: atomic { delivered < NDELIV -> delivered++; res = R_GO };
 #endif
-		marked = false; att = 0; silent = false;
+		marked = false; att = 0; silent = false; saw_mark = false;
 		gate_step(me);
 #ifndef NO_LOOKUP_FIRST
 		if
 		:: res == R_GO && silent -> lookup_step(me)
+		:: res == R_BUSY && saw_mark -> lookup_step(me)  /* a committed run's marker? */
 		:: else -> skip
 		fi;
 #endif
@@ -76,8 +78,9 @@ end_idle:
 					/* old design: SET our own terminal result after COMMIT */
 					; client_set_terminal()
 #endif
-					/* no compare-and-delete: the worker's copy replaces
-					 * the marker (or it expires) */
+					/* no compare-and-delete (client/runner.c leave_marker):
+					 * the worker's copy replaces the marker (or it
+					 * expires); a duplicate meeting it looks the row up */
 				:: res == R_REQUEUE -> cad_step(me)
 				:: res == R_DIED -> skip              /* backend idle in tx until it is terminated */
 				fi

@@ -155,10 +155,17 @@ sub poll_until
 }
 
 # Wait for a key; returns its value, or undef after $timeout seconds.
+# Wait for a result at $key (the worker's copy), not a run's marker: a run
+# that commits leaves its marker for that copy to overwrite.
 sub wait_for_key
 {
 	my ($self, $key, $timeout) = @_;
-	return poll_until($timeout // 10, sub { $self->command('GET', $key) });
+	return poll_until(
+		$timeout // 10,
+		sub {
+			my $v = $self->command('GET', $key);
+			return (defined($v) && $v !~ /^idem2 \S+ \d+ p /) ? $v : undef;
+		});
 }
 
 # A started node that preloads idem, talks to $valkey, and has a tenants

@@ -1,0 +1,128 @@
+-- idem_apply: claim, the caller's SQL function as the effect, complete or
+-- fail, in one statement; and idem_platform_apply.
+CREATE EXTENSION idem;
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+INSERT INTO tenants VALUES (1), (2);
+SELECT idem_install('tenants');
+CREATE FUNCTION k(text) RETURNS bytea LANGUAGE sql AS $$ SELECT idem_key('apply', $1) $$;
+CREATE FUNCTION f(jsonb) RETURNS bytea LANGUAGE sql AS $$ SELECT idem_fingerprint($1) $$;
+CREATE TABLE transfers (id serial, amount int NOT NULL CHECK (amount > 0), who text DEFAULT current_user);
+CREATE FUNCTION transfer(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO transfers (amount) VALUES ((args->>'amount')::int);
+  IF args ? 'fail' THEN
+    RAISE EXCEPTION USING ERRCODE = args->>'fail', MESSAGE = 'handler says ' || (args->>'fail');
+  END IF;
+  RETURN jsonb_build_object('amount', (args->>'amount')::int);
+END $$;
+
+-- Applied once: the effect and the completed key in one statement.
+SELECT decision, attempt, outcome, expires_at > now() + interval '23 hours' AS retained, ran
+  FROM idem_apply(1, k('a'), f('{"amount": 5}'), 'transfer(jsonb)', '{"amount": 5}');
+-- The duplicate is answered by the claim: the handler does not run.
+SELECT decision, attempt, outcome, ran
+  FROM idem_apply(1, k('a'), f('{"amount": 5}'), 'transfer(jsonb)', '{"amount": 5}');
+SELECT decision, ran
+  FROM idem_apply(1, k('a'), f('{"amount": 6}'), 'transfer(jsonb)', '{"amount": 6}');
+SELECT count(*) AS transfers FROM transfers;
+SELECT status, attempt, outcome FROM idem_lookup(1, k('a'));
+
+-- Errors the handler raises roll its writes back and are recorded:
+-- P0001 (RAISE's default) and classes 22, 23: failed_permanent.
+SELECT decision, attempt, outcome, ran
+  FROM idem_apply(1, k('p'), f('{}'), 'transfer(jsonb)', '{"amount": 1, "fail": "P0001"}');
+SELECT decision, attempt, outcome, ran
+  FROM idem_apply(1, k('c'), f('{}'), 'transfer(jsonb)', '{"amount": -1}');
+SELECT decision, attempt, ran
+  FROM idem_apply(1, k('p'), f('{}'), 'transfer(jsonb)', '{"amount": 1}');
+-- Any other: failed_retryable; the next call is attempt 2.
+SELECT decision, attempt, outcome, ran
+  FROM idem_apply(1, k('r'), f('{}'), 'transfer(jsonb)', '{"amount": 1, "fail": "55P03"}');
+SELECT decision, attempt, outcome, ran
+  FROM idem_apply(1, k('r'), f('{}'), 'transfer(jsonb)', '{"amount": 2}');
+SELECT count(*) AS transfers, sum(amount) FROM transfers;
+-- The server's state (classes 40, 53, 57, 58, XX) is not the handler's
+-- answer: the statement fails and nothing is recorded.
+SELECT decision FROM idem_apply(1, k('s'), f('{}'), 'transfer(jsonb)', '{"amount": 1, "fail": "40001"}');
+SELECT count(*) FROM idem_lookup(1, k('s'));
+
+-- In a transaction: the key lock is held until it ends, and a rollback
+-- takes the effect and the key with it.
+BEGIN;
+SELECT decision FROM idem_apply(2, k('t'), f('{}'), 'transfer(jsonb)', '{"amount": 3}');
+SELECT count(*) AS key_locks FROM pg_locks
+ WHERE locktype = 'advisory' AND objsubid = 478 AND pid = pg_backend_pid();
+ROLLBACK;
+SELECT count(*) FROM idem_lookup(2, k('t'));
+
+-- The outcome must be a JSON object of at most 4096 bytes; NULL is {}.
+CREATE FUNCTION h_null(jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT NULL::jsonb $$;
+CREATE FUNCTION h_array(jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT '[1]'::jsonb $$;
+SELECT decision, outcome FROM idem_apply(1, k('n'), f('{}'), 'h_null(jsonb)', '{}');
+SELECT decision FROM idem_apply(1, k('arr'), f('{}'), 'h_array(jsonb)', '{}');
+SELECT count(*) FROM idem_lookup(1, k('arr'));
+
+-- Bad handlers and NULL arguments, before the key is touched.
+CREATE FUNCTION h_text(jsonb) RETURNS text LANGUAGE sql AS $$ SELECT 'x' $$;
+CREATE FUNCTION h_two(jsonb, int) RETURNS jsonb LANGUAGE sql AS $$ SELECT $1 $$;
+CREATE FUNCTION h_set(jsonb) RETURNS SETOF jsonb LANGUAGE sql AS $$ SELECT $1 $$;
+CREATE PROCEDURE h_proc(jsonb) LANGUAGE sql AS $$ SELECT 1 $$;
+\set VERBOSITY sqlstate
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'h_text(jsonb)', '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'h_two(jsonb, int)', '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'h_set(jsonb)', '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'h_proc(jsonb)', '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 99999999::oid::regprocedure, '{}');
+SELECT * FROM idem_apply(NULL, k('x'), f('{}'), 'transfer(jsonb)', '{}');
+SELECT * FROM idem_apply(1, NULL, f('{}'), 'transfer(jsonb)', '{}');
+SELECT * FROM idem_apply(1, k('x'), NULL, 'transfer(jsonb)', '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), NULL, '{}');
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'transfer(jsonb)', NULL);
+SELECT * FROM idem_apply(1, '\x00', f('{}'), 'transfer(jsonb)', '{}');
+SELECT * FROM idem_apply(3, k('x'), f('{}'), 'transfer(jsonb)', '{}');
+\set VERBOSITY default
+SELECT * FROM idem_apply(1, k('x'), f('{}'), 'h_text(jsonb)', '{}');
+SELECT count(*) FROM idem_lookup(1, k('x'));
+
+-- Permissions: EXECUTE on idem_apply and on the handler; the handler runs
+-- as the caller, a SECURITY DEFINER handler as its owner.
+CREATE ROLE idem_apply_user;
+GRANT USAGE ON SCHEMA public TO idem_apply_user;
+GRANT INSERT, SELECT ON transfers TO idem_apply_user;
+GRANT USAGE ON SEQUENCE transfers_id_seq TO idem_apply_user;
+GRANT SELECT, INSERT, UPDATE ON idempotency_keys TO idem_apply_user;
+GRANT SELECT ON tenants TO idem_apply_user;
+GRANT EXECUTE ON FUNCTION idem_key(text, text), idem_fingerprint(jsonb) TO idem_apply_user;
+CREATE FUNCTION h_definer(args jsonb) RETURNS jsonb LANGUAGE sql SECURITY DEFINER
+  AS $$ SELECT jsonb_build_object('as_owner', current_user = session_user) $$;
+SET ROLE idem_apply_user;
+SELECT decision FROM idem_apply(1, k('u'), f('{}'), 'transfer(jsonb)', '{"amount": 1}');
+RESET ROLE;
+GRANT EXECUTE ON FUNCTION idem_apply(bigint, bytea, bytea, regprocedure, jsonb, interval)
+  TO idem_apply_user;
+REVOKE EXECUTE ON FUNCTION transfer(jsonb) FROM PUBLIC;
+SET ROLE idem_apply_user;
+SELECT decision FROM idem_apply(1, k('u'), f('{}'), 'transfer(jsonb)', '{"amount": 1}');
+RESET ROLE;
+SELECT count(*) FROM idem_lookup(1, k('u'));
+GRANT EXECUTE ON FUNCTION transfer(jsonb) TO idem_apply_user;
+SET ROLE idem_apply_user;
+SELECT decision FROM idem_apply(1, k('u'), f('{}'), 'transfer(jsonb)', '{"amount": 1}');
+SELECT decision, outcome FROM idem_apply(1, k('d'), f('{}'), 'h_definer(jsonb)', '{}');
+RESET ROLE;
+SELECT who FROM transfers ORDER BY id DESC LIMIT 1;
+
+-- The platform ledger.
+SELECT decision, attempt, outcome, ran
+  FROM idem_platform_apply(k('plat'), f('{}'), 'transfer(jsonb)', '{"amount": 9}');
+SELECT decision, ran
+  FROM idem_platform_apply(k('plat'), f('{}'), 'transfer(jsonb)', '{"amount": 9}');
+SELECT status, attempt FROM idem_platform_lookup(k('plat'));
+
+DROP OWNED BY idem_apply_user;
+DROP ROLE idem_apply_user;
+DROP FUNCTION k(text), f(jsonb), transfer(jsonb), h_null(jsonb), h_array(jsonb),
+  h_text(jsonb), h_two(jsonb, int), h_set(jsonb), h_definer(jsonb);
+DROP PROCEDURE h_proc(jsonb);
+DROP TABLE transfers, idempotency_keys, platform_idempotency_keys, tenants;
+DROP EXTENSION idem;
