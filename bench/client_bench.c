@@ -15,6 +15,18 @@
  *   pg-select      a bare prepared SELECT of the same ledger rows by unique key
  *   run-new        idem_run on new keys: gate, claim, effect, complete, commit
  *   run-dup        idem_run on keys run a moment before (duplicates)
+ *   run-new-first  run-new flagged as first deliveries (delivery_count 1:
+ *                  no Valkey gate)
+ *   run-new-sql    run-new with the effect as a SQL handler (idem_apply:
+ *                  one statement), through the gate
+ *   run-new-sql-first  both: one PostgreSQL round trip, no Valkey
+ *   run-dup-sql    run-dup with the SQL handler
+ *   hand-new       the hand-written ledger of make bench's variant (3),
+ *                  v3_hand(), as a prepared call: one round trip per key
+ *   hand-dup       hand-new, every key twice in a row
+ *
+ * Built with -DBENCH_BASELINE (against an older libidemclient.a, for a
+ * before/after run), only the modes that older library has.
  *
  * The replay keys are those bench/setup.sql completes:
  * idem_key('bench.replay', i) for tenant 1 + i % 100, i in 1..10000,
@@ -216,6 +228,45 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 		return ops;
 	}
 
+	if (strncmp(mode, "hand-", 5) == 0)
+	{
+		PGconn	   *conn = PQconnectdb(conninfo);
+		PGresult   *res;
+		long		n = 0;
+		int			dup = strcmp(mode, "hand-dup") == 0;
+		/* run ids: a random base per process (bigint; never repeated) */
+		long long	base = (((long long) rand_r(&seed) << 31) ^ rand_r(&seed) ^
+							((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
+
+		if (PQstatus(conn) != CONNECTION_OK)
+			return -1;
+		res = PQprepare(conn, "h", "SELECT v3_hand($1, $2, 1)", 2, NULL);
+		PQclear(res);
+		while (now_s() < end)
+		{
+			char		tenant[16];
+			char		run[32];
+			const char *values[2] = {tenant, run};
+			long		k = dup ? n / 2 : n;
+
+			snprintf(run, sizeof(run), "%lld", base + k);
+			snprintf(tenant, sizeof(tenant), "%ld", 1 + k % 100);
+			res = PQexecPrepared(conn, "h", 2, values, NULL, NULL, 0);
+			if (PQresultStatus(res) != PGRES_TUPLES_OK)
+			{
+				fprintf(stderr, "%s: %s", mode, PQerrorMessage(conn));
+				PQclear(res);
+				PQfinish(conn);
+				return -1;
+			}
+			PQclear(res);
+			n++;
+			ops++;
+		}
+		PQfinish(conn);
+		return ops;
+	}
+
 	if (strcmp(mode, "pg-select") == 0)
 	{
 		PGconn	   *conn = PQconnectdb(conninfo);
@@ -289,12 +340,31 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 			else
 			{
 				/* run-dup: every key twice in a row, the second a duplicate */
-				long		k = strcmp(mode, "run-dup") == 0 ? n / 2 : n;
+				long		k = strncmp(mode, "run-dup", 7) == 0 ? n / 2 : n;
 
 				snprintf(id, sizeof(id), "%d-%d-%ld", (int) getpid(), client, k);
 				tenant = 1 + k % 100;
-				st = idem_run(r, tenant, "bench.run", id, "{\"amount\": 1}",
-							  transfer_handler, NULL, res);
+#ifndef BENCH_BASELINE
+				if (strcmp(mode, "run-new") != 0 && strcmp(mode, "run-dup") != 0)
+				{
+					idem_run_options ro;
+					char		args[64];
+
+					idem_run_options_init(&ro);
+					ro.delivery_count = strstr(mode, "-first") ? 1 : 0;
+					if (strstr(mode, "-sql"))
+					{
+						snprintf(args, sizeof(args), "{\"t\": %" PRId64 ", \"amount\": 1}", tenant);
+						ro.sql_handler = "bench_transfer(jsonb)";
+						ro.sql_args = args;
+					}
+					st = idem_run_with(r, tenant, "bench.run", id, "{\"amount\": 1}",
+									   &ro, transfer_handler, NULL, res);
+				}
+				else
+#endif
+					st = idem_run(r, tenant, "bench.run", id, "{\"amount\": 1}",
+								  transfer_handler, NULL, res);
 				if (st != IDEM_APPLIED && st != IDEM_REPLAYED)
 				{
 					fprintf(stderr, "%s: unexpected %s: %s\n", mode,

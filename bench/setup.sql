@@ -87,6 +87,17 @@ BEGIN
   RETURN 'applied';
 END $$;
 
+-- The runner's effect as a SQL handler (idem_apply, bench/runner.sh).
+CREATE FUNCTION bench_transfer(args jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+  tid bigint;
+BEGIN
+  INSERT INTO transfers (tenant_id, amount)
+  VALUES ((args->>'t')::bigint, (args->>'amount')::bigint) RETURNING id INTO tid;
+  RETURN jsonb_build_object('transfer_id', tid);
+END $$;
+
 -- Replays from PostgreSQL (Valkey down): 10,000 completed keys.
 CREATE PROCEDURE bench_fill_replays(n integer) LANGUAGE plpgsql AS $$
 BEGIN

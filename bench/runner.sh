@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Part of make bench (called by bench/run with BENCH_WORK, BENCH_PGPORT,
+# BENCH_VKPORT set): the C runner on new keys and on half duplicates next
+# to the hand-written ledger of variant (3) (v3_hand() as a prepared call,
+# one round trip), in the same process model (one process per client),
+# alternating rounds, median kept, for each synchronous_commit value.
+#
+#   BENCH_RUNNER_BASE=<commit>   also the runner of the library at <commit>
+#                                (built in a temporary git worktree), for a
+#                                before/after in the same run
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SECS=${BENCH_SECONDS:-5}
+ROUNDS=${BENCH_ROUNDS:-3}
+CLIENTS=${BENCH_CLIENTS:-1 8 32}
+SYNCS=${BENCH_SYNC:-off on}
+BIN=$BENCH_WORK/runner_bench
+CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)"
+cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
+	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
+MODES="hand-new run-new run-new-first run-new-sql run-new-sql-first hand-dup run-dup run-dup-sql"
+BASE=""
+if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
+	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_RUNNER_BASE^{commit}") || exit 2
+	SRC=$BENCH_WORK/runner-base
+	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
+	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
+	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "runner.sh: building the client at $BASE failed" >&2; exit 1; }
+	cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
+		"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
+		-lpq -lhiredis -lcrypto -pthread || exit 1
+	MODES="$MODES base:run-new base:run-dup"
+fi
+
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run${BASE:+; base = the runner at $BASE}"
+printf '| sync | clients | (3) new | runner new | first | sql | sql+first |%s (3) half dup | runner half dup | sql half dup |%s\n' \
+	"${BASE:+ base new |}" "${BASE:+ base half dup |}"
+for sync in $SYNCS; do
+	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
+	for c in $CLIENTS; do
+		declare -A runs=()
+		for r in $(seq 1 "$ROUNDS"); do
+			for m in $MODES; do
+				bin=$BIN mode=$m
+				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
+				out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") ||
+					{ echo "runner.sh: $m failed" >&2; exit 1; }
+				runs[$m]+="${out##* } "
+			done
+		done
+		declare -A med=()
+		for m in $MODES; do
+			med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
+		done
+		cell() { awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf "%.0f (%.2f)", v, v / b }'; }
+		row="| $sync | $c | ${med[hand-new]%.*} | $(cell run-new hand-new) | $(cell run-new-first hand-new) | $(cell run-new-sql hand-new) | $(cell run-new-sql-first hand-new) |"
+		[ -z "$BASE" ] || row="$row $(cell base:run-new hand-new) |"
+		row="$row ${med[hand-dup]%.*} | $(cell run-dup hand-dup) | $(cell run-dup-sql hand-dup) |"
+		[ -z "$BASE" ] || row="$row $(cell base:run-dup hand-dup) |"
+		echo "$row"
+		unset runs med
+	done
+done
