@@ -12,7 +12,10 @@
  *	       one statement that runs each claimed message's effect
  *	       (transfer / pay_invoice) and settles the keys: idem_complete_many
  *	       for the applied ones, idem_fail for the refused (frozen,
- *	       permanent); idem_fail for the flaky (retryable) ones; COMMIT
+ *	       permanent); idem_fail_many for the flaky (retryable) ones; COMMIT
+ *
+ *	  Every statement but BEGIN and COMMIT is a named prepared statement,
+ *	  prepared in the pipeline that first uses it on a connection.
  *
  *	  and one XACK for every message with a final decision.  The ledger
  *	  is the guard exactly as in a single run: a key another transaction
@@ -74,9 +77,23 @@ struct batch_ctx
 	const demo_config *cfg;
 	int			slot;
 	PGconn	   *conn;
+	unsigned	prepared;		/* bit per BSTMT_* prepared on conn */
 	char		claim_sql[256];
 	char		apply_sql[1536];
-	char		fail_sql[192];
+	char		fail_sql[256];
+};
+
+/*
+ * The batch's statements are named prepared statements, prepared inside
+ * the pipeline that first uses each on a connection (no extra round trip):
+ * the server parses and plans them once per connection.
+ */
+enum
+{
+	BSTMT_CLAIM, BSTMT_LOCK, BSTMT_APPLY, BSTMT_FAIL, BSTMT_COUNT
+};
+static const char *const bstmt_names[BSTMT_COUNT] = {
+	"idem_demo_claim_many", "idem_demo_lock", "idem_demo_apply", "idem_demo_fail_many"
 };
 
 typedef struct bcmd
@@ -84,7 +101,10 @@ typedef struct bcmd
 	const char *sql;
 	int			nparams;
 	const char *values[10];
+	int			stmt;			/* BSTMT_*, or -1: ad hoc (BEGIN, COMMIT) */
 } bcmd;
+
+#define LOCK_SQL "SELECT idem_demo.lock_accounts($1::bigint[], $2::int[], $3::int[], $4::text[])"
 
 static void
 quiet(void *arg, const char *message)
@@ -130,8 +150,9 @@ batch_new(const demo_config *cfg, int slot)
 			 "  CROSS JOIN (SELECT count(*) FROM done) d CROSS JOIN (SELECT count(*) FROM refused) r"
 			 " ORDER BY e.ord",
 			 cfg->schema, cfg->schema);
+	/* the flaky first attempts of the batch, failed retryably at once */
 	snprintf(b->fail_sql, sizeof(b->fail_sql),
-			 "SELECT %s.idem_fail($1::bigint, $2::bytea, $3::jsonb, $4::boolean)",
+			 "SELECT %s.idem_fail_many($1::bigint[], $2::bytea[], $3::jsonb[], $4::boolean[])",
 			 cfg->schema);
 	return b;
 }
@@ -159,6 +180,8 @@ batch_wants(const queue_msg *m)
  * failed (the transaction is aborted; err says why), -1 when the
  * connection was lost (it is closed).
  */
+#define PIPELINE_MAX 8
+
 static int
 pipeline(batch_ctx *b, const bcmd *cmds, int n, PGresult **res,
 		 char *err, size_t errlen)
@@ -168,20 +191,55 @@ pipeline(batch_ctx *b, const bcmd *cmds, int n, PGresult **res,
 				rc = 0;
 	PGresult   *r;
 
+	int			parse[PIPELINE_MAX];
+
 	for (i = 0; i < n; i++)
 		res[i] = NULL;
+	if (n > PIPELINE_MAX)
+	{
+		snprintf(err, errlen, "too many commands in one pipeline");
+		return 1;
+	}
 	if (PQenterPipelineMode(conn) != 1)
 		goto lost;
 	for (i = 0; i < n; i++)
-		if (PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
+	{
+		int			st = cmds[i].stmt;
+
+		parse[i] = st >= 0 && !(b->prepared & (1u << st));
+		if (parse[i] &&
+			PQsendPrepare(conn, bstmt_names[st], cmds[i].sql, cmds[i].nparams, NULL) != 1)
+			goto lost;
+		if (st >= 0 ?
+			PQsendQueryPrepared(conn, bstmt_names[st], cmds[i].nparams,
+								cmds[i].values, NULL, NULL, 0) != 1 :
+			PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
 							  cmds[i].values, NULL, NULL, 0) != 1)
 			goto lost;
+	}
 	if (PQpipelineSync(conn) != 1)
 		goto lost;
 	for (i = 0; i < n; i++)
 	{
 		ExecStatusType st;
 
+		if (parse[i])
+		{
+			/* the Parse's own result: prepared from now on, if it worked */
+			r = PQgetResult(conn);
+			if (r == NULL)
+				goto lost;
+			if (PQresultStatus(r) == PGRES_COMMAND_OK)
+				b->prepared |= 1u << cmds[i].stmt;
+			else if (rc == 0)
+			{
+				snprintf(err, errlen, "%s", PQresultErrorMessage(r));
+				rc = 1;
+			}
+			PQclear(r);
+			while ((r = PQgetResult(conn)) != NULL)
+				PQclear(r);
+		}
 		r = PQgetResult(conn);
 		if (r == NULL)
 			goto lost;
@@ -316,6 +374,7 @@ ensure_conn(batch_ctx *b, demo_counters *c)
 		return 0;
 	PQfinish(b->conn);
 	ADD(pg_connects, 1);
+	b->prepared = 0;
 	b->conn = PQconnectdb(b->cfg->pg);
 	if (PQstatus(b->conn) != CONNECTION_OK)
 	{
@@ -356,9 +415,11 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 {
 	sbuf		a[8] = {{0}};	/* tenants, keys, run ids, from, to, amount,
 								 * attempt, invoice (NULL: a transfer) */
-	bcmd	   *cmds = calloc(n + 4, sizeof(bcmd));
-	PGresult  **res = calloc(n + 4, sizeof(PGresult *));
-	char	  (*p)[2][96] = calloc(n, sizeof(*p));
+	bcmd		cmds[PIPELINE_MAX];
+	PGresult   *res[PIPELINE_MAX];
+	sbuf		fa[4] = {{0}};	/* the flaky ones: tenants, keys, details,
+								 * retryable */
+	int			nflaky = 0;
 	int		   *effect_item = calloc(n, sizeof(int));
 	char		worker[16],
 				sleep_sql[96];
@@ -370,12 +431,12 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 				rc;
 
 	*commit_unknown = 0;
-	if (cmds == NULL || res == NULL || p == NULL || effect_item == NULL)
+	memset(cmds, 0, sizeof(cmds));
+	memset(res, 0, sizeof(res));
+	for (i = 0; i < PIPELINE_MAX; i++)
+		cmds[i].stmt = -1;
+	if (effect_item == NULL)
 	{
-		free(cmds);
-		free(res);
-		free(p);
-		free(effect_item);
 		snprintf(err, errlen, "out of memory");
 		return 1;
 	}
@@ -408,7 +469,8 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 		sb_add(&a[j], "}");
 	if (neffects > 0)
 	{
-		cmds[ncmd].sql = "SELECT idem_demo.lock_accounts($1::bigint[], $2::int[], $3::int[], $4::text[])";
+		cmds[ncmd].sql = LOCK_SQL;
+		cmds[ncmd].stmt = BSTMT_LOCK;
 		cmds[ncmd].nparams = 4;
 		cmds[ncmd].values[0] = a[0].s;
 		cmds[ncmd].values[1] = a[3].s;
@@ -417,24 +479,37 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 		ncmd++;
 		effects_cmd = ncmd;
 		cmds[ncmd].sql = b->apply_sql;
+		cmds[ncmd].stmt = BSTMT_APPLY;
 		cmds[ncmd].nparams = 9;
 		for (j = 0; j < 8; j++)
 			cmds[ncmd].values[j] = a[j].s;
 		cmds[ncmd].values[8] = worker;
 		ncmd++;
 	}
+	for (j = 0; j < 4; j++)
+		sb_add(&fa[j], "{");
 	for (i = 0; i < n; i++)
 	{
+		const char *sep = nflaky ? "," : "";
+
 		if (items[i].fate != FATE_FAIL_RETRYABLE)
 			continue;
-		snprintf(p[i][0], 96, "%lld", (long long) items[i].m->tenant);
-		snprintf(p[i][1], 96, "\\x%s", items[i].key_hex);
+		nflaky++;
+		sb_add(&fa[0], "%s%lld", sep, (long long) items[i].m->tenant);
+		sb_add(&fa[1], "%s\"\\\\x%s\"", sep, items[i].key_hex);
+		sb_add(&fa[2], "%s", sep);
+		sb_add_quoted(&fa[2], items[i].outcome);
+		sb_add(&fa[3], "%strue", sep);
+	}
+	for (j = 0; j < 4; j++)
+		sb_add(&fa[j], "}");
+	if (nflaky > 0)
+	{
 		cmds[ncmd].sql = b->fail_sql;
+		cmds[ncmd].stmt = BSTMT_FAIL;
 		cmds[ncmd].nparams = 4;
-		cmds[ncmd].values[0] = p[i][0];
-		cmds[ncmd].values[1] = p[i][1];
-		cmds[ncmd].values[2] = items[i].outcome;
-		cmds[ncmd].values[3] = "true";
+		for (j = 0; j < 4; j++)
+			cmds[ncmd].values[j] = fa[j].s;
 		ncmd++;
 	}
 	if (b->cfg->handler_sleep_ms > 0)
@@ -447,7 +522,7 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 	cmds[ncmd++].sql = "COMMIT";
 	rc = 0;
 	for (j = 0; j < 8; j++)
-		if (a[j].failed)
+		if (a[j].failed || (j < 4 && fa[j].failed))
 		{
 			snprintf(err, errlen, "out of memory");
 			rc = 1;
@@ -489,12 +564,11 @@ apply_and_commit(batch_ctx *b, item *items, int n, long *rts, char *err,
 		}
 	}
 	clear_all(res, ncmd);
-	free(cmds);
-	free(res);
-	free(p);
 	free(effect_item);
 	for (j = 0; j < 8; j++)
 		free(a[j].s);
+	for (j = 0; j < 4; j++)
+		free(fa[j].s);
 	return rc;
 }
 
@@ -665,7 +739,9 @@ batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 	/* Round trip 1: BEGIN and the claims. */
 	cmds[0].sql = "BEGIN";
 	cmds[0].nparams = 0;
+	cmds[0].stmt = -1;
 	cmds[1].sql = b->claim_sql;
+	cmds[1].stmt = BSTMT_CLAIM;
 	cmds[1].nparams = 4;
 	cmds[1].values[0] = tenants.s;
 	cmds[1].values[1] = keys.s;

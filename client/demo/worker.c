@@ -9,7 +9,8 @@
  *	  worker's, or ones left unacked); else XREADGROUP up to --batch new
  *	  ones.  New transfers and invoices run as one batch (batch.c); the
  *	  rest (redeliveries, purges, and everything with --batch 1) run one by
- *	  one through idem_run / idem_run_platform.  A final decision (applied,
+ *	  one through idem_run_with / idem_run_platform_with (an entry's first
+ *	  delivery with delivery_count 1: no Valkey gate).  A final decision (applied,
  *	  replayed, failed_permanent, mismatch) is XACKed, anything else (busy,
  *	  retryable failure, error) stays pending and is redelivered after the
  *	  lease.
@@ -248,6 +249,7 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	idem_result res;
 	idem_runner_stats before,
 				after;
+	idem_run_options ro;
 	int			final = 0;
 
 	memset(&h, 0, sizeof(h));
@@ -261,15 +263,22 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	idem_runner_stats_init(&before);
 	idem_runner_stats_init(&after);
 	idem_runner_get_stats(runner, &before);
+	/*
+	 * The stream's first delivery of an entry skips the Valkey gate
+	 * (delivery_count 1); the claim guards the producer's duplicates, which
+	 * are first deliveries of other entries with the same key.
+	 */
+	idem_run_options_init(&ro);
+	ro.delivery_count = m->redelivered ? 0 : 1;
 	if (strcmp(m->kind, "maintenance.purge") == 0)
-		idem_run_platform(runner, m->kind, m->run_id, m->request,
-						  purge_handler, &h, &res);
+		idem_run_platform_with(runner, m->kind, m->run_id, m->request, &ro,
+							   purge_handler, &h, &res);
 	else if (strcmp(m->kind, "invoice.pay") == 0)
-		idem_run(runner, m->tenant, m->kind, m->invoice, m->request,
-				 money_handler, &h, &res);	/* keyed by the business key */
+		idem_run_with(runner, m->tenant, m->kind, m->invoice, m->request, &ro,
+					  money_handler, &h, &res);	/* keyed by the business key */
 	else
-		idem_run(runner, m->tenant, m->kind, m->run_id, m->request,
-				 money_handler, &h, &res);	/* keyed by the run_id */
+		idem_run_with(runner, m->tenant, m->kind, m->run_id, m->request, &ro,
+					  money_handler, &h, &res);	/* keyed by the run_id */
 	idem_runner_get_stats(runner, &after);
 	ADD(pg_round_trips, after.pg_round_trips - before.pg_round_trips);
 	ADD(pg_connects, after.pg_connects - before.pg_connects);
