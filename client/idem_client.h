@@ -131,6 +131,12 @@ typedef struct idem_options
 										 * behind pgbouncer); 1: always; 0:
 										 * never (unnamed statements only,
 										 * safe with transaction pooling) */
+	int			secrets_max_age_ms; /* re-read the cache secrets from the
+									 * server at least this often (one round
+									 * trip), so that a secret rotated out
+									 * there is soon not trusted here either
+									 * (default 60000); 0: only on a new
+									 * connection and on an unknown key id */
 } idem_options;
 
 void		idem_options_init(idem_options *opts);
@@ -148,8 +154,8 @@ void		idem_options_init(idem_options *opts);
  * idem_run_platform), plus what the handlers do.  To use Valkey it also
  * needs EXECUTE on idem_cache_keyspace() and idem_cache_secrets(): the
  * runner learns the keyspace and the MAC secrets from the server on each
- * new connection (one round trip) and trusts no value in Valkey whose MAC
- * does not verify.  Without that grant it runs on PostgreSQL alone and
+ * new connection (one round trip), again at least every secrets_max_age_ms,
+ * and trusts no value in Valkey whose MAC does not verify.  Without that grant it runs on PostgreSQL alone and
  * tells the notice hook once.
  */
 idem_runner *idem_runner_open(const char *pg_conninfo,

@@ -221,6 +221,7 @@ typedef struct idem_trust
 	long		learnt_at_connect;	/* idem_pg.connects when learnt */
 	int64_t		learnt_ms;		/* monotonic */
 	int			refresh_wanted; /* met an unknown key id */
+	int			max_age_ms;		/* re-learn at least this often; 0: never */
 	long		rejected;		/* values ignored: failed verification */
 } idem_trust;
 

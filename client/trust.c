@@ -6,8 +6,12 @@
  *	  - The keyspace (<prefix><system id>.<timeline>.<database oid>:) and
  *		the secrets are learnt from the PostgreSQL server the runner is
  *		connected to, with idem_cache_keyspace() and idem_cache_secrets()
- *		in one pipeline on each new connection (never guessed), and again
- *		when a value names an unknown key id (at most once a second).
+ *		in one pipeline on each new connection (never guessed), again
+ *		when a value names an unknown key id (at most once a second), and
+ *		at least every secrets_max_age_ms (idem_options): a secret rotated
+ *		out on the server (two rotations, as after a leak) stops verifying
+ *		here within that time, even on a connection that never meets a new
+ *		key id.
  *	  - Every value read is parsed (src/cache_format.h) and its MAC checked
  *		(HMAC-SHA-256 over <key> 0x00 <rest>, hmac.c) with the secret of its
  *		key id; anything that fails, an idem1 value, an expired terminal
@@ -65,14 +69,20 @@ bytea_hex32(const char *txt, uint8_t out[IDEM_MAC_LEN])
 
 /*
  * Does the runner need to (re)learn before using Valkey: a new connection
- * since the last time, or an unknown key id met more than a second ago.
+ * since the last time, an unknown key id met more than a second ago, or
+ * secrets learnt max_age_ms ago or more.
  */
 int
 idem_trust_stale(const idem_trust *t, const idem_pg *pg)
 {
+	int64_t		age;
+
 	if (t->state == TRUST_UNKNOWN || t->learnt_at_connect != pg->connects)
 		return 1;
-	return t->refresh_wanted && idem_now_ms() - t->learnt_ms >= 1000;
+	age = idem_now_ms() - t->learnt_ms;
+	return (t->refresh_wanted && age >= 1000) ||
+		(t->state == TRUST_READY && t->max_age_ms > 0 &&
+		 age >= t->max_age_ms);
 }
 
 /*

@@ -15,6 +15,7 @@ use warnings;
 use Digest::SHA qw(hmac_sha256_hex);
 use File::Path qw(make_path);
 use IO::Socket::INET;
+use IPC::Run ();
 use POSIX ();
 use Time::HiRes qw(time usleep);
 
@@ -360,6 +361,50 @@ sub run_message
 	my ($status, $source, $outcome) = split / /, $out, 3;
 	return ($status, $source // '', $outcome // '');
 }
+
+# A runner that stays connected (idem_run_once with id "-"): ->run($id)
+# runs message $id of ($tenant, $scope, $request) and returns "status
+# source"; ->rejected is its cache_rejected counter; ->finish ends it.
+sub runner_session
+{
+	my ($node, $db, $valkey, $tenant, $scope, $request) = @_;
+	my $self = { in => '', out => '' };
+	$self->{h} = IPC::Run::start(
+		[ run_once_binary(), $node->connstr($db), $valkey->port, $tenant,
+		  $scope, '-', $request ],
+		'<', \$self->{in}, '>', \$self->{out}, '2>', \$self->{err},
+		IPC::Run::timeout(250));
+	return bless $self, 'IdemValkey::RunnerSession';
+}
+
+package IdemValkey::RunnerSession;
+
+sub ask
+{
+	my ($self, $line) = @_;
+	$self->{out} = '';
+	$self->{in} .= "$line\n";
+	$self->{h}->pump until $self->{out} =~ /\n/;
+	my ($answer) = $self->{out} =~ /^(.*)\n/;
+	return $answer;
+}
+
+sub run
+{
+	my ($self, $id) = @_;
+	my ($status, $source) = split / /, $self->ask($id);
+	return "$status $source";
+}
+
+sub rejected { return (split / /, $_[0]->ask('rejected'))[1]; }
+
+sub finish
+{
+	my ($self) = @_;
+	$self->{h}->finish;
+}
+
+package IdemValkey;
 
 # SQL that claims and completes tenant 1's key (scope, id) with $outcome.
 sub complete_sql
