@@ -238,6 +238,15 @@ vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 	}
 }
 
+/* valkey_db on a cluster: a configuration error; the gate stays off. */
+static void
+db_on_cluster(idem_gate *g)
+{
+	snprintf(g->config_error, sizeof(g->config_error),
+			 "valkey_db is %d, but a Valkey Cluster has only database 0: set valkey_db = 0",
+			 g->db);
+}
+
 /*
  * Open the cluster router (seeds: host:port, then the extra nodes; each
  * seed has the connect and command timeouts to answer, so a seed that hangs
@@ -263,23 +272,35 @@ cluster_open(idem_gate *g)
 		opt.default_port = g->port;
 		opt.password = g->password;
 		opt.db = g->db;
-		opt.mode = IDEM_VC_MODE_CLUSTER;
+		/*
+		 * With a database other than 0 ask the nodes (they cannot be a
+		 * cluster's, and must not be taken for one): idem_vc_open says -2
+		 * if they are.
+		 */
+		opt.mode = g->db != 0 ? IDEM_VC_MODE_AUTO : IDEM_VC_MODE_CLUSTER;
 		opt.connect_timeout_ms = g->connect_timeout_ms;
 		opt.retry_ms = g->retry_ms;
 		g->vc = idem_vc_new(&opt, &io, err, sizeof(err));
 		if (g->vc == NULL)
 			goto fail;
 	}
-	if (!idem_vc_is_open(g->vc) &&
-		(g->db != 0 ||
-		 idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
-					  err, sizeof(err)) != 0))
-		goto fail;
+	if (!idem_vc_is_open(g->vc))
+	{
+		int			rc = idem_vc_open(g->vc,
+									  g->connect_timeout_ms + g->command_timeout_ms,
+									  err, sizeof(err));
+
+		/* a configuration error, not an outage: the gate stays off */
+		if (rc == -2)
+			db_on_cluster(g);
+		if (rc != 0 || !idem_vc_is_cluster(g->vc))
+			goto fail;
+	}
 	idem_sha1_hex(GATE_SCRIPT, sizeof(GATE_SCRIPT) - 1, g->sha_gate);
 	idem_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
 	return 0;
 fail:
-	if (g->vc != NULL && !idem_vc_is_open(g->vc))
+	if (g->vc != NULL && !idem_vc_is_cluster(g->vc))
 	{
 		/* not a cluster after all, or none answered: ask again next time */
 		g->stat_connects += idem_vc_get_stats(g->vc)->connects;
@@ -459,9 +480,7 @@ do_connect(idem_gate *g)
 	if (cluster && g->db != 0)
 	{
 		/* a configuration error, not an outage: the gate stays off */
-		snprintf(g->config_error, sizeof(g->config_error),
-				 "valkey_db is %d, but a Valkey Cluster has only database 0: set valkey_db = 0",
-				 g->db);
+		db_on_cluster(g);
 		drop(g);
 		return -1;
 	}

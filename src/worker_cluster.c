@@ -54,6 +54,20 @@ static idem_vc *wc = NULL;
 static WcWait wc_waits[IDEM_VC_MAX_NODES];
 static idem_vc_stats wc_reported;	/* what idem_stats() has seen */
 
+/*
+ * Each node's errors under the routers closed before this one (the worker
+ * makes a new one at each reconnect, as after a failed batch during a
+ * failover), so that idem_stats() still names the node that failed.
+ */
+typedef struct WcPastErrors
+{
+	char		name[IDEM_VC_HOST_MAX + 8];
+	long long	errors;
+} WcPastErrors;
+
+static WcPastErrors wc_past[IDEM_VC_MAX_NODES];
+static int	wc_npast = 0;
+
 /* Per batch: the encoded commands (allocated once). */
 typedef struct WcSlot
 {
@@ -152,11 +166,45 @@ idem_wc_active(void)
 	return wc != NULL;
 }
 
+/* The entry of a node name in wc_past, added if room; NULL if full. */
+static WcPastErrors *
+wc_past_entry(const char *name)
+{
+	int			i;
+
+	for (i = 0; i < wc_npast; i++)
+		if (strcmp(wc_past[i].name, name) == 0)
+			return &wc_past[i];
+	if (wc_npast == IDEM_VC_MAX_NODES)
+		return NULL;
+	strlcpy(wc_past[wc_npast].name, name, sizeof(wc_past[wc_npast].name));
+	wc_past[wc_npast].errors = 0;
+	return &wc_past[wc_npast++];
+}
+
+/* A node's errors since the worker started: past routers' and this one's. */
+static long long
+wc_node_errors(int i)
+{
+	WcPastErrors *p = wc_past_entry(idem_vc_node_name(wc, i));
+
+	return idem_vc_node_errors(wc, i) + (p ? p->errors : 0);
+}
+
 void
 idem_wc_disconnect(void)
 {
 	if (wc != NULL)
 	{
+		int			i;
+
+		for (i = 0; i < idem_vc_nnodes(wc); i++)
+		{
+			WcPastErrors *p = wc_past_entry(idem_vc_node_name(wc, i));
+
+			if (p)
+				p->errors += idem_vc_node_errors(wc, i);
+		}
 		idem_wc_report_stats();
 		idem_vc_free(wc);		/* closes the sockets through wc_forget_fd */
 		wc = NULL;
@@ -245,7 +293,7 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 /*
  * idem_stats().valkey_nodes: every node the worker knows, whether it
  * serves slots now, and its failed connects/exchanges since the worker
- * connected.
+ * started (across its reconnects).
  */
 static void
 wc_publish_nodes(void)
@@ -258,7 +306,7 @@ wc_publish_nodes(void)
 		appendStringInfo(&s, "%s%s %s errors=%lld", i ? ", " : "",
 						 idem_vc_node_name(wc, i),
 						 idem_vc_node_in_map(wc, i) ? "master" : "other",
-						 idem_vc_node_errors(wc, i));
+						 wc_node_errors(i));
 	idem_stats_set_cluster(true, s.data);
 	pfree(s.data);
 }

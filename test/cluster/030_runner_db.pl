@@ -30,9 +30,9 @@ my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
 # n runs of scope with the given mode and valkey_db: (runs, notices, stderr)
 sub runs
 {
-	my ($scope, $n, $mode, $db) = @_;
+	my ($scope, $n, $mode, $db, $port, $nodes) = @_;
 	my ($out, $err);
-	IPC::Run::run([ $bin, $conninfo, '127.0.0.1', $first->port, '', $mode,
+	IPC::Run::run([ $bin, $conninfo, '127.0.0.1', $port // $first->port, $nodes // '', $mode,
 			$scope, $n, 1, $db ],
 		'>', \$out, '2>', \$err);
 	my (@runs, @notices);
@@ -61,6 +61,16 @@ like($notices->[0] // '',
 ($runs) = runs('db1', 5, 0, 1);
 is(scalar(grep { $_->[1] eq 'replayed' && $_->[2] eq 'postgres' } @$runs), 5,
 	'valkey_db = 1 on a cluster: replays come from PostgreSQL (the cache stays off)');
+
+# The first node given is down: the runner asks the other nodes, finds
+# a cluster there, and says the same.
+my $dead = PostgreSQL::Test::Cluster::get_free_port();
+($runs, $notices) = runs('db1seed', 3, 0, 1, $dead, $vc->seeds);
+is(scalar(grep { $_->[1] eq 'applied' && $_->[2] eq 'handler' } @$runs), 3,
+	'valkey_db = 1, first node down, the others a cluster: the runs apply on PostgreSQL');
+is(scalar(@$notices), 1, '... and the notice hook hears it once');
+like($notices->[0] // '', qr/valkey_db is 1, but a Valkey Cluster has only database 0/,
+	'... with what to change');
 
 ($runs, $notices, $err) = runs('db1forced', 2, 1, 1);
 is(scalar(grep { $_->[1] eq 'error' } @$runs), 2,
