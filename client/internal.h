@@ -16,6 +16,8 @@
  *						counters
  *	  runner.c			one run, step by step: the gate, the claim, the
  *						handler's call, the result
+ *	  cached.c			idem_cached(_many): read-only lookups in Valkey
+ *	  call.c			the handler's idem_call accessors; status names
  */
 #ifndef IDEM_CLIENT_INTERNAL_H
 #define IDEM_CLIENT_INTERNAL_H
@@ -270,5 +272,26 @@ struct idem_runner
 /* lifecycle.c: the gate found Valkey unusable as configured (valkey_db on a
  * cluster): tell the notice hook, once. */
 void		idem_runner_gate_notice(idem_runner *r);
+
+/* A handler's view of its run (filled by runner.c, read through call.c). */
+struct idem_call
+{
+	int			attempt;
+	int			is_platform;
+	int64_t		tenant_id;
+	const char *scope;
+	const char *id;
+	const char *request;
+	const uint8_t *key;
+	char	   *json;
+	int			oom;
+};
+
+/* The keyspace and secrets are known and current: the cache may be used
+ * (learns them if stale; lifecycle.c). */
+int			idem_runner_trust_ready(idem_runner *r);
+
+/* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
+void		idem_result_set_outcome(idem_result *out, const char *text, size_t len);
 
 #endif

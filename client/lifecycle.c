@@ -220,3 +220,33 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 							&out->valkey_map_refreshes,
 							&out->valkey_node_errors);
 }
+
+/*
+ * Before the gate: the keyspace and secrets of the server we are connected
+ * to, learnt on each new connection (one round trip).  Returns 1 when the
+ * cache may be used.  Without them the run goes to PostgreSQL; a role that
+ * may not read them runs without the cache, and the notice hook hears it
+ * once.
+ */
+int
+idem_runner_trust_ready(idem_runner *r)
+{
+	char		msg[400];
+	int			fresh;
+
+	if (!idem_trust_stale(&r->trust, &r->pg))
+		return r->trust.state == TRUST_READY;
+	msg[0] = '\0';
+	if (idem_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
+		PQtransactionStatus(r->pg.conn) != PQTRANS_IDLE)
+		return 0;				/* the claim reports it */
+	msg[0] = '\0';
+	if (idem_trust_learn(&r->trust, &r->pg, msg, sizeof(msg)) == TRUST_DENIED &&
+		!r->cache_off_said)
+	{
+		r->cache_off_said = 1;
+		if (r->notice)
+			r->notice(r->notice_arg, msg);
+	}
+	return r->trust.state == TRUST_READY;
+}

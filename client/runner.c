@@ -1,8 +1,9 @@
 /*
  * runner.c
  *	  The GatedIdempotencyRunner: one run, step by step (SPEC section 1,
- *	  issue 4), the handler's call and the names of the results.  Opening
- *	  and closing a runner is in lifecycle.c.
+ *	  issue 4).  Opening and closing a runner is in lifecycle.c, what the
+ *	  handler sees of its run and the names of the results in call.c, the
+ *	  read-only lookups (idem_cached) in cached.c.
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
  *	  2. Valkey, one round trip (gate script), in the keyspace the server
@@ -49,122 +50,6 @@
 #include <unistd.h>
 #include <sys/random.h>
 
-struct idem_call
-{
-	int			attempt;
-	int			is_platform;
-	int64_t		tenant_id;
-	const char *scope;
-	const char *id;
-	const char *request;
-	const uint8_t *key;
-	char	   *json;
-	int			oom;
-};
-
-/* ---- names ---- */
-
-const char *
-idem_status_name(idem_status s)
-{
-	switch (s)
-	{
-		case IDEM_APPLIED:
-			return "applied";
-		case IDEM_REPLAYED:
-			return "replayed";
-		case IDEM_BUSY:
-			return "busy";
-		case IDEM_MISMATCH:
-			return "mismatch";
-		case IDEM_FAILED_PERMANENT:
-			return "failed_permanent";
-		case IDEM_FAILED_RETRYABLE:
-			return "failed_retryable";
-		case IDEM_ERROR:
-			return "error";
-	}
-	return "unknown";
-}
-
-const char *
-idem_source_name(idem_source s)
-{
-	switch (s)
-	{
-		case IDEM_SOURCE_NONE:
-			return "none";
-		case IDEM_SOURCE_HANDLER:
-			return "handler";
-		case IDEM_SOURCE_VALKEY:
-			return "valkey";
-		case IDEM_SOURCE_POSTGRES:
-			return "postgres";
-	}
-	return "unknown";
-}
-
-/* ---- the handler's call ---- */
-
-int
-idem_call_attempt(const idem_call *c)
-{
-	return c ? c->attempt : 0;
-}
-
-int
-idem_call_is_platform(const idem_call *c)
-{
-	return c ? c->is_platform : 0;
-}
-
-int64_t
-idem_call_tenant_id(const idem_call *c)
-{
-	return c ? c->tenant_id : 0;
-}
-
-const char *
-idem_call_scope(const idem_call *c)
-{
-	return c ? c->scope : NULL;
-}
-
-const char *
-idem_call_id(const idem_call *c)
-{
-	return c ? c->id : NULL;
-}
-
-const char *
-idem_call_request(const idem_call *c)
-{
-	return c ? c->request : NULL;
-}
-
-const uint8_t *
-idem_call_key(const idem_call *c)
-{
-	return c ? c->key : NULL;
-}
-
-int
-idem_call_set_json(idem_call *c, const char *json)
-{
-	char	   *copy;
-
-	if (c == NULL)
-		return -1;
-	copy = strdup(json ? json : "");
-	if (copy == NULL)
-	{
-		c->oom = 1;
-		return -1;
-	}
-	free(c->json);
-	c->json = copy;
-	return 0;
-}
 
 /* ---- one run ---- */
 
@@ -219,8 +104,8 @@ finish_error(run_state *s, idem_error_code code, const char *sqlstate,
 	return IDEM_ERROR;
 }
 
-static void
-set_outcome(idem_result *out, const char *text, size_t len)
+void
+idem_result_set_outcome(idem_result *out, const char *text, size_t len)
 {
 	if (len > IDEM_OUTCOME_MAX_BYTES)
 		len = IDEM_OUTCOME_MAX_BYTES;	/* cannot happen: checked before */
@@ -290,37 +175,6 @@ leave_marker(run_state *s)
 	s->own_marker = 0;
 }
 
-/*
- * Before the gate: the keyspace and secrets of the server we are connected
- * to, learnt on each new connection (one round trip).  Returns 1 when the
- * cache may be used.  Without them the run goes to PostgreSQL; a role that
- * may not read them runs without the cache, and the notice hook hears it
- * once.
- */
-static int
-trust_ready(run_state *s)
-{
-	idem_runner *r = s->r;
-	char		msg[400];
-	int			fresh;
-
-	if (!idem_trust_stale(&r->trust, &r->pg))
-		return r->trust.state == TRUST_READY;
-	msg[0] = '\0';
-	if (idem_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
-		PQtransactionStatus(r->pg.conn) != PQTRANS_IDLE)
-		return 0;				/* the claim reports it */
-	msg[0] = '\0';
-	if (idem_trust_learn(&r->trust, &r->pg, msg, sizeof(msg)) == TRUST_DENIED &&
-		!r->cache_off_said)
-	{
-		r->cache_off_said = 1;
-		if (r->notice)
-			r->notice(r->notice_arg, msg);
-	}
-	return r->trust.state == TRUST_READY;
-}
-
 /* Step 2.  Returns 1 if the gate decided the run. */
 static int
 gate_step(run_state *s)
@@ -342,7 +196,7 @@ gate_step(run_state *s)
 		idem_runner_gate_notice(s->r);
 		return 0;
 	}
-	if (!trust_ready(s) ||
+	if (!idem_runner_trust_ready(s->r) ||
 		idem_cache_key(s->ckey, sizeof(s->ckey), s->r->trust.keyspace,
 					   s->is_platform, s->tenant_id, s->key) < 0)
 	{
@@ -401,7 +255,7 @@ gate_step(run_state *s)
 			s->out->status = e.kind == IDEM_CACHE_COMPLETED ?
 				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
 			s->out->attempt = e.attempt;
-			set_outcome(s->out, e.outcome, e.outcome_len);
+			idem_result_set_outcome(s->out, e.outcome, e.outcome_len);
 			decided = 1;
 			break;
 	}
@@ -663,7 +517,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 
 	s->out->source = IDEM_SOURCE_HANDLER;
 	s->out->attempt = attempt;
-	set_outcome(s->out, canon, clen);
+	idem_result_set_outcome(s->out, canon, clen);
 	switch (hs)
 	{
 		case IDEM_HANDLER_OK:
@@ -698,7 +552,7 @@ set_terminal(run_state *s, int completed, const char *outcome)
 	if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		return -1;
 	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-	set_outcome(s->out, outcome, len);
+	idem_result_set_outcome(s->out, outcome, len);
 	return 0;
 }
 
@@ -980,7 +834,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 								"idem_apply returned an outcome that is not a JSON object of at most %d bytes",
 								IDEM_OUTCOME_MAX);
 		}
-		set_outcome(s->out, outcome, len);
+		idem_result_set_outcome(s->out, outcome, len);
 		if (decision[0] == 'c')
 			s->out->status = IDEM_REPLAYED;
 		else if (decision[0] == 'a')
@@ -1198,97 +1052,4 @@ idem_run_platform(idem_runner *runner, const char *task_scope, const char *id,
 {
 	return run(runner, 1, 0, task_scope, id, request_json, NULL, handler,
 			   user_data, out);
-}
-
-int
-idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
-				 const char *const *scopes, const char *const *ids,
-				 const char *const *requests, idem_result *out)
-{
-	run_state	s;
-	char		err[200];
-	char	   *ckeys = NULL;
-	const char **keys = NULL;
-	uint8_t    *fps = NULL;
-	int		   *at = NULL;
-	gate_reply *g = NULL;
-	int			i,
-				m = 0,
-				decided = 0;
-
-	if (out == NULL || n <= 0)
-		return 0;
-	for (i = 0; i < n; i++)
-		if (!IDEM_STRUCT_SIZE_OK(&out[i], idem_result))
-			return 0;
-	for (i = 0; i < n; i++)
-		idem_result_init(&out[i]);
-	if (r == NULL || r->broken || r->gate == NULL || tenant_ids == NULL ||
-		scopes == NULL || ids == NULL || requests == NULL ||
-		idem_gate_resting(r->gate))
-		return 0;
-	memset(&s, 0, sizeof(s));
-	s.r = r;
-	if (!trust_ready(&s))
-		return 0;
-	ckeys = malloc((size_t) n * IDEM_CACHE_KEY_MAX);
-	keys = calloc(n, sizeof(char *));
-	fps = malloc((size_t) n * IDEM_DIGEST_LEN);
-	at = calloc(n, sizeof(int));
-	g = calloc(n, sizeof(gate_reply));
-	if (ckeys == NULL || keys == NULL || fps == NULL || at == NULL || g == NULL)
-		goto done;
-	for (i = 0; i < n; i++)
-	{
-		uint8_t		key[IDEM_DIGEST_LEN];
-		char	   *ck = ckeys + (size_t) m * IDEM_CACHE_KEY_MAX;
-
-		if (scopes[i] == NULL || ids[i] == NULL || requests[i] == NULL ||
-			idem_key(scopes[i], ids[i], key) != 0 ||
-			idem_cache_key(ck, IDEM_CACHE_KEY_MAX, r->trust.keyspace, 0,
-						   tenant_ids[i], key) < 0 ||
-			idem_fingerprint(requests[i], strlen(requests[i]),
-							 fps + (size_t) m * IDEM_DIGEST_LEN,
-							 err, sizeof(err)) != 0)
-			continue;			/* PostgreSQL will say what is wrong */
-		keys[m] = ck;
-		at[m++] = i;
-	}
-	idem_gate_get_many(r->gate, keys, m, g);
-	for (i = 0; i < m; i++)
-	{
-		IdemCacheEntry e;
-		idem_result *o = &out[at[i]];
-
-		if (g[i].answer == GATE_VALUE &&
-			idem_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
-							 r->lease_ms, &e) == TRUST_VALUE_OK &&
-			e.kind != IDEM_CACHE_MARKER &&
-			memcmp(e.fingerprint, fps + (size_t) i * IDEM_DIGEST_LEN,
-				   IDEM_DIGEST_LEN) == 0)
-		{
-			o->source = IDEM_SOURCE_VALKEY;
-			o->status = e.kind == IDEM_CACHE_COMPLETED ?
-				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-			o->attempt = e.attempt;
-			o->valkey_used = 1;
-			set_outcome(o, e.outcome, e.outcome_len);
-			decided++;
-		}
-		free(g[i].value);
-	}
-done:
-	free(ckeys);
-	free(keys);
-	free(fps);
-	free(at);
-	free(g);
-	return decided;
-}
-
-int
-idem_cached(idem_runner *r, int64_t tenant_id, const char *scope,
-			const char *id, const char *request_json, idem_result *out)
-{
-	return idem_cached_many(r, 1, &tenant_id, &scope, &id, &request_json, out);
 }
