@@ -8,6 +8,8 @@
  * MODE:
  *   valkey-replay  idem_run on completed keys, answered by the Valkey cache
  *                  (every value's MAC verified)
+ *   valkey-replay-redelivery  the same, flagged as redeliveries
+ *                  (delivery_count 2: a plain GET before the gate script)
  *   raw-get        hiredis GET of the same cache keys
  *   fill-cache     (setup, CLIENTS ignored) write the idem2 copies of the
  *                  replay keys that the server's worker writes, where absent
@@ -328,8 +330,20 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 
 				snprintf(id, sizeof(id), "%d", i);
 				tenant = 1 + i % 100;
-				st = idem_run(r, tenant, "bench.replay", id, "{\"amount\": 1}",
-							  never_handler, &handler_runs, res);
+#ifndef BENCH_BASELINE
+				if (strcmp(mode, "valkey-replay-redelivery") == 0)
+				{
+					idem_run_options ro;
+
+					idem_run_options_init(&ro);
+					ro.delivery_count = 2;
+					st = idem_run_with(r, tenant, "bench.replay", id, "{\"amount\": 1}",
+									   &ro, never_handler, &handler_runs, res);
+				}
+				else
+#endif
+					st = idem_run(r, tenant, "bench.replay", id, "{\"amount\": 1}",
+								  never_handler, &handler_runs, res);
 				if (st != IDEM_REPLAYED || handler_runs > 0)
 				{
 					fprintf(stderr, "%s: unexpected %s: %s\n", mode,

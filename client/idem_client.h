@@ -358,7 +358,12 @@ typedef struct idem_run_options
 								 * decides.  A duplicate flagged 1 by
 								 * mistake is still answered exactly once
 								 * (busy, replay or mismatch from the
-								 * claim), only without the cache. */
+								 * claim), only without the cache.  2 or
+								 * more: a redelivery, likely already
+								 * done, so a plain GET is tried before
+								 * the gate script (a replay in the
+								 * cheapest read; one round trip more when
+								 * the cache cannot answer). */
 	const char *sql_handler;	/* non-NULL: the effect is this SQL function
 								 * of the extension's idem_apply, named as
 								 * a regprocedure ("public.charge(jsonb)"):

@@ -1653,6 +1653,35 @@ cmd_scenario(void)
 		   "redelivery (same request, other spelling): replay from Valkey, same bytes (%s)", res_str(&res));
 	rt_check("replay from Valkey", &d, 0, 1);
 
+	/* --- a redelivery (delivery_count > 1) reads with a plain GET first - */
+	{
+		idem_run_options ro;
+
+		idem_run_options_init(&ro);
+		ro.delivery_count = 2;
+		rt_mark(&m);
+		idem_run_with(R, 1, S, "a1", "{\"currency\":\"EUR\",\"amount\":5e0}", &ro,
+					  handler, &h, &res);
+		rt_since(&m, &d);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1 &&
+			   strcmp(res.outcome, expect_a) == 0,
+			   "delivery_count 2, cached: replay from Valkey (%s)", res_str(&res));
+		rt_check("redelivery replayed by GET", &d, 0, 1);
+		idem_run_with(R, 1, S, "a1", "{\"amount\": 6, \"currency\": \"EUR\"}", &ro,
+					  handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) && h.calls == 1,
+			   "delivery_count 2, another request: the gate and PostgreSQL say mismatch (%s)", res_str(&res));
+		memset(&h, 0, sizeof(h));
+		rt_mark(&m);
+		idem_run_with(R, 1, S, "redeliv1", "{}", &ro, handler, &h, &res);
+		rt_since(&m, &d);
+		d.pg -= 1;				/* the handler's INSERT */
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && h.calls == 1 &&
+			   effects_of(S, "redeliv1") == 1,
+			   "delivery_count 2, not cached: the GET misses, the gate and the claim apply it once (%s)", res_str(&res));
+		rt_check("redelivery not cached (GET, gate; handler excluded)", &d, 2, 2);
+	}
+
 	/* --- idem_cached: Valkey alone, no marker, no transaction --------- */
 	{
 		char		ck2[IDEM_CACHE_KEY_MAX];
