@@ -75,12 +75,7 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 			memcmp(e.fingerprint, fps + (size_t) i * IDEM_DIGEST_LEN,
 				   IDEM_DIGEST_LEN) == 0)
 		{
-			o->source = IDEM_SOURCE_VALKEY;
-			o->status = e.kind == IDEM_CACHE_COMPLETED ?
-				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-			o->attempt = e.attempt;
-			o->valkey_used = 1;
-			idem_result_set_outcome(o, e.outcome, e.outcome_len);
+			idem_result_from_cache(o, &e);
 			decided++;
 		}
 		free(g[i].value);

@@ -294,4 +294,8 @@ int			idem_runner_trust_ready(idem_runner *r);
 /* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
 void		idem_result_set_outcome(idem_result *out, const char *text, size_t len);
 
+/* A trusted terminal value from Valkey as the result: a replay, or the
+ * permanent failure (runner.c). */
+void		idem_result_from_cache(idem_result *out, const IdemCacheEntry *e);
+
 #endif

@@ -116,6 +116,19 @@ idem_result_set_outcome(idem_result *out, const char *text, size_t len)
 	out->outcome_len = len;
 }
 
+/* A trusted terminal value in Valkey (completed or failed_permanent) as
+ * the run's result. */
+void
+idem_result_from_cache(idem_result *out, const IdemCacheEntry *e)
+{
+	out->valkey_used = 1;
+	out->source = IDEM_SOURCE_VALKEY;
+	out->status = e->kind == IDEM_CACHE_COMPLETED ?
+		IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
+	out->attempt = e->attempt;
+	idem_result_set_outcome(out, e->outcome, e->outcome_len);
+}
+
 /* 16 random bytes for the marker's token; never fails. */
 static void
 random_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
@@ -200,12 +213,7 @@ replay_by_get(run_state *s)
 		e.kind != IDEM_CACHE_MARKER &&
 		memcmp(e.fingerprint, s->fp, IDEM_DIGEST_LEN) == 0)
 	{
-		s->out->valkey_used = 1;
-		s->out->source = IDEM_SOURCE_VALKEY;
-		s->out->status = e.kind == IDEM_CACHE_COMPLETED ?
-			IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-		s->out->attempt = e.attempt;
-		idem_result_set_outcome(s->out, e.outcome, e.outcome_len);
+		idem_result_from_cache(s->out, &e);
 		decided = 1;
 	}
 	free(g.value);
@@ -290,11 +298,7 @@ gate_step(run_state *s)
 				s->mismatch_hint = 1;	/* PostgreSQL confirms */
 				break;
 			}
-			s->out->source = IDEM_SOURCE_VALKEY;
-			s->out->status = e.kind == IDEM_CACHE_COMPLETED ?
-				IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-			s->out->attempt = e.attempt;
-			idem_result_set_outcome(s->out, e.outcome, e.outcome_len);
+			idem_result_from_cache(s->out, &e);
 			decided = 1;
 			break;
 	}
@@ -648,6 +652,27 @@ lookup_step(run_state *s)
 	return decided;
 }
 
+/*
+ * The decisions of idem_claim and idem_apply that leave the key to another
+ * run: busy (retry after the holder's lease) or mismatch.  0 for any other.
+ */
+static int
+busy_or_mismatch(run_state *s, const char *decision, long long ms)
+{
+	if (strcmp(decision, "busy") == 0)
+	{
+		s->out->status = IDEM_BUSY;
+		s->out->retry_after_ms = ms > 0 ? (long) ms : 1;
+		return 1;
+	}
+	if (strcmp(decision, "mismatch") == 0)
+	{
+		s->out->status = IDEM_MISMATCH;
+		return 1;
+	}
+	return 0;
+}
+
 /* Step 3b. */
 static idem_status
 pg_step(run_state *s, const char *scope, const char *id,
@@ -747,14 +772,7 @@ pg_step(run_state *s, const char *scope, const char *id,
 		}
 		leave_marker(s);		/* the claim queued the worker's copy */
 	}
-	else if (strcmp(decision, "busy") == 0)
-	{
-		s->out->status = IDEM_BUSY;
-		s->out->retry_after_ms = ms > 0 ? (long) ms : 1;
-	}
-	else if (strcmp(decision, "mismatch") == 0)
-		s->out->status = IDEM_MISMATCH;
-	else
+	else if (!busy_or_mismatch(s, decision, ms))
 	{
 		char		d[32];
 
@@ -885,14 +903,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 		if (s->out->status != IDEM_FAILED_RETRYABLE)
 			leave_marker(s);	/* a terminal row: the worker's copy follows */
 	}
-	else if (strcmp(decision, "busy") == 0)
-	{
-		s->out->status = IDEM_BUSY;
-		s->out->retry_after_ms = ms > 0 ? (long) ms : 1;
-	}
-	else if (strcmp(decision, "mismatch") == 0)
-		s->out->status = IDEM_MISMATCH;
-	else
+	else if (!busy_or_mismatch(s, decision, ms))
 	{
 		char		d[32];
 

@@ -161,9 +161,11 @@ idem_outbox_subxact_end(bool committed, int level)
 			break;
 		if (!idem_subxact_follow(&lfirst_int(cell), committed, level))
 		{
+			IdemOutboxRecord *rec = list_nth(pending_records, i);
+
 			Assert(i == list_length(pending_levels) - 1);
-			pending_bytes -= ((IdemOutboxRecord *) llast(pending_records))->size;
-			pfree(llast(pending_records));
+			pending_bytes -= rec->size;
+			pfree(rec);
 			pending_records = list_delete_last(pending_records);
 			pending_levels = list_delete_last(pending_levels);
 		}
