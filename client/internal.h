@@ -139,6 +139,7 @@ typedef struct idem_pg
 	unsigned	prepared;		/* bit per pg_stmt prepared on this conn */
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
+	int			server_ended;	/* a FATAL arrived: this session is over */
 	long		round_trips;
 	long		connects;
 } idem_pg;

@@ -12,6 +12,7 @@
  */
 #include "internal.h"
 
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -137,14 +138,58 @@ build_sql(idem_pg *p, const char *s)
 }
 
 /*
- * The library never writes to stderr: libpq's default notice processor
- * would print server notices (and the FATAL of a terminated backend).
+ * The library never writes to stderr: libpq's default notice receiver
+ * would print server notices.  An ErrorResponse that arrives while the
+ * connection is idle comes here too: a FATAL (or PANIC) one is the server
+ * ending this session (pg_terminate_backend, a shutdown, a crash of
+ * another backend), although the socket may not have shown its end yet.
  */
 static void
-silent_notice(void *arg, const char *message)
+notice_receiver(void *arg, const PGresult *res)
 {
-	(void) arg;
-	(void) message;
+	idem_pg    *p = arg;
+	const char *sev = PQresultErrorField(res, PG_DIAG_SEVERITY_NONLOCALIZED);
+
+	if (sev && (strcmp(sev, "FATAL") == 0 || strcmp(sev, "PANIC") == 0))
+		p->server_ended = 1;
+}
+
+/*
+ * Whether the connection, idle between runs, is still alive: reads without
+ * blocking what the server sent since the last command, so a session the
+ * server ended while we were idle (its FATAL message, or the end of the
+ * stream) is seen before a statement goes out.  A statement sent on such a
+ * connection reached no live server; a lost connection after sending must
+ * otherwise be taken as "commit unknown".  Two system calls, no round trip.
+ */
+static int
+idle_conn_alive(idem_pg *p)
+{
+	PGconn	   *c = p->conn;
+	int			i;
+
+	if (PQstatus(c) != CONNECTION_OK)
+		return 0;
+	if (PQisBusy(c) || PQpipelineStatus(c) != PQ_PIPELINE_OFF)
+		return 1;				/* not idle: not judged here */
+	for (i = 0; i < 4; i++)
+	{
+		struct pollfd pfd;
+
+		if (!PQconsumeInput(c) || PQstatus(c) != CONNECTION_OK)
+			return 0;			/* the end of the stream */
+		(void) PQisBusy(c);		/* parses it: a FATAL goes to the receiver */
+		if (p->server_ended)
+			return 0;
+		pfd.fd = PQsocket(c);
+		pfd.events = POLLIN;
+		pfd.revents = 0;
+		if (pfd.fd < 0)
+			return 0;
+		if (poll(&pfd, 1, 0) <= 0)
+			return 1;			/* nothing more to read: alive */
+	}
+	return 1;
 }
 
 /*
@@ -170,7 +215,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	int			rc = -1;
 
 	*fresh = 0;
-	if (p->conn && PQstatus(p->conn) == CONNECTION_OK && p->sql[0])
+	if (p->conn && p->sql[0] && idle_conn_alive(p))
 		return 0;
 	idem_pg_drop(p);
 	*fresh = 1;
@@ -188,7 +233,8 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 		idem_pg_drop(p);
 		return -1;
 	}
-	PQsetNoticeProcessor(p->conn, silent_notice, NULL);
+	p->server_ended = 0;
+	PQsetNoticeReceiver(p->conn, notice_receiver, p);
 	if (p->trace)
 	{
 		PQtrace(p->conn, p->trace);

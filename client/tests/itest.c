@@ -2392,6 +2392,43 @@ cmd_scenario(void)
 		idem_run(R, 1, S, "k9", "{}", handler, &h, &res);
 		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "k9") == 1,
 			   "backend terminated while idle: the next run retries on a new connection (%s)", res_str(&res));
+
+		/*
+		 * The same for a SQL handler (one autocommit idem_apply): the dead
+		 * connection is seen before the statement goes out, so the run
+		 * reconnects and applies; "commit unknown" would be a lie, nothing
+		 * reached a live server.
+		 */
+		{
+			idem_run_options ro;
+			char		args[256];
+			char		id[8];
+			int			j;
+
+			idem_run_options_init(&ro);
+			ro.sql_handler = "itest_effect(jsonb)";
+			ro.sql_args = args;
+			for (j = 0; j < 2; j++)
+			{
+				/* a run on the new connection (the cache's keys are learnt
+				 * again on it), then its backend is terminated */
+				snprintf(id, sizeof(id), "k1%d", j);
+				memset(&h, 0, sizeof(h));
+				idem_run(R, 1, S, id, "{}", handler, &h, &res);
+				snprintf(pid, sizeof(pid), "%d", h.backend_pid);
+				free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
+				for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
+					sleep_ms(10);
+				snprintf(id, sizeof(id), "k2%d", j);
+				snprintf(args, sizeof(args), "{\"scope\": \"%s\", \"id\": \"%s\"}", S, id);
+				ro.delivery_count = j;	/* through the gate, then without */
+				idem_run_with(R, 1, S, id, "{}", &ro, NULL, NULL, &res);
+				tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, id) == 1 &&
+					   ledger_is(1, S, id, "completed 1"),
+					   "sql_handler (delivery_count %d), backend terminated while idle: reconnects before sending, applied once (%s: %s)",
+					   j, res_str(&res), res.error_message);
+			}
+		}
 	}
 
 	/* --- a handler that runs longer than its lease -------------------- */
