@@ -126,6 +126,8 @@ typedef enum pg_stmt
 	STMT_LOOKUP_T, STMT_LOOKUP_P,
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
+	/* the runner's transaction control, prepared like the rest */
+	STMT_BEGIN, STMT_SAVEPOINT, STMT_RELEASE, STMT_ROLLBACK_TO, STMT_COMMIT,
 	STMT_COUNT
 } pg_stmt;
 

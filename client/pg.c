@@ -3,7 +3,8 @@
  *	  The PostgreSQL side of a runner: one libpq connection, the statements
  *	  of the idem SQL API (schema-qualified: nothing depends on search_path),
  *	  and a pipeline helper that sends several commands with one Sync, so
- *	  that they cost one round trip.  The API's statements are named
+ *	  that they cost one round trip.  The API's statements and the
+ *	  runner's transaction control (BEGIN .. COMMIT) are named
  *	  prepared statements, prepared inside the pipeline that first uses
  *	  them on a connection (no extra round trip), so the server parses and
  *	  plans them once per connection instead of once per call -- except
@@ -84,7 +85,7 @@ fmt_sql(const char *fmt, const char *schema)
 static int
 build_sql(idem_pg *p, const char *s)
 {
-	/* each format has exactly one %s: the quoted schema */
+	/* each format has one %s, the quoted schema, but transaction control */
 	static const char *const fmts[STMT_COUNT] = {
 		/* CLAIM_T: decision, attempt, outcome, ms until expires_at */
 		"SELECT c.decision, c.attempt, c.outcome::text, "
@@ -123,7 +124,13 @@ build_sql(idem_pg *p, const char *s)
 		"FROM %s.idem_apply($1::bigint, $2::bytea, $3::bytea, $4::regprocedure, $5::jsonb, $6::interval) AS a",
 		"SELECT a.decision, a.attempt, a.outcome::text, "
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
-		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a"
+		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a",
+		/* BEGIN .. COMMIT: the runner's transaction around a C handler */
+		"BEGIN",
+		"SAVEPOINT idem_handler",
+		"RELEASE SAVEPOINT idem_handler",
+		"ROLLBACK TO SAVEPOINT idem_handler",
+		"COMMIT"
 	};
 	int			i;
 
@@ -347,7 +354,9 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_ttl_t", "idem_client_ttl_p",
 	"idem_client_lookup_t", "idem_client_lookup_p",
 	"idem_client_keyspace", "idem_client_secrets",
-	"idem_client_apply_t", "idem_client_apply_p"
+	"idem_client_apply_t", "idem_client_apply_p",
+	"idem_client_begin", "idem_client_savepoint", "idem_client_release",
+	"idem_client_rollback_to", "idem_client_commit"
 };
 
 /* The pg_stmt whose text sql is, or -1 for an ad hoc command. */
@@ -377,6 +386,13 @@ read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out)
 		return -1;
 	if (PQresultStatus(r) == PGRES_COMMAND_OK)
 		p->prepared |= 1u << stmt;
+	else if (PQstatus(p->conn) != CONNECTION_OK)
+	{
+		/* a lost connection is not a failed command */
+		set_error(out, r, p->conn);
+		PQclear(r);
+		return -1;
+	}
 	else
 	{
 		if (out->failed_cmd < 0)

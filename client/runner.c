@@ -360,13 +360,14 @@ params_lookup(run_state *s, pg_cmd *c)
 	c->nparams = param_digest(c, params_key(s, c, STMT_LOOKUP_T), s->fp);
 }
 
+/* A statement of the runner's transaction control (no parameters). */
 static pg_cmd
-simple_cmd(const char *sql)
+tx_cmd(run_state *s, pg_stmt stmt)
 {
 	pg_cmd		c;
 
 	memset(&c, 0, sizeof(c));
-	c.sql = sql;
+	c.sql = s->r->pg.sql[stmt];
 	return c;
 }
 
@@ -506,12 +507,11 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	}
 
 	/* round trip 2: savepoint, record, COMMIT */
-	cmds[0] = simple_cmd(hs == IDEM_HANDLER_OK ?
-						 "RELEASE SAVEPOINT idem_handler" :
-						 "ROLLBACK TO SAVEPOINT idem_handler");
+	cmds[0] = tx_cmd(s, hs == IDEM_HANDLER_OK ?
+					 STMT_RELEASE : STMT_ROLLBACK_TO);
 	params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
-	cmds[2] = simple_cmd("COMMIT");
+	cmds[2] = tx_cmd(s, STMT_COMMIT);
 	idem_pg_pipeline(pg, cmds, 3, &o);
 
 	/*
@@ -704,9 +704,9 @@ pg_step(run_state *s, const char *scope, const char *id,
 		if (pg->conn == NULL)
 			continue;
 		/* round trip 1: BEGIN; claim; SAVEPOINT */
-		cmds[0] = simple_cmd("BEGIN");
+		cmds[0] = tx_cmd(s, STMT_BEGIN);
 		params_claim(s, &cmds[1]);
-		cmds[2] = simple_cmd("SAVEPOINT idem_handler");
+		cmds[2] = tx_cmd(s, STMT_SAVEPOINT);
 		idem_pg_pipeline(pg, cmds, 3, &o);
 		/* a connection that died while idle: nothing was committed, so one
 		 * retry on a new connection is safe */
@@ -790,8 +790,11 @@ pg_step(run_state *s, const char *scope, const char *id,
 	 * even if the COMMIT fails (say the connection died just now; the next
 	 * run reconnects).
 	 */
-	if (idem_pg_exec(pg, "COMMIT") != 0)
+	cmds[0] = tx_cmd(s, STMT_COMMIT);
+	idem_pg_pipeline(pg, cmds, 1, &o);
+	if (o.rc == PG_SERVER_ERROR)
 		rollback_quietly(s);
+	idem_pg_outcome_clear(&o);
 	return s->out->status;
 }
 

@@ -1232,6 +1232,7 @@ typedef struct hctx
 	int			dup_after_ms;
 	pid_t		dup_child;
 	int			dup_fd[2];		/* the child's result comes back here */
+	char		stmts[512];		/* "stmts": the connection's prepared statements */
 } hctx;
 
 static PGconn *admin;
@@ -1252,6 +1253,16 @@ handler(PGconn *conn, idem_call *call, void *ud)
 	if (strcmp(m, "noop") == 0)
 	{
 		idem_call_set_json(call, h->outcome ? h->outcome : "{\"ok\": true}");
+		return IDEM_HANDLER_OK;
+	}
+	if (strcmp(m, "stmts") == 0)
+	{
+		r = PQexec(conn, "SELECT string_agg(name, ',' ORDER BY name) FROM pg_prepared_statements");
+		snprintf(h->stmts, sizeof(h->stmts), "%s",
+				 PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 ?
+				 PQgetvalue(r, 0, 0) : "error");
+		PQclear(r);
+		idem_call_set_json(call, "{\"ok\": true}");
 		return IDEM_HANDLER_OK;
 	}
 	if (strcmp(m, "deallocate") == 0)
@@ -2145,6 +2156,29 @@ cmd_scenario(void)
 	idem_run(R, 1, S, "dealloc", "{}", handler, &h, &res);
 	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && ledger_is(1, S, "dealloc", "completed 1"),
 		   "the next run prepares its statements again and applies (%s)", res_str(&res));
+
+	/*
+	 * The runner's transaction control is prepared like its other
+	 * statements, once per connection (BEGIN and SAVEPOINT by the first
+	 * pipeline of a run, the rest by the completion), and again after a
+	 * DEALLOCATE ALL.
+	 */
+	h.mode = "stmts";
+	idem_run(R, 1, S, "stmts1", "{}", handler, &h, &res);
+	idem_run(R, 1, S, "stmts2", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) &&
+		   strstr(h.stmts, "idem_client_begin,") && strstr(h.stmts, "idem_client_commit,") &&
+		   strstr(h.stmts, "idem_client_release,") && strstr(h.stmts, "idem_client_savepoint"),
+		   "BEGIN, SAVEPOINT, RELEASE and COMMIT are prepared statements of the connection (%s)", h.stmts);
+	h.mode = "deallocate";
+	idem_run(R, 1, S, "stmts3", "{}", handler, &h, &res);
+	h.mode = "noop";
+	idem_run(R, 1, S, "stmts3", "{}", handler, &h, &res);
+	h.mode = "stmts";
+	idem_run(R, 1, S, "stmts4", "{}", handler, &h, &res);
+	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) &&
+		   strstr(h.stmts, "idem_client_begin,") && strstr(h.stmts, "idem_client_claim_t,"),
+		   "after DEALLOCATE ALL they are prepared again (%s)", h.stmts);
 
 	/* --- malformed and forged values --------------------------------- */
 	{

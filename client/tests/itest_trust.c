@@ -378,7 +378,9 @@ cproxy_main(void *arg)
 			{
 				if (send(s, buf, (size_t) n, MSG_NOSIGNAL) != n)
 					break;
-				if (p->armed && contains(buf, (size_t) n, "COMMIT"))
+				/* the text, or the prepared statement's name */
+				if (p->armed && (contains(buf, (size_t) n, "COMMIT") ||
+								 contains(buf, (size_t) n, "idem_client_commit")))
 				{
 					p->armed = 0;
 					blackhole = 1;
