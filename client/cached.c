@@ -68,6 +68,8 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 		IdemCacheEntry e;
 		idem_result *o = &out[at[i]];
 
+		if (g[i].answer != GATE_SKIPPED)
+			o->valkey_used = 1; /* the node answered, even "not there" */
 		if (g[i].answer == GATE_VALUE &&
 			idem_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
 							 r->lease_ms, &e) == TRUST_VALUE_OK &&

@@ -837,10 +837,13 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 	freeReplyObject(r);
 }
 
-/* A GET reply into a gate_reply: GATE_VALUE for a string. */
+/* A GET reply into a gate_reply: GATE_VALUE for a string, GATE_ABSENT for
+ * nil (the node answered: the key is not there). */
 static void
 take_value(gate_reply *out, const redisReply *r)
 {
+	if (r != NULL && r->type == REDIS_REPLY_NIL)
+		out->answer = GATE_ABSENT;
 	if (r == NULL || r->type != REDIS_REPLY_STRING ||
 		(out->value = malloc(r->len + 1)) == NULL)
 		return;

@@ -294,7 +294,8 @@ typedef struct idem_result
 	idem_error_code error_code;
 	char		sqlstate[6];	/* IDEM_ERR_SERVER */
 	char		error_message[512];
-	int			valkey_used;	/* 1 if the Valkey gate answered this run */
+	int			valkey_used;	/* 1 if Valkey answered this run (or this
+								 * idem_cached lookup), even "not there" */
 } idem_result;
 
 void		idem_result_init(idem_result *res);
@@ -331,7 +332,9 @@ int			idem_cached(idem_runner *runner, int64_t tenant_id,
  * idem_cached for n tenant tasks (parallel arrays) in one pipelined round
  * trip (one per node on a cluster).  Each out[i] must come from
  * idem_result_init; a decided one has source IDEM_SOURCE_VALKEY, the
- * others IDEM_SOURCE_NONE.  Returns how many were decided.
+ * others IDEM_SOURCE_NONE (valkey_used 1 if the key's node answered, 0 if
+ * Valkey was not asked: down, resting, not configured).  Returns how many
+ * were decided.
  */
 int			idem_cached_many(idem_runner *runner, int n,
 							 const int64_t *tenant_ids,

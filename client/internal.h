@@ -73,7 +73,8 @@ typedef enum gate_answer
 {
 	GATE_SKIPPED = 0,			/* Valkey down, slow, or not configured */
 	GATE_ACQUIRED,				/* our marker is set */
-	GATE_VALUE					/* a value exists: value/len + pttl */
+	GATE_VALUE,					/* a value exists: value/len + pttl */
+	GATE_ABSENT					/* GET: the node answered, no such key */
 } gate_answer;
 
 typedef struct gate_reply
@@ -94,7 +95,7 @@ int			idem_gate_resting(const idem_gate *g);
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 							int lease_ms, gate_reply *out);
 /* GET of n keys in one pipeline (per node on a cluster), no marker:
- * out[i] GATE_VALUE with pttl -1, or GATE_SKIPPED. */
+ * out[i] GATE_VALUE with pttl -1, GATE_ABSENT (nil), or GATE_SKIPPED. */
 void		idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
 							   gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,

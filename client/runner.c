@@ -207,6 +207,8 @@ replay_by_get(run_state *s)
 	int			decided = 0;
 
 	idem_gate_get_many(s->r->gate, &key, 1, &g);
+	if (g.answer != GATE_SKIPPED)
+		s->out->valkey_used = 1;
 	if (g.answer == GATE_VALUE &&
 		idem_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
 						 s->r->lease_ms, &e) == TRUST_VALUE_OK &&
@@ -261,6 +263,7 @@ gate_step(run_state *s)
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
+		case GATE_ABSENT:		/* not an answer of the gate script */
 			s->r->stats.valkey_skipped++;
 			s->valkey_silent = 1;
 			break;

@@ -29,6 +29,9 @@
 #define VC_BACKOFF_MIN_MS	5
 #define VC_BACKOFF_MAX_MS	200
 #define VC_ERR_LEN			256
+/* A key's master rests after a failure: re-read the map at most this often
+ * (a replica promoted in its place is found this soon). */
+#define VC_RESTING_REFRESH_MS	100
 
 typedef struct vc_node
 {
@@ -64,6 +67,7 @@ struct idem_vc
 	int			is_open;
 	int			cluster;
 	int			need_refresh;
+	int64_t		refreshed_at;	/* last map read (monotonic ms) */
 	idem_vc_stats stats;
 	char		err[VC_ERR_LEN];
 };
@@ -675,6 +679,7 @@ refresh_from(idem_vc *vc, int i, int64_t deadline)
 	free(map);
 	vc->stats.refreshes++;
 	vc->need_refresh = 0;
+	vc->refreshed_at = idem_vc_now_ms();
 	return 0;
 }
 
@@ -932,6 +937,7 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 {
 	int			done = 0;
 	int			backoff = VC_BACKOFF_MIN_MS;
+	int			reread = 0;		/* the map was re-read for a resting node */
 	int			i,
 				k;
 
@@ -946,6 +952,7 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 	{
 		int			sent = 0;
 		int			retry = 0;
+		int			resting = 0;
 
 		if (vc->cluster && vc->need_refresh)
 		{
@@ -977,7 +984,10 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 			if (rc == -2)
 				return -2;
 			if (rc != 0)
+			{
+				resting = 1;
 				continue;
+			}
 			if (c->ask_node >= 0)
 			{
 				const char *asking[1] = {"ASKING"};
@@ -993,7 +1003,21 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 			sent++;
 		}
 		if (sent == 0)
+		{
+			/*
+			 * Only keys of a node that is down are left: if the map is not
+			 * fresh, read it once more (a failover may have promoted a
+			 * replica meanwhile) and route them again.
+			 */
+			if (resting && vc->cluster && !reread &&
+				idem_vc_now_ms() - vc->refreshed_at >= VC_RESTING_REFRESH_MS)
+			{
+				vc->need_refresh = 1;
+				reread = 1;
+				continue;
+			}
 			break;
+		}
 
 		/* Send to every node, then read every node's replies. */
 		for (k = 0; k < vc->nnodes; k++)

@@ -68,6 +68,14 @@
 #define IDEM_BATCH_MAX			512
 #define IDEM_BACKOFF_MIN_MS		100
 #define IDEM_BACKOFF_MAX_MS		5000
+/* a cluster's batch stuck on one node (a failover): retry this often */
+#define IDEM_BACKOFF_CLUSTER_MAX_MS	400
+/* batches sent ahead of a stuck one, to the nodes that answer */
+#define IDEM_AHEAD_BATCHES		8
+/* while one node does not answer and the others do: send what comes in
+ * this often, and try the stuck batch again this often */
+#define IDEM_STUCK_POLL_MS		20
+#define IDEM_STUCK_RETRY_MS		100
 #define IDEM_IDLE_WAIT_MS		10000
 /* Pacing: a batch goes out early when this many records wait. */
 #define IDEM_BATCH_EAGER		256
@@ -809,15 +817,69 @@ vk_reply_keeps_batch(const char *str, size_t len)
 }
 
 /*
+ * Records up to here were sent ahead of a stuck batch (positions only grow;
+ * one before the ring's tail means nothing is ahead).
+ */
+static uint64 wc_ahead_pos = 0;
+
+/*
+ * The head batch is stuck on a node that does not answer (down, failing
+ * over): send the records behind it, up to IDEM_AHEAD_BATCHES batches, to
+ * the nodes that do answer, so that one node's outage does not hold back
+ * every other node's copies.  Nothing is consumed or counted here: each
+ * record still leaves the queue only through vk_cluster_drain(), which sends
+ * it again (a SET is idempotent) once the batches before it are acknowledged.
+ * Each retry sends only what was not sent ahead yet.
+ */
+static VkResult
+vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
+					  uint64 *acked)
+{
+	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	char		scratch[256];
+	VkEncoder	enc;
+	VkResult	result = VK_OK;
+	int			b;
+
+	pos = Max(pos, wc_ahead_pos);
+	for (b = 0; b < IDEM_AHEAD_BATCHES; b++)
+	{
+		bool		held;
+		XLogRecPtr	flush_to;
+		uint64		ok,
+					nrej;
+		int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable,
+										 &held, &flush_to);
+
+		if (n == 0)
+			break;
+		vk_encoder_init(&enc, timeline);
+		if (idem_wc_copy(records, n, vk_encode_record, &enc, vk_reply_keeps_batch,
+						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
+			result = VK_SHUTDOWN;
+		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
+		if (result != VK_OK)
+			break;
+		*acked += ok;
+		wc_ahead_pos = pos;
+	}
+	return result;
+}
+
+/*
  * vk_drain() for a Valkey Cluster: the same durable records, one batch at a
  * time through worker_cluster.c (every node's share is sent before any
  * reply is read); a batch leaves the queue only when every node answered.
+ * A batch that is not acknowledged stays queued, and the batches behind it
+ * are sent ahead to the nodes that answer (vk_cluster_send_ahead).
  */
 static VkResult
 vk_cluster_drain(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	bool		standby_reported = false;
+	bool		stuck = false;	/* the head batch waits for a node */
+	TimestampTz stuck_tried = 0;
 	TimestampTz held_since = 0; /* when the wait for durability began */
 
 	*copied = 0;
@@ -866,6 +928,19 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			continue;
 		}
 		held_since = 0;
+		if (stuck && !TimestampDifferenceExceeds(stuck_tried, GetCurrentTimestamp(),
+												 IDEM_STUCK_RETRY_MS))
+		{
+			/* between tries of the stuck batch: only what came in since */
+			uint64		acked = 0;
+
+			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
+				return VK_SHUTDOWN;
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 IDEM_STUCK_POLL_MS, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+			continue;
+		}
 		vk_encoder_init(&enc, timeline);
 		rc = idem_wc_copy(records, n, vk_encode_record, &enc,
 						  vk_reply_keeps_batch, &ok, &nrej,
@@ -874,7 +949,32 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;
 		if (rc == IDEM_WC_NOT_ACKED)
-			return VK_FAILED;	/* errbuf says why; the batch is kept */
+		{
+			/* errbuf says why; the batch is kept */
+			uint64		acked = ok;
+
+			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
+				return VK_SHUTDOWN;
+			if (acked == 0 && !stuck)
+				return VK_FAILED;	/* no node answered: back off */
+
+			/*
+			 * Some nodes answer, one does not (a failover): stay, so that
+			 * the others keep getting their copies as commits come in, and
+			 * try the stuck batch again shortly (the router re-reads the
+			 * slot map and finds the promoted replica).  Once stuck, stay
+			 * until the batch goes: a try costs little while its node rests.
+			 */
+			if (!stuck)
+				worker_report_problem("copying results to", IDEM_STUCK_RETRY_MS, true);
+			stuck = true;
+			stuck_tried = GetCurrentTimestamp();
+			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 IDEM_STUCK_POLL_MS, PG_WAIT_EXTENSION);
+			ResetLatch(MyLatch);
+			continue;
+		}
+		stuck = false;
 		idem_outbox_consume(pos, n);
 		idem_stats_add(IDEM_STAT_COPIED, ok);
 		idem_stats_add(IDEM_STAT_REJECTED, nrej);
@@ -1024,7 +1124,17 @@ idem_worker_main(Datum main_arg)
 			break;
 		if (r != VK_OK)
 		{
+			bool		cluster = idem_wc_active();
+
 			worker_backoff("copying results to", &backoff_ms, &retry_at);
+			/*
+			 * A cluster's batch stuck on one node is most likely a failover:
+			 * its replica takes over within cluster-node-timeout, and the
+			 * other nodes' copies went ahead; retry often enough to follow
+			 * the promotion closely.
+			 */
+			if (cluster)
+				backoff_ms = Min(backoff_ms, IDEM_BACKOFF_CLUSTER_MAX_MS);
 			continue;
 		}
 		if (rejected > 0)

@@ -17,9 +17,10 @@
  * router.  A batch leaves the queue only when every SET in it has a reply
  * from the node that owns its key; otherwise (node down, failover in
  * progress, deadline, a "not now" reply) the whole batch stays queued and
- * is sent again after worker.c's backoff: a SET is idempotent, and the
- * copies are counted only when the batch leaves the queue, so none is lost
- * or counted twice.
+ * is sent again (worker.c: every 100 ms while other nodes answer, sending
+ * the batches behind it ahead to them meanwhile; after its backoff when
+ * none does): a SET is idempotent, and the copies are counted only when
+ * the batch leaves the queue, so none is lost or counted twice.
  *
  * Waits go through a WaitEventSet per socket that also holds the latch and
  * postmaster death, so SIGTERM is answered at once.  The sets are cached

@@ -869,6 +869,7 @@ decide:
 		{
 			case FATE_APPLIED:
 				ADD(applied, 1);
+				misses_note_done(m);
 				if (is_invoice(m))
 					ADD(applied_invoice, 1);
 				else
@@ -879,12 +880,15 @@ decide:
 				break;
 			case FATE_REPLAY:
 				ADD(replay_pg, 1);
+				misses_note_pg_replay(c, m, cached && cached[i].valkey_used);
 				break;
 			case FATE_REPLAY_VALKEY:
 				ADD(replay_valkey, 1);
+				misses_note_done(m);
 				break;
 			case FATE_REPLAY_TWIN:
 				ADD(replay_twin, 1);
+				misses_note_done(m);
 				break;
 			case FATE_REPLAY_FAILED:
 				ADD(failed_permanent_replay, 1);

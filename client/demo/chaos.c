@@ -3,8 +3,9 @@
  *	  Faults injected while the workers run: kill -9 of a random worker (the
  *	  parent restarts it; its pending messages are XAUTOCLAIMed by the others
  *	  after the lease), a restart of the cache Valkey (a shell command given
- *	  by test/demo: SIGKILL, down for a moment, back empty), FLUSHALL of the
- *	  cache Valkey (FLUSHDB when it shares a server with the queue), and
+ *	  by test/demo: SIGKILL, down for a moment, back empty; on a cluster it
+ *	  kills a master), FLUSHALL of the cache Valkey (FLUSHDB when it shares
+ *	  a server with the queue; on a cluster, of one master), and
  *	  pg_terminate_backend of random worker backends.  The queue's Valkey is
  *	  never touched: it is the at-least-once delivery that the demo relies on.
  */
@@ -150,32 +151,86 @@ flush_node(chaos *c, const char *host, int port)
 	return done;
 }
 
-/* Flush the cache: its server, or every master of a cluster (replicas
- * refuse, and follow their master). */
-static void
-flush_cache(chaos *c)
+/* The cache's nodes: the seed, then --valkey-nodes; 0 when past the end. */
+static int
+cache_node(const chaos *c, int i, char *host, size_t hostlen, int *port)
 {
-	int			done = flush_node(c, c->cfg->cache_host, c->cfg->cache_port);
 	const char *p = c->cfg->cache_nodes;
 
+	if (i == 0)
+	{
+		snprintf(host, hostlen, "%s", c->cfg->cache_host);
+		*port = c->cfg->cache_port;
+		return 1;
+	}
 	while (p && *p)
 	{
-		char		host[128];
 		size_t		len = strcspn(p, ",");
-		const char *colon = memchr(p, ':', len);
+		const char *colon = len ? memrchr(p, ':', len) : NULL;
 
-		if (colon && (size_t) (colon - p) < sizeof(host))
+		if (colon && --i == 0)
 		{
-			memcpy(host, p, colon - p);
-			host[colon - p] = '\0';
-			done |= flush_node(c, host, atoi(colon + 1));
+			/* [v6]:port */
+			const char *h = p,
+					   *he = colon;
+
+			if (*h == '[' && he > h && he[-1] == ']')
+			{
+				h++;
+				he--;
+			}
+			snprintf(host, hostlen, "%.*s", (int) (he - h), h);
+			*port = atoi(colon + 1);
+			return 1;
 		}
 		p += len;
 		if (*p == ',')
 			p++;
 	}
+	return 0;
+}
+
+/*
+ * Flush the cache.  One server: FLUSHALL.  A cluster: by default one
+ * master, chosen at random (a node that loses its data; its replica
+ * follows), or every master (--cluster-flush all: the whole cache lost at
+ * once, a harsher fault than a cluster is built for).  Replicas refuse
+ * FLUSHALL, so nodes are tried from a random one until a master takes it.
+ */
+static void
+flush_cache(chaos *c)
+{
+	char		host[128];
+	int			port,
+				n = 0,
+				i,
+				done = 0;
+
+	if (c->cfg->cache_nodes == NULL)
+		done = flush_node(c, c->cfg->cache_host, c->cfg->cache_port);
+	else
+	{
+		int			start;
+
+		while (cache_node(c, n, host, sizeof(host), &port))
+			n++;
+		start = crand(c, n);
+		for (i = 0; i < n; i++)
+		{
+			if (!cache_node(c, (start + i) % n, host, sizeof(host), &port) ||
+				!flush_node(c, host, port))
+				continue;
+			done++;
+			if (!c->cfg->flush_all_masters)
+				break;
+		}
+	}
 	if (done)
+	{
 		g_shared->flushes++;
+		g_shared->masters_flushed += c->cfg->cache_nodes ? done : 0;
+		misses_note_event(DEMO_EV_FLUSH, demo_now_ms(), demo_now_ms());
+	}
 }
 
 /* The restart runs in the background (it takes a moment); one at a time. */
@@ -199,7 +254,11 @@ restart_cache(chaos *c)
 		_exit(127);
 	}
 	if (pid > 0)
+	{
 		c->restart_pid = pid;
+		/* down (or failing over) until the command is done */
+		misses_note_event(DEMO_EV_FAILOVER, demo_now_ms(), 0);
+	}
 }
 
 static void
@@ -212,6 +271,7 @@ reap_restart(chaos *c, int wait)
 	if (waitpid(c->restart_pid, &st, wait ? 0 : WNOHANG) != c->restart_pid)
 		return;
 	c->restart_pid = 0;
+	misses_event_ended(DEMO_EV_FAILOVER, demo_now_ms());
 	if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
 		g_shared->cache_restarts++;
 	else
@@ -261,7 +321,9 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 	if (c->cfg->verbose)
 		fprintf(stderr, "chaos: %s (%lld ms)\n",
 				ev == EV_KILL ? "kill -9 a worker" : ev == EV_TERMINATE ?
-				"terminate backends" : ev == EV_FLUSH ? "flush the cache" :
+				"terminate backends" : ev == EV_FLUSH ?
+				(c->cfg->cache_nodes && !c->cfg->flush_all_masters ?
+				 "flush a cache master" : "flush the cache") :
 				c->cfg->cache_nodes ? "kill a cache master" : "restart the cache", (long long) (demo_now_ms() - t0));
 	schedule(c);
 	return killed;
@@ -270,8 +332,10 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 void
 chaos_describe(const chaos *c, char *buf, size_t len)
 {
-	snprintf(buf, len, "%ld kill -9, %ld backends terminated, %ld FLUSHALL, %ld %s",
+	snprintf(buf, len, "%ld kill -9, %ld backends terminated, %ld FLUSHALL%s, %ld %s",
 			 g_shared->kills, g_shared->backends_terminated, g_shared->flushes,
+			 c->cfg->cache_nodes ? c->cfg->flush_all_masters ?
+			 " (every master)" : " (one master each)" : "",
 			 g_shared->cache_restarts,
 			 c->cfg->cache_nodes ? "cache masters killed (failovers)" : "cache restarts");
 	(void) c;

@@ -11,6 +11,7 @@
  *	  worker.c    one worker process: read, run through the runner, ack
  *	  batch.c     a batch of new messages in one transaction (batch API)
  *	  chaos.c     kill -9 workers, restart/FLUSHALL the cache, kill backends
+ *	  misses.c    why a replay missed Valkey (buckets for the report)
  *	  report.c    progress line, final report, the exactly-once check
  */
 #ifndef IDEM_DEMO_H
@@ -96,6 +97,9 @@ typedef struct demo_config
 	const char *cache_nodes;	/* Valkey Cluster: the other nodes,
 								 * "host:port,..." (NULL: not a cluster) */
 	const char *cache_restart_cmd;
+	int			flush_all_masters;	/* cluster: a flush empties every master */
+	int			min_valkey_share;	/* cluster: the check wants more than
+									 * this % of replays from Valkey */
 	int			verbose;
 	int			handler_sleep_ms;	/* up to this long inside the handler */
 	int			batch;			/* messages per XREADGROUP; > 1: batch runs */
@@ -138,7 +142,26 @@ typedef struct demo_counters
 	long		broker_round_trips;
 	long		batches;		/* batch transactions (idem_claim_many) */
 	long		batch_msgs;		/* messages run in them */
+	/* replays from PostgreSQL, by why Valkey did not answer (misses.c) */
+	long		miss_not_asked;
+	long		miss_unseen;
+	long		miss_flushed;
+	long		miss_failover;
+	long		miss_copy_lag;
+	long		miss_not_refilled;
+	long		miss_unexplained;
 } demo_counters;
+
+/* A chaos event that empties (part of) the cache, for misses.c. */
+#define DEMO_MAX_EVENTS 1024
+#define DEMO_EV_FLUSH 1
+#define DEMO_EV_FAILOVER 2
+typedef struct demo_event
+{
+	int			kind;
+	int64_t		start_ms;
+	int64_t		end_ms;			/* 0: still going */
+} demo_event;
 
 typedef struct demo_shared
 {
@@ -151,9 +174,12 @@ typedef struct demo_shared
 	long		backends_terminated;
 	long		terminate_events;
 	long		flushes;
+	long		masters_flushed;	/* cluster: masters a flush emptied */
 	long		cache_restarts;
 	long		cache_restart_failures;
 	long		worker_exits_unexpected;
+	int			nevents;
+	demo_event	events[DEMO_MAX_EVENTS];
 	char		last_error[512];
 } demo_shared;
 
@@ -226,6 +252,14 @@ void		chaos_free(chaos *c);
 /* Maybe inject one fault; pids of the workers; returns the slot killed or -1. */
 int			chaos_tick(chaos *c, pid_t *pids, int n);
 void		chaos_describe(const chaos *c, char *buf, size_t len);
+
+/* misses.c */
+int			misses_init(int ntasks);
+void		misses_note_done(const queue_msg *m);
+void		misses_note_pg_replay(demo_counters *c, const queue_msg *m,
+								  int valkey_asked);
+void		misses_note_event(int kind, int64_t start_ms, int64_t end_ms);
+void		misses_event_ended(int kind, int64_t end_ms);
 
 /* report.c */
 void		progress_tick(const demo_config *cfg, const demo_plan *plan,

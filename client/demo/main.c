@@ -99,9 +99,13 @@ usage(FILE *f)
 			"      --broker HOST:PORT  the queue's Valkey (default: the cache server,\n"
 			"                          database 1; chaos then uses FLUSHDB, no restarts)\n"
 			"      --valkey-nodes LIST the cache is a Valkey Cluster: its other nodes,\n"
-			"                          host:port,... (the runners' seeds; FLUSHALL on each)\n"
+			"                          host:port,... (the runners' seeds)\n"
 			"      --cache-restart-cmd CMD  shell command that restarts the cache Valkey\n"
 			"                          (a cluster: kills a master, its replica takes over)\n"
+			"      --cluster-flush one|all  a cluster's chaos FLUSHALL empties one master\n"
+			"                          (default: a node losing its data) or every master\n"
+			"      --min-valkey-share P  a cluster's check: more than P%% of the replays of\n"
+			"                          a stored result come from Valkey (default 50)\n"
 			"      --lease MS          claim lease / Valkey marker TTL (default 1500;\n"
 			"                          --short 800); redelivery after lease + 200 ms\n"
 			"      --purges P          maintenance.purge tasks (default 6)\n"
@@ -192,6 +196,7 @@ main(int argc, char **argv)
 	cfg.max_seconds = 300;
 	cfg.chaos_interval_ms = 600;
 	cfg.purges = 6;
+	cfg.min_valkey_share = 50;
 	cfg.seed = (unsigned) time(NULL) ^ (unsigned) getpid();
 
 	for (i = 1; i < argc; i++)
@@ -269,6 +274,21 @@ main(int argc, char **argv)
 		{
 			NEEDV();
 			cfg.cache_nodes = v;
+		}
+		else if (strcmp(a, "--cluster-flush") == 0)
+		{
+			NEEDV();
+			if (strcmp(v, "one") != 0 && strcmp(v, "all") != 0)
+			{
+				fprintf(stderr, "idem-demo: --cluster-flush wants one or all\n");
+				return 2;
+			}
+			cfg.flush_all_masters = strcmp(v, "all") == 0;
+		}
+		else if (strcmp(a, "--min-valkey-share") == 0)
+		{
+			NEEDV();
+			cfg.min_valkey_share = atoi(v);
 		}
 		else if (strcmp(a, "--cache-restart-cmd") == 0)
 		{
@@ -354,7 +374,8 @@ main(int argc, char **argv)
 	if (cfg.ntasks < 1 || cfg.workers < 1 || cfg.workers > DEMO_MAX_WORKERS ||
 		cfg.tenants < 1 || cfg.accounts < 3 || cfg.dup_ratio < 0 ||
 		cfg.dup_ratio > 1 || cfg.lease_ms < 100 || cfg.purges < 0 ||
-		cfg.chaos_interval_ms < 10 || cfg.max_seconds < 1)
+		cfg.chaos_interval_ms < 10 || cfg.max_seconds < 1 ||
+		cfg.min_valkey_share < 0 || cfg.min_valkey_share > 100)
 	{
 		fprintf(stderr, "idem-demo: an option is out of range (workers 1..%d, accounts >= 3, dup-ratio 0..1, lease >= 100)\n",
 				DEMO_MAX_WORKERS);
@@ -406,7 +427,7 @@ main(int argc, char **argv)
 		return 2;
 	}
 	memset(g_shared, 0, sizeof(*g_shared));
-	if (plan_build(&cfg, &plan) != 0)
+	if (plan_build(&cfg, &plan) != 0 || misses_init(plan.ntasks) != 0)
 	{
 		fprintf(stderr, "idem-demo: out of memory\n");
 		return 2;

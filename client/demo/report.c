@@ -189,10 +189,40 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 			   g_shared->kills, g_shared->worker_exits_unexpected);
 		printf("    backends terminated      %7ld  (in %ld pg_terminate_backend rounds)\n",
 			   g_shared->backends_terminated, g_shared->terminate_events);
-		printf("    cache %-18s %7ld\n", cfg->shared_valkey ? "FLUSHDB" : "FLUSHALL",
-			   g_shared->flushes);
-		printf("    cache restarts           %7ld%s\n", g_shared->cache_restarts,
-			   g_shared->cache_restart_failures ? "  (some failed)" : "");
+		if (cfg->cache_nodes)
+			printf("    cache FLUSHALL           %7ld  (%ld masters emptied: %s)\n",
+				   g_shared->flushes, g_shared->masters_flushed,
+				   cfg->flush_all_masters ? "every master each time" :
+				   "one each time, a node losing its data");
+		else
+			printf("    cache %-18s %7ld\n", cfg->shared_valkey ? "FLUSHDB" : "FLUSHALL",
+				   g_shared->flushes);
+		printf("    cache %-18s %7ld%s\n",
+			   cfg->cache_nodes ? "masters killed" : "restarts",
+			   g_shared->cache_restarts,
+			   g_shared->cache_restart_failures ? "  (some failed)" :
+			   cfg->cache_nodes ? "  (SIGKILL; the replica promoted)" : "");
+	}
+	if (cfg->cache_host[0] && t.replay_pg > 0)
+	{
+		printf("  Why %ld replays missed Valkey (read from PostgreSQL instead)\n",
+			   t.replay_pg);
+		printf("    Valkey not asked         %7ld  (the key's node down or resting after a\n"
+			   "                                       failure, or a first delivery's run)\n",
+			   t.miss_not_asked);
+		printf("    absent, commit unseen    %7ld  (its commit's worker was killed or lost\n"
+			   "                                       the COMMIT reply: no timing)\n",
+			   t.miss_unseen);
+		printf("    absent after a flush     %7ld  (a FLUSHALL since its commit)\n",
+			   t.miss_flushed);
+		printf("    absent after a %-9s %7ld  (since its commit: the copy lost with the\n"
+			   "                                       node or waiting for it)\n",
+			   cfg->cache_nodes ? "failover" : "restart", t.miss_failover);
+		printf("    absent, not copied yet   %7ld  (within 1 s of its commit, no fault between)\n",
+			   t.miss_copy_lag);
+		printf("    absent, not refilled     %7ld  (missed before, no fault since that replay)\n",
+			   t.miss_not_refilled);
+		printf("    absent, unexplained      %7ld\n", t.miss_unexplained);
 	}
 	printf("  Throughput\n");
 	printf("    %.0f deliveries/s, %.0f tasks/s with %d workers; %.2f PostgreSQL and %.2f Valkey\n"
@@ -324,9 +354,18 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 				"ledger: %ld of %ld tenant tasks have their terminal row; %ld of %d purges completed in the platform ledger",
 				ledger_ok, ledger_tasks, v[0], plan->n_purges);
 	}
-	if (cfg->cache_host[0])
-		printf("    [info] %s cache: %ld of %ld replays of a stored result came from Valkey (%.0f%%)\n",
-			   cfg->cache_nodes ? "Valkey Cluster" : "Valkey",
+	if (cfg->cache_nodes && cfg->cache_host[0] && !cfg->without_idem)
+	{
+		/* a cluster is there to keep the cache through a node's loss */
+		long		all = t.replay_valkey + t.replay_pg;
+
+		verdict(all > 0 && 100 * t.replay_valkey > (long) cfg->min_valkey_share * all,
+				"Valkey Cluster cache: %ld of %ld replays of a stored result came from Valkey (%.0f%%; more than %d%% wanted)",
+				t.replay_valkey, all, all > 0 ? 100.0 * t.replay_valkey / all : 0.0,
+				cfg->min_valkey_share);
+	}
+	else if (cfg->cache_host[0])
+		printf("    [info] Valkey cache: %ld of %ld replays of a stored result came from Valkey (%.0f%%)\n",
 			   t.replay_valkey, t.replay_valkey + t.replay_pg,
 			   t.replay_valkey + t.replay_pg > 0 ?
 			   100.0 * t.replay_valkey / (t.replay_valkey + t.replay_pg) : 0.0);

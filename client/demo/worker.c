@@ -289,6 +289,7 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	{
 		case IDEM_APPLIED:
 			ADD(applied, 1);
+			misses_note_done(m);
 			if (strcmp(m->kind, "maintenance.purge") == 0)
 			{
 				ADD(applied_purge, 1);
@@ -302,9 +303,15 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 			break;
 		case IDEM_REPLAYED:
 			if (res.source == IDEM_SOURCE_VALKEY)
+			{
 				ADD(replay_valkey, 1);
+				misses_note_done(m);
+			}
 			else
+			{
 				ADD(replay_pg, 1);
+				misses_note_pg_replay(c, m, res.valkey_used);
+			}
 			final = 1;
 			break;
 		case IDEM_FAILED_PERMANENT:

@@ -447,6 +447,8 @@ idem_valkey_restart() {
 # idem_valkey_cluster_start DIR [MASTERS]: MASTERS masters (default 3) with
 # one replica each on free loopback ports, cluster-node-timeout 1000 ms, in
 # DIR/node*/; DIR/ports lists "port" per node.  0 when cluster_state is ok.
+# cluster-require-full-coverage no, as a cache should run: while one shard
+# fails over, the others keep serving their slots.
 idem_valkey_cluster_start() {
 	local dir=$1 masters=${2:-3} server cli i port addrs=()
 	server=$(idem_valkey_server) || return 1
@@ -473,6 +475,7 @@ idem_valkey_cluster_node_start() {
 		--cluster-enabled yes --cluster-config-file nodes.conf \
 		--cluster-port "$(idem_free_port)" \
 		--cluster-node-timeout 1000 --cluster-replica-validity-factor 0 \
+		--cluster-require-full-coverage no \
 		--dir "$dir/node$port" --daemonize yes \
 		--pidfile "$dir/node$port/valkey.pid" \
 		--logfile "$dir/node$port/valkey.log" >/dev/null || return 1
