@@ -6,7 +6,8 @@
  *
  * Debian 12's hiredis (0.14.1) has no cluster support, so the routing is
  * here: the slot of a key (CRC16 with hash tags), the slot map (from
- * CLUSTER SLOTS), one connection per master, and a pipelined batch of
+ * CLUSTER SHARDS, or CLUSTER SLOTS where a server has no SHARDS), one
+ * connection per master, and a pipelined batch of
  * single-key commands split per node whose replies are matched back to the
  * commands.  MOVED updates the map (and refreshes it) and resends that
  * command; ASK sends ASKING and the command to the named node; replies that
@@ -82,6 +83,15 @@ typedef struct idem_vc_map
  */
 int			idem_vc_parse_slots(const redisReply *r, const char *asked_host,
 								idem_vc_map *map);
+
+/*
+ * The same from a CLUSTER SHARDS reply (Redis 7+, Valkey): each shard's
+ * slot ranges go to its master (an online one if it lists several; a
+ * shard with no master is left uncovered), addressed by its endpoint (its
+ * ip if the endpoint is "?" or empty; the node asked if neither is given).
+ */
+int			idem_vc_parse_shards(const redisReply *r, const char *asked_host,
+								 idem_vc_map *map);
 
 /* ---- the router ---- */
 

@@ -2,7 +2,8 @@
  * unit_cluster.c: the Valkey Cluster routing's pure parts (src/valkey_cluster.c),
  * no server needed: CRC16 and slots (with hash tags) against the values
  * Valkey documents and computes, redirect and transient-error classification,
- * the CLUSTER SLOTS parser (fed real RESP text through hiredis' reader),
+ * the CLUSTER SLOTS and CLUSTER SHARDS parsers (fed real RESP text through
+ * hiredis' reader),
  * seed lists, and a router whose nodes are all down.
  */
 #include <poll.h>
@@ -158,6 +159,85 @@ poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 	return fd < 0 ? 0 : -1;
 }
 
+/* One CLUSTER SHARDS node entry, as Valkey 8 writes it. */
+#define SHARD_NODE(id, port, ip, endpoint, role, health) \
+	"*14\r\n$2\r\nid\r\n$4\r\n" id "\r\n$4\r\nport\r\n:" port "\r\n" \
+	"$2\r\nip\r\n" ip "$8\r\nendpoint\r\n" endpoint \
+	"$4\r\nrole\r\n" role "$18\r\nreplication-offset\r\n:0\r\n" \
+	"$6\r\nhealth\r\n" health
+
+static void
+test_parse_shards(void)
+{
+	idem_vc_map *map = malloc(sizeof(idem_vc_map));
+	/*
+	 * Three shards as Valkey 8.0.1 answered (master then replica), the
+	 * first serving two ranges, the second with a "?" endpoint, the third
+	 * just failed over: its old master, failed, is listed before the new.
+	 */
+	redisReply *r = resp(
+		"*3\r\n"
+		"*4\r\n$5\r\nslots\r\n*4\r\n:0\r\n:5000\r\n:5001\r\n:5460\r\n"
+		"$5\r\nnodes\r\n*2\r\n"
+		SHARD_NODE("id-a", "7001", "$9\r\n127.0.0.1\r\n", "$9\r\n127.0.0.1\r\n",
+				   "$6\r\nmaster\r\n", "$6\r\nonline\r\n")
+		SHARD_NODE("id-d", "7004", "$9\r\n127.0.0.1\r\n", "$9\r\n127.0.0.1\r\n",
+				   "$7\r\nreplica\r\n", "$7\r\nloading\r\n")
+		"*4\r\n$5\r\nslots\r\n*2\r\n:5461\r\n:10922\r\n"
+		"$5\r\nnodes\r\n*1\r\n"
+		SHARD_NODE("id-b", "7002", "$3\r\n::1\r\n", "$1\r\n?\r\n",
+				   "$6\r\nmaster\r\n", "$6\r\nonline\r\n")
+		"*4\r\n$5\r\nslots\r\n*2\r\n:10923\r\n:16383\r\n"
+		"$5\r\nnodes\r\n*2\r\n"
+		SHARD_NODE("id-c", "7003", "$9\r\n127.0.0.1\r\n", "$9\r\n127.0.0.1\r\n",
+				   "$6\r\nmaster\r\n", "$4\r\nfail\r\n")
+		SHARD_NODE("id-f", "7006", "$9\r\n127.0.0.1\r\n", "$9\r\n127.0.0.1\r\n",
+				   "$6\r\nmaster\r\n", "$6\r\nonline\r\n"));
+	/* a shard whose only node is a replica, one with no slots */
+	redisReply *partial = resp(
+		"*2\r\n"
+		"*4\r\n$5\r\nslots\r\n*2\r\n:0\r\n:99\r\n$5\r\nnodes\r\n*1\r\n"
+		SHARD_NODE("id-r", "7009", "$1\r\nh\r\n", "$1\r\nh\r\n",
+				   "$7\r\nreplica\r\n", "$6\r\nonline\r\n")
+		"*4\r\n$5\r\nslots\r\n*0\r\n$5\r\nnodes\r\n*1\r\n"
+		SHARD_NODE("id-s", "7010", "$1\r\nh\r\n", "$1\r\nh\r\n",
+				   "$6\r\nmaster\r\n", "$6\r\nonline\r\n"));
+	redisReply *err = resp("-ERR unknown subcommand 'shards'. Try CLUSTER HELP.\r\n");
+	redisReply *odd = resp("*1\r\n*4\r\n$5\r\nslots\r\n*1\r\n:0\r\n$5\r\nnodes\r\n*0\r\n");
+	redisReply *range = resp(
+		"*1\r\n*4\r\n$5\r\nslots\r\n*2\r\n:9\r\n:16384\r\n$5\r\nnodes\r\n*1\r\n"
+		SHARD_NODE("id-a", "7001", "$1\r\nh\r\n", "$1\r\nh\r\n",
+				   "$6\r\nmaster\r\n", "$6\r\nonline\r\n"));
+	int			n;
+
+	n = idem_vc_parse_shards(r, "10.0.0.9", map);
+	tap_ok(n == 16384 && map->nnodes == 3,
+		   "CLUSTER SHARDS: every slot, three masters (%d, %d)", n, map->nnodes);
+	tap_ok(map->slot_node[0] == 0 && map->slot_node[5000] == 0 &&
+		   map->slot_node[5001] == 0 && map->slot_node[5460] == 0 &&
+		   map->ports[0] == 7001,
+		   "a shard's several ranges go to its master, not to its replica");
+	tap_ok(map->slot_node[5461] == 1 && strcmp(map->hosts[1], "::1") == 0 &&
+		   map->ports[1] == 7002,
+		   "a \"?\" endpoint: the node's ip (an IPv6 address here)");
+	tap_ok(map->slot_node[16383] == 2 && map->ports[2] == 7006,
+		   "a shard listing a failed master and an online one: the online one");
+	n = idem_vc_parse_shards(partial, "x", map);
+	tap_ok(n == 0 && map->nnodes == 0 && map->slot_node[0] == -1,
+		   "a shard without a master, or without slots, covers nothing (%d)", n);
+	tap_ok(idem_vc_parse_shards(err, "x", map) == -1 &&
+		   idem_vc_parse_shards(odd, "x", map) == -1 &&
+		   idem_vc_parse_shards(range, "x", map) == -1 &&
+		   idem_vc_parse_shards(NULL, "x", map) == -1,
+		   "an error reply, an odd range list or a slot out of range is not a map");
+	freeReplyObject(r);
+	freeReplyObject(partial);
+	freeReplyObject(err);
+	freeReplyObject(odd);
+	freeReplyObject(range);
+	free(map);
+}
+
 static void
 test_router_without_servers(void)
 {
@@ -203,5 +283,6 @@ test_cluster(void)
 	test_slots();
 	test_classify();
 	test_parse_slots();
+	test_parse_shards();
 	test_router_without_servers();
 }

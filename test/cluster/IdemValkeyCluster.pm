@@ -6,12 +6,18 @@
 # END block stops every server it started).
 #
 #   my $c = IdemValkeyCluster->new(masters => 3, replicas => 1);
+#   (ipv6 => 1: the nodes also listen on ::1 and meet there, so the
+#   cluster announces every node as ::1; the helpers below still talk to
+#   them over 127.0.0.1)
 #   $c->seeds                  "127.0.0.1:p1,127.0.0.1:p2,..." (every node)
 #   $c->get($key)              GET on the key's master, following MOVED
 #   $c->master_of_key($key)    the IdemValkey node serving the key now
 #   $c->masters                the nodes that are masters now
 #   $c->kill_master($node)     SIGKILL; wait until its replica took over
 #   $c->move_slot($slot, $to)  SETSLOT IMPORTING/MIGRATING, MIGRATE, NODE
+#   IdemValkeyCluster::runner_counts($bin, @args)
+#                              run client/build/cluster_runner: (applied,
+#                              replayed from Valkey)
 package IdemValkeyCluster;
 
 use strict;
@@ -45,13 +51,14 @@ sub new
 				'--cluster-node-timeout', $timeout,
 				# a replica takes over as soon as the master is judged dead
 				'--cluster-replica-validity-factor', '0',
-				'--appendonly', 'no'
+				'--appendonly', 'no',
+				$args{ipv6} ? ('--bind', '127.0.0.1 ::1') : ()
 			]);
 		$n->start;
 		push @nodes, $n;
 	}
 	my $self = bless { nodes => \@nodes }, $class;
-	my @addr = map { '127.0.0.1:' . $_->port } @nodes;
+	my @addr = map { ($args{ipv6} ? '::1:' : '127.0.0.1:') . $_->port } @nodes;
 	my ($out, $err);
 	IPC::Run::run([ cli_binary(), '--cluster', 'create', @addr,
 			'--cluster-replicas', $replicas, '--cluster-yes' ],
@@ -262,6 +269,23 @@ sub finish_migration
 			eval { $n->command('CLUSTER', 'SETSLOT', $m->[0], 'NODE', $to_id) };
 		}
 	}
+}
+
+# Run the client's cluster_runner (its arguments: conninfo, host, port,
+# nodes, db, scope, n, first id); returns (runs applied, runs replayed
+# from Valkey).
+sub runner_counts
+{
+	my ($bin, @args) = @_;
+	my ($out, $err);
+	IPC::Run::run([ $bin, @args ], '>', \$out, '2>', \$err);
+	my ($applied, $valkey) = (0, 0);
+	foreach (split /\n/, $out // '')
+	{
+		$applied++ if /^run \S+ applied /;
+		$valkey++ if /^run \S+ replayed valkey /;
+	}
+	return ($applied, $valkey);
 }
 
 1;
