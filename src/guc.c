@@ -39,7 +39,7 @@ int			idem_valkey_db = 0;
 char	   *idem_valkey_prefix = NULL;
 int			idem_valkey_connect_timeout_ms = 1000;
 int			idem_valkey_command_timeout_ms = 1000;
-int			idem_valkey_batch_delay_ms = 1;
+int			idem_valkey_batch_delay_ms = 0;
 char	   *idem_valkey_nodes = NULL;
 int			idem_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
 
@@ -227,10 +227,10 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idem.valkey_batch_delay",
-							"Under load, the least time between two batches the worker sends to Valkey.",
-							"A batch goes out at once when none went out within this time (a lone commit is copied at once), or when 256 results wait; otherwise results wait for it.  Longer saves Valkey and worker CPU under load and adds up to this much copy latency; 0 sends whatever is queued at once.",
+							"The least time between two batches the worker sends to Valkey.",
+							"Results queued while a batch is in flight go out together once its replies are in; a positive delay also keeps batches this far apart (unless 256 results wait), which saves Valkey and worker wakeups under load and adds up to this much copy latency.  0 (the default) adds no wait.",
 							&idem_valkey_batch_delay_ms,
-							1, 0, 1000,
+							0, 0, 1000,
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 

@@ -17,13 +17,16 @@
  * it reads, and removes a batch from the queue only when all its replies
  * have come back; a record whose retention has already ended is skipped.
  *
- * Batches are paced: a batch goes out at once when none went out in the
- * last idem.valkey_batch_delay (1 ms), or when IDEM_BATCH_EAGER records wait;
- * otherwise the records wait for that delay to pass.  So a lone commit is
- * copied at once, and under load Valkey gets at most one batch per delay
- * instead of one per commit: each batch costs both processes a wakeup and
- * a few system calls, on the same cores as the commits.  While the worker
- * is awake, committing backends do not set its latch (outbox.c).  An error
+ * Batching is Nagle-like: what is queued and durable goes out at once when
+ * no batch is in flight; what is queued while one is in flight gathers
+ * until its replies are in and then goes out as the next batch, unless
+ * IDEM_BATCH_EAGER records wait (a backlog: then up to IDEM_INFLIGHT batches
+ * are pipelined).  So no copy waits for a timer, and under load a batch
+ * holds what committed during one round trip to Valkey instead of each
+ * commit costing both processes a wakeup.  idem.valkey_batch_delay (0 by
+ * default) can also keep batches at least that far apart, trading copy
+ * latency for fewer wakeups.  While the worker is awake, committing
+ * backends do not set its latch (outbox_ring.c).  An error
  * reply counts a copy error and drops that record.  A connection that fails,
  * or a batch not answered within idem.valkey_command_timeout, closes the
  * connection and keeps the batch queued; the worker reconnects after a
@@ -77,7 +80,7 @@
 #define IDEM_STUCK_POLL_MS		20
 #define IDEM_STUCK_RETRY_MS		100
 #define IDEM_IDLE_WAIT_MS		10000
-/* Pacing: a batch goes out early when this many records wait. */
+/* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
@@ -654,9 +657,10 @@ worker_flush_wal(XLogRecPtr lsn)
 }
 
 /*
- * Copy queued records until the queue is empty, IDEM_INFLIGHT batches at a
- * time: the next batch is written before the replies to the previous one
- * are read, so Valkey and the worker work at the same time.  Only records
+ * Copy queued records until the queue is empty, batched as the file header
+ * says: while a batch is in flight, the next one is written ahead of its
+ * replies only when IDEM_BATCH_EAGER records wait (up to IDEM_INFLIGHT
+ * batches, so Valkey and the worker work at the same time on a backlog).  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
  * next one is not, the worker looks again shortly (IDEM_DURABLE_POLL_MS),
  * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
@@ -669,7 +673,7 @@ worker_flush_wal(XLogRecPtr lsn)
  */
 #define IDEM_INFLIGHT 4
 
-/* When the pacing lets the next batch go (see the file header). */
+/* When idem.valkey_batch_delay lets the next batch go (file header). */
 static TimestampTz next_batch_at = 0;
 
 static VkResult
@@ -694,7 +698,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		int			i;
 		uint64		ok;
 		uint64		nrej;
-		bool		waiting = false;	/* records held back by the pacing */
+		bool		waiting = false;	/* records held back by the delay */
 		bool		held = false;	/* records held back for durability */
 		bool		standby_problem;
 		TimeLineID	timeline;
@@ -708,7 +712,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 
 		/*
 		 * Fill the window with what is queued and durable beyond the
-		 * batches in flight, paced (see the file header).
+		 * batches in flight (see the file header).
 		 */
 		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
 		{
@@ -722,10 +726,11 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			worker_flush_wal(flush_to);
 			if (pos == start)
 				break;
-			if (now < next_batch_at && n < IDEM_BATCH_EAGER)
+			if (n < IDEM_BATCH_EAGER && (nin > 0 || now < next_batch_at))
 			{
+				/* Let them gather behind the batch in flight, or the delay. */
 				pos = start;
-				waiting = true;
+				waiting = (nin == 0);
 				break;
 			}
 			vk_encoder_init(&enc, timeline);
@@ -754,7 +759,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			if (!waiting && !held)
 				return VK_OK;
 			/*
-			 * Let the records held back by the pacing gather until the delay
+			 * Let the records held back by the delay gather until the delay
 			 * passes; look at the durable position again meanwhile.
 			 */
 			if (waiting)
