@@ -23,6 +23,10 @@
  *                  one statement), through the gate
  *   run-new-sql-first  both: one PostgreSQL round trip, no Valkey
  *   run-dup-sql    run-dup with the SQL handler
+ *   run-new-pipe   run-new with the handler's INSERT as its first statement
+ *                  (idem_run_options.first_sql), sent with the claim
+ *   run-new-pipe-first  both that and delivery_count 1
+ *   run-dup-pipe   run-dup with first_sql
  *   hand-new       the hand-written ledger of make bench's variant (3),
  *                  v3_hand(), as a prepared call: one round trip per key
  *   hand-dup       hand-new, every key twice in a row
@@ -87,6 +91,21 @@ transfer_handler(PGconn *conn, idem_call *call, void *user_data)
 	idem_call_set_json(call, "{\"ok\": true}");
 	return st;
 }
+
+#ifndef BENCH_BASELINE
+/* transfer_handler's INSERT, sent by the runner with the claim (first_sql) */
+static idem_handler_status
+transfer_first_handler(PGconn *conn, idem_call *call, void *user_data)
+{
+	const PGresult *res = idem_call_first_result(call);
+
+	(void) conn;
+	(void) user_data;
+	idem_call_set_json(call, "{\"ok\": true}");
+	return PQresultStatus(res) == PGRES_COMMAND_OK ?
+		IDEM_HANDLER_OK : IDEM_HANDLER_RETRYABLE;
+}
+#endif
 
 /* The server's keyspace (what the runner learns). */
 static int
@@ -363,6 +382,8 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 				{
 					idem_run_options ro;
 					char		args[64];
+					char		ten[32];
+					const char *fp[1] = {ten};
 
 					idem_run_options_init(&ro);
 					ro.delivery_count = strstr(mode, "-first") ? 1 : 0;
@@ -372,8 +393,17 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 						ro.sql_handler = "bench_transfer(jsonb)";
 						ro.sql_args = args;
 					}
+					if (strstr(mode, "-pipe"))
+					{
+						snprintf(ten, sizeof(ten), "%" PRId64, tenant);
+						ro.first_sql = "INSERT INTO transfers (tenant_id, amount) VALUES ($1, 1)";
+						ro.first_nparams = 1;
+						ro.first_params = fp;
+					}
 					st = idem_run_with(r, tenant, "bench.run", id, "{\"amount\": 1}",
-									   &ro, transfer_handler, NULL, res);
+									   &ro, strstr(mode, "-pipe") ?
+									   transfer_first_handler : transfer_handler,
+									   NULL, res);
 				}
 				else
 #endif

@@ -18,7 +18,9 @@ BIN=$BENCH_WORK/runner_bench
 CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)"
 cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
 	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
-MODES="hand-new run-new run-new-first run-new-sql run-new-sql-first hand-dup run-dup run-dup-sql"
+# BENCH_RUNNER_MODES: which columns (client_bench modes; hand-new and
+# hand-dup are always run, as the references of new-key and duplicate modes)
+MODES="hand-new hand-dup ${BENCH_RUNNER_MODES:-run-new run-new-first run-new-pipe run-new-pipe-first run-new-sql run-new-sql-first run-dup run-dup-pipe run-dup-sql}"
 BASE=""
 if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
 	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_RUNNER_BASE^{commit}") || exit 2
@@ -34,9 +36,12 @@ fi
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
-echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run${BASE:+; base = the runner at $BASE}"
-printf '| sync | clients | (3) new | runner new | first | sql | sql+first |%s (3) half dup | runner half dup | sql half dup |%s\n' \
-	"${BASE:+ base new |}" "${BASE:+ base half dup |}"
+echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates)${BASE:+; base = the runner at $BASE}"
+COLS=""
+for m in $MODES; do [[ $m == hand-* ]] || COLS="$COLS $m"; done
+hdr="| sync | clients | (3) new | (3) half dup |"
+for m in $COLS; do hdr="$hdr $m |"; done
+echo "$hdr"
 for sync in $SYNCS; do
 	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
@@ -55,10 +60,10 @@ for sync in $SYNCS; do
 			med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
 		done
 		cell() { awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf "%.0f (%.2f)", v, v / b }'; }
-		row="| $sync | $c | ${med[hand-new]%.*} | $(cell run-new hand-new) | $(cell run-new-first hand-new) | $(cell run-new-sql hand-new) | $(cell run-new-sql-first hand-new) |"
-		[ -z "$BASE" ] || row="$row $(cell base:run-new hand-new) |"
-		row="$row ${med[hand-dup]%.*} | $(cell run-dup hand-dup) | $(cell run-dup-sql hand-dup) |"
-		[ -z "$BASE" ] || row="$row $(cell base:run-dup hand-dup) |"
+		row="| $sync | $c | ${med[hand-new]%.*} | ${med[hand-dup]%.*} |"
+		for m in $COLS; do
+			if [[ $m == *dup* ]]; then row="$row $(cell "$m" hand-dup) |"; else row="$row $(cell "$m" hand-new) |"; fi
+		done
 		echo "$row"
 		unset runs med
 	done

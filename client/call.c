@@ -95,6 +95,12 @@ idem_call_key(const idem_call *c)
 	return c ? c->key : NULL;
 }
 
+const PGresult *
+idem_call_first_result(const idem_call *c)
+{
+	return c ? c->first : NULL;
+}
+
 int
 idem_call_set_json(idem_call *c, const char *json)
 {

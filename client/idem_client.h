@@ -191,6 +191,10 @@ const char *idem_call_id(const idem_call *call);
 const char *idem_call_request(const idem_call *call);
 const uint8_t *idem_call_key(const idem_call *call);	/* 32 bytes */
 
+/* The result of idem_run_options.first_sql (owned by the runner, valid
+ * during the handler), or NULL when the run had none. */
+const PGresult *idem_call_first_result(const idem_call *call);
+
 /*
  * Set the outcome (IDEM_HANDLER_OK) or the failure detail (the failure
  * kinds): a JSON object whose canonical (jsonb) text is at most
@@ -379,6 +383,23 @@ typedef struct idem_run_options
 								 * needs EXECUTE on idem_apply and on it. */
 	const char *sql_args;		/* JSON text passed to sql_handler; NULL:
 								 * the request */
+	/*
+	 * The C handler's first statement, sent in the claim's pipeline (BEGIN;
+	 * claim; SAVEPOINT; this statement): one PostgreSQL round trip less for
+	 * a handler that starts with a known statement.  NULL (default): none.
+	 * It runs before the claim's answer is known, inside the run's
+	 * savepoint: if the key is not ours (busy, replay, mismatch) the runner
+	 * rolls back to the savepoint, so its effect is discarded and the
+	 * handler is not called.  So it must have no effect outside the
+	 * transaction (dblink, a sequence whose gaps matter), and it cannot use
+	 * the attempt number.  Its parameters are text, first_nparams of
+	 * them.  The handler reads its result with idem_call_first_result(); if
+	 * it failed, the transaction is in error and the handler must report a
+	 * failure.  Not with sql_handler.
+	 */
+	const char *first_sql;
+	int			first_nparams;
+	const char *const *first_params;
 } idem_run_options;
 
 void		idem_run_options_init(idem_run_options *opts);

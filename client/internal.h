@@ -159,6 +159,8 @@ typedef struct pg_cmd
 	const char *values[6];
 	int			lengths[6];
 	int			formats[6];
+	const char *const *text_values; /* non-NULL: nparams text parameters,
+									 * instead of values[] */
 } pg_cmd;
 
 #define PG_MAX_CMDS 5
@@ -289,6 +291,7 @@ struct idem_call
 	const uint8_t *key;
 	char	   *json;
 	int			oom;
+	PGresult   *first;			/* run option first_sql's result, or NULL */
 };
 
 /* The keyspace and secrets are known and current: the cache may be used

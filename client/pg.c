@@ -444,6 +444,9 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 			ok = PQsendQueryPrepared(conn, stmt_names[stmt[i]], cmds[i].nparams,
 									 cmds[i].values, cmds[i].lengths,
 									 cmds[i].formats, 0);
+		else if (cmds[i].text_values)
+			ok = PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
+								   cmds[i].text_values, NULL, NULL, 0);
 		else
 			ok = PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
 								   cmds[i].values, cmds[i].lengths,

@@ -45,6 +45,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -678,12 +679,13 @@ busy_or_mismatch(run_state *s, const char *decision, long long ms)
 
 /* Step 3b. */
 static idem_status
-pg_step(run_state *s, const char *scope, const char *id,
-		idem_handler_fn handler, void *user_data)
+pg_step(run_state *s, const idem_run_options *ro, const char *scope,
+		const char *id, idem_handler_fn handler, void *user_data)
 {
 	idem_pg    *pg = &s->r->pg;
-	pg_cmd		cmds[3];
+	pg_cmd		cmds[4];
 	pg_outcome	o;
+	int			first = ro != NULL && ro->first_sql != NULL;
 	int			fresh;
 	int			tries;
 	const char *decision;
@@ -706,11 +708,22 @@ pg_step(run_state *s, const char *scope, const char *id,
 			rollback_quietly(s);	/* left over; cannot normally happen */
 		if (pg->conn == NULL)
 			continue;
-		/* round trip 1: BEGIN; claim; SAVEPOINT */
+		/*
+		 * Round trip 1: BEGIN; claim; SAVEPOINT; and the handler's first
+		 * statement if it gave one (run option first_sql), optimistically:
+		 * if the key is not ours, round trip 2 rolls it back.
+		 */
 		cmds[0] = tx_cmd(s, STMT_BEGIN);
 		params_claim(s, &cmds[1]);
 		cmds[2] = tx_cmd(s, STMT_SAVEPOINT);
-		idem_pg_pipeline(pg, cmds, 3, &o);
+		if (first)
+		{
+			memset(&cmds[3], 0, sizeof(cmds[3]));
+			cmds[3].sql = ro->first_sql;
+			cmds[3].nparams = ro->first_nparams;
+			cmds[3].text_values = ro->first_params;
+		}
+		idem_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
 		/* a connection that died while idle: nothing was committed, so one
 		 * retry on a new connection is safe */
 		if (o.rc == PG_CONN_LOST && !fresh && tries == 0)
@@ -720,11 +733,14 @@ pg_step(run_state *s, const char *scope, const char *id,
 		}
 		break;
 	}
-	if (o.rc != PG_OK)
+	/* an error of the handler's first statement is the handler's to
+	 * report (when the key is ours) */
+	if (o.rc != PG_OK && !(o.rc == PG_SERVER_ERROR && o.failed_cmd == 3))
 	{
 		if (o.rc == PG_SERVER_ERROR)
 			rollback_quietly(s);
-		return pg_error(s, &o, o.failed_cmd == 1 ? "idem_claim" : "BEGIN");
+		return pg_error(s, &o, o.failed_cmd == 1 ? "idem_claim" :
+						o.failed_cmd == 2 ? "SAVEPOINT" : "BEGIN");
 	}
 	if (PQntuples(o.res[1]) != 1 || PQnfields(o.res[1]) != 4 ||
 		PQgetisnull(o.res[1], 0, 0))
@@ -745,8 +761,13 @@ pg_step(run_state *s, const char *scope, const char *id,
 		idem_handler_status hs;
 		idem_status st;
 
-		idem_pg_outcome_clear(&o);
 		memset(&call, 0, sizeof(call));
+		if (first)
+		{
+			call.first = o.res[3];	/* the handler's now */
+			o.res[3] = NULL;
+		}
+		idem_pg_outcome_clear(&o);
 		call.attempt = attempt;
 		call.is_platform = s->is_platform;
 		call.tenant_id = s->tenant_id;
@@ -755,6 +776,9 @@ pg_step(run_state *s, const char *scope, const char *id,
 		call.request = s->request;
 		call.key = s->key;
 		hs = handler(pg->conn, &call, user_data);
+		if (call.first)
+			PQclear(call.first);
+		call.first = NULL;
 		st = finish_claimed(s, hs, &call, attempt);
 		free(call.json);
 		return st;
@@ -791,10 +815,16 @@ pg_step(run_state *s, const char *scope, const char *id,
 	 * Round trip 2: end the transaction.  The claim wrote nothing for these
 	 * decisions and the answer was read from committed rows, so it stands
 	 * even if the COMMIT fails (say the connection died just now; the next
-	 * run reconnects).
+	 * run reconnects).  The handler's first statement, if it was sent, ran
+	 * inside the savepoint: rolled back before the COMMIT (a failed COMMIT
+	 * or a lost connection rolls back everything anyway).
 	 */
-	cmds[0] = tx_cmd(s, STMT_COMMIT);
-	idem_pg_pipeline(pg, cmds, 1, &o);
+	cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
+	cmds[1] = tx_cmd(s, STMT_COMMIT);
+	if (first)
+		idem_pg_pipeline(pg, cmds, 2, &o);
+	else
+		idem_pg_pipeline(pg, &cmds[1], 1, &o);
 	if (o.rc == PG_SERVER_ERROR)
 		rollback_quietly(s);
 	idem_pg_outcome_clear(&o);
@@ -929,7 +959,7 @@ effect_step(run_state *s, const idem_run_options *ro, const char *scope,
 {
 	if (ro != NULL && ro->sql_handler != NULL)
 		return apply_step(s, ro);
-	return pg_step(s, scope, id, handler, user_data);
+	return pg_step(s, ro, scope, id, handler, user_data);
 }
 
 void
@@ -956,6 +986,7 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	idem_handler_fn handler, void *user_data, idem_result *out)
 {
 	run_state	s;
+	idem_run_options ro_full;
 	char		err[200];
 	idem_status st;
 
@@ -997,6 +1028,15 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		return IDEM_ERROR;
 	}
 	r->errmsg[0] = '\0';
+	if (ro != NULL &&
+		ro->struct_size == offsetof(idem_run_options, first_sql))
+	{
+		/* initialised by a library before first_sql: none */
+		memset(&ro_full, 0, sizeof(ro_full));
+		memcpy(&ro_full, ro, ro->struct_size);
+		ro_full.struct_size = sizeof(ro_full);
+		ro = &ro_full;
+	}
 	if (ro != NULL && !IDEM_STRUCT_SIZE_OK(ro, idem_run_options))
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
 							"run options were not initialised by idem_run_options_init() of this library (struct_size %zu, expected %zu)",
@@ -1009,6 +1049,12 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "handler is NULL");
 	if (ro != NULL && ro->sql_handler != NULL && ro->sql_handler[0] == '\0')
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL, "sql_handler is empty");
+	if (ro != NULL && ro->first_sql != NULL &&
+		(ro->sql_handler != NULL || ro->first_sql[0] == '\0' ||
+		 ro->first_nparams < 0 || ro->first_nparams > 65535 ||
+		 (ro->first_nparams > 0 && ro->first_params == NULL)))
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"first_sql must be a non-empty statement for a C handler (not with sql_handler), with first_nparams (0 to 65535) text parameters in first_params");
 	if (scope == NULL || id == NULL || idem_key(scope, id, s.key) != 0)
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
 							"task scope and id must be non-NULL valid UTF-8 strings");

@@ -1255,6 +1255,18 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		idem_call_set_json(call, h->outcome ? h->outcome : "{\"ok\": true}");
 		return IDEM_HANDLER_OK;
 	}
+	if (strcmp(m, "first") == 0)
+	{
+		/* the effect was sent with the claim (run option first_sql) */
+		const PGresult *f = idem_call_first_result(call);
+
+		snprintf(out, sizeof(out), "{\"n\": %s}",
+				 f && PQresultStatus(f) == PGRES_TUPLES_OK && PQntuples(f) == 1 ?
+				 PQgetvalue(f, 0, 0) : "null");
+		idem_call_set_json(call, out);
+		return f && PQresultStatus(f) == PGRES_TUPLES_OK ?
+			IDEM_HANDLER_OK : IDEM_HANDLER_RETRYABLE;
+	}
 	if (strcmp(m, "stmts") == 0)
 	{
 		r = PQexec(conn, "SELECT string_agg(name, ',' ORDER BY name) FROM pg_prepared_statements");
@@ -1969,6 +1981,78 @@ cmd_scenario(void)
 		idem_run_with(R, 1, S, "sql6", "{}", &ro, NULL, NULL, &res);
 		tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_ARGUMENT,
 			   "an empty sql_handler is refused (%s)", res.error_message);
+	}
+
+	/* --- the handler's first statement sent with the claim ------------- */
+	{
+		idem_run_options ro;
+		const char *fp[2] = {S, NULL};
+		char		fid[16];
+
+		idem_run_options_init(&ro);
+		ro.first_sql = "INSERT INTO effects (scope, id, tenant) VALUES ($1, $2, 1) RETURNING 7";
+		ro.first_nparams = 2;
+		ro.first_params = fp;
+		fp[1] = fid;
+		snprintf(fid, sizeof(fid), "fs1");
+		memset(&h, 0, sizeof(h));
+		h.mode = "first";
+		rt_mark(&m);
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		rt_since(&m, &d);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && h.calls == 1 &&
+			   strcmp(res.outcome, "{\"n\": 7}") == 0 &&
+			   effects_of(S, fid) == 1 && ledger_is(1, S, fid, "completed 1"),
+			   "first_sql: sent with the claim, its result given to the handler, applied once (%s)", res_str(&res));
+		rt_check("applied with first_sql", &d, 2, 1);
+		/* a duplicate the claim answers (flagged first: no gate) */
+		ro.delivery_count = 1;
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 1 &&
+			   effects_of(S, fid) == 1,
+			   "first_sql on a duplicate: replay, its statement rolled back, the handler not called (%s)", res_str(&res));
+		idem_run_with(R, 1, S, fid, "{\"other\": 1}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_MISMATCH, IDEM_SOURCE_POSTGRES) && h.calls == 1 &&
+			   effects_of(S, fid) == 1,
+			   "first_sql on a reuse of the key: mismatch, its statement rolled back (%s)", res_str(&res));
+		/* another session holds the claim */
+		{
+			PGconn	   *holder = pg_open(E.pg);
+			const char *p1[1] = {S};
+
+			snprintf(fid, sizeof(fid), "fs2");
+			pg_ok(holder, "BEGIN");
+			PQclear(PQexecParams(holder, "SELECT decision FROM idem_claim(1, idem_key($1, 'fs2'), idem_fingerprint('{}'), '10 s')",
+								 1, NULL, p1, NULL, NULL, 0));
+			idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+			tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && h.calls == 1 &&
+				   effects_of(S, fid) == 0 && PQtransactionStatus(R->pg.conn) == PQTRANS_IDLE,
+				   "first_sql while another run holds the key: busy, its statement rolled back, the transaction ended (%s)", res_str(&res));
+			pg_ok(holder, "ROLLBACK");
+			PQfinish(holder);
+		}
+		/* the first statement fails: the handler reports it */
+		ro.first_sql = "INSERT INTO effects (scope, id, tenant) VALUES ($1, $2, 1/0) RETURNING 7";
+		snprintf(fid, sizeof(fid), "fs3");
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_FAILED_RETRYABLE, IDEM_SOURCE_HANDLER) && h.calls == 2 &&
+			   effects_of(S, fid) == 0 && ledger_is(1, S, fid, "failed_retryable 1"),
+			   "first_sql that fails: the handler sees the error, failed_retryable, nothing of it committed (%s)", res_str(&res));
+		/* ... and on a key that is not ours: the error is rolled back too */
+		snprintf(fid, sizeof(fid), "fs1");
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 2 &&
+			   strcmp(res.outcome, "{\"n\": 7}") == 0,
+			   "first_sql that fails on a duplicate: replay, as without it (%s)", res_str(&res));
+		ro.sql_handler = "itest_effect(jsonb)";
+		idem_run_with(R, 1, S, "fs4", "{}", &ro, handler, &h, &res);
+		tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_ARGUMENT && h.calls == 2,
+			   "first_sql with sql_handler is refused (%s)", res.error_message);
+		ro.sql_handler = NULL;
+		ro.first_params = NULL;
+		idem_run_with(R, 1, S, "fs4", "{}", &ro, handler, &h, &res);
+		tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_ARGUMENT && h.calls == 2,
+			   "first_sql with parameters but no first_params is refused (%s)", res.error_message);
 	}
 
 	/* --- busy: a marker held by another runner ---------------------- */

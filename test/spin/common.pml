@@ -417,6 +417,39 @@ inline wal_flush()
 }
 
 /*
+ * The key is not ours (busy, replay): round trip 2 ends the transaction,
+ * which wrote nothing -- with first_sql (FIRST_IN_CLAIM) after ROLLBACK TO
+ * SAVEPOINT, which discards the handler's first statement
+ * (client/runner.c pg_step).  BROKEN_FIRST_KEPT: COMMIT without the
+ * ROLLBACK TO (must fail: the discarded effect commits).
+ */
+inline not_ours_commit(me)
+{
+	atomic {
+#if defined(FIRST_IN_CLAIM) && !defined(BROKEN_FIRST_KEPT)
+		tx_eff = false;                 /* ROLLBACK TO SAVEPOINT idem_handler */
+#endif
+		if
+		:: tx_gen == pg_gen && tx_eff -> tx_commit_effects(me)
+		:: else -> tx_rollback(me)      /* COMMIT of nothing */
+		fi
+	}
+}
+
+#ifdef FIRST_IN_CLAIM
+/* The handler's first statement, sent after SAVEPOINT in the claim's
+ * pipeline (run option first_sql): its effect is in the transaction before
+ * the client has read the claim's answer. */
+inline first_stmt_step(me)
+{
+	if
+	:: atomic { FAULT -> SPEND; runner_dies(me) }      /* dies meanwhile */
+	:: atomic { tx_eff = true }
+	fi
+}
+#endif
+
+/*
  * In-transaction mode, after `claimed`: SAVEPOINT; the handler writes its
  * effect; idem_complete (src/ledger.c: row -> completed with the outcome,
  * and idem_outbox_add) or, on a handler failure, ROLLBACK TO SAVEPOINT and
@@ -427,9 +460,11 @@ inline handler_step(me)
 	atomic {
 		if
 		:: tx_eff = true; tx_st = S_DONE; tx_out = OUT(me, att)      /* ok */
-		:: FAULT -> SPEND; tx_st = S_FAILR; tx_out = OUT(me, att)    /* retryable */
+		/* a failure rolls back to the savepoint: the effect (first_sql's
+		 * included) is gone */
+		:: FAULT -> SPEND; tx_eff = false; tx_st = S_FAILR; tx_out = OUT(me, att)
 #ifdef PERM_FAIL
-		:: tx_st = S_FAILP; tx_out = OUT(me, att)                    /* permanent */
+		:: tx_eff = false; tx_st = S_FAILP; tx_out = OUT(me, att)    /* permanent */
 #endif
 		fi
 	}

@@ -43,20 +43,29 @@ end_idle:
 			:: atomic { FAULT -> SPEND; runner_dies(me) }   /* dies before BEGIN */
 			:: claim_step(me)
 			fi;
+#ifdef FIRST_IN_CLAIM
+			/* the handler's first statement (run option first_sql), in
+			 * the claim's pipeline after SAVEPOINT: it runs whatever the
+			 * claim decided */
+			if
+			:: res != R_DIED -> first_stmt_step(me)
+			:: else -> skip
+			fi;
+#endif
 			if
 			:: res == R_DIED -> skip                      /* marker stays until PX */
 			:: res == R_BUSY ->
 				/* COMMIT of the empty transaction (the claim already let
 				 * the lock go), then compare-and-delete our marker
 				 * (client/runner.c release_marker); message requeued */
-				atomic { tx_rollback(me) };
+				not_ours_commit(me);
 				cad_step(me)
 			:: res == R_REPLAY ->
 				/* REPLAY read from PostgreSQL is the committed outcome
 				 * (unless a crash or promotion has since lost it) */
 				assert(tx_gen != pg_gen ||
 					(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val));
-				atomic { tx_rollback(me) };     /* COMMIT, nothing written */
+				not_ours_commit(me);            /* COMMIT, nothing written */
 #ifdef CLIENT_SETS_TERMINAL
 				client_set_terminal();          /* old design: SET value PX */
 #endif
