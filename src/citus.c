@@ -9,10 +9,11 @@
  *	  runs any of it.
  *
  *	  On Citus the tenant ledger is distributed by tenant_id and co-located
- *	  with tenants, and the tenant API functions are distributed by their
- *	  tenant_id argument with force_delegation: Citus runs the call in the
- *	  worker backend that holds the tenant's shard, inside the handler's
- *	  distributed transaction.  There idem reads and writes the shard
+ *	  with tenants, and the tenant API functions (idem_apply included) are
+ *	  distributed by their tenant_id argument with force_delegation: Citus
+ *	  runs the call in the worker backend that holds the tenant's shard,
+ *	  inside the handler's distributed transaction (idem_apply's handler
+ *	  runs there too).  There idem reads and writes the shard
  *	  itself (idempotency_keys_<shardid>, with its FK to the co-located
  *	  tenants shard), exactly as it does the single-node ledger: key lock,
  *	  probes, direct write, commit hook and Valkey copy all run in that
@@ -250,9 +251,9 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 					 "SELECT pg_catalog.create_distributed_function(p.oid::pg_catalog.regprocedure,"
 					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
 					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
-					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup}')",
+					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply}')",
 					 quote_literal_cstr(qledger), nsp);
-	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed != 4)
+	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed != 5)
 		elog(ERROR, "could not distribute the idem tenant functions");
 }
 

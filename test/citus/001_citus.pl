@@ -76,7 +76,7 @@ is( $c->safe_psql('postgres', q{
 		                  ORDER BY p.proname)
 		FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid
 		WHERE d.classid = 'pg_proc'::regclass AND p.proname LIKE 'idem%'}),
-	'idem_claim 0 true, idem_complete 0 true, idem_fail 0 true, idem_lookup 0 true',
+	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_fail 0 true, idem_lookup 0 true',
 	'install: the tenant API is distributed by tenant_id with force_delegation');
 
 my $w1 = $cl->w1;
@@ -164,6 +164,50 @@ my $took = time() - $t0;
 is($busy, 'busy', 'a concurrent claim answers busy');
 ok($took < 2, sprintf('... without waiting for the holder (%.3f s)', $took));
 $bg->query_safe('ROLLBACK');
+
+# ---------- idem_apply: claim, a SQL handler, complete in one statement ----------
+# Delegated like the rest of the tenant API: the handler runs in the worker
+# backend that holds the tenant's shard, its writes to co-located tables
+# there, committed with the key.  The handler is an ordinary function,
+# created on the coordinator (Citus propagates it).
+$c->safe_psql('postgres', q{
+	CREATE FUNCTION apply_effect(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+	BEGIN
+		IF args ? 'fail' THEN RAISE EXCEPTION 'refused'; END IF;
+		INSERT INTO effects (tenant_id, k) VALUES ((args->>'t')::bigint, args->>'k');
+		RETURN jsonb_build_object('k', args->>'k');
+	END $$;
+});
+my $apply = sub {
+	my ($node, $t, $k, $args) = @_;
+	return $node->psql('postgres', qq{
+		SELECT a.decision || ' ' || a.attempt || ' ' || coalesce(a.outcome::text, '-') || ' ' || a.ran
+		FROM idem_apply($t, idem_key('ap', '$k'), idem_fingerprint('{}'), 'apply_effect(jsonb)', '$args') AS a});
+};
+my ($arc, $aout, $aerr) = $apply->($c, $t1, 'a1', qq({"t": $t1, "k": "ap:a1"}));
+is($aout, qq(applied 1 {"k": "ap:a1"} true), 'idem_apply through the coordinator: applied')
+  or diag($aerr);
+is(shard_rows($w1, $t1, "idempotency_key = idem_key('ap', 'a1')"), 'completed 1',
+	'... the key in the tenant\'s shard, on the worker that holds it');
+is($c->safe_psql('postgres', "SELECT count(*) FROM effects WHERE k = 'ap:a1'"), '1',
+	'... the effect committed with it, once');
+$k = vkey($t1, 'ap', 'a1');
+is(shape($w1, $k, $valkey->wait_for_key($k, 10)), qq(c 1 $fp {"k": "ap:a1"}),
+	'... and copied into Valkey by that worker');
+($arc, $aout, $aerr) = $apply->($c, $t1, 'a1', qq({"t": $t1, "k": "ap:a1"}));
+is($aout, qq(completed 1 {"k": "ap:a1"} false), 'a redelivery replays: the handler does not run')
+  or diag($aerr);
+($arc, $aout, $aerr) = $apply->($w2, $t1, 'a1', qq({"t": $t1, "k": "ap:a1"}));
+is($aout, qq(completed 1 {"k": "ap:a1"} false), '... also sent to the worker without the shard')
+  or diag($aerr);
+is($c->safe_psql('postgres', "SELECT count(*) FROM effects WHERE k = 'ap:a1'"), '1', '... the effect still once');
+($arc, $aout, $aerr) = $apply->($c, $t2, 'a2', qq({"t": $t2, "k": "ap:a2", "fail": true}));
+like($aout, qr/^failed_permanent 1 \{.*"sqlstate": "P0001"\} true$/,
+	'a handler that raises on the other worker: failed_permanent recorded')
+  or diag($aerr);
+is( $c->safe_psql('postgres', "SELECT count(*) FROM effects WHERE k = 'ap:a2'")
+	  . ' ' . shard_rows($w2, $t2, "idempotency_key = idem_key('ap', 'a2')"),
+	'0 failed_permanent 1', '... its writes rolled back, the failure in the shard');
 
 # ---------- never a shell table ----------
 foreach my $case (
