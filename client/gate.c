@@ -1,13 +1,20 @@
 /*
  * gate.c
  *	  The Valkey side of a runner: one hiredis connection with short connect
- *	  and command timeouts, the gate script and compare-and-delete of our
- *	  own marker.  The client writes no terminal value (the server's worker
+ *	  and command timeouts, the gate and compare-and-delete of our own
+ *	  marker.  The client writes no terminal value (the server's worker
  *	  does, once the commit is durable).
  *
+ *	  The gate is one native command, SET <key> <marker> NX PX <lease> GET:
+ *	  atomically, an existing value is returned (and nothing is set), an
+ *	  absent key gets our marker.  A replay costs Valkey what a GET costs.
+ *	  No TTL comes back: a marker's deadline is in its MACed content
+ *	  (trust.c bounds it by our own lease).
+ *
  *	  Every command touches one key (Valkey Cluster: one slot), and only
- *	  commands that both Redis 7 and Valkey have are used: GET, SET NX PX,
- *	  PTTL, DEL inside EVAL/EVALSHA, SCRIPT LOAD, AUTH, SELECT.
+ *	  commands that both Redis >= 7.0 and Valkey have are used: GET,
+ *	  SET NX PX GET (NX with GET needs 7.0), DEL inside EVAL/EVALSHA,
+ *	  SCRIPT LOAD, AUTH, SELECT.
  *
  *	  A failure never fails a run: the gate is skipped and PostgreSQL
  *	  decides.  After a failed connect the gate is left alone for retry_ms;
@@ -18,9 +25,11 @@
  *	  hiredis formats commands and parses replies; after the TCP connect,
  *	  the bytes go through send(MSG_NOSIGNAL) and recv() here, so a dead
  *	  Valkey is an error, never SIGPIPE, without masking signals on every
- *	  call.  The command timeout is a deadline: each exchange waits with
- *	  poll() for what is left of it, and a signal (EINTR) never restarts
- *	  the clock.  Errors are classified by errno, never by message text.
+ *	  call.  The command timeout is a deadline: a reply is waited for by a
+ *	  blocking recv() whose SO_RCVTIMEO is what is left of it (a send that
+ *	  finds the socket full waits with poll()), and a signal (EINTR) never
+ *	  restarts the clock; an exchange is two system calls, as hiredis's
+ *	  own GET.  Errors are classified by errno, never by message text.
  *
  *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless the
  *	  mode is forced); a cluster node hands the gate to the shared router
@@ -33,6 +42,7 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -41,21 +51,9 @@
 #include <pthread.h>
 #include <sys/socket.h>
 
-#include <poll.h>
-
 #include <hiredis/hiredis.h>
 
 #include "valkey_cluster.h"
-
-/*
- * KEYS[1] = key, ARGV[1] = our marker, ARGV[2] = lease in ms.
- * Existing value: {value, PTTL}; absent: set our marker, return 1.
- */
-static const char GATE_SCRIPT[] =
-"local v = redis.call('GET', KEYS[1])\n"
-"if v then return {v, redis.call('PTTL', KEYS[1])} end\n"
-"redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])\n"
-"return 1\n";
 
 /* KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours. */
 static const char CAD_SCRIPT[] =
@@ -75,12 +73,12 @@ struct idem_gate
 	int			retry_ms;
 	redisContext *c;
 	int64_t		down_until;		/* monotonic ms */
-	char		sha_gate[41];
 	char		sha_cad[41];
 	long		round_trips;
 	long		connects;
 	int			last_errno;		/* of the last failed exchange; 0: EOF,
 								 * timeout or protocol error */
+	int			rcvtimeo_ms;	/* SO_RCVTIMEO of g->c's socket */
 	/* Valkey Cluster */
 	char	   *nodes;			/* more seeds, "host:port,..." */
 	int			cluster_mode;	/* 0 auto, 1 on, -1 off */
@@ -250,9 +248,9 @@ db_on_cluster(idem_gate *g)
 /*
  * Open the cluster router (seeds: host:port, then the extra nodes; each
  * seed has the connect and command timeouts to answer, so a seed that hangs
- * costs its own time only).  The scripts are named by their SHA-1, computed
+ * costs its own time only).  The script is named by its SHA-1, computed
  * here: no SCRIPT LOAD, which would have to go to some node that may be the
- * one that hangs; each node loads them on its first NOSCRIPT (EVAL).
+ * one that hangs; each node loads it on its first NOSCRIPT (EVAL).
  * 0, or -1 with the gate resting.
  */
 static int
@@ -296,7 +294,6 @@ cluster_open(idem_gate *g)
 		if (rc != 0 || !idem_vc_is_cluster(g->vc))
 			goto fail;
 	}
-	idem_sha1_hex(GATE_SCRIPT, sizeof(GATE_SCRIPT) - 1, g->sha_gate);
 	idem_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
 	return 0;
 fail:
@@ -359,9 +356,10 @@ reply_ok(redisReply *r, int want_sha, char *sha)
 	return r->type == REDIS_REPLY_STATUS;
 }
 
-static int	send_all(redisContext *c, const char *buf, size_t len,
-					 int64_t deadline, int *err_no);
-static redisReply *read_reply(redisContext *c, int64_t deadline, int *err_no);
+static int	send_all(idem_gate *g, const char *buf, size_t len,
+					 int64_t deadline);
+static redisReply *read_reply(idem_gate *g, int64_t deadline);
+static int	socket_setup(idem_gate *g);
 
 /* Append one formatted command to *buf (a malloc'd string of *len bytes). */
 static int
@@ -386,7 +384,7 @@ append_cmd(char **buf, size_t *len, int argc, const char **argv)
 	return 0;
 }
 
-/* Connect, authenticate, select, load the scripts: one round trip after the
+/* Connect, authenticate, select, load the script: one round trip after the
  * TCP connect, within the command timeout (a deadline).  0 on success; on
  * failure the gate stays down for retry_ms. */
 static int
@@ -420,6 +418,7 @@ do_connect(idem_gate *g)
 		return -1;
 	}
 	g->c = c;
+	ok = socket_setup(g) == 0;
 	if (ok && g->password)
 	{
 		const char *argv[2] = {"AUTH", g->password};
@@ -446,33 +445,30 @@ do_connect(idem_gate *g)
 	}
 	if (ok)
 	{
-		const char *a1[3] = {"SCRIPT", "LOAD", GATE_SCRIPT};
-		const char *a2[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
+		const char *argv[3] = {"SCRIPT", "LOAD", CAD_SCRIPT};
 
-		ok = append_cmd(&buf, &len, 3, a1) == 0 &&
-			append_cmd(&buf, &len, 3, a2) == 0;
-		n += 2;
+		ok = append_cmd(&buf, &len, 3, argv) == 0;
+		n++;
 	}
 	deadline = idem_now_ms() + g->command_timeout_ms;
 	if (ok)
 	{
 		g->round_trips++;
-		ok = send_all(c, buf, len, deadline, &g->last_errno) == 0;
+		ok = send_all(g, buf, len, deadline) == 0;
 		io_failed = !ok;
 	}
 	free(buf);
 	for (i = 0; ok && i < n; i++)
 	{
-		redisReply *rep = read_reply(c, deadline, &g->last_errno);
-		int			is_sha = i >= n - 2;
+		redisReply *rep = read_reply(g, deadline);
+		int			is_sha = i == n - 1;
 
 		if (rep == NULL)
 			ok = 0, io_failed = 1;
 		else if (i == info_at)
 			cluster = ((redisReply *) rep)->type == REDIS_REPLY_STRING &&
 				strstr(((redisReply *) rep)->str, "cluster_enabled:1") != NULL;
-		else if (!reply_ok(rep, is_sha,
-						   i == n - 2 ? g->sha_gate : g->sha_cad))
+		else if (!reply_ok(rep, is_sha, g->sha_cad))
 			ok = 0;
 		if (rep)
 			freeReplyObject(rep);
@@ -576,33 +572,65 @@ wait_fd(int fd, short events, int64_t deadline)
 	}
 }
 
+/* SO_RCVTIMEO of g->c's socket, in ms (> 0). */
+static int
+set_rcvtimeo(idem_gate *g, int64_t ms)
+{
+	struct timeval tv = ms_tv((int) ms);
+
+	if (setsockopt(g->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0)
+		return -1;
+	g->rcvtimeo_ms = (int) ms;
+	return 0;
+}
+
 /*
- * Send len bytes before the deadline, with MSG_NOSIGNAL.  0, or -1 with the
- * error left in c and *err_no (0 for the deadline).
+ * A new connection's socket: blocking, with the command timeout as
+ * SO_RCVTIMEO, so that waiting for a reply is one recv() (no poll() before
+ * it: a gate run costs two system calls, send and recv, as a GET does).
  */
 static int
-send_all(redisContext *c, const char *buf, size_t len, int64_t deadline,
-		 int *err_no)
+socket_setup(idem_gate *g)
 {
+	int			fl = fcntl(g->c->fd, F_GETFL);
+
+	if (fl < 0 ||
+		((fl & O_NONBLOCK) && fcntl(g->c->fd, F_SETFL, fl & ~O_NONBLOCK) != 0))
+		return -1;
+	return set_rcvtimeo(g, g->command_timeout_ms);
+}
+
+/*
+ * Send len bytes before the deadline, with MSG_NOSIGNAL: at once, waiting
+ * (poll) only when the socket's buffer is full.  0, or -1 with the error
+ * left in g->c and g->last_errno (0 for the deadline).
+ */
+static int
+send_all(idem_gate *g, const char *buf, size_t len, int64_t deadline)
+{
+	redisContext *c = g->c;
 	size_t		off = 0;
 
 	while (off < len)
 	{
-		ssize_t		n;
-		int			w = wait_fd(c->fd, POLLOUT, deadline);
+		ssize_t		n = send(c->fd, buf + off, len - off,
+							 MSG_NOSIGNAL | MSG_DONTWAIT);
 
-		if (w <= 0)
-		{
-			*err_no = w < 0 ? errno : 0;
-			io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
-			return -1;
-		}
-		n = send(c->fd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
 		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+		{
+			int			w = wait_fd(c->fd, POLLOUT, deadline);
+
+			if (w <= 0)
+			{
+				g->last_errno = w < 0 ? errno : 0;
+				io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
+				return -1;
+			}
 			continue;
+		}
 		if (n <= 0)
 		{
-			*err_no = n < 0 ? errno : 0;
+			g->last_errno = n < 0 ? errno : 0;
 			io_error(c, REDIS_ERR_IO, n < 0 ? strerror(errno) : "send");
 			return -1;
 		}
@@ -613,50 +641,66 @@ send_all(redisContext *c, const char *buf, size_t len, int64_t deadline,
 
 /*
  * Read one reply before the deadline.  Returns it (caller frees), or NULL
- * with the error left in c and *err_no (0: EOF, deadline, protocol).
+ * with the error left in g->c and g->last_errno (0: EOF, deadline,
+ * protocol).
+ *
+ * A blocking recv() bounded by SO_RCVTIMEO: the socket's timeout is brought
+ * down to what is left of the deadline whenever it exceeds it by more than
+ * a millisecond (after a partial reply, or a signal: a recv() on a socket
+ * with a timeout is never restarted, it fails with EINTR), and back up at
+ * the next command; so a signal never extends the deadline.
  */
 static redisReply *
-read_reply(redisContext *c, int64_t deadline, int *err_no)
+read_reply(idem_gate *g, int64_t deadline)
 {
+	redisContext *c = g->c;
+
 	for (;;)
 	{
 		void	   *reply = NULL;
 		char		buf[16 * 1024];
 		ssize_t		n;
-		int			w;
+		int64_t		left;
 
 		if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
 		{
-			*err_no = 0;
+			g->last_errno = 0;
 			return NULL;
 		}
 		if (reply != NULL)
 			return reply;
-		w = wait_fd(c->fd, POLLIN, deadline);
-		if (w <= 0)
+		left = deadline - idem_now_ms();
+		if (left <= 0)
 		{
-			*err_no = w < 0 ? errno : 0;
-			io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
+			g->last_errno = 0;
+			io_error(c, REDIS_ERR_IO, "timeout");
 			return NULL;
 		}
-		n = recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT);
+		if ((g->rcvtimeo_ms > left + 1 || g->rcvtimeo_ms < left - 1) &&
+			set_rcvtimeo(g, left) != 0)
+		{
+			g->last_errno = errno;
+			io_error(c, REDIS_ERR_IO, strerror(errno));
+			return NULL;
+		}
+		n = recv(c->fd, buf, sizeof(buf), 0);
 		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-			continue;
+			continue;			/* the deadline is checked above */
 		if (n == 0)
 		{
-			*err_no = 0;
+			g->last_errno = 0;
 			io_error(c, REDIS_ERR_EOF, "Server closed the connection");
 			return NULL;
 		}
 		if (n < 0)
 		{
-			*err_no = errno;
+			g->last_errno = errno;
 			io_error(c, REDIS_ERR_IO, strerror(errno));
 			return NULL;
 		}
 		if (redisReaderFeed(c->reader, buf, (size_t) n) != REDIS_OK)
 		{
-			*err_no = 0;
+			g->last_errno = 0;
 			io_error(c, REDIS_ERR_PROTOCOL, "Protocol error");
 			return NULL;
 		}
@@ -683,11 +727,11 @@ exchange(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 		io_error(c, REDIS_ERR_OOM, "Out of memory");
 		return NULL;
 	}
-	rc = send_all(c, cmd, (size_t) len, deadline, &g->last_errno);
+	rc = send_all(g, cmd, (size_t) len, deadline);
 	redisFreeCommand(cmd);
 	if (rc != 0)
 		return NULL;
-	return read_reply(c, deadline, &g->last_errno);
+	return read_reply(g, deadline);
 }
 
 /* Did the established connection die (EOF, reset, broken pipe), as opposed
@@ -788,57 +832,8 @@ eval(idem_gate *g, const char *sha, const char *script, int nargs,
 	return r;
 }
 
-void
-idem_gate_enter(idem_gate *g, const char *key, const char *marker,
-				int lease_ms, gate_reply *out)
-{
-	char		lease[24];
-	const char *args[3];
-	redisReply *r;
-
-	memset(out, 0, sizeof(*out));
-	out->answer = GATE_SKIPPED;
-	if (g == NULL || idem_gate_resting(g))
-		return;
-	snprintf(lease, sizeof(lease), "%d", lease_ms);
-	args[0] = key;
-	args[1] = marker;
-	args[2] = lease;
-	r = eval(g, g->sha_gate, GATE_SCRIPT, 3, args);
-	if (r == NULL)
-		return;
-	if (r->type == REDIS_REPLY_INTEGER && r->integer == 1)
-		out->answer = GATE_ACQUIRED;
-	else if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
-			 r->element[0]->type == REDIS_REPLY_STRING &&
-			 r->element[1]->type == REDIS_REPLY_INTEGER)
-	{
-		out->value = malloc(r->element[0]->len + 1);
-		if (out->value != NULL)
-		{
-			memcpy(out->value, r->element[0]->str, r->element[0]->len);
-			out->value[r->element[0]->len] = '\0';
-			out->value_len = r->element[0]->len;
-			out->pttl = r->element[1]->integer;
-			out->answer = GATE_VALUE;
-			/* our own marker, from a retried script that ran twice */
-			if (out->value_len == strlen(marker) &&
-				memcmp(out->value, marker, out->value_len) == 0)
-			{
-				free(out->value);
-				out->value = NULL;
-				out->value_len = 0;
-				out->answer = GATE_ACQUIRED;
-			}
-		}
-	}
-	/* else: an error reply (say WRONGTYPE for a key of another type):
-	 * Valkey answered but has nothing usable; skip the gate. */
-	freeReplyObject(r);
-}
-
-/* A GET reply into a gate_reply: GATE_VALUE for a string, GATE_ABSENT for
- * nil (the node answered: the key is not there). */
+/* A GET (or SET ... GET) reply into a gate_reply: GATE_VALUE for a string,
+ * GATE_ABSENT for nil (the node answered: the key is not there). */
 static void
 take_value(gate_reply *out, const redisReply *r)
 {
@@ -850,8 +845,58 @@ take_value(gate_reply *out, const redisReply *r)
 	memcpy(out->value, r->str, r->len);
 	out->value[r->len] = '\0';
 	out->value_len = r->len;
-	out->pttl = -1;
 	out->answer = GATE_VALUE;
+}
+
+void
+idem_gate_enter(idem_gate *g, const char *key, const char *marker,
+				int lease_ms, gate_reply *out)
+{
+	char		lease[24];
+	const char *argv[7];
+	size_t		argvlen[7];
+	redisReply *r;
+	int			i;
+
+	memset(out, 0, sizeof(*out));
+	out->answer = GATE_SKIPPED;
+	if (g == NULL || idem_gate_resting(g))
+		return;
+	snprintf(lease, sizeof(lease), "%d", lease_ms);
+	argv[0] = "SET";
+	argv[1] = key;
+	argv[2] = marker;
+	argv[3] = "NX";
+	argv[4] = "PX";
+	argv[5] = lease;
+	argv[6] = "GET";
+	for (i = 0; i < 7; i++)
+		argvlen[i] = strlen(argv[i]);
+	r = command(g, 7, argv, argvlen);
+	if (r == NULL)
+		return;
+	if (r->type == REDIS_REPLY_NIL)
+		out->answer = GATE_ACQUIRED;	/* absent: our marker is set */
+	else
+	{
+		take_value(out, r);
+		/* our own marker, from a command retried after a dead connection */
+		if (out->answer == GATE_VALUE && out->value_len == argvlen[2] &&
+			memcmp(out->value, marker, out->value_len) == 0)
+		{
+			free(out->value);
+			out->value = NULL;
+			out->value_len = 0;
+			out->answer = GATE_ACQUIRED;
+		}
+	}
+
+	/*
+	 * Anything else is an error reply (say WRONGTYPE for a key of another
+	 * type, or a server older than Redis 7.0 refusing NX with GET): Valkey
+	 * answered but has nothing usable; skip the gate.
+	 */
+	freeReplyObject(r);
 }
 
 void
@@ -907,11 +952,11 @@ idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
 			ok = append_cmd(&buf, &len, 2, argv) == 0;
 		}
 		if (ok)
-			ok = send_all(g->c, buf, len, deadline, &g->last_errno) == 0;
+			ok = send_all(g, buf, len, deadline) == 0;
 		free(buf);
 		for (i = 0; ok && i < n; i++)
 		{
-			redisReply *r = read_reply(g->c, deadline, &g->last_errno);
+			redisReply *r = read_reply(g, deadline);
 
 			if (r == NULL)
 				ok = 0;

@@ -368,8 +368,8 @@ typedef struct idem_run_options
 								 * claim), only without the cache.  2 or
 								 * more: a redelivery, likely already
 								 * done, so a plain GET is tried before
-								 * the gate script (a replay in the
-								 * cheapest read; one round trip more when
+								 * the gate (a replay without making
+								 * a marker; one round trip more when
 								 * the cache cannot answer). */
 	const char *sql_handler;	/* non-NULL: the effect is this SQL function
 								 * of the extension's idem_apply, named as

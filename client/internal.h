@@ -9,8 +9,8 @@
  *						MAC verification, the marker it writes
  *	  canonical_json.c	the jsonb-identical canonical JSON text
  *	  digest.c			idem_key(), idem_fingerprint()
- *	  gate.c			the Valkey side: connection, gate script,
- *						compare-and-delete
+ *	  gate.c			the Valkey side: connection, the gate (SET NX PX
+ *						GET), compare-and-delete
  *	  pg.c				the PostgreSQL side: connection, pipelines
  *	  lifecycle.c		a runner's life: options, open, close, last error,
  *						counters
@@ -73,7 +73,7 @@ typedef enum gate_answer
 {
 	GATE_SKIPPED = 0,			/* Valkey down, slow, or not configured */
 	GATE_ACQUIRED,				/* our marker is set */
-	GATE_VALUE,					/* a value exists: value/len + pttl */
+	GATE_VALUE,					/* a value exists: value/len */
 	GATE_ABSENT					/* GET: the node answered, no such key */
 } gate_answer;
 
@@ -82,20 +82,20 @@ typedef struct gate_reply
 	gate_answer answer;
 	char	   *value;			/* GATE_VALUE: malloc'd, NUL-terminated */
 	size_t		value_len;
-	long long	pttl;			/* GATE_VALUE: PTTL (-1 none, -2 gone) */
 } gate_reply;
 
 idem_gate  *idem_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
 						  int command_timeout_ms, int retry_ms);
 void		idem_gate_free(idem_gate *g);
-/* One round trip: GET, or SET NX PX our marker if absent. */
+/* One round trip, one command: SET key marker NX PX lease GET (the value
+ * if one exists, else our marker is set). */
 /* After a failure, within retry_ms: every call skips Valkey at once. */
 int			idem_gate_resting(const idem_gate *g);
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 							int lease_ms, gate_reply *out);
 /* GET of n keys in one pipeline (per node on a cluster), no marker:
- * out[i] GATE_VALUE with pttl -1, GATE_ABSENT (nil), or GATE_SKIPPED. */
+ * out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED. */
 void		idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
 							   gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
@@ -270,7 +270,10 @@ struct idem_runner
 	int			retention_ms;
 	int			lookup_first;	/* option; cleared if idem_lookup is refused */
 	int			broken;			/* invalid options: every run fails */
-	uint64_t	token_counter;
+	uint64_t	token_counter;	/* markers made since token_base */
+	uint8_t		token_base[IDEM_TOKEN_LEN];	/* random, per runner and fork */
+	uint64_t	token_fork_gen; /* fork generation token_base was drawn in;
+								 * 0: not drawn yet */
 	char		errmsg[512];
 	idem_runner_stats stats;
 };

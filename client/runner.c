@@ -6,14 +6,14 @@
  *	  read-only lookups (idem_cached) in cached.c.
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
- *	  2. Valkey, one round trip (gate script), in the keyspace the server
+ *	  2. Valkey, one round trip (SET NX PX GET), in the keyspace the server
  *		 gave (trust.c; learnt on each new connection): a terminal value
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
  *		 lease is busy (unless idem_lookup finds its run committed: a replay
  *		 or mismatch); anything else is ignored (counted); absent: our
- *		 MACed marker is set (SET NX PX lease).  Valkey down or slow: skip
+ *		 MACed marker is set, in the same command.  Valkey down or slow: skip
  *		 the gate (for retry_ms after a failure, without trying).
  *	  3a. Valkey configured but silent, or a mismatch hint (lookup_first):
  *		 one autocommit idem_lookup; a completed or failed_permanent row
@@ -33,7 +33,7 @@
  *
  *	  Per-run options (idem_run_with): delivery_count 1 skips step 2 (the
  *	  claim guards a wrongly flagged duplicate), delivery_count > 1 tries a
- *	  plain GET before the gate script (replay_by_get); sql_handler makes step 3b
+ *	  plain GET before the gate (replay_by_get); sql_handler makes step 3b
  *	  one idem_apply statement.
  *
  *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
@@ -49,6 +49,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <unistd.h>
 #include <sys/random.h>
 
@@ -130,9 +131,25 @@ idem_result_from_cache(idem_result *out, const IdemCacheEntry *e)
 	idem_result_set_outcome(out, e->outcome, e->outcome_len);
 }
 
-/* 16 random bytes for the marker's token; never fails. */
+/* Forks since the library was loaded, + 1: a child draws a new token base. */
+static volatile uint64_t fork_gen = 1;
+static pthread_once_t fork_hook_once = PTHREAD_ONCE_INIT;
+
 static void
-random_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
+fork_child(void)
+{
+	fork_gen++;
+}
+
+static void
+fork_hook(void)
+{
+	(void) pthread_atfork(NULL, NULL, fork_child);
+}
+
+/* 16 random bytes; never fails. */
+static void
+random_bytes(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
 {
 	ssize_t		got = getrandom(tok, IDEM_TOKEN_LEN, GRND_NONBLOCK);
 
@@ -153,20 +170,45 @@ random_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
 		struct
 		{
 			int64_t		t;
+			int64_t		wall;
 			pid_t		pid;
 			const void *self;
-			uint64_t	n;
 		}			seed;
 
 		seed.t = idem_now_ms();
+		seed.wall = idem_wall_ms();
 		seed.pid = getpid();
 		seed.self = r;
-		seed.n = ++r->token_counter;
 		idem_sha256_init(&c);
 		idem_sha256_update(&c, &seed, sizeof(seed));
 		idem_sha256_final(&c, d);
 		memcpy(tok, d, IDEM_TOKEN_LEN);
 	}
+}
+
+/*
+ * The marker's token: unique among the runs of all runners (what the
+ * compare-and-delete needs).  A random base, drawn once per runner (and
+ * again in a forked child), with the run's counter in its last 8 bytes: no
+ * system call per run.
+ */
+static void
+random_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
+{
+	uint64_t	n;
+	int			i;
+
+	if (r->token_fork_gen != fork_gen)
+	{
+		(void) pthread_once(&fork_hook_once, fork_hook);
+		random_bytes(r, r->token_base);
+		r->token_counter = 0;
+		r->token_fork_gen = fork_gen;
+	}
+	n = ++r->token_counter;
+	memcpy(tok, r->token_base, IDEM_TOKEN_LEN);
+	for (i = 0; i < 8; i++)
+		tok[IDEM_TOKEN_LEN - 1 - i] ^= (uint8_t) (n >> (8 * i));
 }
 
 static void
@@ -195,7 +237,7 @@ leave_marker(run_state *s)
  * Step 2 for a redelivery (delivery_count > 1): a plain GET first, the
  * cheapest read Valkey has.  A terminal value whose MAC verifies, with our
  * fingerprint, is the replay; anything else (absent, a marker, another
- * fingerprint, not trusted) goes on to the gate script, which reads the key
+ * fingerprint, not trusted) goes on to the gate, which reads the key
  * again atomically with setting our marker: one round trip more for a
  * redelivery the cache cannot answer.  Returns 1 if it decided the run.
  */
@@ -264,7 +306,7 @@ gate_step(run_state *s)
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
-		case GATE_ABSENT:		/* not an answer of the gate script */
+		case GATE_ABSENT:		/* not an answer of the gate */
 			s->r->stats.valkey_skipped++;
 			s->valkey_silent = 1;
 			break;
@@ -281,15 +323,17 @@ gate_step(run_state *s)
 			{
 				long long	left = e.expires_ms - idem_wall_ms();
 
-				if (g.pttl > 0)
-				{
-					s->out->status = IDEM_BUSY;
-					s->out->source = IDEM_SOURCE_VALKEY;
-					s->out->retry_after_ms = (long) (g.pttl < left ? g.pttl : left);
-					s->marker_busy = 1;
-					decided = 1;
-				}
-				/* a marker without a TTL is not ours to honour */
+				/*
+				 * Busy until the deadline in its MACed content, which
+				 * idem_trust_check bounded by our own lease (+ 1 s of
+				 * skew); Valkey's TTL of the key is not consulted, so a
+				 * marker planted with a longer TTL is busy no longer.
+				 */
+				s->out->status = IDEM_BUSY;
+				s->out->source = IDEM_SOURCE_VALKEY;
+				s->out->retry_after_ms = (long) (left > 0 ? left : 1);
+				s->marker_busy = 1;
+				decided = 1;
 				break;
 			}
 			/*

@@ -283,6 +283,34 @@ test_values(idem_runner *R)
 			   res.retry_after_ms <= 5000 && h.calls == 0,
 			   "control: an authentic marker within the lease is busy, retry after its deadline, not its PX (%s)",
 			   rs(&res));
+
+	/*
+	 * 6. The gate (SET NX PX GET) returns no TTL: a marker is busy until the
+	 * deadline in its MACed content, whatever Valkey's TTL of the key says
+	 * (here none at all), and not a moment longer.
+	 */
+	cache_key_of(k, sizeof(k), 0, 1, S, "nottl");
+	{
+		int64_t		deadline = wall_ms() + 1500,
+					t1;
+
+		authentic_marker(val, sizeof(val), k, deadline);
+		rv_cmd_ok("SET %s %s", k, val);
+		memset(&h, 0, sizeof(h));
+		t1 = wall_ms();
+		idem_run(R, 1, S, "nottl", req, thandler, &h, &res);
+		tap_ok_ext(res.status == IDEM_BUSY && res.source == IDEM_SOURCE_VALKEY &&
+				   res.retry_after_ms > 0 &&
+				   res.retry_after_ms <= deadline - t1 && h.calls == 0,
+				   "an authentic marker with no TTL in Valkey: busy until its own deadline (%s)",
+				   rs(&res));
+		while (wall_ms() <= deadline + 50)
+			sleep_ms(50);
+		idem_run(R, 1, S, "nottl", req, thandler, &h, &res);
+		tap_ok_ext(res.status == IDEM_APPLIED && h.calls == 1 && effects("nottl") == 1,
+				   "the same marker, still in Valkey after its deadline: not busy; applied once (%s)",
+				   rs(&res));
+	}
 }
 
 /* ---- a proxy that forwards COMMIT, then drops everything back ---- */

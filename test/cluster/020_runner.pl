@@ -1,7 +1,7 @@
 # The client's runner against a real Valkey Cluster (3 masters, 3 replicas):
-# mode detected; the gate script and GET go to each key's master, so
-# replays come from every node; ASK during a slot migration is followed,
-# and NOSCRIPT on a node that never saw the script is handled; a master
+# mode detected; the gate (SET NX PX GET) and GET go to each key's master,
+# so replays come from every node; ASK during a slot migration is followed;
+# a master
 # that hangs costs only its own keys the cache (PostgreSQL answers them).
 use strict;
 use warnings;

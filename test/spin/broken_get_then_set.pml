@@ -5,7 +5,7 @@
  * ######################################################################
  *
  * broken_get_then_set.pml -- the Valkey gate reclaimed with GET, then SET
- * (two commands) instead of the atomic gate script with SET NX.
+ * (two commands) instead of the atomic gate, SET NX PX GET.
  *
  * What the variant must drop for spin to find the double effect: in idem
  * the Valkey gate is only a filter -- PostgreSQL decides.  With the real

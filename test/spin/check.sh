@@ -70,7 +70,7 @@ checks=(
 "fail:effects<=1|safety|broken_key_outside_tx.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2|broken variant key_outside_tx (effect committed, key in a later tx) rejected with counterexample: doubled effect"
 "fail:(row_st!=2)|safety|broken_key_outside_tx.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DKEY_FIRST|broken variant key_outside_tx (key completed, effect in a later tx) rejected with counterexample: lost effect"
 "fail:effects<=1|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DNO_VALKEY_FAULTS|broken variant get_then_set (GET-then-SET gate, no try-lock/unique key, Valkey never fails) rejected with counterexample: doubled effect"
-"pass|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DNO_VALKEY_FAULTS -DCONTROL_ATOMIC_GATE|control for get_then_set: the atomic gate script instead, same unprotected claim, Valkey never fails: safe (the race is GET-then-SET)"
+"pass|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DNO_VALKEY_FAULTS -DCONTROL_ATOMIC_GATE|control for get_then_set: the atomic gate instead, same unprotected claim, Valkey never fails: safe (the race is GET-then-SET)"
 "pass|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DCONTROL_PG_CLAIM|control for get_then_set: GET-then-SET gate with the real idem_claim, with Valkey faults: safe (PostgreSQL is the authority)"
 "fail:effects<=1|safety|broken_get_then_set.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DCONTROL_ATOMIC_GATE|control for get_then_set: atomic gate without the PostgreSQL try-lock/unique key, with Valkey faults: rejected (Valkey alone is no authority)"
 )

@@ -187,9 +187,9 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
 /* ========================== protocol steps ========================== */
 
 /*
- * Valkey gate -- the client's atomic server-side script (client/, the gate
- * script run with EVALSHA): GET the key; if absent, SET <marker with this
- * runner's token> NX PX <lease>; else return the value (+PTTL).
+ * Valkey gate -- the client's one atomic command (client/gate.c,
+ * SET <key> <marker with this runner's token> NX PX <lease> GET): the
+ * value if the key exists, else the marker is set.
  * A terminal value with the right fingerprint is a replay, without any
  * PostgreSQL transaction; a marker means busy.  Valkey unreachable (or a
  * timed-out reply) means: skip the gate, PostgreSQL decides.
@@ -223,7 +223,7 @@ inline gate_step(me)
 			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
 		fi }
 	:: atomic { vk_up && !STALE_NS(me) && vk_kind == V_NONE && VK_FAULT ->
-		/* the script ran (marker set) but its reply timed out: the runner
+		/* the command ran (marker set) but its reply timed out: the runner
 		 * does not know it holds a marker and goes to PostgreSQL */
 		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
 	:: atomic { !vk_up -> res = R_GO; silent = true }
