@@ -39,6 +39,9 @@ typedef struct idem_sha256
 void		idem_sha256_init(idem_sha256 *c);
 void		idem_sha256_update(idem_sha256 *c, const void *data, size_t len);
 void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
+/* Which block function: mode 1 the fastest this CPU has (the default),
+ * 0 the portable C (tests), -1 ask.  Returns 1 if SHA-NI is in use. */
+int			idem_sha256_accel(int mode);
 
 /* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
 void		idem_sha1_hex(const void *data, size_t len, char out[41]);

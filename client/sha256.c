@@ -1,11 +1,25 @@
 /*
  * sha256.c
  *	  A small SHA-256 (FIPS 180-4), so that the client needs no crypto library.
- *	  Tested against the FIPS 180-2 example vectors in tests/unit.c.
+ *	  Tested against the FIPS 180-2 example vectors in tests/unit.c, in both
+ *	  of its block functions, which are also compared on random input.
+ *
+ *	  On x86-64 CPUs with the SHA extensions (Intel since Goldmont and Ice
+ *	  Lake, AMD since Zen), blocks go through the SHA-NI instructions, about
+ *	  6x faster than the portable C: a Valkey replay hashes about ten
+ *	  blocks (the key, the fingerprint, our marker's MAC and the value's MAC
+ *	  check).  The choice is made once, from CPUID; idem_sha256_accel()
+ *	  lets the tests force the portable path.
  */
 #include "internal.h"
 
 #include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define IDEM_SHA_NI 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 static const uint32_t K[64] = {
 	0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1,
@@ -24,7 +38,7 @@ static const uint32_t K[64] = {
 #define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
 
 static void
-sha256_block(idem_sha256 *c, const uint8_t *p)
+sha256_block_c(idem_sha256 *c, const uint8_t *p)
 {
 	uint32_t	w[64];
 	uint32_t	a, b, cc, d, e, f, g, h;
@@ -56,6 +70,119 @@ sha256_block(idem_sha256 *c, const uint8_t *p)
 	}
 	c->h[0] += a; c->h[1] += b; c->h[2] += cc; c->h[3] += d;
 	c->h[4] += e; c->h[5] += f; c->h[6] += g; c->h[7] += h;
+}
+
+#ifdef IDEM_SHA_NI
+/*
+ * One block with the SHA-NI instructions (the state kept as ABEF/CDGH, as
+ * SHA256RNDS2 wants it; after Intel's and Jeffrey Walton's public-domain
+ * sha256-x86.c).  Message words 16..63 four at a time:
+ * W[j] = msg2(msg1(W[j-4], W[j-3]) + W[j-1]:W[j-2] >> 4 bytes, W[j-1]).
+ */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void
+sha256_block_ni(idem_sha256 *c, const uint8_t *p)
+{
+	const __m128i mask = _mm_set_epi64x(0x0c0d0e0f08090a0bULL,
+										0x0405060700010203ULL);
+	__m128i		st0,
+				st1,
+				tmp,
+				msg,
+				abef,
+				cdgh;
+	__m128i		w[4];
+	int			j;
+
+	tmp = _mm_loadu_si128((const __m128i *) &c->h[0]);
+	st1 = _mm_loadu_si128((const __m128i *) &c->h[4]);
+	tmp = _mm_shuffle_epi32(tmp, 0xB1);	/* CDAB */
+	st1 = _mm_shuffle_epi32(st1, 0x1B);	/* EFGH */
+	st0 = _mm_alignr_epi8(tmp, st1, 8);	/* ABEF */
+	st1 = _mm_blend_epi16(st1, tmp, 0xF0);	/* CDGH */
+	abef = st0;
+	cdgh = st1;
+	for (j = 0; j < 4; j++)
+		w[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *) (p + 16 * j)),
+								mask);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 16
+#endif
+	for (j = 0; j < 16; j++)
+	{
+		if (j >= 4)
+			w[j & 3] = _mm_sha256msg2_epu32(
+				_mm_add_epi32(_mm_sha256msg1_epu32(w[j & 3], w[(j + 1) & 3]),
+							  _mm_alignr_epi8(w[(j + 3) & 3], w[(j + 2) & 3], 4)),
+				w[(j + 3) & 3]);
+		msg = _mm_add_epi32(w[j & 3], _mm_loadu_si128((const __m128i *) &K[4 * j]));
+		st1 = _mm_sha256rnds2_epu32(st1, st0, msg);
+		msg = _mm_shuffle_epi32(msg, 0x0E);
+		st0 = _mm_sha256rnds2_epu32(st0, st1, msg);
+	}
+	st0 = _mm_add_epi32(st0, abef);
+	st1 = _mm_add_epi32(st1, cdgh);
+	tmp = _mm_shuffle_epi32(st0, 0x1B);	/* FEBA */
+	st1 = _mm_shuffle_epi32(st1, 0xB1);	/* DCHG */
+	st0 = _mm_blend_epi16(tmp, st1, 0xF0);	/* DCBA */
+	st1 = _mm_alignr_epi8(st1, tmp, 8);	/* ABEF */
+	_mm_storeu_si128((__m128i *) &c->h[0], st0);
+	_mm_storeu_si128((__m128i *) &c->h[4], st1);
+}
+
+/* CPUID: SHA (leaf 7, EBX bit 29), SSSE3 and SSE4.1 (leaf 1, ECX 9, 19). */
+static int
+cpu_has_sha_ni(void)
+{
+	unsigned int a,
+				b,
+				c,
+				d;
+
+	if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 9)) || !(c & (1u << 19)))
+		return 0;
+	if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
+		return 0;
+	return (b & (1u << 29)) != 0;
+}
+#endif
+
+/* 1 SHA-NI, 0 portable, -1 not chosen yet (racing first calls agree). */
+static int	accel = -1;
+
+int
+idem_sha256_accel(int mode)
+{
+	if (mode >= 0)
+		__atomic_store_n(&accel, -1, __ATOMIC_RELAXED);
+	if (mode == 0)
+		__atomic_store_n(&accel, 0, __ATOMIC_RELAXED);
+	if (__atomic_load_n(&accel, __ATOMIC_RELAXED) < 0)
+	{
+#ifdef IDEM_SHA_NI
+		__atomic_store_n(&accel, cpu_has_sha_ni(), __ATOMIC_RELAXED);
+#else
+		__atomic_store_n(&accel, 0, __ATOMIC_RELAXED);
+#endif
+	}
+	return __atomic_load_n(&accel, __ATOMIC_RELAXED);
+}
+
+static inline void
+sha256_block(idem_sha256 *c, const uint8_t *p)
+{
+#ifdef IDEM_SHA_NI
+	int			a = __atomic_load_n(&accel, __ATOMIC_RELAXED);
+
+	if (a < 0)
+		a = idem_sha256_accel(-1);
+	if (a)
+	{
+		sha256_block_ni(c, p);
+		return;
+	}
+#endif
+	sha256_block_c(c, p);
 }
 
 void

@@ -66,7 +66,7 @@ test_sha1(void)
 }
 
 static void
-test_sha256(void)
+test_sha256(const char *path)
 {
 	static const char *m2 =
 		"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
@@ -80,15 +80,15 @@ test_sha256(void)
 	char		buf[300];
 
 	tap_ok(sha_is("abc", 3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
-		   "sha256 FIPS 180-2 example 1 (abc)");
+		   "sha256 (%s) FIPS 180-2 example 1 (abc)", path);
 	tap_ok(sha_is("", 0, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
-		   "sha256 of the empty string");
+		   "sha256 (%s) of the empty string", path);
 	tap_ok(sha_is(m2, strlen(m2), "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"),
-		   "sha256 FIPS 180-2 example 2 (448 bits)");
+		   "sha256 (%s) FIPS 180-2 example 2 (448 bits)", path);
 	million = malloc(1000000);
 	memset(million, 'a', 1000000);
 	tap_ok(sha_is(million, 1000000, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"),
-		   "sha256 FIPS 180-2 example 3 (a million 'a')");
+		   "sha256 (%s) FIPS 180-2 example 3 (a million 'a')", path);
 	free(million);
 	for (i = 0; i < sizeof(buf); i++)
 		buf[i] = (char) (i * 7 + 3);
@@ -104,7 +104,46 @@ test_sha256(void)
 		if (memcmp(d1, d2, 32) != 0)
 			same = 0;
 	}
-	tap_ok(same, "sha256 incremental updates equal one-shot at every split");
+	tap_ok(same, "sha256 (%s) incremental updates equal one-shot at every split", path);
+}
+
+/* The SHA-NI block function against the portable one, on random input of
+ * every length up to 4 blocks and more (where the CPU has SHA-NI). */
+static void
+test_sha256_paths(void)
+{
+	uint8_t		buf[1100],
+				d1[32],
+				d2[32];
+	unsigned	seed = 12345;
+	size_t		len,
+				i;
+	int			same = 1;
+	idem_sha256 c;
+
+	if (!idem_sha256_accel(1))
+	{
+		tap_ok(1, "# SKIP this CPU has no SHA-NI: only the portable SHA-256");
+		return;
+	}
+	test_sha256("SHA-NI");
+	for (len = 0; len <= sizeof(buf); len += (len < 300 ? 1 : 97))
+	{
+		for (i = 0; i < len; i++)
+			buf[i] = (uint8_t) rand_r(&seed);
+		idem_sha256_accel(1);
+		idem_sha256_init(&c);
+		idem_sha256_update(&c, buf, len);
+		idem_sha256_final(&c, d1);
+		idem_sha256_accel(0);
+		idem_sha256_init(&c);
+		idem_sha256_update(&c, buf, len);
+		idem_sha256_final(&c, d2);
+		if (memcmp(d1, d2, 32) != 0)
+			same = 0;
+	}
+	idem_sha256_accel(1);
+	tap_ok(same, "sha256: SHA-NI and portable C agree on random input of 0..1100 bytes");
 }
 
 static int
@@ -580,7 +619,9 @@ int
 main(void)
 {
 	test_sha1();
-	test_sha256();
+	idem_sha256_accel(0);
+	test_sha256("portable");
+	test_sha256_paths();
 	test_hmac();
 	test_keys();
 	test_canonical();
