@@ -850,9 +850,8 @@ take_value(gate_reply *out, const redisReply *r)
 
 void
 idem_gate_enter(idem_gate *g, const char *key, const char *marker,
-				int lease_ms, gate_reply *out)
+				const char *lease_ms, gate_reply *out)
 {
-	char		lease[24];
 	const char *argv[7];
 	size_t		argvlen[7];
 	redisReply *r;
@@ -862,13 +861,12 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 	out->answer = GATE_SKIPPED;
 	if (g == NULL || idem_gate_resting(g))
 		return;
-	snprintf(lease, sizeof(lease), "%d", lease_ms);
 	argv[0] = "SET";
 	argv[1] = key;
 	argv[2] = marker;
 	argv[3] = "NX";
 	argv[4] = "PX";
-	argv[5] = lease;
+	argv[5] = lease_ms;
 	argv[6] = "GET";
 	for (i = 0; i < 7; i++)
 		argvlen[i] = strlen(argv[i]);

@@ -91,12 +91,12 @@ idem_gate  *idem_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
 						  int command_timeout_ms, int retry_ms);
 void		idem_gate_free(idem_gate *g);
-/* One round trip, one command: SET key marker NX PX lease GET (the value
- * if one exists, else our marker is set). */
 /* After a failure, within retry_ms: every call skips Valkey at once. */
 int			idem_gate_resting(const idem_gate *g);
+/* One round trip, one command: SET key marker NX PX lease_ms GET (the
+ * value if one exists, else our marker is set); lease_ms in decimal. */
 void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
-							int lease_ms, gate_reply *out);
+							const char *lease_ms, gate_reply *out);
 /* GET of n keys in one pipeline (per node on a cluster), no marker:
  * out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED. */
 void		idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
@@ -271,6 +271,9 @@ struct idem_runner
 	int			gate_config_said;	/* the gate's configuration error notice */
 	int			lease_ms;
 	int			retention_ms;
+	char		lease_txt[32];	/* "<lease_ms> milliseconds" */
+	char		lease_ms_txt[16];	/* "<lease_ms>": the gate's PX */
+	char		retention_txt[32];	/* "<retention_ms> milliseconds", or "" */
 	int			lookup_first;	/* option; cleared if idem_lookup is refused */
 	int			broken;			/* invalid options: every run fails */
 	uint64_t	token_counter;	/* markers made since token_base */

@@ -80,6 +80,12 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->pg.named_opt = o.prepared_statements;
 	r->lease_ms = o.lease_ms > 0 ? o.lease_ms : 30000;
 	r->retention_ms = o.retention_ms;
+	/* the texts every run sends, made once */
+	snprintf(r->lease_txt, sizeof(r->lease_txt), "%d milliseconds", r->lease_ms);
+	snprintf(r->lease_ms_txt, sizeof(r->lease_ms_txt), "%d", r->lease_ms);
+	if (r->retention_ms > 0)
+		snprintf(r->retention_txt, sizeof(r->retention_txt), "%d milliseconds",
+				 r->retention_ms);
 	r->lookup_first = o.lookup_first;
 	r->notice = o.notice;
 	r->notice_arg = o.notice_arg;

@@ -75,9 +75,7 @@ typedef struct run_state
 	int			marker_busy;	/* the gate met another run's marker */
 	int			redelivery;		/* delivery_count > 1: GET before the gate */
 	/* parameters as text */
-	char		tenant_txt[24];
-	char		lease_txt[32];
-	char		retention_txt[32];
+	char		tenant_txt[24];	/* of PostgreSQL's statements: params_key */
 } run_state;
 
 static idem_status
@@ -302,7 +300,7 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms, &g);
+	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
@@ -375,7 +373,12 @@ params_key(run_state *s, pg_cmd *c, pg_stmt tenant_stmt)
 	memset(c, 0, sizeof(*c));
 	c->sql = s->r->pg.sql[tenant_stmt + (s->is_platform ? 1 : 0)];
 	if (!s->is_platform)
+	{
+		if (s->tenant_txt[0] == '\0')
+			snprintf(s->tenant_txt, sizeof(s->tenant_txt), "%lld",
+					 (long long) s->tenant_id);
 		c->values[i++] = s->tenant_txt;
+	}
 	return param_digest(c, i, s->key);
 }
 
@@ -385,7 +388,7 @@ params_claim(run_state *s, pg_cmd *c)
 	int			i = params_key(s, c, STMT_CLAIM_T);
 
 	i = param_digest(c, i, s->fp);
-	c->values[i++] = s->lease_txt;
+	c->values[i++] = s->r->lease_txt;
 	c->nparams = i;
 }
 
@@ -398,7 +401,7 @@ params_finish(run_state *s, pg_cmd *c, int ok, int retryable,
 	c->values[i++] = json;
 	if (!ok)
 		c->values[i++] = retryable ? "true" : "false";
-	c->values[i++] = s->retention_txt[0] ? s->retention_txt : NULL;
+	c->values[i++] = s->r->retention_txt[0] ? s->r->retention_txt : NULL;
 	c->nparams = i;
 }
 
@@ -927,7 +930,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 	i = param_digest(&cmd, i, s->fp);
 	cmd.values[i++] = ro->sql_handler;
 	cmd.values[i++] = args ? args : s->request;
-	cmd.values[i++] = s->retention_txt[0] ? s->retention_txt : NULL;
+	cmd.values[i++] = s->r->retention_txt[0] ? s->r->retention_txt : NULL;
 	cmd.nparams = i;
 	idem_pg_pipeline(pg, &cmd, 1, &o);
 	free(args);
@@ -1118,11 +1121,6 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		idem_sha256_update(&c, s.request, s.request_len);
 		idem_sha256_final(&c, s.fp);
 	}
-	snprintf(s.tenant_txt, sizeof(s.tenant_txt), "%lld", (long long) tenant_id);
-	snprintf(s.lease_txt, sizeof(s.lease_txt), "%d milliseconds", r->lease_ms);
-	if (r->retention_ms > 0)
-		snprintf(s.retention_txt, sizeof(s.retention_txt), "%d milliseconds",
-				 r->retention_ms);
 
 	s.redelivery = ro != NULL && ro->delivery_count > 1;
 	if (ro != NULL && ro->delivery_count == 1 && r->gate != NULL)
