@@ -17,24 +17,29 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a
 
 # the idem2 copies of the replay keys, as the worker writes them (where absent)
 "$BIN" fill-cache 1 0 "$PG" 127.0.0.1 "$BENCH_VKPORT" >/dev/null || { echo "client_bench fill-cache failed" >&2; exit 1; }
-printf '%-15s %7s %10s\n' mode clients ops/s
-declare -A med=()
+printf '%-15s %7s %10s %14s\n' mode clients ops/s "client CPU us"
+declare -A med=() cmed=()
+MODES="valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup"
 for c in ${BENCH_CLIENTS:-1 8 32}; do
-	declare -A runs=()
+	declare -A runs=() cpus=()
 	for r in $(seq 1 "$ROUNDS"); do
-		for m in valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup; do
+		for m in $MODES; do
 			out=$("$BIN" "$m" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") || { echo "client_bench $m failed" >&2; exit 1; }
-			runs[$m]+="${out##* } "
+			runs[$m]+="$(echo "$out" | awk -v m="$m" '$1 == m { print $3 }') "
+			cpus[$m]+="$(echo "$out" | awk '$1 == "cpu" { print $4 }') "
 		done
 	done
-	for m in valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup; do
+	# ops/s, and the clients' own CPU per operation (user + system: less
+	# sensitive to other load on the machine than the rate)
+	for m in $MODES; do
 		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
-		printf '%-15s %7s %10.0f\n' "$m" "$c" "${med[$m]}"
+		cmed[$m]=$(echo "${cpus[$m]}" | tr ' ' '\n' | grep . | median)
+		printf '%-15s %7s %10.0f %14.2f\n' "$m" "$c" "${med[$m]}" "${cmed[$m]}"
 	done
 	awk -v c="$c" -v vr="${med[valkey-replay]}" -v rg="${med[raw-get]}" \
 		-v vd="${med[valkey-replay-redelivery]}" \
 		-v pr="${med[pg-replay]}" -v ps="${med[pg-select]}" 'BEGIN {
 		printf "%-15s %7s  targets: valkey replay (MAC verified)/raw GET %.2f, as a redelivery (GET first) %.2f (>= 0.90); client pg replay/bare SELECT %.2f\n",
 			"", c, vr / rg, vd / rg, pr / ps }'
-	unset runs
+	unset runs cpus
 done

@@ -36,13 +36,17 @@
  *
  * The replay keys are those bench/setup.sql completes:
  * idem_key('bench.replay', i) for tenant 1 + i % 100, i in 1..10000,
- * request {"amount": 1}.  Prints "MODE CLIENTS ops_per_second".
+ * request {"amount": 1}.  Prints "cpu MODE CLIENTS us": the clients' own
+ * CPU time (user + system, their setup included) per operation, less
+ * sensitive to other load on the machine than the rate; then, last,
+ * "MODE CLIENTS ops_per_second".
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -433,6 +437,7 @@ main(int argc, char **argv)
 	double		seconds;
 	int			fds[2];
 	long		total = 0;
+	long		cpu_us = 0;		/* the clients' CPU (user + system) */
 	int			failed = 0;
 	int			c;
 
@@ -460,22 +465,30 @@ main(int argc, char **argv)
 
 		if (pid == 0)
 		{
-			long		ops = run_client(mode, c, seconds, argv[4], argv[5], atoi(argv[6]));
+			long		res[2];
+			struct rusage ru;
 
-			if (write(fds[1], &ops, sizeof(ops)) != sizeof(ops))
+			res[0] = run_client(mode, c, seconds, argv[4], argv[5], atoi(argv[6]));
+			getrusage(RUSAGE_SELF, &ru);
+			res[1] = (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000L +
+				ru.ru_utime.tv_usec + ru.ru_stime.tv_usec;
+			if (write(fds[1], res, sizeof(res)) != sizeof(res))
 				_exit(1);
-			_exit(ops < 0);
+			_exit(res[0] < 0);
 		}
 	}
 	close(fds[1]);
 	for (c = 0; c < clients; c++)
 	{
-		long		ops;
+		long		res[2];
 
-		if (read(fds[0], &ops, sizeof(ops)) != sizeof(ops) || ops < 0)
+		if (read(fds[0], res, sizeof(res)) != sizeof(res) || res[0] < 0)
 			failed = 1;
 		else
-			total += ops;
+		{
+			total += res[0];
+			cpu_us += res[1];
+		}
 	}
 	while (wait(NULL) > 0)
 		;
@@ -484,6 +497,9 @@ main(int argc, char **argv)
 		fprintf(stderr, "%s: a client failed\n", mode);
 		return 1;
 	}
+	/* the ops/s last: callers take the output's last field */
+	printf("cpu %s %d %.2f\n", mode, clients,
+		   total > 0 ? (double) cpu_us / total : 0.0);
 	printf("%s %d %.0f\n", mode, clients, total / seconds);
 	return 0;
 }
