@@ -513,43 +513,53 @@ wall_ms(void)
 }
 
 /*
- * Does the server's worker write idem2 values in the keyspace yet?  Probed
- * once: a row completed over SQL, then up to 3 s for its copy.
+ * Does the server's worker copy results into Valkey now?  A row completed
+ * over SQL, then up to ms for its idem2 copy (the worker may be waiting out
+ * its reconnect backoff after a test stopped Valkey).  Returns the ms it
+ * took, or -1.
  */
+int
+worker_copies_within(int ms)
+{
+	PGconn	   *c = pg_open(E.pg);
+	char		key[IDEM_CACHE_KEY_MAX];
+	char		id[64];
+	const char *p[1] = {id};
+	int64_t		t0 = now_ms();
+	int			took = -1;
+
+	snprintf(id, sizeof(id), "probe-%d-%lld", (int) getpid(), (long long) wall_ms());
+	if (c && pg_ok(c, "BEGIN"))
+	{
+		free(pg_val(c, "SELECT decision FROM idem_claim(1, idem_key('itest.probe', $1), idem_fingerprint('{}'), '10 s')", 1, p));
+		free(pg_val(c, "SELECT idem_complete(1, idem_key('itest.probe', $1), '{}')", 1, p));
+		pg_ok(c, "COMMIT");
+	}
+	cache_key_of(key, sizeof(key), 0, 1, "itest.probe", id);
+	while (took < 0 && now_ms() - t0 <= ms)
+	{
+		char	   *v = rv_get(key);
+
+		if (v != NULL && strncmp(v, "idem2 ", 6) == 0)
+			took = (int) (now_ms() - t0);
+		free(v);
+		if (took < 0)
+			sleep_ms(50);
+	}
+	if (c)
+		PQfinish(c);
+	return took;
+}
+
+/* Does the server's worker write idem2 values in the keyspace?  Probed
+ * once, with up to 3 s for the copy. */
 int
 worker_writes_idem2(void)
 {
 	static int	known = -1;
 
 	if (known < 0)
-	{
-		PGconn	   *c = pg_open(E.pg);
-		char		key[IDEM_CACHE_KEY_MAX];
-		char		id[64];
-		const char *p[1] = {id};
-		int			i;
-
-		known = 0;
-		snprintf(id, sizeof(id), "probe-%d-%lld", (int) getpid(), (long long) wall_ms());
-		if (c && pg_ok(c, "BEGIN"))
-		{
-			free(pg_val(c, "SELECT decision FROM idem_claim(1, idem_key('itest.probe', $1), idem_fingerprint('{}'), '10 s')", 1, p));
-			free(pg_val(c, "SELECT idem_complete(1, idem_key('itest.probe', $1), '{}')", 1, p));
-			pg_ok(c, "COMMIT");
-		}
-		cache_key_of(key, sizeof(key), 0, 1, "itest.probe", id);
-		for (i = 0; i < 60 && !known; i++)
-		{
-			char	   *v = rv_get(key);
-
-			known = v != NULL && strncmp(v, "idem2 ", 6) == 0;
-			free(v);
-			if (!known)
-				sleep_ms(50);
-		}
-		if (c)
-			PQfinish(c);
-	}
+		known = worker_copies_within(3000) >= 0;
 	return known;
 }
 
