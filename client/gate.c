@@ -263,7 +263,10 @@ cluster_open(idem_gate *g)
 
 	if (g->vc == NULL)
 	{
-		snprintf(seeds, sizeof(seeds), "%s:%d%s%s", g->host, g->port,
+		char		first[IDEM_VC_HOST_MAX + 8];
+
+		idem_vc_format_endpoint(first, sizeof(first), g->host, g->port);
+		snprintf(seeds, sizeof(seeds), "%s%s%s", first,
 				 g->nodes ? "," : "", g->nodes ? g->nodes : "");
 		memset(&opt, 0, sizeof(opt));
 		opt.seeds = seeds;

@@ -120,7 +120,8 @@ typedef struct idem_options
 	void	   *notice_arg;
 	const char *valkey_nodes;	/* Valkey Cluster: more nodes to try when
 								 * valkey_host:valkey_port does not answer,
-								 * "host:port,host:port"; NULL: none */
+								 * "host:port,host:port" (an IPv6 address as
+								 * "[::1]:port"); NULL: none */
 	int			valkey_cluster; /* 0 (default): ask the node (INFO
 								 * cluster); 1: a cluster; -1: not one */
 	int			prepared_statements;	/* -1 (default): named prepared

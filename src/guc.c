@@ -27,6 +27,8 @@
 #include "miscadmin.h"
 #include "utils/guc.h"
 
+#include "valkey_cluster.h"	/* idem_vc_parse_endpoint: pure, no I/O */
+
 int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;
 int			idem_purge_grace_s = 60 * 60;
@@ -90,7 +92,10 @@ check_valkey_prefix(char **newval, void **extra, GucSource source)
 	return true;
 }
 
-/* host[:port] items separated by commas or spaces; port 1..65535. */
+/*
+ * Items separated by commas or spaces: host:port, host, [IPv6 address]:port
+ * (idem_vc_parse_endpoint: the worker's router reads the list the same way).
+ */
 static bool
 check_valkey_nodes(char **newval, void **extra, GucSource source)
 {
@@ -99,25 +104,16 @@ check_valkey_nodes(char **newval, void **extra, GucSource source)
 	while (*p)
 	{
 		size_t		len = strcspn(p, ", ");
-		const char *colon = memchr(p, ':', len);
+		char		host[IDEM_VC_HOST_MAX];
+		int			port;
 
 		if (len > 0)
 		{
-			if (colon == p || len >= 256)
+			if (idem_vc_parse_endpoint(p, len, 1, host, sizeof(host), &port) != 0)
 			{
-				GUC_check_errdetail("\"%.*s\" is not host:port.", (int) Min(len, 80), p);
+				GUC_check_errdetail("\"%.*s\" is not host:port, host, or [IPv6 address]:port.",
+									(int) Min(len, 80), p);
 				return false;
-			}
-			if (colon != NULL)
-			{
-				char	   *end;
-				long		port = strtol(colon + 1, &end, 10);
-
-				if (end != p + len || end == colon + 1 || port < 1 || port > 65535)
-				{
-					GUC_check_errdetail("\"%.*s\" is not host:port.", (int) Min(len, 80), p);
-					return false;
-				}
 			}
 			p += len;
 		}

@@ -367,6 +367,73 @@ idem_vc_parse_shards(const redisReply *r, const char *asked_host,
 	return covered;
 }
 
+int
+idem_vc_parse_endpoint(const char *s, size_t len, int default_port,
+					   char *host, size_t hostlen, int *port)
+{
+	const char *h = s;
+	const char *colon = NULL;	/* before the port, if one is given */
+	size_t		hl = len;
+	size_t		i;
+	long		v = default_port;
+
+	if (len > 0 && s[0] == '[')
+	{
+		const char *close = memchr(s, ']', len);
+
+		if (close == NULL)
+			return -1;
+		h = s + 1;
+		hl = close - h;
+		if (close + 1 < s + len)
+		{
+			if (close[1] != ':')
+				return -1;
+			colon = close + 1;
+		}
+	}
+	else
+	{
+		int			ncolons = 0;
+
+		for (i = 0; i < len; i++)
+			if (s[i] == ':')
+			{
+				ncolons++;
+				colon = s + i;
+			}
+		if (ncolons == 1)
+			hl = colon - s;
+		else
+			colon = NULL;		/* none, or a bare IPv6 address */
+	}
+	if (colon != NULL)
+	{
+		const char *d = colon + 1;
+
+		if (d == s + len)
+			return -1;
+		for (v = 0; d < s + len; d++)
+		{
+			if (*d < '0' || *d > '9' || v > 65535)
+				return -1;
+			v = v * 10 + (*d - '0');
+		}
+	}
+	if (hl == 0 || hl >= hostlen || v <= 0 || v > 65535)
+		return -1;
+	memcpy(host, h, hl);
+	host[hl] = '\0';
+	*port = (int) v;
+	return 0;
+}
+
+void
+idem_vc_format_endpoint(char *buf, size_t len, const char *host, int port)
+{
+	snprintf(buf, len, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
+}
+
 /* ---- node table and I/O ---- */
 
 int64_t
@@ -414,7 +481,7 @@ node_get(idem_vc *vc, const char *host, int port)
 	memset(n, 0, sizeof(*n));
 	snprintf(n->host, sizeof(n->host), "%s", host);
 	n->port = port;
-	snprintf(n->name, sizeof(n->name), "%s:%d", host, port);
+	idem_vc_format_endpoint(n->name, sizeof(n->name), host, port);
 	n->fd = -1;
 	return vc->nnodes++;
 }
@@ -885,9 +952,7 @@ idem_vc_new(const idem_vc_options *opt, const idem_vc_io *io, char *err,
 	{
 		char		host[IDEM_VC_HOST_MAX];
 		size_t		len = strcspn(p, ", ");
-		size_t		hl = len;
-		int			port = opt->default_port;
-		const char *colon = memchr(p, ':', len);
+		int			port;
 		int			i;
 
 		if (len == 0)
@@ -895,31 +960,14 @@ idem_vc_new(const idem_vc_options *opt, const idem_vc_io *io, char *err,
 			p++;
 			continue;
 		}
-		if (colon != NULL)
+		if (idem_vc_parse_endpoint(p, len, opt->default_port, host,
+								   sizeof(host), &port) != 0)
 		{
-			char	   *end;
-			long		v;
-
-			hl = colon - p;
-			errno = 0;
-			v = strtol(colon + 1, &end, 10);
-			if (end != p + len || end == colon + 1 || v <= 0 || v > 65535)
-			{
-				snprintf(err, errlen, "invalid Valkey node \"%.*s\": expected host:port",
-						 (int) len, p);
-				idem_vc_free(vc);
-				return NULL;
-			}
-			port = (int) v;
-		}
-		if (hl == 0 || hl >= sizeof(host) || port <= 0 || port > 65535)
-		{
-			snprintf(err, errlen, "invalid Valkey node \"%.*s\"", (int) len, p);
+			snprintf(err, errlen, "invalid Valkey node \"%.*s\": expected host:port, host, or [IPv6 address]:port",
+					 (int) len, p);
 			idem_vc_free(vc);
 			return NULL;
 		}
-		memcpy(host, p, hl);
-		host[hl] = '\0';
 		i = node_get(vc, host, port);
 		if (i < 0)
 		{

@@ -93,6 +93,19 @@ int			idem_vc_parse_slots(const redisReply *r, const char *asked_host,
 int			idem_vc_parse_shards(const redisReply *r, const char *asked_host,
 								 idem_vc_map *map);
 
+/*
+ * One endpoint of a seed list (s, len bytes): "host:port", "host",
+ * "[IPv6 address]:port", "[IPv6 address]", or a bare IPv6 address (more
+ * than one colon, no brackets: no port).  host gets the name or address
+ * without brackets (NUL-terminated, at most hostlen - 1 bytes), *port the
+ * port or default_port.  0, or -1 if malformed.
+ */
+int			idem_vc_parse_endpoint(const char *s, size_t len, int default_port,
+								   char *host, size_t hostlen, int *port);
+/* "host:port", or "[host]:port" for an IPv6 address. */
+void		idem_vc_format_endpoint(char *buf, size_t len, const char *host,
+									int port);
+
 /* ---- the router ---- */
 
 typedef struct idem_vc_io

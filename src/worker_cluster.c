@@ -212,14 +212,17 @@ idem_wc_disconnect(void)
 	}
 }
 
-/* The nodes to try: idem.valkey_host:idem.valkey_port, then idem.valkey_nodes. */
+/* The nodes to try: idem.valkey_host:idem.valkey_port ([host]:port for an
+ * IPv6 address), then idem.valkey_nodes. */
 static char *
 wc_seeds(void)
 {
 	StringInfoData s;
+	char		first[IDEM_VC_HOST_MAX + 8];
 
 	initStringInfo(&s);
-	appendStringInfo(&s, "%s:%d", idem_valkey_host, idem_valkey_port);
+	idem_vc_format_endpoint(first, sizeof(first), idem_valkey_host, idem_valkey_port);
+	appendStringInfoString(&s, first);
 	if (idem_valkey_nodes != NULL && idem_valkey_nodes[0] != '\0')
 		appendStringInfo(&s, ",%s", idem_valkey_nodes);
 	return s.data;

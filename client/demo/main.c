@@ -130,7 +130,10 @@ parse_hostport(const char *s, char *host, size_t hostlen, int *port)
 
 	if (colon == NULL || colon == s)
 		return -1;
-	snprintf(host, hostlen, "%.*s", (int) (colon - s), s);
+	if (s[0] == '[' && colon[-1] == ']')	/* [IPv6 address]:port */
+		snprintf(host, hostlen, "%.*s", (int) (colon - s - 2), s + 1);
+	else
+		snprintf(host, hostlen, "%.*s", (int) (colon - s), s);
 	*port = atoi(colon + 1);
 	return *port > 0 && *port < 65536 ? 0 : -1;
 }

@@ -238,6 +238,54 @@ test_parse_shards(void)
 	free(map);
 }
 
+static int
+endpoint(const char *s, char *host, int *port)
+{
+	*port = -1;
+	host[0] = '\0';
+	return idem_vc_parse_endpoint(s, strlen(s), 6379, host, 64, port);
+}
+
+static void
+test_endpoints(void)
+{
+	char		host[64],
+				name[80];
+	int			port;
+
+	tap_ok(endpoint("10.0.0.1:7001", host, &port) == 0 &&
+		   strcmp(host, "10.0.0.1") == 0 && port == 7001 &&
+		   endpoint("cache-a", host, &port) == 0 &&
+		   strcmp(host, "cache-a") == 0 && port == 6379,
+		   "endpoint: host:port, and a host alone takes the default port");
+	tap_ok(endpoint("[::1]:7002", host, &port) == 0 &&
+		   strcmp(host, "::1") == 0 && port == 7002 &&
+		   endpoint("[fd00::2]", host, &port) == 0 &&
+		   strcmp(host, "fd00::2") == 0 && port == 6379,
+		   "endpoint: [IPv6 address]:port, and [IPv6 address] alone");
+	tap_ok(endpoint("::1", host, &port) == 0 && strcmp(host, "::1") == 0 &&
+		   port == 6379 &&
+		   endpoint("fe80::1:2", host, &port) == 0 &&
+		   strcmp(host, "fe80::1:2") == 0 && port == 6379,
+		   "endpoint: a bare IPv6 address is a host without a port");
+	tap_ok(endpoint("[::1]7000", host, &port) == -1 &&
+		   endpoint("[::1", host, &port) == -1 &&
+		   endpoint("[]:7000", host, &port) == -1 &&
+		   endpoint("[::1]:", host, &port) == -1 &&
+		   endpoint("h:", host, &port) == -1 &&
+		   endpoint(":7000", host, &port) == -1 &&
+		   endpoint("h:0", host, &port) == -1 &&
+		   endpoint("h:65536", host, &port) == -1 &&
+		   endpoint("[::1]:99999999999", host, &port) == -1 &&
+		   endpoint("h:7x", host, &port) == -1 &&
+		   endpoint("", host, &port) == -1,
+		   "endpoint: malformed ones are refused");
+	idem_vc_format_endpoint(name, sizeof(name), "::1", 7002);
+	tap_ok(strcmp(name, "[::1]:7002") == 0, "an IPv6 endpoint is written in brackets");
+	idem_vc_format_endpoint(name, sizeof(name), "10.0.0.1", 7001);
+	tap_ok(strcmp(name, "10.0.0.1:7001") == 0, "other hosts are not");
+}
+
 static void
 test_router_without_servers(void)
 {
@@ -270,6 +318,13 @@ test_router_without_servers(void)
 		   cmd.reply == NULL,
 		   "a command with no node stays pending");
 	idem_vc_free(vc);
+	opt.seeds = "[::1]:1,::1";
+	vc = idem_vc_new(&opt, &io, err, sizeof(err));
+	tap_ok(vc != NULL && idem_vc_nnodes(vc) == 2 &&
+		   strcmp(idem_vc_node_name(vc, 0), "[::1]:1") == 0 &&
+		   strcmp(idem_vc_node_name(vc, 1), "[::1]:3") == 0,
+		   "seed list: IPv6 seeds, with a port in brackets or alone");
+	idem_vc_free(vc);
 	opt.seeds = "a:1,b:x";
 	tap_ok(idem_vc_new(&opt, &io, err, sizeof(err)) == NULL &&
 		   strstr(err, "b:x") != NULL, "a bad seed is refused: %s", err);
@@ -284,5 +339,6 @@ test_cluster(void)
 	test_classify();
 	test_parse_slots();
 	test_parse_shards();
+	test_endpoints();
 	test_router_without_servers();
 }
