@@ -34,6 +34,14 @@ if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
 	MODES="$MODES base:run-new base:run-dup"
 fi
 
+# CPU ticks of a process: its own (utime, stime) and those of the children
+# it has reaped (cutime, cstime): the postmaster reaps the clients'
+# backends, this shell the client processes.  The comm field has no spaces.
+ticks() { awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+HZ=$(getconf CLK_TCK)
+PM=$(head -1 "$BENCH_WORK/pg/postmaster.pid" 2>/dev/null)
+VK=$(cat "$BENCH_WORK/valkey.pid" 2>/dev/null)
+
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates)${BASE:+; base = the runner at $BASE}"
@@ -42,17 +50,23 @@ for m in $MODES; do [[ $m == hand-* ]] || COLS="$COLS $m"; done
 hdr="| sync | clients | (3) new | (3) half dup |"
 for m in $COLS; do hdr="$hdr $m |"; done
 echo "$hdr"
+cpus=()
 for sync in $SYNCS; do
 	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
-		declare -A runs=()
+		declare -A runs=() cpu=()
 		for r in $(seq 1 "$ROUNDS"); do
 			for m in $MODES; do
 				bin=$BIN mode=$m
 				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
+				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") ))
 				out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") ||
 					{ echo "runner.sh: $m failed" >&2; exit 1; }
+				sleep 0.3		# the backends exit and are reaped
+				t1=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") ))
 				runs[$m]+="${out##* } "
+				cpu[$m]+="$(awk -v t="$((t1 - t0))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
+					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
 			done
 		done
 		declare -A med=()
@@ -65,6 +79,17 @@ for sync in $SYNCS; do
 			if [[ $m == *dup* ]]; then row="$row $(cell "$m" hand-dup) |"; else row="$row $(cell "$m" hand-new) |"; fi
 		done
 		echo "$row"
-		unset runs med
+		row="| $sync | $c | CPU µs/run |"
+		for m in hand-new hand-dup $COLS; do
+			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) |"
+		done
+		cpus+=("$row")
+		unset runs med cpu
 	done
 done
+echo
+echo "CPU per run, µs (the clients, their backends and Valkey; median of $ROUNDS; load-independent but for contention)"
+hdr="| sync | clients | | (3) new | (3) half dup |"
+for m in $COLS; do hdr="$hdr $m |"; done
+echo "$hdr"
+printf '%s\n' "${cpus[@]}"
