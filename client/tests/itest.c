@@ -1498,11 +1498,41 @@ cache_no_marker(int platform, int64_t tenant, const char *scope, const char *id)
 	return kind == 'c' || kind == 'f';
 }
 
+/*
+ * Wait (up to ms) until the server's worker has settled every copy queued
+ * so far (written, dropped or refused), while it holds a Valkey
+ * connection: a commit's copy, or the repopulation an idem_lookup queues,
+ * must not land after a test deleted the key to see PostgreSQL answer.
+ */
+static void
+await_worker_settled(int ms)
+{
+	PGconn	   *c = pg_open(E.pg);
+	int			i;
+
+	if (c == NULL)
+		return;
+	for (i = 0; i < ms / 10; i++)
+	{
+		PGresult   *r = PQexec(c, "SELECT valkey_connected AND queued > copied + dropped + rejected"
+							   " FROM idem_stats()");
+		int			waiting = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
+			strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+
+		PQclear(r);
+		if (!waiting)
+			break;
+		sleep_ms(10);
+	}
+	PQfinish(c);
+}
+
 static void
 cache_del(int platform, int64_t tenant, const char *scope, const char *id)
 {
 	char		k[IDEM_CACHE_KEY_MAX];
 
+	await_worker_settled(3000);
 	cache_key_of(k, sizeof(k), platform, tenant, scope, id);
 	rv_cmd_ok("DEL %s", k);
 }
