@@ -1504,7 +1504,7 @@ cache_no_marker(int platform, int64_t tenant, const char *scope, const char *id)
  * connection: a commit's copy, or the repopulation an idem_lookup queues,
  * must not land after a test deleted the key to see PostgreSQL answer.
  */
-static void
+void
 await_worker_settled(int ms)
 {
 	PGconn	   *c = pg_open(E.pg);

@@ -68,6 +68,7 @@ int			worker_copy(int platform, int64_t tenant, const char *scope,
 						const char *id);
 int			worker_writes_idem2(void);
 int			worker_copies_within(int ms);
+void		await_worker_settled(int ms);
 void		await_worker_copy(const char *key, const char *not_this, int ms);
 int64_t		wall_ms(void);
 void		sleep_ms(int ms);

@@ -48,6 +48,11 @@ sub new
 			extra => [
 				'--cluster-enabled', 'yes',
 				'--cluster-config-file', 'nodes.conf',
+				# The bus port defaults to port + 10000, which nothing
+				# reserved: it may be in use (an ephemeral port of some
+				# outgoing connection, another server's port) and the node
+				# would not start.  Take a free one like every other port.
+				'--cluster-port', PostgreSQL::Test::Cluster::get_free_port(),
 				'--cluster-node-timeout', $timeout,
 				# a replica takes over as soon as the master is judged dead
 				'--cluster-replica-validity-factor', '0',
