@@ -445,6 +445,24 @@ int_value(PGresult *r, int col, long long dflt)
 	return strtoll(PQgetvalue(r, 0, col), NULL, 10);
 }
 
+/*
+ * The row of a decision (idem_claim's, idem_apply's): decision, attempt,
+ * outcome, retry_after_ms first, NFIELDS columns in all.  0, or -1 when
+ * the row is not that shape.
+ */
+static int
+decision_row(PGresult *r, int nfields, const char **decision, int *attempt,
+			 long long *ms, const char **outcome)
+{
+	if (PQntuples(r) != 1 || PQnfields(r) != nfields || PQgetisnull(r, 0, 0))
+		return -1;
+	*decision = PQgetvalue(r, 0, 0);
+	*attempt = (int) int_value(r, 1, 0);
+	*ms = int_value(r, 3, 0);
+	*outcome = PQgetisnull(r, 0, 2) ? "" : PQgetvalue(r, 0, 2);
+	return 0;
+}
+
 static idem_status
 pg_error(run_state *s, pg_outcome *o, const char *what)
 {
@@ -789,18 +807,13 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		return pg_error(s, &o, o.failed_cmd == 1 ? "idem_claim" :
 						o.failed_cmd == 2 ? "SAVEPOINT" : "BEGIN");
 	}
-	if (PQntuples(o.res[1]) != 1 || PQnfields(o.res[1]) != 4 ||
-		PQgetisnull(o.res[1], 0, 0))
+	if (decision_row(o.res[1], 4, &decision, &attempt, &ms, &outcome) != 0)
 	{
 		idem_pg_outcome_clear(&o);
 		rollback_quietly(s);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_claim returned an unexpected row");
 	}
-	decision = PQgetvalue(o.res[1], 0, 0);
-	attempt = (int) int_value(o.res[1], 1, 0);
-	ms = int_value(o.res[1], 3, 0);
-	outcome = PQgetisnull(o.res[1], 0, 2) ? "" : PQgetvalue(o.res[1], 0, 2);
 
 	if (strcmp(decision, "claimed") == 0)
 	{
@@ -947,17 +960,13 @@ apply_step(run_state *s, const idem_run_options *ro)
 		idem_pg_outcome_clear(&o);
 		return st;
 	}
-	if (PQntuples(o.res[0]) != 1 || PQnfields(o.res[0]) != 5 ||
-		PQgetisnull(o.res[0], 0, 0) || PQgetisnull(o.res[0], 0, 4))
+	if (decision_row(o.res[0], 5, &decision, &attempt, &ms, &outcome) != 0 ||
+		PQgetisnull(o.res[0], 0, 4))
 	{
 		idem_pg_outcome_clear(&o);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_apply returned an unexpected row");
 	}
-	decision = PQgetvalue(o.res[0], 0, 0);
-	attempt = (int) int_value(o.res[0], 1, 0);
-	ms = int_value(o.res[0], 3, 0);
-	outcome = PQgetisnull(o.res[0], 0, 2) ? "" : PQgetvalue(o.res[0], 0, 2);
 	ran = PQgetvalue(o.res[0], 0, 4)[0] == 't';
 	s->out->source = ran ? IDEM_SOURCE_HANDLER : IDEM_SOURCE_POSTGRES;
 	s->out->attempt = attempt;
