@@ -2571,6 +2571,14 @@ cmd_scenario(void)
 				free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
 				for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
 					sleep_ms(10);
+				/*
+				 * Idle for a moment after that: the backend leaves
+				 * pg_stat_activity before its FATAL is always readable on
+				 * our socket (seen: without a gate round trip in between,
+				 * the statement met the FATAL in flight, which is a
+				 * termination at the moment of sending, not while idle).
+				 */
+				sleep_ms(200);
 				snprintf(id, sizeof(id), "k2%d", j);
 				snprintf(args, sizeof(args), "{\"scope\": \"%s\", \"id\": \"%s\"}", S, id);
 				ro.delivery_count = j;	/* through the gate, then without */
