@@ -30,6 +30,16 @@
  *   hand-new       the hand-written ledger of make bench's variant (3),
  *                  v3_hand(), as a prepared call: one round trip per key
  *   hand-dup       hand-new, every key twice in a row
+ *   run-late       idem_run where every other run redelivers a key whose
+ *                  run was acknowledged at least BENCH_REDELIVERY_MS
+ *                  (default 500) before, flagged delivery_count 2: a
+ *                  queue's redelivery (the first run's ack lost, then a
+ *                  visibility timeout, XAUTOCLAIM's min-idle-time), which
+ *                  finds the worker's copy in Valkey once the commit is
+ *                  durable; new keys as run-new
+ *   run-late-first run-late with new keys flagged delivery_count 1
+ *   run-late-sql-first  run-late-first with the effect as a SQL handler
+ *   hand-late      hand-new with run-late's redeliveries
  *
  * Built with -DBENCH_BASELINE (against an older libidemclient.a, for a
  * before/after run), only the modes that older library has.
@@ -38,7 +48,8 @@
  * idem_key('bench.replay', i) for tenant 1 + i % 100, i in 1..10000,
  * request {"amount": 1}.  Prints "cpu MODE CLIENTS us": the clients' own
  * CPU time (user + system, their setup included) per operation, less
- * sensitive to other load on the machine than the rate; then, last,
+ * sensitive to other load on the machine than the rate; for a -late mode
+ * "late MODE CLIENTS runs redeliveries answered_by_valkey"; then, last,
  * "MODE CLIENTS ops_per_second".
  */
 #include <errno.h>
@@ -57,6 +68,26 @@
 #include "internal.h"
 
 #define REPLAY_KEYS 10000
+
+/*
+ * The late-redelivery modes' queue: keys run and acknowledged, oldest
+ * first, with the time of the ack.  Every other run takes the oldest if it
+ * is at least lag seconds old, and otherwise runs a new key.
+ */
+#define LATE_RING 65536
+
+typedef struct late_queue
+{
+	int			on;				/* a -late mode */
+	double		lag;
+	long		next;			/* the next new key */
+	long		head,
+				tail;
+	long		k[LATE_RING];
+	double		t[LATE_RING];
+	long		redeliveries;
+	long		from_valkey;	/* redeliveries the Valkey cache answered */
+} late_queue;
 
 static double
 now_wall_s(void)
@@ -201,6 +232,51 @@ fill_cache(const char *conninfo, const char *vhost, int vport)
 	return written;
 }
 
+static void
+late_init(late_queue *q, const char *mode)
+{
+	const char *ms = getenv("BENCH_REDELIVERY_MS");
+
+	memset(q, 0, sizeof(*q));
+	q->on = strstr(mode, "-late") != NULL;
+	q->lag = (ms ? atof(ms) : 500.0) / 1000.0;
+}
+
+/*
+ * The key of run n (n counts this client's runs): in a -dup mode every key
+ * twice in a row, in a -late mode a redelivery of an old enough key every
+ * other run, otherwise a new key.
+ */
+static long
+late_next(late_queue *q, const char *mode, long n, int *redelivery)
+{
+	*redelivery = 0;
+	if (strstr(mode, "-dup"))
+	{
+		*redelivery = n % 2;
+		return n / 2;
+	}
+	if (q->on && n % 2 == 1 && q->head != q->tail &&
+		now_s() - q->t[q->head % LATE_RING] >= q->lag)
+	{
+		*redelivery = 1;
+		q->redeliveries++;
+		return q->k[q->head++ % LATE_RING];
+	}
+	return q->next++;
+}
+
+/* Run k was acknowledged: queue it for its redelivery. */
+static void
+late_done(late_queue *q, long k, int redelivery)
+{
+	if (!q->on || redelivery || q->tail - q->head >= LATE_RING)
+		return;
+	q->k[q->tail % LATE_RING] = k;
+	q->t[q->tail % LATE_RING] = now_s();
+	q->tail++;
+}
+
 /* A handler that must not run: replays only. */
 static idem_handler_status
 never_handler(PGconn *conn, idem_call *call, void *user_data)
@@ -211,15 +287,26 @@ never_handler(PGconn *conn, idem_call *call, void *user_data)
 	return IDEM_HANDLER_PERMANENT;
 }
 
+/* A client's late-redelivery counts, for the parent's report. */
+typedef struct late_counts
+{
+	long		redeliveries;
+	long		from_valkey;
+} late_counts;
+
 static long
 run_client(const char *mode, int client, double seconds, const char *conninfo,
-		   const char *vhost, int vport)
+		   const char *vhost, int vport, late_counts *late_out)
 {
 	double		end = now_s() + seconds;
 	long		ops = 0;
 	long		handler_runs = 0;
 	unsigned	seed = (unsigned) (getpid() * 2654435761u);
 	char		id[64];
+	static late_queue late;
+
+	late_init(&late, mode);
+	memset(late_out, 0, sizeof(*late_out));
 
 	if (strcmp(mode, "raw-get") == 0)
 	{
@@ -258,7 +345,6 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 		PGconn	   *conn = PQconnectdb(conninfo);
 		PGresult   *res;
 		long		n = 0;
-		int			dup = strcmp(mode, "hand-dup") == 0;
 		/* run ids: a random base per process (bigint; never repeated) */
 		long long	base = (((long long) rand_r(&seed) << 31) ^ rand_r(&seed) ^
 							((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
@@ -272,7 +358,8 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 			char		tenant[16];
 			char		run[32];
 			const char *values[2] = {tenant, run};
-			long		k = dup ? n / 2 : n;
+			int			redelivery;
+			long		k = late_next(&late, mode, n, &redelivery);
 
 			snprintf(run, sizeof(run), "%lld", base + k);
 			snprintf(tenant, sizeof(tenant), "%ld", 1 + k % 100);
@@ -285,10 +372,13 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 				return -1;
 			}
 			PQclear(res);
+			late_done(&late, k, redelivery);
 			n++;
 			ops++;
 		}
 		PQfinish(conn);
+		late_out->redeliveries = late.redeliveries;
+		late_out->from_valkey = late.from_valkey;
 		return ops;
 	}
 
@@ -376,8 +466,8 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 			}
 			else
 			{
-				/* run-dup: every key twice in a row, the second a duplicate */
-				long		k = strncmp(mode, "run-dup", 7) == 0 ? n / 2 : n;
+				int			redelivery;
+				long		k = late_next(&late, mode, n, &redelivery);
 
 				snprintf(id, sizeof(id), "%d-%d-%ld", (int) getpid(), client, k);
 				tenant = 1 + k % 100;
@@ -391,6 +481,8 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 
 					idem_run_options_init(&ro);
 					ro.delivery_count = strstr(mode, "-first") ? 1 : 0;
+					if (strstr(mode, "-late") && redelivery)
+						ro.delivery_count = 2;
 					if (strstr(mode, "-sql"))
 					{
 						snprintf(args, sizeof(args), "{\"t\": %" PRId64 ", \"amount\": 1}", tenant);
@@ -419,12 +511,17 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 							idem_status_name(st), res->error_message);
 					break;
 				}
+				late_done(&late, k, redelivery);
+				if (redelivery && res->source == IDEM_SOURCE_VALKEY)
+					late.from_valkey++;
 			}
 			n++;
 			ops++;
 		}
 		free(res);
 		idem_runner_close(r);
+		late_out->redeliveries = late.redeliveries;
+		late_out->from_valkey = late.from_valkey;
 		return ops;
 	}
 }
@@ -438,6 +535,8 @@ main(int argc, char **argv)
 	int			fds[2];
 	long		total = 0;
 	long		cpu_us = 0;		/* the clients' CPU (user + system) */
+	long		redeliveries = 0;
+	long		from_valkey = 0;
 	int			failed = 0;
 	int			c;
 
@@ -465,10 +564,14 @@ main(int argc, char **argv)
 
 		if (pid == 0)
 		{
-			long		res[2];
+			long		res[4];
 			struct rusage ru;
+			late_counts lc;
 
-			res[0] = run_client(mode, c, seconds, argv[4], argv[5], atoi(argv[6]));
+			res[0] = run_client(mode, c, seconds, argv[4], argv[5], atoi(argv[6]),
+								&lc);
+			res[2] = lc.redeliveries;
+			res[3] = lc.from_valkey;
 			getrusage(RUSAGE_SELF, &ru);
 			res[1] = (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000L +
 				ru.ru_utime.tv_usec + ru.ru_stime.tv_usec;
@@ -480,7 +583,7 @@ main(int argc, char **argv)
 	close(fds[1]);
 	for (c = 0; c < clients; c++)
 	{
-		long		res[2];
+		long		res[4];
 
 		if (read(fds[0], res, sizeof(res)) != sizeof(res) || res[0] < 0)
 			failed = 1;
@@ -488,6 +591,8 @@ main(int argc, char **argv)
 		{
 			total += res[0];
 			cpu_us += res[1];
+			redeliveries += res[2];
+			from_valkey += res[3];
 		}
 	}
 	while (wait(NULL) > 0)
@@ -497,6 +602,9 @@ main(int argc, char **argv)
 		fprintf(stderr, "%s: a client failed\n", mode);
 		return 1;
 	}
+	if (strstr(mode, "-late"))
+		printf("late %s %d %ld %ld %ld\n", mode, clients, total, redeliveries,
+			   from_valkey);
 	/* the ops/s last: callers take the output's last field */
 	printf("cpu %s %d %.2f\n", mode, clients,
 		   total > 0 ? (double) cpu_us / total : 0.0);

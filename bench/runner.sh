@@ -19,8 +19,14 @@ CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresq
 cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
 	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
 # BENCH_RUNNER_MODES: which columns (client_bench modes; hand-new and
-# hand-dup are always run, as the references of new-key and duplicate modes)
-MODES="hand-new hand-dup ${BENCH_RUNNER_MODES:-run-new run-new-first run-new-pipe run-new-pipe-first run-new-sql run-new-sql-first run-dup run-dup-pipe run-dup-sql}"
+# hand-dup are always run, as the references of new-key and duplicate
+# modes, and hand-late with any -late mode).  A -dup mode runs every key
+# twice in a row; a -late mode redelivers every other run a key acknowledged
+# BENCH_REDELIVERY_MS (default 500) before, as a queue's redelivery comes.
+RMODES=${BENCH_RUNNER_MODES:-run-new run-new-first run-new-pipe run-new-pipe-first run-new-sql run-new-sql-first run-dup run-dup-pipe run-dup-sql run-late run-late-first run-late-sql-first}
+MODES="hand-new hand-dup"
+[[ " $RMODES" == *-late* ]] && MODES="$MODES hand-late"
+MODES="$MODES $RMODES"
 BASE=""
 if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
 	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_RUNNER_BASE^{commit}") || exit 2
@@ -44,17 +50,22 @@ VK=$(cat "$BENCH_WORK/valkey.pid" 2>/dev/null)
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
-echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates)${BASE:+; base = the runner at $BASE}"
+echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates, hand-late for late redeliveries)${BASE:+; base = the runner at $BASE}"
 COLS=""
 for m in $MODES; do [[ $m == hand-* ]] || COLS="$COLS $m"; done
+REFS="hand-new hand-dup"
+[[ $MODES == *hand-late* ]] && REFS="$REFS hand-late"
 hdr="| sync | clients | (3) new | (3) half dup |"
+[[ $REFS == *hand-late* ]] && hdr="$hdr (3) late |"
 for m in $COLS; do hdr="$hdr $m |"; done
 echo "$hdr"
 cpus=()
+lates=()
+LATE_RE='late [^ ]+ [0-9]+ ([0-9]+) ([0-9]+) ([0-9]+)'
 for sync in $SYNCS; do
 	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
-		declare -A runs=() cpu=()
+		declare -A runs=() cpu=() late_runs=() late_re=() late_vk=()
 		for r in $(seq 1 "$ROUNDS"); do
 			for m in $MODES; do
 				bin=$BIN mode=$m
@@ -65,6 +76,11 @@ for sync in $SYNCS; do
 				sleep 0.3		# the backends exit and are reaped
 				t1=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") ))
 				runs[$m]+="${out##* } "
+				if [[ $out =~ $LATE_RE ]]; then
+					late_runs[$m]=$(( ${late_runs[$m]:-0} + BASH_REMATCH[1] ))
+					late_re[$m]=$(( ${late_re[$m]:-0} + BASH_REMATCH[2] ))
+					late_vk[$m]=$(( ${late_vk[$m]:-0} + BASH_REMATCH[3] ))
+				fi
 				cpu[$m]+="$(awk -v t="$((t1 - t0))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
 					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
 			done
@@ -74,22 +90,37 @@ for sync in $SYNCS; do
 			med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
 		done
 		cell() { awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf "%.0f (%.2f)", v, v / b }'; }
-		row="| $sync | $c | ${med[hand-new]%.*} | ${med[hand-dup]%.*} |"
+		row="| $sync | $c |"
+		for m in $REFS; do row="$row ${med[$m]%.*} |"; done
 		for m in $COLS; do
-			if [[ $m == *dup* ]]; then row="$row $(cell "$m" hand-dup) |"; else row="$row $(cell "$m" hand-new) |"; fi
+			case $m in
+			*dup*) row="$row $(cell "$m" hand-dup) |" ;;
+			*late*) row="$row $(cell "$m" hand-late) |" ;;
+			*) row="$row $(cell "$m" hand-new) |" ;;
+			esac
 		done
 		echo "$row"
 		row="| $sync | $c | CPU µs/run |"
-		for m in hand-new hand-dup $COLS; do
+		for m in $REFS $COLS; do
 			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) |"
 		done
 		cpus+=("$row")
-		unset runs med cpu
+		for m in "${!late_runs[@]}"; do
+			lates+=("| $sync | $c | $m | ${late_re[$m]} of ${late_runs[$m]} | ${late_vk[$m]} |")
+		done
+		unset runs med cpu late_runs late_re late_vk
 	done
 done
 echo
 echo "CPU per run, µs (the clients, their backends and Valkey; median of $ROUNDS; load-independent but for contention)"
 hdr="| sync | clients | | (3) new | (3) half dup |"
+[[ $REFS == *hand-late* ]] && hdr="$hdr (3) late |"
 for m in $COLS; do hdr="$hdr $m |"; done
 echo "$hdr"
 printf '%s\n' "${cpus[@]}"
+if [ ${#lates[@]} -gt 0 ]; then
+	echo
+	echo "Late redeliveries (${BENCH_REDELIVERY_MS:-500} ms or more after the first run's ack), all rounds: how many runs were redeliveries, and how many of those the Valkey cache answered"
+	echo "| sync | clients | mode | redeliveries | from Valkey |"
+	printf '%s\n' "${lates[@]}"
+fi
