@@ -167,7 +167,9 @@ notice_receiver(void *arg, const PGresult *res)
  * server ended while we were idle (its FATAL message, or the end of the
  * stream) is seen before a statement goes out.  A statement sent on such a
  * connection reached no live server; a lost connection after sending must
- * otherwise be taken as "commit unknown".  Two system calls, no round trip.
+ * otherwise be taken as "commit unknown".  No round trip; in the common
+ * case (nothing arrived) one system call: poll first, read only when the
+ * socket is readable (a message, or the end of the stream).
  */
 static int
 idle_conn_alive(idem_pg *p)
@@ -177,24 +179,27 @@ idle_conn_alive(idem_pg *p)
 
 	if (PQstatus(c) != CONNECTION_OK)
 		return 0;
+	/* also parses what libpq has buffered: a FATAL goes to the receiver */
 	if (PQisBusy(c) || PQpipelineStatus(c) != PQ_PIPELINE_OFF)
 		return 1;				/* not idle: not judged here */
+	if (p->server_ended)
+		return 0;
 	for (i = 0; i < 4; i++)
 	{
 		struct pollfd pfd;
 
-		if (!PQconsumeInput(c) || PQstatus(c) != CONNECTION_OK)
-			return 0;			/* the end of the stream */
-		(void) PQisBusy(c);		/* parses it: a FATAL goes to the receiver */
-		if (p->server_ended)
-			return 0;
 		pfd.fd = PQsocket(c);
 		pfd.events = POLLIN;
 		pfd.revents = 0;
 		if (pfd.fd < 0)
 			return 0;
 		if (poll(&pfd, 1, 0) <= 0)
-			return 1;			/* nothing more to read: alive */
+			return 1;			/* nothing to read: alive */
+		if (!PQconsumeInput(c) || PQstatus(c) != CONNECTION_OK)
+			return 0;			/* the end of the stream */
+		(void) PQisBusy(c);		/* parses it: a FATAL goes to the receiver */
+		if (p->server_ended)
+			return 0;
 	}
 	return 1;
 }
