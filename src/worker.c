@@ -70,7 +70,12 @@
 #define IDEM_WORKER_RESTART_S	2
 #define IDEM_BATCH_MAX			512
 #define IDEM_BACKOFF_MIN_MS		100
-#define IDEM_BACKOFF_MAX_MS		5000
+/*
+ * At most this long between attempts while Valkey is down: a connect to a
+ * server that is not there costs next to nothing, and every second more is
+ * a second of copies not made once it is back.
+ */
+#define IDEM_BACKOFF_MAX_MS		1000
 /* a cluster's batch stuck on one node (a failover): retry this often */
 #define IDEM_BACKOFF_CLUSTER_MAX_MS	400
 /* batches sent ahead of a stuck one, to the nodes that answer */
