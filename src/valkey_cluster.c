@@ -49,6 +49,7 @@ typedef struct vc_node
 	int64_t		down_until;		/* resting after a failure */
 	long long	errors;
 	int			in_map;
+	int			sent;			/* sent to since its last read */
 } vc_node;
 
 struct idem_vc
@@ -69,6 +70,7 @@ struct idem_vc
 	int			need_refresh;
 	int			use_slots;		/* CLUSTER SLOTS: the server has no SHARDS */
 	int64_t		refreshed_at;	/* last map read (monotonic ms) */
+	int			nsent;			/* nodes with sent set */
 	idem_vc_stats stats;
 	char		err[VC_ERR_LEN];
 };
@@ -487,8 +489,19 @@ node_get(idem_vc *vc, const char *host, int port)
 }
 
 static void
+node_unsent(idem_vc *vc, vc_node *n)
+{
+	if (n->sent)
+	{
+		n->sent = 0;
+		vc->nsent--;
+	}
+}
+
+static void
 node_drop(idem_vc *vc, vc_node *n)
 {
+	node_unsent(vc, n);
 	if (n->fd >= 0)
 	{
 		if (vc->io.closing)
@@ -613,6 +626,11 @@ node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
 		set_err(vc, "could not send: %s", strerror(errno));
 		return -1;
 	}
+	if (n->olen > 0 && !n->sent)
+	{
+		n->sent = 1;
+		vc->nsent++;
+	}
 	n->olen = 0;
 	return 0;
 }
@@ -636,6 +654,28 @@ node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
 		{
 			*out = reply;
 			return 0;
+		}
+
+		/*
+		 * Right after a send to this node alone, its reply is almost never
+		 * in yet: wait first, which saves a recv that would only say EAGAIN
+		 * (one system call per round trip).  When several nodes were sent
+		 * to, the later ones' replies are usually in by the time they are
+		 * read: recv first.
+		 */
+		if (n->sent)
+		{
+			int			alone = vc->nsent == 1;
+
+			node_unsent(vc, n);
+			if (alone)
+			{
+				int			rc = vc_wait(vc, n->fd, 0, deadline,
+										 "waiting for a reply");
+
+				if (rc != 0)
+					return rc;
+			}
 		}
 		got = recv(n->fd, buf, sizeof(buf), 0);
 		if (got > 0)
