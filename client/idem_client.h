@@ -396,7 +396,8 @@ typedef struct idem_run_options
 	 * the attempt number.  Its parameters are text, first_nparams of
 	 * them.  The handler reads its result with idem_call_first_result(); if
 	 * it failed, the transaction is in error and the handler must report a
-	 * failure.  Not with sql_handler.
+	 * failure.  Not with sql_handler.  Prepared per connection (the first
+	 * 4 distinct texts; not through a pooler), like the runner's own.
 	 */
 	const char *first_sql;
 	int			first_nparams;

@@ -135,6 +135,14 @@ typedef enum pg_stmt
 	STMT_COUNT
 } pg_stmt;
 
+/*
+ * A handler's first statement (idem_run_options.first_sql) is prepared too,
+ * under a name of its own per distinct text and parameter count, for the
+ * first PG_FIRST_SLOTS texts a connection meets; further texts stay
+ * unnamed.  Its prepared bit is STMT_COUNT + slot.
+ */
+#define PG_FIRST_SLOTS 4
+
 typedef struct idem_pg
 {
 	char	   *conninfo;
@@ -142,7 +150,12 @@ typedef struct idem_pg
 	FILE	   *trace;
 	PGconn	   *conn;
 	char	   *sql[STMT_COUNT];	/* built at connect, schema-qualified */
-	unsigned	prepared;		/* bit per pg_stmt prepared on this conn */
+	unsigned	prepared;		/* bit per pg_stmt prepared on this conn,
+								 * then per first_sql slot */
+	char	   *first_sql[PG_FIRST_SLOTS];	/* texts met on this conn */
+	int			first_nparams[PG_FIRST_SLOTS];
+	unsigned	first_unnamed;	/* bit per slot: its plan went stale (the
+								 * result type changed): unnamed from now */
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */
@@ -164,6 +177,8 @@ typedef struct pg_cmd
 	int			formats[6];
 	const char *const *text_values; /* non-NULL: nparams text parameters,
 									 * instead of values[] */
+	int			first;			/* a handler's first statement: prepared
+								 * in a first_sql slot when one is free */
 } pg_cmd;
 
 #define PG_MAX_CMDS 5
@@ -184,6 +199,9 @@ typedef struct pg_outcome
 	PGresult   *res[PG_MAX_CMDS];
 	char		sqlstate[6];
 	char		message[400];
+	int			stale_first;	/* a prepared first statement failed as its
+								 * plan went stale: unnamed from now on,
+								 * worth sending again */
 } pg_outcome;
 
 void		idem_pg_init(idem_pg *p);

@@ -9,7 +9,9 @@
  *	  them on a connection (no extra round trip), so the server parses and
  *	  plans them once per connection instead of once per call -- except
  *	  through a transaction pooler (idem_options.prepared_statements),
- *	  where every command is an unnamed statement.
+ *	  where every command is an unnamed statement.  So is a C handler's
+ *	  first statement (idem_run_options.first_sql), for the first few
+ *	  distinct texts a connection meets.
  */
 #include "internal.h"
 
@@ -33,6 +35,12 @@ free_sql(idem_pg *p)
 		free(p->sql[i]);
 		p->sql[i] = NULL;
 	}
+	for (i = 0; i < PG_FIRST_SLOTS; i++)
+	{
+		free(p->first_sql[i]);
+		p->first_sql[i] = NULL;
+	}
+	p->first_unnamed = 0;
 }
 
 void
@@ -351,6 +359,9 @@ lost(idem_pg *p, pg_outcome *out)
 	idem_pg_drop(p);
 }
 
+/* one bit of idem_pg.prepared per statement and per first_sql slot */
+typedef char prepared_bits_fit[STMT_COUNT + PG_FIRST_SLOTS <= 32 ? 1 : -1];
+
 /* Names of the prepared statements, by pg_stmt; unlikely to meet a handler's. */
 static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_claim_t", "idem_client_claim_p",
@@ -364,14 +375,46 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_rollback_to", "idem_client_commit"
 };
 
-/* The pg_stmt whose text sql is, or -1 for an ad hoc command. */
+/* The name of statement stmt (a pg_stmt, or STMT_COUNT + a first_sql slot). */
+static const char *
+stmt_name(int stmt, char *buf, size_t len)
+{
+	if (stmt < STMT_COUNT)
+		return stmt_names[stmt];
+	snprintf(buf, len, "idem_client_first_%d", stmt - STMT_COUNT);
+	return buf;
+}
+
+/*
+ * The statement that runs command c: its pg_stmt, STMT_COUNT + the
+ * first_sql slot of a handler's first statement (a free slot is taken on
+ * its first use), or -1 for an unnamed command.
+ */
 static int
-stmt_of(const idem_pg *p, const char *sql)
+stmt_of(idem_pg *p, const pg_cmd *c)
 {
 	int			i;
 
+	if (c->first)
+	{
+		for (i = 0; i < PG_FIRST_SLOTS; i++)
+		{
+			if (p->first_sql[i] == NULL)
+			{
+				p->first_sql[i] = strdup(c->sql);
+				if (p->first_sql[i] == NULL)
+					return -1;
+				p->first_nparams[i] = c->nparams;
+				p->prepared &= ~(1u << (STMT_COUNT + i));
+			}
+			if (p->first_nparams[i] == c->nparams &&
+				strcmp(p->first_sql[i], c->sql) == 0)
+				return (p->first_unnamed & (1u << i)) ? -1 : STMT_COUNT + i;
+		}
+		return -1;				/* beyond the slots: unnamed */
+	}
 	for (i = 0; i < STMT_COUNT; i++)
-		if (p->sql[i] == sql)
+		if (p->sql[i] == c->sql)
 			return i;
 	return -1;
 }
@@ -379,10 +422,11 @@ stmt_of(const idem_pg *p, const char *sql)
 /*
  * Read the result of a Parse sent ahead of command i: on success the
  * statement is prepared on this connection from now on.  0, or -1 when the
- * connection is gone.
+ * connection is gone.  A failed Parse's result goes to *failed (its
+ * command's own result will only say the pipeline was aborted).
  */
 static int
-read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out)
+read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out, PGresult **failed)
 {
 	PGresult   *r = PQgetResult(p->conn);
 	PGresult   *extra;
@@ -403,9 +447,14 @@ read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out)
 		if (out->failed_cmd < 0)
 			out->failed_cmd = i;
 		if (PQresultStatus(r) != PGRES_PIPELINE_ABORTED)
+		{
 			set_error(out, r, p->conn);
+			*failed = r;
+			r = NULL;
+		}
 	}
-	PQclear(r);
+	if (r)
+		PQclear(r);
 	while ((extra = PQgetResult(p->conn)) != NULL)
 		PQclear(extra);
 	return PQstatus(p->conn) == CONNECTION_OK ? 0 : -1;
@@ -417,6 +466,7 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	PGconn	   *conn = p->conn;
 	int			stmt[PG_MAX_CMDS];
 	int			parse[PG_MAX_CMDS];
+	char		name[32];
 	int			i;
 
 	memset(out, 0, sizeof(*out));
@@ -436,19 +486,23 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	{
 		int			ok;
 
-		stmt[i] = p->named ? stmt_of(p, cmds[i].sql) : -1;
+		stmt[i] = p->named ? stmt_of(p, &cmds[i]) : -1;
 		parse[i] = stmt[i] >= 0 && !(p->prepared & (1u << stmt[i]));
 		if (parse[i] &&
-			PQsendPrepare(conn, stmt_names[stmt[i]], cmds[i].sql,
-						  cmds[i].nparams, NULL) != 1)
+			PQsendPrepare(conn, stmt_name(stmt[i], name, sizeof(name)),
+						  cmds[i].sql, cmds[i].nparams, NULL) != 1)
 		{
 			lost(p, out);
 			return;
 		}
-		if (stmt[i] >= 0)
-			ok = PQsendQueryPrepared(conn, stmt_names[stmt[i]], cmds[i].nparams,
-									 cmds[i].values, cmds[i].lengths,
-									 cmds[i].formats, 0);
+		if (stmt[i] >= 0 && cmds[i].text_values)
+			ok = PQsendQueryPrepared(conn, stmt_name(stmt[i], name, sizeof(name)),
+									 cmds[i].nparams, cmds[i].text_values,
+									 NULL, NULL, 0);
+		else if (stmt[i] >= 0)
+			ok = PQsendQueryPrepared(conn, stmt_name(stmt[i], name, sizeof(name)),
+									 cmds[i].nparams, cmds[i].values,
+									 cmds[i].lengths, cmds[i].formats, 0);
 		else if (cmds[i].text_values)
 			ok = PQsendQueryParams(conn, cmds[i].sql, cmds[i].nparams, NULL,
 								   cmds[i].text_values, NULL, NULL, 0);
@@ -472,18 +526,29 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	{
 		PGresult   *r;
 		PGresult   *extra;
+		PGresult   *parse_failed = NULL;
 		ExecStatusType st;
 
-		if (parse[i] && read_prepare(p, stmt[i], i, out) != 0)
+		if (parse[i] && read_prepare(p, stmt[i], i, out, &parse_failed) != 0)
 		{
+			if (parse_failed)
+				PQclear(parse_failed);
 			lost(p, out);
 			return;
 		}
 		r = PQgetResult(conn);
 		if (r == NULL)
 		{
+			if (parse_failed)
+				PQclear(parse_failed);
 			lost(p, out);
 			return;
+		}
+		if (parse_failed)
+		{
+			/* the command's result is the error of its Parse */
+			PQclear(r);
+			r = parse_failed;
 		}
 		st = PQresultStatus(r);
 		out->res[i] = r;
@@ -507,6 +572,17 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 			/* the handler deallocated our statements: prepare them again */
 			if (stmt[i] >= 0 && state && strcmp(state, "26000") == 0)
 				p->prepared = 0;
+			/*
+			 * A handler's first statement whose result type a DDL changed
+			 * ("cached plan must not change result type"): an unnamed
+			 * statement would have run, so it is one from now on.
+			 */
+			if (stmt[i] >= STMT_COUNT && !parse_failed && state &&
+				strcmp(state, "0A000") == 0)
+			{
+				p->first_unnamed |= 1u << (stmt[i] - STMT_COUNT);
+				out->stale_first = 1;
+			}
 			if (PQstatus(conn) != CONNECTION_OK)
 			{
 				lost(p, out);

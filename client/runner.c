@@ -787,6 +787,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 			cmds[3].sql = ro->first_sql;
 			cmds[3].nparams = ro->first_nparams;
 			cmds[3].text_values = ro->first_params;
+			cmds[3].first = 1;
 		}
 		idem_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
 		/* a connection that died while idle: nothing was committed, so one
@@ -822,6 +823,32 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		idem_status st;
 
 		memset(&call, 0, sizeof(call));
+		if (first && o.stale_first && o.failed_cmd == 3)
+		{
+			/*
+			 * Its prepared plan went stale (a DDL changed its result type):
+			 * once more as the unnamed statement it now is, in the savepoint,
+			 * which is what an unprepared first statement would have met.
+			 */
+			pg_outcome o2;
+
+			cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
+			cmds[1] = cmds[3];
+			idem_pg_pipeline(pg, cmds, 2, &o2);
+			if (o2.rc == PG_CONN_LOST)
+			{
+				/* the transaction is gone with it: nothing committed */
+				idem_pg_outcome_clear(&o);
+				return pg_error(s, &o2, "the handler's first statement");
+			}
+			if (o2.res[1] != NULL)
+			{
+				PQclear(o.res[3]);
+				o.res[3] = o2.res[1];
+				o2.res[1] = NULL;
+			}
+			idem_pg_outcome_clear(&o2);
+		}
 		if (first)
 		{
 			call.first = o.res[3];	/* the handler's now */

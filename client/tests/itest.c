@@ -1243,6 +1243,7 @@ typedef struct hctx
 	pid_t		dup_child;
 	int			dup_fd[2];		/* the child's result comes back here */
 	char		stmts[512];		/* "stmts": the connection's prepared statements */
+	const char *first_text;		/* "first_stmts": whose executions to count */
 } hctx;
 
 static PGconn *admin;
@@ -1265,10 +1266,24 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		idem_call_set_json(call, h->outcome ? h->outcome : "{\"ok\": true}");
 		return IDEM_HANDLER_OK;
 	}
-	if (strcmp(m, "first") == 0)
+	if (strcmp(m, "first") == 0 || strcmp(m, "first_stmts") == 0)
 	{
 		/* the effect was sent with the claim (run option first_sql) */
 		const PGresult *f = idem_call_first_result(call);
+
+		if (m[5] == '_')
+		{
+			/* how often the named statement of first_text ran */
+			const char *p1[1] = {h->first_text};
+
+			r = PQexecParams(conn, "SELECT string_agg((generic_plans + custom_plans)::text, ',') "
+							 "FROM pg_prepared_statements WHERE name LIKE 'idem\\_client\\_first\\_%' "
+							 "AND statement = $1", 1, NULL, p1, NULL, NULL, 0);
+			snprintf(h->stmts, sizeof(h->stmts), "%s",
+					 PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 ?
+					 PQgetvalue(r, 0, 0) : "error");
+			PQclear(r);
+		}
 
 		snprintf(out, sizeof(out), "{\"n\": %s}",
 				 f && PQresultStatus(f) == PGRES_TUPLES_OK && PQntuples(f) == 1 ?
@@ -1437,6 +1452,27 @@ effects_of(const char *scope, const char *id)
 	const char *p[2] = {scope, id};
 
 	return pg_int(admin, "SELECT count(*) FROM effects WHERE scope = $1 AND id = $2", 2, p);
+}
+
+/*
+ * Terminate a runner's backend while the runner is idle, and wait until it
+ * is gone and a moment more: the backend leaves pg_stat_activity before its
+ * FATAL is always readable on the runner's socket (seen: without a gate
+ * round trip in between, the next statement met the FATAL in flight, which
+ * is a termination at the moment of sending, not while idle).
+ */
+static void
+terminate_idle_backend(int backend_pid)
+{
+	char		pid[16];
+	const char *p1[1] = {pid};
+	int			i;
+
+	snprintf(pid, sizeof(pid), "%d", backend_pid);
+	free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
+	for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
+		sleep_ms(10);
+	sleep_ms(200);
 }
 
 static char *
@@ -2093,6 +2129,73 @@ cmd_scenario(void)
 		idem_run_with(R, 1, S, "fs4", "{}", &ro, handler, &h, &res);
 		tap_ok(res.status == IDEM_ERROR && res.error_code == IDEM_ERR_ARGUMENT && h.calls == 2,
 			   "first_sql with parameters but no first_params is refused (%s)", res.error_message);
+
+		/*
+		 * The first statement is a named prepared statement of the
+		 * connection (one per distinct text, for the first few texts):
+		 * prepared once, then reused; prepared again after a DEALLOCATE
+		 * ALL and after a reconnect.
+		 */
+		ro.first_params = fp;
+		ro.delivery_count = 0;
+		ro.first_sql = "INSERT INTO effects (scope, id, tenant) VALUES ($1, $2, 1) RETURNING 8";
+		memset(&h, 0, sizeof(h));
+		h.mode = "first_stmts";
+		h.first_text = ro.first_sql;
+		idem_run_with(R, 1, S, "fs5", "{}", &ro, handler, &h, &res);
+		snprintf(fid, sizeof(fid), "fs6");
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && strcmp(res.outcome, "{\"n\": 8}") == 0 &&
+			   effects_of(S, fid) == 1 && strcmp(h.stmts, "2") == 0,
+			   "first_sql: one named prepared statement, run by both runs (executions: %s; %s)", h.stmts, res_str(&res));
+		h.mode = "deallocate";
+		snprintf(fid, sizeof(fid), "fs7");
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		h.mode = "first_stmts";
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, fid) == 1 &&
+			   strcmp(h.stmts, "1") == 0,
+			   "first_sql after the handler's DEALLOCATE ALL: prepared again, applied once (executions: %s; %s)", h.stmts, res_str(&res));
+		terminate_idle_backend(h.backend_pid);
+		snprintf(fid, sizeof(fid), "fs8");
+		idem_run_with(R, 1, S, fid, "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, fid) == 1 &&
+			   strcmp(h.stmts, "1") == 0,
+			   "first_sql after a reconnect: prepared again on the new connection, applied once (executions: %s; %s)", h.stmts, res_str(&res));
+
+		/*
+		 * A DDL that changes the first statement's result type: its named
+		 * plan cannot be used ("cached plan must not change result type"),
+		 * which an unnamed statement never meets; the runner sends it
+		 * again, unnamed, and the handler sees its result.
+		 */
+		pg_ok(admin, "DROP TABLE IF EXISTS itest_first");
+		pg_ok(admin, "CREATE TABLE itest_first (n int)");
+		pg_ok(admin, "INSERT INTO itest_first VALUES (5)");
+		ro.first_sql = "SELECT * FROM itest_first";
+		ro.first_nparams = 0;
+		ro.first_params = NULL;
+		h.mode = "first";
+		idem_run_with(R, 1, S, "fs9", "{}", &ro, handler, &h, &res);
+		pg_ok(admin, "ALTER TABLE itest_first ADD COLUMN m int");
+		idem_run_with(R, 1, S, "fs10", "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && strcmp(res.outcome, "{\"n\": 5}") == 0,
+			   "first_sql whose result type a DDL changed: sent again unnamed, applied (%s)", res_str(&res));
+		idem_run_with(R, 1, S, "fs11", "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && strcmp(res.outcome, "{\"n\": 5}") == 0,
+			   "... and unnamed from then on (%s)", res_str(&res));
+		/* beyond the slots (4 texts on this connection): unnamed */
+		ro.first_sql = "SELECT n + 0 FROM itest_first";
+		idem_run_with(R, 1, S, "fs12", "{}", &ro, handler, &h, &res);
+		ro.first_sql = "SELECT n + 1 FROM itest_first";
+		idem_run_with(R, 1, S, "fs13", "{}", &ro, handler, &h, &res);
+		ro.first_sql = "SELECT n + 2 FROM itest_first";
+		h.mode = "first_stmts";
+		h.first_text = ro.first_sql;
+		idem_run_with(R, 1, S, "fs14", "{}", &ro, handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && strcmp(res.outcome, "{\"n\": 7}") == 0 &&
+			   h.stmts[0] == '\0',
+			   "a fifth first_sql text on a connection runs unnamed (%s; executions: \"%s\")", res_str(&res), h.stmts);
 	}
 
 	/* --- busy: a marker held by another runner ---------------------- */
@@ -2532,14 +2635,7 @@ cmd_scenario(void)
 	}
 	/* killed while idle between runs: the next run reconnects by itself */
 	{
-		char		pid[16];
-		const char *p1[1] = {pid};
-		int			i;
-
-		snprintf(pid, sizeof(pid), "%d", h.backend_pid);
-		free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
-		for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
-			sleep_ms(10);
+		terminate_idle_backend(h.backend_pid);
 		memset(&h, 0, sizeof(h));
 		idem_run(R, 1, S, "k9", "{}", handler, &h, &res);
 		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && effects_of(S, "k9") == 1,
@@ -2567,18 +2663,7 @@ cmd_scenario(void)
 				snprintf(id, sizeof(id), "k1%d", j);
 				memset(&h, 0, sizeof(h));
 				idem_run(R, 1, S, id, "{}", handler, &h, &res);
-				snprintf(pid, sizeof(pid), "%d", h.backend_pid);
-				free(pg_val(admin, "SELECT pg_terminate_backend($1::int)", 1, p1));
-				for (i = 0; i < 200 && pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", 1, p1) > 0; i++)
-					sleep_ms(10);
-				/*
-				 * Idle for a moment after that: the backend leaves
-				 * pg_stat_activity before its FATAL is always readable on
-				 * our socket (seen: without a gate round trip in between,
-				 * the statement met the FATAL in flight, which is a
-				 * termination at the moment of sending, not while idle).
-				 */
-				sleep_ms(200);
+				terminate_idle_backend(h.backend_pid);
 				snprintf(id, sizeof(id), "k2%d", j);
 				snprintf(args, sizeof(args), "{\"scope\": \"%s\", \"id\": \"%s\"}", S, id);
 				ro.delivery_count = j;	/* through the gate, then without */

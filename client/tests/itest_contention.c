@@ -111,7 +111,10 @@ typedef struct wctx
 {
 	int			idx;
 	int			msg;
+	int			first;			/* the INSERT went with the claim (first_sql) */
 } wctx;
+
+#define EFFECT_SQL "INSERT INTO effects (scope, id, tenant, attempt, worker) VALUES ($1, $2, $3, 1, $4)"
 
 static idem_handler_status
 whandler(PGconn *conn, idem_call *call, void *ud)
@@ -134,10 +137,18 @@ whandler(PGconn *conn, idem_call *call, void *ud)
 	p[1] = id;
 	p[2] = ten;
 	p[3] = wk;
-	r = PQexecParams(conn, "INSERT INTO effects (scope, id, tenant, attempt, worker) VALUES ($1, $2, $3, 1, $4)",
-					 4, NULL, p, NULL, NULL, 0);
-	ok = PQresultStatus(r) == PGRES_COMMAND_OK;
-	PQclear(r);
+	if (c->first)
+	{
+		const PGresult *f = idem_call_first_result(call);
+
+		ok = f != NULL && PQresultStatus(f) == PGRES_COMMAND_OK;
+	}
+	else
+	{
+		r = PQexecParams(conn, EFFECT_SQL, 4, NULL, p, NULL, NULL, 0);
+		ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+		PQclear(r);
+	}
 	if (ok)
 		sleep_ms(is_slow(c->msg) ? lease_ms + 400 : faults ? 15 : 1);
 	/* leave the handler, unless the parent holds us in it for a fault */
@@ -214,6 +225,7 @@ late_valkey_replays(void)
 		outcome_of(m, want, sizeof(want));
 		c.idx = 0;			/* the handler must not run; if it did, the check fails */
 		c.msg = m;
+		c.first = 0;
 		if (is_platform(m))
 			idem_run_platform(r, scope, id, req, whandler, &c, &res);
 		else
@@ -284,8 +296,26 @@ worker(int idx)
 		outcome_of(m, want, sizeof(want));
 		c.idx = idx;
 		c.msg = m;
+		/* the odd workers send their effect with the claim (first_sql):
+		 * a named prepared statement, but unnamed through a pooler */
+		c.first = idx % 2 == 1 && !is_platform(m);
 		if (is_platform(m))
 			idem_run_platform(r, scope, id, req, whandler, &c, &res);
+		else if (c.first)
+		{
+			idem_run_options ro;
+			char		ten[24],
+						wk[16];
+			const char *fp[4] = {scope, id, ten, wk};
+
+			snprintf(ten, sizeof(ten), "%lld", (long long) tenant_of(m));
+			snprintf(wk, sizeof(wk), "%d", idx);
+			idem_run_options_init(&ro);
+			ro.first_sql = EFFECT_SQL;
+			ro.first_nparams = 4;
+			ro.first_params = fp;
+			idem_run_with(r, tenant_of(m), scope, id, req, &ro, whandler, &c, &res);
+		}
 		else
 			idem_run(r, tenant_of(m), scope, id, req, whandler, &c, &res);
 		logline(fd, "%s %s %s %d %d\n", id, idem_status_name(res.status),
