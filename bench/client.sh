@@ -39,7 +39,7 @@ for c in ${BENCH_CLIENTS:-1 8 32}; do
 	awk -v c="$c" -v vr="${med[valkey-replay]}" -v rg="${med[raw-get]}" \
 		-v vd="${med[valkey-replay-redelivery]}" \
 		-v pr="${med[pg-replay]}" -v ps="${med[pg-select]}" 'BEGIN {
-		printf "%-15s %7s  targets: valkey replay (MAC verified)/raw GET %.2f, as a redelivery (GET first) %.2f (>= 0.90); client pg replay/bare SELECT %.2f\n",
+		printf "%-15s %7s  targets: valkey replay (MAC verified)/raw GET %.2f, as a redelivery %.2f (>= 0.90); client pg replay/bare SELECT %.2f\n",
 			"", c, vr / rg, vd / rg, pr / ps }'
 	unset runs cpus
 done

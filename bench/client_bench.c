@@ -9,7 +9,8 @@
  *   valkey-replay  idem_run on completed keys, answered by the Valkey cache
  *                  (every value's MAC verified)
  *   valkey-replay-redelivery  the same, flagged as redeliveries
- *                  (delivery_count 2: a plain GET before the gate script)
+ *                  (delivery_count 2: the same gate; until the commit
+ *                  after 1245f05, a plain GET before it)
  *   raw-get        hiredis GET of the same cache keys
  *   fill-cache     (setup, CLIENTS ignored) write the idem2 copies of the
  *                  replay keys that the server's worker writes, where absent

@@ -367,11 +367,9 @@ typedef struct idem_run_options
 								 * mistake is still answered exactly once
 								 * (busy, replay or mismatch from the
 								 * claim), only without the cache.  2 or
-								 * more: a redelivery, likely already
-								 * done, so a plain GET is tried before
-								 * the gate (a replay without making
-								 * a marker; one round trip more when
-								 * the cache cannot answer). */
+								 * more: as 0 (the gate's SET NX GET
+								 * answers a stored result as a GET
+								 * would, and writes nothing then). */
 	const char *sql_handler;	/* non-NULL: the effect is this SQL function
 								 * of the extension's idem_apply, named as
 								 * a regprocedure ("public.charge(jsonb)"):

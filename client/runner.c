@@ -32,9 +32,10 @@
  *		 compare-and-delete on its token.
  *
  *	  Per-run options (idem_run_with): delivery_count 1 skips step 2 (the
- *	  claim guards a wrongly flagged duplicate), delivery_count > 1 tries a
- *	  plain GET before the gate (replay_by_get); sql_handler makes step 3b
- *	  one idem_apply statement.
+ *	  claim guards a wrongly flagged duplicate); a redelivery (2 or more)
+ *	  goes through the gate like an unknown count: SET NX GET answers a
+ *	  stored result as a GET would, without writing; sql_handler makes
+ *	  step 3b one idem_apply statement.
  *
  *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
  *	  a handler that ends the runner's transaction fails the run with
@@ -73,7 +74,6 @@ typedef struct run_state
 	int			mismatch_hint;	/* Valkey holds another fingerprint: only
 								 * PostgreSQL may say "mismatch" */
 	int			marker_busy;	/* the gate met another run's marker */
-	int			redelivery;		/* delivery_count > 1: GET before the gate */
 	/* parameters as text */
 	char		tenant_txt[24];	/* of PostgreSQL's statements: params_key */
 } run_state;
@@ -231,38 +231,6 @@ leave_marker(run_state *s)
 	s->own_marker = 0;
 }
 
-/*
- * Step 2 for a redelivery (delivery_count > 1): a plain GET first, the
- * cheapest read Valkey has.  A terminal value whose MAC verifies, with our
- * fingerprint, is the replay; anything else (absent, a marker, another
- * fingerprint, not trusted) goes on to the gate, which reads the key
- * again atomically with setting our marker: one round trip more for a
- * redelivery the cache cannot answer.  Returns 1 if it decided the run.
- */
-static int
-replay_by_get(run_state *s)
-{
-	const char *key = s->ckey;
-	gate_reply	g;
-	IdemCacheEntry e;
-	int			decided = 0;
-
-	idem_gate_get_many(s->r->gate, &key, 1, &g);
-	if (g.answer != GATE_SKIPPED)
-		s->out->valkey_used = 1;
-	if (g.answer == GATE_VALUE &&
-		idem_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
-						 s->r->lease_ms, &e) == TRUST_VALUE_OK &&
-		e.kind != IDEM_CACHE_MARKER &&
-		memcmp(e.fingerprint, s->fp, IDEM_DIGEST_LEN) == 0)
-	{
-		idem_result_from_cache(s->out, &e);
-		decided = 1;
-	}
-	free(g.value);
-	return decided;
-}
-
 /* Step 2.  Returns 1 if the gate decided the run. */
 static int
 gate_step(run_state *s)
@@ -291,8 +259,6 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	if (s->redelivery && replay_by_get(s))
-		return 1;
 	random_token(s->r, token);
 	if (idem_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
 						  s->marker, sizeof(s->marker)) < 0)
@@ -1158,7 +1124,6 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		idem_sha256_final(&c, s.fp);
 	}
 
-	s.redelivery = ro != NULL && ro->delivery_count > 1;
 	if (ro != NULL && ro->delivery_count == 1 && r->gate != NULL)
 	{
 		/*
