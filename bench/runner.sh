@@ -47,6 +47,13 @@ ticks() { awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat" 2>/dev/null || ech
 HZ=$(getconf CLK_TCK)
 PM=$(head -1 "$BENCH_WORK/pg/postmaster.pid" 2>/dev/null)
 VK=$(cat "$BENCH_WORK/valkey.pid" 2>/dev/null)
+# The idem workers (they copy each committed result to Valkey) live as long
+# as the server: the postmaster has not reaped them, so their CPU is read
+# from their own stat, around each round (a worker that exits within the
+# round counts in the postmaster's reaped share instead).
+workers() { for p in $(pgrep -P "$PM" 2>/dev/null); do
+	tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q 'idem.*worker' && echo "$p"; done; }
+wticks() { local p t=0; for p in $1; do t=$(( t + $(ticks "$p") )); done; echo "$t"; }
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
@@ -65,22 +72,31 @@ LATE_RE='late [^ ]+ [0-9]+ ([0-9]+) ([0-9]+) ([0-9]+)'
 for sync in $SYNCS; do
 	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
-		declare -A runs=() cpu=() late_runs=() late_re=() late_vk=()
+		declare -A runs=() cpu=() wcpu=() late_runs=() late_re=() late_vk=()
 		for r in $(seq 1 "$ROUNDS"); do
 			for m in $MODES; do
 				bin=$BIN mode=$m
 				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
-				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") ))
+				WK=$(workers)
+				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") + $(wticks "$WK") ))
+				w0=$(wticks "$WK")
 				out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") ||
 					{ echo "runner.sh: $m failed" >&2; exit 1; }
 				sleep 0.3		# the backends exit and are reaped
-				t1=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") ))
+				# the worker's copies of this round's commits are this round's
+				w=$(wticks "$WK")
+				for _ in $(seq 1 50); do
+					sleep 0.2; w1=$(wticks "$WK"); [ "$w1" = "$w" ] && break; w=$w1
+				done
+				t1=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") + $(wticks "$WK") ))
 				runs[$m]+="${out##* } "
 				if [[ $out =~ $LATE_RE ]]; then
 					late_runs[$m]=$(( ${late_runs[$m]:-0} + BASH_REMATCH[1] ))
 					late_re[$m]=$(( ${late_re[$m]:-0} + BASH_REMATCH[2] ))
 					late_vk[$m]=$(( ${late_vk[$m]:-0} + BASH_REMATCH[3] ))
 				fi
+				wcpu[$m]+="$(awk -v t="$(( $(wticks "$WK") - w0 ))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
+					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
 				cpu[$m]+="$(awk -v t="$((t1 - t0))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
 					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
 			done
@@ -102,17 +118,17 @@ for sync in $SYNCS; do
 		echo "$row"
 		row="| $sync | $c | CPU µs/run |"
 		for m in $REFS $COLS; do
-			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) |"
+			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) (w $(echo "${wcpu[$m]}" | tr ' ' '\n' | grep . | median)) |"
 		done
 		cpus+=("$row")
 		for m in "${!late_runs[@]}"; do
 			lates+=("| $sync | $c | $m | ${late_re[$m]} of ${late_runs[$m]} | ${late_vk[$m]} |")
 		done
-		unset runs med cpu late_runs late_re late_vk
+		unset runs med cpu wcpu late_runs late_re late_vk
 	done
 done
 echo
-echo "CPU per run, µs (the clients, their backends and Valkey; median of $ROUNDS; load-independent but for contention)"
+echo "CPU per run, µs (the clients, their backends, the idem worker and Valkey, with the worker's share as w; median of $ROUNDS; load-independent but for contention)"
 hdr="| sync | clients | | (3) new | (3) half dup |"
 [[ $REFS == *hand-late* ]] && hdr="$hdr (3) late |"
 for m in $COLS; do hdr="$hdr $m |"; done
