@@ -11,28 +11,38 @@
  * Its space is reserved and initialised by shmem.c, the one owner of idem's
  * shared memory.
  *
- * Locking rules.
- *	  - One LWLock (the named tranche IDEM_OUTBOX_RING_TRANCHE) protects head,
- *		tail and nrecords.  Writers (committing backends, in
- *		idem_outbox_ring_put) hold it exclusively while they copy their
- *		records in; the worker holds it shared to read head and tail, and
- *		exclusively to move tail.  It is never held while waiting for
- *		anything else, and never together with another lock.
- *	  - capacity and max_records are set once at startup and read without
- *		the lock.
- *	  - There is exactly one reader.  It reads records in place, without the
- *		lock, between tail and the head it saw: writers only write beyond
- *		head and never move tail, so that span cannot change under it.  It
- *		moves tail only once Valkey has acknowledged the records, so they
- *		survive a Valkey outage while the queue has room.
- *	  - worker_procno and worker_awake are atomics, read and written without
- *		the lock (see idem_outbox_worker_sleepy for the handshake).
+ * Locking rules.  No lock: committing backends, many at a time, append
+ * without waiting for one another, so that one preempted while it holds
+ * the queue (on a machine with fewer cores than backends) does not make
+ * every other commit sleep behind it.
+ *	  - head, tail and nrecords are 64-bit atomics.  A writer first counts
+ *		its record in nrecords (fetch-add; over idem.queue_size it takes the
+ *		count back and drops the copy), then reserves its bytes by moving
+ *		head with compare-and-swap, checking the room against tail.
+ *	  - A reserved record becomes visible to the reader only when published:
+ *		the writer copies it in, then (after a write barrier) sets its
+ *		published field to its position + 1.  The reader stops at the first
+ *		record not yet published, as at one whose WAL is not durable yet:
+ *		records are taken in the order of their reservation.  A writer
+ *		that must skip the end of the ring reserves and publishes the
+ *		padding record too.
+ *	  - There is exactly one reader.  It reads records in place between
+ *		tail and the head it saw; writers only write beyond head, so that
+ *		span cannot change under it.  It moves tail only once Valkey has
+ *		acknowledged the records, so they survive a Valkey outage while the
+ *		queue has room, and it zeroes the span it gives back before moving
+ *		tail, so that the bytes a writer reserves never hold a stale
+ *		published mark (positions only grow; a mark is its position + 1,
+ *		never 0).
+ *	  - capacity and max_records are set once at startup and read freely.
+ *	  - worker_procno and worker_awake are atomics too (see
+ *		idem_outbox_worker_sleepy for the handshake).
  *	  - The writers' side runs after the commit record is written: nothing
- *		here allocates, raises an error or waits for anything but the
- *		LWLock.  A full queue drops the copy and counts it.
+ *		here allocates, raises an error or waits.  A full queue drops the
+ *		copy and counts it.
  *
  * Shared memory holds no process-local pointers: the worker is found by its
- * PGPROC number, and the LWLock through the named tranche.
+ * PGPROC number.
  *
  *-------------------------------------------------------------------------
  */
@@ -41,7 +51,6 @@
 #include "miscadmin.h"
 #include "port/atomics.h"
 #include "storage/latch.h"
-#include "storage/lwlock.h"
 #include "storage/proc.h"
 #include "storage/shmem.h"
 
@@ -52,10 +61,11 @@
 
 typedef struct IdemOutboxShared
 {
-	/* Protected by the LWLock; positions are byte offsets that only grow. */
-	uint64		head;			/* where the next record is written */
-	uint64		tail;			/* the oldest record not yet copied */
-	uint64		nrecords;		/* records (not padding) in [tail, head) */
+	/* Byte positions in the ring; they only grow. */
+	pg_atomic_uint64 head;		/* reserved up to here (writers) */
+	pg_atomic_uint64 tail;		/* the oldest record not yet copied (reader) */
+	pg_atomic_uint64 nrecords;	/* records (not padding) counted in, not yet
+								 * consumed */
 	/* Set once at startup. */
 	uint64		capacity;		/* bytes in the ring, a MAXALIGN multiple */
 	uint64		max_records;	/* idem.queue_size */
@@ -69,7 +79,6 @@ typedef struct IdemOutboxShared
 	((char *) (shared) + MAXALIGN(sizeof(IdemOutboxShared)))
 
 static IdemOutboxShared *outbox = NULL;
-static LWLock *outbox_lock = NULL;
 
 static Size
 outbox_ring_capacity(void)
@@ -94,15 +103,16 @@ idem_outbox_ring_shmem_init(void)
 							 &found);
 	if (!found)
 	{
-		outbox->head = 0;
-		outbox->tail = 0;
-		outbox->nrecords = 0;
+		pg_atomic_init_u64(&outbox->head, 0);
+		pg_atomic_init_u64(&outbox->tail, 0);
+		pg_atomic_init_u64(&outbox->nrecords, 0);
 		outbox->capacity = outbox_ring_capacity();
 		outbox->max_records = idem_queue_size;
 		pg_atomic_init_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
 		pg_atomic_init_u32(&outbox->worker_awake, 0);
+		/* no published mark anywhere */
+		memset(IDEM_OUTBOX_RING(outbox), 0, outbox->capacity);
 	}
-	outbox_lock = &(GetNamedLWLockTranche(IDEM_OUTBOX_RING_TRANCHE))->lock;
 }
 
 /*
@@ -123,21 +133,55 @@ idem_outbox_available(void)
 }
 
 /*
- * Append one record to the ring.  Caller holds outbox_lock exclusively.
+ * Make a record written into the ring (all but its published field)
+ * visible to the reader as the record at position pos.
+ */
+static inline void
+outbox_ring_publish(IdemOutboxRecord *r, uint64 pos)
+{
+	pg_write_barrier();
+	r->published = pos + 1;
+}
+
+/*
+ * Append one record to the ring: count it, reserve its bytes (and a
+ * padding record's, to skip the end of the ring), copy it in, publish it.
  * Returns false, changing nothing, when the queue is full.  No allocation,
- * no error: this runs after the commit record.
+ * no error, no wait: this runs after the commit record.
  */
 static bool
 outbox_ring_append(const IdemOutboxRecord *rec)
 {
 	char	   *ring = IDEM_OUTBOX_RING(outbox);
-	uint64		off = outbox->head % outbox->capacity;
-	uint64		contiguous = outbox->capacity - off;
-	uint64		pad = (rec->size > contiguous) ? contiguous : 0;
+	uint64		head;
+	uint64		off;
+	uint64		pad;
+	IdemOutboxRecord *r;
 
-	if (outbox->nrecords >= outbox->max_records ||
-		outbox->head + pad + rec->size - outbox->tail > outbox->capacity)
+	if (pg_atomic_fetch_add_u64(&outbox->nrecords, 1) >= outbox->max_records)
+	{
+		pg_atomic_fetch_sub_u64(&outbox->nrecords, 1);
 		return false;
+	}
+	head = pg_atomic_read_u64(&outbox->head);
+	for (;;)
+	{
+		uint64		tail = pg_atomic_read_u64(&outbox->tail);
+		uint64		contiguous;
+
+		off = head % outbox->capacity;
+		contiguous = outbox->capacity - off;
+		pad = (rec->size > contiguous) ? contiguous : 0;
+		if (head + pad + rec->size - tail > outbox->capacity)
+		{
+			pg_atomic_fetch_sub_u64(&outbox->nrecords, 1);
+			return false;
+		}
+		/* on failure, head is the value another writer moved it to */
+		if (pg_atomic_compare_exchange_u64(&outbox->head, &head,
+										   head + pad + rec->size))
+			break;
+	}
 
 	if (pad > 0)
 	{
@@ -146,18 +190,20 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 
 		p->size = (uint32) pad;
 		p->kind = 0;
-		outbox->head += pad;
+		outbox_ring_publish(p, head);
+		head += pad;
 		off = 0;
 	}
-	memcpy(ring + off, rec, rec->size);
-	outbox->head += rec->size;
-	outbox->nrecords++;
+	r = (IdemOutboxRecord *) (ring + off);
+	memcpy((char *) r + sizeof(r->published), (const char *) rec + sizeof(rec->published),
+		   rec->size - sizeof(rec->published));
+	outbox_ring_publish(r, head);
 	return true;
 }
 
 /*
- * Called after the records are in the ring and the LWLock is released (a
- * full barrier).  A worker that is awake looks at the queue again before
+ * Called after the records are counted in (an atomic fetch-add: a full
+ * barrier) and published.  A worker that is awake looks at the queue again before
  * it sleeps (see idem_outbox_worker_sleepy), so only a sleeping one needs
  * the latch: a busy worker costs commits no system call.
  */
@@ -189,7 +235,6 @@ idem_outbox_ring_put(List *records)
 	if (outbox == NULL || records == NIL)
 		return;
 
-	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
 	foreach(lc, records)
 	{
 		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc)))
@@ -197,7 +242,6 @@ idem_outbox_ring_put(List *records)
 		else
 			dropped++;
 	}
-	LWLockRelease(outbox_lock);
 
 	idem_stats_add(IDEM_STAT_QUEUED, accepted);
 	idem_stats_add(IDEM_STAT_DROPPED, dropped);
@@ -217,10 +261,8 @@ idem_outbox_ring_offer(const IdemOutboxRecord *rec)
 
 	if (outbox == NULL)
 		return false;
-	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
-	if (outbox->nrecords < outbox->max_records / 2)
+	if (pg_atomic_read_u64(&outbox->nrecords) < outbox->max_records / 2)
 		accepted = outbox_ring_append(rec);
-	LWLockRelease(outbox_lock);
 	if (accepted)
 	{
 		idem_stats_add(IDEM_STAT_QUEUED, 1);
@@ -294,10 +336,8 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 	uint64		head;
 	int			n = 0;
 
-	LWLockAcquire(outbox_lock, LW_SHARED);
-	p = Max(*pos, outbox->tail);
-	head = outbox->head;
-	LWLockRelease(outbox_lock);
+	p = Max(*pos, pg_atomic_read_u64(&outbox->tail));
+	head = pg_atomic_read_u64(&outbox->head);
 
 	*held = false;
 	*flush_to = InvalidXLogRecPtr;
@@ -306,6 +346,13 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 		const IdemOutboxRecord *rec =
 			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
 
+		if (rec->published != p + 1)
+		{
+			/* reserved, still being written: look again shortly */
+			*held = true;
+			break;
+		}
+		pg_read_barrier();
 		if (rec->kind != 0)
 		{
 			if (rec->lsn > durable)
@@ -323,25 +370,37 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 	return n;
 }
 
+/*
+ * Give back the records before next_pos (nrecords of them, padding not
+ * counted): zero their bytes, so that no stale published mark is left
+ * where a writer reserves next, then move tail.
+ */
 void
 idem_outbox_consume(uint64 next_pos, int nrecords)
 {
-	LWLockAcquire(outbox_lock, LW_EXCLUSIVE);
-	Assert(next_pos >= outbox->tail && next_pos <= outbox->head);
-	outbox->tail = next_pos;
-	outbox->nrecords -= nrecords;
-	LWLockRelease(outbox_lock);
+	char	   *ring = IDEM_OUTBOX_RING(outbox);
+	uint64		tail = pg_atomic_read_u64(&outbox->tail);
+
+	Assert(next_pos >= tail && next_pos <= pg_atomic_read_u64(&outbox->head));
+	while (tail < next_pos)
+	{
+		uint64		off = tail % outbox->capacity;
+		uint64		len = Min(next_pos - tail, outbox->capacity - off);
+
+		memset(ring + off, 0, len);
+		tail += len;
+	}
+	pg_write_barrier();
+	pg_atomic_write_u64(&outbox->tail, next_pos);
+	if (nrecords > 0)
+		pg_atomic_fetch_sub_u64(&outbox->nrecords, nrecords);
 }
 
+/* Records counted in and not consumed yet (some may still be written). */
 uint64
 idem_outbox_depth(void)
 {
-	uint64		n;
-
 	if (outbox == NULL)
 		return 0;
-	LWLockAcquire(outbox_lock, LW_SHARED);
-	n = outbox->nrecords;
-	LWLockRelease(outbox_lock);
-	return n;
+	return pg_atomic_read_u64(&outbox->nrecords);
 }

@@ -14,9 +14,6 @@
 
 #include "nodes/pg_list.h"
 
-/* The named LWLock tranche of the ring (one lock), requested by shmem.c. */
-#define IDEM_OUTBOX_RING_TRANCHE	"idem"
-
 /*
  * One queued copy as it sits in the shared queue.  Records are variable
  * length (the header plus the outcome, MAXALIGNed); kind 0 marks the padding
@@ -24,6 +21,8 @@
  */
 typedef struct IdemOutboxRecord
 {
+	uint64		published;		/* in the ring: its position + 1 once it is
+								 * written (outbox_ring.c); unused elsewhere */
 	uint32		size;			/* bytes this record occupies in the ring */
 	uint16		outcome_len;
 	char		kind;			/* IdemCacheKind, or 0 for padding */

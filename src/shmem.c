@@ -35,7 +35,6 @@ idem_shmem_request(void)
 	RequestAddinShmemSpace(add_size(add_size(idem_outbox_ring_shmem_size(),
 											 idem_stats_shmem_size()),
 									idem_cache_secret_shmem_size()));
-	RequestNamedLWLockTranche(IDEM_OUTBOX_RING_TRANCHE, 1);
 	RequestNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE, 1);
 }
 
