@@ -90,14 +90,18 @@
 #define IDEM_LOG_INTERVAL_MS	10000
 #define IDEM_ERRBUF_LEN			200
 /*
- * How often to look at the durable WAL position while copies wait for it:
- * every millisecond at first (a WAL writer cycle, a standby's reply), every
- * IDEM_DURABLE_SLOW_POLL_MS once they have waited IDEM_DURABLE_SLOW_AFTER_MS
- * (a stopped standby must not cost a thousand wakeups a second).
+ * How often to look at the durable WAL position while copies wait for it
+ * (durable_poll_ms): a quarter of the time they have waited so far, at
+ * least every IDEM_DURABLE_POLL_MS (a standby's reply comes within
+ * milliseconds) and at most every IDEM_DURABLE_SLOW_POLL_MS.  A copy thus
+ * goes out at most a quarter (and a millisecond) later than its commit
+ * became durable, while a wait for the WAL writer (synchronous_commit off:
+ * up to three wal_writer_delay cycles) or for a stopped standby costs tens
+ * of wakeups a second, not a thousand.
  */
 #define IDEM_DURABLE_POLL_MS		1
 #define IDEM_DURABLE_SLOW_POLL_MS	20
-#define IDEM_DURABLE_SLOW_AFTER_MS	500
+#define IDEM_DURABLE_POLL_DIVISOR	4
 
 typedef enum VkResult
 {
@@ -667,7 +671,7 @@ worker_flush_wal(XLogRecPtr lsn)
  * replies only when IDEM_BATCH_EAGER records wait (up to IDEM_INFLIGHT
  * batches, so Valkey and the worker work at the same time on a backlog).  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
- * next one is not, the worker looks again shortly (IDEM_DURABLE_POLL_MS),
+ * next one is not, the worker looks again shortly (durable_poll_ms),
  * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
  * batch leaves the queue once all its replies are read.  A reply that says
  * the server cannot take writes now (vk_classify_error) fails the drain with
@@ -677,6 +681,16 @@ worker_flush_wal(XLogRecPtr lsn)
  * unencodable); idem_stats() counts them batch by batch.
  */
 #define IDEM_INFLIGHT 4
+
+/* The next look at the durable position, for copies held since held_since. */
+static long
+durable_poll_ms(TimestampTz held_since, TimestampTz now)
+{
+	long		waited_ms = (long) ((now - held_since) / 1000);
+
+	return Max(IDEM_DURABLE_POLL_MS,
+			   Min(IDEM_DURABLE_SLOW_POLL_MS, waited_ms / IDEM_DURABLE_POLL_DIVISOR));
+}
 
 /* When idem.valkey_batch_delay lets the next batch go (file header). */
 static TimestampTz next_batch_at = 0;
@@ -759,7 +773,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		}
 		if (nin == 0)
 		{
-			long		wait_ms = IDEM_DURABLE_POLL_MS;
+			long		wait_ms = IDEM_DURABLE_SLOW_POLL_MS;
 
 			if (!waiting && !held)
 				return VK_OK;
@@ -771,12 +785,12 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				wait_ms = (long) ((next_batch_at - now + 999) / 1000);
 			if (held)
 			{
+				long		poll_ms;
+
 				if (held_since == 0)
 					held_since = now;
-				wait_ms = Min(wait_ms,
-							  TimestampDifferenceExceeds(held_since, now,
-														 IDEM_DURABLE_SLOW_AFTER_MS) ?
-							  IDEM_DURABLE_SLOW_POLL_MS : IDEM_DURABLE_POLL_MS);
+				poll_ms = durable_poll_ms(held_since, now);
+				wait_ms = waiting ? Min(wait_ms, poll_ms) : poll_ms;
 			}
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 							 wait_ms, PG_WAIT_EXTENSION);
@@ -930,9 +944,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 TimestampDifferenceExceeds(held_since, GetCurrentTimestamp(),
-														IDEM_DURABLE_SLOW_AFTER_MS) ?
-							 IDEM_DURABLE_SLOW_POLL_MS : IDEM_DURABLE_POLL_MS,
+							 durable_poll_ms(held_since, GetCurrentTimestamp()),
 							 PG_WAIT_EXTENSION);
 			ResetLatch(MyLatch);
 			continue;

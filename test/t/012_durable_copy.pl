@@ -35,6 +35,16 @@ sub lsn_num
 }
 sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
 
+# Times process $pid has slept and been woken (voluntary context switches).
+sub voluntary_switches
+{
+	my ($pid) = @_;
+	open(my $fh, '<', "/proc/$pid/status") or die "/proc/$pid/status: $!";
+	my ($n) = map { /^voluntary_ctxt_switches:\s+(\d+)/ ? $1 : () } <$fh>;
+	close($fh);
+	return $n;
+}
+
 sub flush_lsn { $node->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
 
 # Wait for the WAL writer to flush, so that the next asynchronous commit has
@@ -69,11 +79,20 @@ ok(wait_for_wal_writer(), 'the WAL writer has just flushed');
 my $key = IdemValkey::tenant_key($node, 1, 'd', 'async');
 my $lsn = commit_async('async', '{"n": 1}');
 my $t_commit = time();
-usleep(1_500_000);
+# While it waits, the worker looks at the flush position after a quarter
+# of the time waited (1 to 20 ms): some tens of wakeups a second, not the
+# thousand of a 1 ms poll.
+my $worker = IdemValkey::worker_pid($node);
+usleep(100_000);
+my $wakeups0 = voluntary_switches($worker);
+usleep(1_400_000);
+my $wakeups = voluntary_switches($worker) - $wakeups0;
 my $before = $valkey->command('GET', $key);
 my $flushed = lsn_gt(flush_lsn(), $lsn);
 ok(!$flushed, 'the commit record is not flushed 1.5 s after an asynchronous commit');
 is($before, undef, '... and its result is not in Valkey');
+cmp_ok($wakeups, '<', 300,
+	"... and the worker waiting for the flush woke $wakeups times in 1.4 s");
 my $value = $valkey->wait_for_key($key, 45);
 ok(defined $value, sprintf('the result reaches Valkey after the flush (%.1f s after commit)',
 	time() - $t_commit));
