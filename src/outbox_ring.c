@@ -80,6 +80,15 @@ typedef struct IdemOutboxShared
 
 static IdemOutboxShared *outbox = NULL;
 
+/*
+ * Records are MAXALIGNed, so as little as MAXIMUM_ALIGNOF bytes can be left
+ * at the ring's end, where a padding record then starts; its header fields
+ * (published, size, kind) run past the ring by up to this much, which is
+ * allocated after it.
+ */
+#define IDEM_OUTBOX_PAD_SLACK \
+	MAXALIGN(offsetof(IdemOutboxRecord, kind) + sizeof(char))
+
 static Size
 outbox_ring_capacity(void)
 {
@@ -90,7 +99,9 @@ outbox_ring_capacity(void)
 Size
 idem_outbox_ring_shmem_size(void)
 {
-	return add_size(MAXALIGN(sizeof(IdemOutboxShared)), outbox_ring_capacity());
+	return add_size(add_size(MAXALIGN(sizeof(IdemOutboxShared)),
+							 outbox_ring_capacity()),
+					IDEM_OUTBOX_PAD_SLACK);
 }
 
 /* Called from shmem.c's startup hook, with AddinShmemInitLock held. */
@@ -111,7 +122,8 @@ idem_outbox_ring_shmem_init(void)
 		pg_atomic_init_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
 		pg_atomic_init_u32(&outbox->worker_awake, 0);
 		/* no published mark anywhere */
-		memset(IDEM_OUTBOX_RING(outbox), 0, outbox->capacity);
+		memset(IDEM_OUTBOX_RING(outbox), 0,
+			   outbox->capacity + IDEM_OUTBOX_PAD_SLACK);
 	}
 }
 
@@ -188,6 +200,8 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 		/* Skip the end of the ring: a padding record (kind 0). */
 		IdemOutboxRecord *p = (IdemOutboxRecord *) (ring + off);
 
+		/* its header may run into IDEM_OUTBOX_PAD_SLACK */
+		Assert(pad % MAXIMUM_ALIGNOF == 0 && pad >= MAXIMUM_ALIGNOF);
 		p->size = (uint32) pad;
 		p->kind = 0;
 		outbox_ring_publish(p, head);
@@ -346,7 +360,7 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 		const IdemOutboxRecord *rec =
 			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
 
-		if (rec->published != p + 1)
+		if (*(volatile const uint64 *) &rec->published != p + 1)
 		{
 			/* reserved, still being written: look again shortly */
 			*held = true;
