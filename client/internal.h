@@ -156,6 +156,9 @@ typedef struct idem_pg
 	int			first_nparams[PG_FIRST_SLOTS];
 	unsigned	first_unnamed;	/* bit per slot: its plan went stale (the
 								 * result type changed): unnamed from now */
+	int			resync;			/* a statement of ours was missing, or one
+								 * we meant to prepare was there: re-read
+								 * which exist before the next pipeline */
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */

@@ -54,6 +54,7 @@ idem_pg_drop(idem_pg *p)
 	}
 	p->conn = NULL;
 	p->prepared = 0;
+	p->resync = 0;
 	p->named = 0;
 	free_sql(p);
 }
@@ -444,6 +445,18 @@ read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out, PGresult **failed)
 	}
 	else
 	{
+		const char *state = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+
+		/*
+		 * Already there under our name (42P05): we lost track of it, not
+		 * the server.  This run fails; the next pipeline re-reads which
+		 * statements exist, instead of failing on this Parse for ever.
+		 */
+		if (state && strcmp(state, "42P05") == 0)
+		{
+			p->prepared |= 1u << stmt;
+			p->resync = 1;
+		}
 		if (out->failed_cmd < 0)
 			out->failed_cmd = i;
 		if (PQresultStatus(r) != PGRES_PIPELINE_ABORTED)
@@ -458,6 +471,40 @@ read_prepare(idem_pg *p, int stmt, int i, pg_outcome *out, PGresult **failed)
 	while ((extra = PQgetResult(p->conn)) != NULL)
 		PQclear(extra);
 	return PQstatus(p->conn) == CONNECTION_OK ? 0 : -1;
+}
+
+/*
+ * Which of our named statements the session holds, after a sign that we
+ * lost track (a handler's DEALLOCATE of some or all of them): one query,
+ * only then, and only between transactions (never inside a caller's); if
+ * it fails, every statement is prepared again.
+ */
+static void
+resync_prepared(idem_pg *p)
+{
+	PGresult   *r;
+	unsigned	found = 0;
+	char		name[32];
+	int			i,
+				j;
+
+	if (PQtransactionStatus(p->conn) != PQTRANS_IDLE)
+		return;
+	p->round_trips++;
+	r = PQexec(p->conn,
+			   "SELECT name FROM pg_catalog.pg_prepared_statements"
+			   " WHERE name LIKE 'idem\\_client\\_%'");
+	if (PQresultStatus(r) == PGRES_TUPLES_OK)
+	{
+		for (i = 0; i < PQntuples(r); i++)
+			for (j = 0; j < STMT_COUNT + PG_FIRST_SLOTS; j++)
+				if (strcmp(PQgetvalue(r, i, 0),
+						   stmt_name(j, name, sizeof(name))) == 0)
+					found |= 1u << j;
+	}
+	p->prepared = found;
+	p->resync = 0;
+	PQclear(r);
 }
 
 void
@@ -475,6 +522,15 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	{
 		lost(p, out);
 		return;
+	}
+	if (p->resync && p->named)
+	{
+		resync_prepared(p);
+		if (PQstatus(conn) != CONNECTION_OK)
+		{
+			lost(p, out);
+			return;
+		}
 	}
 	p->round_trips++;
 	if (PQenterPipelineMode(conn) != 1)
@@ -569,9 +625,15 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 				out->failed_cmd = i;
 			if (st != PGRES_PIPELINE_ABORTED)
 				set_error(out, r, conn);
-			/* the handler deallocated our statements: prepare them again */
+			/*
+			 * The handler deallocated this statement, and maybe others of
+			 * ours: the next pipeline finds out which are left.
+			 */
 			if (stmt[i] >= 0 && state && strcmp(state, "26000") == 0)
-				p->prepared = 0;
+			{
+				p->prepared &= ~(1u << stmt[i]);
+				p->resync = 1;
+			}
 			/*
 			 * A handler's first statement whose result type a DDL changed
 			 * ("cached plan must not change result type"): an unnamed

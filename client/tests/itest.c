@@ -1302,6 +1302,14 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		idem_call_set_json(call, "{\"ok\": true}");
 		return IDEM_HANDLER_OK;
 	}
+	if (strcmp(m, "deallocate_one") == 0)
+	{
+		/* drops one of the runner's prepared statements */
+		r = PQexec(conn, "DEALLOCATE idem_client_release");
+		PQclear(r);
+		idem_call_set_json(call, "{\"ok\": true}");
+		return IDEM_HANDLER_OK;
+	}
 	if (strcmp(m, "deallocate") == 0)
 	{
 		/* drops the runner's prepared statements on its connection */
@@ -2395,6 +2403,36 @@ cmd_scenario(void)
 	idem_run(R, 1, S, "dealloc", "{}", handler, &h, &res);
 	tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && ledger_is(1, S, "dealloc", "completed 1"),
 		   "the next run prepares its statements again and applies (%s)", res_str(&res));
+
+	/*
+	 * A handler that deallocates one of them: the others are still there,
+	 * so preparing every statement again would fail on each ("already
+	 * exists", 42P05) for ever.  The runner re-reads which exist.
+	 */
+	h.mode = "deallocate_one";
+	idem_run(R, 1, S, "dealloc1", "{}", handler, &h, &res);
+	tap_ok(res.status == IDEM_ERROR && strcmp(res.sqlstate, "26000") == 0 &&
+		   ledger_is(1, S, "dealloc1", NULL),
+		   "handler deallocated the runner's RELEASE: the run fails, nothing committed (%s)",
+		   res_str(&res));
+	{
+		int			applied = 0;
+		char		id[16];
+
+		h.mode = "noop";
+		for (int i = 0; i < 3; i++)
+		{
+			snprintf(id, sizeof(id), "dealloc1-%d", i);
+			idem_run(R, 1, S, i == 0 ? "dealloc1" : id, "{}", handler, &h, &res);
+			applied += R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
+		}
+		h.mode = "stmts";
+		idem_run(R, 1, S, "dealloc1-stmts", "{}", handler, &h, &res);
+		tap_ok(applied == 3 && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) &&
+			   strstr(h.stmts, "idem_client_begin,") && strstr(h.stmts, "idem_client_release"),
+			   "the next runs apply: the runner prepares only the statement that is gone (%d of 3; %s; %s)",
+			   applied, h.stmts, res_str(&res));
+	}
 
 	/*
 	 * The runner's transaction control is prepared like its other
