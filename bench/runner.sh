@@ -55,6 +55,9 @@ workers() { for p in $(pgrep -P "$PM" 2>/dev/null); do
 	tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q 'idem.*worker' && echo "$p"; done; }
 wticks() { local p t=0; for p in $1; do t=$(( t + $(ticks "$p") )); done; echo "$t"; }
 
+# µs of CPU per run: TICKS over a round at RATE runs/s
+us_per_run() { awk -v t="$1" -v hz="$HZ" -v r="$2" -v s="$SECS" \
+	'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }'; }
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates, hand-late for late redeliveries)${BASE:+; base = the runner at $BASE}"
@@ -78,8 +81,8 @@ for sync in $SYNCS; do
 				bin=$BIN mode=$m
 				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
 				WK=$(workers)
-				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") + $(wticks "$WK") ))
 				w0=$(wticks "$WK")
+				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") + w0 ))
 				out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") ||
 					{ echo "runner.sh: $m failed" >&2; exit 1; }
 				sleep 0.3		# the backends exit and are reaped
@@ -95,10 +98,8 @@ for sync in $SYNCS; do
 					late_re[$m]=$(( ${late_re[$m]:-0} + BASH_REMATCH[2] ))
 					late_vk[$m]=$(( ${late_vk[$m]:-0} + BASH_REMATCH[3] ))
 				fi
-				wcpu[$m]+="$(awk -v t="$(( $(wticks "$WK") - w0 ))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
-					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
-				cpu[$m]+="$(awk -v t="$((t1 - t0))" -v hz="$HZ" -v r="${out##* }" -v s="$SECS" \
-					'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }') "
+				wcpu[$m]+="$(us_per_run $(( $(wticks "$WK") - w0 )) "${out##* }") "
+				cpu[$m]+="$(us_per_run $((t1 - t0)) "${out##* }") "
 			done
 		done
 		declare -A med=()

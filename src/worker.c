@@ -773,7 +773,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		}
 		if (nin == 0)
 		{
-			long		wait_ms = IDEM_DURABLE_SLOW_POLL_MS;
+			long		wait_ms = PG_INT32_MAX;
 
 			if (!waiting && !held)
 				return VK_OK;
@@ -785,12 +785,9 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				wait_ms = (long) ((next_batch_at - now + 999) / 1000);
 			if (held)
 			{
-				long		poll_ms;
-
 				if (held_since == 0)
 					held_since = now;
-				poll_ms = durable_poll_ms(held_since, now);
-				wait_ms = waiting ? Min(wait_ms, poll_ms) : poll_ms;
+				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
 			}
 			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 							 wait_ms, PG_WAIT_EXTENSION);
