@@ -46,7 +46,8 @@ if [ "${1:-}" != "--inner" ]; then
 	chmod 755 "$work"
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
-		"$client/build/libidemclient.so.1" "$here/run.sh" "$work/bin/"
+		"$client/build/libidemclient.so.1" "$here/run.sh" \
+		"$top/test/lib/common.sh" "$work/bin/"
 	for b in unit itest; do
 		[ -x "$client/build-asan/$b" ] && cp "$client/build-asan/$b" "$work/bin/$b-asan"
 	done
@@ -71,17 +72,8 @@ work=$2
 bin=$work/bin
 pgbin=$(pg_config --bindir)
 
-free_port() {
-	local p
-	for _ in $(seq 1 100); do
-		p=$((20000 + RANDOM % 40000))
-		if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-			echo "$p"
-			return 0
-		fi
-	done
-	return 1
-}
+# idem_free_port: a port the kernel hands out as free on 127.0.0.1
+. "$bin/common.sh"
 
 resp_server=${IDEM_VALKEY_SERVER:-}
 if [ -z "$resp_server" ]; then
@@ -91,10 +83,6 @@ if [ -z "$resp_server" ]; then
 	echo "Bail out! no RESP server: install valkey-server (or set IDEM_VALKEY_SERVER)"
 	exit 1
 fi
-
-pgport=$(free_port)
-vport=$(free_port)
-while [ "$vport" = "$pgport" ]; do vport=$(free_port); done
 
 cleanup() {
 	if [ -f "$work/valkey.pid" ]; then
@@ -108,26 +96,41 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
-# the RESP server, (re)startable by the tests
-cat > "$work/valkey-start.sh" <<EOF
+"$pgbin/initdb" -D "$work/pg" -E UTF8 --locale=C -A trust -U "$(id -un)" >"$work/initdb.log" 2>&1 ||
+	{ echo "Bail out! initdb failed"; sed 's/^/# /' "$work/initdb.log"; exit 1; }
+cp "$work/pg/postgresql.conf" "$work/postgresql.conf.orig"
+
+# start_servers: the RESP server and PostgreSQL on two fresh ports.  A port
+# free when asked can be taken before the server binds it (by another
+# program's server, or as a client's ephemeral port), so a failed start is
+# retried on other ports; each failure's log is printed as comments.
+start_servers() {
+	pgport=$(idem_free_port) && vport=$(idem_free_port) || return 1
+	[ "$vport" != "$pgport" ] || return 1
+	# the RESP server, (re)startable by the tests
+	cat > "$work/valkey-start.sh" <<EOF
 #!/bin/bash
 mkdir -p "$work/valkey"
 "$resp_server" --port $vport --bind 127.0.0.1 --save '' --appendonly no \\
 	--dir "$work/valkey" --daemonize no >>"$work/valkey.log" 2>&1 &
 echo \$! > "$work/valkey.pid"
-for _ in \$(seq 1 200); do
+for _ in \$(seq 1 500); do
 	if (exec 3<>/dev/tcp/127.0.0.1/$vport) 2>/dev/null; then exit 0; fi
+	kill -0 \$(cat "$work/valkey.pid") 2>/dev/null || exit 1
 	sleep 0.02
 done
 exit 1
 EOF
-chmod +x "$work/valkey-start.sh"
-"$work/valkey-start.sh" || { echo "Bail out! $resp_server did not start"; cat "$work/valkey.log"; exit 1; }
-
-# PostgreSQL
-"$pgbin/initdb" -D "$work/pg" -E UTF8 --locale=C -A trust -U "$(id -un)" >"$work/initdb.log" 2>&1 ||
-	{ echo "Bail out! initdb failed"; cat "$work/initdb.log"; exit 1; }
-cat >> "$work/pg/postgresql.conf" <<EOF
+	chmod +x "$work/valkey-start.sh"
+	if ! "$work/valkey-start.sh"; then
+		echo "# $(basename "$resp_server") did not start on port $vport:"
+		tail -n 5 "$work/valkey.log" | sed 's/^/#   /'
+		cleanup
+		rm -f "$work/valkey.pid"
+		return 1
+	fi
+	cp "$work/postgresql.conf.orig" "$work/pg/postgresql.conf"
+	cat >> "$work/pg/postgresql.conf" <<EOF
 port = $pgport
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$work'
@@ -140,12 +143,21 @@ shared_preload_libraries = 'idem'
 idem.valkey_host = '127.0.0.1'
 idem.valkey_port = $vport
 EOF
-if ! "$pgbin/pg_ctl" -D "$work/pg" -l "$work/pg.log" -w -t 60 start >/dev/null 2>&1; then
-	echo "# PostgreSQL did not start with idem preloaded; trying without (the worker's copies to Valkey are then off)"
-	sed -i "s/^shared_preload_libraries = 'idem'/#&/" "$work/pg/postgresql.conf"
-	"$pgbin/pg_ctl" -D "$work/pg" -l "$work/pg.log" -w -t 60 start >/dev/null 2>&1 ||
-		{ echo "Bail out! PostgreSQL did not start"; tail -20 "$work/pg.log"; exit 1; }
-fi
+	if ! "$pgbin/pg_ctl" -D "$work/pg" -l "$work/pg.log" -w -t 120 start >/dev/null 2>&1; then
+		echo "# PostgreSQL did not start on port $pgport:"
+		tail -n 5 "$work/pg.log" | sed 's/^/#   /'
+		cleanup
+		rm -f "$work/valkey.pid"
+		return 1
+	fi
+	return 0
+}
+
+started=no
+for attempt in 1 2 3; do
+	start_servers && { started=yes; break; }
+done
+[ "$started" = yes ] || { echo "Bail out! the servers did not start (3 attempts; their logs are above)"; exit 1; }
 
 export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
 export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
