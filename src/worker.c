@@ -875,7 +875,7 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 		if (n == 0)
 			break;
 		vk_encoder_init(&enc, timeline);
-		if (idem_wc_copy(records, n, vk_encode_record, &enc, vk_reply_keeps_batch,
+		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc, vk_reply_keeps_batch,
 						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
 			result = VK_SHUTDOWN;
 		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
@@ -892,7 +892,10 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
  * time through worker_cluster.c (every node's share is sent before any
  * reply is read); a batch leaves the queue only when every node answered.
  * A batch that is not acknowledged stays queued, and the batches behind it
- * are sent ahead to the nodes that answer (vk_cluster_send_ahead).
+ * are sent ahead to the nodes that answer (vk_cluster_send_ahead).  While
+ * it is stuck, each try sends only its records not settled yet (head_done):
+ * a node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS
+ * for as long as another node is down.
  */
 static VkResult
 vk_cluster_drain(uint64 *copied, uint64 *rejected)
@@ -902,6 +905,19 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 	bool		stuck = false;	/* the head batch waits for a node */
 	TimestampTz stuck_tried = 0;
 	TimestampTz held_since = 0; /* when the wait for durability began */
+
+	/*
+	 * The stuck head batch: its first head_n records as the last try saw
+	 * them, which of them are settled, and the counts of those.  Only this
+	 * function consumes the queue, so while it stays here the head batch
+	 * keeps its records (more may join it); checked anyway.
+	 */
+	const IdemOutboxRecord *head[IDEM_BATCH_MAX];
+	bool		head_done[IDEM_BATCH_MAX];
+	int			head_n = 0;
+	TimeLineID	head_timeline = 0;
+	uint64		head_ok = 0;
+	uint64		head_rej = 0;
 
 	*copied = 0;
 	*rejected = 0;
@@ -960,13 +976,26 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			ResetLatch(MyLatch);
 			continue;
 		}
+		if (!stuck || timeline != head_timeline || n < head_n ||
+			memcmp(head, records, head_n * sizeof(records[0])) != 0)
+		{
+			head_n = 0;			/* a new head batch: nothing settled */
+			head_ok = head_rej = 0;
+			head_timeline = timeline;
+		}
+		memcpy(head + head_n, records + head_n,
+			   (n - head_n) * sizeof(records[0]));
+		memset(head_done + head_n, 0, (n - head_n) * sizeof(bool));
+		head_n = n;
 		vk_encoder_init(&enc, timeline);
-		rc = idem_wc_copy(records, n, vk_encode_record, &enc,
+		rc = idem_wc_copy(records, n, head_done, vk_encode_record, &enc,
 						  vk_reply_keeps_batch, &ok, &nrej,
 						  errbuf, sizeof(errbuf));
 		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;
+		head_ok += ok;
+		head_rej += nrej;
 		if (rc == IDEM_WC_NOT_ACKED)
 		{
 			/* errbuf says why; the batch is kept */
@@ -995,10 +1024,10 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		}
 		stuck = false;
 		idem_outbox_consume(pos, n);
-		idem_stats_add(IDEM_STAT_COPIED, ok);
-		idem_stats_add(IDEM_STAT_REJECTED, nrej);
-		*copied += ok;
-		*rejected += nrej;
+		idem_stats_add(IDEM_STAT_COPIED, head_ok);
+		idem_stats_add(IDEM_STAT_REJECTED, head_rej);
+		*copied += head_ok;
+		*rejected += head_rej;
 	}
 }
 

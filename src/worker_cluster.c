@@ -17,10 +17,11 @@
  * router.  A batch leaves the queue only when every SET in it has a reply
  * from the node that owns its key; otherwise (node down, failover in
  * progress, deadline, a "not now" reply) the whole batch stays queued and
- * is sent again (worker.c: every 100 ms while other nodes answer, sending
- * the batches behind it ahead to them meanwhile; after its backoff when
- * none does): a SET is idempotent, and the copies are counted only when
- * the batch leaves the queue, so none is lost or counted twice.
+ * its unanswered SETs are sent again (worker.c: every 100 ms while other
+ * nodes answer, sending the batches behind it ahead to them meanwhile;
+ * after its backoff when none does, then the whole batch): a SET is
+ * idempotent, and the copies are counted only when the batch leaves the
+ * queue, so none is lost or counted twice.
  *
  * Waits go through a WaitEventSet per socket that also holds the latch and
  * postmaster death, so SIGTERM is answered at once.  The sets are cached
@@ -77,6 +78,7 @@ typedef struct WcSlot
 	char		ttl[32];
 	const char *argv[5];
 	size_t		argvlen[5];
+	int			record;			/* index of its record in the batch */
 } WcSlot;
 
 static WcSlot *wc_slots = NULL;
@@ -357,14 +359,20 @@ idem_wc_describe(void)
  * router.  IDEM_WC_ACKED when every SET has a reply from the node that owns
  * its key (*copied OK, *rejected refused or unencodable); otherwise the
  * batch must stay queued.
+ *
+ * done (NULL, or one flag per record): a record whose flag is set is
+ * skipped, and each record settled by this call (copied, refused, past its
+ * retention or unencodable) gets its flag set, so that a batch tried again
+ * after IDEM_WC_NOT_ACKED sends only what is still owed.  *copied and
+ * *rejected count this call's records only.
  */
 IdemWcCopy
-idem_wc_copy(const IdemOutboxRecord **records, int n,
+idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
 			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
 			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	int			nc = 0;
-	int			done;
+	int			answered;
 	int			i;
 	bool		keep = false;
 
@@ -379,15 +387,20 @@ idem_wc_copy(const IdemOutboxRecord **records, int n,
 					valuelen;
 		int			rc;
 
+		if (done != NULL && done[i])
+			continue;
 		rc = encode(encode_arg, records[i], s->key, &keylen, s->value,
 					&valuelen, s->ttl, sizeof(s->ttl));
-		if (rc == 0)
-			continue;			/* retention over */
-		if (rc < 0)
+		if (rc <= 0)
 		{
-			(*rejected)++;		/* errbuf says why */
+			if (rc < 0)
+				(*rejected)++;	/* errbuf says why */
+			/* else its retention is over */
+			if (done != NULL)
+				done[i] = true;
 			continue;
 		}
+		s->record = i;
 		s->argv[0] = "SET";
 		s->argvlen[0] = 3;
 		s->argv[1] = s->key;
@@ -408,14 +421,15 @@ idem_wc_copy(const IdemOutboxRecord **records, int n,
 	}
 	if (nc == 0)
 		return IDEM_WC_ACKED;
-	done = idem_vc_pipeline(wc, wc_cmds, nc,
-							idem_vc_now_ms() + idem_valkey_command_timeout_ms);
+	answered = idem_vc_pipeline(wc, wc_cmds, nc,
+								idem_vc_now_ms() + idem_valkey_command_timeout_ms);
 	idem_wc_report_stats();
-	if (done == -2)
+	if (answered == -2)
 		return IDEM_WC_STOPPING;
 	for (i = 0; i < nc; i++)
 	{
 		redisReply *r = wc_cmds[i].reply;
+		bool		settled = true;
 
 		if (r == NULL)
 			continue;
@@ -425,20 +439,22 @@ idem_wc_copy(const IdemOutboxRecord **records, int n,
 					 idem_vc_node_name(wc, wc_cmds[i].node),
 					 (int) Min(r->len, 120), r->str);
 			if (keeps(r->str, r->len))
-				keep = true;
+				keep = settled = false;
 			else
 				(*rejected)++;
 		}
 		else
 			(*copied)++;
+		if (settled && done != NULL)
+			done[wc_slots[i].record] = true;
 		freeReplyObject(r);
 		wc_cmds[i].reply = NULL;
 	}
-	if (done < nc)
+	if (answered < nc)
 	{
 		/* some node did not answer: keep the whole batch queued */
 		snprintf(errbuf, errlen, "%d of %d copies not acknowledged: %s",
-				 nc - done, nc, idem_vc_last_error(wc));
+				 nc - answered, nc, idem_vc_last_error(wc));
 		return IDEM_WC_NOT_ACKED;
 	}
 	return keep ? IDEM_WC_NOT_ACKED : IDEM_WC_ACKED;

@@ -42,6 +42,7 @@ extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
 extern bool idem_wc_active(void);
 extern void idem_wc_disconnect(void);
 extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
+							   bool *done,
 							   IdemWcEncode encode, void *encode_arg,
 							   IdemWcKeeps keeps, uint64 *copied,
 							   uint64 *rejected, char *errbuf, size_t errlen);

@@ -31,54 +31,16 @@ like(IdemValkey::stats_col($node, 'valkey_nodes'),
 	qr/^(?:127\.0\.0\.1:\d+ \w+ errors=\d+(?:, |$)){3,}/,
 	'idem_stats() lists the nodes');
 
-# Commit results for ids $from (1)..$n of scope $tag, in one transaction.
-sub commit_batch
-{
-	my ($tag, $n, $from) = @_;
-	$from //= 1;
-	$node->safe_psql('postgres', qq{
-		DO \$\$ BEGIN
-		FOR i IN $from..$n LOOP
-			PERFORM idem_claim(1, idem_key('$tag', i::text), idem_fingerprint('{}'));
-			PERFORM idem_complete(1, idem_key('$tag', i::text), jsonb_build_object('i', i));
-		END LOOP; END \$\$;});
-}
-
-sub keys_of
-{
-	my ($tag, $n) = @_;
-	my $hexes = $node->safe_psql('postgres',
-		"SELECT string_agg(encode(idem_key('$tag', g::text), 'hex'), ' ' ORDER BY g) FROM generate_series(1, $n) g");
-	my $prefix = IdemValkey::tenant_key($node, 1, 'x', 'x');
-	$prefix =~ s/[0-9a-f]{64}$//;
-	return map { $prefix . $_ } split / /, $hexes;
-}
-
-# Every key is on the master that owns its slot now (a plain GET there,
-# no redirect); returns the number found.
-sub on_owner
-{
-	my (@keys) = @_;
-	my $found = 0;
-	foreach my $k (@keys)
-	{
-		my $owner = $vc->master_of_key($k);
-		my $v = eval { $owner->command('GET', $k) };
-		$found++ if defined $v && $v =~ /"i"/;
-	}
-	return $found;
-}
-
 sub wait_all
 {
 	my ($what, @keys) = @_;
-	my $n = IdemValkey::poll_until(30, sub { on_owner(@keys) == @keys ? 1 : 0 });
-	is(on_owner(@keys), scalar(@keys), "$what: every result on its slot's master");
+	my $n = IdemValkey::poll_until(30, sub { $vc->on_owner(@keys) == @keys ? 1 : 0 });
+	is($vc->on_owner(@keys), scalar(@keys), "$what: every result on its slot's master");
 }
 
 # --- plain routing: results spread over the three masters ---
-commit_batch('a', 300);
-my @a = keys_of('a', 300);
+IdemValkeyCluster::commit_results($node, 'a', 300);
+my @a = IdemValkeyCluster::result_keys($node, 'a', 300);
 wait_all('300 commits', @a);
 my %per_master;
 $per_master{ $vc->master_of_key($_)->port }++ foreach @a;
@@ -99,13 +61,13 @@ sleep(2);
 cmp_ok(cpu_ticks() - $ticks, '<', 20, 'an idle worker uses no CPU (under 0.2 s in 2 s)');
 
 # --- migrating slots with commits flowing: ASK, then MOVED ---
-my @b = keys_of('b', 60);
+my @b = IdemValkeyCluster::result_keys($node, 'b', 60);
 my %slots = map { $vc->slot_of($_) => 1 } @b;
 my $target = ($vc->masters)[0];
 my $red0 = IdemValkey::stats_col($node, 'valkey_redirects');
 my $moves = $vc->begin_migration($target, sort { $a <=> $b } keys %slots);
 ok(scalar(@$moves) > 0, scalar(@$moves) . ' slots migrating');
-commit_batch('b', 30);			# new keys of migrating slots: ASK
+IdemValkeyCluster::commit_results($node, 'b', 30);    # new keys of migrating slots: ASK
 ok( IdemValkey::poll_until(30,
 		sub { !grep { !defined(eval { $vc->get($_) }) } (@b)[ 0 .. 29 ] }),
 	'30 commits to migrating slots: all copied (ASK followed)');
@@ -113,7 +75,7 @@ cmp_ok(IdemValkey::stats_col($node, 'valkey_redirects'), '>', $red0,
 	'ASK redirects are counted in idem_stats()');
 $red0 = IdemValkey::stats_col($node, 'valkey_redirects');
 $vc->finish_migration($target, $moves);
-commit_batch('b', 60, 31);		# the same slots, now moved: MOVED
+IdemValkeyCluster::commit_results($node, 'b', 60, 31);		# the same slots, now moved: MOVED
 wait_all('60 commits after the slots moved', @b);
 cmp_ok(IdemValkey::stats_col($node, 'valkey_redirects'), '>', $red0,
 	'MOVED redirects are counted too');
@@ -123,8 +85,8 @@ is(IdemValkey::stats_col($node, 'copy_errors'), '0', 'still no copy errors');
 wait_all('the first 300, after the migration', @a);
 
 # --- a master killed mid-run: its replica takes over, no copy lost ---
-my @c = keys_of('c', 200);
-commit_batch('c', 100);
+my @c = IdemValkeyCluster::result_keys($node, 'c', 200);
+IdemValkeyCluster::commit_results($node, 'c', 100);
 wait_all('100 commits before the failover', (@c)[ 0 .. 99 ]);
 usleep(300_000);				# let the replicas catch up
 my $victim = $vc->master_of_key($c[0]);
@@ -133,7 +95,7 @@ kill 'KILL', $pid;
 waitpid($pid, 0);
 delete $victim->{pid};
 delete $victim->{sock};
-commit_batch('c', 200, 101);	# while the cluster fails over
+IdemValkeyCluster::commit_results($node, 'c', 200, 101);	# while the cluster fails over
 ok($vc->wait_ok(30), 'a replica was promoted');
 wait_all('200 commits across the failover', @c);
 cmp_ok(IdemValkey::stats_col($node, 'valkey_node_errors'), '>', 0,

@@ -8,13 +8,17 @@
 #   my $c = IdemValkeyCluster->new(masters => 3, replicas => 1);
 #   (ipv6 => 1: the nodes also listen on ::1 and meet there, so the
 #   cluster announces every node as ::1; the helpers below still talk to
-#   them over 127.0.0.1)
+#   them over 127.0.0.1; extra => [...]: more valkey-server arguments)
 #   $c->seeds                  "127.0.0.1:p1,127.0.0.1:p2,..." (every node)
 #   $c->get($key)              GET on the key's master, following MOVED
 #   $c->master_of_key($key)    the IdemValkey node serving the key now
 #   $c->masters                the nodes that are masters now
 #   $c->kill_master($node)     SIGKILL; wait until its replica took over
 #   $c->move_slot($slot, $to)  SETSLOT IMPORTING/MIGRATING, MIGRATE, NODE
+#   $c->on_owner(@keys)        how many hold a result on their slot's master
+#   IdemValkeyCluster::commit_results($pg, $tag, $n[, $from]),
+#   IdemValkeyCluster::result_keys($pg, $tag, $n)
+#                              results committed on $pg, and their keys
 #   IdemValkeyCluster::runner_counts($bin, @args)
 #                              run client/build/cluster_runner: (applied,
 #                              replayed from Valkey)
@@ -57,7 +61,8 @@ sub new
 				# a replica takes over as soon as the master is judged dead
 				'--cluster-replica-validity-factor', '0',
 				'--appendonly', 'no',
-				$args{ipv6} ? ('--bind', '127.0.0.1 ::1') : ()
+				$args{ipv6} ? ('--bind', '127.0.0.1 ::1') : (),
+				@{ $args{extra} // [] }
 			]);
 		$n->start;
 		push @nodes, $n;
@@ -274,6 +279,45 @@ sub finish_migration
 			eval { $n->command('CLUSTER', 'SETSLOT', $m->[0], 'NODE', $to_id) };
 		}
 	}
+}
+
+# Commit results ({"i": i}) for ids $from (1)..$n of scope $tag on the
+# PostgreSQL node $pg, tenant 1, in one transaction.
+sub commit_results
+{
+	my ($pg, $tag, $n, $from) = @_;
+	$from //= 1;
+	$pg->safe_psql('postgres', qq{
+		DO \$\$ BEGIN
+		FOR i IN $from..$n LOOP
+			PERFORM idem_claim(1, idem_key('$tag', i::text), idem_fingerprint('{}'));
+			PERFORM idem_complete(1, idem_key('$tag', i::text), jsonb_build_object('i', i));
+		END LOOP; END \$\$;});
+}
+
+# The Valkey keys of those results, in id order.
+sub result_keys
+{
+	my ($pg, $tag, $n) = @_;
+	my $hexes = $pg->safe_psql('postgres',
+		"SELECT string_agg(encode(idem_key('$tag', g::text), 'hex'), ' ' ORDER BY g) FROM generate_series(1, $n) g");
+	my $prefix = IdemValkey::tenant_key($pg, 1, 'x', 'x');
+	$prefix =~ s/[0-9a-f]{64}$//;
+	return map { $prefix . $_ } split / /, $hexes;
+}
+
+# How many of @keys hold a result on the master that owns their slot now
+# (a plain GET there, no redirect).
+sub on_owner
+{
+	my ($self, @keys) = @_;
+	my $found = 0;
+	foreach my $k (@keys)
+	{
+		my $v = eval { $self->master_of_key($k)->command('GET', $k) };
+		$found++ if defined $v && $v =~ /"i"/;
+	}
+	return $found;
 }
 
 # Run the client's cluster_runner (its arguments: conninfo, host, port,
