@@ -9,13 +9,26 @@
  * (cache_format.h); readers accept the current secret and the one before
  * it, so a rotation needs no downtime.
  *
- * The file $PGDATA/idem_cache_secret (mode 0600) holds at most two lines
- * "<key id> <secret as 64 hex>", the previous secret first, the current
- * one last.  It is created the first time a process needs it (the worker
- * at its start, so a primary has it before any base backup is taken, and
- * pg_basebackup copies it to standbys), written to a temporary file, synced
- * and renamed into place, so a crash leaves the old or the new file, never
- * a torn one.
+ * The file $PGDATA/idem_cache_secret (mode 0600) holds a line "timeline
+ * <N>" (the timeline its secrets were made on; absent if made during
+ * recovery), then at most two lines "<key id> <secret as 64 hex>", the
+ * previous secret first, the current one last.  It is created the first
+ * time a process needs it (the worker at its start, so a primary has it
+ * before any base backup is taken, and pg_basebackup copies it to
+ * standbys), written to a temporary file, synced and renamed into place, so
+ * a crash leaves the old or the new file, never a torn one.
+ *
+ * A new timeline gets new secrets.  A rotation is not WAL-logged, so a
+ * standby keeps the secrets it was made with, which its primary may have
+ * rotated out since (after a leak).  When a server that is not in recovery
+ * finds its secrets made on an older timeline (it was promoted, or restored
+ * to a point in time), it replaces them with one new secret, the next key
+ * id, and no previous one: nothing is written on the new timeline yet (the
+ * keyspace names it), so no value needs the old secrets, and none made
+ * elsewhere is accepted.  Every reader of the shared copy checks the
+ * timeline, so the first one after the promotion (the worker, or a runner
+ * asking for the secrets) makes the change.  Without preloading nothing is
+ * copied, and the file is reported as it is.
  *
  * Shared memory (when idem is preloaded) holds a copy, loaded from the file
  * on first use.  Locking: the LWLock of the "idem cache secret" tranche
@@ -81,7 +94,8 @@ idem_cache_secret_shmem_init(void)
 
 /*
  * Parse the file's content into *out.  Returns false, with the reason in
- * *why, for anything but one or two well-formed lines with increasing ids.
+ * *why, for anything but an optional timeline line, then one or two
+ * well-formed lines with increasing ids.
  */
 static bool
 secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
@@ -90,7 +104,24 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	int			nlines = 0;
 	int32		ids[2];
 	uint8		keys[2][IDEM_MAC_LEN];
+	TimeLineID	timeline = 0;
 
+	if (strncmp(p, "timeline ", 9) == 0)
+	{
+		char	   *end;
+		unsigned long tli;
+
+		errno = 0;
+		tli = strtoul(p + 9, &end, 10);
+		if (errno != 0 || end == p + 9 || p[9] < '1' || p[9] > '9' ||
+			tli > PG_UINT32_MAX || *end != '\n')
+		{
+			*why = "the timeline is not a number between 1 and 4294967295";
+			return false;
+		}
+		timeline = (TimeLineID) tli;
+		p = end + 1;
+	}
 	while (*p != '\0')
 	{
 		char	   *end;
@@ -125,6 +156,7 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 		return false;
 	}
 	memset(out, 0, sizeof(*out));
+	out->timeline = timeline;
 	out->current_id = ids[nlines - 1];
 	memcpy(out->current, keys[nlines - 1], IDEM_MAC_LEN);
 	if (nlines == 2)
@@ -139,7 +171,7 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 static bool
 secret_read_file(IdemCacheSecrets *out)
 {
-	char		text[2 * (12 + 2 * IDEM_MAC_LEN + 1) + 2];
+	char		text[24 + 2 * (12 + 2 * IDEM_MAC_LEN + 1) + 2];
 	int			fd;
 	int			n;
 	int			total = 0;
@@ -177,11 +209,14 @@ secret_read_file(IdemCacheSecrets *out)
 static void
 secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
 {
-	char		text[2 * (12 + 2 * IDEM_MAC_LEN + 1) + 1];
+	char		text[24 + 2 * (12 + 2 * IDEM_MAC_LEN + 1) + 1];
 	char		hex[2 * IDEM_MAC_LEN + 1];
 	int			len = 0;
 	int			fd;
 
+	if (s->timeline > 0)
+		len += snprintf(text + len, sizeof(text) - len, "timeline %u\n",
+						s->timeline);
 	if (s->previous_id > 0)
 	{
 		idem_cache_hex(hex, s->previous, IDEM_MAC_LEN);
@@ -229,6 +264,76 @@ secret_generate(uint8 *secret)
 				 errmsg("idem: could not generate a random cache secret")));
 }
 
+/* Replace the file with secrets s: a new file, synced, renamed into place. */
+static void
+secret_install(const IdemCacheSecrets *s)
+{
+	char		tmp[MAXPGPATH];
+
+	secret_write_tmp(s, tmp);
+	if (durable_rename(tmp, IDEM_SECRET_FILE, ERROR) != 0)
+		elog(ERROR, "durable_rename returned without an error");
+}
+
+/* The timeline new secrets are made on: 0 (unknown) during recovery. */
+static TimeLineID
+secret_timeline(void)
+{
+	return RecoveryInProgress() ? 0 : GetWALInsertionTimeLine();
+}
+
+/*
+ * Do the secrets *s belong to this server's timeline?  False when they were
+ * made on an older one (or during recovery) and the server is a primary now.
+ */
+static bool
+secret_timeline_ok(const IdemCacheSecrets *s)
+{
+	TimeLineID	now = secret_timeline();
+
+	return now == 0 || s->timeline >= now;
+}
+
+/*
+ * Make secrets *s (from the file) fit this server's timeline (see the file
+ * header), rewriting the file.  Secrets made during recovery on this very
+ * server only take its timeline: they were never anywhere else.  The
+ * caller holds the shared copy's lock exclusive (or there is no shared
+ * copy).
+ */
+static void
+secret_take_timeline(IdemCacheSecrets *s)
+{
+	TimeLineID	now = secret_timeline();
+	IdemCacheSecrets next;
+
+	if (now == 0 || s->timeline >= now)
+		return;
+	memset(&next, 0, sizeof(next));
+	next.timeline = now;
+	if (s->timeline == 0)
+	{
+		next.current_id = s->current_id;
+		memcpy(next.current, s->current, IDEM_MAC_LEN);
+		next.previous_id = s->previous_id;
+		memcpy(next.previous, s->previous, IDEM_MAC_LEN);
+	}
+	else
+	{
+		next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
+		secret_generate(next.current);
+	}
+	secret_install(&next);
+	if (s->timeline != 0)
+		ereport(LOG,
+				(errmsg("idem: new cache secret (key id %d) for timeline %u",
+						next.current_id, now),
+				 errdetail("The secrets in \"%s\" were made on timeline %u; values on a new timeline are written and read with a new secret only.",
+						   IDEM_SECRET_FILE, s->timeline)));
+	*s = next;
+	explicit_bzero(&next, sizeof(next));
+}
+
 /*
  * The secrets in the file, creating it (key id 1) if there is none.  When
  * two processes create it at once, link() lets exactly one file win and
@@ -245,6 +350,7 @@ secret_load_or_create(IdemCacheSecrets *out)
 
 	memset(&fresh, 0, sizeof(fresh));
 	fresh.current_id = 1;
+	fresh.timeline = secret_timeline();
 	secret_generate(fresh.current);
 	secret_write_tmp(&fresh, tmp);
 	if (link(tmp, IDEM_SECRET_FILE) != 0 && errno != EEXIST)
@@ -279,16 +385,17 @@ idem_cache_secrets_get(IdemCacheSecrets *out)
 	}
 
 	LWLockAcquire(secret_lock, LW_SHARED);
-	if (!secret_shared->loaded)
+	if (!secret_shared->loaded || !secret_timeline_ok(&secret_shared->secrets))
 	{
 		LWLockRelease(secret_lock);
 		LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+		/* An ERROR here releases the lock in the abort path. */
 		if (!secret_shared->loaded)
 		{
-			/* An ERROR here releases the lock in the abort path. */
 			secret_load_or_create(&secret_shared->secrets);
 			secret_shared->loaded = true;
 		}
+		secret_take_timeline(&secret_shared->secrets);
 	}
 	*out = secret_shared->secrets;
 	LWLockRelease(secret_lock);
@@ -392,7 +499,6 @@ Datum
 idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 {
 	IdemCacheSecrets next;
-	char		tmp[MAXPGPATH];
 	int32		new_id;
 
 	if (RecoveryInProgress())
@@ -412,6 +518,7 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 		secret_load_or_create(&secret_shared->secrets);
 		secret_shared->loaded = true;
 	}
+	secret_take_timeline(&secret_shared->secrets);
 	if (secret_shared->secrets.current_id == PG_INT32_MAX)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
@@ -420,13 +527,12 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 				 errhint("Remove the file \"%s\" and restart the server to start again from key id 1.",
 						 IDEM_SECRET_FILE)));
 	memset(&next, 0, sizeof(next));
+	next.timeline = secret_shared->secrets.timeline;
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;
 	secret_generate(next.current);
-	secret_write_tmp(&next, tmp);
-	if (durable_rename(tmp, IDEM_SECRET_FILE, ERROR) != 0)
-		elog(ERROR, "durable_rename returned without an error");
+	secret_install(&next);
 	secret_shared->secrets = next;
 	LWLockRelease(secret_lock);
 	new_id = next.current_id;

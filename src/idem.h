@@ -187,6 +187,7 @@ typedef struct IdemCacheSecrets
 	uint8		current[IDEM_MAC_LEN];
 	int32		previous_id;	/* still accepted by readers; 0 if none */
 	uint8		previous[IDEM_MAC_LEN];
+	TimeLineID	timeline;		/* made on it (cache_secret.c); 0 unknown */
 } IdemCacheSecrets;
 
 /* The named LWLock tranche of the shared copy (one lock), for shmem.c. */

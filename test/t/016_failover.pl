@@ -1,7 +1,11 @@
 # Failover (issue 12), with a real streaming standby made by pg_basebackup:
 # a message committed on the primary while the standby lagged, then run
 # through the C runner against the promoted standby, is applied there (not
-# replayed from the old primary's cache entry), exactly once.
+# replayed from the old primary's cache entry), exactly once.  The old
+# primary rotated its cache secret out after the backup (as after a leak);
+# the promoted standby writes and reads its new timeline's values with a
+# secret of its own, so a value forged with the one it was made with is
+# not trusted.
 use strict;
 use warnings;
 
@@ -25,6 +29,21 @@ $new->start;
 $old->wait_for_catchup($new);
 $new->stop;    # the standby lags from here on
 
+sub secrets
+{
+	return $_[0]->safe_psql('postgres',
+		"SELECT string_agg(key_id || CASE WHEN is_current THEN '*' ELSE '' END, ' ' ORDER BY key_id) FROM idem_cache_secrets()"
+	);
+}
+sub secret_hex
+{
+	return $_[0]->safe_psql('postgres',
+		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $_[1]");
+}
+my $leaked = secret_hex($old, 1);
+$old->safe_psql('postgres', 'SELECT idem_rotate_cache_secret()') for 1 .. 2;
+is(secrets($old), '2 3*', 'the old primary rotated key id 1 out (not replicated)');
+
 my ($status, $source, $outcome) =
   IdemValkey::run_message($old, 'postgres', $valkey, 1, 'fo', 'm1', '{"x": 1}');
 is("$status $source", 'applied handler', 'the old primary applies the message');
@@ -41,6 +60,11 @@ is($new->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'm1'"), 
 	'it lacks the newest commit');
 isnt(IdemValkey::keyspace($new), IdemValkey::keyspace_of_key($old_key),
 	'its keyspace names the new timeline: ' . IdemValkey::keyspace($new));
+is(secrets($new), '2*',
+	'it made itself a new secret for it: key id 2 alone, not the key id 1 it was made with');
+isnt(secret_hex($new, 2), $leaked, '... a secret of its own');
+like(slurp_file($new->data_dir . '/idem_cache_secret'), qr/^timeline 2\n2 [0-9a-f]{64}\n\z/,
+	'its secret file names timeline 2');
 
 ($status, $source, $outcome) =
   IdemValkey::run_message($new, 'postgres', $valkey, 1, 'fo', 'm1', '{"x": 1}');
@@ -52,6 +76,28 @@ is($status, 'replayed', "a further delivery is a replay ($source)");
 like($outcome, qr/"node": "new_primary"/, '... of the new primary\'s outcome');
 is($new->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'm1'"), '1',
 	'the effect happened exactly once on the new primary');
+my $new_key = IdemValkey::tenant_key($new, 1, 'fo', 'm1');
+my $v = IdemValkey::parse_value($valkey->command('GET', $new_key));
+is($v->{key_id}, 2, "the new primary's copy carries key id 2");
+ok(IdemValkey::mac_ok($new, $new_key, $valkey->command('GET', $new_key)),
+	'... MACed with its new secret');
+
+# A value forged with the secret the standby was made with, in the new
+# keyspace: not trusted (the old code kept that secret current).
+IdemValkey::forge_value($valkey, IdemValkey::tenant_key($new, 1, 'fo', 'm2'), 1,
+	$leaked, $v->{fingerprint});
+($status, $source) =
+  IdemValkey::run_message($new, 'postgres', $valkey, 1, 'fo', 'm2', '{"x": 1}');
+is("$status $source", 'applied handler',
+	'a value forged with the rotated-out secret is ignored: m2 is applied');
+is($new->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'm2'"), '1',
+	'... once');
+
+# A restart on the same timeline keeps the secret.
+my $secret2 = secret_hex($new, 2);
+$new->restart;
+is(secrets($new) . ' ' . secret_hex($new, 2), "2* $secret2",
+	'a restart on the same timeline keeps the secret');
 
 $new->stop;
 done_testing();

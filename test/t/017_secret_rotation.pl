@@ -13,12 +13,11 @@ use warnings;
 use FindBin;
 use lib $FindBin::RealBin;
 
-use Digest::SHA qw(hmac_sha256_hex);
 use IdemValkey;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use Time::HiRes qw(time usleep);
+use Time::HiRes qw(usleep);
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $node = IdemValkey::idem_node('rotation', $valkey);
@@ -58,10 +57,7 @@ sub secret_hex
 sub forge
 {
 	my ($id, $key_id, $hex, $fingerprint) = @_;
-	my $rest = sprintf('%d c 1 %d %s {"forged": true}',
-		$key_id, int(time() * 1000) + 3_600_000, $fingerprint);
-	my $mac = hmac_sha256_hex(key_of($id) . "\0" . $rest, pack('H*', $hex));
-	$valkey->command('SET', key_of($id), "idem2 $mac $rest", 'PX', '3600000');
+	IdemValkey::forge_value($valkey, key_of($id), $key_id, $hex, $fingerprint);
 }
 
 # --- before: one secret, key id 1 ---
@@ -92,8 +88,9 @@ is($aging->run('m1'), 'replayed valkey', '... as does the other one');
 is($node->safe_psql('postgres', 'SELECT idem_rotate_cache_secret()'), '2',
 	'the rotation returns key id 2');
 is(secrets(), '1 2*', 'key id 2 is current, 1 is still accepted');
-my @lines = split /\n/, slurp_file($node->data_dir . '/idem_cache_secret');
-is(scalar(@lines), 2, 'the secret file holds both');
+like(slurp_file($node->data_dir . '/idem_cache_secret'),
+	qr/^timeline 1\n1 [0-9a-f]{64}\n2 [0-9a-f]{64}\n\z/,
+	'the secret file holds both, and the timeline they were made on');
 is(key_id_of('m1'), 1, "m1's entry under key id 1 is still in Valkey");
 is(run('m1'), 'replayed valkey', '... and a new runner replays it from Valkey');
 is($long->run('m1'), 'replayed valkey', '... as does the runner connected before the rotation');

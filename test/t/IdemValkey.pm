@@ -330,6 +330,17 @@ sub mac_ok
 	return hmac_sha256_hex($key . "\0" . $v->{rest}, pack('H*', $hex)) eq $v->{mac};
 }
 
+# Write under $key a completed value (outcome {"forged": true}) MACed with
+# secret $hex under key id $key_id, as a party holding that secret could.
+sub forge_value
+{
+	my ($valkey, $key, $key_id, $hex, $fingerprint) = @_;
+	my $rest = sprintf('%d c 1 %d %s {"forged": true}',
+		$key_id, int(time() * 1000) + 3_600_000, $fingerprint);
+	my $mac = hmac_sha256_hex($key . "\0" . $rest, pack('H*', $hex));
+	$valkey->command('SET', $key, "idem2 $mac $rest", 'PX', '3600000');
+}
+
 # The C runner (client/): test/t/idem_run_once.c, built once per test
 # against client/build/libidemclient.a (make test builds it).
 my $run_once_bin;
