@@ -2,9 +2,9 @@
  * internal.h
  *	  Declarations shared by the files of libidemclient; not installed.
  *
- *	  sha256.c			SHA-256
+ *	  ../src/sha256.c, ../src/hmac.c	SHA-256, HMAC-SHA-256 (sha256.h; shared
+ *						with the extension's worker)
  *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
- *	  hmac.c			HMAC-SHA-256 (the MAC of idem2 values)
  *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
  *						MAC verification, the marker it writes
  *	  canonical_json.c	the jsonb-identical canonical JSON text
@@ -27,35 +27,10 @@
 
 #include "idem_client.h"
 #include "cache_format.h"
-
-typedef struct idem_sha256
-{
-	uint32_t	h[8];
-	uint64_t	total;
-	size_t		used;
-	uint8_t		buf[64];
-} idem_sha256;
-
-void		idem_sha256_init(idem_sha256 *c);
-void		idem_sha256_update(idem_sha256 *c, const void *data, size_t len);
-void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
-/* Which block function: mode 1 the fastest this CPU has (the default),
- * 0 the portable C (tests), -1 ask.  Returns 1 if SHA-NI is in use. */
-int			idem_sha256_accel(int mode);
+#include "sha256.h"
 
 /* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
 void		idem_sha1_hex(const void *data, size_t len, char out[41]);
-
-/* HMAC-SHA-256 with a prepared key (hmac.c). */
-typedef struct idem_hmac
-{
-	idem_sha256 inner;			/* after the key ^ ipad block */
-	idem_sha256 outer;			/* after the key ^ opad block */
-} idem_hmac;
-
-void		idem_hmac_key(idem_hmac *h, const uint8_t *key, size_t keylen);
-void		idem_hmac_sha256(const idem_hmac *h, const void *msg, size_t len,
-							 uint8_t out[32]);
 
 /* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
  * accepts in a UTF8 database). */

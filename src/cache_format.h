@@ -8,8 +8,8 @@
  * helper (which reads them, and writes its processing marker).  Plain C99:
  * no PostgreSQL, hiredis or libpq headers, no allocation, no cryptography;
  * every function works on caller-provided buffers and returns an explicit
- * status.  Each side computes HMAC-SHA-256 with its own SHA-256 (server:
- * common/hmac.h; client: sha256.c) over what idem_cache_mac_input() builds.
+ * status.  Both sides compute HMAC-SHA-256 with sha256.h over what
+ * idem_cache_mac_input() builds.
  *
  * Keys (one Valkey key per ledger row; no hash tags, so each key hashes to
  * its own Valkey Cluster slot):

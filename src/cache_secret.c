@@ -53,7 +53,6 @@
 
 #include "access/htup_details.h"
 #include "access/xlog.h"
-#include "common/hmac.h"
 #include "common/cryptohash.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -402,37 +401,24 @@ idem_cache_secrets_get(IdemCacheSecrets *out)
 }
 
 /*
- * HMAC-SHA-256 of input under secret, with PostgreSQL's implementation.
- * Returns false (and the reason in *why) only if the library fails.
+ * Prepare the current secret of *secrets as an HMAC-SHA-256 key (sha256.h:
+ * its inner and outer pads hashed once), for idem_cache_sign().  The
+ * caller wipes *mac_key when done, as it wipes the secrets.
  */
-bool
-idem_cache_hmac(const uint8 *secret, const char *input, size_t len,
-				uint8 *mac, const char **why)
+void
+idem_cache_mac_key(idem_hmac *mac_key, const IdemCacheSecrets *secrets)
 {
-	pg_hmac_ctx *ctx = pg_hmac_create(PG_SHA256);
-	bool		ok;
-
-	if (ctx == NULL)
-	{
-		*why = "out of memory";
-		return false;
-	}
-	ok = pg_hmac_init(ctx, secret, IDEM_MAC_LEN) == 0 &&
-		pg_hmac_update(ctx, (const uint8 *) input, len) == 0 &&
-		pg_hmac_final(ctx, mac, IDEM_MAC_LEN) == 0;
-	if (!ok)
-		*why = pg_hmac_error(ctx);
-	pg_hmac_free(ctx);
-	return ok;
+	idem_hmac_key(mac_key, secrets->current, IDEM_MAC_LEN);
 }
 
 /*
  * Fill in the MAC of an encoded value (cache_format.h) stored under key,
- * with the secret key_id names in *secrets.  Returns false, with the reason
- * in *why, if the value cannot be MACed.
+ * with the secret mac_key was prepared from (idem_cache_mac_key).  Returns
+ * false, with the reason in *why, if the value cannot be MACed.  No
+ * allocation and no library call: the worker signs every value it copies.
  */
 bool
-idem_cache_sign(const IdemCacheSecrets *secrets, const char *key, int keylen,
+idem_cache_sign(const idem_hmac *mac_key, const char *key, int keylen,
 				char *value, int valuelen, const char **why)
 {
 	char		input[IDEM_CACHE_MAC_INPUT_MAX];
@@ -445,8 +431,7 @@ idem_cache_sign(const IdemCacheSecrets *secrets, const char *key, int keylen,
 		*why = "the value is too long to MAC";
 		return false;
 	}
-	if (!idem_cache_hmac(secrets->current, input, n, mac, why))
-		return false;
+	idem_hmac_sha256(mac_key, input, n, mac);
 	idem_cache_set_mac(value, mac);
 	return true;
 }

@@ -54,6 +54,7 @@
 #include "utils/timestamp.h"
 
 #include "cache_format.h"
+#include "sha256.h"
 
 /* Claim decisions, in the order idem_stats() reports them. */
 typedef enum IdemDecision
@@ -196,9 +197,9 @@ typedef struct IdemCacheSecrets
 extern Size idem_cache_secret_shmem_size(void);
 extern void idem_cache_secret_shmem_init(void);
 extern void idem_cache_secrets_get(IdemCacheSecrets *out);
-extern bool idem_cache_hmac(const uint8 *secret, const char *input, size_t len,
-							uint8 *mac, const char **why);
-extern bool idem_cache_sign(const IdemCacheSecrets *secrets, const char *key,
+extern void idem_cache_mac_key(idem_hmac *mac_key,
+							   const IdemCacheSecrets *secrets);
+extern bool idem_cache_sign(const idem_hmac *mac_key, const char *key,
 							int keylen, char *value, int valuelen,
 							const char **why);
 

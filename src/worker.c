@@ -488,13 +488,15 @@ epoch_ms(TimestampTz t)
 
 /*
  * What one batch's records are encoded with: the time, the timeline that
- * names the keyspace, the current secret, and the last database's keyspace.
+ * names the keyspace, the current secret's key id and its prepared HMAC key,
+ * and the last database's keyspace.
  */
 typedef struct VkEncoder
 {
 	TimestampTz now;
 	TimeLineID	timeline;
-	IdemCacheSecrets secrets;
+	int32		key_id;
+	idem_hmac	mac_key;
 	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
 	Oid			keyspace_db;
 } VkEncoder;
@@ -502,10 +504,22 @@ typedef struct VkEncoder
 static void
 vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 {
+	IdemCacheSecrets secrets;
+
 	enc->now = GetCurrentTimestamp();
 	enc->timeline = timeline;
 	enc->keyspace_db = InvalidOid;
-	idem_cache_secrets_get(&enc->secrets);
+	idem_cache_secrets_get(&secrets);
+	enc->key_id = secrets.current_id;
+	idem_cache_mac_key(&enc->mac_key, &secrets);
+	explicit_bzero(&secrets, sizeof(secrets));
+}
+
+/* The batch is encoded: wipe the key. */
+static void
+vk_encoder_done(VkEncoder *enc)
+{
+	explicit_bzero(&enc->mac_key, sizeof(enc->mac_key));
 }
 
 /*
@@ -534,14 +548,14 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 		*keylen = idem_cache_key(key, IDEM_CACHE_KEY_MAX, enc->keyspace,
 								 rec->is_platform, rec->tenant_id, rec->key);
 	*valuelen = idem_cache_encode_terminal(value, IDEM_CACHE_VALUE_MAX,
-										   enc->secrets.current_id,
+										   enc->key_id,
 										   (IdemCacheKind) rec->kind,
 										   rec->attempt,
 										   epoch_ms(rec->expires_at),
 										   rec->fingerprint,
 										   rec->outcome, rec->outcome_len);
 	if (*keylen < 0 || *valuelen < 0 ||
-		!idem_cache_sign(&enc->secrets, key, *keylen, value, *valuelen, &why))
+		!idem_cache_sign(&enc->mac_key, key, *keylen, value, *valuelen, &why))
 	{
 		snprintf(errbuf, sizeof(errbuf), "%s", why);
 		return -1;
@@ -755,7 +769,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			vk_encoder_init(&enc, timeline);
 			nrej = 0;
 			nsent = vk_append_batch(records, n, &enc, &nrej);
-			explicit_bzero(&enc.secrets, sizeof(enc.secrets));
+			vk_encoder_done(&enc);
 			if (nsent < 0)
 				return VK_FAILED;
 			idem_stats_add(IDEM_STAT_REJECTED, nrej);
@@ -878,7 +892,7 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc, vk_reply_keeps_batch,
 						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
 			result = VK_SHUTDOWN;
-		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
+		vk_encoder_done(&enc);
 		if (result != VK_OK)
 			break;
 		*acked += ok;
@@ -991,7 +1005,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		rc = idem_wc_copy(records, n, head_done, vk_encode_record, &enc,
 						  vk_reply_keeps_batch, &ok, &nrej,
 						  errbuf, sizeof(errbuf));
-		explicit_bzero(&enc.secrets, sizeof(enc.secrets));
+		vk_encoder_done(&enc);
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;
 		head_ok += ok;
@@ -1097,7 +1111,7 @@ idem_worker_main(Datum main_arg)
 				 errmsg("idem worker started without idem's shared memory"),
 				 errhint("Load idem through shared_preload_libraries.")));
 
-	/* PostgreSQL's HMAC (OpenSSL) registers its contexts with an owner. */
+	/* A resource owner, for the PostgreSQL routines that need one. */
 	CurrentResourceOwner = ResourceOwnerCreate(NULL, "idem worker");
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);

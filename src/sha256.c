@@ -1,8 +1,10 @@
 /*
  * sha256.c
- *	  A small SHA-256 (FIPS 180-4), so that the client needs no crypto library.
- *	  Tested against the FIPS 180-2 example vectors in tests/unit.c, in both
- *	  of its block functions, which are also compared on random input.
+ *	  A small SHA-256 (FIPS 180-4), so that the client needs no crypto library
+ *	  and the worker's MAC of each copy costs no crypto library call
+ *	  (sha256.h: compiled into both).  Tested against the FIPS 180-2 example
+ *	  vectors in client/tests/unit.c, in both of its block functions, which
+ *	  are also compared on random input.
  *
  *	  On x86-64 CPUs with the SHA extensions (Intel since Goldmont and Ice
  *	  Lake, AMD since Zen), blocks go through the SHA-NI instructions, about
@@ -11,7 +13,7 @@
  *	  check).  The choice is made once, from CPUID; idem_sha256_accel()
  *	  lets the tests force the portable path.
  */
-#include "internal.h"
+#include "sha256.h"
 
 #include <string.h>
 

@@ -1,12 +1,13 @@
 /*
  * hmac.c
- *	  HMAC-SHA-256 (RFC 2104) over the client's own SHA-256 (sha256.c), for
- *	  the MAC of idem2 values (src/cache_format.h).  A key is prepared once
- *	  (its inner and outer pads hashed), so that each MAC costs two SHA-256
- *	  finalisations beyond the message itself.  Tested against RFC 4231 in
- *	  tests/unit.c.  No state of its own; thread-safe.
+ *	  HMAC-SHA-256 (RFC 2104) over idem's own SHA-256 (sha256.c), for the
+ *	  MAC of idem2 values (cache_format.h), in the worker and the client
+ *	  (sha256.h).  A key is prepared once (its inner and outer pads hashed),
+ *	  so that each MAC costs two SHA-256 finalisations beyond the message
+ *	  itself.  Tested against RFC 4231 in client/tests/unit.c.  No state of
+ *	  its own; thread-safe.
  */
-#include "internal.h"
+#include "sha256.h"
 
 #include <string.h>
 
