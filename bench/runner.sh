@@ -52,7 +52,7 @@ VK=$(cat "$BENCH_WORK/valkey.pid" 2>/dev/null)
 # from their own stat, around each round (a worker that exits within the
 # round counts in the postmaster's reaped share instead).
 workers() { for p in $(pgrep -P "$PM" 2>/dev/null); do
-	tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q 'idem.*worker' && echo "$p"; done; }
+	tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -q 'idem.*worker' && echo "$p"; done; }
 wticks() { local p t=0; for p in $1; do t=$(( t + $(ticks "$p") )); done; echo "$t"; }
 
 # µs of CPU per run: TICKS over a round at RATE runs/s
