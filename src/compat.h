@@ -133,4 +133,21 @@ idem_identity_sequence(Oid relid, AttrNumber attnum)
 #define IDEM_MY_PROCNO	((uint32) MyProc->pgprocno)
 #endif
 
+/*
+ * Injection points (17 and later, in builds configured with
+ * --enable-injection-points; tests only): IDEM_INJECTION_POINT(name) runs
+ * what a test attached to name.  18 added an argument; before 17, and in
+ * builds without them, nothing.
+ */
+#if PG_VERSION_NUM >= 170000
+#include "utils/injection_point.h"
+#if PG_VERSION_NUM >= 180000
+#define IDEM_INJECTION_POINT(name)	INJECTION_POINT(name, NULL)
+#else
+#define IDEM_INJECTION_POINT(name)	INJECTION_POINT(name)
+#endif
+#else
+#define IDEM_INJECTION_POINT(name)	((void) 0)
+#endif
+
 #endif							/* IDEM_COMPAT_H */

@@ -38,8 +38,9 @@
  *	  - worker_procno and worker_awake are atomics too (see
  *		idem_outbox_worker_sleepy for the handshake).
  *	  - The writers' side runs after the commit record is written: nothing
- *		here allocates, raises an error or waits.  A full queue drops the
- *		copy and counts it.
+ *		here allocates, raises an error or waits (but for a test's injection
+ *		point, in builds that have them).  A full queue drops the copy and
+ *		counts it.
  *
  * Shared memory holds no process-local pointers: the worker is found by its
  * PGPROC number.
@@ -194,6 +195,12 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 										   head + pad + rec->size))
 			break;
 	}
+
+	/*
+	 * Reserved, not written: a test may hold this writer here (as a
+	 * preemption would) to check that the reader waits for it.
+	 */
+	IDEM_INJECTION_POINT("idem-outbox-reserved");
 
 	if (pad > 0)
 	{

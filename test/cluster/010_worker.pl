@@ -48,17 +48,10 @@ is(scalar(keys %per_master), 3, 'results landed on all three masters');
 is(IdemValkey::stats_col($node, 'copy_errors'), '0', 'no copy errors');
 
 # The queue is empty now: the worker sleeps (no busy loop).
-sub cpu_ticks
-{
-	my $pid = IdemValkey::worker_pid($node) // return -1;
-	open(my $fh, '<', "/proc/$pid/stat") or return -1;
-	my @f = split ' ', (<$fh> =~ s/^.*\) //r);
-	close $fh;
-	return $f[11] + $f[12];		# utime + stime
-}
-my $ticks = cpu_ticks();
+my $ticks = IdemValkey::worker_cpu_ticks($node);
 sleep(2);
-cmp_ok(cpu_ticks() - $ticks, '<', 20, 'an idle worker uses no CPU (under 0.2 s in 2 s)');
+cmp_ok(IdemValkey::worker_cpu_ticks($node) - $ticks, '<', 20,
+	'an idle worker uses no CPU (under 0.2 s in 2 s)');
 
 # --- migrating slots with commits flowing: ASK, then MOVED ---
 my @b = IdemValkeyCluster::result_keys($node, 'b', 60);

@@ -87,9 +87,11 @@ idem_verify_dsc() {
 }
 
 IDEM_PG18_VERSION=18.6
-IDEM_PG18_CONFIGURE="--enable-tap-tests --enable-cassert --enable-debug --without-icu --without-readline"
-# Contrib modules the suites use (regress ddl: dblink), built into it too.
+IDEM_PG18_CONFIGURE="--enable-tap-tests --enable-cassert --enable-debug --enable-injection-points --without-icu --without-readline"
+# Contrib modules the suites use (regress ddl: dblink), built into it too,
+# and test modules (tap 019_ring_order: injection_points).
 IDEM_PG18_CONTRIB="dblink"
+IDEM_PG18_TEST_MODULES="injection_points"
 
 # The tarball: $IDEM_PG18_SRC, else shared/deps beside the checkout.
 idem_pg18_tarball() {
@@ -103,12 +105,13 @@ idem_pg18_tarball() {
 	echo "$deps/postgresql-18_$IDEM_PG18_VERSION.orig.tar.bz2"
 }
 
-# The cache key: the version, the configure flags, the contrib modules and
-# the compiler.
+# The cache key: the version, the configure flags, the contrib and test
+# modules and the compiler.
 idem_pg18_name() {
 	local key
-	key=$(printf '%s\n%s\n%s\n%s\n' "$IDEM_PG18_VERSION" "$IDEM_PG18_CONFIGURE" \
-		"$(gcc -dumpfullversion 2>/dev/null)" "$IDEM_PG18_CONTRIB" | sha256sum | cut -c1-12)
+	key=$(printf '%s\n%s\n%s\n%s\n%s\n' "$IDEM_PG18_VERSION" "$IDEM_PG18_CONFIGURE" \
+		"$(gcc -dumpfullversion 2>/dev/null)" "$IDEM_PG18_CONTRIB" \
+		"$IDEM_PG18_TEST_MODULES" | sha256sum | cut -c1-12)
 	echo "pg-$IDEM_PG18_VERSION-$key"
 }
 
@@ -125,7 +128,8 @@ _idem_pg18_make() {
 			make install &&
 			make -C src/test/isolation install &&
 			make -C src/test/perl install &&
-			for c in $IDEM_PG18_CONTRIB; do make -C "contrib/$c" install || exit 1; done
+			for c in $IDEM_PG18_CONTRIB; do make -C "contrib/$c" install || exit 1; done &&
+			for m in $IDEM_PG18_TEST_MODULES; do make -C "src/test/modules/$m" install || exit 1; done
 	) >"$tmp/build.log" 2>&1 || {
 		echo "idem: PostgreSQL $IDEM_PG18_VERSION build failed:" >&2
 		tail -n 30 "$tmp/build.log" >&2

@@ -255,6 +255,18 @@ sub worker_pid
 	return undef;
 }
 
+# CPU time the node's idem worker has used (utime + stime, in clock
+# ticks: 100 a second), or -1 if there is no worker.
+sub worker_cpu_ticks
+{
+	my ($node) = @_;
+	my $pid = worker_pid($node) // return -1;
+	open(my $fh, '<', "/proc/$pid/stat") or return -1;
+	my @f = split ' ', (<$fh> =~ s/^.*\) //r);
+	close $fh;
+	return $f[11] + $f[12];
+}
+
 # The keyspace the worker uses for database $db (default postgres) of
 # $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
 # were $prefix.
