@@ -7,7 +7,10 @@
 #
 #   BENCH_RUNNER_BASE=<commit>   also the runner of the library at <commit>
 #                                (built in a temporary git worktree), for a
-#                                before/after in the same run
+#                                before/after in the same run: every mode
+#                                of BENCH_RUNNER_MODES again as base:MODE
+#                                (only run-new and run-dup if that library
+#                                lacks the options the others use)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SECS=${BENCH_SECONDS:-5}
@@ -34,10 +37,19 @@ if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
 	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
 	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
 	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "runner.sh: building the client at $BASE failed" >&2; exit 1; }
-	cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
+	# A base whose library has every option the modes use runs each mode
+	# asked for; an older one (built with -DBENCH_BASELINE) run-new and
+	# run-dup only.
+	if cc -O2 -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
 		"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
-		-lpq -lhiredis -lcrypto -pthread || exit 1
-	MODES="$MODES base:run-new base:run-dup"
+		-lpq -lhiredis -lcrypto -pthread 2>/dev/null; then
+		for m in $RMODES; do MODES="$MODES base:$m"; done
+	else
+		cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
+			"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
+			-lpq -lhiredis -lcrypto -pthread || exit 1
+		MODES="$MODES base:run-new base:run-dup"
+	fi
 fi
 
 # CPU ticks of a process: its own (utime, stime) and those of the children
