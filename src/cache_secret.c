@@ -11,12 +11,12 @@
  *
  * The file $PGDATA/idem_cache_secret (mode 0600) holds a line "timeline
  * <N>" (the timeline its secrets were made on; absent if made during
- * recovery), then at most two lines "<key id> <secret as 64 hex>", the
- * previous secret first, the current one last.  It is created the first
- * time a process needs it (the worker at its start, so a primary has it
- * before any base backup is taken, and pg_basebackup copies it to
- * standbys), written to a temporary file, synced and renamed into place, so
- * a crash leaves the old or the new file, never a torn one.
+ * recovery, by a standby that had no file), then at most two lines "<key
+ * id> <secret as 64 hex>", the previous secret first, the current one last.
+ * It is created the first time a process needs it (the worker at its start,
+ * so a primary has it before any base backup is taken, and pg_basebackup
+ * copies it to standbys), written to a temporary file, synced and renamed
+ * into place, so a crash leaves the old or the new file, never a torn one.
  *
  * A new timeline gets new secrets.  A rotation is not WAL-logged, so a
  * standby keeps the secrets it was made with, which its primary may have
@@ -25,7 +25,11 @@
  * to a point in time), it replaces them with one new secret, the next key
  * id, and no previous one: nothing is written on the new timeline yet (the
  * keyspace names it), so no value needs the old secrets, and none made
- * elsewhere is accepted.  Every reader of the shared copy checks the
+ * elsewhere is accepted.  Secrets made during recovery are replaced too:
+ * nothing was MACed with them (nothing is copied and there is no keyspace
+ * during recovery), and pg_basebackup may have copied them from the
+ * standby that made them to another, and that standby, promoted first,
+ * rotated them out since.  Every reader of the shared copy checks the
  * timeline, so the first one after the promotion (the worker, or a runner
  * asking for the secrets) makes the change.  Without preloading nothing is
  * copied, and the file is reported as it is.
@@ -295,10 +299,8 @@ secret_timeline_ok(const IdemCacheSecrets *s)
 
 /*
  * Make secrets *s (from the file) fit this server's timeline (see the file
- * header), rewriting the file.  Secrets made during recovery on this very
- * server only take its timeline: they were never anywhere else.  The
- * caller holds the shared copy's lock exclusive (or there is no shared
- * copy).
+ * header), rewriting the file.  The caller holds the shared copy's lock
+ * exclusive (or there is no shared copy).
  */
 static void
 secret_take_timeline(IdemCacheSecrets *s)
@@ -310,25 +312,17 @@ secret_take_timeline(IdemCacheSecrets *s)
 		return;
 	memset(&next, 0, sizeof(next));
 	next.timeline = now;
-	if (s->timeline == 0)
-	{
-		next.current_id = s->current_id;
-		memcpy(next.current, s->current, IDEM_MAC_LEN);
-		next.previous_id = s->previous_id;
-		memcpy(next.previous, s->previous, IDEM_MAC_LEN);
-	}
-	else
-	{
-		next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
-		secret_generate(next.current);
-	}
+	next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
+	secret_generate(next.current);
 	secret_install(&next);
-	if (s->timeline != 0)
-		ereport(LOG,
-				(errmsg("idem: new cache secret (key id %d) for timeline %u",
-						next.current_id, now),
-				 errdetail("The secrets in \"%s\" were made on timeline %u; values on a new timeline are written and read with a new secret only.",
-						   IDEM_SECRET_FILE, s->timeline)));
+	ereport(LOG,
+			(errmsg("idem: new cache secret (key id %d) for timeline %u",
+					next.current_id, now),
+			 s->timeline != 0 ?
+			 errdetail("The secrets in \"%s\" were made on timeline %u; values on a new timeline are written and read with a new secret only.",
+					   IDEM_SECRET_FILE, s->timeline) :
+			 errdetail("The secrets in \"%s\" were made during recovery; values on a new timeline are written and read with a new secret only.",
+					   IDEM_SECRET_FILE)));
 	*s = next;
 	explicit_bzero(&next, sizeof(next));
 }

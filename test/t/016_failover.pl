@@ -29,17 +29,8 @@ $new->start;
 $old->wait_for_catchup($new);
 $new->stop;    # the standby lags from here on
 
-sub secrets
-{
-	return $_[0]->safe_psql('postgres',
-		"SELECT string_agg(key_id || CASE WHEN is_current THEN '*' ELSE '' END, ' ' ORDER BY key_id) FROM idem_cache_secrets()"
-	);
-}
-sub secret_hex
-{
-	return $_[0]->safe_psql('postgres',
-		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $_[1]");
-}
+sub secrets { IdemValkey::secrets(@_) }
+sub secret_hex { IdemValkey::secret_hex(@_) }
 my $leaked = secret_hex($old, 1);
 $old->safe_psql('postgres', 'SELECT idem_rotate_cache_secret()') for 1 .. 2;
 is(secrets($old), '2 3*', 'the old primary rotated key id 1 out (not replicated)');

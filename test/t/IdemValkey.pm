@@ -330,6 +330,23 @@ sub parse_value
 	return undef;
 }
 
+# The node's cache secrets as "1 2*" (key ids, the current one starred).
+sub secrets
+{
+	my ($node) = @_;
+	return $node->safe_psql('postgres',
+		"SELECT string_agg(key_id || CASE WHEN is_current THEN '*' ELSE '' END, ' ' ORDER BY key_id) FROM idem_cache_secrets()"
+	);
+}
+
+# The hex of the node's secret with key id $key_id.
+sub secret_hex
+{
+	my ($node, $key_id) = @_;
+	return $node->safe_psql('postgres',
+		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $key_id");
+}
+
 # Whether $value (stored under $key) carries a valid MAC under one of the
 # node's cache secrets.
 sub mac_ok
