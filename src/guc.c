@@ -41,7 +41,7 @@ int			idem_valkey_db = 0;
 char	   *idem_valkey_prefix = NULL;
 int			idem_valkey_connect_timeout_ms = 1000;
 int			idem_valkey_command_timeout_ms = 1000;
-int			idem_valkey_batch_delay_ms = 0;
+int			idem_valkey_batch_delay_ms = 1;
 char	   *idem_valkey_nodes = NULL;
 int			idem_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
 
@@ -224,9 +224,9 @@ idem_define_gucs(void)
 
 	DefineCustomIntVariable("idem.valkey_batch_delay",
 							"The least time between two batches the worker sends to Valkey.",
-							"Results queued while a batch is in flight go out together once its replies are in; a positive delay also keeps batches this far apart (unless 256 results wait), which saves Valkey and worker wakeups under load and adds up to this much copy latency.  0 (the default) adds no wait.",
+							"Results queued while a batch is in flight go out together once its replies are in; a positive delay also keeps batches this far apart (unless 256 results wait), which saves Valkey and worker wakeups under load and adds up to this much copy latency.  A lone result after a quiet spell goes out at once.  0 adds no wait.",
 							&idem_valkey_batch_delay_ms,
-							0, 0, 1000,
+							1, 0, 1000,
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 

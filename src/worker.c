@@ -21,14 +21,14 @@
  * no batch is in flight; what is queued while one is in flight gathers
  * until its replies are in and then goes out as the next batch, unless
  * IDEM_BATCH_EAGER records wait (a backlog: then up to IDEM_INFLIGHT batches
- * are pipelined).  So no copy waits for a timer, and under load a batch
- * holds what committed during one round trip to Valkey instead of each
- * commit costing both processes a wakeup.  idem.valkey_batch_delay (0 by
- * default) can also keep batches at least that far apart, trading copy
- * latency for fewer wakeups: the worker then sleeps out the delay after
- * sending a batch and reads its replies when it wakes, so that a batch
- * costs it one wakeup (with its write and read, tens of microseconds of
- * CPU), not one for the replies and one for the delay.
+ * are pipelined).  So under load a batch holds what committed during one
+ * round trip to Valkey instead of each commit costing both processes a
+ * wakeup.  idem.valkey_batch_delay (1 ms by default) also keeps batches at
+ * least that far apart, trading copy latency for fewer wakeups (a lone
+ * commit after a quiet spell still goes out at once): the worker sleeps
+ * out the delay after sending a batch and reads its replies when it wakes,
+ * so that a batch costs it one wakeup (with its write and read, tens of
+ * microseconds of CPU), not one for the replies and one for the delay.
  * While the worker is awake, committing backends do not set its latch
  * (outbox_ring.c).  An error
  * reply counts a copy error and drops that record.  A connection that fails,
