@@ -32,7 +32,11 @@
  * rotated them out since.  Every reader of the shared copy checks the
  * timeline, so the first one after the promotion (the worker, or a runner
  * asking for the secrets) makes the change.  Without preloading nothing is
- * copied, and the file is reported as it is.
+ * copied, but runners still read Valkey with these secrets, so each reader
+ * of the file makes the change itself, without a lock: two at once may
+ * each install a secret, the last rename wins, and a runner that learnt
+ * the other one only has its markers ignored by the others (PostgreSQL
+ * decides) until it learns again.
  *
  * Shared memory (when idem is preloaded) holds a copy, loaded from the file
  * on first use.  Locking: the LWLock of the "idem cache secret" tranche
@@ -373,7 +377,9 @@ idem_cache_secrets_get(IdemCacheSecrets *out)
 {
 	if (secret_shared == NULL)
 	{
+		/* no lock: see the file header */
 		secret_load_or_create(out);
+		secret_take_timeline(out);
 		return;
 	}
 

@@ -3,7 +3,9 @@
 # standby cloned from it.  The first standby, promoted, rotates it out (as
 # after a leak); the clone, promoted later, must not keep it: secrets made
 # during recovery are replaced at promotion like those of an older
-# timeline (the old code kept them, "made on this very server").
+# timeline (the old code kept them, "made on this very server").  A server
+# that does not preload idem replaces them too: its runners still read
+# Valkey with them.
 use strict;
 use warnings;
 
@@ -86,4 +88,42 @@ is($s2->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'm1'"), '
 	'... once');
 
 $s2->stop;
+
+# --- without preloading: runners still use Valkey with the file's secrets ---
+# The primary's secret leaks; the remedy without preloading is to remove
+# the file (no rotation), which a standby does not see.  Promoted, the
+# standby must not keep that secret either (the old code reported the file
+# as it was).
+my $np = PostgreSQL::Test::Cluster->new('np');
+$np->init(allows_streaming => 1);
+$np->start;
+IdemValkey::install($np);
+$np->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
+is(secrets($np), '1*', 'not preloaded: the first reader made key id 1');
+my $np_leaked = IdemValkey::secret_hex($np, 1);
+$np->backup('b2');
+my $nps = PostgreSQL::Test::Cluster->new('nps');
+$nps->init_from_backup($np, 'b2', has_streaming => 1);
+$nps->start;
+$np->wait_for_catchup($nps);
+$np->stop;
+$nps->promote;
+ok(IdemValkey::poll_until(30,
+		sub { $nps->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+	'its standby is promoted');
+is(secrets($nps), '2*', 'not preloaded, promoted: a new secret, key id 2 alone');
+unlike(secret_hexes($nps), qr/$np_leaked/, '... not the secret it was made with');
+is(secrets($nps) . ' ' . IdemValkey::secret_hex($nps, 2),
+	'2* ' . IdemValkey::secret_hex($nps, 2), '... which the next readers keep');
+$fp = $nps->safe_psql('postgres', q{SELECT encode(idem_fingerprint('{"x": 1}'), 'hex')});
+IdemValkey::forge_value($valkey, IdemValkey::tenant_key($nps, 1, 'sm', 'n1'), 1,
+	$np_leaked, $fp);
+($status, $source) =
+  IdemValkey::run_message($nps, 'postgres', $valkey, 1, 'sm', 'n1', '{"x": 1}');
+is("$status $source", 'applied handler',
+	'a value forged with the secret it was made with is not replayed');
+is($nps->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'n1'"), '1',
+	'... n1 is applied once');
+
+$nps->stop;
 done_testing();
