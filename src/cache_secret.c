@@ -16,7 +16,9 @@
  * It is created the first time a process needs it (the worker at its start,
  * so a primary has it before any base backup is taken, and pg_basebackup
  * copies it to standbys), written to a temporary file, synced and renamed
- * into place, so a crash leaves the old or the new file, never a torn one.
+ * into place, so a crash leaves the old or the new file, never a torn one
+ * (and perhaps the temporary file, removed at the first load after the
+ * restart).
  *
  * A new timeline gets new secrets.  A rotation is not WAL-logged, so a
  * standby keeps the secrets it was made with, which its primary may have
@@ -368,6 +370,42 @@ secret_load_or_create(IdemCacheSecrets *out)
 }
 
 /*
+ * Load the file into the shared copy, the first time since the server
+ * started.  The caller holds the lock exclusive, and every writer of the
+ * file holds it too, so a temporary file left now was left by a process
+ * that died before renaming it (its secret was never used): remove it,
+ * rather than leave a secret lying in the data directory for every base
+ * backup to copy.
+ */
+static void
+secret_shared_load(void)
+{
+	DIR		   *dir;
+	struct dirent *de;
+	size_t		prefix = strlen(IDEM_SECRET_FILE ".");
+
+	if (secret_shared->loaded)
+		return;
+	dir = AllocateDir(".");
+	while ((de = ReadDir(dir, ".")) != NULL)
+	{
+		size_t		len = strlen(de->d_name);
+
+		if (len > prefix + 4 &&
+			strncmp(de->d_name, IDEM_SECRET_FILE ".", prefix) == 0 &&
+			strcmp(de->d_name + len - 4, ".tmp") == 0 &&
+			strspn(de->d_name + prefix, "0123456789") == len - prefix - 4 &&
+			unlink(de->d_name) != 0 && errno != ENOENT)
+			ereport(WARNING,
+					(errcode_for_file_access(),
+					 errmsg("could not remove file \"%s\": %m", de->d_name)));
+	}
+	FreeDir(dir);
+	secret_load_or_create(&secret_shared->secrets);
+	secret_shared->loaded = true;
+}
+
+/*
  * The current and previous secrets.  Loads the file into shared memory on
  * first use.  May raise an ERROR (file trouble), never with the lock held
  * after it returns.
@@ -389,11 +427,7 @@ idem_cache_secrets_get(IdemCacheSecrets *out)
 		LWLockRelease(secret_lock);
 		LWLockAcquire(secret_lock, LW_EXCLUSIVE);
 		/* An ERROR here releases the lock in the abort path. */
-		if (!secret_shared->loaded)
-		{
-			secret_load_or_create(&secret_shared->secrets);
-			secret_shared->loaded = true;
-		}
+		secret_shared_load();
 		secret_take_timeline(&secret_shared->secrets);
 	}
 	*out = secret_shared->secrets;
@@ -498,11 +532,7 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 				 errdetail("Rotating the cache secret needs the worker's shared copy of it.")));
 
 	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
-	if (!secret_shared->loaded)
-	{
-		secret_load_or_create(&secret_shared->secrets);
-		secret_shared->loaded = true;
-	}
+	secret_shared_load();
 	secret_take_timeline(&secret_shared->secrets);
 	if (secret_shared->secrets.current_id == PG_INT32_MAX)
 		ereport(ERROR,

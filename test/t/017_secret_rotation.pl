@@ -140,5 +140,18 @@ is($node->safe_psql('postgres', 'SELECT count(*) FROM effects'), '4',
 $long->finish;
 $aging->finish;
 
+# A temporary secret file a crashed rotation left behind is removed at the
+# next start; the secrets stay.
+my $before = secrets() . ' ' . secret_hex(3);
+my $stale = $node->data_dir . '/idem_cache_secret.4242.tmp';
+my $other = $node->data_dir . '/idem_cache_secret.4242.tmp.keep';
+append_to_file($stale, "4 " . ('ab' x 32) . "\n");
+append_to_file($other, "not ours\n");
+$node->restart;
+ok(IdemValkey::poll_until(10, sub { !-e $stale }),
+	'a stale temporary secret file is removed at the next start');
+ok(-e $other, '... and nothing else');
+is(secrets() . ' ' . secret_hex(3), $before, '... and the secrets are unchanged');
+
 $node->stop;
 done_testing();
