@@ -111,7 +111,7 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 {
 	const char *p = text;
 	int			nlines = 0;
-	int32		ids[2];
+	int32		ids[2] = {0, 0};
 	uint8		keys[2][IDEM_MAC_LEN];
 	TimeLineID	timeline = 0;
 
