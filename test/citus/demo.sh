@@ -73,7 +73,7 @@ psql_on coord -c "SELECT citus_set_coordinator_host('127.0.0.1', ${PORT[coord]})
 # Chaos on the workers, once the demo's setup is done (it prints its
 # banner; the setup's own claims are not the run's): terminate a worker
 # backend in the middle of a handler (one that holds an idem key lock),
-# about twice a second, and, a few seconds in, move the shard of tenant 1
+# about twice a second, and, a second in, move the shard of tenant 1
 # to the other worker while the terminations go on.
 wait_banner() {
 	until grep -q '^idem demo:' "$WORK/demo.out" 2>/dev/null; do sleep 0.2; done
@@ -97,7 +97,7 @@ wait_banner() {
 BG+=($!)
 (
 	wait_banner
-	sleep 3
+	sleep 1
 	if psql_on coord -c "SELECT citus_move_shard_placement(s, '127.0.0.1', f.nodeport, '127.0.0.1', t.nodeport)
 		FROM (SELECT get_shard_id_for_distribution_column('public.tenants', 1::bigint) s) x,
 		LATERAL (SELECT nodeport FROM pg_dist_placement JOIN pg_dist_node USING (groupid) WHERE shardid = s) f,
