@@ -42,17 +42,8 @@ sub key_id_of
 	my $v = IdemValkey::parse_value(value_of($_[0]));
 	return $v ? $v->{key_id} : 'none';
 }
-sub secrets
-{
-	return $node->safe_psql('postgres',
-		"SELECT string_agg(key_id || CASE WHEN is_current THEN '*' ELSE '' END, ' ' ORDER BY key_id) FROM idem_cache_secrets()"
-	);
-}
-sub secret_hex
-{
-	return $node->safe_psql('postgres',
-		"SELECT encode(secret, 'hex') FROM idem_cache_secrets() WHERE key_id = $_[0]");
-}
+sub secrets { return IdemValkey::secrets($node); }
+sub secret_hex { return IdemValkey::secret_hex($node, $_[0]); }
 # A completed value for message $id, MACed under $key_id with $hex.
 sub forge
 {
