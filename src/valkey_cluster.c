@@ -5,8 +5,11 @@
  *
  * Owns: the node table (one non-blocking socket, one hiredis reader and one
  * output buffer per node), the slot map, and the pipeline that splits a
- * batch of single-key commands per node and follows redirects.  No locking:
- * an idem_vc belongs to one thread (the worker, or one runner).
+ * batch of single-key commands per node and follows redirects, in one call
+ * (idem_vc_pipeline) or split after its first round's send
+ * (idem_vc_send, idem_vc_collect: the worker sleeps out its batch delay in
+ * between).  No locking: an idem_vc belongs to one thread (the worker, or
+ * one runner).
  *
  *-------------------------------------------------------------------------
  */
@@ -32,6 +35,8 @@
 /* A key's master rests after a failure: re-read the map at most this often
  * (a replica promoted in its place is found this soon). */
 #define VC_RESTING_REFRESH_MS	100
+/* vc_rounds: no first round was sent by the caller */
+#define VC_UNSENT			(-3)
 
 typedef struct vc_node
 {
@@ -71,6 +76,8 @@ struct idem_vc
 	int			use_slots;		/* CLUSTER SLOTS: the server has no SHARDS */
 	int64_t		refreshed_at;	/* last map read (monotonic ms) */
 	int			nsent;			/* nodes with sent set */
+	int			round_sent;		/* what idem_vc_send's round gave */
+	int			round_resting;
 	idem_vc_stats stats;
 	char		err[VC_ERR_LEN];
 };
@@ -1156,77 +1163,201 @@ idem_vc_is_open(const idem_vc *vc)
 	return vc != NULL && vc->is_open;
 }
 
-/* Route, redirect; see the header. */
-int
-idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
+/*
+ * Route what is pending of cmds per node and send it, every node's share
+ * written before any reply is read.  Returns the commands sent (0 if none
+ * could be: their nodes rest after a failure), -1 out of memory, -2
+ * abandon.  *resting is set if a command's node rests.
+ */
+static int
+vc_send_round(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
+			  int *resting)
 {
-	int			done = 0;
-	int			backoff = VC_BACKOFF_MIN_MS;
-	int			reread = 0;		/* the map was re-read for a resting node */
+	int			sent = 0;
 	int			i,
 				k;
 
+	if (vc->cluster && vc->need_refresh)
+	{
+		if (refresh(vc, deadline_ms) == -2)
+			return -2;
+	}
+
+	/* Split what is pending per node. */
 	for (i = 0; i < n; i++)
 	{
-		cmds[i].reply = NULL;
-		cmds[i].node = -1;
-		cmds[i].ask_node = -1;
-		cmds[i].rounds = 0;
-	}
-	while (done < n)
-	{
-		int			sent = 0;
-		int			retry = 0;
-		int			resting = 0;
+		idem_vc_cmd *c = &cmds[i];
+		int			target;
+		vc_node    *nd;
+		int			rc;
 
-		if (vc->cluster && vc->need_refresh)
+		if (c->reply != NULL || c->rounds >= VC_MAX_ROUNDS)
+			continue;
+		target = c->ask_node >= 0 ? c->ask_node :
+			vc->slot_node[idem_vc_key_slot(c->key, c->keylen)];
+		if (target < 0)
 		{
-			if (refresh(vc, deadline_ms) == -2)
-				return -2;
+			set_err(vc, "no node serves the slot of a key");
+			vc->need_refresh = 1;
+			continue;
 		}
-
-		/* Split what is pending per node. */
-		for (i = 0; i < n; i++)
+		nd = &vc->nodes[target];
+		c->node = target;
+		rc = node_ensure(vc, nd, deadline_ms);
+		if (rc == -2)
+			return -2;
+		if (rc != 0)
 		{
-			idem_vc_cmd *c = &cmds[i];
-			int			target;
-			vc_node    *nd;
-			int			rc;
+			*resting = 1;
+			continue;
+		}
+		if (c->ask_node >= 0)
+		{
+			const char *asking[1] = {"ASKING"};
 
-			if (c->reply != NULL || c->rounds >= VC_MAX_ROUNDS)
-				continue;
-			target = c->ask_node >= 0 ? c->ask_node :
-				vc->slot_node[idem_vc_key_slot(c->key, c->keylen)];
-			if (target < 0)
-			{
-				set_err(vc, "no node serves the slot of a key");
-				vc->need_refresh = 1;
-				continue;
-			}
-			nd = &vc->nodes[target];
-			c->node = target;
-			rc = node_ensure(vc, nd, deadline_ms);
+			if (node_append(vc, nd, 1, asking, NULL) != 0 ||
+				node_expect(vc, nd, -1) != 0)
+				return -1;
+		}
+		if (node_append(vc, nd, c->argc, c->argv, c->argvlen) != 0 ||
+			node_expect(vc, nd, i) != 0)
+			return -1;
+		c->rounds++;
+		sent++;
+	}
+	if (sent == 0)
+		return 0;
+
+	/* Send to every node. */
+	for (k = 0; k < vc->nnodes; k++)
+	{
+		vc_node    *nd = &vc->nodes[k];
+		int			rc;
+
+		if (nd->olen == 0)
+			continue;
+		vc->stats.round_trips++;
+		rc = node_flush(vc, nd, deadline_ms);
+		if (rc == -2)
+			return -2;
+		if (rc != 0)
+			node_failed(vc, nd, "sending to");
+	}
+	return sent;
+}
+
+/*
+ * Read every node's replies to the round sent, matching them to cmds:
+ * *done counts the commands answered; MOVED and ASK leave a command
+ * pending for its new node, and a "not now" reply sets *retry.  0, or -2
+ * abandon.
+ */
+static int
+vc_read_round(idem_vc *vc, idem_vc_cmd *cmds, int64_t deadline_ms,
+			  int *done, int *retry)
+{
+	int			k;
+
+	for (k = 0; k < vc->nnodes; k++)
+	{
+		vc_node    *nd = &vc->nodes[k];
+		int			e;
+
+		for (e = 0; e < nd->nexpect; e++)
+		{
+			redisReply *r;
+			int			what = nd->expect[e];
+			int			rc = node_read(vc, nd, deadline_ms, &r);
+			idem_vc_cmd *c;
+			int			slot,
+						port,
+						to;
+			char		host[IDEM_VC_HOST_MAX];
+
 			if (rc == -2)
 				return -2;
 			if (rc != 0)
 			{
-				resting = 1;
+				node_failed(vc, nd, "reading from");
+				break;
+			}
+			if (what < 0)
+			{
+				freeReplyObject(r);	/* ASKING's OK */
 				continue;
 			}
-			if (c->ask_node >= 0)
+			c = &cmds[what];
+			if (r->type != REDIS_REPLY_ERROR)
 			{
-				const char *asking[1] = {"ASKING"};
-
-				if (node_append(vc, nd, 1, asking, NULL) != 0 ||
-					node_expect(vc, nd, -1) != 0)
-					return done;
+				c->reply = r;
+				c->ask_node = -1;
+				(*done)++;
+				continue;
 			}
-			if (node_append(vc, nd, c->argc, c->argv, c->argvlen) != 0 ||
-				node_expect(vc, nd, i) != 0)
-				return done;
-			c->rounds++;
-			sent++;
+			switch (idem_vc_classify(r->str, r->len, &slot, host,
+									 sizeof(host), &port))
+			{
+				case IDEM_VC_MOVED:
+					vc->stats.moved++;
+					to = node_get(vc, host, port);
+					if (to >= 0)
+						vc->slot_node[slot] = (int16_t) to;
+					vc->need_refresh = 1;
+					c->ask_node = -1;
+					freeReplyObject(r);
+					break;
+				case IDEM_VC_ASK:
+					vc->stats.ask++;
+					c->ask_node = node_get(vc, host, port);
+					freeReplyObject(r);
+					break;
+				case IDEM_VC_RETRY:
+					vc->stats.retries++;
+					set_err(vc, "%s replied: %.*s", nd->name,
+							(int) (r->len > 100 ? 100 : r->len), r->str);
+					vc->need_refresh = vc->cluster;
+					c->ask_node = -1;
+					*retry = 1;
+					freeReplyObject(r);
+					break;
+				case IDEM_VC_REPLY:
+					c->reply = r;
+					c->ask_node = -1;
+					(*done)++;
+					break;
+			}
 		}
+		nd->nexpect = 0;
+	}
+	return 0;
+}
+
+/*
+ * The rounds of a pipeline until every command has a reply or the
+ * deadline passes.  sent, resting: what a first round sent by the caller
+ * gave (vc_send_round), or VC_UNSENT for none.
+ */
+static int
+vc_rounds(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
+		  int sent, int resting)
+{
+	int			done = 0;
+	int			backoff = VC_BACKOFF_MIN_MS;
+	int			reread = 0;		/* the map was re-read for a resting node */
+
+	while (done < n)
+	{
+		int			retry = 0;
+
+		if (sent == VC_UNSENT)
+		{
+			resting = 0;
+			sent = vc_send_round(vc, cmds, n, deadline_ms, &resting);
+		}
+		if (sent == -2)
+			return -2;
+		if (sent < 0)
+			return done;
 		if (sent == 0)
 		{
 			/*
@@ -1239,97 +1370,14 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 			{
 				vc->need_refresh = 1;
 				reread = 1;
+				sent = VC_UNSENT;
 				continue;
 			}
 			break;
 		}
-
-		/* Send to every node, then read every node's replies. */
-		for (k = 0; k < vc->nnodes; k++)
-		{
-			vc_node    *nd = &vc->nodes[k];
-			int			rc;
-
-			if (nd->olen == 0)
-				continue;
-			vc->stats.round_trips++;
-			rc = node_flush(vc, nd, deadline_ms);
-			if (rc == -2)
-				return -2;
-			if (rc != 0)
-				node_failed(vc, nd, "sending to");
-		}
-		for (k = 0; k < vc->nnodes; k++)
-		{
-			vc_node    *nd = &vc->nodes[k];
-			int			e;
-
-			for (e = 0; e < nd->nexpect; e++)
-			{
-				redisReply *r;
-				int			what = nd->expect[e];
-				int			rc = node_read(vc, nd, deadline_ms, &r);
-				idem_vc_cmd *c;
-				int			slot,
-							port,
-							to;
-				char		host[IDEM_VC_HOST_MAX];
-
-				if (rc == -2)
-					return -2;
-				if (rc != 0)
-				{
-					node_failed(vc, nd, "reading from");
-					break;
-				}
-				if (what < 0)
-				{
-					freeReplyObject(r);	/* ASKING's OK */
-					continue;
-				}
-				c = &cmds[what];
-				if (r->type != REDIS_REPLY_ERROR)
-				{
-					c->reply = r;
-					c->ask_node = -1;
-					done++;
-					continue;
-				}
-				switch (idem_vc_classify(r->str, r->len, &slot, host,
-										 sizeof(host), &port))
-				{
-					case IDEM_VC_MOVED:
-						vc->stats.moved++;
-						to = node_get(vc, host, port);
-						if (to >= 0)
-							vc->slot_node[slot] = (int16_t) to;
-						vc->need_refresh = 1;
-						c->ask_node = -1;
-						freeReplyObject(r);
-						break;
-					case IDEM_VC_ASK:
-						vc->stats.ask++;
-						c->ask_node = node_get(vc, host, port);
-						freeReplyObject(r);
-						break;
-					case IDEM_VC_RETRY:
-						vc->stats.retries++;
-						set_err(vc, "%s replied: %.*s", nd->name,
-								(int) (r->len > 100 ? 100 : r->len), r->str);
-						vc->need_refresh = vc->cluster;
-						c->ask_node = -1;
-						retry = 1;
-						freeReplyObject(r);
-						break;
-					case IDEM_VC_REPLY:
-						c->reply = r;
-						c->ask_node = -1;
-						done++;
-						break;
-				}
-			}
-			nd->nexpect = 0;
-		}
+		sent = VC_UNSENT;
+		if (vc_read_round(vc, cmds, deadline_ms, &done, &retry) == -2)
+			return -2;
 		if (done < n && retry)
 		{
 			int64_t		until = idem_vc_now_ms() + backoff;
@@ -1344,6 +1392,56 @@ idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
 			break;
 	}
 	return done;
+}
+
+static void
+vc_start(idem_vc_cmd *cmds, int n)
+{
+	int			i;
+
+	for (i = 0; i < n; i++)
+	{
+		cmds[i].reply = NULL;
+		cmds[i].node = -1;
+		cmds[i].ask_node = -1;
+		cmds[i].rounds = 0;
+	}
+}
+
+/* Route, redirect; see the header. */
+int
+idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
+{
+	vc_start(cmds, n);
+	return vc_rounds(vc, cmds, n, deadline_ms, VC_UNSENT, 0);
+}
+
+/* The first round of idem_vc_pipeline; see the header. */
+int
+idem_vc_send(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms)
+{
+	vc_start(cmds, n);
+	vc->round_resting = 0;
+	vc->round_sent = vc_send_round(vc, cmds, n, deadline_ms,
+								   &vc->round_resting);
+	return vc->round_sent == -2 ? -2 : 0;
+}
+
+/* The rest of idem_vc_pipeline after idem_vc_send; see the header. */
+int
+idem_vc_collect(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
+				int waited)
+{
+	int			k;
+
+	if (waited)
+	{
+		/* the replies came meanwhile: read before waiting (node_read) */
+		for (k = 0; k < vc->nnodes; k++)
+			node_unsent(vc, &vc->nodes[k]);
+	}
+	return vc_rounds(vc, cmds, n, deadline_ms, vc->round_sent,
+					 vc->round_resting);
 }
 
 const idem_vc_stats *

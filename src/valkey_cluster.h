@@ -12,7 +12,9 @@
  * commands.  MOVED updates the map (and refreshes it) and resends that
  * command; ASK sends ASKING and the command to the named node; replies that
  * mean "not now" (CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep
- * the command and retry it with a backoff until the deadline.  A command
+ * the command and retry it with a backoff until the deadline.  A caller
+ * may split a pipeline after its first send (idem_vc_send, then
+ * idem_vc_collect) to do something else while the replies come.  A command
  * whose node cannot be reached is left pending: the caller decides (the
  * worker keeps its records queued, the runner falls back to PostgreSQL for
  * that key only).  After a failed connect a node rests for retry_ms.
@@ -199,6 +201,19 @@ int			idem_vc_is_open(const idem_vc *vc);
  */
 int			idem_vc_pipeline(idem_vc *vc, idem_vc_cmd *cmds, int n,
 							 int64_t deadline_ms);
+
+/*
+ * idem_vc_pipeline in two steps, for a caller that does something else
+ * before the replies come: idem_vc_send routes and sends the commands
+ * (0, or -2 if abandoned); idem_vc_collect then does the rest with the
+ * same cmds and returns what idem_vc_pipeline would.  waited: time has
+ * passed since the send (the worker's batch delay), so the replies are
+ * likely in: each node's are read before its socket is waited for.
+ */
+int			idem_vc_send(idem_vc *vc, idem_vc_cmd *cmds, int n,
+						 int64_t deadline_ms);
+int			idem_vc_collect(idem_vc *vc, idem_vc_cmd *cmds, int n,
+							int64_t deadline_ms, int waited);
 
 /* Close every connection (the map is kept; the next pipeline reconnects). */
 void		idem_vc_close_all(idem_vc *vc);

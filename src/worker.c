@@ -29,6 +29,9 @@
  * out the delay after sending a batch and reads its replies when it wakes,
  * so that a batch costs it one wakeup (with its write and read, tens of
  * microseconds of CPU), not one for the replies and one for the delay.
+ * The same holds on a Valkey Cluster (vk_cluster_drain), where a batch is
+ * one write to each master it has copies for and their replies are read
+ * after the sleep.
  * While the worker is awake, committing backends do not set its latch
  * (outbox_ring.c).  An error
  * reply counts a copy error and drops that record.  A connection that fails,
@@ -695,6 +698,75 @@ worker_flush_wal(XLogRecPtr lsn)
 	XLogFlush(lsn);
 }
 
+/* At most this many batches in flight (vk_drain, a backlog). */
+#define IDEM_INFLIGHT 4
+
+/* The next look at the durable position, for copies held since held_since. */
+static long
+durable_poll_ms(TimestampTz held_since, TimestampTz now)
+{
+	long		waited_ms = (long) ((now - held_since) / 1000);
+
+	return Max(IDEM_DURABLE_POLL_MS,
+			   Min(IDEM_DURABLE_SLOW_POLL_MS, waited_ms / IDEM_DURABLE_POLL_DIVISOR));
+}
+
+/* Sleep up to ms, or until the latch is set (a commit, SIGHUP, SIGTERM). */
+static void
+worker_nap(long ms)
+{
+	(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+					 ms, PG_WAIT_EXTENSION);
+	ResetLatch(MyLatch);
+}
+
+/*
+ * idem.valkey_batch_delay, for both modes (file header): when the delay lets
+ * the next batch go, set as each batch goes out.
+ */
+static TimestampTz next_batch_at = 0;
+
+static void
+batch_delay_start(TimestampTz now)
+{
+	next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
+}
+
+/* Milliseconds, rounded up, until the next batch may go (0: now). */
+static long
+batch_delay_left_ms(TimestampTz now)
+{
+	return next_batch_at > now ? (long) ((next_batch_at - now + 999) / 1000) : 0;
+}
+
+/* Must n queued records wait for the delay (fewer than a backlog)? */
+static bool
+batch_delay_holds(int n, TimestampTz now)
+{
+	return n < IDEM_BATCH_EAGER && now < next_batch_at;
+}
+
+/*
+ * A batch is sent and no backlog waits.  With a delay, sleep until the next
+ * batch may go instead of until the replies come: they come meanwhile, and
+ * are read and the next batch sent in one wakeup, not two.  True if it
+ * slept (the replies are then read before their socket is waited for, and
+ * the command timeout counts from now).
+ */
+static bool
+batch_delay_sleep(void)
+{
+	long		sleep_ms;
+
+	if (idem_valkey_batch_delay_ms <= 0)
+		return false;
+	sleep_ms = batch_delay_left_ms(GetCurrentTimestamp());
+	if (sleep_ms <= 0)
+		return false;
+	worker_nap(sleep_ms);
+	return true;
+}
+
 /*
  * Copy queued records until the queue is empty, batched as the file header
  * says: while a batch is in flight, the next one is written ahead of its
@@ -710,21 +782,6 @@ worker_flush_wal(XLogRecPtr lsn)
  * *copied and *rejected count OK replies and dropped records (refused or
  * unencodable); idem_stats() counts them batch by batch.
  */
-#define IDEM_INFLIGHT 4
-
-/* The next look at the durable position, for copies held since held_since. */
-static long
-durable_poll_ms(TimestampTz held_since, TimestampTz now)
-{
-	long		waited_ms = (long) ((now - held_since) / 1000);
-
-	return Max(IDEM_DURABLE_POLL_MS,
-			   Min(IDEM_DURABLE_SLOW_POLL_MS, waited_ms / IDEM_DURABLE_POLL_DIVISOR));
-}
-
-/* When idem.valkey_batch_delay lets the next batch go (file header). */
-static TimestampTz next_batch_at = 0;
-
 static VkResult
 vk_drain(uint64 *copied, uint64 *rejected)
 {
@@ -776,7 +833,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			worker_flush_wal(flush_to);
 			if (pos == start)
 				break;
-			if (n < IDEM_BATCH_EAGER && (nin > 0 || now < next_batch_at))
+			if ((nin > 0 && n < IDEM_BATCH_EAGER) || batch_delay_holds(n, now))
 			{
 				/* Let them gather behind the batch in flight, or the delay. */
 				pos = start;
@@ -796,7 +853,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->nrecords = n;
 			b->nsent = nsent;
 			nin++;
-			next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
+			batch_delay_start(now);
 			if (n > 0)
 				held_since = 0;
 			if (held)
@@ -813,16 +870,14 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			 * passes; look at the durable position again meanwhile.
 			 */
 			if (waiting)
-				wait_ms = (long) ((next_batch_at - now + 999) / 1000);
+				wait_ms = batch_delay_left_ms(now);
 			if (held)
 			{
 				if (held_since == 0)
 					held_since = now;
 				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
 			}
-			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 wait_ms, PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
+			worker_nap(wait_ms);
 			if (ShutdownRequestPending)
 				return VK_SHUTDOWN;
 			if (ConfigReloadPending)
@@ -837,31 +892,13 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		if (r != VK_OK)
 			return r;
 
-		/*
-		 * With a delay and no backlog, sleep until the next batch may go
-		 * instead of until the replies come: they come meanwhile, and are
-		 * read and the next batch sent in one wakeup, not two.
-		 */
-		slept = false;
-		if (nin == 1 && idem_valkey_batch_delay_ms > 0)
-		{
-			long		sleep_ms;
-
-			now = GetCurrentTimestamp();
-			sleep_ms = (long) ((next_batch_at - now + 999) / 1000);
-			if (sleep_ms > 0)
-			{
-				(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-								 sleep_ms, PG_WAIT_EXTENSION);
-				ResetLatch(MyLatch);
-				if (ShutdownRequestPending)
-					return VK_SHUTDOWN;
-				slept = true;
-				/* the timeout counts from here: the replies were not awaited */
-				deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-													   idem_valkey_command_timeout_ms);
-			}
-		}
+		/* No backlog: sleep out the delay before reading the replies. */
+		slept = nin == 1 && batch_delay_sleep();
+		if (ShutdownRequestPending)
+			return VK_SHUTDOWN;
+		if (slept)
+			deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+												   idem_valkey_command_timeout_ms);
 		b = &inflight[first];
 		for (i = 0, ok = 0, nrej = 0; i < b->nsent; i++)
 		{
@@ -952,7 +989,12 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
  * are sent ahead to the nodes that answer (vk_cluster_send_ahead).  While
  * it is stuck, each try sends only its records not settled yet (head_done):
  * a node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS
- * for as long as another node is down.
+ * for as long as another node is down.  Batches keep
+ * idem.valkey_batch_delay as in vk_drain() (batch_delay_holds,
+ * batch_delay_sleep): the worker sends a batch to every master it has
+ * copies for (idem_wc_send), sleeps out the delay, then reads every
+ * master's replies (idem_wc_collect) and sends the next batch in the same
+ * wakeup; a stuck batch's retries keep their own pace.
  */
 static VkResult
 vk_cluster_drain(uint64 *copied, uint64 *rejected)
@@ -985,9 +1027,13 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		bool		standby_problem;
 		TimeLineID	timeline;
 		XLogRecPtr	durable = worker_durable_lsn(&timeline, &standby_problem);
+		TimestampTz now;
 		VkEncoder	enc;
 		uint64		ok = 0;
 		uint64		nrej = 0;
+		uint64		unencodable = 0;
+		bool		sent;
+		bool		slept;
 		IdemWcCopy	rc;
 		XLogRecPtr	flush_to;
 		int			n;
@@ -1013,10 +1059,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			}
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
-			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 durable_poll_ms(held_since, GetCurrentTimestamp()),
-							 PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
+			worker_nap(durable_poll_ms(held_since, GetCurrentTimestamp()));
 			continue;
 		}
 		held_since = 0;
@@ -1028,9 +1071,14 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 
 			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
 				return VK_SHUTDOWN;
-			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 IDEM_STUCK_POLL_MS, PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
+			worker_nap(IDEM_STUCK_POLL_MS);
+			continue;
+		}
+		now = GetCurrentTimestamp();
+		if (!stuck && batch_delay_holds(n, now))
+		{
+			/* Let them gather until the delay lets them go. */
+			worker_nap(batch_delay_left_ms(now));
 			continue;
 		}
 		if (!stuck || timeline != head_timeline || n < head_n ||
@@ -1045,14 +1093,22 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		memset(head_done + head_n, 0, (n - head_n) * sizeof(bool));
 		head_n = n;
 		vk_encoder_init(&enc, timeline);
-		rc = idem_wc_copy(records, n, head_done, vk_encode_record, &enc,
-						  vk_reply_keeps_batch, &ok, &nrej,
-						  errbuf, sizeof(errbuf));
+		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
+							&unencodable);
 		vk_encoder_done(&enc);
+		if (!sent)
+			return VK_SHUTDOWN;
+		batch_delay_start(now);
+		/* No backlog: sleep out the delay before reading the replies. */
+		slept = !stuck && n < IDEM_BATCH_EAGER && batch_delay_sleep();
+		if (ShutdownRequestPending)
+			return VK_SHUTDOWN;
+		rc = idem_wc_collect(slept, vk_reply_keeps_batch, &ok, &nrej,
+							 errbuf, sizeof(errbuf));
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;
 		head_ok += ok;
-		head_rej += nrej;
+		head_rej += nrej + unencodable;
 		if (rc == IDEM_WC_NOT_ACKED)
 		{
 			/* errbuf says why; the batch is kept */
@@ -1074,9 +1130,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 				worker_report_problem("copying results to", IDEM_STUCK_RETRY_MS, true);
 			stuck = true;
 			stuck_tried = GetCurrentTimestamp();
-			(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 IDEM_STUCK_POLL_MS, PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
+			worker_nap(IDEM_STUCK_POLL_MS);
 			continue;
 		}
 		stuck = false;
@@ -1199,10 +1253,7 @@ idem_worker_main(Datum main_arg)
 
 			if (wait_ms > 0)
 			{
-				(void) WaitLatch(MyLatch,
-								 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-								 wait_ms, PG_WAIT_EXTENSION);
-				ResetLatch(MyLatch);
+				worker_nap(wait_ms);
 				continue;
 			}
 			r = vk_connect();
@@ -1260,10 +1311,7 @@ idem_worker_main(Datum main_arg)
 		 */
 		if (!ConfigReloadPending && idem_outbox_worker_sleepy())
 		{
-			(void) WaitLatch(MyLatch,
-							 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-							 IDEM_IDLE_WAIT_MS, PG_WAIT_EXTENSION);
-			ResetLatch(MyLatch);
+			worker_nap(IDEM_IDLE_WAIT_MS);
 			idem_outbox_worker_awake();
 		}
 	}

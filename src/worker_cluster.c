@@ -10,11 +10,12 @@
  * idem.valkey_host:idem.valkey_port then idem.valkey_nodes that answers
  * and asks it INFO cluster (idem.valkey_cluster = on skips the question).
  * A node that is not a cluster leaves the worker on its single-connection
- * path (worker.c); a cluster keeps the router, and idem_wc_copy() writes the
+ * path (worker.c); a cluster keeps the router, and idem_wc_send() writes the
  * batches worker.c takes from the queue (durable records, encoded and MACed
  * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
- * of its key's slot, all nodes pipelined at once, redirects followed by the
- * router.  A batch leaves the queue only when every SET in it has a reply
+ * of its key's slot, all nodes pipelined at once.  idem_wc_collect() reads
+ * the replies, redirects followed by the router; worker.c sleeps out
+ * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).  A batch leaves the queue only when every SET in it has a reply
  * from the node that owns its key; otherwise (node down, failover in
  * progress, deadline, a "not now" reply) the whole batch stays queued and
  * its unanswered SETs are sent again (worker.c: every 100 ms while other
@@ -354,30 +355,31 @@ idem_wc_describe(void)
 }
 
 /*
- * Copy one batch: each record's SET to the master of its key's slot, every
- * node's share written before any reply is read, redirects followed by the
- * router.  IDEM_WC_ACKED when every SET has a reply from the node that owns
- * its key (*copied OK, *rejected refused or unencodable); otherwise the
- * batch must stay queued.
+ * The batch idem_wc_send sent and idem_wc_collect answers: its commands
+ * (wc_cmds, wc_slots) and its records' settled flags.
+ */
+static int	wc_nc = 0;
+static bool *wc_done = NULL;
+
+/*
+ * Send one batch: each record's SET to the master of its key's slot, every
+ * node's share written before any reply is read.  idem_wc_collect() then
+ * reads the replies (following redirects).  False if abandoned (shutdown).
  *
  * done (NULL, or one flag per record): a record whose flag is set is
- * skipped, and each record settled by this call (copied, refused, past its
- * retention or unencodable) gets its flag set, so that a batch tried again
- * after IDEM_WC_NOT_ACKED sends only what is still owed.  *copied and
- * *rejected count this call's records only.
+ * skipped, and each record settled (copied, refused, past its retention or
+ * unencodable) gets its flag set, here or in idem_wc_collect(), so that a
+ * batch tried again after IDEM_WC_NOT_ACKED sends only what is still owed.
+ * *rejected counts the records this call could not encode.
  */
-IdemWcCopy
-idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
-			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
-			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+bool
+idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
+			 IdemWcEncode encode, void *encode_arg, uint64 *rejected)
 {
 	int			nc = 0;
-	int			answered;
 	int			i;
-	bool		keep = false;
 
 	Assert(n <= IDEM_WC_BATCH);
-	*copied = 0;
 	*rejected = 0;
 	for (i = 0; i < n; i++)
 	{
@@ -419,10 +421,39 @@ idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
 		c->argvlen = s->argvlen;
 		nc++;
 	}
+	wc_nc = nc;
+	wc_done = done;
+	if (nc == 0)
+		return true;
+	return idem_vc_send(wc, wc_cmds, nc,
+						idem_vc_now_ms() + idem_valkey_command_timeout_ms) != -2;
+}
+
+/*
+ * Read the replies to the batch idem_wc_send() sent, within
+ * idem.valkey_command_timeout from now; waited: the worker slept since the
+ * send (its batch delay), so they are most likely in.  IDEM_WC_ACKED when
+ * every SET has a reply from the node that owns its key (*copied OK,
+ * *rejected refused); otherwise the batch must stay queued.  *copied and
+ * *rejected count this batch's records only.
+ */
+IdemWcCopy
+idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
+				uint64 *rejected, char *errbuf, size_t errlen)
+{
+	int			nc = wc_nc;
+	int			answered;
+	int			i;
+	bool		keep = false;
+
+	*copied = 0;
+	*rejected = 0;
 	if (nc == 0)
 		return IDEM_WC_ACKED;
-	answered = idem_vc_pipeline(wc, wc_cmds, nc,
-								idem_vc_now_ms() + idem_valkey_command_timeout_ms);
+	wc_nc = 0;
+	answered = idem_vc_collect(wc, wc_cmds, nc,
+							   idem_vc_now_ms() + idem_valkey_command_timeout_ms,
+							   waited);
 	idem_wc_report_stats();
 	if (answered == -2)
 		return IDEM_WC_STOPPING;
@@ -445,8 +476,8 @@ idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
 		}
 		else
 			(*copied)++;
-		if (settled && done != NULL)
-			done[wc_slots[i].record] = true;
+		if (settled && wc_done != NULL)
+			wc_done[wc_slots[i].record] = true;
 		freeReplyObject(r);
 		wc_cmds[i].reply = NULL;
 	}
@@ -458,4 +489,23 @@ idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
 		return IDEM_WC_NOT_ACKED;
 	}
 	return keep ? IDEM_WC_NOT_ACKED : IDEM_WC_ACKED;
+}
+
+/*
+ * Copy one batch: idem_wc_send() then idem_wc_collect() at once, with their
+ * counts added.
+ */
+IdemWcCopy
+idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
+			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
+			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+{
+	uint64		unencodable;
+	IdemWcCopy	rc;
+
+	if (!idem_wc_send(records, n, done, encode, encode_arg, &unencodable))
+		return IDEM_WC_STOPPING;
+	rc = idem_wc_collect(false, keeps, copied, rejected, errbuf, errlen);
+	*rejected += unencodable;
+	return rc;
 }

@@ -41,6 +41,12 @@ extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
 									 size_t errlen);
 extern bool idem_wc_active(void);
 extern void idem_wc_disconnect(void);
+extern bool idem_wc_send(const IdemOutboxRecord **records, int n,
+						 bool *done, IdemWcEncode encode, void *encode_arg,
+						 uint64 *rejected);
+extern IdemWcCopy idem_wc_collect(bool waited, IdemWcKeeps keeps,
+								  uint64 *copied, uint64 *rejected,
+								  char *errbuf, size_t errlen);
 extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
 							   bool *done,
 							   IdemWcEncode encode, void *encode_arg,

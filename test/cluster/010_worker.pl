@@ -1,7 +1,9 @@
 # The worker against a real Valkey Cluster (3 masters, 3 replicas, loopback):
 # mode detected, every committed result on the master of its key's slot,
-# slots migrated with commits flowing (ASK, then MOVED), a master killed and
-# its replica promoted: no copy lost; idem.valkey_db other than 0 refused.
+# idem.valkey_batch_delay kept as on one Valkey (a batch costs the worker one
+# wakeup), slots migrated with commits flowing (ASK, then MOVED), a master
+# killed and its replica promoted: no copy lost; idem.valkey_db other than 0
+# refused.
 use strict;
 use warnings;
 
@@ -14,7 +16,7 @@ use IdemValkeyCluster;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use Time::HiRes qw(usleep);
+use Time::HiRes qw(time usleep);
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 1);
 my @nodes = $vc->nodes;
@@ -52,6 +54,58 @@ my $ticks = IdemValkey::worker_cpu_ticks($node);
 sleep(2);
 cmp_ok(IdemValkey::worker_cpu_ticks($node) - $ticks, '<', 20,
 	'an idle worker uses no CPU (under 0.2 s in 2 s)');
+
+# --- idem.valkey_batch_delay holds here too: a lone commit goes at once,
+# the next within the delay waits for it, and under a stream of commits a
+# batch costs the worker one wakeup (it sleeps out the delay, then reads
+# every master's replies and sends the next batch) ---
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idem.valkey_batch_delay = '1s';
+	SELECT pg_reload_conf();
+});
+sleep(2);    # the worker has reloaded, and its last batch is long past
+my @p = IdemValkeyCluster::result_keys($node, 'pace', 2);
+my $t0 = time();
+IdemValkeyCluster::commit_results($node, 'pace', 1);
+IdemValkey::poll_until(5, sub { $vc->on_owner($p[0]) });
+my $seen1 = time();
+cmp_ok($seen1 - $t0, '<', 0.9, 'batch delay 1 s: a lone commit is still copied at once');
+IdemValkeyCluster::commit_results($node, 'pace', 2, 2);
+IdemValkey::poll_until(5, sub { $vc->on_owner($p[1]) });
+my $gap = time() - $seen1;
+ok($gap > 0.7 && $gap < 4,
+	sprintf('... the next commit waits for the delay: copied %.3f s after the first', $gap));
+
+# The worker's sends are not write system calls: count the masters' reads
+# (one per batch and master it has copies for, as the batches are far
+# apart; and one per INFO asked here).
+sub master_reads
+{
+	my $reads = 0;
+	foreach my $m ($vc->masters)
+	{
+		$reads += $1 if $m->command('INFO', 'stats') =~ /total_reads_processed:(\d+)/;
+	}
+	return $reads;
+}
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idem.valkey_batch_delay = '100ms';
+	SELECT pg_reload_conf();
+});
+sleep(1);
+my ($sleeps, $reads, $took) =
+  IdemValkey::stream_commits($node, 'stream', 150, \&master_reads);
+my $periods = $took / 0.1;
+ok($reads <= 3 * ($periods + 5) && $sleeps <= 1.4 * $periods + 5,
+	sprintf('batch delay 100 ms, 150 commits 10 ms apart in %.2f s (%d periods '
+		  . 'of the delay): the masters read %d times (at most once each per '
+		  . 'period) and the worker slept %d times (about once per period)',
+		$took, $periods, $reads, $sleeps));
+wait_all('the streamed commits', IdemValkeyCluster::result_keys($node, 'stream', 150));
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM RESET idem.valkey_batch_delay;
+	SELECT pg_reload_conf();
+});
 
 # --- migrating slots with commits flowing: ASK, then MOVED ---
 my @b = IdemValkeyCluster::result_keys($node, 'b', 60);

@@ -219,42 +219,17 @@ ok(defined $value && $gap > 0.7 && $gap < 4,
 # Under a steady stream of commits, a batch costs the worker one wakeup:
 # it sleeps out the delay, not first until the replies come and then until
 # the delay has passed.  Its batches are its write system calls; its sleeps
-# its voluntary context switches (both from /proc, the server's user's).
-sub worker_counts
-{
-	my $pid = IdemValkey::worker_pid($node);
-	open(my $st, '<', "/proc/$pid/status") or die "/proc/$pid/status: $!";
-	my ($sleeps) = map { /^voluntary_ctxt_switches:\s+(\d+)/ ? $1 : () } <$st>;
-	close($st);
-	open(my $io, '<', "/proc/$pid/io") or die "/proc/$pid/io: $!";
-	my ($writes) = map { /^syscw:\s+(\d+)/ ? $1 : () } <$io>;
-	close($io);
-	return ($sleeps, $writes);
-}
+# its voluntary context switches (IdemValkey::worker_counts).
 $node->safe_psql('postgres', q{
 	ALTER SYSTEM SET idem.valkey_batch_delay = '100ms';
 	SELECT pg_reload_conf();
-	CREATE PROCEDURE stream_commits(n int) LANGUAGE plpgsql AS $$
-	BEGIN
-		FOR i IN 1..n LOOP
-			PERFORM idem_claim(1, idem_key('o', 'stream' || i), idem_fingerprint('{}'));
-			PERFORM idem_complete(1, idem_key('o', 'stream' || i), '{}', '1 hour');
-			COMMIT;
-			PERFORM pg_sleep(0.01);
-		END LOOP;
-	END $$;
 });
 sleep(1);
-my ($sleeps0, $writes0) = worker_counts();
-$node->safe_psql('postgres', 'CALL stream_commits(150)');
-IdemValkey::poll_until(5, sub { IdemValkey::stats_col($node, 'queue_depth') eq '0' });
-my ($sleeps1, $writes1) = worker_counts();
-my ($sleeps, $batches) = ($sleeps1 - $sleeps0, $writes1 - $writes0);
+my ($sleeps, $batches) = IdemValkey::stream_commits($node, 'stream', 150);
 ok($batches >= 5 && $batches <= 60 && $sleeps <= 1.4 * $batches + 5,
 	"batch delay 100 ms, 150 commits 10 ms apart: $batches batches, "
 	  . "the worker slept $sleeps times (about once per batch)");
 $node->safe_psql('postgres', q{
-	DROP PROCEDURE stream_commits(int);
 	ALTER SYSTEM RESET idem.valkey_batch_delay;
 	SELECT pg_reload_conf();
 });

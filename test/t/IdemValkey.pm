@@ -267,6 +267,54 @@ sub worker_cpu_ticks
 	return $f[11] + $f[12];
 }
 
+# The node's idem worker's sleeps (voluntary context switches) and write
+# system calls so far, from /proc (readable by the server's user): with the
+# writes as its batches, what tests of the batch delay count.
+sub worker_counts
+{
+	my ($node) = @_;
+	my $pid = worker_pid($node) // die "no idem worker";
+	open(my $st, '<', "/proc/$pid/status") or die "/proc/$pid/status: $!";
+	my ($sleeps) = map { /^voluntary_ctxt_switches:\s+(\d+)/ ? $1 : () } <$st>;
+	close($st);
+	open(my $io, '<', "/proc/$pid/io") or die "/proc/$pid/io: $!";
+	my ($writes) = map { /^syscw:\s+(\d+)/ ? $1 : () } <$io>;
+	close($io);
+	return ($sleeps, $writes);
+}
+
+# Commit $n results of scope $scope on $node ({"i": i} for ids 1..$n),
+# each in its own transaction, 10 ms apart, and wait until the queue is
+# empty.  Returns the worker's sleeps and batches during that, and how long
+# the commits took in seconds.  Its batches are its write system calls, or
+# what $batches->() counts (a total it is called for before and after).
+sub stream_commits
+{
+	my ($node, $scope, $n, $batches) = @_;
+	$batches //= sub { return (worker_counts($node))[1]; };
+	$node->safe_psql('postgres', q{
+	CREATE OR REPLACE PROCEDURE idem_test_stream(scope text, n int)
+	LANGUAGE plpgsql AS $$
+	BEGIN
+		FOR i IN 1..n LOOP
+			PERFORM idem_claim(1, idem_key(scope, i::text), idem_fingerprint('{}'));
+			PERFORM idem_complete(1, idem_key(scope, i::text), jsonb_build_object('i', i), '1 hour');
+			COMMIT;
+			PERFORM pg_sleep(0.01);
+		END LOOP;
+	END $$;});
+	my ($sleeps0) = worker_counts($node);
+	my $batches0 = $batches->();
+	my $t0 = time();
+	$node->safe_psql('postgres', "CALL idem_test_stream('$scope', $n)");
+	my $took = time() - $t0;
+	poll_until(10, sub { stats_col($node, 'queue_depth') eq '0' });
+	my ($sleeps1) = worker_counts($node);
+	my $batches1 = $batches->();
+	$node->safe_psql('postgres', 'DROP PROCEDURE idem_test_stream(text, int)');
+	return ($sleeps1 - $sleeps0, $batches1 - $batches0, $took);
+}
+
 # The keyspace the worker uses for database $db (default postgres) of
 # $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
 # were $prefix.
