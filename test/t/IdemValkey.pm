@@ -418,6 +418,23 @@ sub forge_value
 	$valkey->command('SET', $key, "idem2 $mac $rest", 'PX', '3600000');
 }
 
+# Forge a value for message $id of tenant 1's $scope on $node with secret
+# $hex (key id 1) and the request's $fingerprint, then deliver the message
+# (request {"x": 1}, handler writing effects): two checks, that it is
+# applied, not replayed, and once.  $what names the forger's secret.
+sub check_forged_ignored
+{
+	my ($node, $valkey, $scope, $id, $hex, $fingerprint, $what) = @_;
+	forge_value($valkey, tenant_key($node, 1, $scope, $id), 1, $hex, $fingerprint);
+	my ($status, $source) =
+	  run_message($node, 'postgres', $valkey, 1, $scope, $id, '{"x": 1}');
+	Test::More::is("$status $source", 'applied handler',
+		"a value forged with $what is not replayed: $id is applied");
+	Test::More::is($node->safe_psql('postgres',
+			"SELECT count(*) FROM effects WHERE id = '$id'"),
+		'1', '... once');
+}
+
 # The C runner (client/): test/t/idem_run_once.c, built once per test
 # against client/build/libidemclient.a (make test builds it).
 my $run_once_bin;
