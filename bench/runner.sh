@@ -87,13 +87,14 @@ LATE_RE='late [^ ]+ [0-9]+ ([0-9]+) ([0-9]+) ([0-9]+)'
 for sync in $SYNCS; do
 	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
-		declare -A runs=() cpu=() wcpu=() late_runs=() late_re=() late_vk=()
+		declare -A runs=() cpu=() wcpu=() vcpu=() late_runs=() late_re=() late_vk=()
 		for r in $(seq 1 "$ROUNDS"); do
 			for m in $MODES; do
 				bin=$BIN mode=$m
 				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
 				WK=$(workers)
 				w0=$(wticks "$WK")
+				v0=$(ticks "$VK")
 				t0=$(( $(ticks $$) + $(ticks "$PM") + $(ticks "$VK") + w0 ))
 				out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") ||
 					{ echo "runner.sh: $m failed" >&2; exit 1; }
@@ -111,6 +112,7 @@ for sync in $SYNCS; do
 					late_vk[$m]=$(( ${late_vk[$m]:-0} + BASH_REMATCH[3] ))
 				fi
 				wcpu[$m]+="$(us_per_run $(( $(wticks "$WK") - w0 )) "${out##* }") "
+				vcpu[$m]+="$(us_per_run $(( $(ticks "$VK") - v0 )) "${out##* }") "
 				cpu[$m]+="$(us_per_run $((t1 - t0)) "${out##* }") "
 			done
 		done
@@ -131,17 +133,17 @@ for sync in $SYNCS; do
 		echo "$row"
 		row="| $sync | $c | CPU µs/run |"
 		for m in $REFS $COLS; do
-			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) (w $(echo "${wcpu[$m]}" | tr ' ' '\n' | grep . | median)) |"
+			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) (w $(echo "${wcpu[$m]}" | tr ' ' '\n' | grep . | median), v $(echo "${vcpu[$m]}" | tr ' ' '\n' | grep . | median)) |"
 		done
 		cpus+=("$row")
 		for m in "${!late_runs[@]}"; do
 			lates+=("| $sync | $c | $m | ${late_re[$m]} of ${late_runs[$m]} | ${late_vk[$m]} |")
 		done
-		unset runs med cpu wcpu late_runs late_re late_vk
+		unset runs med cpu wcpu vcpu late_runs late_re late_vk
 	done
 done
 echo
-echo "CPU per run, µs (the clients, their backends, the idem worker and Valkey, with the worker's share as w; median of $ROUNDS; load-independent but for contention)"
+echo "CPU per run, µs (the clients, their backends, the idem worker and Valkey, with the worker's share as w and Valkey's as v; median of $ROUNDS; load-independent but for contention)"
 hdr="| sync | clients | | (3) new | (3) half dup |"
 [[ $REFS == *hand-late* ]] && hdr="$hdr (3) late |"
 for m in $COLS; do hdr="$hdr $m |"; done
