@@ -18,6 +18,7 @@ ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_CLIENTS:-1 8 32}
 SYNCS=${BENCH_SYNC:-off on}
 BIN=$BENCH_WORK/runner_bench
+PSQL=$(command -v psql || echo "$(pg_config --bindir)/psql")
 CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)"
 cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
 	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
@@ -26,6 +27,10 @@ cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client
 # modes, and hand-late with any -late mode).  A -dup mode runs every key
 # twice in a row; a -late mode redelivers every other run a key acknowledged
 # BENCH_REDELIVERY_MS (default 500) before, as a queue's redelivery comes.
+# MODE@DELAY (say run-new-sql-first@2ms) runs MODE with the server's
+# idem.valkey_batch_delay set to DELAY (ALTER SYSTEM and a reload before
+# the mode's rounds; the other modes run with the server's default), so
+# that delays are compared side by side in one run.
 RMODES=${BENCH_RUNNER_MODES:-run-new run-new-first run-new-pipe run-new-pipe-first run-new-sql run-new-sql-first run-dup run-dup-pipe run-dup-sql run-late run-late-first run-late-sql-first}
 MODES="hand-new hand-dup"
 [[ " $RMODES" == *-late* ]] && MODES="$MODES hand-late"
@@ -67,6 +72,20 @@ workers() { for p in $(pgrep -P "$PM" 2>/dev/null); do
 	tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -q 'idem.*worker' && echo "$p"; done; }
 wticks() { local p t=0; for p in $1; do t=$(( t + $(ticks "$p") )); done; echo "$t"; }
 
+# The server's idem.valkey_batch_delay for the next mode: DELAY, or its
+# default when empty.  Set only when it changes; the worker re-reads its
+# settings on the reload's signal.
+cur_delay=""
+set_delay() {
+	[ "$1" = "$cur_delay" ] && return 0
+	local q="ALTER SYSTEM RESET idem.valkey_batch_delay"
+	[ -z "$1" ] || q="ALTER SYSTEM SET idem.valkey_batch_delay = '$1'"
+	"$PSQL" -Xq "host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres" \
+		-c "$q" -c "SELECT pg_reload_conf()" >/dev/null || exit 1
+	sleep 0.3
+	cur_delay=$1
+}
+
 # µs of CPU per run: TICKS over a round at RATE runs/s
 us_per_run() { awk -v t="$1" -v hz="$HZ" -v r="$2" -v s="$SECS" \
 	'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }'; }
@@ -92,6 +111,9 @@ for sync in $SYNCS; do
 			for m in $MODES; do
 				bin=$BIN mode=$m
 				if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
+				delay=""
+				if [[ $mode == *@* ]]; then delay=${mode#*@} mode=${mode%@*}; fi
+				set_delay "$delay"
 				WK=$(workers)
 				w0=$(wticks "$WK")
 				v0=$(ticks "$VK")
