@@ -1164,10 +1164,29 @@ idem_vc_is_open(const idem_vc *vc)
 }
 
 /*
+ * Out of memory while a round is split: nothing of it has been sent, so
+ * every node's share of it is dropped.  Left in a node's buffer, it would
+ * go out with the next round, whose replies would then be matched to the
+ * wrong commands.  (The round still counts against each command's
+ * VC_MAX_ROUNDS.)
+ */
+static void
+vc_abandon_round(idem_vc *vc)
+{
+	int			k;
+
+	for (k = 0; k < vc->nnodes; k++)
+	{
+		vc->nodes[k].olen = 0;
+		vc->nodes[k].nexpect = 0;
+	}
+}
+
+/*
  * Route what is pending of cmds per node and send it, every node's share
  * written before any reply is read.  Returns the commands sent (0 if none
- * could be: their nodes rest after a failure), -1 out of memory, -2
- * abandon.  *resting is set if a command's node rests.
+ * could be: their nodes rest after a failure), -1 out of memory (nothing
+ * sent), -2 abandon.  *resting is set if a command's node rests.
  */
 static int
 vc_send_round(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
@@ -1217,11 +1236,17 @@ vc_send_round(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
 
 			if (node_append(vc, nd, 1, asking, NULL) != 0 ||
 				node_expect(vc, nd, -1) != 0)
+			{
+				vc_abandon_round(vc);
 				return -1;
+			}
 		}
 		if (node_append(vc, nd, c->argc, c->argv, c->argvlen) != 0 ||
 			node_expect(vc, nd, i) != 0)
+		{
+			vc_abandon_round(vc);
 			return -1;
+		}
 		c->rounds++;
 		sent++;
 	}

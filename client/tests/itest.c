@@ -8,6 +8,7 @@
  *						trips, faults, bad values and outcomes
  *	  itest contention	several worker processes (itest_contention.c)
  *	  itest trust		what Valkey may not change (itest_trust.c)
+ *	  itest router		the Valkey router's rounds (itest_router.c)
  *
  * Output: TAP lines on stdout; exit status 1 on any failure.
  */
@@ -2867,6 +2868,8 @@ main(int argc, char **argv)
 		return contention_main(argc - 1, argv + 1);
 	if (argc >= 2 && strcmp(argv[1], "trust") == 0)
 		return trust_main(argc - 1, argv + 1);
-	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust ...\n");
+	if (argc >= 2 && strcmp(argv[1], "router") == 0)
+		return router_main(argc - 1, argv + 1);
+	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router ...\n");
 	return 2;
 }

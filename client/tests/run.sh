@@ -241,6 +241,7 @@ if [ "$mode" != only ]; then
 	tap contention "$bin/itest" contention clean
 	tap faults "$bin/itest" contention faults
 	tap trust "$bin/itest" trust
+	tap router "$bin/itest" router
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -255,6 +256,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	tap asan-scenario "$bin/itest-asan" scenario
 	tap asan-contention "$bin/itest-asan" contention clean
 	tap asan-trust "$bin/itest-asan" trust
+	tap asan-router "$bin/itest-asan" router
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then

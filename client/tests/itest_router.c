@@ -1,0 +1,210 @@
+/*
+ * itest_router.c: the Valkey router (src/valkey_cluster.c, shared by the
+ * client's gate and the server's worker) against the real RESP server
+ * (itest router).
+ *
+ *	  - a round that runs out of memory while it splits its commands sends
+ *		none of them: the next pipeline on the same connection gets its own
+ *		replies, not the abandoned round's.
+ *
+ * The itest binary is linked with --wrap=realloc (tests/Makefile), so that
+ * a test can make the library's next realloc fail.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "itest.h"
+#include "internal.h"
+#include "valkey_cluster.h"
+
+/* ---- realloc that fails on request ---- */
+
+void	   *__real_realloc(void *p, size_t n);
+void	   *__wrap_realloc(void *p, size_t n);
+
+static int	fail_realloc_in = 0;	/* > 0: the call that many from now fails */
+
+void *
+__wrap_realloc(void *p, size_t n)
+{
+	if (fail_realloc_in > 0 && --fail_realloc_in == 0)
+		return NULL;
+	return __real_realloc(p, n);
+}
+
+static int
+poll_wait(void *arg, int fd, int for_write, int64_t deadline)
+{
+	(void) arg;
+	for (;;)
+	{
+		struct pollfd p;
+		int64_t		left = deadline - idem_vc_now_ms();
+		int			rc;
+
+		if (left <= 0)
+			return fd < 0 ? 0 : -1;
+		p.fd = fd;
+		p.events = for_write ? POLLOUT : POLLIN;
+		p.revents = 0;
+		rc = poll(fd < 0 ? NULL : &p, fd < 0 ? 0 : 1, (int) left);
+		if (rc > 0)
+			return 0;
+		if (rc < 0 && errno != EINTR)
+			return -1;
+	}
+}
+
+static void
+set_cmd(idem_vc_cmd *c, const char **argv, size_t *lens, int argc)
+{
+	int			i;
+
+	memset(c, 0, sizeof(*c));
+	for (i = 0; i < argc; i++)
+		lens[i] = strlen(argv[i]);
+	c->key = argv[1];
+	c->keylen = lens[1];
+	c->argc = argc;
+	c->argv = argv;
+	c->argvlen = lens;
+}
+
+static const char *
+reply_kind(const redisReply *r)
+{
+	if (r == NULL)
+		return "no reply";
+	switch (r->type)
+	{
+		case REDIS_REPLY_NIL:
+			return "nil";
+		case REDIS_REPLY_STATUS:
+			return "a status, as the abandoned SET's";
+		case REDIS_REPLY_STRING:
+			return "a string";
+		case REDIS_REPLY_ERROR:
+			return "an error";
+		default:
+			return "another type";
+	}
+}
+
+static void
+free_replies(idem_vc_cmd *cmds, int n)
+{
+	int			i;
+
+	for (i = 0; i < n; i++)
+		if (cmds[i].reply)
+			freeReplyObject(cmds[i].reply);
+}
+
+static void
+test_oom_round(void)
+{
+	idem_vc_options opt;
+	idem_vc_io	io = {poll_wait, NULL, NULL};
+	idem_vc    *vc;
+	char		seeds[64],
+				err[256],
+				ka[64],
+				kb[64],
+				kw[64];
+	char	   *big;
+	const char *warm[3],
+			   *seta[3],
+			   *setb[3],
+			   *geta[2];
+	size_t		lw[3],
+				la[3],
+				lb[3],
+				lg[2];
+	idem_vc_cmd cmds[2];
+	int			got;
+	redisReply *r;
+
+	snprintf(seeds, sizeof(seeds), "127.0.0.1:%d", E.valkey_port);
+	snprintf(ka, sizeof(ka), "router-oom-a%s", E.suffix);
+	snprintf(kb, sizeof(kb), "router-oom-b%s", E.suffix);
+	snprintf(kw, sizeof(kw), "router-oom-w%s", E.suffix);
+	memset(&opt, 0, sizeof(opt));
+	opt.seeds = seeds;
+	opt.default_port = E.valkey_port;
+	opt.mode = IDEM_VC_MODE_SINGLE;
+	opt.connect_timeout_ms = 2000;
+	opt.retry_ms = 100;
+	vc = idem_vc_new(&opt, &io, err, sizeof(err));
+	if (vc == NULL || idem_vc_open(vc, 2000, err, sizeof(err)) != 0)
+	{
+		tap_ok_ext(0, "connects to the RESP server (%s)", err);
+		if (vc)
+			idem_vc_free(vc);
+		return;
+	}
+
+	/* a first round: the node's buffers exist from here on */
+	warm[0] = "SET";
+	warm[1] = kw;
+	warm[2] = "w";
+	set_cmd(&cmds[0], warm, lw, 3);
+	got = idem_vc_pipeline(vc, cmds, 1, idem_vc_now_ms() + 2000);
+	tap_ok_ext(got == 1 && cmds[0].reply && cmds[0].reply->type == REDIS_REPLY_STATUS,
+			   "a first SET is answered");
+	free_replies(cmds, 1);
+
+	/*
+	 * A round of two SETs whose second is too large for the buffer: its
+	 * realloc fails after the first is in the buffer.
+	 */
+	big = malloc(16384);
+	memset(big, 'x', 16383);
+	big[16383] = '\0';
+	seta[0] = "SET";
+	seta[1] = ka;
+	seta[2] = "1";
+	setb[0] = "SET";
+	setb[1] = kb;
+	setb[2] = big;
+	set_cmd(&cmds[0], seta, la, 3);
+	set_cmd(&cmds[1], setb, lb, 3);
+	fail_realloc_in = 1;
+	got = idem_vc_pipeline(vc, cmds, 2, idem_vc_now_ms() + 2000);
+	fail_realloc_in = 0;
+	tap_ok_ext(got == 0 && cmds[0].reply == NULL && cmds[1].reply == NULL,
+			   "a round out of memory answers none of its commands (%d answered)",
+			   got);
+	free_replies(cmds, 2);
+	free(big);
+
+	/* The next round on the same connection gets its own reply. */
+	geta[0] = "GET";
+	geta[1] = ka;
+	set_cmd(&cmds[0], geta, lg, 2);
+	got = idem_vc_pipeline(vc, cmds, 1, idem_vc_now_ms() + 2000);
+	tap_ok_ext(got == 1 && cmds[0].reply && cmds[0].reply->type == REDIS_REPLY_NIL,
+			   "the next round's GET gets its own reply, nil (%d answered, %s)",
+			   got, reply_kind(cmds[0].reply));
+	free_replies(cmds, 1);
+
+	r = rv(NULL, "EXISTS %s", ka);
+	tap_ok_ext(r != NULL && r->type == REDIS_REPLY_INTEGER && r->integer == 0,
+			   "the abandoned round's first SET was never sent");
+	if (r)
+		freeReplyObject(r);
+	r = rv(NULL, "DEL %s", kw);
+	if (r)
+		freeReplyObject(r);
+	idem_vc_free(vc);
+}
+
+int
+router_main(int argc, char **argv)
+{
+	(void) argc;
+	(void) argv;
+	test_oom_round();
+	return tap_finish();
+}
