@@ -213,8 +213,8 @@ idem_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
 static int	reply_ok(redisReply *r, int want_sha, char *sha);
 
 /* idem_vc_io.wait for the client: poll(), or sleep with fd -1. */
-static int
-vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
+int
+idem_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 {
 	(void) arg;
 	for (;;)
@@ -257,7 +257,7 @@ static int
 cluster_open(idem_gate *g)
 {
 	idem_vc_options opt;
-	idem_vc_io	io = {vc_poll_wait, NULL, NULL};
+	idem_vc_io	io = {idem_vc_poll_wait, NULL, NULL};
 	char		seeds[1024];
 	char		err[256];
 

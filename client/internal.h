@@ -42,6 +42,8 @@ void		idem_set_err(char *buf, size_t buflen, const char *fmt,...)
 
 /* Monotonic milliseconds. */
 int64_t		idem_now_ms(void);
+/* idem_vc_io.wait for the client's routers (gate.c): poll(), or sleep. */
+int			idem_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
 
 /* ---- gate.c: the Valkey side ---- */
 

@@ -10,8 +10,6 @@
  * The itest binary is linked with --wrap=realloc (tests/Makefile), so that
  * a test can make the library's next realloc fail.
  */
-#include <errno.h>
-#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,29 +30,6 @@ __wrap_realloc(void *p, size_t n)
 	if (fail_realloc_in > 0 && --fail_realloc_in == 0)
 		return NULL;
 	return __real_realloc(p, n);
-}
-
-static int
-poll_wait(void *arg, int fd, int for_write, int64_t deadline)
-{
-	(void) arg;
-	for (;;)
-	{
-		struct pollfd p;
-		int64_t		left = deadline - idem_vc_now_ms();
-		int			rc;
-
-		if (left <= 0)
-			return fd < 0 ? 0 : -1;
-		p.fd = fd;
-		p.events = for_write ? POLLOUT : POLLIN;
-		p.revents = 0;
-		rc = poll(fd < 0 ? NULL : &p, fd < 0 ? 0 : 1, (int) left);
-		if (rc > 0)
-			return 0;
-		if (rc < 0 && errno != EINTR)
-			return -1;
-	}
 }
 
 static void
@@ -106,7 +81,7 @@ static void
 test_oom_round(void)
 {
 	idem_vc_options opt;
-	idem_vc_io	io = {poll_wait, NULL, NULL};
+	idem_vc_io	io = {idem_vc_poll_wait, NULL, NULL};
 	idem_vc    *vc;
 	char		seeds[64],
 				err[256],
