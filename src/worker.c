@@ -721,29 +721,38 @@ worker_nap(long ms)
 }
 
 /*
- * idem.valkey_batch_delay, for both modes (file header): when the delay lets
- * the next batch go, set as each batch goes out.
+ * idem.valkey_batch_delay, for both modes (file header): when the last batch
+ * went out.  The next may go once the delay has passed since, the delay as
+ * set now (a reload that shortens it lets the next batch go sooner).
  */
-static TimestampTz next_batch_at = 0;
+static TimestampTz last_batch_at = 0;
 
 static void
 batch_delay_start(TimestampTz now)
 {
-	next_batch_at = now + idem_valkey_batch_delay_ms * INT64CONST(1000);
+	last_batch_at = now;
+}
+
+static TimestampTz
+batch_delay_next(void)
+{
+	return last_batch_at + idem_valkey_batch_delay_ms * INT64CONST(1000);
 }
 
 /* Milliseconds, rounded up, until the next batch may go (0: now). */
 static long
 batch_delay_left_ms(TimestampTz now)
 {
-	return next_batch_at > now ? (long) ((next_batch_at - now + 999) / 1000) : 0;
+	TimestampTz next = batch_delay_next();
+
+	return next > now ? (long) ((next - now + 999) / 1000) : 0;
 }
 
 /* Must n queued records wait for the delay (fewer than a backlog)? */
 static bool
 batch_delay_holds(int n, TimestampTz now)
 {
-	return n < IDEM_BATCH_EAGER && now < next_batch_at;
+	return n < IDEM_BATCH_EAGER && now < batch_delay_next();
 }
 
 /*

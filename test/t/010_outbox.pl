@@ -220,6 +220,28 @@ ok(defined $value && $seen2 - $before1 > 0.95 && $seen2 - $seen1 < 4,
 	sprintf('... the next commit waits for the delay: copied %.3f s after the first was committed',
 		$seen2 - $before1));
 
+# A reload that shortens the delay applies to the commit waiting now:
+# with 1 s, a commit right after a lone one waits; set to 0 meanwhile, it
+# goes at once (the old code kept the wait it had started with).
+sleep(2);    # the last batch is long past
+run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'pace3', '{}', '1 hour') . ' COMMIT;');
+$valkey->wait_for_key(key_of('pace3'), 5);
+run_sql('BEGIN; ' . IdemValkey::complete_sql('o', 'pace4', '{}', '1 hour') . ' COMMIT;');
+SKIP:
+{
+	skip 'the machine was too slow: the delay passed before the reload', 1
+	  if defined $valkey->command('GET', key_of('pace4'));
+	$node->safe_psql('postgres', q{
+		ALTER SYSTEM SET idem.valkey_batch_delay = 0;
+		SELECT pg_reload_conf();
+	});
+	my $reloaded = time();
+	$value = $valkey->wait_for_key(key_of('pace4'), 5);
+	ok(defined $value && time() - $reloaded < 0.35,
+		sprintf('a reload to no delay lets the waiting commit go at once (%.3f s after it)',
+			time() - $reloaded));
+}
+
 # Under a steady stream of commits, a batch costs the worker one wakeup:
 # it sleeps out the delay, not first until the replies come and then until
 # the delay has passed.  Its batches are its write system calls; its sleeps
