@@ -157,12 +157,6 @@ outbox_ring_publish(IdemOutboxRecord *r, uint64 pos)
 }
 
 /*
- * Append one record to the ring: count it, reserve its bytes (and a
- * padding record's, to skip the end of the ring), copy it in, publish it.
- * Returns false, changing nothing, when the queue is full.  No allocation,
- * no error, no wait: this runs after the commit record.
- */
-/*
  * Read a reserved record's first and last bytes before writing it.  A
  * backend faults on each ring page it has not touched yet, and with many
  * backends taking turns that is about one fault per record.  The kernel
@@ -178,6 +172,12 @@ outbox_ring_touch(const char *p, uint32 size)
 	(void) *(volatile const char *) (p + size - 1);
 }
 
+/*
+ * Append one record to the ring: count it, reserve its bytes (and a
+ * padding record's, to skip the end of the ring), copy it in, publish it.
+ * Returns false, changing nothing, when the queue is full.  No allocation,
+ * no error, no wait: this runs after the commit record.
+ */
 static bool
 outbox_ring_append(const IdemOutboxRecord *rec)
 {
