@@ -15,8 +15,9 @@
  * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
  * of its key's slot, all nodes pipelined at once.  idem_wc_collect() reads
  * the replies, redirects followed by the router; worker.c sleeps out
- * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).  A batch leaves the queue only when every SET in it has a reply
- * from the node that owns its key; otherwise (node down, failover in
+ * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).
+ * A batch leaves the queue only when every SET in it has a reply from the
+ * node that owns its key; otherwise (node down, failover in
  * progress, deadline, a "not now" reply) the whole batch stays queued and
  * its unanswered SETs are sent again (worker.c: every 100 ms while other
  * nodes answer, sending the batches behind it ahead to them meanwhile;
