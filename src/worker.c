@@ -1041,7 +1041,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		uint64		ok = 0;
 		uint64		nrej = 0;
 		uint64		unencodable = 0;
-		bool		sent;
+		int			sent;
 		bool		slept;
 		IdemWcCopy	rc;
 		XLogRecPtr	flush_to;
@@ -1105,11 +1105,14 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
 							&unencodable);
 		vk_encoder_done(&enc);
-		if (!sent)
+		if (sent < 0)
 			return VK_SHUTDOWN;
-		batch_delay_start(now);
+		/* Nothing sent (all unencodable or settled): nothing to pace. */
+		if (sent > 0)
+			batch_delay_start(now);
 		/* No backlog: sleep out the delay before reading the replies. */
-		slept = !stuck && n < IDEM_BATCH_EAGER && batch_delay_sleep();
+		slept = sent > 0 && !stuck && n < IDEM_BATCH_EAGER &&
+			batch_delay_sleep();
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
 		rc = idem_wc_collect(slept, vk_reply_keeps_batch, &ok, &nrej,

@@ -365,7 +365,8 @@ static bool *wc_done = NULL;
 /*
  * Send one batch: each record's SET to the master of its key's slot, every
  * node's share written before any reply is read.  idem_wc_collect() then
- * reads the replies (following redirects).  False if abandoned (shutdown).
+ * reads the replies (following redirects).  Returns the SETs sent (0 when
+ * every record is settled or unencodable), or -1 if abandoned (shutdown).
  *
  * done (NULL, or one flag per record): a record whose flag is set is
  * skipped, and each record settled (copied, refused, past its retention or
@@ -373,7 +374,7 @@ static bool *wc_done = NULL;
  * batch tried again after IDEM_WC_NOT_ACKED sends only what is still owed.
  * *rejected counts the records this call could not encode.
  */
-bool
+int
 idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 			 IdemWcEncode encode, void *encode_arg, uint64 *rejected)
 {
@@ -425,9 +426,11 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 	wc_nc = nc;
 	wc_done = done;
 	if (nc == 0)
-		return true;
-	return idem_vc_send(wc, wc_cmds, nc,
-						idem_vc_now_ms() + idem_valkey_command_timeout_ms) != -2;
+		return 0;
+	if (idem_vc_send(wc, wc_cmds, nc,
+					 idem_vc_now_ms() + idem_valkey_command_timeout_ms) == -2)
+		return -1;
+	return nc;
 }
 
 /*
@@ -457,7 +460,16 @@ idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
 							   waited);
 	idem_wc_report_stats();
 	if (answered == -2)
+	{
+		/* the worker exits; still, free what came */
+		for (i = 0; i < nc; i++)
+		{
+			if (wc_cmds[i].reply)
+				freeReplyObject(wc_cmds[i].reply);
+			wc_cmds[i].reply = NULL;
+		}
 		return IDEM_WC_STOPPING;
+	}
 	for (i = 0; i < nc; i++)
 	{
 		redisReply *r = wc_cmds[i].reply;
@@ -504,7 +516,7 @@ idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
 	uint64		unencodable;
 	IdemWcCopy	rc;
 
-	if (!idem_wc_send(records, n, done, encode, encode_arg, &unencodable))
+	if (idem_wc_send(records, n, done, encode, encode_arg, &unencodable) < 0)
 		return IDEM_WC_STOPPING;
 	rc = idem_wc_collect(false, keeps, copied, rejected, errbuf, errlen);
 	*rejected += unencodable;

@@ -41,7 +41,7 @@ extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
 									 size_t errlen);
 extern bool idem_wc_active(void);
 extern void idem_wc_disconnect(void);
-extern bool idem_wc_send(const IdemOutboxRecord **records, int n,
+extern int	idem_wc_send(const IdemOutboxRecord **records, int n,
 						 bool *done, IdemWcEncode encode, void *encode_arg,
 						 uint64 *rejected);
 extern IdemWcCopy idem_wc_collect(bool waited, IdemWcKeeps keeps,
