@@ -35,16 +35,6 @@ sub lsn_num
 }
 sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
 
-# Times process $pid has slept and been woken (voluntary context switches).
-sub voluntary_switches
-{
-	my ($pid) = @_;
-	open(my $fh, '<', "/proc/$pid/status") or die "/proc/$pid/status: $!";
-	my ($n) = map { /^voluntary_ctxt_switches:\s+(\d+)/ ? $1 : () } <$fh>;
-	close($fh);
-	return $n;
-}
-
 sub flush_lsn { $node->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
 
 # Wait for the WAL writer to flush, so that the next asynchronous commit has
@@ -82,11 +72,10 @@ my $t_commit = time();
 # While it waits, the worker looks at the flush position after a quarter
 # of the time waited (1 to 20 ms): some tens of wakeups a second, not the
 # thousand of a 1 ms poll.
-my $worker = IdemValkey::worker_pid($node);
 usleep(100_000);
-my $wakeups0 = voluntary_switches($worker);
+my ($wakeups0) = IdemValkey::worker_counts($node);
 usleep(1_400_000);
-my $wakeups = voluntary_switches($worker) - $wakeups0;
+my $wakeups = (IdemValkey::worker_counts($node))[0] - $wakeups0;
 my $before = $valkey->command('GET', $key);
 my $flushed = lsn_gt(flush_lsn(), $lsn);
 ok(!$flushed, 'the commit record is not flushed 1.5 s after an asynchronous commit');
