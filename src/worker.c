@@ -1107,12 +1107,17 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		vk_encoder_done(&enc);
 		if (sent < 0)
 			return VK_SHUTDOWN;
-		/* Nothing sent (all unencodable or settled): nothing to pace. */
+		/*
+		 * Pace what was sent (nothing, when every record is unencodable or
+		 * settled); with no backlog, sleep out the delay before reading the
+		 * replies.
+		 */
+		slept = false;
 		if (sent > 0)
+		{
 			batch_delay_start(now);
-		/* No backlog: sleep out the delay before reading the replies. */
-		slept = sent > 0 && !stuck && n < IDEM_BATCH_EAGER &&
-			batch_delay_sleep();
+			slept = !stuck && n < IDEM_BATCH_EAGER && batch_delay_sleep();
+		}
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
 		rc = idem_wc_collect(slept, vk_reply_keeps_batch, &ok, &nrej,
