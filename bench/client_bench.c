@@ -41,6 +41,15 @@
  *   run-late-first run-late with new keys flagged delivery_count 1
  *   run-late-sql-first  run-late-first with the effect as a SQL handler
  *   hand-late      hand-new with run-late's redeliveries
+ *   c-ledger-new   (3)'s ledger as a C client writes it around a C handler,
+ *                  with the pipelining the runner's first_sql has: BEGIN,
+ *                  the key's INSERT .. ON CONFLICT DO NOTHING and the
+ *                  effect in one round trip, then the UPDATE to completed
+ *                  and COMMIT (or, the key being there, ROLLBACK and the
+ *                  stored row's SELECT) in a second: what a C handler's
+ *                  two round trips cost without idem, the reference of
+ *                  run-new-pipe-first
+ *   c-ledger-dup   c-ledger-new, every key twice in a row
  *
  * Built with -DBENCH_BASELINE (against an older libidemclient.a, for a
  * before/after run), only the modes that older library has.
@@ -288,6 +297,165 @@ never_handler(PGconn *conn, idem_call *call, void *user_data)
 	return IDEM_HANDLER_PERMANENT;
 }
 
+/* A prepared statement of c-ledger with its parameters (binary: the keys). */
+typedef struct c_stmt
+{
+	const char *name;
+	int			nparams;
+	const char *values[3];
+	int			lengths[3];
+	int			formats[3];
+} c_stmt;
+
+/*
+ * One pipelined round trip of c-ledger: the statements, then a sync.
+ * Returns how many rows statement rows_of returned and puts the first value
+ * of statement value_of into value (when value_of >= 0); -1 on any error.
+ */
+static int
+c_ledger_round(PGconn *conn, const c_stmt *stmt, int nstmt, int rows_of,
+			   int value_of, char *value, size_t valuelen)
+{
+	int			rows = 0;
+	int			failed = 0;
+	int			i;
+
+	for (i = 0; i < nstmt; i++)
+		if (PQsendQueryPrepared(conn, stmt[i].name, stmt[i].nparams,
+								stmt[i].values, stmt[i].lengths,
+								stmt[i].formats, 0) != 1)
+			return -1;
+	if (PQpipelineSync(conn) != 1)
+		return -1;
+	for (i = 0; i < nstmt; i++)
+	{
+		PGresult   *res = PQgetResult(conn);
+		ExecStatusType st = PQresultStatus(res);
+
+		if (res == NULL || (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK))
+			failed = 1;
+		if (st == PGRES_TUPLES_OK && i == rows_of)
+			rows = PQntuples(res);
+		if (st == PGRES_TUPLES_OK && i == value_of && PQntuples(res) > 0)
+			snprintf(value, valuelen, "%s", PQgetvalue(res, 0, 0));
+		PQclear(res);
+		if (res != NULL)
+			PQclear(PQgetResult(conn)); /* the NULL that ends each result */
+	}
+	for (;;)
+	{
+		PGresult   *res = PQgetResult(conn);
+		ExecStatusType st = PQresultStatus(res);
+
+		PQclear(res);
+		if (st == PGRES_PIPELINE_SYNC)
+			break;
+		if (res == NULL && PQstatus(conn) != CONNECTION_OK)
+			return -1;
+	}
+	return failed ? -1 : rows;
+}
+
+/* The c-ledger modes (see the header): the runs of one client. */
+static long
+c_ledger_client(const char *mode, double end, const char *conninfo,
+				unsigned *seed)
+{
+	static const char *const prep[][2] = {
+		{"b", "BEGIN"},
+		{"c", "COMMIT"},
+		{"r", "ROLLBACK"},
+		{"k", "INSERT INTO hand_keys (tenant_id, idempotency_key,"
+		 " request_fingerprint, expires_at)"
+		 " VALUES ($1, $2, $3, now() + interval '30 seconds')"
+		 " ON CONFLICT (tenant_id, idempotency_key) DO NOTHING RETURNING 1"},
+		{"e", "INSERT INTO transfers (tenant_id, amount) VALUES ($1, 1) RETURNING id"},
+		{"u", "UPDATE hand_keys SET status = 'completed',"
+		 " outcome = jsonb_build_object('transfer_id', $3::bigint),"
+		 " expires_at = now() + interval '1 day', updated_at = clock_timestamp()"
+		 " WHERE tenant_id = $1 AND idempotency_key = $2"},
+		{"s", "SELECT status, outcome FROM hand_keys"
+		 " WHERE tenant_id = $1 AND idempotency_key = $2"}
+	};
+	PGconn	   *conn = PQconnectdb(conninfo);
+	uint8_t		fp[IDEM_DIGEST_BYTES];
+	long		ops = 0;
+	long long	base = (((long long) rand_r(seed) << 31) ^ rand_r(seed) ^
+						((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
+	size_t		i;
+
+	if (PQstatus(conn) != CONNECTION_OK ||
+		idem_fingerprint("{\"amount\": 1}", 13, fp, NULL, 0) != 0)
+		return -1;
+	for (i = 0; i < sizeof(prep) / sizeof(prep[0]); i++)
+	{
+		PGresult   *res = PQprepare(conn, prep[i][0], prep[i][1], 0, NULL);
+		int			ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+
+		PQclear(res);
+		if (!ok)
+		{
+			fprintf(stderr, "%s: %s", mode, PQerrorMessage(conn));
+			PQfinish(conn);
+			return -1;
+		}
+	}
+	if (PQenterPipelineMode(conn) != 1)
+		return -1;
+	while (now_s() < end)
+	{
+		long		k = strstr(mode, "-dup") ? ops / 2 : ops;
+		char		run[32];
+		char		tenant[16];
+		char		tid[32] = "";
+		uint8_t		key[IDEM_DIGEST_BYTES];
+		const char *kv = (const char *) key;
+		int			claimed;
+		int			rc = -1;
+
+		snprintf(run, sizeof(run), "%lld", base + k);
+		snprintf(tenant, sizeof(tenant), "%ld", 1 + k % 100);
+		idem_key("bench.transfer", run, key);
+		{
+			c_stmt		s[] = {
+				{"b"},
+				{"k", 3, {tenant, kv, (const char *) fp},
+				{0, IDEM_DIGEST_BYTES, IDEM_DIGEST_BYTES}, {0, 1, 1}},
+				{"e", 1, {tenant}},
+			};
+
+			claimed = c_ledger_round(conn, s, 3, 1, 2, tid, sizeof(tid));
+		}
+		if (claimed > 0)
+		{
+			c_stmt		s[] = {
+				{"u", 3, {tenant, kv, tid}, {0, IDEM_DIGEST_BYTES, 0}, {0, 1, 0}},
+				{"c"},
+			};
+
+			rc = c_ledger_round(conn, s, 2, -1, -1, NULL, 0);
+		}
+		else if (claimed == 0)
+		{
+			c_stmt		s[] = {
+				{"r"},
+				{"s", 2, {tenant, kv}, {0, IDEM_DIGEST_BYTES}, {0, 1}},
+			};
+
+			rc = c_ledger_round(conn, s, 2, 1, -1, NULL, 0) == 1 ? 0 : -1;
+		}
+		if (rc < 0)
+		{
+			fprintf(stderr, "%s: failed: %s", mode, PQerrorMessage(conn));
+			PQfinish(conn);
+			return -1;
+		}
+		ops++;
+	}
+	PQfinish(conn);
+	return ops;
+}
+
 /* A client's late-redelivery counts, for the parent's report. */
 typedef struct late_counts
 {
@@ -382,6 +550,9 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 		late_out->from_valkey = late.from_valkey;
 		return ops;
 	}
+
+	if (strncmp(mode, "c-ledger-", 9) == 0)
+		return c_ledger_client(mode, end, conninfo, &seed);
 
 	if (strcmp(mode, "pg-select") == 0)
 	{

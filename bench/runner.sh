@@ -27,6 +27,10 @@ cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client
 # modes, and hand-late with any -late mode).  A -dup mode runs every key
 # twice in a row; a -late mode redelivers every other run a key acknowledged
 # BENCH_REDELIVERY_MS (default 500) before, as a queue's redelivery comes.
+# c-ledger-new and c-ledger-dup are (3)'s ledger written in C around a C
+# handler, in the two round trips a C handler needs: with them, each
+# C-handler column (run-*, not -sql) also shows its ratio to them as
+# [C 0.95].
 # MODE@DELAY (say run-new-sql-first@2ms) runs MODE with the server's
 # idem.valkey_batch_delay set to DELAY (ALTER SYSTEM and a reload before
 # the mode's rounds; the other modes run with the server's default), so
@@ -143,13 +147,19 @@ for sync in $SYNCS; do
 			med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
 		done
 		cell() { awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf "%.0f (%.2f)", v, v / b }'; }
+		# a C-handler run (no -sql) also against the C client's ledger
+		# in the same two round trips (c-ledger-new, -dup), when it ran
+		cref() {
+			[[ $1 == run-* && $1 != *-sql* && -n ${med[$2]:-} ]] || return 0
+			awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf " [C %.2f]", v / b }'
+		}
 		row="| $sync | $c |"
 		for m in $REFS; do row="$row ${med[$m]%.*} |"; done
 		for m in $COLS; do
 			case $m in
-			*dup*) row="$row $(cell "$m" hand-dup) |" ;;
+			*dup*) row="$row $(cell "$m" hand-dup)$(cref "$m" c-ledger-dup) |" ;;
 			*late*) row="$row $(cell "$m" hand-late) |" ;;
-			*) row="$row $(cell "$m" hand-new) |" ;;
+			*) row="$row $(cell "$m" hand-new)$(cref "$m" c-ledger-new) |" ;;
 			esac
 		done
 		echo "$row"
