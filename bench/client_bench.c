@@ -24,6 +24,9 @@
  *                  one statement), through the gate
  *   run-new-sql-first  both: one PostgreSQL round trip, no Valkey
  *   run-dup-sql    run-dup with the SQL handler
+ *   run-dup-sql-first  run-dup-sql with both deliveries flagged first
+ *                  (delivery_count 1), as a producer's duplicate publish
+ *                  comes: no gate, idem_apply answers the second
  *   run-new-pipe   run-new with the handler's INSERT as its first statement
  *                  (idem_run_options.first_sql), sent with the claim
  *   run-new-pipe-first  both that and delivery_count 1
