@@ -389,7 +389,10 @@ c_ledger_client(const char *mode, double end, const char *conninfo,
 
 	if (PQstatus(conn) != CONNECTION_OK ||
 		idem_fingerprint("{\"amount\": 1}", 13, fp, NULL, 0) != 0)
+	{
+		PQfinish(conn);
 		return -1;
+	}
 	for (i = 0; i < sizeof(prep) / sizeof(prep[0]); i++)
 	{
 		PGresult   *res = PQprepare(conn, prep[i][0], prep[i][1], 0, NULL);
@@ -404,7 +407,10 @@ c_ledger_client(const char *mode, double end, const char *conninfo,
 		}
 	}
 	if (PQenterPipelineMode(conn) != 1)
+	{
+		PQfinish(conn);
 		return -1;
+	}
 	while (now_s() < end)
 	{
 		long		k = strstr(mode, "-dup") ? ops / 2 : ops;
