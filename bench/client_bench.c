@@ -290,6 +290,17 @@ late_done(late_queue *q, long k, int redelivery)
 	q->tail++;
 }
 
+/*
+ * Run ids of the modes that call (3)'s ledger (hand-*, c-ledger-*): a
+ * random base per process (bigint; never repeated), run k as base + k.
+ */
+static long long
+run_id_base(unsigned *seed)
+{
+	return (((long long) rand_r(seed) << 31) ^ rand_r(seed) ^
+			((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
+}
+
 /* A handler that must not run: replays only. */
 static idem_handler_status
 never_handler(PGconn *conn, idem_call *call, void *user_data)
@@ -362,7 +373,7 @@ c_ledger_round(PGconn *conn, const c_stmt *stmt, int nstmt, int rows_of,
 /* The c-ledger modes (see the header): the runs of one client. */
 static long
 c_ledger_client(const char *mode, double end, const char *conninfo,
-				unsigned *seed)
+				unsigned *seed, late_queue *late)
 {
 	static const char *const prep[][2] = {
 		{"b", "BEGIN"},
@@ -383,8 +394,7 @@ c_ledger_client(const char *mode, double end, const char *conninfo,
 	PGconn	   *conn = PQconnectdb(conninfo);
 	uint8_t		fp[IDEM_DIGEST_BYTES];
 	long		ops = 0;
-	long long	base = (((long long) rand_r(seed) << 31) ^ rand_r(seed) ^
-						((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
+	long long	base = run_id_base(seed);
 	size_t		i;
 
 	if (PQstatus(conn) != CONNECTION_OK ||
@@ -413,7 +423,8 @@ c_ledger_client(const char *mode, double end, const char *conninfo,
 	}
 	while (now_s() < end)
 	{
-		long		k = strstr(mode, "-dup") ? ops / 2 : ops;
+		int			redelivery;
+		long		k = late_next(late, mode, ops, &redelivery);
 		char		run[32];
 		char		tenant[16];
 		char		tid[32] = "";
@@ -523,9 +534,7 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 		PGconn	   *conn = PQconnectdb(conninfo);
 		PGresult   *res;
 		long		n = 0;
-		/* run ids: a random base per process (bigint; never repeated) */
-		long long	base = (((long long) rand_r(&seed) << 31) ^ rand_r(&seed) ^
-							((long long) now_wall_s() << 20)) & 0x3fffffffffffffffLL;
+		long long	base = run_id_base(&seed);
 
 		if (PQstatus(conn) != CONNECTION_OK)
 			return -1;
@@ -561,7 +570,7 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 	}
 
 	if (strncmp(mode, "c-ledger-", 9) == 0)
-		return c_ledger_client(mode, end, conninfo, &seed);
+		return c_ledger_client(mode, end, conninfo, &seed, &late);
 
 	if (strcmp(mode, "pg-select") == 0)
 	{
