@@ -54,6 +54,8 @@ got=$(q "SELECT count(*) = count(*) FILTER (WHERE status = 'completed')
 	  AND count(*) = count(*) FILTER (WHERE (outcome->>'transfer_id')::bigint IN (SELECT id FROM transfers))
 	  AND count(*) > 0 FROM hand_keys")
 ok $([ "$got" = t ] && echo 0 || echo 1) "... every key completed once, with its one transfer"
+rows=$(q "SELECT count(*) FROM hand_keys")
+ok $(( rows > 0 && rows * 2 <= rate + 2 ? 0 : 1 )) "... every key run twice ($rate runs, $rows keys)"
 q "TRUNCATE hand_keys, transfers"
 
 for m in hand-new run-new-sql-first run-new-pipe-first; do
