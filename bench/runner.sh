@@ -76,6 +76,10 @@ workers() { for p in $(pgrep -P "$PM" 2>/dev/null); do
 	tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -q 'idem.*worker' && echo "$p"; done; }
 wticks() { local p t=0; for p in $1; do t=$(( t + $(ticks "$p") )); done; echo "$t"; }
 
+# Statements of the bench's own (psql -c ...), as postgres; exits on failure.
+DB="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres"
+admin() { "$PSQL" -Xq "$DB" "$@" >/dev/null || exit 1; }
+
 # The server's idem.valkey_batch_delay for the next mode: DELAY, or its
 # default when empty.  Set only when it changes; the worker re-reads its
 # settings on the reload's signal.
@@ -84,8 +88,7 @@ set_delay() {
 	[ "$1" = "$cur_delay" ] && return 0
 	local q="ALTER SYSTEM RESET idem.valkey_batch_delay"
 	[ -z "$1" ] || q="ALTER SYSTEM SET idem.valkey_batch_delay = '$1'"
-	"$PSQL" -Xq "host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres" \
-		-c "$q" -c "SELECT pg_reload_conf()" >/dev/null || exit 1
+	admin -c "$q" -c "SELECT pg_reload_conf()"
 	sleep 0.3
 	cur_delay=$1
 }
@@ -99,8 +102,7 @@ set_delay() {
 # run fell to 0.78 of (3).  BENCH_RUNNER_FRESH=no keeps the rows.
 fresh() {
 	[ "${BENCH_RUNNER_FRESH:-yes}" = no ] && return 0
-	"$PSQL" -Xq "host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres" \
-		-c "TRUNCATE idempotency_keys, hand_keys, transfers" -c "CHECKPOINT" >/dev/null || exit 1
+	admin -c "TRUNCATE idempotency_keys, hand_keys, transfers" -c "CHECKPOINT"
 }
 
 # µs of CPU per run: TICKS over a round at RATE runs/s
@@ -121,7 +123,7 @@ cpus=()
 lates=()
 LATE_RE='late [^ ]+ [0-9]+ ([0-9]+) ([0-9]+) ([0-9]+)'
 for sync in $SYNCS; do
-	PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=$sync"
+	PG="$DB options=-csynchronous_commit=$sync"
 	for c in $CLIENTS; do
 		declare -A runs=() cpu=() wcpu=() vcpu=() late_runs=() late_re=() late_vk=()
 		for r in $(seq 1 "$ROUNDS"); do
@@ -203,6 +205,5 @@ if [ ${#lates[@]} -gt 0 ]; then
 fi
 # the replay keys bench/setup.sql made, for whatever runs after
 if [ "${BENCH_RUNNER_FRESH:-yes}" != no ]; then
-	"$PSQL" -Xq "host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres" \
-		-c "CALL bench_fill_replays(10000)" >/dev/null || exit 1
+	admin -c "CALL bench_fill_replays(10000)"
 fi
