@@ -3,7 +3,8 @@
  *	  What the client trusts in Valkey (issue 12: Valkey may only make
  *	  things faster, never change an outcome).
  *
- *	  - The keyspace (<prefix><system id>.<timeline>.<database oid>:) and
+ *	  - The keyspace (<prefix><system id>.<timeline>.<epoch>.<database
+ *		oid>:, src/cache_format.h) and
  *		the secrets are learnt from the PostgreSQL server the runner is
  *		connected to, with idem_cache_keyspace() and idem_cache_secrets()
  *		in one pipeline on each new connection (never guessed), again
@@ -22,6 +23,9 @@
  *		with the current secret.
  *	  - A role without EXECUTE on those functions (42501), or a server
  *		whose extension predates them (42883), runs without the cache.
+ *		A server whose cache is not ready (55000: in recovery, or its
+ *		worker has not yet taken its history epoch over in Valkey) is
+ *		asked again a second later; meanwhile PostgreSQL decides alone.
  *
  *	  One idem_trust per runner; used by one thread at a time, as the runner.
  */
@@ -119,13 +123,27 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 		else if (strcmp(o.sqlstate, "42883") == 0)
 			idem_set_err(msg, msglen,
 						 "the idem extension has no idem_cache_secrets() (ALTER EXTENSION idem UPDATE): running without the Valkey cache, on PostgreSQL only");
+		else if (strcmp(o.sqlstate, "55000") == 0)
+			idem_set_err(msg, msglen,
+						 "the server's Valkey cache is not ready (%s): running on PostgreSQL only, asking again in a second",
+						 o.message);
 		else
 			idem_set_err(msg, msglen,
 						 "learning the cache keyspace failed (%s): running without the Valkey cache on this connection",
 						 o.message);
-		idem_pg_outcome_clear(&o);
-		idem_trust_clear(t);
-		t->state = TRUST_DENIED;
+		{
+			/*
+			 * 55000: not now (recovery, or the server's worker has not yet
+			 * taken its cache epoch over in Valkey since it started or the
+			 * epoch changed): ask again, at most once a second.
+			 */
+			int			again = strcmp(o.sqlstate, "55000") == 0;
+
+			idem_pg_outcome_clear(&o);
+			idem_trust_clear(t);
+			t->state = TRUST_DENIED;
+			t->refresh_wanted = again;
+		}
 		return t->state;
 	}
 	/* the keyspace */

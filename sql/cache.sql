@@ -1,11 +1,11 @@
 -- The Valkey namespace and the cache secret (README, "The Valkey cache").
 CREATE EXTENSION idem;
 
--- The keyspace names the cluster, its timeline and this database.
-SELECT idem_cache_keyspace() = 'idem:' || system_identifier || '.1.'
-       || (SELECT oid FROM pg_database WHERE datname = current_database()) || ':'
-       AS keyspace_is_cluster_timeline_database
-  FROM pg_control_system();
+-- No keyspace until the worker has taken this start's cache epoch over in
+-- Valkey (none runs here): runners then use PostgreSQL alone.  (Its shape,
+-- cluster, timeline, epoch and database, is checked with a real Valkey in
+-- test/t/022_history_epoch.pl.)
+SELECT idem_cache_keyspace();
 -- One current secret of 32 bytes to start with (created at first start).
 SELECT key_id > 0 AS has_id, octet_length(secret), is_current FROM idem_cache_secrets();
 CREATE TEMP TABLE s0 AS SELECT * FROM idem_cache_secrets();
@@ -32,7 +32,10 @@ GRANT EXECUTE ON FUNCTION idem_cache_secrets(), idem_cache_keyspace()
   TO regress_idem_cache_nobody;
 SET ROLE regress_idem_cache_nobody;
 SELECT count(*) FROM idem_cache_secrets();
-SELECT idem_cache_keyspace() IS NOT NULL AS has_keyspace;
+DO $$ BEGIN PERFORM idem_cache_keyspace();
+EXCEPTION WHEN object_not_in_prerequisite_state THEN
+  RAISE NOTICE 'allowed, and not ready yet (55000)';
+END $$;
 RESET ROLE;
 DROP OWNED BY regress_idem_cache_nobody;
 DROP ROLE regress_idem_cache_nobody;

@@ -17,11 +17,20 @@
  *	  tenant ledger:    <keyspace>t:<tenant_id in decimal>:<key as 64 hex>
  *	  platform ledger:  <keyspace>p:<key as 64 hex>
  *	  keyspace:         <idem.valkey_prefix><system identifier>.<timeline>.
- *	                    <database oid>:   (all decimal; no blank)
+ *	                    <epoch>.<database oid>:
+ *	  epoch owner:      <idem.valkey_prefix><system identifier>.<timeline>.
+ *	                    <epoch>:owner
  *
- * so two databases, two clusters, or one cluster before and after a
- * promotion or point-in-time restore (a new timeline) never share a key.
- * The server tells the client its keyspace (SQL idem_cache_keyspace()).
+ * (the system identifier, timeline and OID in decimal, the epoch as 16
+ * lower-case hex digits; no blank), so two databases, two clusters, or one
+ * cluster before and after a promotion never share a key.  The epoch names
+ * the server's history: a random number that the server replaces whenever
+ * that history may have diverged from what Valkey saw (a start that ran
+ * recovery, a copy of the data directory, rows removed outside idem_purge;
+ * cache_epoch.c), so a restored or cloned server never reads what another
+ * history wrote.  The epoch owner key holds the token of the last start
+ * that took the epoch over.  The server tells the client its keyspace (SQL
+ * idem_cache_keyspace()).
  *
  * Values are one line of ASCII, then the outcome for terminal results:
  *
@@ -40,7 +49,7 @@
  * Anything else (another version such as idem1, bad hex, a leading zero,
  * trailing bytes, an outcome that does not look like an object) decodes as
  * malformed; a reader ignores it, as it ignores a value whose MAC does not
- * verify: the cache is never the authority (SPEC 4.7).
+ * verify: the cache is never the authority.
  *
  *-------------------------------------------------------------------------
  */
@@ -62,8 +71,15 @@
 /* expires_ms above this is refused (2^53: exact in a double, year 285616). */
 #define IDEM_CACHE_EXPIRES_MAX		INT64_C(9007199254740992)
 
-/* prefix + 20-digit system identifier "." 10-digit TLI "." 10-digit OID ":" */
-#define IDEM_CACHE_KEYSPACE_MAX		(IDEM_CACHE_PREFIX_MAX + 20 + 1 + 10 + 1 + 10 + 1)
+/*
+ * prefix + 20-digit system identifier "." 10-digit TLI "." 16 hex epoch "."
+ * 10-digit OID ":"
+ */
+#define IDEM_CACHE_KEYSPACE_MAX		(IDEM_CACHE_PREFIX_MAX + 20 + 1 + 10 + 1 + 16 + 1 + 10 + 1)
+/* The epoch owner key: prefix, system identifier, TLI, epoch, ":owner". */
+#define IDEM_CACHE_EPOCH_KEY_MAX	(IDEM_CACHE_PREFIX_MAX + 20 + 1 + 10 + 1 + 16 + 6 + 1)
+/* An epoch owner's token: 16 lower-case hex digits. */
+#define IDEM_CACHE_EPOCH_TOKEN_LEN	16
 /* Longest key: keyspace + "t:" + 20-digit int64 + ":" + 64 hex, and a NUL. */
 #define IDEM_CACHE_KEY_MAX	(IDEM_CACHE_KEYSPACE_MAX + 2 + 20 + 1 + 64 + 1)
 /* Where <rest> starts in a value: after "idem2 " + 64 hex + " ". */
@@ -158,16 +174,36 @@ idem_cache_unhex(uint8_t *dst, const char *src, size_t n)
  */
 static inline int
 idem_cache_keyspace(char *buf, size_t buflen, const char *prefix,
-					uint64_t system_id, uint32_t timeline, uint32_t dboid)
+					uint64_t system_id, uint32_t timeline, uint64_t epoch,
+					uint32_t dboid)
 {
 	int			n;
 
 	if (strlen(prefix) > IDEM_CACHE_PREFIX_MAX ||
 		buflen < IDEM_CACHE_KEYSPACE_MAX + 1)
 		return -1;
-	n = snprintf(buf, buflen, "%s%llu.%lu.%lu:", prefix,
+	n = snprintf(buf, buflen, "%s%llu.%lu.%016llx.%lu:", prefix,
 				 (unsigned long long) system_id, (unsigned long) timeline,
-				 (unsigned long) dboid);
+				 (unsigned long long) epoch, (unsigned long) dboid);
+	return (n < 0 || (size_t) n >= buflen) ? -1 : n;
+}
+
+/*
+ * Write the epoch owner key (see the header) into buf
+ * (IDEM_CACHE_EPOCH_KEY_MAX bytes at least).  Returns its length, or -1.
+ */
+static inline int
+idem_cache_epoch_key(char *buf, size_t buflen, const char *prefix,
+					 uint64_t system_id, uint32_t timeline, uint64_t epoch)
+{
+	int			n;
+
+	if (strlen(prefix) > IDEM_CACHE_PREFIX_MAX ||
+		buflen < IDEM_CACHE_EPOCH_KEY_MAX)
+		return -1;
+	n = snprintf(buf, buflen, "%s%llu.%lu.%016llx:owner", prefix,
+				 (unsigned long long) system_id, (unsigned long) timeline,
+				 (unsigned long long) epoch);
 	return (n < 0 || (size_t) n >= buflen) ? -1 : n;
 }
 

@@ -1,8 +1,10 @@
 /*-------------------------------------------------------------------------
  *
  * cache_secret.c
- *	  The secret that authenticates every value idem writes to Valkey: its
- *	  file, its copy in shared memory, its rotation, and the HMAC over it.
+ *	  The secret that authenticates every value idem writes to Valkey and
+ *	  the history epoch that names its keyspace: their file, their copy in
+ *	  shared memory, rotation, the epoch's renewal and takeover, and the
+ *	  HMAC over the secret.
  *
  * Each secret is 32 random bytes (pg_strong_random) with a key id (1, 2,
  * ...).  Values carry the key id and HMAC-SHA-256(secret, <key> 0x00 <rest>)
@@ -11,8 +13,10 @@
  *
  * The file $PGDATA/idem_cache_secret (mode 0600) holds a line "timeline
  * <N>" (the timeline its secrets were made on; absent if made during
- * recovery, by a standby that had no file), then at most two lines "<key
- * id> <secret as 64 hex>", the previous secret first, the current one last.
+ * recovery, by a standby that had no file), a line "epoch <16 hex>" (the
+ * history epoch, below), perhaps a line "token <16 hex>" (the last start
+ * that took the epoch over), then at most two lines "<key id> <secret as
+ * 64 hex>", the previous secret first, the current one last.
  * It is created the first time a process needs it (the worker at its start,
  * so a primary has it before any base backup is taken, and pg_basebackup
  * copies it to standbys), written to a temporary file, synced and renamed
@@ -40,6 +44,44 @@
  * the other one only has its markers ignored by the others (PostgreSQL
  * decides) until it learns again.
  *
+ * The history epoch.  A database can go back in time or fork without a
+ * new timeline: a base backup or a snapshot started as it is, a copy of
+ * the data directory, two servers started from one backup.  Each copy has
+ * this file, so the secret and the keyspace alone would let it read what
+ * another history wrote: a result its own database does not hold, and a
+ * lost effect.  So the keyspace also names an epoch, a random 64-bit
+ * number made with a new secret (next key id, no previous one), and a
+ * server replaces both (a new epoch) whenever its history may differ from
+ * what Valkey saw:
+ *	  - after a start that ran recovery: pg_control not cleanly shut down
+ *		(a crash, a snapshot or copy of a running server), or a
+ *		backup_label, recovery.signal or standby.signal file (read when
+ *		shared memory is made, before the startup process runs);
+ *	  - on a new timeline (a promotion, a point-in-time restore);
+ *	  - when the worker finds in Valkey that another start took the epoch
+ *		over since this data directory last did (below): a copy of a
+ *		stopped server, started here or there;
+ *	  - when a transaction removed ledger rows outside idem_purge
+ *		(ledger_guard.c).
+ * A clean restart of the same server keeps its epoch, its secret and so its
+ * warm cache.
+ *
+ * The takeover.  Before the worker copies anything after a start, it sets
+ * the epoch owner key (cache_format.h) to a new random token with SET ...
+ * GET, and keeps the epoch only if the value it replaced is the token this
+ * file recorded (or none, for an epoch no start took yet); it then records
+ * the new token here.  Two copies of one data directory hold the same
+ * token, and only the first start of either finds it in Valkey: the other
+ * finds the first one's token and makes a new epoch.  A Valkey that lost
+ * the key makes a new epoch too (a cold cache, never a wrong answer).
+ * Until the takeover succeeded, idem_cache_keyspace() refuses to name a
+ * keyspace, so no runner reads Valkey for a history not yet confirmed.
+ *
+ * The secret is never shared by two servers: it is made at random here,
+ * kept in this file and in shared memory only (never in a table, so
+ * pg_dump does not copy it), and a copy of the file that base backups take
+ * is replaced by the first of the rules above that the copy meets.
+ *
  * Shared memory (when idem is preloaded) holds a copy, loaded from the file
  * on first use.  Locking: the LWLock of the "idem cache secret" tranche
  * protects the copy and the file.  Readers take it shared; whoever finds the
@@ -63,6 +105,8 @@
 
 #include "access/htup_details.h"
 #include "access/xlog.h"
+#include "catalog/pg_control.h"
+#include "common/controldata_utils.h"
 #include "common/cryptohash.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -72,15 +116,44 @@
 #include "utils/builtins.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
+/* The longest file: the timeline, epoch and token lines, two secrets. */
+#define SECRET_FILE_MAX	(21 + 2 * (6 + 16 + 1) + 2 * (11 + 2 * IDEM_MAC_LEN + 1))
 
 typedef struct IdemSecretShared
 {
-	bool		loaded;			/* the fields below hold the file's content */
+	bool		loaded;			/* secrets holds the file's content */
+	/* a new epoch is due at the next load outside recovery, and why */
+	IdemEpochReason renew;		/* 0: none */
+	bool		confirmed;		/* the worker took secrets.epoch over */
 	IdemCacheSecrets secrets;
 } IdemSecretShared;
 
 static IdemSecretShared *secret_shared = NULL;
 static LWLock *secret_lock = NULL;
+
+/*
+ * Will this start run recovery?  Asked when shared memory is made (by the
+ * postmaster, at its start and after a crash of a backend), before the
+ * startup process runs, so pg_control still says how the server last
+ * stopped.  Anything but a clean shutdown of a server that was not in
+ * recovery, or a file that asks for recovery, is a yes.
+ */
+static bool
+secret_start_recovers(void)
+{
+	ControlFileData *control;
+	bool		crc_ok;
+	bool		clean;
+	struct stat st;
+
+	control = get_controlfile(DataDir, &crc_ok);
+	clean = crc_ok && control->state == DB_SHUTDOWNED;
+	pfree(control);
+	return !clean ||
+		stat(BACKUP_LABEL_FILE, &st) == 0 ||
+		stat(RECOVERY_SIGNAL_FILE, &st) == 0 ||
+		stat(STANDBY_SIGNAL_FILE, &st) == 0;
+}
 
 Size
 idem_cache_secret_shmem_size(void)
@@ -97,8 +170,27 @@ idem_cache_secret_shmem_init(void)
 	secret_shared = ShmemInitStruct("idem cache secret",
 									sizeof(IdemSecretShared), &found);
 	if (!found)
+	{
 		memset(secret_shared, 0, sizeof(IdemSecretShared));
+		if (secret_start_recovers())
+			secret_shared->renew = IDEM_EPOCH_RECOVERED_START;
+	}
 	secret_lock = &(GetNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE))->lock;
+}
+
+/* 16 lower-case hex digits and a newline at p, as a number. */
+static bool
+secret_parse_hex64(const char *p, uint64 *out)
+{
+	uint8		bytes[8];
+	int			i;
+
+	if (strlen(p) < 17 || p[16] != '\n' || idem_cache_unhex(bytes, p, 8) != 0)
+		return false;
+	*out = 0;
+	for (i = 0; i < 8; i++)
+		*out = (*out << 8) | bytes[i];
+	return true;
 }
 
 /*
@@ -114,6 +206,8 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	int32		ids[2] = {0, 0};
 	uint8		keys[2][IDEM_MAC_LEN];
 	TimeLineID	timeline = 0;
+	uint64		epoch = 0;
+	uint64		token = 0;
 
 	if (strncmp(p, "timeline ", 9) == 0)
 	{
@@ -130,6 +224,24 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 		}
 		timeline = (TimeLineID) tli;
 		p = end + 1;
+	}
+	if (strncmp(p, "epoch ", 6) == 0)
+	{
+		if (!secret_parse_hex64(p + 6, &epoch) || epoch == 0)
+		{
+			*why = "the epoch is not 16 lower-case hex digits (not all zero) ending a line";
+			return false;
+		}
+		p += 6 + 16 + 1;
+	}
+	if (strncmp(p, "token ", 6) == 0)
+	{
+		if (!secret_parse_hex64(p + 6, &token) || token == 0)
+		{
+			*why = "the token is not 16 lower-case hex digits (not all zero) ending a line";
+			return false;
+		}
+		p += 6 + 16 + 1;
 	}
 	while (*p != '\0')
 	{
@@ -166,6 +278,8 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	}
 	memset(out, 0, sizeof(*out));
 	out->timeline = timeline;
+	out->epoch = epoch;
+	out->token = token;
 	out->current_id = ids[nlines - 1];
 	memcpy(out->current, keys[nlines - 1], IDEM_MAC_LEN);
 	if (nlines == 2)
@@ -180,7 +294,7 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 static bool
 secret_read_file(IdemCacheSecrets *out)
 {
-	char		text[24 + 2 * (12 + 2 * IDEM_MAC_LEN + 1) + 2];
+	char		text[SECRET_FILE_MAX + 1];
 	int			fd;
 	int			n;
 	int			total = 0;
@@ -218,7 +332,7 @@ secret_read_file(IdemCacheSecrets *out)
 static void
 secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
 {
-	char		text[24 + 2 * (12 + 2 * IDEM_MAC_LEN + 1) + 1];
+	char		text[SECRET_FILE_MAX + 1];
 	char		hex[2 * IDEM_MAC_LEN + 1];
 	int			len = 0;
 	int			fd;
@@ -226,6 +340,12 @@ secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
 	if (s->timeline > 0)
 		len += snprintf(text + len, sizeof(text) - len, "timeline %u\n",
 						s->timeline);
+	if (s->epoch != 0)
+		len += snprintf(text + len, sizeof(text) - len, "epoch %016llx\n",
+						(unsigned long long) s->epoch);
+	if (s->token != 0)
+		len += snprintf(text + len, sizeof(text) - len, "token %016llx\n",
+						(unsigned long long) s->token);
 	if (s->previous_id > 0)
 	{
 		idem_cache_hex(hex, s->previous, IDEM_MAC_LEN);
@@ -291,46 +411,80 @@ secret_timeline(void)
 	return RecoveryInProgress() ? 0 : GetWALInsertionTimeLine();
 }
 
-/*
- * Do the secrets *s belong to this server's timeline?  False when they were
- * made on an older one (or during recovery) and the server is a primary now.
- */
-static bool
-secret_timeline_ok(const IdemCacheSecrets *s)
+/* A random epoch or token: 64 bits, never 0 (0 means none). */
+static uint64
+secret_random64(void)
 {
-	TimeLineID	now = secret_timeline();
+	uint64		v = 0;
 
-	return now == 0 || s->timeline >= now;
+	while (v == 0)
+		if (!pg_strong_random(&v, sizeof(v)))
+			ereport(ERROR,
+					(errcode(ERRCODE_INTERNAL_ERROR),
+					 errmsg("idem: could not generate a random cache epoch")));
+	return v;
 }
 
 /*
- * Make secrets *s (from the file) fit this server's timeline (see the file
- * header), rewriting the file.  The caller holds the shared copy's lock
- * exclusive (or there is no shared copy).
+ * Why the secrets *s must make way for a new epoch now (see the file
+ * header), as a log detail; NULL if they need not.  Never during recovery:
+ * nothing is copied or read then, and the promotion that ends it brings a
+ * new timeline.  renew is the shared copy's pending reason (0 if none).
  */
-static void
-secret_take_timeline(IdemCacheSecrets *s)
+static const char *
+secret_renew_why(const IdemCacheSecrets *s, IdemEpochReason renew)
 {
 	TimeLineID	now = secret_timeline();
+
+	if (now == 0)
+		return NULL;
+	if (s->timeline < now)
+		return s->timeline != 0 ?
+			"The secrets were made on an older timeline: this server was promoted, or restored to a point in time." :
+			"The secrets were made during recovery, by a standby.";
+	switch (renew)
+	{
+		case IDEM_EPOCH_RECOVERED_START:
+			return "The server started with recovery (after a crash, from a base backup or a snapshot, or with archive recovery): its history may differ from what Valkey holds.";
+		case IDEM_EPOCH_TAKEN_ELSEWHERE:
+			return "Another server started with a copy of this data directory took the epoch over in Valkey, or Valkey lost its owner key.";
+		case IDEM_EPOCH_LEDGER_ROWS_REMOVED:
+			return "A transaction removed ledger rows outside idem_purge() (DELETE, TRUNCATE, or a ledger dropped or replaced).";
+	}
+	if (s->epoch == 0)
+		return "The file was made by an older idem, without an epoch.";
+	return NULL;
+}
+
+/*
+ * Replace the secrets *s (from the file) by a new epoch if they must make
+ * way for one (secret_renew_why), rewriting the file.  The caller holds the
+ * shared copy's lock exclusive (or there is no shared copy); renew is the
+ * shared copy's pending reason.  True if it did.
+ */
+static bool
+secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
+{
+	const char *why = secret_renew_why(s, renew);
 	IdemCacheSecrets next;
 
-	if (now == 0 || s->timeline >= now)
-		return;
+	if (why == NULL)
+		return false;
 	memset(&next, 0, sizeof(next));
-	next.timeline = now;
+	next.timeline = secret_timeline();
+	next.epoch = secret_random64();
 	next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
 	secret_generate(next.current);
 	secret_install(&next);
 	ereport(LOG,
-			(errmsg("idem: new cache secret (key id %d) for timeline %u",
-					next.current_id, now),
-			 s->timeline != 0 ?
-			 errdetail("The secrets in \"%s\" were made on timeline %u; values on a new timeline are written and read with a new secret only.",
-					   IDEM_SECRET_FILE, s->timeline) :
-			 errdetail("The secrets in \"%s\" were made during recovery; values on a new timeline are written and read with a new secret only.",
-					   IDEM_SECRET_FILE)));
+			(errmsg("idem: new cache epoch %016llx (key id %d) on timeline %u",
+					(unsigned long long) next.epoch, next.current_id,
+					next.timeline),
+			 errdetail_internal("%s Values in Valkey written before are never read again; they expire.",
+								why)));
 	*s = next;
 	explicit_bzero(&next, sizeof(next));
+	return true;
 }
 
 /*
@@ -350,6 +504,7 @@ secret_load_or_create(IdemCacheSecrets *out)
 	memset(&fresh, 0, sizeof(fresh));
 	fresh.current_id = 1;
 	fresh.timeline = secret_timeline();
+	fresh.epoch = secret_random64();
 	secret_generate(fresh.current);
 	secret_write_tmp(&fresh, tmp);
 	if (link(tmp, IDEM_SECRET_FILE) != 0 && errno != EEXIST)
@@ -406,6 +561,23 @@ secret_shared_load(void)
 }
 
 /*
+ * Bring the shared copy up to date (secret_fit) with its pending reason,
+ * which a new epoch settles; a new epoch waits for the worker's takeover.
+ * The caller holds the lock exclusive, the copy loaded.
+ */
+static void
+secret_shared_fit(void)
+{
+	if (secret_fit(&secret_shared->secrets, secret_shared->renew))
+	{
+		secret_shared->confirmed = false;
+		secret_shared->renew = 0;
+	}
+	else if (secret_timeline() != 0)
+		secret_shared->renew = 0;	/* nothing was due after all */
+}
+
+/*
  * The current and previous secrets.  Loads the file into shared memory on
  * first use.  May raise an ERROR (file trouble), never with the lock held
  * after it returns.
@@ -417,20 +589,117 @@ idem_cache_secrets_get(IdemCacheSecrets *out)
 	{
 		/* no lock: see the file header */
 		secret_load_or_create(out);
-		secret_take_timeline(out);
+		secret_fit(out, 0);
 		return;
 	}
 
 	LWLockAcquire(secret_lock, LW_SHARED);
-	if (!secret_shared->loaded || !secret_timeline_ok(&secret_shared->secrets))
+	if (!secret_shared->loaded ||
+		secret_renew_why(&secret_shared->secrets, secret_shared->renew) != NULL)
 	{
 		LWLockRelease(secret_lock);
 		LWLockAcquire(secret_lock, LW_EXCLUSIVE);
 		/* An ERROR here releases the lock in the abort path. */
 		secret_shared_load();
-		secret_take_timeline(&secret_shared->secrets);
+		secret_shared_fit();
 	}
 	*out = secret_shared->secrets;
+	LWLockRelease(secret_lock);
+}
+
+/*
+ * The epoch runners may use now: true, with *epoch, once the worker took it
+ * over since the start (and no renewal is pending); false without
+ * preloading (there is no worker to do that).
+ */
+bool
+idem_cache_epoch_confirmed(uint64 *epoch)
+{
+	bool		ok;
+
+	if (secret_shared == NULL)
+		return false;
+	LWLockAcquire(secret_lock, LW_SHARED);
+	ok = secret_shared->loaded && secret_shared->confirmed &&
+		secret_shared->renew == 0;
+	*epoch = secret_shared->secrets.epoch;
+	LWLockRelease(secret_lock);
+	return ok;
+}
+
+/*
+ * The worker, before it copies anything: is there an epoch to take over
+ * (see the file header)?  If so, fills *t (a new token included) and
+ * returns true.  The current secrets are brought up to date first.
+ */
+bool
+idem_cache_epoch_takeover(IdemEpochTakeover *t)
+{
+	IdemCacheSecrets s;
+	bool		pending;
+
+	Assert(secret_shared != NULL);
+	idem_cache_secrets_get(&s);
+	explicit_bzero(s.current, sizeof(s.current));
+	explicit_bzero(s.previous, sizeof(s.previous));
+	LWLockAcquire(secret_lock, LW_SHARED);
+	pending = !secret_shared->confirmed &&
+		secret_shared->secrets.epoch == s.epoch;
+	LWLockRelease(secret_lock);
+	if (!pending || RecoveryInProgress())
+		return false;
+	t->epoch = s.epoch;
+	t->timeline = s.timeline;
+	t->expect_token = s.token;
+	t->new_token = secret_random64();
+	return true;
+}
+
+/*
+ * The worker found the token it expected under the epoch owner key and
+ * replaced it with t->new_token: record that token and let runners use the
+ * epoch.  Nothing happens if the epoch changed meanwhile.
+ */
+void
+idem_cache_epoch_taken(const IdemEpochTakeover *t)
+{
+	IdemCacheSecrets next;
+
+	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	if (secret_shared->secrets.epoch == t->epoch && secret_shared->renew == 0)
+	{
+		next = secret_shared->secrets;
+		next.token = t->new_token;
+		/* An ERROR here releases the lock in the abort path. */
+		secret_install(&next);
+		secret_shared->secrets = next;
+		secret_shared->confirmed = true;
+		explicit_bzero(&next, sizeof(next));
+	}
+	LWLockRelease(secret_lock);
+}
+
+/*
+ * Epoch epoch must make way for a new one (reason).  Runners are refused a
+ * keyspace from now on, until the worker took the next epoch over; the new
+ * secrets are made by the next process that needs them (the worker, woken
+ * by the caller or by its own loop), so that this never raises an ERROR:
+ * it is called after a commit, too.  Nothing happens if the epoch changed
+ * already.
+ */
+void
+idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
+{
+	if (secret_shared == NULL)
+		return;
+	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	if (!secret_shared->loaded || secret_shared->secrets.epoch == epoch ||
+		epoch == 0)
+	{
+		if (secret_shared->renew == 0)
+			secret_shared->renew = reason;
+		secret_shared->confirmed = false;
+	}
 	LWLockRelease(secret_lock);
 }
 
@@ -533,7 +802,7 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 
 	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
 	secret_shared_load();
-	secret_take_timeline(&secret_shared->secrets);
+	secret_shared_fit();
 	if (secret_shared->secrets.current_id == PG_INT32_MAX)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
@@ -543,6 +812,8 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 						 IDEM_SECRET_FILE)));
 	memset(&next, 0, sizeof(next));
 	next.timeline = secret_shared->secrets.timeline;
+	next.epoch = secret_shared->secrets.epoch;
+	next.token = secret_shared->secrets.token;
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;

@@ -64,6 +64,7 @@ _PG_init(void)
 	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
+	idem_ledger_guard_register();
 
 	if (process_shared_preload_libraries_in_progress)
 	{

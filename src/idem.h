@@ -189,7 +189,32 @@ typedef struct IdemCacheSecrets
 	int32		previous_id;	/* still accepted by readers; 0 if none */
 	uint8		previous[IDEM_MAC_LEN];
 	TimeLineID	timeline;		/* made on it (cache_secret.c); 0 unknown */
+	uint64		epoch;			/* the history epoch (cache_format.h); 0:
+								 * none yet */
+	uint64		token;			/* the token of the last start that took
+								 * the epoch over in Valkey; 0: none */
 } IdemCacheSecrets;
+
+/*
+ * The worker's takeover of the epoch after a start (cache_secret.c): the
+ * epoch owner key must show expect_token (0: the key must not exist), and
+ * gets new_token.
+ */
+typedef struct IdemEpochTakeover
+{
+	uint64		epoch;
+	TimeLineID	timeline;
+	uint64		expect_token;
+	uint64		new_token;
+} IdemEpochTakeover;
+
+/* Why an epoch is replaced while the server runs (idem_cache_epoch_renew). */
+typedef enum IdemEpochReason
+{
+	IDEM_EPOCH_RECOVERED_START = 1,	/* the start ran recovery */
+	IDEM_EPOCH_TAKEN_ELSEWHERE,	/* Valkey: another start took it over */
+	IDEM_EPOCH_LEDGER_ROWS_REMOVED	/* DELETE, TRUNCATE, DROP of a ledger */
+} IdemEpochReason;
 
 /* The named LWLock tranche of the shared copy (one lock), for shmem.c. */
 #define IDEM_CACHE_SECRET_TRANCHE	"idem cache secret"
@@ -202,10 +227,16 @@ extern void idem_cache_mac_key(idem_hmac *mac_key,
 extern bool idem_cache_sign(const idem_hmac *mac_key, const char *key,
 							int keylen, char *value, int valuelen,
 							const char **why);
+extern bool idem_cache_epoch_confirmed(uint64 *epoch);
+extern bool idem_cache_epoch_takeover(IdemEpochTakeover *t);
+extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
+extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
 
 /* cache_keyspace.c */
 extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
-								   TimeLineID timeline);
+								   TimeLineID timeline, uint64 epoch);
+extern int	idem_cache_epoch_key_of(char *buf, size_t buflen,
+									TimeLineID timeline, uint64 epoch);
 
 /* worker.c */
 extern void idem_worker_register(void);

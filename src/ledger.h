@@ -127,6 +127,12 @@ typedef struct PendingClaim
 	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
 } PendingClaim;
 
+/* ledger_guard.c */
+extern void idem_ledger_guard_register(void);
+extern void idem_ledger_guard_xact_event(XactEvent event);
+extern void ledger_guard_own_begin(void);
+extern void ledger_guard_own_end(void);
+
 extern void idem_pending_xact_event(XactEvent event);
 extern void idem_pending_subxact_end(bool committed, int level);
 extern PendingClaim *pending_find(const LedgerKey *lk);

@@ -1077,13 +1077,23 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 	Datum		values[7];
 	IdemDigestBytea keybuf;
 	int			i;
-	int			rc;
+	volatile int rc = 0;
 
 	values[0] = Int64GetDatum(lk->tenant_id);
 	values[1] = PointerGetDatum(idem_digest_bytea(lk->key, &keybuf));
 	for (i = 0; i < nextra; i++)
 		values[2 + i] = extra[i];
-	rc = SPI_execute_plan(store_plan(store, id), values, NULL, false, 0);
+	/* idem's own write: not a removal (ledger_guard.c) */
+	ledger_guard_own_begin();
+	PG_TRY();
+	{
+		rc = SPI_execute_plan(store_plan(store, id), values, NULL, false, 0);
+	}
+	PG_FINALLY();
+	{
+		ledger_guard_own_end();
+	}
+	PG_END_TRY();
 	if (rc != expect)
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
@@ -1180,6 +1190,7 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 {
 	Datum		values[4];
 	int64		deleted;
+	volatile int rc = 0;
 
 	values[0] = TimestampTzGetDatum(terminal_before);
 	values[1] = TimestampTzGetDatum(processing_before);
@@ -1195,7 +1206,18 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 										  psprintf("%d", batch)));
 	}
 	SPI_connect();
-	if (SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0) != SPI_OK_DELETE)
+	/* expired rows, whose copies have expired too (ledger_guard.c) */
+	ledger_guard_own_begin();
+	PG_TRY();
+	{
+		rc = SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0);
+	}
+	PG_FINALLY();
+	{
+		ledger_guard_own_end();
+	}
+	PG_END_TRY();
+	if (rc != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");
 	deleted = (int64) SPI_processed;
 	SPI_finish();

@@ -259,6 +259,17 @@ outbox_wake_worker(void)
 }
 
 /*
+ * Wake the worker for something other than a copy (a new cache epoch to
+ * take over, ledger_guard.c).  Safe after a commit record.
+ */
+void
+idem_outbox_wake(void)
+{
+	if (outbox != NULL)
+		outbox_wake_worker();
+}
+
+/*
  * At XACT_EVENT_COMMIT: move a transaction's copies (a List of
  * IdemOutboxRecord *) into the ring, count them and wake the worker.
  * Safe after the commit record: no allocation, no error.

@@ -50,6 +50,7 @@ extern void idem_outbox_ring_shmem_init(void);
 extern bool idem_outbox_available(void);
 extern void idem_outbox_ring_put(List *records);
 extern bool idem_outbox_ring_offer(const IdemOutboxRecord *rec);
+extern void idem_outbox_wake(void);
 extern bool idem_outbox_ring_fits(uint64 nrecords, uint64 bytes);
 
 /* The worker's side of the queue (single consumer). */

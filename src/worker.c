@@ -106,6 +106,11 @@
  * up to three wal_writer_delay cycles) or for a stopped standby costs tens
  * of wakeups a second, not a thousand.
  */
+/*
+ * How long the epoch owner key lives after the last start that took the
+ * epoch over: a server stopped for longer starts with a cold cache.
+ */
+#define IDEM_EPOCH_OWNER_TTL_MS		(INT64CONST(30) * 24 * 3600 * 1000)
 #define IDEM_DURABLE_POLL_MS		1
 #define IDEM_DURABLE_SLOW_POLL_MS	20
 #define IDEM_DURABLE_POLL_DIVISOR	4
@@ -251,18 +256,17 @@ vk_classify_error(const char *str, size_t len)
 }
 
 /*
- * Read the next reply.  On VK_OK, *class says what it means (for an error
- * reply its text is then in errbuf); the reply itself is already freed.
+ * Wait for the next reply and hand it over in *reply (the caller frees it).
  * read_first: the replies are most likely in already (the worker slept
  * since it sent): read before waiting for the socket.
  */
 static VkResult
-vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
+vk_next_reply(TimestampTz deadline, bool read_first, redisReply **reply)
 {
 	for (;;)
 	{
-		void	   *reply = NULL;
-		VkResult	r;
+		void	   *r = NULL;
+		VkResult	vr;
 
 		if (read_first)
 		{
@@ -274,34 +278,48 @@ vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
 			}
 			read_first = false;
 		}
-		if (redisGetReplyFromReader(vk, &reply) != REDIS_OK)
+		if (redisGetReplyFromReader(vk, &r) != REDIS_OK)
 		{
 			vk_context_error("could not parse the reply");
 			return VK_FAILED;
 		}
-		if (reply != NULL)
+		if (r != NULL)
 		{
-			redisReply *rr = (redisReply *) reply;
-
-			*class = VK_REPLY_OK;
-			if (rr->type == REDIS_REPLY_ERROR)
-			{
-				*class = vk_classify_error(rr->str, rr->len);
-				snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
-						 (int) rr->len, rr->str);
-			}
-			freeReplyObject(reply);
+			*reply = (redisReply *) r;
 			return VK_OK;
 		}
-		r = vk_wait(WL_SOCKET_READABLE, deadline, "waiting for Valkey's reply");
-		if (r != VK_OK)
-			return r;
+		vr = vk_wait(WL_SOCKET_READABLE, deadline, "waiting for Valkey's reply");
+		if (vr != VK_OK)
+			return vr;
 		if (redisBufferRead(vk) != REDIS_OK)
 		{
 			vk_context_error("could not read");
 			return VK_FAILED;
 		}
 	}
+}
+
+/*
+ * Read the next reply.  On VK_OK, *class says what it means (for an error
+ * reply its text is then in errbuf); the reply itself is already freed.
+ */
+static VkResult
+vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
+{
+	redisReply *rr;
+	VkResult	r = vk_next_reply(deadline, read_first, &rr);
+
+	if (r != VK_OK)
+		return r;
+	*class = VK_REPLY_OK;
+	if (rr->type == REDIS_REPLY_ERROR)
+	{
+		*class = vk_classify_error(rr->str, rr->len);
+		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+				 (int) rr->len, rr->str);
+	}
+	freeReplyObject(rr);
+	return VK_OK;
 }
 
 /* Connected: to one Valkey (vk), or to a cluster (worker_cluster.c). */
@@ -497,6 +515,128 @@ vk_connect(void)
 	return r;
 }
 
+/*
+ * One command outside any batch, on either connection: its reply in *reply
+ * (the caller frees it), or VK_FAILED with errbuf saying why.  key routes
+ * it on a cluster.
+ */
+static VkResult
+vk_command(const char *key, size_t keylen, int argc, const char **argv,
+		   const size_t *argvlen, redisReply **reply)
+{
+	TimestampTz deadline;
+	VkResult	r;
+
+	if (idem_wc_active())
+	{
+		bool		shutdown = false;
+
+		*reply = idem_wc_command(key, keylen, argc, argv, argvlen,
+								 &shutdown, errbuf, sizeof(errbuf));
+		if (shutdown)
+			return VK_SHUTDOWN;
+		return *reply != NULL ? VK_OK : VK_FAILED;
+	}
+	if (redisAppendCommandArgv(vk, argc, argv, argvlen) != REDIS_OK)
+	{
+		vk_context_error("could not queue a command");
+		return VK_FAILED;
+	}
+	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+										   idem_valkey_command_timeout_ms);
+	r = vk_flush(deadline);
+	if (r == VK_OK)
+		r = vk_next_reply(deadline, false, reply);
+	return r;
+}
+
+/*
+ * Take this start's epoch over (cache_secret.c's file header), if it is not
+ * yet: SET <epoch owner key> <new token> GET, and keep the epoch only if the
+ * value replaced is the token this data directory recorded (none, for a new
+ * epoch); otherwise make a new epoch and take that one over.  Until this
+ * succeeds nothing is copied and runners get no keyspace.
+ */
+static VkResult
+worker_take_epoch(void)
+{
+	IdemEpochTakeover t;
+	int			tries;
+
+	for (tries = 0; tries < 3 && idem_cache_epoch_takeover(&t); tries++)
+	{
+		char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+		char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+		char		expect[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+		char		ttl[32];
+		const char *argv[6];
+		size_t		argvlen[6];
+		int			keylen;
+		redisReply *reply = NULL;
+		VkResult	r;
+		bool		won;
+
+		keylen = idem_cache_epoch_key_of(key, sizeof(key), t.timeline, t.epoch);
+		if (keylen < 0)
+		{
+			snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
+			return VK_FAILED;
+		}
+		snprintf(token, sizeof(token), "%016llx", (unsigned long long) t.new_token);
+		snprintf(expect, sizeof(expect), "%016llx", (unsigned long long) t.expect_token);
+		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+		argv[0] = "SET";
+		argv[1] = key;
+		argv[2] = token;
+		argv[3] = "PX";
+		argv[4] = ttl;
+		argv[5] = "GET";
+		for (int i = 0; i < 6; i++)
+			argvlen[i] = strlen(argv[i]);
+		argvlen[1] = keylen;
+		r = vk_command(key, keylen, 6, argv, argvlen, &reply);
+		if (r != VK_OK)
+			return r;
+		if (reply->type == REDIS_REPLY_ERROR)
+		{
+			snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+					 (int) reply->len, reply->str);
+			freeReplyObject(reply);
+			return VK_FAILED;
+		}
+		if (t.expect_token == 0)
+			won = reply->type == REDIS_REPLY_NIL;
+		else
+			won = reply->type == REDIS_REPLY_STRING &&
+				reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
+				memcmp(reply->str, expect, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+		freeReplyObject(reply);
+		if (won)
+		{
+			idem_cache_epoch_taken(&t);
+			ereport(LOG,
+					(errmsg("idem: took cache epoch %016llx over in Valkey",
+							(unsigned long long) t.epoch)));
+		}
+		else
+			idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
+	}
+	return VK_OK;
+}
+
+/*
+ * May records be copied now?  Not while the epoch is not taken over (a
+ * renewal since the last batch): the drain then returns, and the main loop
+ * takes the new epoch over first.
+ */
+static bool
+worker_epoch_ready(void)
+{
+	uint64		epoch;
+
+	return idem_cache_epoch_confirmed(&epoch);
+}
+
 /* Unix epoch milliseconds of a timestamp. */
 static int64
 epoch_ms(TimestampTz t)
@@ -514,6 +654,7 @@ typedef struct VkEncoder
 {
 	TimestampTz now;
 	TimeLineID	timeline;
+	uint64		epoch;
 	int32		key_id;
 	idem_hmac	mac_key;
 	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
@@ -529,6 +670,7 @@ vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 	enc->timeline = timeline;
 	enc->keyspace_db = InvalidOid;
 	idem_cache_secrets_get(&secrets);
+	enc->epoch = secrets.epoch;
 	enc->key_id = secrets.current_id;
 	idem_cache_mac_key(&enc->mac_key, &secrets);
 	explicit_bzero(&secrets, sizeof(secrets));
@@ -561,7 +703,7 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 	*keylen = -1;
 	if (rec->dboid != enc->keyspace_db &&
 		idem_cache_keyspace_of(enc->keyspace, sizeof(enc->keyspace), rec->dboid,
-							   enc->timeline) >= 0)
+							   enc->timeline, enc->epoch) >= 0)
 		enc->keyspace_db = rec->dboid;
 	if (rec->dboid == enc->keyspace_db)
 		*keylen = idem_cache_key(key, IDEM_CACHE_KEY_MAX, enc->keyspace,
@@ -830,7 +972,8 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		 * Fill the window with what is queued and durable beyond the
 		 * batches in flight (see the file header).
 		 */
-		while (nin < IDEM_INFLIGHT && !ConfigReloadPending)
+		while (nin < IDEM_INFLIGHT && !ConfigReloadPending &&
+			   worker_epoch_ready())
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
@@ -1054,7 +1197,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		}
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
-		if (ConfigReloadPending)
+		if (ConfigReloadPending || !worker_epoch_ready())
 			return VK_OK;
 		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
 							 &flush_to);
@@ -1291,8 +1434,10 @@ idem_worker_main(Datum main_arg)
 						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
-			vk_drain(&copied, &rejected);
+		r = worker_take_epoch();
+		if (r == VK_OK)
+			r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
+				vk_drain(&copied, &rejected);
 		if (r == VK_SHUTDOWN)
 			break;
 		if (r != VK_OK)

@@ -434,6 +434,38 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 }
 
 /*
+ * One command outside any batch (no batch is in flight), routed by key:
+ * its reply (the caller frees it), or NULL with errbuf saying why
+ * (*shutdown if the worker is stopping).
+ */
+redisReply *
+idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
+				const size_t *argvlen, bool *shutdown, char *errbuf,
+				size_t errlen)
+{
+	idem_vc_cmd c;
+	int			n;
+
+	memset(&c, 0, sizeof(c));
+	c.key = key;
+	c.keylen = keylen;
+	c.argc = argc;
+	c.argv = argv;
+	c.argvlen = argvlen;
+	n = idem_vc_pipeline(wc, &c, 1,
+						 idem_vc_now_ms() + idem_valkey_command_timeout_ms);
+	idem_wc_report_stats();
+	*shutdown = n == -2;
+	if (n == 1 && c.reply != NULL)
+		return c.reply;
+	if (c.reply != NULL)
+		freeReplyObject(c.reply);
+	snprintf(errbuf, errlen, "no reply from the cluster: %s",
+			 idem_vc_last_error(wc));
+	return NULL;
+}
+
+/*
  * Read the replies to the batch idem_wc_send() sent, within
  * idem.valkey_command_timeout from now; waited: the worker slept since the
  * send (its batch delay), so they are most likely in.  IDEM_WC_ACKED when

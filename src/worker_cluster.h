@@ -52,6 +52,10 @@ extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
 							   IdemWcEncode encode, void *encode_arg,
 							   IdemWcKeeps keeps, uint64 *copied,
 							   uint64 *rejected, char *errbuf, size_t errlen);
+extern struct redisReply *idem_wc_command(const char *key, size_t keylen, int argc,
+								   const char **argv, const size_t *argvlen,
+								   bool *shutdown, char *errbuf,
+								   size_t errlen);
 extern void idem_wc_report_stats(void);
 extern const char *idem_wc_describe(void);
 

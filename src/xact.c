@@ -7,6 +7,8 @@
  *	  fixed order:
  *		outbox.c	the copies of terminal results for the Valkey cache
  *		pending.c	the claims whose ledger row is not written yet
+ *	  and, last, to ledger_guard.c, which renews the cache epoch when the
+ *	  transaction removed ledger rows outside idem.
  *
  *	  Both tag their state with the subtransaction nesting level that made
  *	  it and follow subtransactions by the same rule, idem_subxact_follow()
@@ -27,6 +29,7 @@ idem_xact_callback(XactEvent event, void *arg)
 {
 	idem_outbox_xact_event(event);
 	idem_pending_xact_event(event);
+	idem_ledger_guard_xact_event(event);
 }
 
 void

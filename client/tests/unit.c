@@ -362,24 +362,40 @@ test_cache_format(void)
 	for (i = 0; i < 16; i++)
 		token[i] = (uint8_t) (0x10 * (i % 16) + 1);
 
-	n = idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1, 16384);
-	tap_ok(n > 0 && strcmp(ks, "idem:7301234567890123456.1.16384:") == 0,
-		   "keyspace: prefix, system identifier, timeline, database (%s)", ks);
+	n = idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1,
+							UINT64_C(0x0123456789abcdef), 16384);
+	tap_ok(n > 0 && strcmp(ks, "idem:7301234567890123456.1.0123456789abcdef.16384:") == 0,
+		   "keyspace: prefix, system identifier, timeline, epoch, database (%s)", ks);
+	{
+		char		ek[IDEM_CACHE_EPOCH_KEY_MAX];
+
+		n = idem_cache_epoch_key(ek, sizeof(ek), "idem:", UINT64_C(7301234567890123456), 1,
+								 UINT64_C(0x00000000000000ff));
+		tap_ok(n > 0 && strcmp(ek, "idem:7301234567890123456.1.00000000000000ff:owner") == 0,
+			   "epoch owner key: prefix, system identifier, timeline, epoch (%s)", ek);
+		memset(prefix, 'x', sizeof(prefix));
+		prefix[IDEM_CACHE_PREFIX_MAX] = '\0';
+		n = idem_cache_epoch_key(ek, sizeof(ek), prefix, UINT64_MAX, UINT32_MAX, UINT64_MAX);
+		tap_ok(n == IDEM_CACHE_EPOCH_KEY_MAX - 1,
+			   "epoch owner key: the longest fits exactly (%d)", n);
+	}
 	memset(prefix, 'x', sizeof(prefix));
 	prefix[IDEM_CACHE_PREFIX_MAX] = '\0';
-	n = idem_cache_keyspace(ks, sizeof(ks), prefix, UINT64_MAX, UINT32_MAX, UINT32_MAX);
+	n = idem_cache_keyspace(ks, sizeof(ks), prefix, UINT64_MAX, UINT32_MAX, UINT64_MAX,
+							UINT32_MAX);
 	tap_ok(n == IDEM_CACHE_KEYSPACE_MAX &&
 		   idem_cache_key(k, sizeof(k), ks, 0, INT64_MIN, key) == IDEM_CACHE_KEY_MAX - 1,
 		   "keyspace and key: the longest fit exactly (%d, %d)", n, IDEM_CACHE_KEYSPACE_MAX);
 	prefix[IDEM_CACHE_PREFIX_MAX] = 'x';
 	prefix[IDEM_CACHE_PREFIX_MAX + 1] = '\0';
-	tap_ok(idem_cache_keyspace(ks, sizeof(ks), prefix, 1, 1, 1) == -1 &&
-		   idem_cache_keyspace(ks, IDEM_CACHE_KEYSPACE_MAX, "idem:", 1, 1, 1) == -1,
+	tap_ok(idem_cache_keyspace(ks, sizeof(ks), prefix, 1, 1, 1, 1) == -1 &&
+		   idem_cache_keyspace(ks, IDEM_CACHE_KEYSPACE_MAX, "idem:", 1, 1, 1, 1) == -1,
 		   "keyspace: a prefix over the limit, a short buffer refused");
 
-	idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1, 16384);
+	idem_cache_keyspace(ks, sizeof(ks), "idem:", UINT64_C(7301234567890123456), 1,
+						UINT64_C(0x0123456789abcdef), 16384);
 	kl = idem_cache_key(k, sizeof(k), ks, 0, 7, key);
-	tap_ok(kl > 0 && strcmp(k, "idem:7301234567890123456.1.16384:t:7:"
+	tap_ok(kl > 0 && strcmp(k, "idem:7301234567890123456.1.0123456789abcdef.16384:t:7:"
 							"000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f") == 0,
 		   "tenant key in the keyspace");
 

@@ -80,7 +80,7 @@ is($node->safe_psql('postgres', 'SELECT idem_rotate_cache_secret()'), '2',
 	'the rotation returns key id 2');
 is(secrets(), '1 2*', 'key id 2 is current, 1 is still accepted');
 like(slurp_file($node->data_dir . '/idem_cache_secret'),
-	qr/^timeline 1\n1 [0-9a-f]{64}\n2 [0-9a-f]{64}\n\z/,
+	qr/^timeline 1\nepoch [0-9a-f]{16}\ntoken [0-9a-f]{16}\n1 [0-9a-f]{64}\n2 [0-9a-f]{64}\n\z/,
 	'the secret file holds both, and the timeline they were made on');
 is(key_id_of('m1'), 1, "m1's entry under key id 1 is still in Valkey");
 is(run('m1'), 'replayed valkey', '... and a new runner replays it from Valkey');

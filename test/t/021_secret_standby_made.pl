@@ -38,7 +38,7 @@ unlink($s1->data_dir . '/idem_cache_secret') or die "unlink: $!";
 $s1->start;
 $primary->wait_for_catchup($s1);
 my $made = IdemValkey::secret_hex($s1, 1);
-like(slurp_file($s1->data_dir . '/idem_cache_secret'), qr/^1 [0-9a-f]{64}\n\z/,
+like(slurp_file($s1->data_dir . '/idem_cache_secret'), qr/^epoch [0-9a-f]{16}\n1 [0-9a-f]{64}\n\z/,
 	's1 made its own secret during recovery (no timeline line)');
 
 # s2: cloned from s1 by pg_basebackup, streaming from it
@@ -84,11 +84,12 @@ IdemValkey::check_forged_ignored($s2, $valkey, 'sm', 'm1', $made, $fp,
 
 $s2->stop;
 
-# --- without preloading: runners still use Valkey with the file's secrets ---
+# --- without preloading ---
 # The primary's secret leaks; the remedy without preloading is to remove
 # the file (no rotation), which a standby does not see.  Promoted, the
-# standby must not keep that secret either (the old code reported the file
-# as it was).
+# standby must not keep that secret either (an old version reported the
+# file as it was).  Without preloading there is no worker to take a
+# history epoch over, so runners get no keyspace and use PostgreSQL alone.
 my $np = PostgreSQL::Test::Cluster->new('np');
 $np->init(allows_streaming => 1);
 $np->start;
@@ -110,9 +111,10 @@ is(secrets($nps), '2*', 'not preloaded, promoted: a new secret, key id 2 alone')
 unlike(secret_hexes($nps), qr/$np_leaked/, '... not the secret it was made with');
 is(secrets($nps) . ' ' . IdemValkey::secret_hex($nps, 2),
 	'2* ' . IdemValkey::secret_hex($nps, 2), '... which the next readers keep');
-$fp = $nps->safe_psql('postgres', q{SELECT encode(idem_fingerprint('{"x": 1}'), 'hex')});
-IdemValkey::check_forged_ignored($nps, $valkey, 'sm', 'n1', $np_leaked, $fp,
-	'the secret it was made with');
-
+my ($ret, $out, $err) = $nps->psql('postgres', 'SELECT idem_cache_keyspace()');
+like($err, qr/55000|idem is not in shared_preload_libraries/,
+	'not preloaded: no cache keyspace for runners (55000)');
+($status, $source) = IdemValkey::run_message($nps, 'postgres', $valkey, 1, 'sm', 'n1', '{"x": 1}');
+is("$status $source", 'applied handler', '... which then use PostgreSQL alone');
 $nps->stop;
 done_testing();

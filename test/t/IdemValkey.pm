@@ -198,6 +198,8 @@ sub _idem_node
 	$node->append_conf('postgresql.conf', $extra);
 	$node->start;
 	install($node);
+	# The worker takes the epoch over once Valkey answers (if it runs).
+	wait_keyspace($node, undef, 10) if $valkey->{pid};
 	return $node;
 }
 
@@ -315,13 +317,32 @@ sub stream_commits
 	return ($sleeps1 - $sleeps0, $batches1 - $batches0, $took);
 }
 
+# idem_cache_keyspace() of database $db (default postgres) of $node, once
+# the worker has taken the server's cache epoch over in Valkey (until then
+# it is refused with 55000); undef if that does not happen within $timeout
+# seconds (default 20).
+sub wait_keyspace
+{
+	my ($node, $db, $timeout) = @_;
+	my $ks;
+	poll_until($timeout // 20, sub {
+		my ($ret, $out, $err) = $node->psql($db // 'postgres',
+			'SELECT idem_cache_keyspace()');
+		$ks = $out if $ret == 0 && $out ne '';
+		return defined $ks;
+	});
+	return $ks;
+}
+
 # The keyspace the worker uses for database $db (default postgres) of
 # $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
 # were $prefix.
 sub keyspace
 {
 	my ($node, $prefix, $db) = @_;
-	my $ks = $node->safe_psql($db // 'postgres', 'SELECT idem_cache_keyspace()');
+	my $ks = wait_keyspace($node, $db);
+	die "no cache keyspace on " . $node->name . " (the worker did not take its epoch over)"
+	  unless defined $ks;
 	if (defined $prefix)
 	{
 		my $cur = $node->safe_psql($db // 'postgres',
