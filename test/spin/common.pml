@@ -43,10 +43,25 @@
  *   FAILOVER    (with DURABILITY) one promotion of a streaming standby that
  *            may lack the newest flushed commits: a new timeline
  *   STANDBY_SLOTS  the worker also waits until the standby has flushed a
- *            commit before copying it (idem.standby_slots names its slot)
+ *            commit before copying it (idem.standby_slots names its slot,
+ *            or by default every physical slot)
+ *   SYNC_CANCELLED  the standby is a synchronous one whose wait a COMMIT
+ *            gave up (cancelled, or its backend terminated): the commit
+ *            is acknowledged without it, as an asynchronous commit is;
+ *            the worker waits for the synchronous flush position (the
+ *            same rule as STANDBY_SLOTS)
  *   FIRST_DELIVERY  the consumer may flag any delivery (duplicates
  *            included) as a first delivery: the runner skips the gate and
  *            claims directly (client/runner.c, delivery_count = 1)
+ *   REWIND      (with DURABILITY) the server's history goes back: a base
+ *            backup or copy of the data directory (what was flushed when
+ *            it was taken) is started later, as it is, in place of the
+ *            server or beside it; the effects go back with the ledger.
+ *            The start ran recovery (or Valkey shows that another start
+ *            took the epoch over), so a new history epoch, hence a new,
+ *            empty namespace (src/cache_secret.c)
+ *   NO_EPOCH    broken: the namespace has no history epoch (idem 0.3: a
+ *            rewound server keeps its keyspace and its secret)
  *   RELEARN_AT_GATE  control: every gate uses the current keyspace (the
  *            code re-learns it on every (re)connect, so a client may use
  *            the old one until its next PostgreSQL round trip)
@@ -131,6 +146,12 @@ byte flushed_seq = 0;
 byte standby_seq = 0;
 byte d_row_st = S_NONE, d_row_att = 0, d_row_out = 0, d_row_holder = 0, d_effects = 0;
 byte s_row_st = S_NONE, s_row_att = 0, s_row_out = 0, s_row_holder = 0, s_effects = 0;
+#ifdef REWIND
+/* the backup (REWIND): the flushed ledger and effects when it was taken */
+bool b_taken = false;
+byte b_row_st = S_NONE, b_row_att = 0, b_row_out = 0, b_row_holder = 0, b_effects = 0;
+byte b_seq = 0;
+#endif
 byte pg_gen = 0;        /* server incarnation: a crash or promotion ends every
                          * open transaction (its client sees an error) */
 byte tl = 0;            /* timeline */
@@ -159,7 +180,7 @@ byte ob_seq = 0;            /* the WAL position the copy waits for */
 /* When the worker may write a queued copy (src/worker.c): once the WAL is
  * flushed past it, and past it on the named standby. */
 #ifndef COPY_AT_COMMIT
-#ifdef STANDBY_SLOTS
+#if defined(STANDBY_SLOTS) || defined(SYNC_CANCELLED)
 #define WORKER_MAY_COPY (ob_seq <= flushed_seq && ob_seq <= standby_seq)
 #else
 #define WORKER_MAY_COPY (ob_seq <= flushed_seq)

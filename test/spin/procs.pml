@@ -162,6 +162,28 @@ end:	do
 		s_row_holder = d_row_holder; s_effects = d_effects; standby_seq = flushed_seq }
 	:: atomic { FAULT && flushed_seq != commit_seq -> SPEND;      /* crash */
 		LOSE_TO(d); commit_seq = flushed_seq }
+#ifdef REWIND
+	:: atomic { !b_taken -> b_taken = true;                         /* a backup */
+		b_row_st = d_row_st; b_row_att = d_row_att; b_row_out = d_row_out;
+		b_row_holder = d_row_holder; b_effects = d_effects; b_seq = flushed_seq }
+	:: atomic { FAULT && b_taken -> SPEND;              /* started from it */
+		LOSE_TO(b);
+		d_row_st = b_row_st; d_row_att = b_row_att; d_row_out = b_row_out;
+		d_row_holder = b_row_holder; d_effects = b_effects;
+		s_row_st = b_row_st; s_row_att = b_row_att; s_row_out = b_row_out;
+		s_row_holder = b_row_holder; s_effects = b_effects;
+		commit_seq = b_seq; flushed_seq = b_seq; standby_seq = b_seq;
+#ifndef NO_EPOCH
+		/* a new epoch: runners that learnt the old keyspace read it until
+		 * they learn again (at their next PostgreSQL round trip) */
+		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ns_old[1] = true; ns_old[2] = true;
+#if NRUN >= 3
+		ns_old[3] = true;
+#endif
+#endif
+		skip }
+#endif
 #ifdef FAILOVER
 	:: atomic { FAULT && tl == 0 -> SPEND;                          /* promotion */
 		LOSE_TO(s);
