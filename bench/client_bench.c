@@ -155,17 +155,31 @@ transfer_first_handler(PGconn *conn, idem_call *call, void *user_data)
 }
 #endif
 
-/* The server's keyspace (what the runner learns). */
+/*
+ * The server's keyspace (what the runner learns), once its worker has taken
+ * the cache epoch over (55000 until then): up to 10 s.
+ */
 static int
 keyspace_of(const char *conninfo, char ks[IDEM_CACHE_KEYSPACE_MAX + 1])
 {
 	PGconn	   *conn = PQconnectdb(conninfo);
-	PGresult   *res = PQexec(conn, "SELECT idem_cache_keyspace()");
-	int			ok = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1;
+	int			ok = 0;
+	int			tries;
 
-	if (ok)
-		snprintf(ks, IDEM_CACHE_KEYSPACE_MAX + 1, "%s", PQgetvalue(res, 0, 0));
-	PQclear(res);
+	for (tries = 0; tries < 100 && !ok; tries++)
+	{
+		PGresult   *res = PQexec(conn, "SELECT idem_cache_keyspace()");
+		const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+		int			not_ready = state != NULL && strcmp(state, "55000") == 0;
+
+		ok = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1;
+		if (ok)
+			snprintf(ks, IDEM_CACHE_KEYSPACE_MAX + 1, "%s", PQgetvalue(res, 0, 0));
+		PQclear(res);
+		if (ok || !not_ready)
+			break;
+		usleep(100000);
+	}
 	PQfinish(conn);
 	return ok ? 0 : -1;
 }
