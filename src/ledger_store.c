@@ -467,6 +467,36 @@ index_is_plain_btree(Relation idx, int nkeys, const AttrNumber *atts,
 	return true;
 }
 
+/*
+ * A ledger must be a permanent table.  An unlogged ledger is emptied by a
+ * crash (and a temporary one at the end of its session) while the effects
+ * it recorded survive: every redelivery would then run its effect again.
+ * Checked by idem_install and whenever a backend (re)checks the ledger,
+ * which ALTER TABLE ... SET UNLOGGED makes it do (it rewrites the table).
+ */
+void
+ledger_check_permanent(LedgerKind kind, Oid relid)
+{
+	char		persistence = get_rel_persistence(relid);
+	char	   *qtable;
+
+	if (persistence == RELPERSISTENCE_PERMANENT)
+		return;
+	qtable = quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+										get_rel_name(relid));
+	if (persistence == RELPERSISTENCE_UNLOGGED)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem ledger \"%s\" is an unlogged table", ledger_tables[kind]),
+				 errdetail("A crash empties an unlogged table while the effects it recorded survive, so every redelivered message would run its effect again."),
+				 errhint("Make it permanent again: ALTER TABLE %s SET LOGGED.", qtable)));
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("idem ledger \"%s\" is a temporary table", ledger_tables[kind]),
+			 errdetail("A temporary table is gone at the end of its session while the effects it recorded survive."),
+			 errhint("Drop it and run SELECT idem_install('tenants') to create a permanent ledger.")));
+}
+
 /* Check the ledger's columns and indexes, and remember where things are. */
 static void
 store_check(LedgerStore *store, Relation rel)
@@ -486,6 +516,7 @@ store_check(LedgerStore *store, Relation rel)
 		ereport_altered(table,
 						("It is no longer an ordinary heap table."),
 						("Restore the ledger as idem_install created it."));
+	ledger_check_permanent(kind, RelationGetRelid(rel));
 
 	for (i = 0; i < COL_COUNT; i++)
 	{
