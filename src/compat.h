@@ -150,4 +150,22 @@ idem_identity_sequence(Oid relid, AttrNumber attnum)
 #define IDEM_INJECTION_POINT(name)	((void) 0)
 #endif
 
+/*
+ * Whether synchronous standbys are configured, in WalSndCtl (read under
+ * SyncRepLock).  The 2025 minor releases of every branch replaced the flag
+ * sync_standbys_defined by the bits of sync_standbys_status, which also
+ * say whether the checkpointer has set it from synchronous_standby_names
+ * yet (before that, the setting itself decides, as in syncrep.c).
+ */
+#include "replication/walsender_private.h"
+#ifdef SYNC_STANDBY_DEFINED
+#define IDEM_SYNC_STANDBYS_KNOWN(ctl) \
+	(((ctl)->sync_standbys_status & SYNC_STANDBY_INIT) != 0)
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl) \
+	(((ctl)->sync_standbys_status & SYNC_STANDBY_DEFINED) != 0)
+#else
+#define IDEM_SYNC_STANDBYS_KNOWN(ctl)	true
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl)	((ctl)->sync_standbys_defined)
+#endif
+
 #endif							/* IDEM_COMPAT_H */

@@ -404,14 +404,45 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 }
 
 /*
- * One key's claim: the key lock without waiting, then the decision.  The
- * lock stays held (until the transaction ends) only when the key is
- * claimed.  Shared by idem_claim and idem_claim_many (ledger_batch.c).
+ * Whether the answer is final and was read from another transaction's row
+ * (a replay or a mismatch the caller acts on): it must then not be given
+ * before that row is as durable as the caller's own commits
+ * (idem_replay_durable).
+ */
+bool
+ledger_answer_needs_durable(const ClaimAnswer *ans)
+{
+	return ans->committed_row &&
+		(ans->decision == IDEM_DECISION_COMPLETED ||
+		 ans->decision == IDEM_DECISION_FAILED_PERMANENT ||
+		 ans->decision == IDEM_DECISION_MISMATCH);
+}
+
+/*
+ * One key's claim, answered once a row of another transaction it answers
+ * from is durable.  Shared by idem_claim and idem_apply (ledger_apply.c).
  */
 void
 ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 				 const uint8 *fingerprint, TimestampTz now,
 				 TimestampTz lease_end, ClaimAnswer *ans)
+{
+	ledger_claim_key_nowait(store, lk, fingerprint, now, lease_end, ans);
+	if (ledger_answer_needs_durable(ans))
+		idem_replay_durable();
+}
+
+/*
+ * One key's claim: the key lock without waiting, then the decision.  The
+ * lock stays held (until the transaction ends) only when the key is
+ * claimed.  The caller waits for idem_replay_durable() before it answers
+ * when ledger_answer_needs_durable() (idem_claim_many does so once for
+ * all its keys).
+ */
+void
+ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
+						const uint8 *fingerprint, TimestampTz now,
+						TimestampTz lease_end, ClaimAnswer *ans)
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
@@ -640,8 +671,14 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		else
 			found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
 		if (found && !row.ours)
+		{
 			repopulate(&lk, row.status, row.attempt, row.fingerprint,
 					   row.outcome, row.expires_at);
+			/* a final status the caller may act on: see ledger_claim_key */
+			if (row.status == IDEM_STATUS_COMPLETED ||
+				row.status == IDEM_STATUS_FAILED_PERMANENT)
+				idem_replay_durable();
+		}
 		if (found)
 		{
 			Datum		values[5];

@@ -67,6 +67,10 @@ typedef struct ClaimAnswer
 extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 							 const uint8 *fingerprint, TimestampTz now,
 							 TimestampTz lease_end, ClaimAnswer *ans);
+extern void ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
+									const uint8 *fingerprint, TimestampTz now,
+									TimestampTz lease_end, ClaimAnswer *ans);
+extern bool ledger_answer_needs_durable(const ClaimAnswer *ans);
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,

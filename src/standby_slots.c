@@ -1,10 +1,15 @@
 /*-------------------------------------------------------------------------
  *
  * standby_slots.c
- *	  idem.standby_slots: the physical replication slots whose standbys must
- *	  have flushed a commit before the worker copies its result to Valkey,
- *	  so that a failover to one of them cannot lose a result the cache holds
- *	  (in the spirit of PostgreSQL 17's synchronized_standby_slots).
+ *	  Which servers hold a commit: what the worker waits for before it
+ *	  copies a result to Valkey, and what a replay waits for before it is
+ *	  answered from another transaction's row.
+ *
+ * The copy (idem_standby_slots_flushed) waits for the standbys of
+ * idem.standby_slots: the physical replication slots whose standbys must
+ * have flushed a commit before the worker copies its result to Valkey, so
+ * that a failover to one of them cannot lose a result the cache holds (in
+ * the spirit of PostgreSQL 17's synchronized_standby_slots).
  *
  * A physical slot's restart_lsn is the flush position its standby last
  * reported.  A slot that is missing, logical, invalidated or not yet used
@@ -13,15 +18,27 @@
  * what it did not report.  The reason is given to the caller for
  * idem_stats() and the log.
  *
- * Only the worker calls this.  Locking: ReplicationSlotControlLock shared,
- * and each slot's spinlock while its fields are read, as slot.c's readers
- * do; the parsed list is process-local, re-parsed when the setting changes.
+ * A replay (idem_replay_durable) read from another transaction's row may
+ * be an asynchronous commit not flushed yet, or a commit whose wait for
+ * synchronous replication was cancelled: before it is answered, WAL is
+ * made as durable as the asking session's synchronous_commit makes its own
+ * commits, as if the replay had committed a write.
+ *
+ * Locking: ReplicationSlotControlLock shared, and each slot's spinlock
+ * while its fields are read, as slot.c's readers do; SyncRepLock shared for
+ * the synchronous standbys' position.  The parsed list is process-local,
+ * re-parsed when the setting changes.
  *
  *-------------------------------------------------------------------------
  */
 #include "idem.h"
 
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "miscadmin.h"
 #include "replication/slot.h"
+#include "replication/syncrep.h"
+#include "replication/walsender_private.h"
 #include "storage/lwlock.h"
 #include "storage/spin.h"
 #include "utils/builtins.h"
@@ -95,6 +112,29 @@ parse_setting(void)
 }
 
 /*
+ * Whether synchronous standbys are configured, as the walsenders and the
+ * committing backends see it, and how far they have confirmed WAL in mode
+ * (SYNC_REP_WAIT_WRITE or SYNC_REP_WAIT_FLUSH).  Read under SyncRepLock, as
+ * SyncRepWaitForLSN reads it; before the checkpointer has first processed
+ * synchronous_standby_names, this process's own value of it decides, as
+ * there.
+ */
+static bool
+sync_standbys_confirmed(int mode, XLogRecPtr *lsn)
+{
+	bool		defined;
+
+	LWLockAcquire(SyncRepLock, LW_SHARED);
+	if (IDEM_SYNC_STANDBYS_KNOWN(WalSndCtl))
+		defined = IDEM_SYNC_STANDBYS_DEFINED(WalSndCtl);
+	else
+		defined = SyncRepStandbyNames != NULL && SyncRepStandbyNames[0] != '\0';
+	*lsn = WalSndCtl->lsn[mode];
+	LWLockRelease(SyncRepLock);
+	return defined;
+}
+
+/*
  * Lower *lsn to the least flush position the named standbys reported.
  * Returns false, with the reason in why (whylen bytes), when one of them
  * cannot be used; *lsn is then InvalidXLogRecPtr (nothing is durable).
@@ -154,4 +194,47 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 	}
 	LWLockRelease(ReplicationSlotControlLock);
 	return true;
+}
+
+/*
+ * Before a replay read from another transaction's row is answered: make
+ * WAL as durable as this session's synchronous_commit makes its own
+ * commits, as if answering had committed a write.  The row's commit may be
+ * asynchronous and not flushed yet (an immediate stop or a crash would
+ * lose it after the caller acknowledged the message), or locally committed
+ * while its wait for synchronous replication was cancelled (a failover
+ * would lose it).  Its commit record is older than the current insert
+ * position, so waiting for that suffices; both waits return at once when
+ * the position is already there.
+ */
+void
+idem_replay_durable(void)
+{
+	XLogRecPtr	lsn;
+	XLogRecPtr	confirmed;
+	int			mode;
+
+	if (synchronous_commit <= SYNCHRONOUS_COMMIT_OFF || RecoveryInProgress())
+		return;
+
+	lsn = idem_insert_end_lsn();
+	XLogFlush(lsn);
+
+	if (!SyncRepRequested())
+		return;
+	HOLD_INTERRUPTS();
+	SyncRepWaitForLSN(lsn, false);
+	RESUME_INTERRUPTS();
+	/* terminated while waiting: go now, answering nothing */
+	CHECK_FOR_INTERRUPTS();
+
+	/* A cancelled wait returns with a WARNING: do not answer then either. */
+	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
+		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
+	if (sync_standbys_confirmed(mode, &confirmed) && confirmed < lsn)
+		ereport(ERROR,
+				(errcode(ERRCODE_QUERY_CANCELED),
+				 errmsg("canceling the idem replay while it waited for synchronous replication"),
+				 errdetail("The result was read from a transaction that the synchronous standbys have not confirmed yet."),
+				 errhint("Retry: the key is answered once its result is replicated.")));
 }
