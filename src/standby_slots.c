@@ -5,16 +5,21 @@
  *	  copies a result to Valkey, and what a replay waits for before it is
  *	  answered from another transaction's row.
  *
- * The copy (idem_standby_slots_flushed) waits for the standbys of
- * idem.standby_slots: the physical replication slots whose standbys must
- * have flushed a commit before the worker copies its result to Valkey, so
- * that a failover to one of them cannot lose a result the cache holds (in
- * the spirit of PostgreSQL 17's synchronized_standby_slots).
+ * The copy (idem_standby_slots_flushed) waits for every standby that can
+ * be promoted, so that a failover cannot lose a result the cache holds:
+ *
+ *	- the synchronous standbys, whenever synchronous_standby_names is set:
+ *	  their flush position as syncrep.c keeps it (WalSndCtl->lsn, under
+ *	  SyncRepLock).  A COMMIT whose wait for synchronous replication was
+ *	  cancelled is committed locally but may be missing on the synchronous
+ *	  standby that a failover promotes;
+ *	- the standbys of idem.standby_slots (in the spirit of PostgreSQL 17's
+ *	  synchronized_standby_slots): the named physical slots.
  *
  * A physical slot's restart_lsn is the flush position its standby last
- * reported.  A slot that is missing, logical, invalidated or not yet used
- * holds every copy back (the copies wait in the queue, and are dropped and
- * counted once it is full): the worker never guesses that a standby has
+ * reported.  A named slot that is missing, logical, invalidated or not yet
+ * used holds every copy back (the copies wait in the queue, and are dropped
+ * and counted once it is full): the worker never guesses that a standby has
  * what it did not report.  The reason is given to the caller for
  * idem_stats() and the log.
  *
@@ -135,14 +140,20 @@ sync_standbys_confirmed(int mode, XLogRecPtr *lsn)
 }
 
 /*
- * Lower *lsn to the least flush position the named standbys reported.
- * Returns false, with the reason in why (whylen bytes), when one of them
- * cannot be used; *lsn is then InvalidXLogRecPtr (nothing is durable).
+ * Lower *lsn to the least flush position the synchronous standbys and the
+ * standbys of idem.standby_slots reported.  Returns false, with the reason
+ * in why (whylen bytes), when a named slot cannot be used; *lsn is then
+ * InvalidXLogRecPtr (nothing is durable).
  */
 bool
 idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 {
 	ListCell   *lc;
+	XLogRecPtr	sync_flushed;
+
+	if (sync_standbys_confirmed(SYNC_REP_WAIT_FLUSH, &sync_flushed) &&
+		sync_flushed < *lsn)
+		*lsn = sync_flushed;
 
 	parse_setting();
 	if (slot_names == NIL)
