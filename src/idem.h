@@ -142,6 +142,9 @@ extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 									   size_t whylen);
 extern void idem_replay_durable(void);
 
+/* idem.standby_slots: every physical replication slot (the default) */
+#define IDEM_ALL_STANDBY_SLOTS "*"
+
 /*
  * Subtransactions (xact.c).  Per-transaction state is tagged with the
  * nesting level that made it (GetCurrentTransactionNestLevel()).  When the

@@ -14,14 +14,17 @@
  *	  cancelled is committed locally but may be missing on the synchronous
  *	  standby that a failover promotes;
  *	- the standbys of idem.standby_slots (in the spirit of PostgreSQL 17's
- *	  synchronized_standby_slots): the named physical slots.
+ *	  synchronized_standby_slots): by default '*', every physical
+ *	  replication slot that has a flush position; or the named physical
+ *	  slots; or none ('').
  *
  * A physical slot's restart_lsn is the flush position its standby last
  * reported.  A named slot that is missing, logical, invalidated or not yet
  * used holds every copy back (the copies wait in the queue, and are dropped
  * and counted once it is full): the worker never guesses that a standby has
  * what it did not report.  The reason is given to the caller for
- * idem_stats() and the log.
+ * idem_stats() and the log.  With '*', a slot without a flush position
+ * (never used, or invalidated) is not waited for: no standby follows it.
  *
  * A replay (idem_replay_durable) read from another transaction's row may
  * be an asynchronous commit not flushed yet, or a commit whose wait for
@@ -52,6 +55,7 @@
 
 static char *parsed_from = NULL;	/* the setting the list was parsed from */
 static List *slot_names = NIL;		/* of char *, in TopMemoryContext */
+static bool all_slots = false;		/* '*': every physical slot in use */
 
 /* Check hook of idem.standby_slots: a list of valid slot names. */
 bool
@@ -62,7 +66,8 @@ idem_check_standby_slots(char **newval, void **extra, GucSource source)
 	ListCell   *lc;
 	bool		ok = true;
 
-	if (*newval == NULL || (*newval)[0] == '\0')
+	if (*newval == NULL || (*newval)[0] == '\0' ||
+		strcmp(*newval, IDEM_ALL_STANDBY_SLOTS) == 0)
 		return true;
 	raw = pstrdup(*newval);
 	if (!SplitIdentifierString(raw, ',', &names))
@@ -74,6 +79,13 @@ idem_check_standby_slots(char **newval, void **extra, GucSource source)
 	{
 		foreach(lc, names)
 		{
+			if (strcmp((char *) lfirst(lc), IDEM_ALL_STANDBY_SLOTS) == 0)
+			{
+				GUC_check_errdetail("\"%s\" (every physical slot) cannot be combined with slot names.",
+									IDEM_ALL_STANDBY_SLOTS);
+				ok = false;
+				break;
+			}
 			if (!ReplicationSlotValidateName((char *) lfirst(lc), DEBUG1))
 			{
 				GUC_check_errdetail("\"%s\" is not a valid replication slot name.",
@@ -106,6 +118,12 @@ parse_setting(void)
 
 	old = MemoryContextSwitchTo(TopMemoryContext);
 	parsed_from = pstrdup(cur);
+	all_slots = strcmp(cur, IDEM_ALL_STANDBY_SLOTS) == 0;
+	if (all_slots)
+	{
+		MemoryContextSwitchTo(old);
+		return;
+	}
 	raw = pstrdup(cur);
 	/* The check hook has accepted it. */
 	(void) SplitIdentifierString(raw, ',', &names);
@@ -139,6 +157,31 @@ sync_standbys_confirmed(int mode, XLogRecPtr *lsn)
 	return defined;
 }
 
+/* Lower *lsn to what every physical slot with a flush position reported. */
+static void
+all_slots_flushed(XLogRecPtr *lsn)
+{
+	int			i;
+
+	LWLockAcquire(ReplicationSlotControlLock, LW_SHARED);
+	for (i = 0; i < max_replication_slots; i++)
+	{
+		ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
+		bool		physical;
+		XLogRecPtr	flushed;
+
+		if (!s->in_use)
+			continue;
+		SpinLockAcquire(&s->mutex);
+		physical = SlotIsPhysical(s);
+		flushed = s->data.restart_lsn;
+		SpinLockRelease(&s->mutex);
+		if (physical && !XLogRecPtrIsInvalid(flushed) && flushed < *lsn)
+			*lsn = flushed;
+	}
+	LWLockRelease(ReplicationSlotControlLock);
+}
+
 /*
  * Lower *lsn to the least flush position the synchronous standbys and the
  * standbys of idem.standby_slots reported.  Returns false, with the reason
@@ -156,6 +199,12 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 		*lsn = sync_flushed;
 
 	parse_setting();
+	if (all_slots)
+	{
+		if (ReplicationSlotCtl != NULL)
+			all_slots_flushed(lsn);
+		return true;
+	}
 	if (slot_names == NIL)
 		return true;
 	if (ReplicationSlotCtl == NULL)
