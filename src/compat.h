@@ -168,4 +168,16 @@ idem_identity_sequence(Oid relid, AttrNumber attnum)
 #define IDEM_SYNC_STANDBYS_DEFINED(ctl)	((ctl)->sync_standbys_defined)
 #endif
 
+/*
+ * An invalidated replication slot: 16 records why (the field invalidated);
+ * 15 only clears restart_lsn, which callers test anyway.  From 18 a
+ * physical slot invalidated for idle_replication_slot_timeout keeps its
+ * restart_lsn.
+ */
+#if PG_VERSION_NUM >= 160000
+#define IDEM_SLOT_INVALIDATED(slot)	((slot)->data.invalidated != RS_INVAL_NONE)
+#else
+#define IDEM_SLOT_INVALIDATED(slot)	false
+#endif
+
 #endif							/* IDEM_COMPAT_H */

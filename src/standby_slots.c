@@ -168,15 +168,18 @@ all_slots_flushed(XLogRecPtr *lsn)
 	{
 		ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
 		bool		physical;
+		bool		invalidated;
 		XLogRecPtr	flushed;
 
 		if (!s->in_use)
 			continue;
 		SpinLockAcquire(&s->mutex);
 		physical = SlotIsPhysical(s);
+		invalidated = IDEM_SLOT_INVALIDATED(s);
 		flushed = s->data.restart_lsn;
 		SpinLockRelease(&s->mutex);
-		if (physical && !XLogRecPtrIsInvalid(flushed) && flushed < *lsn)
+		if (physical && !invalidated && !XLogRecPtrIsInvalid(flushed) &&
+			flushed < *lsn)
 			*lsn = flushed;
 	}
 	LWLockRelease(ReplicationSlotControlLock);
@@ -226,16 +229,18 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 		{
 			ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
 			bool		physical;
+			bool		invalidated;
 
 			if (!s->in_use || strcmp(NameStr(s->data.name), name) != 0)
 				continue;
 			SpinLockAcquire(&s->mutex);
 			physical = SlotIsPhysical(s);
+			invalidated = IDEM_SLOT_INVALIDATED(s);
 			flushed = s->data.restart_lsn;
 			SpinLockRelease(&s->mutex);
 			if (!physical)
 				problem = "is a logical slot";
-			else if (XLogRecPtrIsInvalid(flushed))
+			else if (invalidated || XLogRecPtrIsInvalid(flushed))
 				problem = "has no flush position (not used yet, or invalidated)";
 			else
 				problem = NULL;

@@ -96,6 +96,32 @@ usleep(2_000_000);
 is($valkey->command('GET', $k6), undef, 'back to the default, the next copy waits again');
 $standby->start;
 ok(defined $valkey->wait_for_key($k6, 20), 'once the standby has caught up, it is copied');
+
+# From 18 a slot invalidated for idle_replication_slot_timeout keeps its
+# restart_lsn, which never moves again: '*' must not wait for it.
+SKIP:
+{
+	skip 'idle_replication_slot_timeout is new in PostgreSQL 18', 2
+	  if $primary->pg_version < 18;
+	$primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('idle', true)");
+	$primary->safe_psql('postgres', "ALTER SYSTEM SET idle_replication_slot_timeout = '1s'");
+	$primary->reload;
+	usleep(1_500_000);
+	ok(IdemValkey::poll_until(20, sub {
+				$primary->safe_psql('postgres', 'CHECKPOINT');
+				$primary->safe_psql('postgres',
+					"SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = 'idle'") eq
+				  'idle_timeout'
+			}),
+		'a reserved slot left idle is invalidated (idle_timeout)');
+	my $k7 = IdemValkey::tenant_key($primary, 1, 's', 'k7');
+	commit_key($primary, 'k7');
+	ok(defined $valkey->wait_for_key($k7, 10),
+		'by default, a slot invalidated with its restart_lsn kept is not waited for');
+	$primary->safe_psql('postgres', 'ALTER SYSTEM RESET idle_replication_slot_timeout');
+	$primary->reload;
+	$primary->safe_psql('postgres', "SELECT pg_drop_replication_slot('idle')");
+}
 $standby->stop;
 $primary->stop;
 
