@@ -140,7 +140,8 @@ extern bool idem_check_standby_slots(char **newval, void **extra,
 									 GucSource source);
 extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 									   size_t whylen);
-extern void idem_replay_durable(void);
+extern XLogRecPtr idem_commit_lsn(TransactionId writer);
+extern void idem_replay_durable(XLogRecPtr commit_lsn);
 
 /* idem.standby_slots: every physical replication slot (the default) */
 #define IDEM_ALL_STANDBY_SLOTS "*"

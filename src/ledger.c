@@ -252,6 +252,7 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 	ans->outcome = (Datum) 0;
 	ans->expires_at = retry_at;
 	ans->committed_row = found && !row->ours;
+	ans->writer = ans->committed_row ? row->writer : InvalidTransactionId;
 	if (found && memcmp(row->fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0)
 		ans->decision = IDEM_DECISION_MISMATCH;
 	else if (found && row->status == IDEM_STATUS_COMPLETED)
@@ -277,6 +278,7 @@ answer_claimed(ClaimAnswer *ans, int32 attempt, TimestampTz lease_end)
 {
 	ans->decision = IDEM_DECISION_CLAIMED;
 	ans->committed_row = false;
+	ans->writer = InvalidTransactionId;
 	ans->attempt = attempt;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = lease_end;
@@ -372,6 +374,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	/* The row kept changing under us (a purge racing): let the caller retry. */
 	ans->decision = IDEM_DECISION_BUSY;
 	ans->committed_row = false;
+	ans->writer = InvalidTransactionId;
 	ans->attempt = 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = now + IDEM_BUSY_RETRY_MS * INT64CONST(1000);
@@ -429,7 +432,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 {
 	ledger_claim_key_nowait(store, lk, fingerprint, now, lease_end, ans);
 	if (ledger_answer_needs_durable(ans))
-		idem_replay_durable();
+		idem_replay_durable(idem_commit_lsn(ans->writer));
 }
 
 /*
@@ -677,7 +680,7 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 			/* a final status the caller may act on: see ledger_claim_key */
 			if (row.status == IDEM_STATUS_COMPLETED ||
 				row.status == IDEM_STATUS_FAILED_PERMANENT)
-				idem_replay_durable();
+				idem_replay_durable(idem_commit_lsn(row.writer));
 		}
 		if (found)
 		{

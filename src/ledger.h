@@ -49,6 +49,7 @@ typedef struct LedgerRow
 	Datum		outcome;		/* jsonb, detoasted, in the caller's context */
 	TimestampTz expires_at;
 	bool		ours;			/* written by this transaction */
+	TransactionId writer;		/* its xmin (Invalid: not read from the table) */
 } LedgerRow;
 
 typedef struct LedgerStore LedgerStore;
@@ -61,6 +62,7 @@ typedef struct ClaimAnswer
 	Datum		outcome;		/* jsonb, or 0 for NULL */
 	TimestampTz expires_at;
 	bool		committed_row;	/* read from a row another transaction wrote */
+	TransactionId writer;		/* that transaction, when committed_row */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */

@@ -954,22 +954,28 @@ key_scankeys(const LedgerKey *lk, ScanKey keys, int *nkeys,
 }
 
 /*
- * Whether this transaction (or one of its subtransactions) wrote the row.
+ * The transaction that wrote the row (FrozenTransactionId once frozen).
  * Read through the heap accessor: a frozen row's raw xmin is meaningless
  * (and may one day equal a running xid); the ledger is checked to be a
  * heap table when the store is built.
  */
-static bool
-slot_row_is_ours(TupleTableSlot *slot)
+static TransactionId
+slot_row_writer(TupleTableSlot *slot)
 {
 	bool		should_free;
 	HeapTuple	tup = ExecFetchSlotHeapTuple(slot, false, &should_free);
-	bool		ours;
+	TransactionId writer = HeapTupleHeaderGetXmin(tup->t_data);
 
-	ours = TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tup->t_data));
 	if (should_free)
 		heap_freetuple(tup);
-	return ours;
+	return writer;
+}
+
+/* Whether this transaction (or one of its subtransactions) wrote the row. */
+static bool
+slot_row_is_ours(TupleTableSlot *slot)
+{
+	return TransactionIdIsCurrentTransactionId(slot_row_writer(slot));
 }
 
 /* A column of a probed row; a NULL is refused (NOT NULL was dropped). */
@@ -1035,7 +1041,8 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	row->attempt = DatumGetInt32(row_attr(store, slot, COL_ATTEMPT));
 	row->outcome = PointerGetDatum(PG_DETOAST_DATUM_COPY(row_attr(store, slot, COL_OUTCOME)));
 	row->expires_at = DatumGetTimestampTz(row_attr(store, slot, COL_EXPIRES_AT));
-	row->ours = slot_row_is_ours(slot);
+	row->writer = slot_row_writer(slot);
+	row->ours = TransactionIdIsCurrentTransactionId(row->writer);
 
 	ExecDropSingleTupleTableSlot(slot);
 	table_close(rel, NoLock);

@@ -41,6 +41,7 @@
  */
 #include "idem.h"
 
+#include "access/transam.h"
 #include "access/xact.h"
 #include "access/xlog.h"
 #include "miscadmin.h"
@@ -262,18 +263,36 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 }
 
 /*
+ * Where the commit of writer ends if it may not be flushed yet, else
+ * InvalidXLogRecPtr.  A synchronous commit is flushed before it becomes
+ * visible; the clog keeps the LSN of asynchronous ones (the greatest of a
+ * group of transactions, for as long as the clog page is in memory: WAL is
+ * flushed that far before the page is written out), as SetHintBits reads
+ * it before it trusts another transaction's commit.
+ */
+XLogRecPtr
+idem_commit_lsn(TransactionId writer)
+{
+	if (!TransactionIdIsNormal(writer))
+		return InvalidXLogRecPtr;
+	return TransactionIdGetCommitLSN(writer);
+}
+
+/*
  * Before a replay read from another transaction's row is answered: make
- * WAL as durable as this session's synchronous_commit makes its own
- * commits, as if answering had committed a write.  The row's commit may be
- * asynchronous and not flushed yet (an immediate stop or a crash would
- * lose it after the caller acknowledged the message), or locally committed
- * while its wait for synchronous replication was cancelled (a failover
- * would lose it).  Its commit record is older than the current insert
- * position, so waiting for that suffices; both waits return at once when
- * the position is already there.
+ * that commit as durable as this session's synchronous_commit makes its
+ * own commits, as if answering had committed a write.  The row's commit
+ * may be asynchronous and not flushed yet (commit_lsn, from
+ * idem_commit_lsn(): an immediate stop or a crash would lose it after the
+ * caller acknowledged the message), or committed locally while its wait
+ * for synchronous replication was cancelled (a failover would lose it).
+ * The commit record of the latter is not known, only that it is older
+ * than the WAL inserted so far: with synchronous replication, that is
+ * what the synchronous standbys must confirm.  Each wait returns at once
+ * when its position is already reached.
  */
 void
-idem_replay_durable(void)
+idem_replay_durable(XLogRecPtr commit_lsn)
 {
 	XLogRecPtr	lsn;
 	XLogRecPtr	confirmed;
@@ -281,12 +300,18 @@ idem_replay_durable(void)
 
 	if (synchronous_commit <= SYNCHRONOUS_COMMIT_OFF || RecoveryInProgress())
 		return;
-
-	lsn = idem_insert_end_lsn();
-	XLogFlush(lsn);
+	if (!XLogRecPtrIsInvalid(commit_lsn))
+		XLogFlush(commit_lsn);
 
 	if (!SyncRepRequested())
 		return;
+	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
+		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
+	lsn = idem_insert_end_lsn();
+	if (!sync_standbys_confirmed(mode, &confirmed) || confirmed >= lsn)
+		return;
+	/* the standbys are sent only what is flushed here */
+	XLogFlush(lsn);
 	HOLD_INTERRUPTS();
 	SyncRepWaitForLSN(lsn, false);
 	RESUME_INTERRUPTS();
@@ -294,8 +319,6 @@ idem_replay_durable(void)
 	CHECK_FOR_INTERRUPTS();
 
 	/* A cancelled wait returns with a WARNING: do not answer then either. */
-	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
-		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
 	if (sync_standbys_confirmed(mode, &confirmed) && confirmed < lsn)
 		ereport(ERROR,
 				(errcode(ERRCODE_QUERY_CANCELED),

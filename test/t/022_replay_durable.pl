@@ -4,7 +4,8 @@
 # that is answered "completed" from that row (idem_claim, idem_claim_many,
 # idem_apply, idem_lookup) acknowledges the message, so the row must then
 # survive an immediate stop.  A session with synchronous_commit = off is
-# answered without a flush.  No Valkey: nothing here is about the cache.
+# answered without a flush, and a replay flushes only as far as the row's
+# own commit needs (none for a synchronous one).  No Valkey: nothing here is about the cache.
 use strict;
 use warnings;
 
@@ -77,11 +78,31 @@ sub replay
 }
 
 my $fp = q{idem_fingerprint('{}')};
+
+# A result committed synchronously, then more than a clog LSN group (32
+# transactions) of others, so that no asynchronous commit below shares
+# its group.
+$node->safe_psql('postgres', 'BEGIN; ' . IdemValkey::complete_sql('r', 'durable') . ' COMMIT;');
+$node->safe_psql('postgres', 'CREATE TABLE noise (n int)');
+$node->safe_psql('postgres',
+	'DO $$ BEGIN FOR i IN 1..40 LOOP PERFORM txid_current(); COMMIT; END LOOP; END $$');
+
 ok(wait_for_wal_writer(), 'the WAL writer has just flushed');
+
+# The wait is for the row's own commit: WAL of others is not flushed.
+my $out = $node->safe_psql('postgres',
+	'SET synchronous_commit = off; BEGIN; INSERT INTO noise VALUES (1); '
+	  . 'SELECT pg_current_wal_insert_lsn(); COMMIT;');
+my $noise = (split /\n/, $out)[-1];
+my ($answer, $flushed) = replay('on',
+	"SELECT decision FROM idem_claim(1, idem_key('r', 'durable'), $fp)");
+is($answer, 'completed', 'a row committed synchronously is replayed');
+ok(!lsn_gt($flushed, $noise),
+	'... without flushing an asynchronous commit of another table made after it');
 
 # synchronous_commit = off asks for no flush: none is made.
 my $lsn = commit_async('off');
-my ($answer, $flushed) = replay('off',
+($answer, $flushed) = replay('off',
 	"SELECT decision FROM idem_claim(1, idem_key('r', 'off'), $fp)");
 is($answer, 'completed', 'a session with synchronous_commit = off is answered completed');
 ok(!lsn_gt($flushed, $lsn), '... without a flush of the row\'s commit');
