@@ -175,7 +175,8 @@ idem_identity_sequence(Oid relid, AttrNumber attnum)
  * restart_lsn.
  */
 #if PG_VERSION_NUM >= 160000
-#define IDEM_SLOT_INVALIDATED(slot)	((slot)->data.invalidated != RS_INVAL_NONE)
+#define IDEM_SLOT_INVALIDATED(slot) \
+	((slot)->data.invalidated != RS_INVAL_NONE)
 #else
 #define IDEM_SLOT_INVALIDATED(slot)	false
 #endif

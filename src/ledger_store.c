@@ -478,12 +478,13 @@ void
 ledger_check_permanent(LedgerKind kind, Oid relid)
 {
 	char		persistence = get_rel_persistence(relid);
+	char	   *nspname;
 	char	   *qtable;
 
 	if (persistence == RELPERSISTENCE_PERMANENT)
 		return;
-	qtable = quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
-										get_rel_name(relid));
+	nspname = get_namespace_name(get_rel_namespace(relid));
+	qtable = quote_qualified_identifier(nspname, get_rel_name(relid));
 	if (persistence == RELPERSISTENCE_UNLOGGED)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),

@@ -30,8 +30,8 @@
  *
  * idem_outbox_repopulate() puts a copy of a terminal row that a lookup or
  * claim read (not wrote) straight into the queue, marked with the end of
- * the WAL inserted at the read (idem_insert_end_lsn): the row's commit record
- * is before it.  That position may also cover WAL of no commit, which
+ * the WAL inserted at the read (idem_insert_end_lsn): the row's commit
+ * record is before it.  That position may also cover WAL of no commit, which
  * nothing but the WAL writer flushes, two or three wal_writer_delay cycles
  * later: the full-page images that setting hint bits writes when data
  * checksums are on (initdb's default from PostgreSQL 18) or wal_log_hints
