@@ -150,4 +150,35 @@ idem_identity_sequence(Oid relid, AttrNumber attnum)
 #define IDEM_INJECTION_POINT(name)	((void) 0)
 #endif
 
+/*
+ * Whether synchronous standbys are configured, in WalSndCtl (read under
+ * SyncRepLock).  The 2025 minor releases of every branch replaced the flag
+ * sync_standbys_defined by the bits of sync_standbys_status, which also
+ * say whether the checkpointer has set it from synchronous_standby_names
+ * yet (before that, the setting itself decides, as in syncrep.c).
+ */
+#include "replication/walsender_private.h"
+#ifdef SYNC_STANDBY_DEFINED
+#define IDEM_SYNC_STANDBYS_KNOWN(ctl) \
+	(((ctl)->sync_standbys_status & SYNC_STANDBY_INIT) != 0)
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl) \
+	(((ctl)->sync_standbys_status & SYNC_STANDBY_DEFINED) != 0)
+#else
+#define IDEM_SYNC_STANDBYS_KNOWN(ctl)	true
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl)	((ctl)->sync_standbys_defined)
+#endif
+
+/*
+ * An invalidated replication slot: 16 records why (the field invalidated);
+ * 15 only clears restart_lsn, which callers test anyway.  From 18 a
+ * physical slot invalidated for idle_replication_slot_timeout keeps its
+ * restart_lsn.
+ */
+#if PG_VERSION_NUM >= 160000
+#define IDEM_SLOT_INVALIDATED(slot) \
+	((slot)->data.invalidated != RS_INVAL_NONE)
+#else
+#define IDEM_SLOT_INVALIDATED(slot)	false
+#endif
+
 #endif							/* IDEM_COMPAT_H */

@@ -232,9 +232,9 @@ idem_define_gucs(void)
 
 	DefineCustomStringVariable("idem.standby_slots",
 							   "Physical replication slots whose standbys must have flushed a commit before its result is copied to Valkey.",
-							   "A failover to one of these standbys cannot lose a result Valkey holds.  Each copy waits for the slowest of them (a missing or unused slot holds every copy back).  Empty: only the local WAL flush is waited for.",
+							   "A failover to one of these standbys cannot lose a result Valkey holds.  '*' (the default): every physical slot that a standby has used.  A list of names: those slots (a missing or unused one holds every copy back).  Empty: no standby is waited for but the synchronous ones.  Each copy waits for the slowest of them; commits never wait.",
 							   &idem_standby_slots,
-							   "",
+							   IDEM_ALL_STANDBY_SLOTS,
 							   PGC_SIGHUP, GUC_LIST_INPUT,
 							   idem_check_standby_slots, NULL, NULL);
 

@@ -140,6 +140,11 @@ extern bool idem_check_standby_slots(char **newval, void **extra,
 									 GucSource source);
 extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 									   size_t whylen);
+extern XLogRecPtr idem_commit_lsn(TransactionId writer);
+extern void idem_replay_durable(XLogRecPtr commit_lsn);
+
+/* idem.standby_slots: every physical replication slot (the default) */
+#define IDEM_ALL_STANDBY_SLOTS "*"
 
 /*
  * Subtransactions (xact.c).  Per-transaction state is tagged with the
@@ -180,6 +185,7 @@ extern void idem_outbox_repopulate(bool is_platform, int64 tenant_id,
 								   TimestampTz expires_at);
 extern void idem_outbox_xact_event(XactEvent event);
 extern void idem_outbox_subxact_end(bool committed, int level);
+extern XLogRecPtr idem_insert_end_lsn(void);
 
 /* cache_secret.c */
 typedef struct IdemCacheSecrets

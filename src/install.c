@@ -392,7 +392,11 @@ idem_install(PG_FUNCTION_ARGS)
 
 		if (OidIsValid(recorded) && recorded == named)
 		{
-			/* Installed already: harmless, unless for other tenants. */
+			/*
+			 * Installed already: harmless, unless made unlogged since or
+			 * installed for other tenants.
+			 */
+			ledger_check_permanent((LedgerKind) kind, named);
 			if (kind == LEDGER_TENANT)
 			{
 				Oid			target = ledger_fk_target(named);

@@ -252,6 +252,7 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 	ans->outcome = (Datum) 0;
 	ans->expires_at = retry_at;
 	ans->committed_row = found && !row->ours;
+	ans->writer = ans->committed_row ? row->writer : InvalidTransactionId;
 	if (found && memcmp(row->fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0)
 		ans->decision = IDEM_DECISION_MISMATCH;
 	else if (found && row->status == IDEM_STATUS_COMPLETED)
@@ -277,6 +278,7 @@ answer_claimed(ClaimAnswer *ans, int32 attempt, TimestampTz lease_end)
 {
 	ans->decision = IDEM_DECISION_CLAIMED;
 	ans->committed_row = false;
+	ans->writer = InvalidTransactionId;
 	ans->attempt = attempt;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = lease_end;
@@ -372,6 +374,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	/* The row kept changing under us (a purge racing): let the caller retry. */
 	ans->decision = IDEM_DECISION_BUSY;
 	ans->committed_row = false;
+	ans->writer = InvalidTransactionId;
 	ans->attempt = 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = now + IDEM_BUSY_RETRY_MS * INT64CONST(1000);
@@ -404,14 +407,45 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 }
 
 /*
- * One key's claim: the key lock without waiting, then the decision.  The
- * lock stays held (until the transaction ends) only when the key is
- * claimed.  Shared by idem_claim and idem_claim_many (ledger_batch.c).
+ * Whether the answer is final and was read from another transaction's row
+ * (a replay or a mismatch the caller acts on): it must then not be given
+ * before that row is as durable as the caller's own commits
+ * (idem_replay_durable).
+ */
+bool
+ledger_answer_needs_durable(const ClaimAnswer *ans)
+{
+	return ans->committed_row &&
+		(ans->decision == IDEM_DECISION_COMPLETED ||
+		 ans->decision == IDEM_DECISION_FAILED_PERMANENT ||
+		 ans->decision == IDEM_DECISION_MISMATCH);
+}
+
+/*
+ * One key's claim, answered once a row of another transaction it answers
+ * from is durable.  Shared by idem_claim and idem_apply (ledger_apply.c).
  */
 void
 ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 				 const uint8 *fingerprint, TimestampTz now,
 				 TimestampTz lease_end, ClaimAnswer *ans)
+{
+	ledger_claim_key_nowait(store, lk, fingerprint, now, lease_end, ans);
+	if (ledger_answer_needs_durable(ans))
+		idem_replay_durable(idem_commit_lsn(ans->writer));
+}
+
+/*
+ * One key's claim: the key lock without waiting, then the decision.  The
+ * lock stays held (until the transaction ends) only when the key is
+ * claimed.  The caller waits for idem_replay_durable() before it answers
+ * when ledger_answer_needs_durable() (idem_claim_many does so once for
+ * all its keys).
+ */
+void
+ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
+						const uint8 *fingerprint, TimestampTz now,
+						TimestampTz lease_end, ClaimAnswer *ans)
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
@@ -640,8 +674,14 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		else
 			found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
 		if (found && !row.ours)
+		{
 			repopulate(&lk, row.status, row.attempt, row.fingerprint,
 					   row.outcome, row.expires_at);
+			/* a final status the caller may act on: see ledger_claim_key */
+			if (row.status == IDEM_STATUS_COMPLETED ||
+				row.status == IDEM_STATUS_FAILED_PERMANENT)
+				idem_replay_durable(idem_commit_lsn(row.writer));
+		}
 		if (found)
 		{
 			Datum		values[5];

@@ -49,6 +49,7 @@ typedef struct LedgerRow
 	Datum		outcome;		/* jsonb, detoasted, in the caller's context */
 	TimestampTz expires_at;
 	bool		ours;			/* written by this transaction */
+	TransactionId writer;		/* its xmin (Invalid: not read from the table) */
 } LedgerRow;
 
 typedef struct LedgerStore LedgerStore;
@@ -61,12 +62,17 @@ typedef struct ClaimAnswer
 	Datum		outcome;		/* jsonb, or 0 for NULL */
 	TimestampTz expires_at;
 	bool		committed_row;	/* read from a row another transaction wrote */
+	TransactionId writer;		/* that transaction, when committed_row */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */
 extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 							 const uint8 *fingerprint, TimestampTz now,
 							 TimestampTz lease_end, ClaimAnswer *ans);
+extern void ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
+									const uint8 *fingerprint, TimestampTz now,
+									TimestampTz lease_end, ClaimAnswer *ans);
+extern bool ledger_answer_needs_durable(const ClaimAnswer *ans);
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
@@ -82,6 +88,7 @@ extern TimestampTz ledger_retention_end(Interval *iv, TimestampTz now);
 /* ledger_store.c */
 #define IDEM_REGISTRY_TABLE "idem_ledgers"	/* kind -> ledger, by idem_install */
 extern Oid	ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry);
+extern void ledger_check_permanent(LedgerKind kind, Oid relid);
 extern const char *ledger_table_name(LedgerKind kind);
 extern const char *ledger_kind_name(LedgerKind kind);
 extern void ledger_store_relcache_cb(Datum arg, Oid relid);

@@ -216,6 +216,8 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 	TimestampTz lease_end;
 	Batch		b;
 	int			i;
+	bool		replayed = false;
+	XLogRecPtr	replayed_lsn = InvalidXLogRecPtr;
 
 	PreventCommandIfReadOnly(kind == LEDGER_TENANT ? "idem_claim_many()" : "idem_platform_claim_many()");
 	batch_begin(fcinfo, kind, func, "fingerprints", BYTEAOID, &b);
@@ -236,7 +238,15 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		CHECK_FOR_INTERRUPTS();
 		batch_key(kind, &b.tenants, &b.keys, i, &lk);
 		ledger_check_digest(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
-		ledger_claim_key(b.store, &lk, fingerprint, now, lease_end, &ans);
+		ledger_claim_key_nowait(b.store, &lk, fingerprint, now, lease_end, &ans);
+		if (ledger_answer_needs_durable(&ans))
+		{
+			XLogRecPtr	lsn = idem_commit_lsn(ans.writer);
+
+			replayed = true;
+			if (lsn > replayed_lsn)
+				replayed_lsn = lsn;
+		}
 		values[0] = Int32GetDatum(i + 1);
 		nulls[0] = false;
 		ledger_answer_values(&ans, values + 1, nulls + 1);
@@ -244,6 +254,9 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 	}
 
 	batch_end(&b);
+	/* once for every replay: all their rows were read before this */
+	if (replayed)
+		idem_replay_durable(replayed_lsn);
 	return (Datum) 0;
 }
 

@@ -467,6 +467,37 @@ index_is_plain_btree(Relation idx, int nkeys, const AttrNumber *atts,
 	return true;
 }
 
+/*
+ * A ledger must be a permanent table.  An unlogged ledger is emptied by a
+ * crash (and a temporary one at the end of its session) while the effects
+ * it recorded survive: every redelivery would then run its effect again.
+ * Checked by idem_install and whenever a backend (re)checks the ledger,
+ * which ALTER TABLE ... SET UNLOGGED makes it do (it rewrites the table).
+ */
+void
+ledger_check_permanent(LedgerKind kind, Oid relid)
+{
+	char		persistence = get_rel_persistence(relid);
+	char	   *nspname;
+	char	   *qtable;
+
+	if (persistence == RELPERSISTENCE_PERMANENT)
+		return;
+	nspname = get_namespace_name(get_rel_namespace(relid));
+	qtable = quote_qualified_identifier(nspname, get_rel_name(relid));
+	if (persistence == RELPERSISTENCE_UNLOGGED)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem ledger \"%s\" is an unlogged table", ledger_tables[kind]),
+				 errdetail("A crash empties an unlogged table while the effects it recorded survive, so every redelivered message would run its effect again."),
+				 errhint("Make it permanent again: ALTER TABLE %s SET LOGGED.", qtable)));
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("idem ledger \"%s\" is a temporary table", ledger_tables[kind]),
+			 errdetail("A temporary table is gone at the end of its session while the effects it recorded survive."),
+			 errhint("Drop it and run SELECT idem_install('tenants') to create a permanent ledger.")));
+}
+
 /* Check the ledger's columns and indexes, and remember where things are. */
 static void
 store_check(LedgerStore *store, Relation rel)
@@ -486,6 +517,7 @@ store_check(LedgerStore *store, Relation rel)
 		ereport_altered(table,
 						("It is no longer an ordinary heap table."),
 						("Restore the ledger as idem_install created it."));
+	ledger_check_permanent(kind, RelationGetRelid(rel));
 
 	for (i = 0; i < COL_COUNT; i++)
 	{
@@ -923,22 +955,28 @@ key_scankeys(const LedgerKey *lk, ScanKey keys, int *nkeys,
 }
 
 /*
- * Whether this transaction (or one of its subtransactions) wrote the row.
+ * The transaction that wrote the row (FrozenTransactionId once frozen).
  * Read through the heap accessor: a frozen row's raw xmin is meaningless
  * (and may one day equal a running xid); the ledger is checked to be a
  * heap table when the store is built.
  */
-static bool
-slot_row_is_ours(TupleTableSlot *slot)
+static TransactionId
+slot_row_writer(TupleTableSlot *slot)
 {
 	bool		should_free;
 	HeapTuple	tup = ExecFetchSlotHeapTuple(slot, false, &should_free);
-	bool		ours;
+	TransactionId writer = HeapTupleHeaderGetXmin(tup->t_data);
 
-	ours = TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tup->t_data));
 	if (should_free)
 		heap_freetuple(tup);
-	return ours;
+	return writer;
+}
+
+/* Whether this transaction (or one of its subtransactions) wrote the row. */
+static bool
+slot_row_is_ours(TupleTableSlot *slot)
+{
+	return TransactionIdIsCurrentTransactionId(slot_row_writer(slot));
 }
 
 /* A column of a probed row; a NULL is refused (NOT NULL was dropped). */
@@ -1004,7 +1042,8 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	row->attempt = DatumGetInt32(row_attr(store, slot, COL_ATTEMPT));
 	row->outcome = PointerGetDatum(PG_DETOAST_DATUM_COPY(row_attr(store, slot, COL_OUTCOME)));
 	row->expires_at = DatumGetTimestampTz(row_attr(store, slot, COL_EXPIRES_AT));
-	row->ours = slot_row_is_ours(slot);
+	row->writer = slot_row_writer(slot);
+	row->ours = TransactionIdIsCurrentTransactionId(row->writer);
 
 	ExecDropSingleTupleTableSlot(slot);
 	table_close(rel, NoLock);

@@ -30,8 +30,8 @@
  *
  * idem_outbox_repopulate() puts a copy of a terminal row that a lookup or
  * claim read (not wrote) straight into the queue, marked with the end of
- * the WAL inserted at the read (insert_end_lsn): the row's commit record
- * is before it.  That position may also cover WAL of no commit, which
+ * the WAL inserted at the read (idem_insert_end_lsn): the row's commit
+ * record is before it.  That position may also cover WAL of no commit, which
  * nothing but the WAL writer flushes, two or three wal_writer_delay cycles
  * later: the full-page images that setting hint bits writes when data
  * checksums are on (initdb's default from PostgreSQL 18) or wal_log_hints
@@ -85,8 +85,8 @@ outbox_pending_reset(void)
  * and one XLogFlush() refuses.  (GetXLogInsertEndRecPtr() is not in every
  * minor release of 15.)
  */
-static XLogRecPtr
-insert_end_lsn(void)
+XLogRecPtr
+idem_insert_end_lsn(void)
 {
 	XLogRecPtr	lsn = GetXLogInsertRecPtr();
 	uint64		segoff = XLogSegmentOffset(lsn, wal_segment_size);
@@ -110,7 +110,7 @@ outbox_set_lsn(void)
 
 	/* Copies are queued only by transactions that wrote a ledger row. */
 	if (XLogRecPtrIsInvalid(commit_end))
-		commit_end = insert_end_lsn();
+		commit_end = idem_insert_end_lsn();
 	foreach(lc, pending_records)
 		((IdemOutboxRecord *) lfirst(lc))->lsn = commit_end;
 }
@@ -262,7 +262,7 @@ idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 
 	rec = outbox_record(is_platform, tenant_id, key, kind, attempt,
 						fingerprint, outcome, outcome_len, expires_at,
-						insert_end_lsn(), true);
+						idem_insert_end_lsn(), true);
 	(void) idem_outbox_ring_offer(rec);
 	pfree(rec);
 }

@@ -1,27 +1,53 @@
 /*-------------------------------------------------------------------------
  *
  * standby_slots.c
- *	  idem.standby_slots: the physical replication slots whose standbys must
- *	  have flushed a commit before the worker copies its result to Valkey,
- *	  so that a failover to one of them cannot lose a result the cache holds
- *	  (in the spirit of PostgreSQL 17's synchronized_standby_slots).
+ *	  Which servers hold a commit: what the worker waits for before it
+ *	  copies a result to Valkey, and what a replay waits for before it is
+ *	  answered from another transaction's row.
+ *
+ * The copy (idem_standby_slots_flushed) waits for every standby that can
+ * be promoted, so that a failover cannot lose a result the cache holds:
+ *
+ *	- the synchronous standbys, whenever synchronous_standby_names is set:
+ *	  their flush position as syncrep.c keeps it (WalSndCtl->lsn, under
+ *	  SyncRepLock).  A COMMIT whose wait for synchronous replication was
+ *	  cancelled is committed locally but may be missing on the synchronous
+ *	  standby that a failover promotes;
+ *	- the standbys of idem.standby_slots (in the spirit of PostgreSQL 17's
+ *	  synchronized_standby_slots): by default '*', every physical
+ *	  replication slot that has a flush position; or the named physical
+ *	  slots; or none ('').
  *
  * A physical slot's restart_lsn is the flush position its standby last
- * reported.  A slot that is missing, logical, invalidated or not yet used
- * holds every copy back (the copies wait in the queue, and are dropped and
- * counted once it is full): the worker never guesses that a standby has
+ * reported.  A named slot that is missing, logical, invalidated or not yet
+ * used holds every copy back (the copies wait in the queue, and are dropped
+ * and counted once it is full): the worker never guesses that a standby has
  * what it did not report.  The reason is given to the caller for
- * idem_stats() and the log.
+ * idem_stats() and the log.  With '*', a slot without a flush position
+ * (never used, or invalidated) is not waited for: no standby follows it.
  *
- * Only the worker calls this.  Locking: ReplicationSlotControlLock shared,
- * and each slot's spinlock while its fields are read, as slot.c's readers
- * do; the parsed list is process-local, re-parsed when the setting changes.
+ * A replay (idem_replay_durable) read from another transaction's row may
+ * be an asynchronous commit not flushed yet, or a commit whose wait for
+ * synchronous replication was cancelled: before it is answered, WAL is
+ * made as durable as the asking session's synchronous_commit makes its own
+ * commits, as if the replay had committed a write.
+ *
+ * Locking: ReplicationSlotControlLock shared, and each slot's spinlock
+ * while its fields are read, as slot.c's readers do; SyncRepLock shared for
+ * the synchronous standbys' position.  The parsed list is process-local,
+ * re-parsed when the setting changes.
  *
  *-------------------------------------------------------------------------
  */
 #include "idem.h"
 
+#include "access/transam.h"
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "miscadmin.h"
 #include "replication/slot.h"
+#include "replication/syncrep.h"
+#include "replication/walsender_private.h"
 #include "storage/lwlock.h"
 #include "storage/spin.h"
 #include "utils/builtins.h"
@@ -30,6 +56,7 @@
 
 static char *parsed_from = NULL;	/* the setting the list was parsed from */
 static List *slot_names = NIL;		/* of char *, in TopMemoryContext */
+static bool all_slots = false;		/* '*': every physical slot in use */
 
 /* Check hook of idem.standby_slots: a list of valid slot names. */
 bool
@@ -40,7 +67,8 @@ idem_check_standby_slots(char **newval, void **extra, GucSource source)
 	ListCell   *lc;
 	bool		ok = true;
 
-	if (*newval == NULL || (*newval)[0] == '\0')
+	if (*newval == NULL || (*newval)[0] == '\0' ||
+		strcmp(*newval, IDEM_ALL_STANDBY_SLOTS) == 0)
 		return true;
 	raw = pstrdup(*newval);
 	if (!SplitIdentifierString(raw, ',', &names))
@@ -52,6 +80,13 @@ idem_check_standby_slots(char **newval, void **extra, GucSource source)
 	{
 		foreach(lc, names)
 		{
+			if (strcmp((char *) lfirst(lc), IDEM_ALL_STANDBY_SLOTS) == 0)
+			{
+				GUC_check_errdetail("\"%s\" (every physical slot) cannot be combined with slot names.",
+									IDEM_ALL_STANDBY_SLOTS);
+				ok = false;
+				break;
+			}
 			if (!ReplicationSlotValidateName((char *) lfirst(lc), DEBUG1))
 			{
 				GUC_check_errdetail("\"%s\" is not a valid replication slot name.",
@@ -84,6 +119,12 @@ parse_setting(void)
 
 	old = MemoryContextSwitchTo(TopMemoryContext);
 	parsed_from = pstrdup(cur);
+	all_slots = strcmp(cur, IDEM_ALL_STANDBY_SLOTS) == 0;
+	if (all_slots)
+	{
+		MemoryContextSwitchTo(old);
+		return;
+	}
 	raw = pstrdup(cur);
 	/* The check hook has accepted it. */
 	(void) SplitIdentifierString(raw, ',', &names);
@@ -95,16 +136,79 @@ parse_setting(void)
 }
 
 /*
- * Lower *lsn to the least flush position the named standbys reported.
- * Returns false, with the reason in why (whylen bytes), when one of them
- * cannot be used; *lsn is then InvalidXLogRecPtr (nothing is durable).
+ * Whether synchronous standbys are configured, as the walsenders and the
+ * committing backends see it, and how far they have confirmed WAL in mode
+ * (SYNC_REP_WAIT_WRITE or SYNC_REP_WAIT_FLUSH).  Read under SyncRepLock, as
+ * SyncRepWaitForLSN reads it; before the checkpointer has first processed
+ * synchronous_standby_names, this process's own value of it decides, as
+ * there.
+ */
+static bool
+sync_standbys_confirmed(int mode, XLogRecPtr *lsn)
+{
+	bool		defined;
+
+	LWLockAcquire(SyncRepLock, LW_SHARED);
+	if (IDEM_SYNC_STANDBYS_KNOWN(WalSndCtl))
+		defined = IDEM_SYNC_STANDBYS_DEFINED(WalSndCtl);
+	else
+		defined = SyncRepStandbyNames != NULL && SyncRepStandbyNames[0] != '\0';
+	*lsn = WalSndCtl->lsn[mode];
+	LWLockRelease(SyncRepLock);
+	return defined;
+}
+
+/* Lower *lsn to what every physical slot with a flush position reported. */
+static void
+all_slots_flushed(XLogRecPtr *lsn)
+{
+	int			i;
+
+	LWLockAcquire(ReplicationSlotControlLock, LW_SHARED);
+	for (i = 0; i < max_replication_slots; i++)
+	{
+		ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
+		bool		physical;
+		bool		invalidated;
+		XLogRecPtr	flushed;
+
+		if (!s->in_use)
+			continue;
+		SpinLockAcquire(&s->mutex);
+		physical = SlotIsPhysical(s);
+		invalidated = IDEM_SLOT_INVALIDATED(s);
+		flushed = s->data.restart_lsn;
+		SpinLockRelease(&s->mutex);
+		if (physical && !invalidated && !XLogRecPtrIsInvalid(flushed) &&
+			flushed < *lsn)
+			*lsn = flushed;
+	}
+	LWLockRelease(ReplicationSlotControlLock);
+}
+
+/*
+ * Lower *lsn to the least flush position the synchronous standbys and the
+ * standbys of idem.standby_slots reported.  Returns false, with the reason
+ * in why (whylen bytes), when a named slot cannot be used; *lsn is then
+ * InvalidXLogRecPtr (nothing is durable).
  */
 bool
 idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 {
 	ListCell   *lc;
+	XLogRecPtr	sync_flushed;
+
+	if (sync_standbys_confirmed(SYNC_REP_WAIT_FLUSH, &sync_flushed) &&
+		sync_flushed < *lsn)
+		*lsn = sync_flushed;
 
 	parse_setting();
+	if (all_slots)
+	{
+		if (ReplicationSlotCtl != NULL)
+			all_slots_flushed(lsn);
+		return true;
+	}
 	if (slot_names == NIL)
 		return true;
 	if (ReplicationSlotCtl == NULL)
@@ -126,16 +230,18 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 		{
 			ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
 			bool		physical;
+			bool		invalidated;
 
 			if (!s->in_use || strcmp(NameStr(s->data.name), name) != 0)
 				continue;
 			SpinLockAcquire(&s->mutex);
 			physical = SlotIsPhysical(s);
+			invalidated = IDEM_SLOT_INVALIDATED(s);
 			flushed = s->data.restart_lsn;
 			SpinLockRelease(&s->mutex);
 			if (!physical)
 				problem = "is a logical slot";
-			else if (XLogRecPtrIsInvalid(flushed))
+			else if (invalidated || XLogRecPtrIsInvalid(flushed))
 				problem = "has no flush position (not used yet, or invalidated)";
 			else
 				problem = NULL;
@@ -154,4 +260,69 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 	}
 	LWLockRelease(ReplicationSlotControlLock);
 	return true;
+}
+
+/*
+ * Where the commit of writer ends if it may not be flushed yet, else
+ * InvalidXLogRecPtr.  A synchronous commit is flushed before it becomes
+ * visible; the clog keeps the LSN of asynchronous ones (the greatest of a
+ * group of transactions, for as long as the clog page is in memory: WAL is
+ * flushed that far before the page is written out), as SetHintBits reads
+ * it before it trusts another transaction's commit.
+ */
+XLogRecPtr
+idem_commit_lsn(TransactionId writer)
+{
+	if (!TransactionIdIsNormal(writer))
+		return InvalidXLogRecPtr;
+	return TransactionIdGetCommitLSN(writer);
+}
+
+/*
+ * Before a replay read from another transaction's row is answered: make
+ * that commit as durable as this session's synchronous_commit makes its
+ * own commits, as if answering had committed a write.  The row's commit
+ * may be asynchronous and not flushed yet (commit_lsn, from
+ * idem_commit_lsn(): an immediate stop or a crash would lose it after the
+ * caller acknowledged the message), or committed locally while its wait
+ * for synchronous replication was cancelled (a failover would lose it).
+ * The commit record of the latter is not known, only that it is older
+ * than the WAL inserted so far: with synchronous replication, that is
+ * what the synchronous standbys must confirm.  Each wait returns at once
+ * when its position is already reached.
+ */
+void
+idem_replay_durable(XLogRecPtr commit_lsn)
+{
+	XLogRecPtr	lsn;
+	XLogRecPtr	confirmed;
+	int			mode;
+
+	if (synchronous_commit <= SYNCHRONOUS_COMMIT_OFF || RecoveryInProgress())
+		return;
+	if (!XLogRecPtrIsInvalid(commit_lsn))
+		XLogFlush(commit_lsn);
+
+	if (!SyncRepRequested())
+		return;
+	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
+		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
+	lsn = idem_insert_end_lsn();
+	if (!sync_standbys_confirmed(mode, &confirmed) || confirmed >= lsn)
+		return;
+	/* the standbys are sent only what is flushed here */
+	XLogFlush(lsn);
+	HOLD_INTERRUPTS();
+	SyncRepWaitForLSN(lsn, false);
+	RESUME_INTERRUPTS();
+	/* terminated while waiting: go now, answering nothing */
+	CHECK_FOR_INTERRUPTS();
+
+	/* A cancelled wait returns with a WARNING: do not answer then either. */
+	if (sync_standbys_confirmed(mode, &confirmed) && confirmed < lsn)
+		ereport(ERROR,
+				(errcode(ERRCODE_QUERY_CANCELED),
+				 errmsg("canceling the idem replay while it waited for synchronous replication"),
+				 errdetail("The result was read from a transaction that the synchronous standbys have not confirmed yet."),
+				 errhint("Retry: the key is answered once its result is replicated.")));
 }

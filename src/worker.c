@@ -811,9 +811,11 @@ worker_report_standby(void)
 }
 
 /*
- * How far WAL is durable: flushed here and, with idem.standby_slots, on
- * those standbys.  Also gives the timeline, which names the keyspace.  When
- * a standby cannot be used, returns InvalidXLogRecPtr and sets
+ * How far WAL is durable: flushed here, on the synchronous standbys (when
+ * synchronous_standby_names is set) and on the standbys of
+ * idem.standby_slots (by default, of every physical slot in use); see
+ * standby_slots.c.  Also gives the timeline, which names the keyspace.
+ * When a named standby cannot be used, returns InvalidXLogRecPtr and sets
  * *standby_problem (the reason is in errbuf).
  */
 static XLogRecPtr

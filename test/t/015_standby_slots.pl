@@ -1,6 +1,8 @@
 # idem.standby_slots (issue 12), with a real streaming standby made by
 # pg_basebackup: a copy waits until the named standby has flushed its
-# commit; a stopped standby holds copies back, a missing slot too.
+# commit; a stopped standby holds copies back, a missing slot too.  By
+# default ('*', issue 25) every physical slot a standby has used is waited
+# for; '' waits for none.
 use strict;
 use warnings;
 
@@ -61,6 +63,65 @@ $primary->reload;
 ok(defined $valkey->wait_for_key($k3, 10), 'without it, the copy goes out');
 my ($rc, $out, $err) = $primary->psql('postgres', "ALTER SYSTEM SET idem.standby_slots = 'Bad-Name'");
 like($err, qr/not a valid replication slot name/, 'an invalid slot name is refused');
+($rc, $out, $err) = $primary->psql('postgres', "ALTER SYSTEM SET idem.standby_slots = '*, sb1'");
+like($err, qr/cannot be combined with slot names/, '"*" with slot names is refused');
+
+# --- the default, '*': the standby of every physical slot (issue 25) ---
+$primary->adjust_conf('postgresql.conf', 'idem.standby_slots', undef);
+$primary->reload;
+usleep(500_000);
+is($primary->safe_psql('postgres', 'SHOW idem.standby_slots'), '*',
+	'by default idem.standby_slots is *');
+$primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('unused')");
+my $k4 = IdemValkey::tenant_key($primary, 1, 's', 'k4');
+commit_key($primary, 'k4');
+ok(defined $valkey->wait_for_key($k4, 10),
+	'by default, with the standby streaming, a commit is copied (a slot no standby used is not waited for)');
+$standby->stop;
+my $k5 = IdemValkey::tenant_key($primary, 1, 's', 'k5');
+commit_key($primary, 'k5');
+usleep(2_000_000);
+is($valkey->command('GET', $k5), undef,
+	'by default, with the standby of a physical slot stopped, the copy waits');
+$primary->safe_psql('postgres', "ALTER SYSTEM SET idem.standby_slots = ''");
+$primary->reload;
+ok(defined $valkey->wait_for_key($k5, 10),
+	"with idem.standby_slots = '' no standby is waited for: the copy goes out");
+$primary->safe_psql('postgres', 'ALTER SYSTEM RESET idem.standby_slots');
+$primary->reload;
+usleep(500_000);
+my $k6 = IdemValkey::tenant_key($primary, 1, 's', 'k6');
+commit_key($primary, 'k6');
+usleep(2_000_000);
+is($valkey->command('GET', $k6), undef, 'back to the default, the next copy waits again');
+$standby->start;
+ok(defined $valkey->wait_for_key($k6, 20), 'once the standby has caught up, it is copied');
+
+# From 18 a slot invalidated for idle_replication_slot_timeout keeps its
+# restart_lsn, which never moves again: '*' must not wait for it.
+SKIP:
+{
+	skip 'idle_replication_slot_timeout is new in PostgreSQL 18', 2
+	  if $primary->pg_version < 18;
+	$primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('idle', true)");
+	$primary->safe_psql('postgres', "ALTER SYSTEM SET idle_replication_slot_timeout = '1s'");
+	$primary->reload;
+	usleep(1_500_000);
+	ok(IdemValkey::poll_until(20, sub {
+				$primary->safe_psql('postgres', 'CHECKPOINT');
+				$primary->safe_psql('postgres',
+					"SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = 'idle'") eq
+				  'idle_timeout'
+			}),
+		'a reserved slot left idle is invalidated (idle_timeout)');
+	my $k7 = IdemValkey::tenant_key($primary, 1, 's', 'k7');
+	commit_key($primary, 'k7');
+	ok(defined $valkey->wait_for_key($k7, 10),
+		'by default, a slot invalidated with its restart_lsn kept is not waited for');
+	$primary->safe_psql('postgres', 'ALTER SYSTEM RESET idle_replication_slot_timeout');
+	$primary->reload;
+	$primary->safe_psql('postgres', "SELECT pg_drop_replication_slot('idle')");
+}
 $standby->stop;
 $primary->stop;
 
