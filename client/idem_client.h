@@ -264,10 +264,13 @@ typedef enum idem_error_code
 	IDEM_ERR_HANDLER,			/* the handler broke the transaction */
 	IDEM_ERR_CONNECTION,		/* PostgreSQL unreachable or connection lost
 								 * before COMMIT was sent: nothing committed */
-	IDEM_ERR_COMMIT_UNKNOWN,	/* connection lost after COMMIT was sent:
-								 * the effect and the key committed together
-								 * or not at all, but which is unknown;
-								 * redeliver (the ledger decides) */
+	IDEM_ERR_COMMIT_UNKNOWN,	/* a failure after COMMIT (or idem_apply)
+								 * was sent -- a lost connection, a FATAL, a
+								 * pooler's own error -- that does not prove
+								 * a rollback: the effect and the key
+								 * committed together or not at all, but
+								 * which is unknown; redeliver (the ledger
+								 * decides) */
 	IDEM_ERR_SERVER,			/* PostgreSQL raised an error (sqlstate) */
 	IDEM_ERR_PROTOCOL,			/* unexpected answer from PostgreSQL */
 	IDEM_ERR_OUT_OF_MEMORY,

@@ -178,6 +178,8 @@ typedef struct pg_outcome
 	int			queued;			/* commands handed to libpq (perhaps sent) */
 	PGresult   *res[PG_MAX_CMDS];
 	char		sqlstate[6];
+	char		severity[10];	/* of that error: ERROR, FATAL, PANIC; "" if
+								 * none arrived (only a lost connection) */
 	char		message[400];
 	int			stale_first;	/* a prepared first statement failed as its
 								 * plan went stale: unnamed from now on,
@@ -189,6 +191,10 @@ void		idem_pg_close(idem_pg *p);
 /* Connect if needed (and look up the schema).  0, or -1 with msg set;
  * *fresh says whether a new connection was made. */
 int			idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen);
+/* Whether the idle connection is still alive: what the server sent since
+ * the last command is read without blocking (a FATAL, the end of the
+ * stream), no round trip.  1 alive, 0 ended. */
+int			idem_pg_alive(idem_pg *p);
 /* Send cmds as one pipeline with one Sync: one round trip. */
 void		idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
 							 pg_outcome *out);

@@ -213,6 +213,12 @@ idle_conn_alive(idem_pg *p)
 	return 1;
 }
 
+int
+idem_pg_alive(idem_pg *p)
+{
+	return p->conn != NULL && idle_conn_alive(p);
+}
+
 /*
  * Whether this connection may use named prepared statements.  A pooler in
  * transaction mode (pgbouncer) runs each transaction on any of its server
@@ -338,11 +344,14 @@ static void
 set_error(pg_outcome *out, const PGresult *r, PGconn *conn)
 {
 	const char *st = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+	const char *sev = r ? PQresultErrorField(r, PG_DIAG_SEVERITY_NONLOCALIZED) : NULL;
 
 	if (out->message[0] != '\0')
 		return;
 	if (st)
 		snprintf(out->sqlstate, sizeof(out->sqlstate), "%s", st);
+	if (sev)
+		snprintf(out->severity, sizeof(out->severity), "%s", sev);
 	copy_msg(out->message, sizeof(out->message), "",
 			 r ? PQresultErrorMessage(r) : PQerrorMessage(conn));
 	if (out->message[0] == '\0')
@@ -655,7 +664,12 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 		while ((extra = PQgetResult(conn)) != NULL)
 		{
 			if (PQresultStatus(extra) == PGRES_FATAL_ERROR)
+			{
+				/* an error after the command's rows: it failed after all */
 				set_error(out, extra, conn);
+				if (out->failed_cmd < 0 && PQstatus(conn) == CONNECTION_OK)
+					out->failed_cmd = i;
+			}
 			PQclear(extra);
 			if (PQstatus(conn) != CONNECTION_OK)
 			{
@@ -671,7 +685,25 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	}
 	{
 		PGresult   *r = PQgetResult(conn);
-		int			ok = r && PQresultStatus(r) == PGRES_PIPELINE_SYNC;
+		int			ok;
+
+		/*
+		 * An error at the Sync: the commit of an implicit transaction (a
+		 * deferred constraint of one autocommit statement) failed.  Its
+		 * answer counts as the last command's.
+		 */
+		while (r && PQresultStatus(r) == PGRES_FATAL_ERROR &&
+			   PQstatus(conn) == CONNECTION_OK)
+		{
+			set_error(out, r, conn);
+			if (out->failed_cmd < 0)
+				out->failed_cmd = n - 1;
+			PQclear(r);
+			r = PQgetResult(conn);
+			if (r == NULL)
+				r = PQgetResult(conn);
+		}
+		ok = r && PQresultStatus(r) == PGRES_PIPELINE_SYNC;
 
 		if (r)
 			PQclear(r);

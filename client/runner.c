@@ -37,7 +37,8 @@
  *	  stored result as a GET would, without writing; sql_handler makes
  *	  step 3b one idem_apply statement.
  *
- *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
+ *	  Honesty: once COMMIT is sent, any failure is "commit unknown" unless
+ *	  the answer proves a rollback (proves_rollback);
  *	  a handler that ends the runner's transaction fails the run with
  *	  IDEM_ERR_HANDLER_ENDED_TX (its effect may have committed without the
  *	  key).
@@ -442,6 +443,50 @@ pg_error(run_state *s, pg_outcome *o, const char *what)
 }
 
 /*
+ * Whether the error that answered a pipeline ending in COMMIT (or the one
+ * autocommit idem_apply) proves that its transaction rolled back, even if
+ * the connection was lost after it.  Once the COMMIT has left the runner,
+ * nothing else is definite: a lost connection, a FATAL, or an error that a
+ * pooler made up (pgbouncer answers a query whose server connection died
+ * with its own 08P01 and closes, in any position of the pipeline, and the
+ * server may have committed before it died) all leave "commit unknown".
+ *
+ * Definite are only ERRORs (not FATAL or PANIC) that PostgreSQL raises in a
+ * transaction that then cannot commit, and that no pooler makes up:
+ *	 22xxx data exception (our outcome or an argument refused), 42xxx a
+ *	 statement refused (a privilege, a missing function), 54xxx a program
+ *	 limit, 55xxx object not in prerequisite state, P0xxx raised by
+ *	 PL/pgSQL (idem_complete refusing), 26000 a prepared statement the
+ *	 handler deallocated, 3B001 a savepoint the handler removed, 25P02 a
+ *	 statement in a transaction already failed: a statement before COMMIT
+ *	 failed, so the transaction is aborted and its COMMIT only rolls back;
+ *	 23xxx an integrity constraint (a deferred one checked at COMMIT), 40xxx
+ *	 transaction rollback (serialization failure, deadlock, also at COMMIT),
+ *	 but not 40003 statement_completion_unknown, which says the opposite.
+ * A COMMIT that fails with an ERROR has rolled back: what fails after the
+ * commit record is written is a PANIC.
+ */
+static int
+proves_rollback(const pg_outcome *o)
+{
+	static const char *const classes[] = {"22", "23", "40", "42", "54", "55",
+	"P0"};
+	static const char *const states[] = {"25P02", "26000", "3B001"};
+	size_t		i;
+
+	if (strcmp(o->severity, "ERROR") != 0 || strlen(o->sqlstate) != 5 ||
+		strcmp(o->sqlstate, "40003") == 0)
+		return 0;
+	for (i = 0; i < sizeof(classes) / sizeof(classes[0]); i++)
+		if (strncmp(o->sqlstate, classes[i], 2) == 0)
+			return 1;
+	for (i = 0; i < sizeof(states) / sizeof(states[0]); i++)
+		if (strcmp(o->sqlstate, states[i]) == 0)
+			return 1;
+	return 0;
+}
+
+/*
  * The handler ended the runner's transaction (COMMIT, ROLLBACK, COMMIT;
  * BEGIN, or released the runner's savepoint).  What it committed, if
  * anything, committed without the key being completed: the claim may
@@ -497,6 +542,19 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		while ((pending = PQgetResult(conn)) != NULL)
 			PQclear(pending);
 	}
+	/*
+	 * The server may have ended the session while the handler ran
+	 * (pg_terminate_backend, a restart): its FATAL, or the end of the
+	 * stream, is waiting to be read.  Seen now, before COMMIT is sent, it
+	 * is a definite "nothing was committed"; after, it could not be told
+	 * from a COMMIT that was cut off.  No round trip: one poll().
+	 */
+	if (!idem_pg_alive(pg))
+	{
+		idem_pg_drop(pg);
+		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
+							"connection to PostgreSQL lost during the handler; nothing was committed");
+	}
 	ts = PQtransactionStatus(conn);
 	if (ts == PQTRANS_IDLE)
 		return handler_ended_tx(s);
@@ -551,20 +609,27 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 
 	/*
 	 * A COMMIT whose result arrived has committed, even if the connection
-	 * dropped before the pipeline's Sync: that is not "unknown".  Once the
-	 * COMMIT was handed to the connection, a lost connection without an
-	 * error before it is "unknown": the server may have committed.
+	 * dropped before the pipeline's Sync: that is not "unknown".  A
+	 * pipeline that ran to its Sync on a live connection answered for
+	 * itself: the COMMIT failed or was skipped after an error, nothing
+	 * committed.  Once the COMMIT was handed to the connection, a lost
+	 * connection is "unknown" whatever arrived before, unless it was an
+	 * error that proves a rollback (proves_rollback): a pooler answers
+	 * with an error of its own when the server connection dies under a
+	 * COMMIT that may have committed.
 	 */
 	if (!(o.completed == 3 && o.res[2] &&
 		  strcmp(PQcmdStatus(o.res[2]), "COMMIT") == 0))
 	{
 		idem_status st;
+		int			definite = o.rc != PG_CONN_LOST || o.queued < 3 ||
+			proves_rollback(&o);
 
-		if (o.rc == PG_CONN_LOST && o.queued == 3 && o.failed_cmd < 0)
+		if (!definite)
 			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
 							  "connection to PostgreSQL lost after COMMIT was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
 							  o.message);
-		else if (o.failed_cmd == 0 && strcmp(o.sqlstate, "3B001") == 0)
+		else if (strcmp(o.sqlstate, "3B001") == 0)
 		{
 			/* our savepoint is gone: the handler ended our transaction
 			 * (COMMIT; BEGIN) or released the savepoint */
@@ -573,9 +638,13 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 			free(canon);
 			return handler_ended_tx(s);
 		}
-		else if (o.rc == PG_CONN_LOST)
+		else if (o.rc == PG_CONN_LOST && o.queued < 3)
 			st = finish_error(s, IDEM_ERR_CONNECTION, o.sqlstate,
-							  "connection to PostgreSQL lost before COMMIT; nothing was committed: %s",
+							  "connection to PostgreSQL lost before COMMIT was sent; nothing was committed: %s",
+							  o.message);
+		else if (o.rc == PG_CONN_LOST)
+			st = finish_error(s, IDEM_ERR_SERVER, o.sqlstate,
+							  "PostgreSQL refused a statement before COMMIT (rolled back, nothing committed), then the connection was lost: %s",
 							  o.message);
 		else
 		{
@@ -888,7 +957,9 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
  * Step 3b with a SQL handler: one autocommit statement, idem_apply, claims,
  * runs the handler in a subtransaction and completes or fails the key.
  * Once it is sent, a lost connection is "commit unknown" (the statement
- * commits by itself); a server error committed nothing.
+ * commits by itself), unless an error that proves a rollback arrived first
+ * (proves_rollback); a server error answered before its Sync committed
+ * nothing.
  */
 static idem_status
 apply_step(run_state *s, const idem_run_options *ro)
@@ -944,9 +1015,15 @@ apply_step(run_state *s, const idem_run_options *ro)
 	{
 		idem_status st;
 
-		if (o.rc == PG_CONN_LOST && o.queued == 1 && o.failed_cmd < 0)
+		/* as after a COMMIT (finish_claimed): once idem_apply is sent,
+		 * only an answer that proves a rollback is definite */
+		if (o.rc == PG_CONN_LOST && o.queued == 1 && !proves_rollback(&o))
 			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
 							  "connection to PostgreSQL lost after idem_apply was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
+							  o.message);
+		else if (o.rc == PG_CONN_LOST && o.queued == 1)
+			st = finish_error(s, IDEM_ERR_SERVER, o.sqlstate,
+							  "idem_apply failed (rolled back, nothing committed), then the connection was lost: %s",
 							  o.message);
 		else
 			st = pg_error(s, &o, "idem_apply");

@@ -161,7 +161,7 @@ done
 
 export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
 export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
-export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work
+export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work IDEM_TEST_PGBIN=$pgbin
 export PGCONNECT_TIMEOUT=10
 
 "$bin/itest" setup >"$work/setup.log" 2>&1 || { echo "Bail out! test database setup failed"; cat "$work/setup.log"; exit 1; }
@@ -242,6 +242,7 @@ if [ "$mode" != only ]; then
 	tap faults "$bin/itest" contention faults
 	tap trust "$bin/itest" trust
 	tap router "$bin/itest" router
+	tap honesty "$bin/itest" honesty
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -257,6 +258,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	tap asan-contention "$bin/itest-asan" contention clean
 	tap asan-trust "$bin/itest-asan" trust
 	tap asan-router "$bin/itest-asan" router
+	tap asan-honesty "$bin/itest-asan" honesty
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
