@@ -18,6 +18,8 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <sys/random.h>
 
 void
 idem_pg_init(idem_pg *p)
@@ -91,6 +93,36 @@ fmt_sql(const char *fmt, const char *schema)
 	return s;
 }
 
+/*
+ * The name of the savepoint the handler runs after: idem_handler_ and 16
+ * random hex digits, drawn anew for each connection.  A handler that ends
+ * the runner's transaction and opens another with a savepoint of the
+ * documented name (COMMIT; BEGIN; SAVEPOINT idem_handler) does not have
+ * ours: the RELEASE (or ROLLBACK TO) of the completion fails (3B001) and
+ * the run reports IDEM_ERR_HANDLER_ENDED_TX instead of "applied".  Fixed
+ * per connection, so that the savepoint statements stay prepared.
+ */
+static void
+savepoint_name(idem_pg *p, char out[40])
+{
+	uint8_t		b[8];
+	ssize_t		got = getrandom(b, sizeof(b), GRND_NONBLOCK);
+
+	if (got != (ssize_t) sizeof(b))
+	{
+		/* no entropy yet: unguessable enough against a handler's mistake */
+		uint64_t	x = (uint64_t) idem_now_ms() ^ ((uint64_t) getpid() << 32) ^
+			(uint64_t) (uintptr_t) p ^ (uint64_t) p->connects * 0x9E3779B97F4A7C15ULL;
+		int			i;
+
+		for (i = 0; i < 8; i++)
+			b[i] = (uint8_t) (x >> (8 * i));
+	}
+	memcpy(out, "idem_handler_", 13);
+	idem_cache_hex(out + 13, b, sizeof(b));
+	out[13 + 16] = '\0';
+}
+
 static int
 build_sql(idem_pg *p, const char *s)
 {
@@ -134,19 +166,27 @@ build_sql(idem_pg *p, const char *s)
 		"SELECT a.decision, a.attempt, a.outcome::text, "
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
 		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a",
-		/* BEGIN .. COMMIT: the runner's transaction around a C handler */
+		/*
+		 * BEGIN .. COMMIT: the runner's transaction around a C handler.
+		 * The savepoint's %s is its name, drawn for each connection
+		 * (savepoint_name).
+		 */
 		"BEGIN",
-		"SAVEPOINT idem_handler",
-		"RELEASE SAVEPOINT idem_handler",
-		"ROLLBACK TO SAVEPOINT idem_handler",
+		"SAVEPOINT %s",
+		"RELEASE SAVEPOINT %s",
+		"ROLLBACK TO SAVEPOINT %s",
 		"COMMIT"
 	};
+	char		sp[40];
 	int			i;
 
+	savepoint_name(p, sp);
 	free_sql(p);
 	for (i = 0; i < STMT_COUNT; i++)
 	{
-		p->sql[i] = fmt_sql(fmts[i], s);
+		p->sql[i] = fmt_sql(fmts[i],
+							i == STMT_SAVEPOINT || i == STMT_RELEASE ||
+							i == STMT_ROLLBACK_TO ? sp : s);
 		if (p->sql[i] == NULL)
 			return -1;
 	}

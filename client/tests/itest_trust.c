@@ -10,7 +10,8 @@
  *		trusted any well-formed value;
  *	  - a proxy that forwards COMMIT and drops its reply: "commit unknown";
  *	  - a 50 ms interval timer does not extend the Valkey deadline;
- *	  - a handler that ends the runner's transaction: its own error;
+ *	  - a handler that ends the runner's transaction: its own error, also
+ *		when it opens another with a savepoint of the documented name;
  *	  - a role without EXECUTE on idem_cache_secrets(): PostgreSQL only,
  *		said once.
  */
@@ -64,6 +65,8 @@ thandler(PGconn *conn, idem_call *call, void *ud)
 		PQclear(PQexec(conn, "COMMIT"));
 	else if (h->mode && strcmp(h->mode, "commit_begin") == 0)
 		PQclear(PQexec(conn, "COMMIT; BEGIN"));
+	else if (h->mode && strcmp(h->mode, "commit_begin_savepoint") == 0)
+		PQclear(PQexec(conn, "COMMIT; BEGIN; SAVEPOINT idem_handler"));
 	else if (h->mode && strcmp(h->mode, "rollback") == 0)
 		PQclear(PQexec(conn, "ROLLBACK"));
 	idem_call_set_json(call, "{\"done\": true}");
@@ -597,10 +600,11 @@ test_timer(void)
 static void
 test_handler_ends_tx(idem_runner *R)
 {
-	const char *modes[3] = {"commit", "commit_begin", "rollback"};
+	const char *modes[4] = {"commit", "commit_begin", "rollback",
+	"commit_begin_savepoint"};
 	int			i;
 
-	for (i = 0; i < 3; i++)
+	for (i = 0; i < 4; i++)
 	{
 		idem_result res;
 		thctx		h;
