@@ -11,8 +11,10 @@
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
- *		 lease is busy (unless idem_lookup finds its run committed: a replay
- *		 or mismatch); anything else is ignored (counted); absent: our
+ *		 lease and younger than IDEM_MARKER_CHEAP_MS is busy (unless
+ *		 idem_lookup finds its run committed: a replay or mismatch), an
+ *		 older one is the claim's to judge (3b: its run may be dead);
+ *		 anything else is ignored (counted); absent: our
  *		 MACed marker is set, in the same command.  Valkey down or slow: skip
  *		 the gate (for retry_ms after a failure, without trying).
  *	  3a. Valkey configured but silent, or a mismatch hint (lookup_first):
@@ -58,6 +60,16 @@
 
 /* ---- one run ---- */
 
+/*
+ * How long another run's marker answers its duplicates "busy" from Valkey
+ * alone.  After that a duplicate asks PostgreSQL (the claim, which never
+ * waits: busy at once if the key is really held), so that a runner that
+ * died mid-handler (SIGKILL: PostgreSQL rolls its claim back at once) does
+ * not keep its key busy in Valkey for the rest of its lease.  A live run's
+ * duplicates within this first second stay cheap.
+ */
+#define IDEM_MARKER_CHEAP_MS 1000
+
 typedef struct run_state
 {
 	idem_runner *r;
@@ -75,6 +87,8 @@ typedef struct run_state
 	int			mismatch_hint;	/* Valkey holds another fingerprint: only
 								 * PostgreSQL may say "mismatch" */
 	int			marker_busy;	/* the gate met another run's marker */
+	int			marker_old;		/* ... older than IDEM_MARKER_CHEAP_MS:
+								 * PostgreSQL decides */
 	/* parameters as text */
 	char		tenant_txt[24];	/* of PostgreSQL's statements: params_key */
 } run_state;
@@ -287,6 +301,19 @@ gate_step(run_state *s)
 			if (e.kind == IDEM_CACHE_MARKER)
 			{
 				long long	left = e.expires_ms - idem_wall_ms();
+
+				/*
+				 * Its age: the marker carries its deadline, set by a
+				 * runner with (normally) our lease.  One made with a longer
+				 * lease looks younger (idem_trust_check refused it if more
+				 * than 1 s longer), a shorter one older: PostgreSQL is
+				 * asked sooner, which costs time, never correctness.
+				 */
+				if ((long long) s->r->lease_ms - left >= IDEM_MARKER_CHEAP_MS)
+				{
+					s->marker_old = 1;
+					break;		/* PostgreSQL decides */
+				}
 
 				/*
 				 * Busy until the deadline in its MACed content, which
@@ -1229,7 +1256,14 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 			 lookup_step(&s))
 		st = out->status;
 	else
+	{
+		/*
+		 * An old marker (marker_old) goes straight to the claim: busy at
+		 * once if its run is alive, the key if it died; a committed run's
+		 * row is replayed by the claim as by idem_lookup.
+		 */
 		st = effect_step(&s, ro, scope, id, handler, user_data);
+	}
 
 	/* no terminal result was written: our marker goes (compare-and-delete) */
 	if (s.own_marker)

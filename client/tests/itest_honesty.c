@@ -1,6 +1,6 @@
 /*
- * itest_honesty.c: what the runner says when it cannot know (itest
- * honesty).
+ * itest_honesty.c: what the runner says when it cannot know, and a dead
+ * runner's marker (itest honesty).
  *
  *	  - COMMIT in flight when the server connection dies: the server holds
  *		the COMMIT after writing it locally (a synchronous standby that
@@ -13,7 +13,10 @@
  *		which answers the COMMIT with an error of its own and closes; for
  *		a C handler and for idem_apply (sql_handler);
  *	  - an answer that proves a rollback (a deferred constraint at COMMIT)
- *		stays definite, through pgbouncer too.
+ *		stays definite, through pgbouncer too;
+ *	  - a runner SIGKILLed in the middle of its handler: PostgreSQL frees
+ *		the key at once, and its marker in Valkey answers busy for a second
+ *		only, not for the rest of its lease.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -29,6 +32,10 @@
 
 #include "itest.h"
 #include "internal.h"
+
+/* a marker older than this is the claim's to judge (IDEM_MARKER_CHEAP_MS
+ * in runner.c is 1000) */
+#define IDEM_MARKER_TEST_MS 1200
 
 static PGconn *admin;
 static char S[64];
@@ -445,6 +452,166 @@ test_commit_unknown(void)
 	syncrep(0);
 }
 
+/* ---- a dead runner's marker ---- */
+
+static void
+test_dead_marker(void)
+{
+	char		ci[600];
+	char		id[64];
+	int			fds[2];
+	pid_t		pid;
+	char		c;
+	struct pollfd pfd;
+	idem_runner *R;
+	idem_result res,
+				res2;
+	hctx		h;
+	int64_t		claimed_at;
+	int			i;
+
+	snprintf(id, sizeof(id), "dead-%d", (int) getpid());
+	snprintf(ci, sizeof(ci), "%s application_name=itest-dead", E.pg);
+	if (pipe(fds) != 0)
+	{
+		tap_ok_ext(0, "pipe");
+		return;
+	}
+	fflush(stdout);
+	pid = fork();
+	if (pid == 0)
+	{
+		idem_runner *r = idem_runner_open(ci, "127.0.0.1", E.valkey_port, NULL);
+		idem_result res0;
+		hctx		h0;
+
+		memset(&h0, 0, sizeof(h0));
+		h0.mode = "wait";
+		h0.fd = fds[1];
+		idem_result_init(&res0);
+		idem_run(r, 1, S, id, "{}", h_effect, &h0, &res0);
+		_exit(0);
+	}
+	close(fds[1]);
+	pfd.fd = fds[0];
+	pfd.events = POLLIN;
+	pfd.revents = 0;
+	if (poll(&pfd, 1, 30000) != 1 || read(fds[0], &c, 1) != 1)
+	{
+		kill(pid, SIGKILL);
+		waitpid(pid, NULL, 0);
+		close(fds[0]);
+		tap_ok_ext(0, "a runner in its handler");
+		return;
+	}
+	claimed_at = now_ms();
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	close(fds[0]);
+	/* PostgreSQL ends its backend, and the claim with it */
+	for (i = 0; i < 500; i++)
+	{
+		if (pg_int(admin, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'itest-dead'",
+				   0, NULL) == 0)
+			break;
+		sleep_ms(10);
+	}
+
+	R = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, NULL);
+	idem_result_init(&res);
+	idem_result_init(&res2);
+	memset(&h, 0, sizeof(h));
+	/* after the marker's first second: PostgreSQL decides */
+	while (now_ms() - claimed_at < IDEM_MARKER_TEST_MS)
+		sleep_ms(20);
+	idem_run(R, 1, S, id, "{}", h_effect, &h, &res);
+	tap_ok_ext(res.status == IDEM_APPLIED && res.source == IDEM_SOURCE_HANDLER &&
+			   effects(id) == 1,
+			   "a runner SIGKILLed in its handler: a redelivery a second later is applied, not busy from its marker for the rest of the lease (%s)",
+			   rs(&res));
+	idem_run(R, 1, S, id, "{}", h_effect, &h, &res2);
+	tap_ok_ext(res2.status == IDEM_REPLAYED && h.calls == 1,
+			   "... and the next one is a replay (%s)", rs(&res2));
+	idem_runner_close(R);
+}
+
+/* A live run's duplicates: busy from Valkey in its first second, then
+ * busy from PostgreSQL (the claim, which does not wait). */
+static void
+test_live_marker(void)
+{
+	char		id[64];
+	int			fds[2];
+	pid_t		pid;
+	char		c;
+	struct pollfd pfd;
+	idem_runner *R;
+	idem_result res,
+				res2;
+	hctx		h;
+	int64_t		claimed_at,
+				t0;
+	long		took;
+	int			young;
+
+	snprintf(id, sizeof(id), "live-%d", (int) getpid());
+	if (pipe(fds) != 0)
+	{
+		tap_ok_ext(0, "pipe");
+		return;
+	}
+	fflush(stdout);
+	pid = fork();
+	if (pid == 0)
+	{
+		idem_runner *r = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, NULL);
+		idem_result res0;
+		hctx		h0;
+
+		memset(&h0, 0, sizeof(h0));
+		h0.mode = "wait";
+		h0.fd = fds[1];
+		idem_result_init(&res0);
+		idem_run(r, 1, S, id, "{}", h_effect, &h0, &res0);
+		_exit(0);
+	}
+	close(fds[1]);
+	pfd.fd = fds[0];
+	pfd.events = POLLIN;
+	pfd.revents = 0;
+	if (poll(&pfd, 1, 30000) != 1 || read(fds[0], &c, 1) != 1)
+	{
+		kill(pid, SIGKILL);
+		waitpid(pid, NULL, 0);
+		close(fds[0]);
+		tap_ok_ext(0, "a runner in its handler");
+		return;
+	}
+	claimed_at = now_ms();
+	R = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, NULL);
+	idem_result_init(&res);
+	idem_result_init(&res2);
+	memset(&h, 0, sizeof(h));
+	idem_run(R, 1, S, id, "{}", h_effect, &h, &res);
+	young = now_ms() - claimed_at < 800;
+	while (now_ms() - claimed_at < IDEM_MARKER_TEST_MS)
+		sleep_ms(20);
+	t0 = now_ms();
+	idem_run(R, 1, S, id, "{}", h_effect, &h, &res2);
+	took = (long) (now_ms() - t0);
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	close(fds[0]);
+	tap_ok_ext(res.status == IDEM_BUSY &&
+			   (res.source == IDEM_SOURCE_VALKEY || !young) && h.calls == 0,
+			   "a live run's duplicate within its first second: busy from Valkey (%s)", rs(&res));
+	tap_ok_ext(res2.status == IDEM_BUSY && res2.source == IDEM_SOURCE_POSTGRES &&
+			   res2.retry_after_ms > 0 && took < 5000 && h.calls == 0,
+			   "after it: busy from PostgreSQL, at once (%ld ms, retry after %ld ms; %s)",
+			   took, res2.retry_after_ms, rs(&res2));
+	idem_runner_close(R);
+}
+
 int
 honesty_main(int argc, char **argv)
 {
@@ -458,6 +625,8 @@ honesty_main(int argc, char **argv)
 		tap_ok_ext(0, "PostgreSQL reachable, IDEM_TEST_WORKDIR and IDEM_TEST_PGBIN set");
 		return tap_finish();
 	}
+	test_dead_marker();
+	test_live_marker();
 	test_commit_unknown();
 	PQfinish(admin);
 	return tap_finish();
