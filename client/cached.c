@@ -11,8 +11,49 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int	cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
+							 const char *const *scopes,
+							 const char *const *ids,
+							 const char *const *requests, idem_result *out);
+
+/*
+ * out is an array of the caller's results: its stride is the caller's
+ * sizeof, its struct_size.  Of another size than ours, the lookups fill
+ * results of our size, copied back within the caller's.
+ */
 int
 idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
+				 const char *const *scopes, const char *const *ids,
+				 const char *const *requests, idem_result *out)
+{
+	size_t		stride;
+	idem_result *full;
+	int			i,
+				decided;
+
+	if (out == NULL || n <= 0 || idem_result_size_ok(r, &out[0]) != 0)
+		return 0;
+	stride = out[0].struct_size;
+	for (i = 1; i < n; i++)
+		if (((idem_result *) ((char *) out + (size_t) i * stride))->struct_size != stride)
+			return 0;
+	if (stride == sizeof(idem_result))
+		return cached_many_full(r, n, tenant_ids, scopes, ids, requests, out);
+	full = malloc((size_t) n * sizeof(idem_result));
+	if (full == NULL)
+		return 0;
+	for (i = 0; i < n; i++)
+		idem_result_init(&full[i]);
+	decided = cached_many_full(r, n, tenant_ids, scopes, ids, requests, full);
+	for (i = 0; i < n; i++)
+		idem_result_copy_out((idem_result *) ((char *) out + (size_t) i * stride),
+							 &full[i]);
+	free(full);
+	return decided;
+}
+
+static int
+cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 				 const char *const *scopes, const char *const *ids,
 				 const char *const *requests, idem_result *out)
 {
@@ -26,11 +67,6 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 				m = 0,
 				decided = 0;
 
-	if (out == NULL || n <= 0)
-		return 0;
-	for (i = 0; i < n; i++)
-		if (!IDEM_STRUCT_SIZE_OK(&out[i], idem_result))
-			return 0;
 	for (i = 0; i < n; i++)
 		idem_result_init(&out[i]);
 	if (r == NULL || r->broken || r->gate == NULL || tenant_ids == NULL ||

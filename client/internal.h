@@ -256,13 +256,31 @@ int			idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
 /* ---- the runner: lifecycle.c opens and closes it, runner.c runs it ---- */
 
 /*
- * The caller-allocated structs start with struct_size, set by their _init
- * function.  This library accepts exactly its own sizes.  A later version
- * that appends fields keeps accepting the sizes of earlier layouts (from
- * 0.3 on), filling only the fields they have, so that programs built
- * against an older idem_client.h keep working without a new soname.
+ * The caller-allocated structs start with struct_size: the caller's sizeof,
+ * passed by the _init macros of idem_client.h.  Every size from the first
+ * layout with struct_size (0.3) on is accepted, also one larger than ours
+ * (a program built against a newer header): the library reads and writes
+ * only the first min(struct_size, sizeof) bytes, and fields beyond the
+ * caller's size take their defaults.  A size below the first layout, out
+ * of bounds or misaligned is refused: most likely the struct was never
+ * initialised.
+ *
+ * IDEM_SIZE_THROUGH(type, member): the sizeof a struct of type's fields up
+ * to member had (its tail padded to the struct's alignment).
  */
-#define IDEM_STRUCT_SIZE_OK(p, type)	((p)->struct_size == sizeof(type))
+#define IDEM_SIZE_THROUGH(type, member) \
+	((offsetof(type, member) + sizeof(((type *) 0)->member) + \
+	  _Alignof(type) - 1) / _Alignof(type) * _Alignof(type))
+/* the first layouts: 0.3's first header with struct_size */
+#define IDEM_OPTIONS_SIZE_MIN	IDEM_SIZE_THROUGH(idem_options, prepared_statements)
+#define IDEM_RESULT_SIZE_MIN	IDEM_SIZE_THROUGH(idem_result, valkey_used)
+#define IDEM_STATS_SIZE_MIN		IDEM_SIZE_THROUGH(idem_runner_stats, valkey_node_errors)
+#define IDEM_RUN_OPTIONS_SIZE_MIN IDEM_SIZE_THROUGH(idem_run_options, sql_args)
+#define IDEM_STRUCT_SIZE_MAX	65536
+#define IDEM_STRUCT_SIZE_OK(size, min) \
+	((size) >= (min) && (size) <= IDEM_STRUCT_SIZE_MAX && \
+	 (size) % _Alignof(size_t) == 0)
+#define IDEM_MIN_SIZE(a, b)		((a) < (b) ? (a) : (b))
 
 struct idem_runner
 {
@@ -310,6 +328,12 @@ struct idem_call
 /* The keyspace and secrets are known and current: the cache may be used
  * (learns them if stale; lifecycle.c). */
 int			idem_runner_trust_ready(idem_runner *r);
+
+/* A caller's result: 0 if its struct_size is one we accept, else -1 and the
+ * runner's message says why (runner.c). */
+int			idem_result_size_ok(idem_runner *r, const idem_result *out);
+/* Copy a result of our size into the caller's, within its struct_size. */
+void		idem_result_copy_out(idem_result *out, const idem_result *full);
 
 /* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
 void		idem_result_set_outcome(idem_result *out, const char *text, size_t len);

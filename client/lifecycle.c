@@ -19,11 +19,10 @@ idem_client_version(void)
 
 /* ---- options ---- */
 
-void
-idem_options_init(idem_options *o)
+/* The defaults, in a struct of this library's size. */
+static void
+options_defaults(idem_options *o)
 {
-	if (o == NULL)
-		return;
 	memset(o, 0, sizeof(*o));
 	o->struct_size = sizeof(idem_options);
 	o->valkey_connect_timeout_ms = 200;
@@ -35,6 +34,26 @@ idem_options_init(idem_options *o)
 	o->lookup_first = 1;
 	o->prepared_statements = -1;
 	o->secrets_max_age_ms = 60000;
+}
+
+void
+idem_options_init_size(idem_options *o, size_t size)
+{
+	idem_options d;
+
+	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_OPTIONS_SIZE_MIN))
+		return;
+	options_defaults(&d);
+	memset(o, 0, size);
+	memcpy(o, &d, IDEM_MIN_SIZE(size, sizeof(d)));
+	o->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_options_init) (idem_options *o)
+{
+	idem_options_init_size(o, IDEM_OPTIONS_SIZE_MIN);
 }
 
 static int
@@ -56,16 +75,20 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 				 int valkey_port, const idem_options *opts)
 {
 	idem_options o;
-	int			opts_ok = opts == NULL || IDEM_STRUCT_SIZE_OK(opts, idem_options);
+	int			opts_ok = opts == NULL ||
+		IDEM_STRUCT_SIZE_OK(opts->struct_size, IDEM_OPTIONS_SIZE_MIN);
 	idem_runner *r = calloc(1, sizeof(idem_runner));
 
 	if (r == NULL)
 		return NULL;
 	r->stats.struct_size = sizeof(idem_runner_stats);
+	/* the caller's fields, and defaults for those its size does not have */
+	options_defaults(&o);
 	if (opts && opts_ok)
-		o = *opts;
-	else
-		idem_options_init(&o);
+	{
+		memcpy(&o, opts, IDEM_MIN_SIZE(opts->struct_size, sizeof(o)));
+		o.struct_size = sizeof(o);
+	}
 	idem_pg_init(&r->pg);
 	r->pg.conninfo = strdup(pg_conninfo ? pg_conninfo : "");
 	if (r->pg.conninfo == NULL)
@@ -102,8 +125,9 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	{
 		r->broken = 1;
 		idem_set_err(r->errmsg, sizeof(r->errmsg),
-					 "options were not initialised by idem_options_init() of this library (struct_size %zu, expected %zu)",
-					 opts->struct_size, sizeof(idem_options));
+					 "options were not initialised by idem_options_init() (struct_size %zu, expected %zu to %d)",
+					 opts->struct_size, (size_t) IDEM_OPTIONS_SIZE_MIN,
+					 IDEM_STRUCT_SIZE_MAX);
 	}
 	else if (pg_conninfo == NULL)
 	{
@@ -200,31 +224,46 @@ idem_runner_error_message(const idem_runner *r)
 }
 
 void
-idem_runner_stats_init(idem_runner_stats *st)
+idem_runner_stats_init_size(idem_runner_stats *st, size_t size)
 {
-	if (st == NULL)
+	if (st == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_STATS_SIZE_MIN))
 		return;
-	memset(st, 0, sizeof(*st));
-	st->struct_size = sizeof(idem_runner_stats);
+	memset(st, 0, size);
+	st->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_runner_stats_init) (idem_runner_stats *st)
+{
+	idem_runner_stats_init_size(st, IDEM_STATS_SIZE_MIN);
 }
 
 void
 idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 {
-	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out, idem_runner_stats))
+	idem_runner_stats full;
+	size_t		size;
+
+	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_STATS_SIZE_MIN))
 		return;
-	idem_runner_stats_init(out);
-	if (r == NULL)
-		return;
-	*out = r->stats;
-	out->pg_round_trips = r->pg.round_trips;
-	out->pg_connects = r->pg.connects;
-	out->valkey_round_trips = idem_gate_round_trips(r->gate);
-	out->valkey_connects = idem_gate_connects(r->gate);
-	out->cache_rejected = r->trust.rejected;
-	idem_gate_cluster_stats(r->gate, &out->valkey_redirects,
-							&out->valkey_map_refreshes,
-							&out->valkey_node_errors);
+	size = out->struct_size;
+	idem_runner_stats_init(&full);
+	if (r != NULL)
+	{
+		full = r->stats;
+		full.pg_round_trips = r->pg.round_trips;
+		full.pg_connects = r->pg.connects;
+		full.valkey_round_trips = idem_gate_round_trips(r->gate);
+		full.valkey_connects = idem_gate_connects(r->gate);
+		full.cache_rejected = r->trust.rejected;
+		idem_gate_cluster_stats(r->gate, &full.valkey_redirects,
+								&full.valkey_map_refreshes,
+								&full.valkey_node_errors);
+	}
+	/* only within the caller's struct; what lies beyond ours stays 0 */
+	memcpy(out, &full, IDEM_MIN_SIZE(size, sizeof(full)));
+	out->struct_size = size;
 }
 
 /*

@@ -1116,44 +1116,106 @@ effect_step(run_state *s, const idem_run_options *ro, const char *scope,
 }
 
 void
-idem_result_init(idem_result *res)
+idem_result_init_size(idem_result *res, size_t size)
 {
-	if (res == NULL)
+	if (res == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RESULT_SIZE_MIN))
 		return;
-	memset(res, 0, sizeof(*res));
-	res->struct_size = sizeof(idem_result);
+	memset(res, 0, size);
+	res->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_result_init) (idem_result *res)
+{
+	idem_result_init_size(res, IDEM_RESULT_SIZE_MIN);
+}
+
+/*
+ * A result the caller passed, checked (0) or refused (-1: nothing written,
+ * the runner's message says why).
+ */
+int
+idem_result_size_ok(idem_runner *r, const idem_result *out)
+{
+	if (IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_RESULT_SIZE_MIN))
+		return 0;
+	/* its size is unknown: write nothing into it */
+	if (r)
+		idem_set_err(r->errmsg, sizeof(r->errmsg),
+					 "result was not initialised by idem_result_init() (struct_size %zu, expected %zu to %d)",
+					 out->struct_size, (size_t) IDEM_RESULT_SIZE_MIN,
+					 IDEM_STRUCT_SIZE_MAX);
+	return -1;
+}
+
+/* Copy a full result into the caller's, within its struct_size. */
+void
+idem_result_copy_out(idem_result *out, const idem_result *full)
+{
+	size_t		size = out->struct_size;
+
+	memcpy(out, full, IDEM_MIN_SIZE(size, sizeof(*full)));
+	out->struct_size = size;
 }
 
 void
-idem_run_options_init(idem_run_options *o)
+idem_run_options_init_size(idem_run_options *o, size_t size)
 {
-	if (o == NULL)
+	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RUN_OPTIONS_SIZE_MIN))
 		return;
-	memset(o, 0, sizeof(*o));
-	o->struct_size = sizeof(idem_run_options);
+	memset(o, 0, size);
+	o->struct_size = size;
 }
 
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_run_options_init) (idem_run_options *o)
+{
+	idem_run_options_init_size(o, IDEM_RUN_OPTIONS_SIZE_MIN);
+}
+
+static idem_status run_full(idem_runner *r, int is_platform, int64_t tenant_id,
+							const char *scope, const char *id,
+							const char *request_json,
+							const idem_run_options *ro,
+							idem_handler_fn handler, void *user_data,
+							idem_result *out);
+
+/*
+ * A run into the caller's result: directly when it has our size, else
+ * through a full one copied back within the caller's size.
+ */
 static idem_status
 run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	const char *id, const char *request_json, const idem_run_options *ro,
 	idem_handler_fn handler, void *user_data, idem_result *out)
+{
+	idem_result full;
+	idem_status st;
+
+	if (out == NULL || idem_result_size_ok(r, out) != 0)
+		return IDEM_ERROR;
+	if (out->struct_size == sizeof(idem_result))
+		return run_full(r, is_platform, tenant_id, scope, id, request_json,
+						ro, handler, user_data, out);
+	idem_result_init(&full);
+	st = run_full(r, is_platform, tenant_id, scope, id, request_json, ro,
+				  handler, user_data, &full);
+	idem_result_copy_out(out, &full);
+	return st;
+}
+
+static idem_status
+run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
+		 const char *id, const char *request_json, const idem_run_options *ro,
+		 idem_handler_fn handler, void *user_data, idem_result *out)
 {
 	run_state	s;
 	idem_run_options ro_full;
 	char		err[200];
 	idem_status st;
 
-	if (out == NULL)
-		return IDEM_ERROR;
-	if (!IDEM_STRUCT_SIZE_OK(out, idem_result))
-	{
-		/* its size is unknown: write nothing into it */
-		if (r)
-			idem_set_err(r->errmsg, sizeof(r->errmsg),
-						 "result was not initialised by idem_result_init() of this library (struct_size %zu, expected %zu)",
-						 out->struct_size, sizeof(idem_result));
-		return IDEM_ERROR;
-	}
 	idem_result_init(out);
 	memset(&s, 0, sizeof(s));
 	s.r = r;
@@ -1182,18 +1244,20 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	}
 	r->errmsg[0] = '\0';
 	if (ro != NULL &&
-		ro->struct_size == offsetof(idem_run_options, first_sql))
+		!IDEM_STRUCT_SIZE_OK(ro->struct_size, IDEM_RUN_OPTIONS_SIZE_MIN))
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"run options were not initialised by idem_run_options_init() (struct_size %zu, expected %zu to %d)",
+							ro->struct_size, (size_t) IDEM_RUN_OPTIONS_SIZE_MIN,
+							IDEM_STRUCT_SIZE_MAX);
+	if (ro != NULL && ro->struct_size != sizeof(idem_run_options))
 	{
-		/* initialised by a library before first_sql: none */
-		memset(&ro_full, 0, sizeof(ro_full));
-		memcpy(&ro_full, ro, ro->struct_size);
+		/* another layout: its fields, and defaults for those it lacks
+		 * (first_sql before 0.3's last ones) */
+		idem_run_options_init(&ro_full);
+		memcpy(&ro_full, ro, IDEM_MIN_SIZE(ro->struct_size, sizeof(ro_full)));
 		ro_full.struct_size = sizeof(ro_full);
 		ro = &ro_full;
 	}
-	if (ro != NULL && !IDEM_STRUCT_SIZE_OK(ro, idem_run_options))
-		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
-							"run options were not initialised by idem_run_options_init() of this library (struct_size %zu, expected %zu)",
-							ro->struct_size, sizeof(idem_run_options));
 	if (ro != NULL && ro->delivery_count < 0)
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
 							"delivery_count must be 0 (unknown) or positive, not %d",

@@ -25,7 +25,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 if [ "${1:-}" != "--inner" ]; then
 	client=$(cd "$here/.." && pwd)
 	top=$(cd "$client/.." && pwd)
-	for b in unit itest so_smoke; do
+	for b in unit itest so_smoke abi_first_so; do
 		if [ ! -x "$client/build/$b" ]; then
 			echo "Bail out! $client/build/$b is missing: run make -C client first"
 			exit 1
@@ -46,9 +46,10 @@ if [ "${1:-}" != "--inner" ]; then
 	chmod 755 "$work"
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
+		"$client/build/abi_first_so" \
 		"$client/build/libidemclient.so.1" "$here/run.sh" \
 		"$top/test/lib/common.sh" "$work/bin/"
-	for b in unit itest; do
+	for b in unit itest abi_first; do
 		[ -x "$client/build-asan/$b" ] && cp "$client/build-asan/$b" "$work/bin/$b-asan"
 	done
 	if [ "$(id -u)" = 0 ]; then
@@ -236,6 +237,7 @@ echo "# PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') on 127.0.0.
 if [ "$mode" != only ]; then
 	tap unit "$bin/unit"
 	tap shared "$bin/so_smoke"
+	tap abi "$bin/abi_first_so"
 	tap diff "$bin/itest" diff
 	tap scenario "$bin/itest" scenario
 	tap contention "$bin/itest" contention clean
@@ -253,6 +255,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	export ASAN_OPTIONS=detect_leaks=0:exitcode=98
 	export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:exitcode=98
 	tap asan-unit "$bin/unit-asan"
+	[ -x "$bin/abi_first-asan" ] && tap asan-abi "$bin/abi_first-asan"
 	tap asan-diff "$bin/itest-asan" diff
 	tap asan-scenario "$bin/itest-asan" scenario
 	tap asan-contention "$bin/itest-asan" contention clean

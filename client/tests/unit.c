@@ -549,8 +549,30 @@ test_api_without_servers(void)
 	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
 		   res.struct_size == sizeof(res) - 8 && res.error_code == IDEM_ERR_ARGUMENT &&
 		   strstr(idem_runner_error_message(r), "idem_result_init") != NULL,
-		   "a result of another size is not written, the runner says why");
+		   "a result smaller than the first layout is not written, the runner says why");
 	idem_runner_close(r);
+	{
+		/*
+		 * A result and counters from a newer header (larger): accepted,
+		 * written only within our fields; what lies beyond keeps what the
+		 * caller's _init put there.
+		 */
+		size_t		big = sizeof(idem_result) + 64;
+		unsigned char *b = malloc(big);
+		idem_result *br = (idem_result *) b;
+		size_t		i,
+					untouched = 0;
+
+		idem_result_init_size(br, big);
+		memset(b + sizeof(idem_result), 0xab, 64);
+		idem_run(NULL, 1, "s", "i", "{}", never, &ran, br);
+		for (i = sizeof(idem_result); i < big; i++)
+			untouched += b[i] == 0xab;
+		tap_ok(br->struct_size == big && br->status == IDEM_ERROR &&
+			   br->error_code == IDEM_ERR_ARGUMENT && untouched == 64,
+			   "a result larger than ours (a newer header): filled, nothing written past our fields");
+		free(b);
+	}
 	memset(&st, 0xff, sizeof(st));
 	st.struct_size = 0;
 	idem_runner_get_stats(NULL, &st);
