@@ -22,7 +22,7 @@
 #include <sys/random.h>
 
 void
-idem_pg_init(idem_pg *p)
+idemc_pg_init(idem_pg *p)
 {
 	memset(p, 0, sizeof(*p));
 }
@@ -46,7 +46,7 @@ free_sql(idem_pg *p)
 }
 
 void
-idem_pg_drop(idem_pg *p)
+idemc_pg_drop(idem_pg *p)
 {
 	if (p->conn)
 	{
@@ -62,9 +62,9 @@ idem_pg_drop(idem_pg *p)
 }
 
 void
-idem_pg_close(idem_pg *p)
+idemc_pg_close(idem_pg *p)
 {
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 	free(p->conninfo);
 	free(p->schema_opt);
 	p->conninfo = NULL;
@@ -76,7 +76,7 @@ copy_msg(char *msg, size_t msglen, const char *prefix, const char *text)
 {
 	size_t		n;
 
-	idem_set_err(msg, msglen, "%s%s", prefix, text ? text : "");
+	idemc_set_err(msg, msglen, "%s%s", prefix, text ? text : "");
 	n = strlen(msg);
 	while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == ' '))
 		msg[--n] = '\0';
@@ -111,7 +111,7 @@ savepoint_name(idem_pg *p, char out[40])
 	if (got != (ssize_t) sizeof(b))
 	{
 		/* no entropy yet: unguessable enough against a handler's mistake */
-		uint64_t	x = (uint64_t) idem_now_ms() ^ ((uint64_t) getpid() << 32) ^
+		uint64_t	x = (uint64_t) idemc_now_ms() ^ ((uint64_t) getpid() << 32) ^
 			(uint64_t) (uintptr_t) p ^ (uint64_t) p->connects * 0x9E3779B97F4A7C15ULL;
 		int			i;
 
@@ -254,7 +254,7 @@ idle_conn_alive(idem_pg *p)
 }
 
 int
-idem_pg_alive(idem_pg *p)
+idemc_pg_alive(idem_pg *p)
 {
 	return p->conn != NULL && idle_conn_alive(p);
 }
@@ -276,7 +276,7 @@ use_named(const idem_pg *p, int server_pid)
 }
 
 int
-idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
+idemc_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 {
 	char	   *quoted = NULL;
 	int			rc = -1;
@@ -284,7 +284,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	*fresh = 0;
 	if (p->conn && p->sql[0] && idle_conn_alive(p))
 		return 0;
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 	*fresh = 1;
 	p->connects++;
 	p->conn = PQconnectdb(p->conninfo);
@@ -297,7 +297,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	{
 		copy_msg(msg, msglen, "PostgreSQL connection failed: ",
 				 PQerrorMessage(p->conn));
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 		return -1;
 	}
 	p->server_ended = 0;
@@ -363,12 +363,12 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 			free(quoted);
 	}
 	if (rc != 0)
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 	return rc;
 }
 
 void
-idem_pg_outcome_clear(pg_outcome *o)
+idemc_pg_outcome_clear(pg_outcome *o)
 {
 	int			i;
 
@@ -406,7 +406,7 @@ lost(idem_pg *p, pg_outcome *out)
 		snprintf(out->message, sizeof(out->message),
 				 "connection to PostgreSQL lost");
 	out->rc = PG_CONN_LOST;
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 }
 
 /* one bit of idem_pg.prepared per statement and per first_sql slot */
@@ -557,7 +557,7 @@ resync_prepared(idem_pg *p)
 }
 
 void
-idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
+idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 {
 	PGconn	   *conn = p->conn;
 	int			stmt[PG_MAX_CMDS];
@@ -760,7 +760,7 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 }
 
 int
-idem_pg_exec(idem_pg *p, const char *sql)
+idemc_pg_exec(idem_pg *p, const char *sql)
 {
 	PGresult   *r;
 	int			ok;
@@ -773,7 +773,7 @@ idem_pg_exec(idem_pg *p, const char *sql)
 	PQclear(r);
 	if (PQstatus(p->conn) != CONNECTION_OK)
 	{
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 		return -1;
 	}
 	return ok ? 0 : -1;

@@ -122,7 +122,7 @@ finish_error(run_state *s, idem_error_code code, const char *sqlstate,
 }
 
 void
-idem_result_set_outcome(idem_result *out, const char *text, size_t len)
+idemc_result_set_outcome(idem_result *out, const char *text, size_t len)
 {
 	if (len > IDEM_OUTCOME_MAX_BYTES)
 		len = IDEM_OUTCOME_MAX_BYTES;	/* cannot happen: checked before */
@@ -134,14 +134,14 @@ idem_result_set_outcome(idem_result *out, const char *text, size_t len)
 /* A trusted terminal value in Valkey (completed or failed_permanent) as
  * the run's result. */
 void
-idem_result_from_cache(idem_result *out, const IdemCacheEntry *e)
+idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e)
 {
 	out->valkey_used = 1;
 	out->source = IDEM_SOURCE_VALKEY;
 	out->status = e->kind == IDEM_CACHE_COMPLETED ?
 		IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
 	out->attempt = e->attempt;
-	idem_result_set_outcome(out, e->outcome, e->outcome_len);
+	idemc_result_set_outcome(out, e->outcome, e->outcome_len);
 }
 
 /* Forks since the library was loaded, + 1: a child draws a new token base. */
@@ -188,8 +188,8 @@ random_bytes(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
 			const void *self;
 		}			seed;
 
-		seed.t = idem_now_ms();
-		seed.wall = idem_wall_ms();
+		seed.t = idemc_now_ms();
+		seed.wall = idemc_wall_ms();
 		seed.pid = getpid();
 		seed.self = r;
 		idem_sha256_init(&c);
@@ -228,7 +228,7 @@ static void
 release_marker(run_state *s)
 {
 	if (s->own_marker)
-		idem_gate_release(s->r->gate, s->ckey, s->marker);
+		idemc_gate_release(s->r->gate, s->ckey, s->marker);
 	s->own_marker = 0;
 }
 
@@ -260,14 +260,14 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	if (idem_gate_resting(s->r->gate))
+	if (idemc_gate_resting(s->r->gate))
 	{
 		s->r->stats.valkey_skipped++;
 		s->valkey_silent = 1;
-		idem_runner_gate_notice(s->r);
+		idemc_runner_gate_notice(s->r);
 		return 0;
 	}
-	if (!idem_runner_trust_ready(s->r) ||
+	if (!idemc_runner_trust_ready(s->r) ||
 		idem_cache_key(s->ckey, sizeof(s->ckey), s->r->trust.keyspace,
 					   s->is_platform, s->tenant_id, s->key) < 0)
 	{
@@ -275,13 +275,13 @@ gate_step(run_state *s)
 		return 0;
 	}
 	random_token(s->r, token);
-	if (idem_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
+	if (idemc_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
 						  s->marker, sizeof(s->marker)) < 0)
 	{
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
+	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
@@ -295,17 +295,17 @@ gate_step(run_state *s)
 			break;
 		case GATE_VALUE:
 			s->out->valkey_used = 1;
-			if (idem_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
+			if (idemc_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
 								 s->r->lease_ms, &e) != TRUST_VALUE_OK)
 				break;			/* not trusted: PostgreSQL decides */
 			if (e.kind == IDEM_CACHE_MARKER)
 			{
-				long long	left = e.expires_ms - idem_wall_ms();
+				long long	left = e.expires_ms - idemc_wall_ms();
 
 				/*
 				 * Its age: the marker carries its deadline, set by a
 				 * runner with (normally) our lease.  One made with a longer
-				 * lease looks younger (idem_trust_check refused it if more
+				 * lease looks younger (idemc_trust_check refused it if more
 				 * than 1 s longer), a shorter one older: PostgreSQL is
 				 * asked sooner, which costs time, never correctness.
 				 */
@@ -317,7 +317,7 @@ gate_step(run_state *s)
 
 				/*
 				 * Busy until the deadline in its MACed content, which
-				 * idem_trust_check bounded by our own lease (+ 1 s of
+				 * idemc_trust_check bounded by our own lease (+ 1 s of
 				 * skew); Valkey's TTL of the key is not consulted, so a
 				 * marker planted with a longer TTL is busy no longer.
 				 */
@@ -338,7 +338,7 @@ gate_step(run_state *s)
 				s->mismatch_hint = 1;	/* PostgreSQL confirms */
 				break;
 			}
-			idem_result_from_cache(s->out, &e);
+			idemc_result_from_cache(s->out, &e);
 			decided = 1;
 			break;
 	}
@@ -425,8 +425,8 @@ rollback_quietly(run_state *s)
 	if (conn && PQstatus(conn) == CONNECTION_OK &&
 		PQtransactionStatus(conn) != PQTRANS_IDLE)
 	{
-		if (idem_pg_exec(&s->r->pg, "ROLLBACK") != 0)
-			idem_pg_drop(&s->r->pg);
+		if (idemc_pg_exec(&s->r->pg, "ROLLBACK") != 0)
+			idemc_pg_drop(&s->r->pg);
 	}
 }
 
@@ -465,7 +465,7 @@ pg_error(run_state *s, pg_outcome *o, const char *what)
 	idem_status st = finish_error(s, code, o->sqlstate, "%s: %s", what,
 								  o->message[0] ? o->message : "failed");
 
-	idem_pg_outcome_clear(o);
+	idemc_pg_outcome_clear(o);
 	return st;
 }
 
@@ -553,13 +553,13 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	}
 	if (PQstatus(conn) != CONNECTION_OK)
 	{
-		idem_pg_drop(pg);
+		idemc_pg_drop(pg);
 		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
 							"connection to PostgreSQL lost during the handler; nothing was committed");
 	}
 	if (PQpipelineStatus(conn) != PQ_PIPELINE_OFF)
 	{
-		idem_pg_drop(pg);		/* the safest way out of an unknown state */
+		idemc_pg_drop(pg);		/* the safest way out of an unknown state */
 		return finish_error(s, IDEM_ERR_HANDLER, NULL,
 							"handler left the connection in pipeline mode; the transaction was abandoned (rolled back by the server)");
 	}
@@ -576,9 +576,9 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	 * is a definite "nothing was committed"; after, it could not be told
 	 * from a COMMIT that was cut off.  No round trip: one poll().
 	 */
-	if (!idem_pg_alive(pg))
+	if (!idemc_pg_alive(pg))
 	{
-		idem_pg_drop(pg);
+		idemc_pg_drop(pg);
 		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
 							"connection to PostgreSQL lost during the handler; nothing was committed");
 	}
@@ -587,7 +587,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		return handler_ended_tx(s);
 	if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR)
 	{
-		idem_pg_drop(pg);
+		idemc_pg_drop(pg);
 		return finish_error(s, IDEM_ERR_HANDLER, NULL,
 							"connection in an unexpected state after the handler");
 	}
@@ -632,7 +632,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
 	cmds[2] = tx_cmd(s, STMT_COMMIT);
-	idem_pg_pipeline(pg, cmds, 3, &o);
+	idemc_pg_pipeline(pg, cmds, 3, &o);
 
 	/*
 	 * A COMMIT whose result arrived has committed, even if the connection
@@ -661,7 +661,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 			/* our savepoint is gone: the handler ended our transaction
 			 * (COMMIT; BEGIN) or released the savepoint */
 			rollback_quietly(s);
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			free(canon);
 			return handler_ended_tx(s);
 		}
@@ -683,15 +683,15 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 							  o.failed_cmd == 0 ? "savepoint" : "commit",
 							  o.message[0] ? o.message : "COMMIT did not commit");
 		}
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		free(canon);
 		return st;
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 
 	s->out->source = IDEM_SOURCE_HANDLER;
 	s->out->attempt = attempt;
-	idem_result_set_outcome(s->out, canon, clen);
+	idemc_result_set_outcome(s->out, canon, clen);
 	switch (hs)
 	{
 		case IDEM_HANDLER_OK:
@@ -726,7 +726,7 @@ set_terminal(run_state *s, int completed, const char *outcome)
 	if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		return -1;
 	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-	idem_result_set_outcome(s->out, outcome, len);
+	idemc_result_set_outcome(s->out, outcome, len);
 	return 0;
 }
 
@@ -748,11 +748,11 @@ lookup_step(run_state *s)
 	int			decided = 0;
 	char		msg[400];
 
-	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0 ||
+	if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0 ||
 		PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
 		return 0;				/* the claim reports or cleans up */
 	params_lookup(s, &cmd);
-	idem_pg_pipeline(pg, &cmd, 1, &o);
+	idemc_pg_pipeline(pg, &cmd, 1, &o);
 	if (o.rc == PG_SERVER_ERROR &&
 		(strcmp(o.sqlstate, "42501") == 0 || strcmp(o.sqlstate, "42883") == 0))
 		s->r->lookup_first = 0; /* not granted (or absent): claim from now on */
@@ -779,7 +779,7 @@ lookup_step(run_state *s)
 				decided = 1;
 		}
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return decided;
 }
 
@@ -829,7 +829,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 								o.message[0] ? o.message : "no detail");
 		memset(&o, 0, sizeof(o));
 		msg[0] = '\0';
-		if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+		if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
 			return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
 		if (PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
 			rollback_quietly(s);	/* left over; cannot normally happen */
@@ -851,12 +851,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 			cmds[3].text_values = ro->first_params;
 			cmds[3].first = 1;
 		}
-		idem_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
+		idemc_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
 		/* a connection that died while idle: nothing was committed, so one
 		 * retry on a new connection is safe */
 		if (o.rc == PG_CONN_LOST && !fresh && tries == 0)
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			continue;
 		}
 		break;
@@ -872,7 +872,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	}
 	if (decision_row(o.res[1], 4, &decision, &attempt, &ms, &outcome) != 0)
 	{
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		rollback_quietly(s);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_claim returned an unexpected row");
@@ -896,11 +896,11 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 
 			cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
 			cmds[1] = cmds[3];
-			idem_pg_pipeline(pg, cmds, 2, &o2);
+			idemc_pg_pipeline(pg, cmds, 2, &o2);
 			if (o2.rc == PG_CONN_LOST)
 			{
 				/* the transaction is gone with it: nothing committed */
-				idem_pg_outcome_clear(&o);
+				idemc_pg_outcome_clear(&o);
 				return pg_error(s, &o2, "the handler's first statement");
 			}
 			if (o2.res[1] != NULL)
@@ -909,14 +909,14 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 				o.res[3] = o2.res[1];
 				o2.res[1] = NULL;
 			}
-			idem_pg_outcome_clear(&o2);
+			idemc_pg_outcome_clear(&o2);
 		}
 		if (first)
 		{
 			call.first = o.res[3];	/* the handler's now */
 			o.res[3] = NULL;
 		}
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		call.attempt = attempt;
 		call.is_platform = s->is_platform;
 		call.tenant_id = s->tenant_id;
@@ -940,7 +940,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	{
 		if (set_terminal(s, decision[0] == 'c', outcome) != 0)
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			rollback_quietly(s);
 			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 								"idem_claim returned an outcome that is not a JSON object of at most %d bytes",
@@ -953,12 +953,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		char		d[32];
 
 		snprintf(d, sizeof(d), "%s", decision);
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		rollback_quietly(s);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_claim returned an unknown decision \"%s\"", d);
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 
 	/*
 	 * Round trip 2: end the transaction.  The claim wrote nothing for these
@@ -971,12 +971,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
 	cmds[1] = tx_cmd(s, STMT_COMMIT);
 	if (first)
-		idem_pg_pipeline(pg, cmds, 2, &o);
+		idemc_pg_pipeline(pg, cmds, 2, &o);
 	else
-		idem_pg_pipeline(pg, &cmds[1], 1, &o);
+		idemc_pg_pipeline(pg, &cmds[1], 1, &o);
 	if (o.rc == PG_SERVER_ERROR)
 		rollback_quietly(s);
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return s->out->status;
 }
 
@@ -1017,7 +1017,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 								NULL, "sql_args: %s", err);
 	}
 	msg[0] = '\0';
-	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+	if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
 	{
 		free(args);
 		return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
@@ -1036,7 +1036,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 	cmd.values[i++] = args ? args : s->request;
 	cmd.values[i++] = s->r->retention_txt[0] ? s->r->retention_txt : NULL;
 	cmd.nparams = i;
-	idem_pg_pipeline(pg, &cmd, 1, &o);
+	idemc_pg_pipeline(pg, &cmd, 1, &o);
 	free(args);
 	if (o.rc != PG_OK)
 	{
@@ -1054,13 +1054,13 @@ apply_step(run_state *s, const idem_run_options *ro)
 							  o.message);
 		else
 			st = pg_error(s, &o, "idem_apply");
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return st;
 	}
 	if (decision_row(o.res[0], 5, &decision, &attempt, &ms, &outcome) != 0 ||
 		PQgetisnull(o.res[0], 0, 4))
 	{
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_apply returned an unexpected row");
 	}
@@ -1075,12 +1075,12 @@ apply_step(run_state *s, const idem_run_options *ro)
 
 		if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 								"idem_apply returned an outcome that is not a JSON object of at most %d bytes",
 								IDEM_OUTCOME_MAX);
 		}
-		idem_result_set_outcome(s->out, outcome, len);
+		idemc_result_set_outcome(s->out, outcome, len);
 		if (decision[0] == 'c')
 			s->out->status = IDEM_REPLAYED;
 		else if (decision[0] == 'a')
@@ -1097,11 +1097,11 @@ apply_step(run_state *s, const idem_run_options *ro)
 		char		d[32];
 
 		snprintf(d, sizeof(d), "%s", decision);
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_apply returned an unknown decision \"%s\"", d);
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return s->out->status;
 }
 
@@ -1136,13 +1136,13 @@ void
  * the runner's message says why).
  */
 int
-idem_result_size_ok(idem_runner *r, const idem_result *out)
+idemc_result_size_ok(idem_runner *r, const idem_result *out)
 {
 	if (IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_RESULT_SIZE_MIN))
 		return 0;
 	/* its size is unknown: write nothing into it */
 	if (r)
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
 					 "result was not initialised by idem_result_init() (struct_size %zu, expected %zu to %d)",
 					 out->struct_size, (size_t) IDEM_RESULT_SIZE_MIN,
 					 IDEM_STRUCT_SIZE_MAX);
@@ -1151,7 +1151,7 @@ idem_result_size_ok(idem_runner *r, const idem_result *out)
 
 /* Copy a full result into the caller's, within its struct_size. */
 void
-idem_result_copy_out(idem_result *out, const idem_result *full)
+idemc_result_copy_out(idem_result *out, const idem_result *full)
 {
 	size_t		size = out->struct_size;
 
@@ -1194,7 +1194,7 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	idem_result full;
 	idem_status st;
 
-	if (out == NULL || idem_result_size_ok(r, out) != 0)
+	if (out == NULL || idemc_result_size_ok(r, out) != 0)
 		return IDEM_ERROR;
 	if (out->struct_size == sizeof(idem_result))
 		return run_full(r, is_platform, tenant_id, scope, id, request_json,
@@ -1202,7 +1202,7 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	idem_result_init(&full);
 	st = run_full(r, is_platform, tenant_id, scope, id, request_json, ro,
 				  handler, user_data, &full);
-	idem_result_copy_out(out, &full);
+	idemc_result_copy_out(out, &full);
 	return st;
 }
 

@@ -46,7 +46,8 @@ if [ "${1:-}" != "--inner" ]; then
 	chmod 755 "$work"
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
-		"$client/build/abi_first_so" \
+		"$client/build/abi_first_so" "$client/build/libidemclient.a" \
+		"$client/exports.map" "$here/exports.sh" \
 		"$client/build/libidemclient.so.1" "$here/run.sh" \
 		"$top/test/lib/common.sh" "$work/bin/"
 	for b in unit itest abi_first; do
@@ -237,6 +238,7 @@ echo "# PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') on 127.0.0.
 if [ "$mode" != only ]; then
 	tap unit "$bin/unit"
 	tap shared "$bin/so_smoke"
+	tap exports bash "$bin/exports.sh" "$bin/libidemclient.a" "$bin/libidemclient.so.1" "$bin/exports.map"
 	tap abi "$bin/abi_first_so"
 	tap diff "$bin/itest" diff
 	tap scenario "$bin/itest" scenario

@@ -39,7 +39,7 @@ sha1_is(const char *msg, size_t len, const char *hex)
 {
 	char		out[41];
 
-	idem_sha1_hex(msg, len, out);
+	idemc_sha1_hex(msg, len, out);
 	return strcmp(out, hex) == 0;
 }
 
