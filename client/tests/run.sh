@@ -277,10 +277,12 @@ if [ "$mode" != 0 ]; then
 		echo "# under valgrind memcheck: $(valgrind --version)"
 		tap valgrind-unit "${vg[@]}" "$bin/unit"
 		tap valgrind-shared "${vg[@]}" "$bin/so_smoke"
+		tap valgrind-abi "${vg[@]}" "$bin/abi_first_so"
 		tap valgrind-diff "${vg[@]}" "$bin/itest" diff
 		tap valgrind-scenario "${vg[@]}" "$bin/itest" scenario
 		tap valgrind-contention "${vg[@]}" "$bin/itest" contention clean
 		tap valgrind-trust "${vg[@]}" "$bin/itest" trust
+		tap valgrind-honesty "${vg[@]}" "$bin/itest" honesty
 	else
 		n=$((n + 1))
 		pass=$((pass + 1))
