@@ -572,6 +572,32 @@ test_api_without_servers(void)
 			   br->error_code == IDEM_ERR_ARGUMENT && untouched == 64,
 			   "a result larger than ours (a newer header): filled, nothing written past our fields");
 		free(b);
+
+		/* an array of them: idem_cached_many steps by the caller's size */
+		{
+			unsigned char *arr = malloc(2 * big);
+			int64_t		t[2] = {1, 1};
+			const char *sc[2] = {"s", "s"};
+			const char *ids[2] = {"a", "b"};
+			const char *rq[2] = {"{}", "{}"};
+
+			idem_result_init_size((idem_result *) arr, big);
+			idem_result_init_size((idem_result *) (arr + big), big);
+			memset(arr + sizeof(idem_result), 0xab, 64);
+			memset(arr + big + sizeof(idem_result), 0xab, 64);
+			((idem_result *) (arr + big))->attempt = 7;
+			idem_cached_many(NULL, 2, t, sc, ids, rq, (idem_result *) arr);
+			untouched = 0;
+			for (i = 0; i < 64; i++)
+				untouched += (arr[sizeof(idem_result) + i] == 0xab) +
+					(arr[big + sizeof(idem_result) + i] == 0xab);
+			tap_ok(((idem_result *) arr)->struct_size == big &&
+				   ((idem_result *) (arr + big))->struct_size == big &&
+				   ((idem_result *) (arr + big))->attempt == 0 &&
+				   untouched == 128,
+				   "idem_cached_many on an array of larger results: each reset at the caller's stride, nothing written past our fields");
+			free(arr);
+		}
 	}
 	memset(&st, 0xff, sizeof(st));
 	st.struct_size = 0;
