@@ -11,8 +11,49 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int	cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
+							 const char *const *scopes,
+							 const char *const *ids,
+							 const char *const *requests, idem_result *out);
+
+/*
+ * out is an array of the caller's results: its stride is the caller's
+ * sizeof, its struct_size.  Of another size than ours, the lookups fill
+ * results of our size, copied back within the caller's.
+ */
 int
 idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
+				 const char *const *scopes, const char *const *ids,
+				 const char *const *requests, idem_result *out)
+{
+	size_t		stride;
+	idem_result *full;
+	int			i,
+				decided;
+
+	if (out == NULL || n <= 0 || idemc_result_size_ok(r, &out[0]) != 0)
+		return 0;
+	stride = out[0].struct_size;
+	for (i = 1; i < n; i++)
+		if (((idem_result *) ((char *) out + (size_t) i * stride))->struct_size != stride)
+			return 0;
+	if (stride == sizeof(idem_result))
+		return cached_many_full(r, n, tenant_ids, scopes, ids, requests, out);
+	full = malloc((size_t) n * sizeof(idem_result));
+	if (full == NULL)
+		return 0;
+	for (i = 0; i < n; i++)
+		idem_result_init(&full[i]);
+	decided = cached_many_full(r, n, tenant_ids, scopes, ids, requests, full);
+	for (i = 0; i < n; i++)
+		idemc_result_copy_out((idem_result *) ((char *) out + (size_t) i * stride),
+							 &full[i]);
+	free(full);
+	return decided;
+}
+
+static int
+cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 				 const char *const *scopes, const char *const *ids,
 				 const char *const *requests, idem_result *out)
 {
@@ -26,18 +67,13 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 				m = 0,
 				decided = 0;
 
-	if (out == NULL || n <= 0)
-		return 0;
-	for (i = 0; i < n; i++)
-		if (!IDEM_STRUCT_SIZE_OK(&out[i], idem_result))
-			return 0;
 	for (i = 0; i < n; i++)
 		idem_result_init(&out[i]);
 	if (r == NULL || r->broken || r->gate == NULL || tenant_ids == NULL ||
 		scopes == NULL || ids == NULL || requests == NULL ||
-		idem_gate_resting(r->gate))
+		idemc_gate_resting(r->gate))
 		return 0;
-	if (!idem_runner_trust_ready(r))
+	if (!idemc_runner_trust_ready(r))
 		return 0;
 	ckeys = malloc((size_t) n * IDEM_CACHE_KEY_MAX);
 	keys = calloc(n, sizeof(char *));
@@ -62,7 +98,7 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 		keys[m] = ck;
 		at[m++] = i;
 	}
-	idem_gate_get_many(r->gate, keys, m, g);
+	idemc_gate_get_many(r->gate, keys, m, g);
 	for (i = 0; i < m; i++)
 	{
 		IdemCacheEntry e;
@@ -71,13 +107,13 @@ idem_cached_many(idem_runner *r, int n, const int64_t *tenant_ids,
 		if (g[i].answer != GATE_SKIPPED)
 			o->valkey_used = 1; /* the node answered, even "not there" */
 		if (g[i].answer == GATE_VALUE &&
-			idem_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
+			idemc_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
 							 r->lease_ms, &e) == TRUST_VALUE_OK &&
 			e.kind != IDEM_CACHE_MARKER &&
 			memcmp(e.fingerprint, fps + (size_t) i * IDEM_DIGEST_LEN,
 				   IDEM_DIGEST_LEN) == 0)
 		{
-			idem_result_from_cache(o, &e);
+			idemc_result_from_cache(o, &e);
 			decided++;
 		}
 		free(g[i].value);

@@ -60,7 +60,7 @@ typedef struct member
 } member;
 
 void
-idem_set_err(char *buf, size_t buflen, const char *fmt,...)
+idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 {
 	va_list		ap;
 
@@ -132,13 +132,13 @@ static int
 fail(parser *P, const char *what)
 {
 	if (P->err && P->err[0] == '\0')
-		idem_set_err(P->err, P->errlen, "invalid JSON at byte %zu: %s",
+		idemc_set_err(P->err, P->errlen, "invalid JSON at byte %zu: %s",
 					 P->pos, what);
 	return -1;
 }
 
 int
-idem_utf8_valid(const char *buf, size_t len)
+idemc_utf8_valid(const char *buf, size_t len)
 {
 	const unsigned char *s = (const unsigned char *) buf;
 	size_t		i = 0;
@@ -788,13 +788,13 @@ idem_json_canonical(const char *json, size_t len, size_t *out_len,
 		*out_len = 0;
 	if (json == NULL)
 	{
-		idem_set_err(errbuf, errbuflen, "JSON text is NULL");
+		idemc_set_err(errbuf, errbuflen, "JSON text is NULL");
 		errno = EINVAL;
 		return NULL;
 	}
-	if (!idem_utf8_valid(json, len))
+	if (!idemc_utf8_valid(json, len))
 	{
-		idem_set_err(errbuf, errbuflen, "JSON text is not valid UTF-8 (or contains a NUL byte)");
+		idemc_set_err(errbuf, errbuflen, "JSON text is not valid UTF-8 (or contains a NUL byte)");
 		errno = EINVAL;
 		return NULL;
 	}
@@ -815,7 +815,7 @@ idem_json_canonical(const char *json, size_t len, size_t *out_len,
 		fail(&P, "trailing characters after the JSON value");
 	}
 	if (P.oom)
-		idem_set_err(errbuf, errbuflen, "out of memory");
+		idemc_set_err(errbuf, errbuflen, "out of memory");
 	free(out.p);
 	errno = P.oom ? ENOMEM : EINVAL;	/* what callers classify by */
 	return NULL;

@@ -33,7 +33,7 @@ idem_key(const char *task_scope, const char *id, uint8_t out[IDEM_DIGEST_BYTES])
 	sl = strlen(task_scope);
 	il = strlen(id);
 	if (sl > UINT32_MAX || il > UINT32_MAX ||
-		!idem_utf8_valid(task_scope, sl) || !idem_utf8_valid(id, il))
+		!idemc_utf8_valid(task_scope, sl) || !idemc_utf8_valid(id, il))
 		return -1;
 	idem_sha256_init(&c);
 	put_u32be(&c, sl);
@@ -54,7 +54,7 @@ idem_fingerprint(const char *json, size_t len, uint8_t out[IDEM_DIGEST_BYTES],
 
 	if (out == NULL)
 	{
-		idem_set_err(errbuf, errbuflen, "output buffer is NULL");
+		idemc_set_err(errbuf, errbuflen, "output buffer is NULL");
 		return -1;
 	}
 	canon = idem_json_canonical(json, len, &clen, errbuf, errbuflen);

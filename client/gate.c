@@ -131,7 +131,7 @@ pipe_unblock(pipe_guard *pg)
 }
 
 int64_t
-idem_now_ms(void)
+idemc_now_ms(void)
 {
 	struct timespec ts;
 
@@ -156,7 +156,7 @@ dup_or_null(const char *s)
 }
 
 idem_gate *
-idem_gate_new(const char *host, int port, const char *password, int db,
+idemc_gate_new(const char *host, int port, const char *password, int db,
 			  int connect_timeout_ms, int command_timeout_ms, int retry_ms)
 {
 	idem_gate  *g = calloc(1, sizeof(idem_gate));
@@ -167,7 +167,7 @@ idem_gate_new(const char *host, int port, const char *password, int db,
 	g->password = dup_or_null(password);
 	if (g->host == NULL || (password && password[0] && g->password == NULL))
 	{
-		idem_gate_free(g);
+		idemc_gate_free(g);
 		return NULL;
 	}
 	g->port = port;
@@ -187,7 +187,7 @@ drop(idem_gate *g)
 }
 
 void
-idem_gate_free(idem_gate *g)
+idemc_gate_free(idem_gate *g)
 {
 	if (g == NULL)
 		return;
@@ -200,7 +200,7 @@ idem_gate_free(idem_gate *g)
 }
 
 int
-idem_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
+idemc_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
 {
 	if (g == NULL)
 		return 0;
@@ -214,13 +214,13 @@ static int	reply_ok(redisReply *r, int want_sha, char *sha);
 
 /* idem_vc_io.wait for the client: poll(), or sleep with fd -1. */
 int
-idem_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
+idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 {
 	(void) arg;
 	for (;;)
 	{
 		struct pollfd p;
-		int64_t		left = deadline - idem_now_ms();
+		int64_t		left = deadline - idemc_now_ms();
 		int			rc;
 
 		if (left <= 0)
@@ -257,7 +257,7 @@ static int
 cluster_open(idem_gate *g)
 {
 	idem_vc_options opt;
-	idem_vc_io	io = {idem_vc_poll_wait, NULL, NULL};
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
 	char		seeds[1024];
 	char		err[256];
 
@@ -297,7 +297,7 @@ cluster_open(idem_gate *g)
 		if (rc != 0 || !idem_vc_is_cluster(g->vc))
 			goto fail;
 	}
-	idem_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
+	idemc_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
 	return 0;
 fail:
 	if (g->vc != NULL && !idem_vc_is_cluster(g->vc))
@@ -307,24 +307,24 @@ fail:
 		idem_vc_free(g->vc);
 		g->vc = NULL;
 	}
-	g->down_until = idem_now_ms() + g->retry_ms;
+	g->down_until = idemc_now_ms() + g->retry_ms;
 	return -1;
 }
 
 const char *
-idem_gate_config_error(const idem_gate *g)
+idemc_gate_config_error(const idem_gate *g)
 {
 	return (g && g->config_error[0]) ? g->config_error : NULL;
 }
 
 long
-idem_gate_round_trips(const idem_gate *g)
+idemc_gate_round_trips(const idem_gate *g)
 {
 	return g ? g->round_trips : 0;
 }
 
 long
-idem_gate_connects(const idem_gate *g)
+idemc_gate_connects(const idem_gate *g)
 {
 	if (g == NULL)
 		return 0;
@@ -333,7 +333,7 @@ idem_gate_connects(const idem_gate *g)
 }
 
 void
-idem_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
+idemc_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
 						long *node_errors)
 {
 	const idem_vc_stats *s = (g && g->vc) ? idem_vc_get_stats(g->vc) : NULL;
@@ -417,7 +417,7 @@ do_connect(idem_gate *g)
 		/* the first node is down: the others may be a cluster's */
 		if (g->nodes != NULL && g->cluster_mode == 0)
 			return cluster_open(g);
-		g->down_until = idem_now_ms() + g->retry_ms;
+		g->down_until = idemc_now_ms() + g->retry_ms;
 		return -1;
 	}
 	g->c = c;
@@ -453,7 +453,7 @@ do_connect(idem_gate *g)
 		ok = append_cmd(&buf, &len, 3, argv) == 0;
 		n++;
 	}
-	deadline = idem_now_ms() + g->command_timeout_ms;
+	deadline = idemc_now_ms() + g->command_timeout_ms;
 	if (ok)
 	{
 		g->round_trips++;
@@ -489,7 +489,7 @@ do_connect(idem_gate *g)
 		/* the first node hangs: the others may be a cluster's */
 		if (io_failed && g->nodes != NULL && g->cluster_mode == 0)
 			return cluster_open(g);
-		g->down_until = idem_now_ms() + g->retry_ms;
+		g->down_until = idemc_now_ms() + g->retry_ms;
 		return -1;
 	}
 	if (cluster)
@@ -501,13 +501,13 @@ do_connect(idem_gate *g)
 }
 
 int
-idem_gate_resting(const idem_gate *g)
+idemc_gate_resting(const idem_gate *g)
 {
 	if (g->config_error[0])
 		return 1;
 	if (g->vc != NULL && idem_vc_is_open(g->vc))
 		return 0;				/* nodes rest one by one */
-	return g->c == NULL && idem_now_ms() < g->down_until;
+	return g->c == NULL && idemc_now_ms() < g->down_until;
 }
 
 /*
@@ -524,7 +524,7 @@ ensure(idem_gate *g)
 
 	if (g->c || (g->vc != NULL && idem_vc_is_open(g->vc)))
 		return 0;
-	if (idem_gate_resting(g))
+	if (idemc_gate_resting(g))
 		return -1;
 	pipe_block(&pg);
 	rc = do_connect(g);
@@ -533,7 +533,7 @@ ensure(idem_gate *g)
 }
 
 void
-idem_gate_connect(idem_gate *g)
+idemc_gate_connect(idem_gate *g)
 {
 	if (g != NULL)
 		(void) ensure(g);
@@ -557,7 +557,7 @@ wait_fd(int fd, short events, int64_t deadline)
 	for (;;)
 	{
 		struct pollfd pfd;
-		int64_t		left = deadline - idem_now_ms();
+		int64_t		left = deadline - idemc_now_ms();
 		int			rc;
 
 		if (left <= 0)
@@ -672,7 +672,7 @@ read_reply(idem_gate *g, int64_t deadline)
 		}
 		if (reply != NULL)
 			return reply;
-		left = deadline - idem_now_ms();
+		left = deadline - idemc_now_ms();
 		if (left <= 0)
 		{
 			g->last_errno = 0;
@@ -719,7 +719,7 @@ static redisReply *
 exchange(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 {
 	redisContext *c = g->c;
-	int64_t		deadline = idem_now_ms() + g->command_timeout_ms;
+	int64_t		deadline = idemc_now_ms() + g->command_timeout_ms;
 	char	   *cmd = NULL;
 	long long	len = redisFormatCommandArgv(&cmd, argc, argv, argvlen);
 	int			rc;
@@ -766,7 +766,7 @@ cluster_command(idem_gate *g, int argc, const char **argv,
 	cmd.argv = argv;
 	cmd.argvlen = argvlen;
 	g->round_trips++;
-	if (idem_vc_pipeline(g->vc, &cmd, 1, idem_now_ms() + g->command_timeout_ms) != 1)
+	if (idem_vc_pipeline(g->vc, &cmd, 1, idemc_now_ms() + g->command_timeout_ms) != 1)
 		return NULL;
 	return cmd.reply;
 }
@@ -852,7 +852,7 @@ take_value(gate_reply *out, const redisReply *r)
 }
 
 void
-idem_gate_enter(idem_gate *g, const char *key, const char *marker,
+idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 				const char *lease_ms, gate_reply *out)
 {
 	const char *argv[7];
@@ -862,7 +862,7 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 
 	memset(out, 0, sizeof(*out));
 	out->answer = GATE_SKIPPED;
-	if (g == NULL || idem_gate_resting(g))
+	if (g == NULL || idemc_gate_resting(g))
 		return;
 	argv[0] = "SET";
 	argv[1] = key;
@@ -901,16 +901,16 @@ idem_gate_enter(idem_gate *g, const char *key, const char *marker,
 }
 
 void
-idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
+idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 				   gate_reply *out)
 {
 	int64_t		deadline;
 	int			i;
 
 	memset(out, 0, sizeof(*out) * (n > 0 ? n : 0));	/* GATE_SKIPPED */
-	if (g == NULL || n <= 0 || idem_gate_resting(g) || ensure(g) != 0)
+	if (g == NULL || n <= 0 || idemc_gate_resting(g) || ensure(g) != 0)
 		return;
-	deadline = idem_now_ms() + g->command_timeout_ms;
+	deadline = idemc_now_ms() + g->command_timeout_ms;
 	g->round_trips++;
 	if (g->vc != NULL)
 	{
@@ -971,13 +971,13 @@ idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
 }
 
 int
-idem_gate_release(idem_gate *g, const char *key, const char *marker)
+idemc_gate_release(idem_gate *g, const char *key, const char *marker)
 {
 	const char *args[2];
 	redisReply *r;
 	int			rc = -1;
 
-	if (g == NULL || idem_gate_resting(g))
+	if (g == NULL || idemc_gate_resting(g))
 		return -1;
 	args[0] = key;
 	args[1] = marker;

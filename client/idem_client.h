@@ -32,11 +32,16 @@
  *	  the calling thread block SIGPIPE and discard one raised meanwhile, as
  *	  libpq does; the process's signal handling is left alone otherwise.
  *	- The structs the caller allocates (idem_options, idem_result,
- *	  idem_runner_stats) begin with struct_size, set by their _init
- *	  function, which the library checks: new fields are only ever added at
- *	  the end, so a program built against an older idem_client.h keeps
- *	  working with a newer library of the same soname.  Always call the
- *	  _init function before use.
+ *	  idem_runner_stats, idem_run_options) begin with struct_size: their
+ *	  _init "function" is a macro that passes the library the size the
+ *	  caller was compiled with (sizeof here), and the library reads and
+ *	  writes only within it.  New fields are only ever added at the end,
+ *	  and every size from the first layout on (0.3) is accepted: fields
+ *	  beyond the caller's size take their defaults.  So a program built
+ *	  against an older idem_client.h keeps working with a newer library of
+ *	  the same soname.  Always call the _init macro before use.  (The
+ *	  library still exports the _init functions that earlier headers
+ *	  declared, which pass no size: they set up the first layout.)
  *
  *-------------------------------------------------------------------------
  */
@@ -73,7 +78,8 @@ int			idem_client_version(void);
  * Options of a runner.  Initialise with idem_options_init() and change what
  * you need; a NULL idem_options * means all defaults.  The strings are copied
  * by idem_runner_open().  Options not initialised with idem_options_init()
- * (a wrong struct_size) make every run fail with IDEM_ERR_ARGUMENT.
+ * (a struct_size below the first layout's, or absurd) make every run fail
+ * with IDEM_ERR_ARGUMENT.
  */
 typedef struct idem_options
 {
@@ -141,6 +147,10 @@ typedef struct idem_options
 } idem_options;
 
 void		idem_options_init(idem_options *opts);
+/* (IDEMCLIENT_1.3) what the _init macro calls: struct_size is the
+ * caller's sizeof */
+void		idem_options_init_size(idem_options *opts, size_t struct_size);
+#define idem_options_init(opts) idem_options_init_size((opts), sizeof(idem_options))
 
 /*
  * Open a runner.  pg_conninfo is a libpq connection string; valkey_host NULL
@@ -264,10 +274,13 @@ typedef enum idem_error_code
 	IDEM_ERR_HANDLER,			/* the handler broke the transaction */
 	IDEM_ERR_CONNECTION,		/* PostgreSQL unreachable or connection lost
 								 * before COMMIT was sent: nothing committed */
-	IDEM_ERR_COMMIT_UNKNOWN,	/* connection lost after COMMIT was sent:
-								 * the effect and the key committed together
-								 * or not at all, but which is unknown;
-								 * redeliver (the ledger decides) */
+	IDEM_ERR_COMMIT_UNKNOWN,	/* a failure after COMMIT (or idem_apply)
+								 * was sent -- a lost connection, a FATAL, a
+								 * pooler's own error -- that does not prove
+								 * a rollback: the effect and the key
+								 * committed together or not at all, but
+								 * which is unknown; redeliver (the ledger
+								 * decides) */
 	IDEM_ERR_SERVER,			/* PostgreSQL raised an error (sqlstate) */
 	IDEM_ERR_PROTOCOL,			/* unexpected answer from PostgreSQL */
 	IDEM_ERR_OUT_OF_MEMORY,
@@ -281,7 +294,8 @@ typedef enum idem_error_code
 /*
  * Filled by idem_run(); no allocation, nothing to free.  Initialise it once
  * with idem_result_init(); it can then serve any number of runs.  A result
- * not initialised (a wrong struct_size) is not written: idem_run() returns
+ * not initialised (a struct_size below the first layout's, or absurd) is
+ * not written: idem_run() returns
  * IDEM_ERROR and idem_runner_error_message() says why.
  */
 typedef struct idem_result
@@ -304,6 +318,10 @@ typedef struct idem_result
 } idem_result;
 
 void		idem_result_init(idem_result *res);
+/* (IDEMCLIENT_1.3) what the _init macro calls: struct_size is the
+ * caller's sizeof */
+void		idem_result_init_size(idem_result *res, size_t struct_size);
+#define idem_result_init(res) idem_result_init_size((res), sizeof(idem_result))
 
 /*
  * Run handler once for (task_scope, id) of tenant tenant_id (idem_run) or of
@@ -403,6 +421,10 @@ typedef struct idem_run_options
 } idem_run_options;
 
 void		idem_run_options_init(idem_run_options *opts);
+/* (IDEMCLIENT_1.3) what the _init macro calls: struct_size is the
+ * caller's sizeof */
+void		idem_run_options_init_size(idem_run_options *opts, size_t struct_size);
+#define idem_run_options_init(opts) idem_run_options_init_size((opts), sizeof(idem_run_options))
 
 /* idem_run / idem_run_platform with options for this run (may be NULL). */
 idem_status idem_run_with(idem_runner *runner, int64_t tenant_id,
@@ -448,6 +470,10 @@ typedef struct idem_runner_stats
 } idem_runner_stats;
 
 void		idem_runner_stats_init(idem_runner_stats *stats);
+/* (IDEMCLIENT_1.3) what the _init macro calls: struct_size is the
+ * caller's sizeof */
+void		idem_runner_stats_init_size(idem_runner_stats *stats, size_t struct_size);
+#define idem_runner_stats_init(stats) idem_runner_stats_init_size((stats), sizeof(idem_runner_stats))
 void		idem_runner_get_stats(const idem_runner *runner,
 								  idem_runner_stats *out);
 

@@ -2,6 +2,9 @@
  * internal.h
  *	  Declarations shared by the files of libidemclient; not installed.
  *
+ *	  Internal functions are idemc_*: only the public API bears idem_, in
+ *	  the static library too (shared_names.h renames those of ../src).
+ *
  *	  ../src/sha256.c, ../src/hmac.c	SHA-256, HMAC-SHA-256 (sha256.h; shared
  *						with the extension's worker)
  *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
@@ -25,25 +28,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "shared_names.h"
 #include "idem_client.h"
 #include "cache_format.h"
 #include "sha256.h"
 
 /* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
-void		idem_sha1_hex(const void *data, size_t len, char out[41]);
+void		idemc_sha1_hex(const void *data, size_t len, char out[41]);
 
 /* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
  * accepts in a UTF8 database). */
-int			idem_utf8_valid(const char *buf, size_t len);
+int			idemc_utf8_valid(const char *buf, size_t len);
 
 /* Error strings: always NUL-terminated, truncated to fit. */
-void		idem_set_err(char *buf, size_t buflen, const char *fmt,...)
+void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 			__attribute__((format(printf, 3, 4)));
 
 /* Monotonic milliseconds. */
-int64_t		idem_now_ms(void);
+int64_t		idemc_now_ms(void);
 /* idem_vc_io.wait for the client's routers (gate.c): poll(), or sleep. */
-int			idem_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
+int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
 
 /* ---- gate.c: the Valkey side ---- */
 
@@ -64,35 +68,35 @@ typedef struct gate_reply
 	size_t		value_len;
 } gate_reply;
 
-idem_gate  *idem_gate_new(const char *host, int port, const char *password,
+idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
 						  int command_timeout_ms, int retry_ms);
-void		idem_gate_free(idem_gate *g);
+void		idemc_gate_free(idem_gate *g);
 /* After a failure, within retry_ms: every call skips Valkey at once. */
-int			idem_gate_resting(const idem_gate *g);
+int			idemc_gate_resting(const idem_gate *g);
 /* One round trip, one command: SET key marker NX PX lease_ms GET (the
  * value if one exists, else our marker is set); lease_ms in decimal. */
-void		idem_gate_enter(idem_gate *g, const char *key, const char *marker,
+void		idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 							const char *lease_ms, gate_reply *out);
 /* GET of n keys in one pipeline (per node on a cluster), no marker:
  * out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED. */
-void		idem_gate_get_many(idem_gate *g, const char *const *keys, int n,
+void		idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 							   gate_reply *out);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
  * -1 Valkey unavailable. */
-int			idem_gate_release(idem_gate *g, const char *key,
+int			idemc_gate_release(idem_gate *g, const char *key,
 							  const char *marker);
 /* Why Valkey cannot be used as configured (the gate stays off), or NULL. */
-const char *idem_gate_config_error(const idem_gate *g);
+const char *idemc_gate_config_error(const idem_gate *g);
 /* Counters. */
-long		idem_gate_round_trips(const idem_gate *g);
-long		idem_gate_connects(const idem_gate *g);
+long		idemc_gate_round_trips(const idem_gate *g);
+long		idemc_gate_connects(const idem_gate *g);
 /* Try to connect now (used at open). */
-void		idem_gate_connect(idem_gate *g);
+void		idemc_gate_connect(idem_gate *g);
 /* Valkey Cluster: more seed nodes ("host:port,..."), mode 0 auto, 1 on,
  * -1 off.  Before the first connect.  0, or -1 out of memory. */
-int			idem_gate_set_cluster(idem_gate *g, const char *nodes, int mode);
-void		idem_gate_cluster_stats(const idem_gate *g, long *redirects,
+int			idemc_gate_set_cluster(idem_gate *g, const char *nodes, int mode);
+void		idemc_gate_cluster_stats(const idem_gate *g, long *redirects,
 									long *refreshes, long *node_errors);
 
 /* ---- pg.c: the PostgreSQL side ---- */
@@ -178,24 +182,30 @@ typedef struct pg_outcome
 	int			queued;			/* commands handed to libpq (perhaps sent) */
 	PGresult   *res[PG_MAX_CMDS];
 	char		sqlstate[6];
+	char		severity[10];	/* of that error: ERROR, FATAL, PANIC; "" if
+								 * none arrived (only a lost connection) */
 	char		message[400];
 	int			stale_first;	/* a prepared first statement failed as its
 								 * plan went stale: unnamed from now on,
 								 * worth sending again */
 } pg_outcome;
 
-void		idem_pg_init(idem_pg *p);
-void		idem_pg_close(idem_pg *p);
+void		idemc_pg_init(idem_pg *p);
+void		idemc_pg_close(idem_pg *p);
 /* Connect if needed (and look up the schema).  0, or -1 with msg set;
  * *fresh says whether a new connection was made. */
-int			idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen);
+int			idemc_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen);
+/* Whether the idle connection is still alive: what the server sent since
+ * the last command is read without blocking (a FATAL, the end of the
+ * stream), no round trip.  1 alive, 0 ended. */
+int			idemc_pg_alive(idem_pg *p);
 /* Send cmds as one pipeline with one Sync: one round trip. */
-void		idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
+void		idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
 							 pg_outcome *out);
-void		idem_pg_outcome_clear(pg_outcome *o);
+void		idemc_pg_outcome_clear(pg_outcome *o);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */
-int			idem_pg_exec(idem_pg *p, const char *sql);
-void		idem_pg_drop(idem_pg *p);
+int			idemc_pg_exec(idem_pg *p, const char *sql);
+void		idemc_pg_drop(idem_pg *p);
 
 /* ---- trust.c: keyspace, secrets, value verification ---- */
 
@@ -234,29 +244,47 @@ typedef struct idem_trust
 	long		rejected;		/* values ignored: failed verification */
 } idem_trust;
 
-int64_t		idem_wall_ms(void);
-void		idem_trust_init(idem_trust *t);
-void		idem_trust_clear(idem_trust *t);
-int			idem_trust_stale(const idem_trust *t, const idem_pg *pg);
-trust_state idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
+int64_t		idemc_wall_ms(void);
+void		idemc_trust_init(idem_trust *t);
+void		idemc_trust_clear(idem_trust *t);
+int			idemc_trust_stale(const idem_trust *t, const idem_pg *pg);
+trust_state idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
 							 size_t msglen);
-trust_verdict idem_trust_check(idem_trust *t, const char *key,
+trust_verdict idemc_trust_check(idem_trust *t, const char *key,
 							   const char *value, size_t len, int lease_ms,
 							   IdemCacheEntry *e);
-int			idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
+int			idemc_trust_marker(idem_trust *t, const char *key, int lease_ms,
 							  const uint8_t token[IDEM_TOKEN_LEN], char *buf,
 							  size_t buflen);
 
 /* ---- the runner: lifecycle.c opens and closes it, runner.c runs it ---- */
 
 /*
- * The caller-allocated structs start with struct_size, set by their _init
- * function.  This library accepts exactly its own sizes.  A later version
- * that appends fields keeps accepting the sizes of earlier layouts (from
- * 0.3 on), filling only the fields they have, so that programs built
- * against an older idem_client.h keep working without a new soname.
+ * The caller-allocated structs start with struct_size: the caller's sizeof,
+ * passed by the _init macros of idem_client.h.  Every size from the first
+ * layout with struct_size (0.3) on is accepted, also one larger than ours
+ * (a program built against a newer header): the library reads and writes
+ * only the first min(struct_size, sizeof) bytes, and fields beyond the
+ * caller's size take their defaults.  A size below the first layout, out
+ * of bounds or misaligned is refused: most likely the struct was never
+ * initialised.
+ *
+ * IDEM_SIZE_THROUGH(type, member): the sizeof a struct of type's fields up
+ * to member had (its tail padded to the struct's alignment).
  */
-#define IDEM_STRUCT_SIZE_OK(p, type)	((p)->struct_size == sizeof(type))
+#define IDEM_SIZE_THROUGH(type, member) \
+	((offsetof(type, member) + sizeof(((type *) 0)->member) + \
+	  _Alignof(type) - 1) / _Alignof(type) * _Alignof(type))
+/* the first layouts: 0.3's first header with struct_size */
+#define IDEM_OPTIONS_SIZE_MIN	IDEM_SIZE_THROUGH(idem_options, prepared_statements)
+#define IDEM_RESULT_SIZE_MIN	IDEM_SIZE_THROUGH(idem_result, valkey_used)
+#define IDEM_STATS_SIZE_MIN		IDEM_SIZE_THROUGH(idem_runner_stats, valkey_node_errors)
+#define IDEM_RUN_OPTIONS_SIZE_MIN IDEM_SIZE_THROUGH(idem_run_options, sql_args)
+#define IDEM_STRUCT_SIZE_MAX	65536
+#define IDEM_STRUCT_SIZE_OK(size, min) \
+	((size) >= (min) && (size) <= IDEM_STRUCT_SIZE_MAX && \
+	 (size) % _Alignof(size_t) == 0)
+#define IDEM_MIN_SIZE(a, b)		((a) < (b) ? (a) : (b))
 
 struct idem_runner
 {
@@ -284,7 +312,7 @@ struct idem_runner
 
 /* lifecycle.c: the gate found Valkey unusable as configured (valkey_db on a
  * cluster): tell the notice hook, once. */
-void		idem_runner_gate_notice(idem_runner *r);
+void		idemc_runner_gate_notice(idem_runner *r);
 
 /* A handler's view of its run (filled by runner.c, read through call.c). */
 struct idem_call
@@ -303,13 +331,19 @@ struct idem_call
 
 /* The keyspace and secrets are known and current: the cache may be used
  * (learns them if stale; lifecycle.c). */
-int			idem_runner_trust_ready(idem_runner *r);
+int			idemc_runner_trust_ready(idem_runner *r);
+
+/* A caller's result: 0 if its struct_size is one we accept, else -1 and the
+ * runner's message says why (runner.c). */
+int			idemc_result_size_ok(idem_runner *r, const idem_result *out);
+/* Copy a result of our size into the caller's, within its struct_size. */
+void		idemc_result_copy_out(idem_result *out, const idem_result *full);
 
 /* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
-void		idem_result_set_outcome(idem_result *out, const char *text, size_t len);
+void		idemc_result_set_outcome(idem_result *out, const char *text, size_t len);
 
 /* A trusted terminal value from Valkey as the result: a replay, or the
  * permanent failure (runner.c). */
-void		idem_result_from_cache(idem_result *out, const IdemCacheEntry *e);
+void		idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e);
 
 #endif

@@ -19,11 +19,10 @@ idem_client_version(void)
 
 /* ---- options ---- */
 
-void
-idem_options_init(idem_options *o)
+/* The defaults, in a struct of this library's size. */
+static void
+options_defaults(idem_options *o)
 {
-	if (o == NULL)
-		return;
 	memset(o, 0, sizeof(*o));
 	o->struct_size = sizeof(idem_options);
 	o->valkey_connect_timeout_ms = 200;
@@ -35,6 +34,26 @@ idem_options_init(idem_options *o)
 	o->lookup_first = 1;
 	o->prepared_statements = -1;
 	o->secrets_max_age_ms = 60000;
+}
+
+void
+idem_options_init_size(idem_options *o, size_t size)
+{
+	idem_options d;
+
+	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_OPTIONS_SIZE_MIN))
+		return;
+	options_defaults(&d);
+	memset(o, 0, size);
+	memcpy(o, &d, IDEM_MIN_SIZE(size, sizeof(d)));
+	o->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_options_init) (idem_options *o)
+{
+	idem_options_init_size(o, IDEM_OPTIONS_SIZE_MIN);
 }
 
 static int
@@ -56,17 +75,21 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 				 int valkey_port, const idem_options *opts)
 {
 	idem_options o;
-	int			opts_ok = opts == NULL || IDEM_STRUCT_SIZE_OK(opts, idem_options);
+	int			opts_ok = opts == NULL ||
+		IDEM_STRUCT_SIZE_OK(opts->struct_size, IDEM_OPTIONS_SIZE_MIN);
 	idem_runner *r = calloc(1, sizeof(idem_runner));
 
 	if (r == NULL)
 		return NULL;
 	r->stats.struct_size = sizeof(idem_runner_stats);
+	/* the caller's fields, and defaults for those its size does not have */
+	options_defaults(&o);
 	if (opts && opts_ok)
-		o = *opts;
-	else
-		idem_options_init(&o);
-	idem_pg_init(&r->pg);
+	{
+		memcpy(&o, opts, IDEM_MIN_SIZE(opts->struct_size, sizeof(o)));
+		o.struct_size = sizeof(o);
+	}
+	idemc_pg_init(&r->pg);
 	r->pg.conninfo = strdup(pg_conninfo ? pg_conninfo : "");
 	if (r->pg.conninfo == NULL)
 		goto oom;
@@ -89,7 +112,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->lookup_first = o.lookup_first;
 	r->notice = o.notice;
 	r->notice_arg = o.notice_arg;
-	idem_trust_init(&r->trust);
+	idemc_trust_init(&r->trust);
 	r->trust.max_age_ms = o.secrets_max_age_ms >= 0 ? o.secrets_max_age_ms : 60000;
 	if (o.valkey_connect_timeout_ms <= 0)
 		o.valkey_connect_timeout_ms = 200;
@@ -101,38 +124,39 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	if (!opts_ok)
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
-					 "options were not initialised by idem_options_init() of this library (struct_size %zu, expected %zu)",
-					 opts->struct_size, sizeof(idem_options));
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
+					 "options were not initialised by idem_options_init() (struct_size %zu, expected %zu to %d)",
+					 opts->struct_size, (size_t) IDEM_OPTIONS_SIZE_MIN,
+					 IDEM_STRUCT_SIZE_MAX);
 	}
 	else if (pg_conninfo == NULL)
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
+		idemc_set_err(r->errmsg, sizeof(r->errmsg), "pg_conninfo is NULL");
 	}
 	else if (o.retention_ms < 0)
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
 					 "retention_ms must not be negative");
 	}
 	else if (o.valkey_prefix && !prefix_ok(o.valkey_prefix))
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
 					 "valkey_prefix must be at most %d printable ASCII characters without spaces",
 					 IDEM_CACHE_PREFIX_MAX);
 	}
 	else if (valkey_host && (valkey_port <= 0 || valkey_port > 65535))
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
 					 "valkey_port %d is out of range", valkey_port);
 	}
 	else if (valkey_host && o.valkey_cluster > 0 && o.valkey_db != 0)
 	{
 		r->broken = 1;
-		idem_set_err(r->errmsg, sizeof(r->errmsg),
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
 					 "valkey_db is %d with valkey_cluster = 1, but a Valkey Cluster has only database 0: set valkey_db = 0",
 					 o.valkey_db);
 	}
@@ -141,22 +165,22 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 
 	if (valkey_host && valkey_host[0])
 	{
-		r->gate = idem_gate_new(valkey_host, valkey_port, o.valkey_password,
+		r->gate = idemc_gate_new(valkey_host, valkey_port, o.valkey_password,
 								o.valkey_db, o.valkey_connect_timeout_ms,
 								o.valkey_command_timeout_ms,
 								o.valkey_retry_ms);
 		if (r->gate == NULL ||
-			idem_gate_set_cluster(r->gate, o.valkey_nodes,
+			idemc_gate_set_cluster(r->gate, o.valkey_nodes,
 								  o.valkey_cluster) != 0)
 			goto oom;
-		idem_gate_connect(r->gate);
-		idem_runner_gate_notice(r);
+		idemc_gate_connect(r->gate);
+		idemc_runner_gate_notice(r);
 	}
 	{
 		int			fresh;
 
 		/* a server that is down is not an error here */
-		if (idem_pg_ensure(&r->pg, &fresh, r->errmsg, sizeof(r->errmsg)) == 0)
+		if (idemc_pg_ensure(&r->pg, &fresh, r->errmsg, sizeof(r->errmsg)) == 0)
 			r->errmsg[0] = '\0';
 	}
 	return r;
@@ -167,9 +191,9 @@ oom:
 }
 
 void
-idem_runner_gate_notice(idem_runner *r)
+idemc_runner_gate_notice(idem_runner *r)
 {
-	const char *why = idem_gate_config_error(r->gate);
+	const char *why = idemc_gate_config_error(r->gate);
 	char		msg[300];
 
 	if (why == NULL || r->gate_config_said)
@@ -187,9 +211,9 @@ idem_runner_close(idem_runner *r)
 {
 	if (r == NULL)
 		return;
-	idem_pg_close(&r->pg);
-	idem_gate_free(r->gate);
-	idem_trust_clear(&r->trust);
+	idemc_pg_close(&r->pg);
+	idemc_gate_free(r->gate);
+	idemc_trust_clear(&r->trust);
 	free(r);
 }
 
@@ -200,31 +224,46 @@ idem_runner_error_message(const idem_runner *r)
 }
 
 void
-idem_runner_stats_init(idem_runner_stats *st)
+idem_runner_stats_init_size(idem_runner_stats *st, size_t size)
 {
-	if (st == NULL)
+	if (st == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_STATS_SIZE_MIN))
 		return;
-	memset(st, 0, sizeof(*st));
-	st->struct_size = sizeof(idem_runner_stats);
+	memset(st, 0, size);
+	st->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_runner_stats_init) (idem_runner_stats *st)
+{
+	idem_runner_stats_init_size(st, IDEM_STATS_SIZE_MIN);
 }
 
 void
 idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 {
-	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out, idem_runner_stats))
+	idem_runner_stats full;
+	size_t		size;
+
+	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_STATS_SIZE_MIN))
 		return;
-	idem_runner_stats_init(out);
-	if (r == NULL)
-		return;
-	*out = r->stats;
-	out->pg_round_trips = r->pg.round_trips;
-	out->pg_connects = r->pg.connects;
-	out->valkey_round_trips = idem_gate_round_trips(r->gate);
-	out->valkey_connects = idem_gate_connects(r->gate);
-	out->cache_rejected = r->trust.rejected;
-	idem_gate_cluster_stats(r->gate, &out->valkey_redirects,
-							&out->valkey_map_refreshes,
-							&out->valkey_node_errors);
+	size = out->struct_size;
+	idem_runner_stats_init(&full);
+	if (r != NULL)
+	{
+		full = r->stats;
+		full.pg_round_trips = r->pg.round_trips;
+		full.pg_connects = r->pg.connects;
+		full.valkey_round_trips = idemc_gate_round_trips(r->gate);
+		full.valkey_connects = idemc_gate_connects(r->gate);
+		full.cache_rejected = r->trust.rejected;
+		idemc_gate_cluster_stats(r->gate, &full.valkey_redirects,
+								&full.valkey_map_refreshes,
+								&full.valkey_node_errors);
+	}
+	/* only within the caller's struct; what lies beyond ours stays 0 */
+	memcpy(out, &full, IDEM_MIN_SIZE(size, sizeof(full)));
+	out->struct_size = size;
 }
 
 /*
@@ -235,19 +274,19 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
  * once.
  */
 int
-idem_runner_trust_ready(idem_runner *r)
+idemc_runner_trust_ready(idem_runner *r)
 {
 	char		msg[400];
 	int			fresh;
 
-	if (!idem_trust_stale(&r->trust, &r->pg))
+	if (!idemc_trust_stale(&r->trust, &r->pg))
 		return r->trust.state == TRUST_READY;
 	msg[0] = '\0';
-	if (idem_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
+	if (idemc_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
 		PQtransactionStatus(r->pg.conn) != PQTRANS_IDLE)
 		return 0;				/* the claim reports it */
 	msg[0] = '\0';
-	if (idem_trust_learn(&r->trust, &r->pg, msg, sizeof(msg)) == TRUST_DENIED &&
+	if (idemc_trust_learn(&r->trust, &r->pg, msg, sizeof(msg)) == TRUST_DENIED &&
 		!r->cache_off_said)
 	{
 		r->cache_off_said = 1;

@@ -18,9 +18,11 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <sys/random.h>
 
 void
-idem_pg_init(idem_pg *p)
+idemc_pg_init(idem_pg *p)
 {
 	memset(p, 0, sizeof(*p));
 }
@@ -44,7 +46,7 @@ free_sql(idem_pg *p)
 }
 
 void
-idem_pg_drop(idem_pg *p)
+idemc_pg_drop(idem_pg *p)
 {
 	if (p->conn)
 	{
@@ -60,9 +62,9 @@ idem_pg_drop(idem_pg *p)
 }
 
 void
-idem_pg_close(idem_pg *p)
+idemc_pg_close(idem_pg *p)
 {
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 	free(p->conninfo);
 	free(p->schema_opt);
 	p->conninfo = NULL;
@@ -74,7 +76,7 @@ copy_msg(char *msg, size_t msglen, const char *prefix, const char *text)
 {
 	size_t		n;
 
-	idem_set_err(msg, msglen, "%s%s", prefix, text ? text : "");
+	idemc_set_err(msg, msglen, "%s%s", prefix, text ? text : "");
 	n = strlen(msg);
 	while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == ' '))
 		msg[--n] = '\0';
@@ -89,6 +91,36 @@ fmt_sql(const char *fmt, const char *schema)
 	if (s)
 		snprintf(s, n, fmt, schema);
 	return s;
+}
+
+/*
+ * The name of the savepoint the handler runs after: idem_handler_ and 16
+ * random hex digits, drawn anew for each connection.  A handler that ends
+ * the runner's transaction and opens another with a savepoint of the
+ * documented name (COMMIT; BEGIN; SAVEPOINT idem_handler) does not have
+ * ours: the RELEASE (or ROLLBACK TO) of the completion fails (3B001) and
+ * the run reports IDEM_ERR_HANDLER_ENDED_TX instead of "applied".  Fixed
+ * per connection, so that the savepoint statements stay prepared.
+ */
+static void
+savepoint_name(idem_pg *p, char out[40])
+{
+	uint8_t		b[8];
+	ssize_t		got = getrandom(b, sizeof(b), GRND_NONBLOCK);
+
+	if (got != (ssize_t) sizeof(b))
+	{
+		/* no entropy yet: unguessable enough against a handler's mistake */
+		uint64_t	x = (uint64_t) idemc_now_ms() ^ ((uint64_t) getpid() << 32) ^
+			(uint64_t) (uintptr_t) p ^ (uint64_t) p->connects * 0x9E3779B97F4A7C15ULL;
+		int			i;
+
+		for (i = 0; i < 8; i++)
+			b[i] = (uint8_t) (x >> (8 * i));
+	}
+	memcpy(out, "idem_handler_", 13);
+	idem_cache_hex(out + 13, b, sizeof(b));
+	out[13 + 16] = '\0';
 }
 
 static int
@@ -134,19 +166,27 @@ build_sql(idem_pg *p, const char *s)
 		"SELECT a.decision, a.attempt, a.outcome::text, "
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
 		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a",
-		/* BEGIN .. COMMIT: the runner's transaction around a C handler */
+		/*
+		 * BEGIN .. COMMIT: the runner's transaction around a C handler.
+		 * The savepoint's %s is its name, drawn for each connection
+		 * (savepoint_name).
+		 */
 		"BEGIN",
-		"SAVEPOINT idem_handler",
-		"RELEASE SAVEPOINT idem_handler",
-		"ROLLBACK TO SAVEPOINT idem_handler",
+		"SAVEPOINT %s",
+		"RELEASE SAVEPOINT %s",
+		"ROLLBACK TO SAVEPOINT %s",
 		"COMMIT"
 	};
+	char		sp[40];
 	int			i;
 
+	savepoint_name(p, sp);
 	free_sql(p);
 	for (i = 0; i < STMT_COUNT; i++)
 	{
-		p->sql[i] = fmt_sql(fmts[i], s);
+		p->sql[i] = fmt_sql(fmts[i],
+							i == STMT_SAVEPOINT || i == STMT_RELEASE ||
+							i == STMT_ROLLBACK_TO ? sp : s);
 		if (p->sql[i] == NULL)
 			return -1;
 	}
@@ -213,6 +253,12 @@ idle_conn_alive(idem_pg *p)
 	return 1;
 }
 
+int
+idemc_pg_alive(idem_pg *p)
+{
+	return p->conn != NULL && idle_conn_alive(p);
+}
+
 /*
  * Whether this connection may use named prepared statements.  A pooler in
  * transaction mode (pgbouncer) runs each transaction on any of its server
@@ -230,7 +276,7 @@ use_named(const idem_pg *p, int server_pid)
 }
 
 int
-idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
+idemc_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 {
 	char	   *quoted = NULL;
 	int			rc = -1;
@@ -238,7 +284,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	*fresh = 0;
 	if (p->conn && p->sql[0] && idle_conn_alive(p))
 		return 0;
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 	*fresh = 1;
 	p->connects++;
 	p->conn = PQconnectdb(p->conninfo);
@@ -251,7 +297,7 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	{
 		copy_msg(msg, msglen, "PostgreSQL connection failed: ",
 				 PQerrorMessage(p->conn));
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 		return -1;
 	}
 	p->server_ended = 0;
@@ -317,12 +363,12 @@ idem_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 			free(quoted);
 	}
 	if (rc != 0)
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 	return rc;
 }
 
 void
-idem_pg_outcome_clear(pg_outcome *o)
+idemc_pg_outcome_clear(pg_outcome *o)
 {
 	int			i;
 
@@ -338,11 +384,14 @@ static void
 set_error(pg_outcome *out, const PGresult *r, PGconn *conn)
 {
 	const char *st = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+	const char *sev = r ? PQresultErrorField(r, PG_DIAG_SEVERITY_NONLOCALIZED) : NULL;
 
 	if (out->message[0] != '\0')
 		return;
 	if (st)
 		snprintf(out->sqlstate, sizeof(out->sqlstate), "%s", st);
+	if (sev)
+		snprintf(out->severity, sizeof(out->severity), "%s", sev);
 	copy_msg(out->message, sizeof(out->message), "",
 			 r ? PQresultErrorMessage(r) : PQerrorMessage(conn));
 	if (out->message[0] == '\0')
@@ -357,7 +406,7 @@ lost(idem_pg *p, pg_outcome *out)
 		snprintf(out->message, sizeof(out->message),
 				 "connection to PostgreSQL lost");
 	out->rc = PG_CONN_LOST;
-	idem_pg_drop(p);
+	idemc_pg_drop(p);
 }
 
 /* one bit of idem_pg.prepared per statement and per first_sql slot */
@@ -508,7 +557,7 @@ resync_prepared(idem_pg *p)
 }
 
 void
-idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
+idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 {
 	PGconn	   *conn = p->conn;
 	int			stmt[PG_MAX_CMDS];
@@ -655,7 +704,12 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 		while ((extra = PQgetResult(conn)) != NULL)
 		{
 			if (PQresultStatus(extra) == PGRES_FATAL_ERROR)
+			{
+				/* an error after the command's rows: it failed after all */
 				set_error(out, extra, conn);
+				if (out->failed_cmd < 0 && PQstatus(conn) == CONNECTION_OK)
+					out->failed_cmd = i;
+			}
 			PQclear(extra);
 			if (PQstatus(conn) != CONNECTION_OK)
 			{
@@ -671,7 +725,25 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 	}
 	{
 		PGresult   *r = PQgetResult(conn);
-		int			ok = r && PQresultStatus(r) == PGRES_PIPELINE_SYNC;
+		int			ok;
+
+		/*
+		 * An error at the Sync: the commit of an implicit transaction (a
+		 * deferred constraint of one autocommit statement) failed.  Its
+		 * answer counts as the last command's.
+		 */
+		while (r && PQresultStatus(r) == PGRES_FATAL_ERROR &&
+			   PQstatus(conn) == CONNECTION_OK)
+		{
+			set_error(out, r, conn);
+			if (out->failed_cmd < 0)
+				out->failed_cmd = n - 1;
+			PQclear(r);
+			r = PQgetResult(conn);
+			if (r == NULL)
+				r = PQgetResult(conn);
+		}
+		ok = r && PQresultStatus(r) == PGRES_PIPELINE_SYNC;
 
 		if (r)
 			PQclear(r);
@@ -688,7 +760,7 @@ idem_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 }
 
 int
-idem_pg_exec(idem_pg *p, const char *sql)
+idemc_pg_exec(idem_pg *p, const char *sql)
 {
 	PGresult   *r;
 	int			ok;
@@ -701,7 +773,7 @@ idem_pg_exec(idem_pg *p, const char *sql)
 	PQclear(r);
 	if (PQstatus(p->conn) != CONNECTION_OK)
 	{
-		idem_pg_drop(p);
+		idemc_pg_drop(p);
 		return -1;
 	}
 	return ok ? 0 : -1;

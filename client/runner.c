@@ -11,8 +11,10 @@
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
- *		 lease is busy (unless idem_lookup finds its run committed: a replay
- *		 or mismatch); anything else is ignored (counted); absent: our
+ *		 lease and younger than IDEM_MARKER_CHEAP_MS is busy (unless
+ *		 idem_lookup finds its run committed: a replay or mismatch), an
+ *		 older one is the claim's to judge (3b: its run may be dead);
+ *		 anything else is ignored (counted); absent: our
  *		 MACed marker is set, in the same command.  Valkey down or slow: skip
  *		 the gate (for retry_ms after a failure, without trying).
  *	  3a. Valkey configured but silent, or a mismatch hint (lookup_first):
@@ -37,7 +39,8 @@
  *	  stored result as a GET would, without writing; sql_handler makes
  *	  step 3b one idem_apply statement.
  *
- *	  Honesty: once COMMIT is sent, a lost connection is "commit unknown";
+ *	  Honesty: once COMMIT is sent, any failure is "commit unknown" unless
+ *	  the answer proves a rollback (proves_rollback);
  *	  a handler that ends the runner's transaction fails the run with
  *	  IDEM_ERR_HANDLER_ENDED_TX (its effect may have committed without the
  *	  key).
@@ -57,6 +60,16 @@
 
 /* ---- one run ---- */
 
+/*
+ * How long another run's marker answers its duplicates "busy" from Valkey
+ * alone.  After that a duplicate asks PostgreSQL (the claim, which never
+ * waits: busy at once if the key is really held), so that a runner that
+ * died mid-handler (SIGKILL: PostgreSQL rolls its claim back at once) does
+ * not keep its key busy in Valkey for the rest of its lease.  A live run's
+ * duplicates within this first second stay cheap.
+ */
+#define IDEM_MARKER_CHEAP_MS 1000
+
 typedef struct run_state
 {
 	idem_runner *r;
@@ -74,6 +87,8 @@ typedef struct run_state
 	int			mismatch_hint;	/* Valkey holds another fingerprint: only
 								 * PostgreSQL may say "mismatch" */
 	int			marker_busy;	/* the gate met another run's marker */
+	int			marker_old;		/* ... older than IDEM_MARKER_CHEAP_MS:
+								 * PostgreSQL decides */
 	/* parameters as text */
 	char		tenant_txt[24];	/* of PostgreSQL's statements: params_key */
 } run_state;
@@ -107,7 +122,7 @@ finish_error(run_state *s, idem_error_code code, const char *sqlstate,
 }
 
 void
-idem_result_set_outcome(idem_result *out, const char *text, size_t len)
+idemc_result_set_outcome(idem_result *out, const char *text, size_t len)
 {
 	if (len > IDEM_OUTCOME_MAX_BYTES)
 		len = IDEM_OUTCOME_MAX_BYTES;	/* cannot happen: checked before */
@@ -119,14 +134,14 @@ idem_result_set_outcome(idem_result *out, const char *text, size_t len)
 /* A trusted terminal value in Valkey (completed or failed_permanent) as
  * the run's result. */
 void
-idem_result_from_cache(idem_result *out, const IdemCacheEntry *e)
+idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e)
 {
 	out->valkey_used = 1;
 	out->source = IDEM_SOURCE_VALKEY;
 	out->status = e->kind == IDEM_CACHE_COMPLETED ?
 		IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
 	out->attempt = e->attempt;
-	idem_result_set_outcome(out, e->outcome, e->outcome_len);
+	idemc_result_set_outcome(out, e->outcome, e->outcome_len);
 }
 
 /* Forks since the library was loaded, + 1: a child draws a new token base. */
@@ -173,8 +188,8 @@ random_bytes(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN])
 			const void *self;
 		}			seed;
 
-		seed.t = idem_now_ms();
-		seed.wall = idem_wall_ms();
+		seed.t = idemc_now_ms();
+		seed.wall = idemc_wall_ms();
 		seed.pid = getpid();
 		seed.self = r;
 		idem_sha256_init(&c);
@@ -213,7 +228,7 @@ static void
 release_marker(run_state *s)
 {
 	if (s->own_marker)
-		idem_gate_release(s->r->gate, s->ckey, s->marker);
+		idemc_gate_release(s->r->gate, s->ckey, s->marker);
 	s->own_marker = 0;
 }
 
@@ -245,14 +260,14 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	if (idem_gate_resting(s->r->gate))
+	if (idemc_gate_resting(s->r->gate))
 	{
 		s->r->stats.valkey_skipped++;
 		s->valkey_silent = 1;
-		idem_runner_gate_notice(s->r);
+		idemc_runner_gate_notice(s->r);
 		return 0;
 	}
-	if (!idem_runner_trust_ready(s->r) ||
+	if (!idemc_runner_trust_ready(s->r) ||
 		idem_cache_key(s->ckey, sizeof(s->ckey), s->r->trust.keyspace,
 					   s->is_platform, s->tenant_id, s->key) < 0)
 	{
@@ -260,13 +275,13 @@ gate_step(run_state *s)
 		return 0;
 	}
 	random_token(s->r, token);
-	if (idem_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
+	if (idemc_trust_marker(&s->r->trust, s->ckey, s->r->lease_ms, token,
 						  s->marker, sizeof(s->marker)) < 0)
 	{
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	idem_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
+	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
@@ -280,16 +295,29 @@ gate_step(run_state *s)
 			break;
 		case GATE_VALUE:
 			s->out->valkey_used = 1;
-			if (idem_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
+			if (idemc_trust_check(&s->r->trust, s->ckey, g.value, g.value_len,
 								 s->r->lease_ms, &e) != TRUST_VALUE_OK)
 				break;			/* not trusted: PostgreSQL decides */
 			if (e.kind == IDEM_CACHE_MARKER)
 			{
-				long long	left = e.expires_ms - idem_wall_ms();
+				long long	left = e.expires_ms - idemc_wall_ms();
+
+				/*
+				 * Its age: the marker carries its deadline, set by a
+				 * runner with (normally) our lease.  One made with a longer
+				 * lease looks younger (idemc_trust_check refused it if more
+				 * than 1 s longer), a shorter one older: PostgreSQL is
+				 * asked sooner, which costs time, never correctness.
+				 */
+				if ((long long) s->r->lease_ms - left >= IDEM_MARKER_CHEAP_MS)
+				{
+					s->marker_old = 1;
+					break;		/* PostgreSQL decides */
+				}
 
 				/*
 				 * Busy until the deadline in its MACed content, which
-				 * idem_trust_check bounded by our own lease (+ 1 s of
+				 * idemc_trust_check bounded by our own lease (+ 1 s of
 				 * skew); Valkey's TTL of the key is not consulted, so a
 				 * marker planted with a longer TTL is busy no longer.
 				 */
@@ -310,7 +338,7 @@ gate_step(run_state *s)
 				s->mismatch_hint = 1;	/* PostgreSQL confirms */
 				break;
 			}
-			idem_result_from_cache(s->out, &e);
+			idemc_result_from_cache(s->out, &e);
 			decided = 1;
 			break;
 	}
@@ -397,8 +425,8 @@ rollback_quietly(run_state *s)
 	if (conn && PQstatus(conn) == CONNECTION_OK &&
 		PQtransactionStatus(conn) != PQTRANS_IDLE)
 	{
-		if (idem_pg_exec(&s->r->pg, "ROLLBACK") != 0)
-			idem_pg_drop(&s->r->pg);
+		if (idemc_pg_exec(&s->r->pg, "ROLLBACK") != 0)
+			idemc_pg_drop(&s->r->pg);
 	}
 }
 
@@ -437,8 +465,52 @@ pg_error(run_state *s, pg_outcome *o, const char *what)
 	idem_status st = finish_error(s, code, o->sqlstate, "%s: %s", what,
 								  o->message[0] ? o->message : "failed");
 
-	idem_pg_outcome_clear(o);
+	idemc_pg_outcome_clear(o);
 	return st;
+}
+
+/*
+ * Whether the error that answered a pipeline ending in COMMIT (or the one
+ * autocommit idem_apply) proves that its transaction rolled back, even if
+ * the connection was lost after it.  Once the COMMIT has left the runner,
+ * nothing else is definite: a lost connection, a FATAL, or an error that a
+ * pooler made up (pgbouncer answers a query whose server connection died
+ * with its own 08P01 and closes, in any position of the pipeline, and the
+ * server may have committed before it died) all leave "commit unknown".
+ *
+ * Definite are only ERRORs (not FATAL or PANIC) that PostgreSQL raises in a
+ * transaction that then cannot commit, and that no pooler makes up:
+ *	 22xxx data exception (our outcome or an argument refused), 42xxx a
+ *	 statement refused (a privilege, a missing function), 54xxx a program
+ *	 limit, 55xxx object not in prerequisite state, P0xxx raised by
+ *	 PL/pgSQL (idem_complete refusing), 26000 a prepared statement the
+ *	 handler deallocated, 3B001 a savepoint the handler removed, 25P02 a
+ *	 statement in a transaction already failed: a statement before COMMIT
+ *	 failed, so the transaction is aborted and its COMMIT only rolls back;
+ *	 23xxx an integrity constraint (a deferred one checked at COMMIT), 40xxx
+ *	 transaction rollback (serialization failure, deadlock, also at COMMIT),
+ *	 but not 40003 statement_completion_unknown, which says the opposite.
+ * A COMMIT that fails with an ERROR has rolled back: what fails after the
+ * commit record is written is a PANIC.
+ */
+static int
+proves_rollback(const pg_outcome *o)
+{
+	static const char *const classes[] = {"22", "23", "40", "42", "54", "55",
+	"P0"};
+	static const char *const states[] = {"25P02", "26000", "3B001"};
+	size_t		i;
+
+	if (strcmp(o->severity, "ERROR") != 0 || strlen(o->sqlstate) != 5 ||
+		strcmp(o->sqlstate, "40003") == 0)
+		return 0;
+	for (i = 0; i < sizeof(classes) / sizeof(classes[0]); i++)
+		if (strncmp(o->sqlstate, classes[i], 2) == 0)
+			return 1;
+	for (i = 0; i < sizeof(states) / sizeof(states[0]); i++)
+		if (strcmp(o->sqlstate, states[i]) == 0)
+			return 1;
+	return 0;
 }
 
 /*
@@ -481,13 +553,13 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	}
 	if (PQstatus(conn) != CONNECTION_OK)
 	{
-		idem_pg_drop(pg);
+		idemc_pg_drop(pg);
 		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
 							"connection to PostgreSQL lost during the handler; nothing was committed");
 	}
 	if (PQpipelineStatus(conn) != PQ_PIPELINE_OFF)
 	{
-		idem_pg_drop(pg);		/* the safest way out of an unknown state */
+		idemc_pg_drop(pg);		/* the safest way out of an unknown state */
 		return finish_error(s, IDEM_ERR_HANDLER, NULL,
 							"handler left the connection in pipeline mode; the transaction was abandoned (rolled back by the server)");
 	}
@@ -497,12 +569,25 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		while ((pending = PQgetResult(conn)) != NULL)
 			PQclear(pending);
 	}
+	/*
+	 * The server may have ended the session while the handler ran
+	 * (pg_terminate_backend, a restart): its FATAL, or the end of the
+	 * stream, is waiting to be read.  Seen now, before COMMIT is sent, it
+	 * is a definite "nothing was committed"; after, it could not be told
+	 * from a COMMIT that was cut off.  No round trip: one poll().
+	 */
+	if (!idemc_pg_alive(pg))
+	{
+		idemc_pg_drop(pg);
+		return finish_error(s, IDEM_ERR_CONNECTION, NULL,
+							"connection to PostgreSQL lost during the handler; nothing was committed");
+	}
 	ts = PQtransactionStatus(conn);
 	if (ts == PQTRANS_IDLE)
 		return handler_ended_tx(s);
 	if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR)
 	{
-		idem_pg_drop(pg);
+		idemc_pg_drop(pg);
 		return finish_error(s, IDEM_ERR_HANDLER, NULL,
 							"connection in an unexpected state after the handler");
 	}
@@ -547,35 +632,46 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
 	cmds[2] = tx_cmd(s, STMT_COMMIT);
-	idem_pg_pipeline(pg, cmds, 3, &o);
+	idemc_pg_pipeline(pg, cmds, 3, &o);
 
 	/*
 	 * A COMMIT whose result arrived has committed, even if the connection
-	 * dropped before the pipeline's Sync: that is not "unknown".  Once the
-	 * COMMIT was handed to the connection, a lost connection without an
-	 * error before it is "unknown": the server may have committed.
+	 * dropped before the pipeline's Sync: that is not "unknown".  A
+	 * pipeline that ran to its Sync on a live connection answered for
+	 * itself: the COMMIT failed or was skipped after an error, nothing
+	 * committed.  Once the COMMIT was handed to the connection, a lost
+	 * connection is "unknown" whatever arrived before, unless it was an
+	 * error that proves a rollback (proves_rollback): a pooler answers
+	 * with an error of its own when the server connection dies under a
+	 * COMMIT that may have committed.
 	 */
 	if (!(o.completed == 3 && o.res[2] &&
 		  strcmp(PQcmdStatus(o.res[2]), "COMMIT") == 0))
 	{
 		idem_status st;
+		int			definite = o.rc != PG_CONN_LOST || o.queued < 3 ||
+			proves_rollback(&o);
 
-		if (o.rc == PG_CONN_LOST && o.queued == 3 && o.failed_cmd < 0)
+		if (!definite)
 			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
 							  "connection to PostgreSQL lost after COMMIT was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
 							  o.message);
-		else if (o.failed_cmd == 0 && strcmp(o.sqlstate, "3B001") == 0)
+		else if (strcmp(o.sqlstate, "3B001") == 0)
 		{
 			/* our savepoint is gone: the handler ended our transaction
 			 * (COMMIT; BEGIN) or released the savepoint */
 			rollback_quietly(s);
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			free(canon);
 			return handler_ended_tx(s);
 		}
-		else if (o.rc == PG_CONN_LOST)
+		else if (o.rc == PG_CONN_LOST && o.queued < 3)
 			st = finish_error(s, IDEM_ERR_CONNECTION, o.sqlstate,
-							  "connection to PostgreSQL lost before COMMIT; nothing was committed: %s",
+							  "connection to PostgreSQL lost before COMMIT was sent; nothing was committed: %s",
+							  o.message);
+		else if (o.rc == PG_CONN_LOST)
+			st = finish_error(s, IDEM_ERR_SERVER, o.sqlstate,
+							  "PostgreSQL refused a statement before COMMIT (rolled back, nothing committed), then the connection was lost: %s",
 							  o.message);
 		else
 		{
@@ -587,15 +683,15 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 							  o.failed_cmd == 0 ? "savepoint" : "commit",
 							  o.message[0] ? o.message : "COMMIT did not commit");
 		}
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		free(canon);
 		return st;
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 
 	s->out->source = IDEM_SOURCE_HANDLER;
 	s->out->attempt = attempt;
-	idem_result_set_outcome(s->out, canon, clen);
+	idemc_result_set_outcome(s->out, canon, clen);
 	switch (hs)
 	{
 		case IDEM_HANDLER_OK:
@@ -630,7 +726,7 @@ set_terminal(run_state *s, int completed, const char *outcome)
 	if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		return -1;
 	s->out->status = completed ? IDEM_REPLAYED : IDEM_FAILED_PERMANENT;
-	idem_result_set_outcome(s->out, outcome, len);
+	idemc_result_set_outcome(s->out, outcome, len);
 	return 0;
 }
 
@@ -652,11 +748,11 @@ lookup_step(run_state *s)
 	int			decided = 0;
 	char		msg[400];
 
-	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0 ||
+	if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0 ||
 		PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
 		return 0;				/* the claim reports or cleans up */
 	params_lookup(s, &cmd);
-	idem_pg_pipeline(pg, &cmd, 1, &o);
+	idemc_pg_pipeline(pg, &cmd, 1, &o);
 	if (o.rc == PG_SERVER_ERROR &&
 		(strcmp(o.sqlstate, "42501") == 0 || strcmp(o.sqlstate, "42883") == 0))
 		s->r->lookup_first = 0; /* not granted (or absent): claim from now on */
@@ -683,7 +779,7 @@ lookup_step(run_state *s)
 				decided = 1;
 		}
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return decided;
 }
 
@@ -733,7 +829,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 								o.message[0] ? o.message : "no detail");
 		memset(&o, 0, sizeof(o));
 		msg[0] = '\0';
-		if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+		if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
 			return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
 		if (PQtransactionStatus(pg->conn) != PQTRANS_IDLE)
 			rollback_quietly(s);	/* left over; cannot normally happen */
@@ -755,12 +851,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 			cmds[3].text_values = ro->first_params;
 			cmds[3].first = 1;
 		}
-		idem_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
+		idemc_pg_pipeline(pg, cmds, first ? 4 : 3, &o);
 		/* a connection that died while idle: nothing was committed, so one
 		 * retry on a new connection is safe */
 		if (o.rc == PG_CONN_LOST && !fresh && tries == 0)
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			continue;
 		}
 		break;
@@ -776,7 +872,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	}
 	if (decision_row(o.res[1], 4, &decision, &attempt, &ms, &outcome) != 0)
 	{
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		rollback_quietly(s);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_claim returned an unexpected row");
@@ -800,11 +896,11 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 
 			cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
 			cmds[1] = cmds[3];
-			idem_pg_pipeline(pg, cmds, 2, &o2);
+			idemc_pg_pipeline(pg, cmds, 2, &o2);
 			if (o2.rc == PG_CONN_LOST)
 			{
 				/* the transaction is gone with it: nothing committed */
-				idem_pg_outcome_clear(&o);
+				idemc_pg_outcome_clear(&o);
 				return pg_error(s, &o2, "the handler's first statement");
 			}
 			if (o2.res[1] != NULL)
@@ -813,14 +909,14 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 				o.res[3] = o2.res[1];
 				o2.res[1] = NULL;
 			}
-			idem_pg_outcome_clear(&o2);
+			idemc_pg_outcome_clear(&o2);
 		}
 		if (first)
 		{
 			call.first = o.res[3];	/* the handler's now */
 			o.res[3] = NULL;
 		}
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		call.attempt = attempt;
 		call.is_platform = s->is_platform;
 		call.tenant_id = s->tenant_id;
@@ -844,7 +940,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	{
 		if (set_terminal(s, decision[0] == 'c', outcome) != 0)
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			rollback_quietly(s);
 			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 								"idem_claim returned an outcome that is not a JSON object of at most %d bytes",
@@ -857,12 +953,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		char		d[32];
 
 		snprintf(d, sizeof(d), "%s", decision);
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		rollback_quietly(s);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_claim returned an unknown decision \"%s\"", d);
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 
 	/*
 	 * Round trip 2: end the transaction.  The claim wrote nothing for these
@@ -875,12 +971,12 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 	cmds[0] = tx_cmd(s, STMT_ROLLBACK_TO);
 	cmds[1] = tx_cmd(s, STMT_COMMIT);
 	if (first)
-		idem_pg_pipeline(pg, cmds, 2, &o);
+		idemc_pg_pipeline(pg, cmds, 2, &o);
 	else
-		idem_pg_pipeline(pg, &cmds[1], 1, &o);
+		idemc_pg_pipeline(pg, &cmds[1], 1, &o);
 	if (o.rc == PG_SERVER_ERROR)
 		rollback_quietly(s);
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return s->out->status;
 }
 
@@ -888,7 +984,9 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
  * Step 3b with a SQL handler: one autocommit statement, idem_apply, claims,
  * runs the handler in a subtransaction and completes or fails the key.
  * Once it is sent, a lost connection is "commit unknown" (the statement
- * commits by itself); a server error committed nothing.
+ * commits by itself), unless an error that proves a rollback arrived first
+ * (proves_rollback); a server error answered before its Sync committed
+ * nothing.
  */
 static idem_status
 apply_step(run_state *s, const idem_run_options *ro)
@@ -919,7 +1017,7 @@ apply_step(run_state *s, const idem_run_options *ro)
 								NULL, "sql_args: %s", err);
 	}
 	msg[0] = '\0';
-	if (idem_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
+	if (idemc_pg_ensure(pg, &fresh, msg, sizeof(msg)) != 0)
 	{
 		free(args);
 		return finish_error(s, IDEM_ERR_CONNECTION, NULL, "%s", msg);
@@ -938,25 +1036,31 @@ apply_step(run_state *s, const idem_run_options *ro)
 	cmd.values[i++] = args ? args : s->request;
 	cmd.values[i++] = s->r->retention_txt[0] ? s->r->retention_txt : NULL;
 	cmd.nparams = i;
-	idem_pg_pipeline(pg, &cmd, 1, &o);
+	idemc_pg_pipeline(pg, &cmd, 1, &o);
 	free(args);
 	if (o.rc != PG_OK)
 	{
 		idem_status st;
 
-		if (o.rc == PG_CONN_LOST && o.queued == 1 && o.failed_cmd < 0)
+		/* as after a COMMIT (finish_claimed): once idem_apply is sent,
+		 * only an answer that proves a rollback is definite */
+		if (o.rc == PG_CONN_LOST && o.queued == 1 && !proves_rollback(&o))
 			st = finish_error(s, IDEM_ERR_COMMIT_UNKNOWN, o.sqlstate,
 							  "connection to PostgreSQL lost after idem_apply was sent; whether it committed is unknown (redeliver: the ledger decides): %s",
 							  o.message);
+		else if (o.rc == PG_CONN_LOST && o.queued == 1)
+			st = finish_error(s, IDEM_ERR_SERVER, o.sqlstate,
+							  "idem_apply failed (rolled back, nothing committed), then the connection was lost: %s",
+							  o.message);
 		else
 			st = pg_error(s, &o, "idem_apply");
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return st;
 	}
 	if (decision_row(o.res[0], 5, &decision, &attempt, &ms, &outcome) != 0 ||
 		PQgetisnull(o.res[0], 0, 4))
 	{
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_apply returned an unexpected row");
 	}
@@ -971,12 +1075,12 @@ apply_step(run_state *s, const idem_run_options *ro)
 
 		if (len > IDEM_OUTCOME_MAX || outcome[0] != '{')
 		{
-			idem_pg_outcome_clear(&o);
+			idemc_pg_outcome_clear(&o);
 			return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 								"idem_apply returned an outcome that is not a JSON object of at most %d bytes",
 								IDEM_OUTCOME_MAX);
 		}
-		idem_result_set_outcome(s->out, outcome, len);
+		idemc_result_set_outcome(s->out, outcome, len);
 		if (decision[0] == 'c')
 			s->out->status = IDEM_REPLAYED;
 		else if (decision[0] == 'a')
@@ -993,11 +1097,11 @@ apply_step(run_state *s, const idem_run_options *ro)
 		char		d[32];
 
 		snprintf(d, sizeof(d), "%s", decision);
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		return finish_error(s, IDEM_ERR_PROTOCOL, NULL,
 							"idem_apply returned an unknown decision \"%s\"", d);
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	return s->out->status;
 }
 
@@ -1012,44 +1116,106 @@ effect_step(run_state *s, const idem_run_options *ro, const char *scope,
 }
 
 void
-idem_result_init(idem_result *res)
+idem_result_init_size(idem_result *res, size_t size)
 {
-	if (res == NULL)
+	if (res == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RESULT_SIZE_MIN))
 		return;
-	memset(res, 0, sizeof(*res));
-	res->struct_size = sizeof(idem_result);
+	memset(res, 0, size);
+	res->struct_size = size;
+}
+
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_result_init) (idem_result *res)
+{
+	idem_result_init_size(res, IDEM_RESULT_SIZE_MIN);
+}
+
+/*
+ * A result the caller passed, checked (0) or refused (-1: nothing written,
+ * the runner's message says why).
+ */
+int
+idemc_result_size_ok(idem_runner *r, const idem_result *out)
+{
+	if (IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_RESULT_SIZE_MIN))
+		return 0;
+	/* its size is unknown: write nothing into it */
+	if (r)
+		idemc_set_err(r->errmsg, sizeof(r->errmsg),
+					 "result was not initialised by idem_result_init() (struct_size %zu, expected %zu to %d)",
+					 out->struct_size, (size_t) IDEM_RESULT_SIZE_MIN,
+					 IDEM_STRUCT_SIZE_MAX);
+	return -1;
+}
+
+/* Copy a full result into the caller's, within its struct_size. */
+void
+idemc_result_copy_out(idem_result *out, const idem_result *full)
+{
+	size_t		size = out->struct_size;
+
+	memcpy(out, full, IDEM_MIN_SIZE(size, sizeof(*full)));
+	out->struct_size = size;
 }
 
 void
-idem_run_options_init(idem_run_options *o)
+idem_run_options_init_size(idem_run_options *o, size_t size)
 {
-	if (o == NULL)
+	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RUN_OPTIONS_SIZE_MIN))
 		return;
-	memset(o, 0, sizeof(*o));
-	o->struct_size = sizeof(idem_run_options);
+	memset(o, 0, size);
+	o->struct_size = size;
 }
 
+/* The function of the headers that passed no size: the first layout. */
+void
+(idem_run_options_init) (idem_run_options *o)
+{
+	idem_run_options_init_size(o, IDEM_RUN_OPTIONS_SIZE_MIN);
+}
+
+static idem_status run_full(idem_runner *r, int is_platform, int64_t tenant_id,
+							const char *scope, const char *id,
+							const char *request_json,
+							const idem_run_options *ro,
+							idem_handler_fn handler, void *user_data,
+							idem_result *out);
+
+/*
+ * A run into the caller's result: directly when it has our size, else
+ * through a full one copied back within the caller's size.
+ */
 static idem_status
 run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	const char *id, const char *request_json, const idem_run_options *ro,
 	idem_handler_fn handler, void *user_data, idem_result *out)
+{
+	idem_result full;
+	idem_status st;
+
+	if (out == NULL || idemc_result_size_ok(r, out) != 0)
+		return IDEM_ERROR;
+	if (out->struct_size == sizeof(idem_result))
+		return run_full(r, is_platform, tenant_id, scope, id, request_json,
+						ro, handler, user_data, out);
+	idem_result_init(&full);
+	st = run_full(r, is_platform, tenant_id, scope, id, request_json, ro,
+				  handler, user_data, &full);
+	idemc_result_copy_out(out, &full);
+	return st;
+}
+
+static idem_status
+run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
+		 const char *id, const char *request_json, const idem_run_options *ro,
+		 idem_handler_fn handler, void *user_data, idem_result *out)
 {
 	run_state	s;
 	idem_run_options ro_full;
 	char		err[200];
 	idem_status st;
 
-	if (out == NULL)
-		return IDEM_ERROR;
-	if (!IDEM_STRUCT_SIZE_OK(out, idem_result))
-	{
-		/* its size is unknown: write nothing into it */
-		if (r)
-			idem_set_err(r->errmsg, sizeof(r->errmsg),
-						 "result was not initialised by idem_result_init() of this library (struct_size %zu, expected %zu)",
-						 out->struct_size, sizeof(idem_result));
-		return IDEM_ERROR;
-	}
 	idem_result_init(out);
 	memset(&s, 0, sizeof(s));
 	s.r = r;
@@ -1078,18 +1244,20 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	}
 	r->errmsg[0] = '\0';
 	if (ro != NULL &&
-		ro->struct_size == offsetof(idem_run_options, first_sql))
+		!IDEM_STRUCT_SIZE_OK(ro->struct_size, IDEM_RUN_OPTIONS_SIZE_MIN))
+		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
+							"run options were not initialised by idem_run_options_init() (struct_size %zu, expected %zu to %d)",
+							ro->struct_size, (size_t) IDEM_RUN_OPTIONS_SIZE_MIN,
+							IDEM_STRUCT_SIZE_MAX);
+	if (ro != NULL && ro->struct_size != sizeof(idem_run_options))
 	{
-		/* initialised by a library before first_sql: none */
-		memset(&ro_full, 0, sizeof(ro_full));
-		memcpy(&ro_full, ro, ro->struct_size);
+		/* another layout: its fields, and defaults for those it lacks
+		 * (first_sql before 0.3's last ones) */
+		idem_run_options_init(&ro_full);
+		memcpy(&ro_full, ro, IDEM_MIN_SIZE(ro->struct_size, sizeof(ro_full)));
 		ro_full.struct_size = sizeof(ro_full);
 		ro = &ro_full;
 	}
-	if (ro != NULL && !IDEM_STRUCT_SIZE_OK(ro, idem_run_options))
-		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
-							"run options were not initialised by idem_run_options_init() of this library (struct_size %zu, expected %zu)",
-							ro->struct_size, sizeof(idem_run_options));
 	if (ro != NULL && ro->delivery_count < 0)
 		return finish_error(&s, IDEM_ERR_ARGUMENT, NULL,
 							"delivery_count must be 0 (unknown) or positive, not %d",
@@ -1152,7 +1320,14 @@ run(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 			 lookup_step(&s))
 		st = out->status;
 	else
+	{
+		/*
+		 * An old marker (marker_old) goes straight to the claim: busy at
+		 * once if its run is alive, the key if it died; a committed run's
+		 * row is replayed by the claim as by idem_lookup.
+		 */
 		st = effect_step(&s, ro, scope, id, handler, user_data);
+	}
 
 	/* no terminal result was written: our marker goes (compare-and-delete) */
 	if (s.own_marker)

@@ -57,7 +57,7 @@ sha1_block(uint32_t h[5], const uint8_t *p)
 }
 
 void
-idem_sha1_hex(const void *data, size_t len, char out[41])
+idemc_sha1_hex(const void *data, size_t len, char out[41])
 {
 	static const char hex[] = "0123456789abcdef";
 	uint32_t	h[5] = {0x67452301, 0xefcdab89, 0x98badcfe, 0x10325476, 0xc3d2e1f0};

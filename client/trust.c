@@ -37,7 +37,7 @@
 
 /* Wall-clock milliseconds (the epoch of expires_ms). */
 int64_t
-idem_wall_ms(void)
+idemc_wall_ms(void)
 {
 	struct timespec ts;
 
@@ -46,7 +46,7 @@ idem_wall_ms(void)
 }
 
 void
-idem_trust_init(idem_trust *t)
+idemc_trust_init(idem_trust *t)
 {
 	memset(t, 0, sizeof(*t));
 	t->state = TRUST_UNKNOWN;
@@ -54,7 +54,7 @@ idem_trust_init(idem_trust *t)
 
 /* Forget the secrets' key material (on close). */
 void
-idem_trust_clear(idem_trust *t)
+idemc_trust_clear(idem_trust *t)
 {
 	memset(t->keys, 0, sizeof(t->keys));
 	t->nkeys = 0;
@@ -77,13 +77,13 @@ bytea_hex32(const char *txt, uint8_t out[IDEM_MAC_LEN])
  * secrets learnt max_age_ms ago or more.
  */
 int
-idem_trust_stale(const idem_trust *t, const idem_pg *pg)
+idemc_trust_stale(const idem_trust *t, const idem_pg *pg)
 {
 	int64_t		age;
 
 	if (t->state == TRUST_UNKNOWN || t->learnt_at_connect != pg->connects)
 		return 1;
-	age = idem_now_ms() - t->learnt_ms;
+	age = idemc_now_ms() - t->learnt_ms;
 	return (t->refresh_wanted && age >= 1000) ||
 		(t->state == TRUST_READY && t->max_age_ms > 0 &&
 		 age >= t->max_age_ms);
@@ -96,7 +96,7 @@ idem_trust_stale(const idem_trust *t, const idem_pg *pg)
  * TRUST_UNKNOWN when the connection failed (try again on the next run).
  */
 trust_state
-idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
+idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 {
 	pg_cmd		cmds[2];
 	pg_outcome	o;
@@ -105,12 +105,12 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	memset(cmds, 0, sizeof(cmds));
 	cmds[0].sql = pg->sql[STMT_KEYSPACE];
 	cmds[1].sql = pg->sql[STMT_SECRETS];
-	idem_pg_pipeline(pg, cmds, 2, &o);
-	t->learnt_ms = idem_now_ms();
+	idemc_pg_pipeline(pg, cmds, 2, &o);
+	t->learnt_ms = idemc_now_ms();
 	t->refresh_wanted = 0;
 	if (o.rc == PG_CONN_LOST)
 	{
-		idem_pg_outcome_clear(&o);
+		idemc_pg_outcome_clear(&o);
 		t->state = TRUST_UNKNOWN;
 		return t->state;
 	}
@@ -118,17 +118,17 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	if (o.rc == PG_SERVER_ERROR)
 	{
 		if (strcmp(o.sqlstate, "42501") == 0)
-			idem_set_err(msg, msglen,
+			idemc_set_err(msg, msglen,
 						 "the role may not execute idem_cache_keyspace() and idem_cache_secrets() (GRANT EXECUTE on them to it): running without the Valkey cache, on PostgreSQL only");
 		else if (strcmp(o.sqlstate, "42883") == 0)
-			idem_set_err(msg, msglen,
+			idemc_set_err(msg, msglen,
 						 "the idem extension has no idem_cache_secrets() (ALTER EXTENSION idem UPDATE): running without the Valkey cache, on PostgreSQL only");
 		else if (strcmp(o.sqlstate, "55000") == 0)
-			idem_set_err(msg, msglen,
+			idemc_set_err(msg, msglen,
 						 "the server's Valkey cache is not ready (%s): running on PostgreSQL only, asking again in a second",
 						 o.message);
 		else
-			idem_set_err(msg, msglen,
+			idemc_set_err(msg, msglen,
 						 "learning the cache keyspace failed (%s): running without the Valkey cache on this connection",
 						 o.message);
 		{
@@ -139,8 +139,8 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 			 */
 			int			again = strcmp(o.sqlstate, "55000") == 0;
 
-			idem_pg_outcome_clear(&o);
-			idem_trust_clear(t);
+			idemc_pg_outcome_clear(&o);
+			idemc_trust_clear(t);
 			t->state = TRUST_DENIED;
 			t->refresh_wanted = again;
 		}
@@ -154,9 +154,9 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 		if (PQntuples(r) != 1 || PQgetisnull(r, 0, 0) ||
 			strlen(ks = PQgetvalue(r, 0, 0)) > IDEM_CACHE_KEYSPACE_MAX)
 		{
-			idem_set_err(msg, msglen, "idem_cache_keyspace() returned no usable keyspace: running without the Valkey cache on this connection");
-			idem_pg_outcome_clear(&o);
-			idem_trust_clear(t);
+			idemc_set_err(msg, msglen, "idem_cache_keyspace() returned no usable keyspace: running without the Valkey cache on this connection");
+			idemc_pg_outcome_clear(&o);
+			idemc_trust_clear(t);
 			t->state = TRUST_DENIED;
 			return t->state;
 		}
@@ -184,11 +184,11 @@ idem_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 			t->current = t->nkeys;
 		t->nkeys++;
 	}
-	idem_pg_outcome_clear(&o);
+	idemc_pg_outcome_clear(&o);
 	if (t->current < 0)
 	{
-		idem_set_err(msg, msglen, "idem_cache_secrets() returned no current secret: running without the Valkey cache on this connection");
-		idem_trust_clear(t);
+		idemc_set_err(msg, msglen, "idem_cache_secrets() returned no current secret: running without the Valkey cache on this connection");
+		idemc_trust_clear(t);
 		t->state = TRUST_DENIED;
 		return t->state;
 	}
@@ -229,7 +229,7 @@ mac_of(const idem_hmac *h, const char *key, size_t keylen,
  * lease_ms is this runner's lease: a marker may not claim longer.
  */
 trust_verdict
-idem_trust_check(idem_trust *t, const char *key, const char *value,
+idemc_trust_check(idem_trust *t, const char *key, const char *value,
 				 size_t len, int lease_ms, IdemCacheEntry *e)
 {
 	const idem_hmac *h;
@@ -257,7 +257,7 @@ idem_trust_check(idem_trust *t, const char *key, const char *value,
 		t->rejected++;
 		return TRUST_VALUE_BAD;
 	}
-	now = idem_wall_ms();
+	now = idemc_wall_ms();
 	if (e->kind == IDEM_CACHE_MARKER)
 	{
 		/* never busy past a lease: ours bounds what we honour */
@@ -280,7 +280,7 @@ idem_trust_check(idem_trust *t, const char *key, const char *value,
  * the current secret.  Returns its length, or -1 (no trust, short buffer).
  */
 int
-idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
+idemc_trust_marker(idem_trust *t, const char *key, int lease_ms,
 				  const uint8_t token[IDEM_TOKEN_LEN], char *buf,
 				  size_t buflen)
 {
@@ -291,7 +291,7 @@ idem_trust_marker(idem_trust *t, const char *key, int lease_ms,
 		return -1;
 	n = idem_cache_encode_lease_marker(buf, buflen,
 									   t->keys[t->current].key_id,
-									   idem_wall_ms() + lease_ms, token);
+									   idemc_wall_ms() + lease_ms, token);
 	if (n < 0 ||
 		mac_of(&t->keys[t->current].hmac, key, strlen(key), buf, (size_t) n,
 			   mac) != 0)

@@ -2870,6 +2870,8 @@ main(int argc, char **argv)
 		return trust_main(argc - 1, argv + 1);
 	if (argc >= 2 && strcmp(argv[1], "router") == 0)
 		return router_main(argc - 1, argv + 1);
-	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router ...\n");
+	if (argc >= 2 && strcmp(argv[1], "honesty") == 0)
+		return honesty_main(argc - 1, argv + 1);
+	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router|honesty ...\n");
 	return 2;
 }

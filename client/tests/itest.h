@@ -82,5 +82,6 @@ int			itest_connect_loopback(int port);
 int			contention_main(int argc, char **argv);
 int			trust_main(int argc, char **argv);
 int			router_main(int argc, char **argv);
+int			honesty_main(int argc, char **argv);
 
 #endif

@@ -81,7 +81,7 @@ static void
 test_oom_round(void)
 {
 	idem_vc_options opt;
-	idem_vc_io	io = {idem_vc_poll_wait, NULL, NULL};
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
 	idem_vc    *vc;
 	char		seeds[64],
 				err[256],

@@ -10,7 +10,8 @@
  *		trusted any well-formed value;
  *	  - a proxy that forwards COMMIT and drops its reply: "commit unknown";
  *	  - a 50 ms interval timer does not extend the Valkey deadline;
- *	  - a handler that ends the runner's transaction: its own error;
+ *	  - a handler that ends the runner's transaction: its own error, also
+ *		when it opens another with a savepoint of the documented name;
  *	  - a role without EXECUTE on idem_cache_secrets(): PostgreSQL only,
  *		said once.
  */
@@ -64,6 +65,8 @@ thandler(PGconn *conn, idem_call *call, void *ud)
 		PQclear(PQexec(conn, "COMMIT"));
 	else if (h->mode && strcmp(h->mode, "commit_begin") == 0)
 		PQclear(PQexec(conn, "COMMIT; BEGIN"));
+	else if (h->mode && strcmp(h->mode, "commit_begin_savepoint") == 0)
+		PQclear(PQexec(conn, "COMMIT; BEGIN; SAVEPOINT idem_handler"));
 	else if (h->mode && strcmp(h->mode, "rollback") == 0)
 		PQclear(PQexec(conn, "ROLLBACK"));
 	idem_call_set_json(call, "{\"done\": true}");
@@ -273,32 +276,44 @@ test_values(idem_runner *R)
 	idem_run(R, 1, S, "day2", req, thandler, &h, &res);
 	tap_ok_ext(res.status == IDEM_APPLIED && h.calls == 1 && effects("day2") == 1,
 			   "a forged marker with PX of a day: not busy; applied once (%s)", rs(&res));
-	/* control: an authentic marker within the lease is busy, bounded by it */
+	/*
+	 * control: an authentic marker within the lease is busy, bounded by it
+	 * (a marker set half a second ago on our lease of 30 s: one older than
+	 * a second is the claim's to judge)
+	 */
 	cache_key_of(k, sizeof(k), 0, 1, S, "lease");
-	authentic_marker(val, sizeof(val), k, wall_ms() + 5000);
+	authentic_marker(val, sizeof(val), k, wall_ms() + 29500);
 	rv_cmd_ok("SET %s %s PX 86400000", k, val);
 	memset(&h, 0, sizeof(h));
 	idem_run(R, 1, S, "lease", req, thandler, &h, &res);
 	tap_ok_ext(res.status == IDEM_BUSY && res.source == IDEM_SOURCE_VALKEY &&
-			   res.retry_after_ms <= 5000 && h.calls == 0,
+			   res.retry_after_ms <= 29500 && h.calls == 0,
 			   "control: an authentic marker within the lease is busy, retry after its deadline, not its PX (%s)",
 			   rs(&res));
 
 	/*
 	 * 6. The gate (SET NX PX GET) returns no TTL: a marker is busy until the
 	 * deadline in its MACed content, whatever Valkey's TTL of the key says
-	 * (here none at all), and not a moment longer.
+	 * (here none at all), and not a moment longer.  On a runner with a
+	 * lease of 2 s, to which the marker is half a second old.
 	 */
 	cache_key_of(k, sizeof(k), 0, 1, S, "nottl");
 	{
 		int64_t		deadline = wall_ms() + 1500,
 					t1;
+		idem_options o2;
+		idem_runner *R2;
+
+		idem_options_init(&o2);
+		o2.lease_ms = 2000;
+		o2.valkey_command_timeout_ms = E.slow ? 2000 : 200;
+		R2 = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o2);
 
 		authentic_marker(val, sizeof(val), k, deadline);
 		rv_cmd_ok("SET %s %s", k, val);
 		memset(&h, 0, sizeof(h));
 		t1 = wall_ms();
-		idem_run(R, 1, S, "nottl", req, thandler, &h, &res);
+		idem_run(R2, 1, S, "nottl", req, thandler, &h, &res);
 		tap_ok_ext(res.status == IDEM_BUSY && res.source == IDEM_SOURCE_VALKEY &&
 				   res.retry_after_ms > 0 &&
 				   res.retry_after_ms <= deadline - t1 && h.calls == 0,
@@ -306,10 +321,11 @@ test_values(idem_runner *R)
 				   rs(&res));
 		while (wall_ms() <= deadline + 50)
 			sleep_ms(50);
-		idem_run(R, 1, S, "nottl", req, thandler, &h, &res);
+		idem_run(R2, 1, S, "nottl", req, thandler, &h, &res);
 		tap_ok_ext(res.status == IDEM_APPLIED && h.calls == 1 && effects("nottl") == 1,
 				   "the same marker, still in Valkey after its deadline: not busy; applied once (%s)",
 				   rs(&res));
+		idem_runner_close(R2);
 	}
 }
 
@@ -597,10 +613,11 @@ test_timer(void)
 static void
 test_handler_ends_tx(idem_runner *R)
 {
-	const char *modes[3] = {"commit", "commit_begin", "rollback"};
+	const char *modes[4] = {"commit", "commit_begin", "rollback",
+	"commit_begin_savepoint"};
 	int			i;
 
-	for (i = 0; i < 3; i++)
+	for (i = 0; i < 4; i++)
 	{
 		idem_result res;
 		thctx		h;

@@ -25,7 +25,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 if [ "${1:-}" != "--inner" ]; then
 	client=$(cd "$here/.." && pwd)
 	top=$(cd "$client/.." && pwd)
-	for b in unit itest so_smoke; do
+	for b in unit itest so_smoke abi_first_so; do
 		if [ ! -x "$client/build/$b" ]; then
 			echo "Bail out! $client/build/$b is missing: run make -C client first"
 			exit 1
@@ -46,9 +46,11 @@ if [ "${1:-}" != "--inner" ]; then
 	chmod 755 "$work"
 	mkdir "$work/bin"
 	cp "$client/build/unit" "$client/build/itest" "$client/build/so_smoke" \
+		"$client/build/abi_first_so" "$client/build/libidemclient.a" \
+		"$client/exports.map" "$here/exports.sh" \
 		"$client/build/libidemclient.so.1" "$here/run.sh" \
 		"$top/test/lib/common.sh" "$work/bin/"
-	for b in unit itest; do
+	for b in unit itest abi_first; do
 		[ -x "$client/build-asan/$b" ] && cp "$client/build-asan/$b" "$work/bin/$b-asan"
 	done
 	if [ "$(id -u)" = 0 ]; then
@@ -161,7 +163,7 @@ done
 
 export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
 export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
-export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work
+export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work IDEM_TEST_PGBIN=$pgbin
 export PGCONNECT_TIMEOUT=10
 
 "$bin/itest" setup >"$work/setup.log" 2>&1 || { echo "Bail out! test database setup failed"; cat "$work/setup.log"; exit 1; }
@@ -236,12 +238,15 @@ echo "# PostgreSQL $("$pgbin/postgres" --version | awk '{print $3}') on 127.0.0.
 if [ "$mode" != only ]; then
 	tap unit "$bin/unit"
 	tap shared "$bin/so_smoke"
+	tap exports bash "$bin/exports.sh" "$bin/libidemclient.a" "$bin/libidemclient.so.1" "$bin/exports.map"
+	tap abi "$bin/abi_first_so"
 	tap diff "$bin/itest" diff
 	tap scenario "$bin/itest" scenario
 	tap contention "$bin/itest" contention clean
 	tap faults "$bin/itest" contention faults
 	tap trust "$bin/itest" trust
 	tap router "$bin/itest" router
+	tap honesty "$bin/itest" honesty
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -252,11 +257,13 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	export ASAN_OPTIONS=detect_leaks=0:exitcode=98
 	export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:exitcode=98
 	tap asan-unit "$bin/unit-asan"
+	[ -x "$bin/abi_first-asan" ] && tap asan-abi "$bin/abi_first-asan"
 	tap asan-diff "$bin/itest-asan" diff
 	tap asan-scenario "$bin/itest-asan" scenario
 	tap asan-contention "$bin/itest-asan" contention clean
 	tap asan-trust "$bin/itest-asan" trust
 	tap asan-router "$bin/itest-asan" router
+	tap asan-honesty "$bin/itest-asan" honesty
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
@@ -270,10 +277,12 @@ if [ "$mode" != 0 ]; then
 		echo "# under valgrind memcheck: $(valgrind --version)"
 		tap valgrind-unit "${vg[@]}" "$bin/unit"
 		tap valgrind-shared "${vg[@]}" "$bin/so_smoke"
+		tap valgrind-abi "${vg[@]}" "$bin/abi_first_so"
 		tap valgrind-diff "${vg[@]}" "$bin/itest" diff
 		tap valgrind-scenario "${vg[@]}" "$bin/itest" scenario
 		tap valgrind-contention "${vg[@]}" "$bin/itest" contention clean
 		tap valgrind-trust "${vg[@]}" "$bin/itest" trust
+		tap valgrind-honesty "${vg[@]}" "$bin/itest" honesty
 	else
 		n=$((n + 1))
 		pass=$((pass + 1))

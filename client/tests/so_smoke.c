@@ -35,7 +35,7 @@ main(void)
 	idem_runner_close(r);
 	tap_ok(idem_client_version() == IDEM_CLIENT_VERSION_NUM,
 		   "the library's version is the header's (%d)", idem_client_version());
-	tap_ok(dlsym(RTLD_DEFAULT, "idem_gate_enter") == NULL &&
+	tap_ok(dlsym(RTLD_DEFAULT, "idemc_gate_enter") == NULL &&
 		   dlsym(RTLD_DEFAULT, "idem_sha256_init") == NULL &&
 		   dlsym(RTLD_DEFAULT, "idem_run") != NULL,
 		   "only the public API is exported");

@@ -39,7 +39,7 @@ sha1_is(const char *msg, size_t len, const char *hex)
 {
 	char		out[41];
 
-	idem_sha1_hex(msg, len, out);
+	idemc_sha1_hex(msg, len, out);
 	return strcmp(out, hex) == 0;
 }
 
@@ -565,8 +565,56 @@ test_api_without_servers(void)
 	tap_ok(idem_run(r, 1, "s", "i", "{}", never, &ran, &res) == IDEM_ERROR &&
 		   res.struct_size == sizeof(res) - 8 && res.error_code == IDEM_ERR_ARGUMENT &&
 		   strstr(idem_runner_error_message(r), "idem_result_init") != NULL,
-		   "a result of another size is not written, the runner says why");
+		   "a result smaller than the first layout is not written, the runner says why");
 	idem_runner_close(r);
+	{
+		/*
+		 * A result and counters from a newer header (larger): accepted,
+		 * written only within our fields; what lies beyond keeps what the
+		 * caller's _init put there.
+		 */
+		size_t		big = sizeof(idem_result) + 64;
+		unsigned char *b = malloc(big);
+		idem_result *br = (idem_result *) b;
+		size_t		i,
+					untouched = 0;
+
+		idem_result_init_size(br, big);
+		memset(b + sizeof(idem_result), 0xab, 64);
+		idem_run(NULL, 1, "s", "i", "{}", never, &ran, br);
+		for (i = sizeof(idem_result); i < big; i++)
+			untouched += b[i] == 0xab;
+		tap_ok(br->struct_size == big && br->status == IDEM_ERROR &&
+			   br->error_code == IDEM_ERR_ARGUMENT && untouched == 64,
+			   "a result larger than ours (a newer header): filled, nothing written past our fields");
+		free(b);
+
+		/* an array of them: idem_cached_many steps by the caller's size */
+		{
+			unsigned char *arr = malloc(2 * big);
+			int64_t		t[2] = {1, 1};
+			const char *sc[2] = {"s", "s"};
+			const char *ids[2] = {"a", "b"};
+			const char *rq[2] = {"{}", "{}"};
+
+			idem_result_init_size((idem_result *) arr, big);
+			idem_result_init_size((idem_result *) (arr + big), big);
+			memset(arr + sizeof(idem_result), 0xab, 64);
+			memset(arr + big + sizeof(idem_result), 0xab, 64);
+			((idem_result *) (arr + big))->attempt = 7;
+			idem_cached_many(NULL, 2, t, sc, ids, rq, (idem_result *) arr);
+			untouched = 0;
+			for (i = 0; i < 64; i++)
+				untouched += (arr[sizeof(idem_result) + i] == 0xab) +
+					(arr[big + sizeof(idem_result) + i] == 0xab);
+			tap_ok(((idem_result *) arr)->struct_size == big &&
+				   ((idem_result *) (arr + big))->struct_size == big &&
+				   ((idem_result *) (arr + big))->attempt == 0 &&
+				   untouched == 128,
+				   "idem_cached_many on an array of larger results: each reset at the caller's stride, nothing written past our fields");
+			free(arr);
+		}
+	}
 	memset(&st, 0xff, sizeof(st));
 	st.struct_size = 0;
 	idem_runner_get_stats(NULL, &st);

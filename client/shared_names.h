@@ -1,0 +1,47 @@
+/*
+ * shared_names.h
+ *   The names, in libidemclient, of the functions it shares with the
+ *   extension's worker (../src/valkey_cluster.c, sha256.c, hmac.c): those
+ *   sources call them idem_vc_*, idem_sha256_*, idem_hmac_*, and so does
+ *   the extension; in this library they are idemc_*, so that only the
+ *   public API (idem_client.h) bears the idem_ prefix, in the static
+ *   library as in the shared one.  Every object of the library and of
+ *   its tests is compiled with -include shared_names.h (Makefile), and
+ *   internal.h includes it for a program built on the library's
+ *   internals (bench/client_bench.c).  tests/exports.sh fails when a new
+ *   shared function is missing here.
+ */
+#ifndef IDEM_CLIENT_SHARED_NAMES_H
+#define IDEM_CLIENT_SHARED_NAMES_H
+
+#define idem_hmac_key idemc_hmac_key
+#define idem_hmac_sha256 idemc_hmac_sha256
+#define idem_sha256_accel idemc_sha256_accel
+#define idem_sha256_final idemc_sha256_final
+#define idem_sha256_init idemc_sha256_init
+#define idem_sha256_update idemc_sha256_update
+#define idem_vc_classify idemc_vc_classify
+#define idem_vc_close_all idemc_vc_close_all
+#define idem_vc_collect idemc_vc_collect
+#define idem_vc_crc16 idemc_vc_crc16
+#define idem_vc_format_endpoint idemc_vc_format_endpoint
+#define idem_vc_free idemc_vc_free
+#define idem_vc_get_stats idemc_vc_get_stats
+#define idem_vc_is_cluster idemc_vc_is_cluster
+#define idem_vc_is_open idemc_vc_is_open
+#define idem_vc_key_slot idemc_vc_key_slot
+#define idem_vc_last_error idemc_vc_last_error
+#define idem_vc_new idemc_vc_new
+#define idem_vc_nnodes idemc_vc_nnodes
+#define idem_vc_node_errors idemc_vc_node_errors
+#define idem_vc_node_in_map idemc_vc_node_in_map
+#define idem_vc_node_name idemc_vc_node_name
+#define idem_vc_now_ms idemc_vc_now_ms
+#define idem_vc_open idemc_vc_open
+#define idem_vc_parse_endpoint idemc_vc_parse_endpoint
+#define idem_vc_parse_shards idemc_vc_parse_shards
+#define idem_vc_parse_slots idemc_vc_parse_slots
+#define idem_vc_pipeline idemc_vc_pipeline
+#define idem_vc_send idemc_vc_send
+
+#endif
