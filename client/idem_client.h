@@ -142,7 +142,7 @@ typedef struct idem_options
 									 * server at least this often (one round
 									 * trip), so that a secret rotated out
 									 * there is soon not trusted here either
-									 * (default 60000); 0: only on a new
+									 * (default 5000); 0: only on a new
 									 * connection and on an unknown key id */
 } idem_options;
 

@@ -33,7 +33,7 @@ options_defaults(idem_options *o)
 	o->cache_results = 1;		/* ignored since 0.3: the worker copies */
 	o->lookup_first = 1;
 	o->prepared_statements = -1;
-	o->secrets_max_age_ms = 60000;
+	o->secrets_max_age_ms = 5000;
 }
 
 void
@@ -113,7 +113,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->notice = o.notice;
 	r->notice_arg = o.notice_arg;
 	idemc_trust_init(&r->trust);
-	r->trust.max_age_ms = o.secrets_max_age_ms >= 0 ? o.secrets_max_age_ms : 60000;
+	r->trust.max_age_ms = o.secrets_max_age_ms >= 0 ? o.secrets_max_age_ms : 5000;
 	if (o.valkey_connect_timeout_ms <= 0)
 		o.valkey_connect_timeout_ms = 200;
 	if (o.valkey_command_timeout_ms <= 0)
