@@ -57,7 +57,11 @@
 PG_FUNCTION_INFO_V1(idem_apply);
 PG_FUNCTION_INFO_V1(idem_platform_apply);
 
-/* Longest error message kept in a failure detail (bytes, before escaping). */
+/*
+ * Longest error message kept in a failure detail: bytes of its JSON-escaped
+ * text, so that the detail always fits the outcome's IDEM_OUTCOME_MAX (a
+ * control character takes six bytes escaped, \u0001).
+ */
 #define APPLY_MESSAGE_MAX	1024
 
 /*
@@ -121,23 +125,54 @@ apply_error_is_permanent(int sqlerrcode)
 		strncmp(state, "23", 2) == 0;
 }
 
+/*
+ * msg as a JSON string, clipped to APPLY_MESSAGE_MAX bytes of escaped text
+ * between characters: never inside a multibyte character or an escape.
+ * Clipping before escaping would not do: a message quoting a request full
+ * of control characters grows sixfold, over the outcome's limit, and then
+ * nothing could be recorded and every redelivery would run the handler
+ * again.
+ */
+static void
+apply_append_message(StringInfo buf, const char *msg)
+{
+	StringInfoData one;
+	const char *p = msg;
+	int			used = 0;
+
+	initStringInfo(&one);
+	appendStringInfoChar(buf, '"');
+	while (*p != '\0')
+	{
+		char		chr[MAX_MULTIBYTE_CHAR_LEN + 1];
+		int			clen = Min(pg_mblen(p), (int) strnlen(p, MAX_MULTIBYTE_CHAR_LEN));
+
+		memcpy(chr, p, clen);
+		chr[clen] = '\0';
+		resetStringInfo(&one);
+		escape_json(&one, chr);
+		/* one.data is the character escaped, between its two quotes */
+		if (used + one.len - 2 > APPLY_MESSAGE_MAX)
+			break;
+		appendBinaryStringInfo(buf, one.data + 1, one.len - 2);
+		used += one.len - 2;
+		p += clen;
+	}
+	appendStringInfoChar(buf, '"');
+	pfree(one.data);
+}
+
 /* {"sqlstate": ..., "message": ...} of an error the handler raised. */
 static Jsonb *
 apply_error_detail(ErrorData *edata)
 {
 	StringInfoData buf;
-	const char *msg = edata->message ? edata->message : "";
-	int			len = strlen(msg);
-	char	   *clipped;
 
-	if (len > APPLY_MESSAGE_MAX)
-		len = pg_mbcliplen(msg, len, APPLY_MESSAGE_MAX);
-	clipped = pnstrdup(msg, len);
 	initStringInfo(&buf);
 	appendStringInfoString(&buf, "{\"sqlstate\": ");
 	escape_json(&buf, unpack_sql_state(edata->sqlerrcode));
 	appendStringInfoString(&buf, ", \"message\": ");
-	escape_json(&buf, clipped);
+	apply_append_message(&buf, edata->message ? edata->message : "");
 	appendStringInfoChar(&buf, '}');
 	return DatumGetJsonbP(DirectFunctionCall1(jsonb_in, CStringGetDatum(buf.data)));
 }
