@@ -131,6 +131,23 @@ SELECT decision FROM idem_apply(1, k('u'), f('{}'), 'transfer(jsonb)', '{"amount
 SELECT decision, outcome FROM idem_apply(1, k('d'), f('{}'), 'h_definer(jsonb)', '{}');
 RESET ROLE;
 SELECT who FROM transfers ORDER BY id DESC LIMIT 1;
+-- USAGE on the handler's schema, as a direct call needs it: given by OID,
+-- a handler in a schema the caller cannot use is refused (42501), before
+-- the key is touched, even a SECURITY DEFINER one.
+CREATE SCHEMA idem_private;
+CREATE FUNCTION idem_private.h_hidden(args jsonb) RETURNS jsonb LANGUAGE sql
+  SECURITY DEFINER AS $$ SELECT '{"hidden": true}'::jsonb $$;
+SELECT 'idem_private.h_hidden(jsonb)'::regprocedure::oid AS h_hidden \gset
+SET ROLE idem_apply_user;
+SELECT idem_private.h_hidden('{}');
+SELECT decision, outcome FROM idem_apply(1, k('hid'), f('{}'), :h_hidden::oid::regprocedure, '{}');
+RESET ROLE;
+SELECT count(*) FROM idem_lookup(1, k('hid'));
+GRANT USAGE ON SCHEMA idem_private TO idem_apply_user;
+SET ROLE idem_apply_user;
+SELECT decision, outcome FROM idem_apply(1, k('hid'), f('{}'), :h_hidden::oid::regprocedure, '{}');
+RESET ROLE;
+DROP SCHEMA idem_private CASCADE;
 
 -- The platform ledger.
 SELECT decision, attempt, outcome, ran

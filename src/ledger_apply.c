@@ -17,9 +17,10 @@
  *
  *	  The handler: a function (not a procedure, aggregate or window
  *	  function) taking one jsonb and returning one jsonb, the outcome (a
- *	  JSON object; NULL means {}).  It runs as the caller: EXECUTE on it is
- *	  checked, and a SECURITY DEFINER handler (or one with SET clauses)
- *	  runs as fmgr runs any such function.  It runs in a subtransaction:
+ *	  JSON object; NULL means {}).  It runs as the caller: USAGE on its
+ *	  schema and EXECUTE on it are checked, as a direct call would, and a
+ *	  SECURITY DEFINER handler (or one with SET clauses) runs as fmgr runs
+ *	  any such function.  It runs in a subtransaction:
  *	  an error it raises rolls its writes back and is recorded, with its
  *	  SQLSTATE and message as the detail, as failed_permanent (SQLSTATE
  *	  P0001, RAISE's default, and classes 22 and 23: the request cannot
@@ -73,6 +74,7 @@ apply_check_handler(Oid fn)
 {
 	HeapTuple	tup;
 	Form_pg_proc proc;
+	Oid			nsp;
 	AclResult	acl;
 
 	tup = SearchSysCache1(PROCOID, ObjectIdGetDatum(fn));
@@ -96,8 +98,17 @@ apply_check_handler(Oid fn)
 				 errdetail("It returns %s%s.", proc->proretset ? "SETOF " : "",
 						   format_type_be(proc->prorettype)),
 				 errhint("Declare it as FUNCTION name(args jsonb) RETURNS jsonb; it returns the outcome, a JSON object.")));
+	nsp = proc->pronamespace;
 	ReleaseSysCache(tup);
 
+	/*
+	 * What a direct call needs: USAGE on the function's schema (checked
+	 * when its name is looked up) and EXECUTE on it.  Given by OID, the
+	 * name is never looked up, so the schema is checked here.
+	 */
+	acl = idem_namespace_aclcheck(nsp, GetUserId(), ACL_USAGE);
+	if (acl != ACLCHECK_OK)
+		aclcheck_error(acl, OBJECT_SCHEMA, get_namespace_name(nsp));
 	acl = idem_proc_aclcheck(fn, GetUserId(), ACL_EXECUTE);
 	if (acl != ACLCHECK_OK)
 		aclcheck_error(acl, OBJECT_FUNCTION, get_func_name(fn));
