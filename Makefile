@@ -50,6 +50,10 @@ PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 ifneq ($(wildcard $(PGXS)),)
 include $(PGXS)
 PG_PROVE_FLAGS += -I test/t
+# What only PostgreSQL 17 and later have (infinite intervals).
+ifeq ($(shell test $(VERSION_NUM) -ge 170000 2>/dev/null && echo y),y)
+REGRESS += infinite_pg17
+endif
 # What only PostgreSQL 18 and later have (NOT ENFORCED, virtual columns).
 ifeq ($(shell test $(VERSION_NUM) -ge 180000 2>/dev/null && echo y),y)
 REGRESS += write_pg18

@@ -87,6 +87,16 @@
 	pg_namespace_aclcheck((nsp), (role), (mode))
 #endif
 
+/*
+ * 17: intervals can be infinite ('infinity', '-infinity').  Before 17 every
+ * interval is finite.
+ */
+#if PG_VERSION_NUM >= 170000
+#define idem_interval_is_finite(iv)	(!INTERVAL_NOT_FINITE(iv))
+#else
+#define idem_interval_is_finite(iv)	true
+#endif
+
 /* 17: a wait event set no longer takes a memory context. */
 #if PG_VERSION_NUM >= 170000
 #define idem_create_wait_event_set(nevents) CreateWaitEventSet(NULL, (nevents))

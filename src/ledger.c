@@ -101,30 +101,55 @@ key_args(FunctionCallInfo fcinfo, LedgerKind kind, LedgerKey *lk)
 }
 
 /*
- * now + iv, or + default_ms when iv is NULL.  Zero and negative intervals
- * are refused: a lease or retention that has already ended is a bug in the
- * caller.
+ * now + iv, or + default_ms when iv is NULL.  An interval whose end is not
+ * in the future is refused: a lease or retention that has already ended is
+ * a bug in the caller.  The end is checked as it is computed, on the
+ * calendar in the session's time zone: '1 month -29 days' in February, or
+ * '1 day -24 hours 1 second' across a 23-hour day, ends in the past although
+ * a month counted as 30 days and a day as 24 hours would make it positive.
+ * Infinite intervals (PostgreSQL 17 and later) are refused too: a lease
+ * that never ends holds its key forever, a retention that never ends keeps
+ * the row from idem_purge forever.
  */
 TimestampTz
 ledger_deadline(Interval *iv, const char *name, int64 default_ms,
 				TimestampTz now)
 {
-	double		span;			/* only its sign matters: no overflow */
+	TimestampTz end;
 
 	if (iv == NULL)
 		return now + default_ms * INT64CONST(1000);
-	span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
-		(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
-	if (span <= 0)
+	if (!idem_interval_is_finite(iv))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be positive", name),
+				 errmsg("%s must be finite", name),
 				 errdetail("Got %s.",
 						   DatumGetCString(DirectFunctionCall1(interval_out,
 															   IntervalPGetDatum(iv))))));
-	return DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
-												   TimestampTzGetDatum(now),
-												   IntervalPGetDatum(iv)));
+	end = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+												  TimestampTzGetDatum(now),
+												  IntervalPGetDatum(iv)));
+	if (end <= now)
+	{
+		/* positive when a month is 30 days and a day 24 hours: no overflow */
+		double		span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
+			(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
+		char	   *ivtext = DatumGetCString(DirectFunctionCall1(interval_out,
+																 IntervalPGetDatum(iv)));
+
+		if (span <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("%s must be positive", name),
+					 errdetail("Got %s.", ivtext)));
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name),
+				 errdetail("Got %s, which ends %s as added on the calendar, in the session's time zone.",
+						   ivtext, end == now ? "now" : "before now"),
+				 errhint("Months and days are added on the calendar: a month can be 28 days, a day 23 hours.")));
+	}
+	return end;
 }
 
 static TimestampTz
