@@ -149,6 +149,14 @@ SELECT decision, outcome FROM idem_apply(1, k('hid'), f('{}'), :h_hidden::oid::r
 RESET ROLE;
 DROP SCHEMA idem_private CASCADE;
 
+-- A handler that drops the ledger: the ledger is checked again before the
+-- key is settled (55000), and the statement's failure undoes the drop.
+CREATE FUNCTION h_drop(args jsonb) RETURNS jsonb LANGUAGE plpgsql
+  AS $$ BEGIN DROP TABLE idempotency_keys; RETURN '{}'; END $$;
+SELECT decision FROM idem_apply(1, k('drop'), f('{}'), 'h_drop(jsonb)', '{}');
+SELECT count(*) FROM idem_lookup(1, k('drop'));
+DROP FUNCTION h_drop(jsonb);
+
 -- The platform ledger.
 SELECT decision, attempt, outcome, ran
   FROM idem_platform_apply(k('plat'), f('{}'), 'transfer(jsonb)', '{"amount": 9}');

@@ -325,6 +325,8 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 
 		outcome = apply_run_handler(fn, args, PG_GET_COLLATION(), &failed,
 									&permanent);
+		/* The handler may have dropped or altered the ledger: check again. */
+		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 		text = ledger_check_outcome(outcome, failed ? "failure detail" : "handler outcome");
 		status = !failed ? IDEM_STATUS_COMPLETED :
 			permanent ? IDEM_STATUS_FAILED_PERMANENT : IDEM_STATUS_FAILED_RETRYABLE;

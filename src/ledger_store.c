@@ -561,7 +561,8 @@ store_check(LedgerStore *store, Relation rel)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("the idem tenant ledger has no foreign key to a tenants table"),
-					 errhint("Re-create it with idem_install('tenants').")));
+					 errdetail("Dropping the tenants table's primary key with CASCADE drops the ledger's foreign key."),
+					 errhint("Give the tenants table a primary key on id again if it has none, then run SELECT idem_install('tenants') (naming your tenants table): it re-creates the foreign key.")));
 
 		/*
 		 * Probe tenants directly only where that reads what the FK reads: a
