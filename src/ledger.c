@@ -35,6 +35,7 @@
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/snapmgr.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
@@ -265,6 +266,41 @@ key_locktag(LOCKTAG *tag, const LedgerKey *lk)
 }
 
 /*
+ * The key lock, taken without waiting, for the current (sub)transaction.
+ * Not for CurrentResourceOwner: during a cursor's FETCH that is the
+ * portal's, and a later FETCH of the same cursor that fails inside a
+ * savepoint hands the portal's resources to the savepoint, whose ROLLBACK
+ * TO releases them: the key lock would go while the claim it guards stays
+ * ours (pending.c forgets only the claims of the aborted subtransaction).
+ * Under CurTransactionResourceOwner the lock lives exactly as long as the
+ * claim: to the end of the transaction, or of the subtransaction that made
+ * it if that one aborts.
+ */
+static LockAcquireResult
+key_lock_acquire(const LOCKTAG *tag)
+{
+	ResourceOwner save = CurrentResourceOwner;
+	LockAcquireResult res;
+
+	/* on error, the (sub)transaction's abort resets CurrentResourceOwner */
+	CurrentResourceOwner = CurTransactionResourceOwner;
+	res = LockAcquire(tag, ExclusiveLock, false, true);
+	CurrentResourceOwner = save;
+	return res;
+}
+
+/* Give back a key lock key_lock_acquire() took in this (sub)transaction. */
+static void
+key_lock_release(const LOCKTAG *tag)
+{
+	ResourceOwner save = CurrentResourceOwner;
+
+	CurrentResourceOwner = CurTransactionResourceOwner;
+	LockRelease(tag, ExclusiveLock, false);
+	CurrentResourceOwner = save;
+}
+
+/*
  * The answer a claim gives from a committed row it will not change: a
  * replay, a mismatch, or busy.  retry_at is when a busy caller should come
  * back if the row has no running lease to offer.
@@ -442,7 +478,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	LockAcquireResult lockres;
 
 	key_locktag(&tag, lk);
-	lockres = LockAcquire(&tag, ExclusiveLock, false, true);
+	lockres = key_lock_acquire(&tag);
 	if (lockres == LOCKACQUIRE_NOT_AVAIL)
 	{
 		/* Another transaction is on this key: answer without waiting. */
@@ -458,7 +494,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 		claim_locked(store, lk, fingerprint, now, lease_end, ans);
 		/* Nothing claimed: let the next claimer in at once. */
 		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
-			LockRelease(&tag, ExclusiveLock, false);
+			key_lock_release(&tag);
 	}
 
 	idem_stats_count_claim(ans->decision);
@@ -592,7 +628,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 		LOCKTAG		tag;
 
 		key_locktag(&tag, lk);
-		if (LockAcquire(&tag, ExclusiveLock, false, true) == LOCKACQUIRE_NOT_AVAIL)
+		if (key_lock_acquire(&tag) == LOCKACQUIRE_NOT_AVAIL)
 			ereport(ERROR,
 					(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 					 errmsg("cannot %s idempotency key: another transaction holds it", what),
