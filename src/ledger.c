@@ -363,7 +363,8 @@ pending_as_row(const PendingClaim *mine, LedgerRow *row)
  */
 static void
 claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
-			 TimestampTz now, TimestampTz lease_end, ClaimAnswer *ans)
+			 TimestampTz now, TimestampTz lease_end, bool lease_given,
+			 ClaimAnswer *ans)
 {
 	PendingClaim *mine = pending_find(lk);
 	LedgerRow	row;
@@ -401,7 +402,8 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 						 errmsg("tenant %lld does not exist", (long long) lk->tenant_id),
 						 errdetail("Key (id)=(%lld) is not present in table \"%s\".",
 								   (long long) lk->tenant_id, ledger_tenants_name(store))));
-			pending_add(lk, fingerprint, lease_end, ledger_store_relid(store));
+			pending_add(lk, fingerprint, lease_end, lease_given,
+						ledger_store_relid(store));
 			answer_claimed(ans, 1, lease_end);
 			return;
 		}
@@ -472,7 +474,7 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 void
 ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 				 const uint8 *fingerprint, TimestampTz now,
-				 TimestampTz lease_end, ClaimAnswer *ans)
+				 TimestampTz lease_end, bool lease_given, ClaimAnswer *ans)
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
@@ -491,7 +493,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	}
 	else
 	{
-		claim_locked(store, lk, fingerprint, now, lease_end, ans);
+		claim_locked(store, lk, fingerprint, now, lease_end, lease_given, ans);
 		/* Nothing claimed: let the next claimer in at once. */
 		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
 			key_lock_release(&tag);
@@ -540,7 +542,8 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	lease_end = deadline_arg(fcinfo, next + 1, "lease", idem_lease_ms, now);
 	store = ledger_store_open_key(cc->nsp, &lk);
 
-	ledger_claim_key(store, &lk, fingerprint, now, lease_end, &ans);
+	ledger_claim_key(store, &lk, fingerprint, now, lease_end,
+					 !PG_ARGISNULL(next + 1), &ans);
 
 	ledger_answer_values(&ans, values, nulls);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(cc->tupdesc, values, nulls)));

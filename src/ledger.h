@@ -66,7 +66,8 @@ typedef struct ClaimAnswer
 /* ledger.c: one key's claim and settlement, and the argument checks */
 extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 							 const uint8 *fingerprint, TimestampTz now,
-							 TimestampTz lease_end, ClaimAnswer *ans);
+							 TimestampTz lease_end, bool lease_given,
+							 ClaimAnswer *ans);
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
@@ -122,6 +123,7 @@ typedef struct PendingClaim
 	LedgerKey	lk;				/* hash key: must stay first */
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	TimestampTz lease_end;
+	bool		lease_given;	/* the caller chose the lease (not idem.lease) */
 	Oid			relid;
 	int			nest_level;		/* subtransaction that made the claim */
 	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
@@ -131,7 +133,7 @@ extern void idem_pending_xact_event(XactEvent event);
 extern void idem_pending_subxact_end(bool committed, int level);
 extern PendingClaim *pending_find(const LedgerKey *lk);
 extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
-						TimestampTz lease_end, Oid relid);
+						TimestampTz lease_end, bool lease_given, Oid relid);
 extern void pending_settle(PendingClaim *claim);
 
 #endif							/* IDEM_LEDGER_H */

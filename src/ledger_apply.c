@@ -308,8 +308,9 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 	tupdesc = BlessTupleDesc(tupdesc);
 
 	store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
+	/* settled in this statement, never left open: no lease mode */
 	ledger_claim_key(store, &lk, fingerprint, now,
-					 ledger_deadline(NULL, "lease", idem_lease_ms, now), &ans);
+					 ledger_deadline(NULL, "lease", idem_lease_ms, now), true, &ans);
 	if (ans.decision != IDEM_DECISION_CLAIMED)
 	{
 		ledger_answer_values(&ans, values, nulls);
