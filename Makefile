@@ -26,7 +26,8 @@ SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl serverlog
+REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl serverlog \
+	attempts
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.

@@ -364,7 +364,7 @@ pending_as_row(const PendingClaim *mine, LedgerRow *row)
 static void
 claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 			 TimestampTz now, TimestampTz lease_end, bool lease_given,
-			 ClaimAnswer *ans)
+			 int32 max_attempts, ClaimAnswer *ans)
 {
 	PendingClaim *mine = pending_find(lk);
 	LedgerRow	row;
@@ -413,6 +413,38 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 		{
 			answer_from_row(&row, true, fingerprint, now, row.expires_at, ans);
 			return;
+		}
+
+		/*
+		 * failed_retryable as the last attempt allowed: no attempt is left,
+		 * so the key fails for good, with the last failure's detail, and
+		 * every later claim replays that.
+		 */
+		if (memcmp(row.fingerprint, fingerprint, IDEM_DIGEST_LEN) == 0 &&
+			row.status == IDEM_STATUS_FAILED_RETRYABLE &&
+			max_attempts > 0 && row.attempt >= max_attempts)
+		{
+			TimestampTz kept_until;
+
+			if (ledger_exhaust(store, lk, &row,
+							   now + (int64) idem_retention_s * USECS_PER_SEC,
+							   &kept_until))
+			{
+				Jsonb	   *detail = DatumGetJsonbP(row.outcome);
+				char	   *text = JsonbToCString(NULL, &detail->root, VARSIZE(detail));
+
+				ans->decision = IDEM_DECISION_FAILED_PERMANENT;
+				ans->committed_row = false;
+				ans->attempt = row.attempt;
+				ans->outcome = row.outcome;
+				ans->expires_at = kept_until;
+				idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+								IDEM_CACHE_FAILED_PERMANENT, row.attempt,
+								row.fingerprint, text, (int) strlen(text),
+								kept_until);
+				return;
+			}
+			continue;			/* changed under us: look again */
 		}
 
 		/* failed_retryable, or a committed lease that ran out: take it over. */
@@ -474,7 +506,8 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 void
 ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 				 const uint8 *fingerprint, TimestampTz now,
-				 TimestampTz lease_end, bool lease_given, ClaimAnswer *ans)
+				 TimestampTz lease_end, bool lease_given, int32 max_attempts,
+				 ClaimAnswer *ans)
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
@@ -493,7 +526,8 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	}
 	else
 	{
-		claim_locked(store, lk, fingerprint, now, lease_end, lease_given, ans);
+		claim_locked(store, lk, fingerprint, now, lease_end, lease_given,
+					 max_attempts, ans);
 		/* Nothing claimed: let the next claimer in at once. */
 		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
 			key_lock_release(&tag);
@@ -543,7 +577,7 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	store = ledger_store_open_key(cc->nsp, &lk);
 
 	ledger_claim_key(store, &lk, fingerprint, now, lease_end,
-					 !PG_ARGISNULL(next + 1), &ans);
+					 !PG_ARGISNULL(next + 1), idem_max_attempts, &ans);
 
 	ledger_answer_values(&ans, values, nulls);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(cc->tupdesc, values, nulls)));

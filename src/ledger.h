@@ -67,7 +67,7 @@ typedef struct ClaimAnswer
 extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 							 const uint8 *fingerprint, TimestampTz now,
 							 TimestampTz lease_end, bool lease_given,
-							 ClaimAnswer *ans);
+							 int32 max_attempts, ClaimAnswer *ans);
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
@@ -101,6 +101,9 @@ extern void ledger_insert(LedgerStore *store, const LedgerKey *lk,
 extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
 						   const LedgerRow *seen, TimestampTz lease_end,
 						   int32 *attempt);
+extern bool ledger_exhaust(LedgerStore *store, const LedgerKey *lk,
+						   const LedgerRow *seen, TimestampTz expires_at,
+						   TimestampTz *kept_until);
 extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  IdemStatus status, Datum outcome,
 						  TimestampTz expires_at, int32 fence,

@@ -299,6 +299,7 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 	a++;
 	retention_end = ledger_retention_end(PG_ARGISNULL(a) ? NULL :
 										 PG_GETARG_INTERVAL_P(a), now);
+
 	/* everything the caller gave is checked before the key is touched */
 	apply_check_handler(fn);
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
@@ -310,7 +311,8 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 	store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 	/* settled in this statement, never left open: no lease mode */
 	ledger_claim_key(store, &lk, fingerprint, now,
-					 ledger_deadline(NULL, "lease", idem_lease_ms, now), true, &ans);
+					 ledger_deadline(NULL, "lease", idem_lease_ms, now), true,
+					 idem_max_attempts, &ans);
 	if (ans.decision != IDEM_DECISION_CLAIMED)
 	{
 		ledger_answer_values(&ans, values, nulls);

@@ -237,7 +237,8 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		batch_key(kind, &b.tenants, &b.keys, i, &lk);
 		ledger_check_digest(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
 		ledger_claim_key(b.store, &lk, fingerprint, now, lease_end,
-						 batch_interval_arg(fcinfo, b.interval_arg) != NULL, &ans);
+						 batch_interval_arg(fcinfo, b.interval_arg) != NULL,
+						 idem_max_attempts, &ans);
 		values[0] = Int32GetDatum(i + 1);
 		nulls[0] = false;
 		ledger_answer_values(&ans, values + 1, nulls + 1);
