@@ -32,7 +32,7 @@ REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.co
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
 ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race reindex serverlog \
-	cursor_claim
+	cursor_claim attempts_race
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 

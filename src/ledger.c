@@ -435,6 +435,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 
 				ans->decision = IDEM_DECISION_FAILED_PERMANENT;
 				ans->committed_row = false;
+				ans->wrote_row = true;
 				ans->attempt = row.attempt;
 				ans->outcome = row.outcome;
 				ans->expires_at = kept_until;
@@ -512,6 +513,7 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
 
+	ans->wrote_row = false;
 	key_locktag(&tag, lk);
 	lockres = key_lock_acquire(&tag);
 	if (lockres == LOCKACQUIRE_NOT_AVAIL)
@@ -528,8 +530,13 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 	{
 		claim_locked(store, lk, fingerprint, now, lease_end, lease_given,
 					 max_attempts, ans);
-		/* Nothing claimed: let the next claimer in at once. */
-		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
+		/*
+		 * Nothing claimed or written: let the next claimer in at once.  A
+		 * row written here keeps its lock, as a completion's does, so that
+		 * no claim waits on the row until this transaction ends.
+		 */
+		if (ans->decision != IDEM_DECISION_CLAIMED && !ans->wrote_row &&
+			lockres == LOCKACQUIRE_OK)
 			key_lock_release(&tag);
 	}
 

@@ -61,6 +61,7 @@ typedef struct ClaimAnswer
 	Datum		outcome;		/* jsonb, or 0 for NULL */
 	TimestampTz expires_at;
 	bool		committed_row;	/* read from a row another transaction wrote */
+	bool		wrote_row;		/* the claim wrote the row (out of attempts) */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */
