@@ -61,6 +61,13 @@ SELECT (SELECT initprivs FROM pg_init_privs WHERE objoid = 'idem_stats()'::regpr
 SET ROLE regress_idem_monitor;
 SELECT rejected >= 0 AS new_columns FROM idem_stats();
 RESET ROLE;
+-- From 0.1 too (0.1 -> 0.2 -> 0.3 in one update): grants on 0.1's functions.
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.1';
+GRANT EXECUTE ON FUNCTION idem_claim(bigint, bytea, bytea, interval) TO regress_idem_monitor;
+ALTER EXTENSION idem UPDATE;
+SELECT has_function_privilege('regress_idem_monitor', 'idem_claim(bigint, bytea, bytea, interval)', 'EXECUTE') AS claim,
+       has_function_privilege('regress_idem_monitor', 'idem_stats()', 'EXECUTE') AS stats;
 -- A view over idem_stats() cannot follow the function to its new row type:
 -- the update refuses before changing anything, and says what to do.
 DROP EXTENSION idem;
