@@ -12,7 +12,7 @@ CREATE FUNCTION h(args jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT '{}'::json
 SELECT idem_claim(1, :k, :fp, interval 'infinity');
 SELECT idem_claim(1, :k, :fp, interval '-infinity');
 SELECT idem_platform_claim(:k, :fp, interval 'infinity');
-SELECT * FROM idem_claim_many(1, ARRAY[:k], ARRAY[:fp], interval 'infinity');
+SELECT * FROM idem_claim_many(ARRAY[1::bigint], ARRAY[:k], ARRAY[:fp], interval 'infinity');
 BEGIN;
 SELECT decision FROM idem_claim(1, :k, :fp);
 SAVEPOINT s;

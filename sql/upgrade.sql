@@ -73,7 +73,9 @@ SELECT has_function_privilege('regress_idem_monitor', 'idem_claim(bigint, bytea,
 DROP EXTENSION idem;
 CREATE EXTENSION idem VERSION '0.2';
 CREATE VIEW copy_stats AS SELECT queued, copied FROM idem_stats();
+\set SHOW_CONTEXT never
 ALTER EXTENSION idem UPDATE;
+\set SHOW_CONTEXT errors
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 DROP VIEW copy_stats;
 ALTER EXTENSION idem UPDATE;
