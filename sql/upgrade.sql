@@ -58,6 +58,11 @@ SELECT has_function_privilege('regress_idem_monitor', 'idem_stats()', 'EXECUTE')
 SELECT (SELECT initprivs FROM pg_init_privs WHERE objoid = 'idem_stats()'::regprocedure)
      = (SELECT initprivs FROM pg_init_privs WHERE objoid = 'idem_purge(integer)'::regprocedure)
        AS initprivs_as_fresh;
+-- (PostgreSQL 17+ records the roles of initial privileges as shared
+-- dependencies: none is left behind for the role granted again.)
+SELECT count(*) AS initacl_deps FROM pg_shdepend
+ WHERE deptype = 'i' AND classid = 'pg_proc'::regclass
+   AND objid = 'idem_stats()'::regprocedure;
 SET ROLE regress_idem_monitor;
 SELECT rejected >= 0 AS new_columns FROM idem_stats();
 RESET ROLE;
