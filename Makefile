@@ -26,11 +26,13 @@ SHLIB_LINK = -lhiredis
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl persistence serverlog
+REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl persistence serverlog \
+	attempts
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.
-ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race reindex serverlog
+ISOLATION = claim_race lease_takeover retry_mismatch repeatable_read purge_skip ledger_changed batch_race reindex serverlog \
+	cursor_claim attempts_race
 ISOLATION_OPTS = --inputdir=$(srcdir)/test/isolation \
 	--temp-instance=tmp_check_iso --temp-config=$(srcdir)/test/regress.conf
 
@@ -50,6 +52,10 @@ PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 ifneq ($(wildcard $(PGXS)),)
 include $(PGXS)
 PG_PROVE_FLAGS += -I test/t
+# What only PostgreSQL 17 and later have (infinite intervals).
+ifeq ($(shell test $(VERSION_NUM) -ge 170000 2>/dev/null && echo y),y)
+REGRESS += infinite_pg17
+endif
 # What only PostgreSQL 18 and later have (NOT ENFORCED, virtual columns).
 ifeq ($(shell test $(VERSION_NUM) -ge 180000 2>/dev/null && echo y),y)
 REGRESS += write_pg18

@@ -75,7 +75,36 @@ FROM PUBLIC;
 -- failures that keep the copies queued (connects, timeouts, replies such as
 -- READONLY or LOADING that say the server cannot take writes now).
 -- It also gains the Valkey Cluster columns.
-DROP FUNCTION @extschema@.idem_stats();
+--
+-- A new row type needs a new function (CREATE OR REPLACE cannot change it).
+-- Objects that depend on idem_stats() (a view over it) cannot follow it to
+-- the new one: the update refuses them first, saying what to do, instead of
+-- failing on the DROP below.  The grants operators made on idem_stats() (a
+-- monitoring role) are made again on the new function: 0.2 is renamed
+-- away, 0.3's is created, 0.2's ACL granted again, then 0.2's is dropped.
+DO $$
+DECLARE
+    deps text;
+BEGIN
+    SELECT pg_catalog.string_agg(
+               CASE WHEN d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_rewrite'::pg_catalog.regclass
+                    THEN (SELECT pg_catalog.format('view %s', r.ev_class::pg_catalog.regclass)
+                            FROM pg_catalog.pg_rewrite r WHERE r.oid OPERATOR(pg_catalog.=) d.objid)
+                    ELSE pg_catalog.pg_describe_object(d.classid, d.objid, d.objsubid) END,
+               ', ')
+      INTO deps
+      FROM pg_catalog.pg_depend d
+     WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+       AND d.refobjid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure
+       AND d.deptype OPERATOR(pg_catalog.=) 'n';
+    IF deps IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot update idem to 0.3: objects depend on idem_stats()'
+            USING ERRCODE = 'dependent_objects_still_exist',
+                  DETAIL = pg_catalog.format('0.3 re-creates idem_stats() with more columns; these depend on the old one: %s.', deps),
+                  HINT = 'Drop them, run ALTER EXTENSION idem UPDATE again, then create them again (over the new idem_stats()).';
+    END IF;
+END $$;
+ALTER FUNCTION @extschema@.idem_stats() RENAME TO idem_stats_0_2;
 CREATE FUNCTION @extschema@.idem_stats(
     OUT preloaded boolean,                 -- idem is in shared_preload_libraries
     OUT valkey_connected boolean,          -- the worker holds a Valkey connection
@@ -102,6 +131,45 @@ AS 'MODULE_PATHNAME', 'idem_stats'
 LANGUAGE C VOLATILE STRICT PARALLEL SAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
+
+-- 0.2's grants, again.  A GRANT in an extension script is also recorded as
+-- the function's initial privileges, which pg_dump leaves out of a dump: so
+-- those are set back to what a fresh install records (the ACL above), and
+-- pg_dump still dumps the grants.  (On PostgreSQL 17 and later the initial
+-- privileges' roles are also recorded as shared dependencies, kind 'i':
+-- none is left for the roles granted here, as after a fresh install.)
+DO $$
+DECLARE
+    fresh pg_catalog.aclitem[];
+    g record;
+BEGIN
+    SELECT p.proacl INTO fresh FROM pg_catalog.pg_proc p
+     WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
+    FOR g IN
+        SELECT e.grantee, e.is_grantable
+          FROM pg_catalog.pg_proc p,
+               pg_catalog.aclexplode(COALESCE(p.proacl, pg_catalog.acldefault('f', p.proowner))) e
+         WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats_0_2()'::pg_catalog.regprocedure
+           AND e.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
+           AND e.grantee OPERATOR(pg_catalog.<>) p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.idem_stats() TO %s%s',
+                                  CASE WHEN g.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                       ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END,
+                                  CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    UPDATE pg_catalog.pg_init_privs SET initprivs = fresh
+     WHERE objoid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure
+       AND classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+       AND objsubid OPERATOR(pg_catalog.=) 0;
+    DELETE FROM pg_catalog.pg_shdepend
+     WHERE deptype OPERATOR(pg_catalog.=) 'i'
+       AND dbid OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database d
+                                         WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+       AND classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+       AND objid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
+END $$;
+DROP FUNCTION @extschema@.idem_stats_0_2();
 
 -- The registry of the ledgers: idem_install records each ledger here by
 -- OID, and the API uses only the recorded tables, never whatever table has

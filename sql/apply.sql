@@ -62,6 +62,26 @@ SELECT decision, outcome FROM idem_apply(1, k('n'), f('{}'), 'h_null(jsonb)', '{
 SELECT decision FROM idem_apply(1, k('arr'), f('{}'), 'h_array(jsonb)', '{}');
 SELECT count(*) FROM idem_lookup(1, k('arr'));
 
+-- A handler's error message that quotes the request: clipped after JSON
+-- escaping (control characters take six bytes each escaped), so that the
+-- failure is recorded instead of failing the statement with 54000 on
+-- every redelivery.
+CREATE FUNCTION h_cast(args jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ SELECT jsonb_build_object('n', (args->>'n')::int) $$;
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate,
+       left(outcome->>'message', 37) AS message,
+       octet_length(outcome::text) AS detail_bytes, ran
+  FROM idem_apply(1, k('ctl'), f('{}'), 'h_cast(jsonb)',
+                  jsonb_build_object('n', repeat(chr(1), 2000)));
+SELECT status, attempt, octet_length(outcome::text) <= 4096 AS fits
+  FROM idem_lookup(1, k('ctl'));
+-- Clipped between escapes, never inside one (42 characters in 43 bytes,
+-- then 163 six-byte escapes: 1021 bytes).
+SELECT decision, octet_length(outcome::text) AS detail_bytes,
+       length(outcome->>'message') AS message_chars
+  FROM idem_apply(1, k('ctl2'), f('{}'), 'h_cast(jsonb)',
+                  jsonb_build_object('n', 'ab' || repeat(chr(2), 2000)));
+
 -- Bad handlers and NULL arguments, before the key is touched.
 CREATE FUNCTION h_text(jsonb) RETURNS text LANGUAGE sql AS $$ SELECT 'x' $$;
 CREATE FUNCTION h_two(jsonb, int) RETURNS jsonb LANGUAGE sql AS $$ SELECT $1 $$;
@@ -111,6 +131,31 @@ SELECT decision FROM idem_apply(1, k('u'), f('{}'), 'transfer(jsonb)', '{"amount
 SELECT decision, outcome FROM idem_apply(1, k('d'), f('{}'), 'h_definer(jsonb)', '{}');
 RESET ROLE;
 SELECT who FROM transfers ORDER BY id DESC LIMIT 1;
+-- USAGE on the handler's schema, as a direct call needs it: given by OID,
+-- a handler in a schema the caller cannot use is refused (42501), before
+-- the key is touched, even a SECURITY DEFINER one.
+CREATE SCHEMA idem_private;
+CREATE FUNCTION idem_private.h_hidden(args jsonb) RETURNS jsonb LANGUAGE sql
+  SECURITY DEFINER AS $$ SELECT '{"hidden": true}'::jsonb $$;
+SELECT 'idem_private.h_hidden(jsonb)'::regprocedure::oid AS h_hidden \gset
+SET ROLE idem_apply_user;
+SELECT idem_private.h_hidden('{}');
+SELECT decision, outcome FROM idem_apply(1, k('hid'), f('{}'), :h_hidden::oid::regprocedure, '{}');
+RESET ROLE;
+SELECT count(*) FROM idem_lookup(1, k('hid'));
+GRANT USAGE ON SCHEMA idem_private TO idem_apply_user;
+SET ROLE idem_apply_user;
+SELECT decision, outcome FROM idem_apply(1, k('hid'), f('{}'), :h_hidden::oid::regprocedure, '{}');
+RESET ROLE;
+DROP SCHEMA idem_private CASCADE;
+
+-- A handler that drops the ledger: the ledger is checked again before the
+-- key is settled (55000), and the statement's failure undoes the drop.
+CREATE FUNCTION h_drop(args jsonb) RETURNS jsonb LANGUAGE plpgsql
+  AS $$ BEGIN DROP TABLE idempotency_keys; RETURN '{}'; END $$;
+SELECT decision FROM idem_apply(1, k('drop'), f('{}'), 'h_drop(jsonb)', '{}');
+SELECT count(*) FROM idem_lookup(1, k('drop'));
+DROP FUNCTION h_drop(jsonb);
 
 -- The platform ledger.
 SELECT decision, attempt, outcome, ran
@@ -121,7 +166,7 @@ SELECT status, attempt FROM idem_platform_lookup(k('plat'));
 
 DROP OWNED BY idem_apply_user;
 DROP ROLE idem_apply_user;
-DROP FUNCTION k(text), f(jsonb), transfer(jsonb), h_null(jsonb), h_array(jsonb),
+DROP FUNCTION k(text), f(jsonb), transfer(jsonb), h_null(jsonb), h_array(jsonb), h_cast(jsonb),
   h_text(jsonb), h_two(jsonb, int), h_set(jsonb), h_definer(jsonb);
 DROP PROCEDURE h_proc(jsonb);
 DROP TABLE transfers, idempotency_keys, platform_idempotency_keys, tenants;

@@ -24,6 +24,27 @@ SELECT idem_purge(NULL);
 SELECT idem_claim(1, :k, :fp, interval '0');
 SELECT idem_claim(1, :k, :fp, interval '-1 second');
 SELECT idem_claim(1, :k, :fp, interval '1 month -40 days');
+-- Leases and retentions are added on the calendar, in the session's time
+-- zone, and must end after now as added: across a 23-hour day (a zone
+-- whose daylight saving time starts at the next midnight, whatever the
+-- date), '1 day -24 hours 1 second' ends an hour before the claim returns.
+SELECT set_config('TimeZone', format('XST0XDT,%s/0,%s/0', d, (d + 180) % 365), false)
+       IS NOT NULL AS dst_at_midnight
+  FROM (SELECT extract(doy FROM (clock_timestamp() AT TIME ZONE 'UTC')
+                                + interval '1 day')::int - 1 AS d) AS tomorrow;
+SELECT (now() + interval '1 day') - now() AS one_day;
+SELECT decision FROM idem_claim(1, :k, :fp, interval '1 day -24 hours 1 second');
+BEGIN;
+SET LOCAL idem.min_retention = 0;
+SELECT decision FROM idem_claim(1, :k, :fp);
+SAVEPOINT r;
+SELECT idem_complete(1, :k, '{}', interval '1 day -24 hours 1 second');
+ROLLBACK TO r;
+\set VERBOSITY default
+SELECT idem_complete(1, :k, '{}', interval '1 day -23 hours');
+\set VERBOSITY sqlstate
+ROLLBACK;
+RESET TimeZone;
 SELECT idem_purge(0);
 -- An unknown tenant.
 SELECT idem_claim(42, :k, :fp);

@@ -11,7 +11,9 @@ SELECT idem_install('tenants');
 CREATE PROCEDURE handle_many(n integer, lease_mode boolean) LANGUAGE plpgsql AS $$
 BEGIN
   FOR i IN 1..n LOOP
-    PERFORM idem_claim(1, idem_key(lease_mode::text, i::text), idem_fingerprint('{}'));
+    -- lease mode on purpose: with its lease given (no WARNING)
+    PERFORM idem_claim(1, idem_key(lease_mode::text, i::text), idem_fingerprint('{}'),
+                       CASE WHEN lease_mode THEN interval '30 seconds' END);
     IF lease_mode THEN
       COMMIT;   -- the processing row is written here, at pre-commit
     END IF;

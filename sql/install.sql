@@ -88,6 +88,20 @@ DROP ROLE regress_idem_planter;
 SELECT idem_install('tenants');
 SELECT decision FROM idem_platform_claim(idem_key('t', '1'), idem_fingerprint('{}'));
 
+-- Dropping the tenants table's key with CASCADE drops the ledger's foreign
+-- key: every call then fails (55000) with a hint to run idem_install, which
+-- re-creates the foreign key once tenants has a unique id again.
+INSERT INTO tenants VALUES (1, 'one');
+ALTER TABLE tenants DROP CONSTRAINT tenants_pkey CASCADE;
+SELECT idem_claim(1, idem_key('t', 'fk'), idem_fingerprint('{}'));
+SELECT idem_install('tenants');
+ALTER TABLE tenants ADD PRIMARY KEY (id);
+SELECT idem_install('tenants');
+SELECT conname, pg_get_constraintdef(oid) AS definition FROM pg_constraint
+ WHERE conrelid = 'idempotency_keys'::regclass AND contype = 'f';
+SELECT decision FROM idem_claim(1, idem_key('t', 'fk'), idem_fingerprint('{}'));
+SELECT idem_install('tenants');
+
 -- Leave the database as we found it for the next test.
 DROP VIEW a_view;
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants, no_id, int_id, not_unique, wide_key, other_tenants;

@@ -118,6 +118,15 @@ SELECT decision, attempt, expires_at > now() + interval '59 minutes' AS until_le
 SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'), interval '10 milliseconds');
 SELECT pg_sleep(0.05);
 SELECT decision, attempt FROM idem_claim(1, k('short'), f('{}'));
+-- A claim outside a transaction block without a lease: the statement's own
+-- transaction commits it alone, in lease mode, most likely by accident (a
+-- handler that forgot BEGIN): a WARNING says so.  Not with a lease given
+-- (above), nor when the statement completes the key too.
+SELECT decision FROM idem_claim(1, k('accident'), f('{}'));
+SELECT status FROM idem_lookup(1, k('accident'));
+SELECT count(*) FROM idem_claim_many(ARRAY[1, 1], ARRAY[k('acc1'), k('acc2')], ARRAY[f('{}'), f('{}')]);
+SELECT c.decision, idem_complete(1, k('acc3'), '{}') IS NULL AS completed
+  FROM idem_claim(1, k('acc3'), f('{}')) AS c;
 -- The holder of attempt 1, whose lease ended, is fenced off by its attempt.
 SELECT idem_complete(1, k('short'), '{"done": 1}', NULL, 1);
 SELECT idem_fail(1, k('short'), '{"late": 1}', true, NULL, 1);

@@ -41,6 +41,54 @@ UNION ALL
 SELECT kind, ledger FROM idem_ledgers ORDER BY kind;
 SELECT status, attempt FROM idem_lookup(1, idem_key('u', '1'));
 
+-- An operator's grant on idem_stats() survives the update from 0.2, which
+-- re-creates the function (its columns changed), and pg_dump still dumps it:
+-- the function's initial privileges are those of a fresh install (as those
+-- of idem_purge, never re-created).  Grants on other functions are untouched.
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.2';
+CREATE ROLE regress_idem_monitor;
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_monitor;
+GRANT EXECUTE ON FUNCTION idem_purge(integer) TO regress_idem_monitor WITH GRANT OPTION;
+ALTER EXTENSION idem UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+SELECT has_function_privilege('regress_idem_monitor', 'idem_stats()', 'EXECUTE') AS stats,
+       has_function_privilege('regress_idem_monitor', 'idem_purge(integer)', 'EXECUTE WITH GRANT OPTION') AS purge,
+       has_function_privilege('public', 'idem_stats()', 'EXECUTE') AS public_stats;
+SELECT (SELECT initprivs FROM pg_init_privs WHERE objoid = 'idem_stats()'::regprocedure)
+     = (SELECT initprivs FROM pg_init_privs WHERE objoid = 'idem_purge(integer)'::regprocedure)
+       AS initprivs_as_fresh;
+-- (PostgreSQL 17+ records the roles of initial privileges as shared
+-- dependencies: none is left behind for the role granted again.)
+SELECT count(*) AS initacl_deps FROM pg_shdepend
+ WHERE deptype = 'i' AND classid = 'pg_proc'::regclass
+   AND objid = 'idem_stats()'::regprocedure;
+SET ROLE regress_idem_monitor;
+SELECT rejected >= 0 AS new_columns FROM idem_stats();
+RESET ROLE;
+-- From 0.1 too (0.1 -> 0.2 -> 0.3 in one update): grants on 0.1's functions.
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.1';
+GRANT EXECUTE ON FUNCTION idem_claim(bigint, bytea, bytea, interval) TO regress_idem_monitor;
+ALTER EXTENSION idem UPDATE;
+SELECT has_function_privilege('regress_idem_monitor', 'idem_claim(bigint, bytea, bytea, interval)', 'EXECUTE') AS claim,
+       has_function_privilege('regress_idem_monitor', 'idem_stats()', 'EXECUTE') AS stats;
+-- A view over idem_stats() cannot follow the function to its new row type:
+-- the update refuses before changing anything, and says what to do.
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.2';
+CREATE VIEW copy_stats AS SELECT queued, copied FROM idem_stats();
+\set SHOW_CONTEXT never
+ALTER EXTENSION idem UPDATE;
+\set SHOW_CONTEXT errors
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+DROP VIEW copy_stats;
+ALTER EXTENSION idem UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+CREATE VIEW copy_stats AS SELECT queued, copied, rejected FROM idem_stats();
+DROP VIEW copy_stats;
+DROP ROLE regress_idem_monitor;
+
 -- Leave the database as we found it for the next test.
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

@@ -78,6 +78,24 @@
 #else
 #define idem_proc_aclcheck(proc, role, mode) pg_proc_aclcheck((proc), (role), (mode))
 #endif
+#if PG_VERSION_NUM >= 160000
+#include "catalog/pg_namespace.h"
+#define idem_namespace_aclcheck(nsp, role, mode) \
+	object_aclcheck(NamespaceRelationId, (nsp), (role), (mode))
+#else
+#define idem_namespace_aclcheck(nsp, role, mode) \
+	pg_namespace_aclcheck((nsp), (role), (mode))
+#endif
+
+/*
+ * 17: intervals can be infinite ('infinity', '-infinity').  Before 17 every
+ * interval is finite.
+ */
+#if PG_VERSION_NUM >= 170000
+#define idem_interval_is_finite(iv)	(!INTERVAL_NOT_FINITE(iv))
+#else
+#define idem_interval_is_finite(iv)	true
+#endif
 
 /* 17: a wait event set no longer takes a memory context. */
 #if PG_VERSION_NUM >= 170000

@@ -5,7 +5,7 @@
  *	  keep the two in step.
  *
  *	  Ledger settings (any user, per session or transaction):
- *		idem.lease, idem.retention, idem.purge_grace
+ *		idem.lease, idem.retention, idem.purge_grace, idem.max_attempts
  *	  Ledger settings (superuser, or GRANT SET):
  *		idem.min_retention
  *	  Worker settings (postgresql.conf, applied on reload):
@@ -33,6 +33,7 @@ int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;
 int			idem_purge_grace_s = 60 * 60;
 int			idem_min_retention_s = 60 * 60;
+int			idem_max_attempts = 0;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
 char	   *idem_valkey_password = NULL;
@@ -148,6 +149,14 @@ idem_define_gucs(void)
 							&idem_purge_grace_s,
 							60 * 60, 0, INT_MAX,
 							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.max_attempts",
+							"Attempts a key gets before a retryable failure becomes permanent; 0 means no limit.",
+							"Set it per transaction (SET LOCAL) for one call: the claim after the last attempt failed retryably records failed_permanent, with the last failure's detail, instead of claiming the key again.",
+							&idem_max_attempts,
+							0, 0, INT_MAX,
+							PGC_USERSET, 0,
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idem.min_retention",

@@ -311,6 +311,36 @@ ledger_fk_target(Oid ledger)
 	return result;
 }
 
+/* The qualified name of a relation, for SQL text. */
+static char *
+qualified_rel_name(Oid relid)
+{
+	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+									  get_rel_name(relid));
+}
+
+/*
+ * Re-create the foreign key of an existing tenant ledger that has none, as
+ * idem_install creates it.  Rows whose tenant is gone make it fail with
+ * the foreign key's own error (23503).
+ */
+static void
+add_ledger_fk(const char *nspname, Oid ledger, Oid tenants)
+{
+	const char *table = ledger_table_name(LEDGER_TENANT);
+	char	   *sql;
+
+	sql = psprintf("ALTER TABLE %s ADD CONSTRAINT %s FOREIGN KEY (tenant_id) REFERENCES %s (id)",
+				   quote_qualified_identifier(nspname, table),
+				   quote_identifier(psprintf("%s_tenant_id_fkey", table)),
+				   qualified_rel_name(tenants));
+	if (SPI_execute(sql, false, 0) != SPI_OK_UTILITY)
+		elog(ERROR, "could not re-create the foreign key of %s", table);
+	ereport(NOTICE,
+			(errmsg("re-created the foreign key of the idem tenant ledger %s.%s to %s",
+					nspname, table, get_rel_name(tenants))));
+}
+
 /* Refuse anything the tenant ledger's FK cannot point at. */
 static void
 check_tenants_table(Oid tenants)
@@ -332,7 +362,8 @@ check_tenants_table(Oid tenants)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_FOREIGN_KEY),
 				 errmsg("table \"%s\" has no bigint column \"id\"", relname),
-				 errdetail("The tenant ledger's foreign key references tenants(id), which must be bigint.")));
+				 errdetail("The tenant ledger's foreign key references %s(id), which must be bigint.",
+						   quote_identifier(relname))));
 
 	args[0] = ObjectIdGetDatum(tenants);
 	args[1] = Int16GetDatum(attnum);
@@ -401,11 +432,18 @@ idem_install(PG_FUNCTION_ARGS)
 			{
 				Oid			target = ledger_fk_target(named);
 
-				if (target != tenants)
+				/*
+				 * No foreign key at all: dropped with the tenants table's key
+				 * (DROP CONSTRAINT ... CASCADE).  Every call refuses such a
+				 * ledger and sends the caller here: re-create it.
+				 */
+				if (!OidIsValid(target))
+					add_ledger_fk(nspname, named, tenants);
+				else if (target != tenants)
 					ereport(ERROR,
 							(errcode(ERRCODE_DUPLICATE_TABLE),
 							 errmsg("idem is already installed for tenants table \"%s\"",
-									OidIsValid(target) ? get_rel_name(target) : "(none)"),
+									get_rel_name(target)),
 							 errdetail("The tenant ledger %s.idempotency_keys exists and references another table.",
 									   nspname)));
 			}
@@ -424,8 +462,7 @@ idem_install(PG_FUNCTION_ARGS)
 		else
 		{
 			StringInfoData ddl;
-			char	   *qtenants = quote_qualified_identifier(get_namespace_name(get_rel_namespace(tenants)),
-																 get_rel_name(tenants));
+			char	   *qtenants = qualified_rel_name(tenants);
 
 			initStringInfo(&ddl);
 			append_ledger_ddl(&ddl, nspname, (LedgerKind) kind, unique_names[kind],

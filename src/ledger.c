@@ -35,6 +35,7 @@
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/snapmgr.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
@@ -101,30 +102,55 @@ key_args(FunctionCallInfo fcinfo, LedgerKind kind, LedgerKey *lk)
 }
 
 /*
- * now + iv, or + default_ms when iv is NULL.  Zero and negative intervals
- * are refused: a lease or retention that has already ended is a bug in the
- * caller.
+ * now + iv, or + default_ms when iv is NULL.  An interval whose end is not
+ * in the future is refused: a lease or retention that has already ended is
+ * a bug in the caller.  The end is checked as it is computed, on the
+ * calendar in the session's time zone: '1 month -29 days' in February, or
+ * '1 day -24 hours 1 second' across a 23-hour day, ends in the past although
+ * a month counted as 30 days and a day as 24 hours would make it positive.
+ * Infinite intervals (PostgreSQL 17 and later) are refused too: a lease
+ * that never ends holds its key forever, a retention that never ends keeps
+ * the row from idem_purge forever.
  */
 TimestampTz
 ledger_deadline(Interval *iv, const char *name, int64 default_ms,
 				TimestampTz now)
 {
-	double		span;			/* only its sign matters: no overflow */
+	TimestampTz end;
 
 	if (iv == NULL)
 		return now + default_ms * INT64CONST(1000);
-	span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
-		(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
-	if (span <= 0)
+	if (!idem_interval_is_finite(iv))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be positive", name),
+				 errmsg("%s must be finite", name),
 				 errdetail("Got %s.",
 						   DatumGetCString(DirectFunctionCall1(interval_out,
 															   IntervalPGetDatum(iv))))));
-	return DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
-												   TimestampTzGetDatum(now),
-												   IntervalPGetDatum(iv)));
+	end = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+												  TimestampTzGetDatum(now),
+												  IntervalPGetDatum(iv)));
+	if (end <= now)
+	{
+		/* positive when a month is 30 days and a day 24 hours: no overflow */
+		double		span = (double) iv->time + (double) iv->day * USECS_PER_DAY +
+			(double) iv->month * DAYS_PER_MONTH * USECS_PER_DAY;
+		char	   *ivtext = DatumGetCString(DirectFunctionCall1(interval_out,
+																 IntervalPGetDatum(iv)));
+
+		if (span <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("%s must be positive", name),
+					 errdetail("Got %s.", ivtext)));
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name),
+				 errdetail("Got %s, which ends %s as added on the calendar, in the session's time zone.",
+						   ivtext, end == now ? "now" : "before now"),
+				 errhint("Months and days are added on the calendar: a month can be 28 days, a day 23 hours.")));
+	}
+	return end;
 }
 
 static TimestampTz
@@ -240,6 +266,41 @@ key_locktag(LOCKTAG *tag, const LedgerKey *lk)
 }
 
 /*
+ * The key lock, taken without waiting, for the current (sub)transaction.
+ * Not for CurrentResourceOwner: during a cursor's FETCH that is the
+ * portal's, and a later FETCH of the same cursor that fails inside a
+ * savepoint hands the portal's resources to the savepoint, whose ROLLBACK
+ * TO releases them: the key lock would go while the claim it guards stays
+ * ours (pending.c forgets only the claims of the aborted subtransaction).
+ * Under CurTransactionResourceOwner the lock lives exactly as long as the
+ * claim: to the end of the transaction, or of the subtransaction that made
+ * it if that one aborts.
+ */
+static LockAcquireResult
+key_lock_acquire(const LOCKTAG *tag)
+{
+	ResourceOwner save = CurrentResourceOwner;
+	LockAcquireResult res;
+
+	/* on error, the (sub)transaction's abort resets CurrentResourceOwner */
+	CurrentResourceOwner = CurTransactionResourceOwner;
+	res = LockAcquire(tag, ExclusiveLock, false, true);
+	CurrentResourceOwner = save;
+	return res;
+}
+
+/* Give back a key lock key_lock_acquire() took in this (sub)transaction. */
+static void
+key_lock_release(const LOCKTAG *tag)
+{
+	ResourceOwner save = CurrentResourceOwner;
+
+	CurrentResourceOwner = CurTransactionResourceOwner;
+	LockRelease(tag, ExclusiveLock, false);
+	CurrentResourceOwner = save;
+}
+
+/*
  * The answer a claim gives from a committed row it will not change: a
  * replay, a mismatch, or busy.  retry_at is when a busy caller should come
  * back if the row has no running lease to offer.
@@ -304,7 +365,8 @@ pending_as_row(const PendingClaim *mine, LedgerRow *row)
  */
 static void
 claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
-			 TimestampTz now, TimestampTz lease_end, ClaimAnswer *ans)
+			 TimestampTz now, TimestampTz lease_end, bool lease_given,
+			 int32 max_attempts, ClaimAnswer *ans)
 {
 	PendingClaim *mine = pending_find(lk);
 	LedgerRow	row;
@@ -342,7 +404,8 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 						 errmsg("tenant %lld does not exist", (long long) lk->tenant_id),
 						 errdetail("Key (id)=(%lld) is not present in table \"%s\".",
 								   (long long) lk->tenant_id, ledger_tenants_name(store))));
-			pending_add(lk, fingerprint, lease_end, ledger_store_relid(store));
+			pending_add(lk, fingerprint, lease_end, lease_given,
+						ledger_store_relid(store));
 			answer_claimed(ans, 1, lease_end);
 			return;
 		}
@@ -352,6 +415,39 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 		{
 			answer_from_row(&row, true, fingerprint, now, row.expires_at, ans);
 			return;
+		}
+
+		/*
+		 * failed_retryable as the last attempt allowed: no attempt is left,
+		 * so the key fails for good, with the last failure's detail, and
+		 * every later claim replays that.
+		 */
+		if (memcmp(row.fingerprint, fingerprint, IDEM_DIGEST_LEN) == 0 &&
+			row.status == IDEM_STATUS_FAILED_RETRYABLE &&
+			max_attempts > 0 && row.attempt >= max_attempts)
+		{
+			TimestampTz kept_until;
+
+			if (ledger_exhaust(store, lk, &row,
+							   now + (int64) idem_retention_s * USECS_PER_SEC,
+							   &kept_until))
+			{
+				Jsonb	   *detail = DatumGetJsonbP(row.outcome);
+				char	   *text = JsonbToCString(NULL, &detail->root, VARSIZE(detail));
+
+				ans->decision = IDEM_DECISION_FAILED_PERMANENT;
+				ans->committed_row = false;
+				ans->wrote_row = true;
+				ans->attempt = row.attempt;
+				ans->outcome = row.outcome;
+				ans->expires_at = kept_until;
+				idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+								IDEM_CACHE_FAILED_PERMANENT, row.attempt,
+								row.fingerprint, text, (int) strlen(text),
+								kept_until);
+				return;
+			}
+			continue;			/* changed under us: look again */
 		}
 
 		/* failed_retryable, or a committed lease that ran out: take it over. */
@@ -428,9 +524,11 @@ ledger_answer_needs_durable(const ClaimAnswer *ans)
 void
 ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 				 const uint8 *fingerprint, TimestampTz now,
-				 TimestampTz lease_end, ClaimAnswer *ans)
+				 TimestampTz lease_end, bool lease_given, int32 max_attempts,
+				 ClaimAnswer *ans)
 {
-	ledger_claim_key_nowait(store, lk, fingerprint, now, lease_end, ans);
+	ledger_claim_key_nowait(store, lk, fingerprint, now, lease_end,
+							lease_given, max_attempts, ans);
 	if (ledger_answer_needs_durable(ans))
 		idem_replay_durable(idem_commit_lsn(ans->writer));
 }
@@ -445,13 +543,15 @@ ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 void
 ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 						const uint8 *fingerprint, TimestampTz now,
-						TimestampTz lease_end, ClaimAnswer *ans)
+						TimestampTz lease_end, bool lease_given,
+						int32 max_attempts, ClaimAnswer *ans)
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
 
+	ans->wrote_row = false;
 	key_locktag(&tag, lk);
-	lockres = LockAcquire(&tag, ExclusiveLock, false, true);
+	lockres = key_lock_acquire(&tag);
 	if (lockres == LOCKACQUIRE_NOT_AVAIL)
 	{
 		/* Another transaction is on this key: answer without waiting. */
@@ -464,10 +564,16 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	}
 	else
 	{
-		claim_locked(store, lk, fingerprint, now, lease_end, ans);
-		/* Nothing claimed: let the next claimer in at once. */
-		if (ans->decision != IDEM_DECISION_CLAIMED && lockres == LOCKACQUIRE_OK)
-			LockRelease(&tag, ExclusiveLock, false);
+		claim_locked(store, lk, fingerprint, now, lease_end, lease_given,
+					 max_attempts, ans);
+		/*
+		 * Nothing claimed or written: let the next claimer in at once.  A
+		 * row written here keeps its lock, as a completion's does, so that
+		 * no claim waits on the row until this transaction ends.
+		 */
+		if (ans->decision != IDEM_DECISION_CLAIMED && !ans->wrote_row &&
+			lockres == LOCKACQUIRE_OK)
+			key_lock_release(&tag);
 	}
 
 	idem_stats_count_claim(ans->decision);
@@ -513,7 +619,8 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	lease_end = deadline_arg(fcinfo, next + 1, "lease", idem_lease_ms, now);
 	store = ledger_store_open_key(cc->nsp, &lk);
 
-	ledger_claim_key(store, &lk, fingerprint, now, lease_end, &ans);
+	ledger_claim_key(store, &lk, fingerprint, now, lease_end,
+					 !PG_ARGISNULL(next + 1), idem_max_attempts, &ans);
 
 	ledger_answer_values(&ans, values, nulls);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(cc->tupdesc, values, nulls)));
@@ -601,7 +708,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 		LOCKTAG		tag;
 
 		key_locktag(&tag, lk);
-		if (LockAcquire(&tag, ExclusiveLock, false, true) == LOCKACQUIRE_NOT_AVAIL)
+		if (key_lock_acquire(&tag) == LOCKACQUIRE_NOT_AVAIL)
 			ereport(ERROR,
 					(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 					 errmsg("cannot %s idempotency key: another transaction holds it", what),

@@ -63,15 +63,18 @@ typedef struct ClaimAnswer
 	TimestampTz expires_at;
 	bool		committed_row;	/* read from a row another transaction wrote */
 	TransactionId writer;		/* that transaction, when committed_row */
+	bool		wrote_row;		/* the claim wrote the row (out of attempts) */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */
 extern void ledger_claim_key(LedgerStore *store, const LedgerKey *lk,
 							 const uint8 *fingerprint, TimestampTz now,
-							 TimestampTz lease_end, ClaimAnswer *ans);
+							 TimestampTz lease_end, bool lease_given,
+							 int32 max_attempts, ClaimAnswer *ans);
 extern void ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 									const uint8 *fingerprint, TimestampTz now,
-									TimestampTz lease_end, ClaimAnswer *ans);
+									TimestampTz lease_end, bool lease_given,
+									int32 max_attempts, ClaimAnswer *ans);
 extern bool ledger_answer_needs_durable(const ClaimAnswer *ans);
 extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 								 bool *nulls);
@@ -107,6 +110,9 @@ extern void ledger_insert(LedgerStore *store, const LedgerKey *lk,
 extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
 						   const LedgerRow *seen, TimestampTz lease_end,
 						   int32 *attempt);
+extern bool ledger_exhaust(LedgerStore *store, const LedgerKey *lk,
+						   const LedgerRow *seen, TimestampTz expires_at,
+						   TimestampTz *kept_until);
 extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  IdemStatus status, Datum outcome,
 						  TimestampTz expires_at, int32 fence,
@@ -129,6 +135,7 @@ typedef struct PendingClaim
 	LedgerKey	lk;				/* hash key: must stay first */
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	TimestampTz lease_end;
+	bool		lease_given;	/* the caller chose the lease (not idem.lease) */
 	Oid			relid;
 	int			nest_level;		/* subtransaction that made the claim */
 	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
@@ -144,7 +151,7 @@ extern void idem_pending_xact_event(XactEvent event);
 extern void idem_pending_subxact_end(bool committed, int level);
 extern PendingClaim *pending_find(const LedgerKey *lk);
 extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
-						TimestampTz lease_end, Oid relid);
+						TimestampTz lease_end, bool lease_given, Oid relid);
 extern void pending_settle(PendingClaim *claim);
 
 #endif							/* IDEM_LEDGER_H */

@@ -17,9 +17,10 @@
  *
  *	  The handler: a function (not a procedure, aggregate or window
  *	  function) taking one jsonb and returning one jsonb, the outcome (a
- *	  JSON object; NULL means {}).  It runs as the caller: EXECUTE on it is
- *	  checked, and a SECURITY DEFINER handler (or one with SET clauses)
- *	  runs as fmgr runs any such function.  It runs in a subtransaction:
+ *	  JSON object; NULL means {}).  It runs as the caller: USAGE on its
+ *	  schema and EXECUTE on it are checked, as a direct call would, and a
+ *	  SECURITY DEFINER handler (or one with SET clauses) runs as fmgr runs
+ *	  any such function.  It runs in a subtransaction:
  *	  an error it raises rolls its writes back and is recorded, with its
  *	  SQLSTATE and message as the detail, as failed_permanent (SQLSTATE
  *	  P0001, RAISE's default, and classes 22 and 23: the request cannot
@@ -57,7 +58,11 @@
 PG_FUNCTION_INFO_V1(idem_apply);
 PG_FUNCTION_INFO_V1(idem_platform_apply);
 
-/* Longest error message kept in a failure detail (bytes, before escaping). */
+/*
+ * Longest error message kept in a failure detail: bytes of its JSON-escaped
+ * text, so that the detail always fits the outcome's IDEM_OUTCOME_MAX (a
+ * control character takes six bytes escaped, \u0001).
+ */
 #define APPLY_MESSAGE_MAX	1024
 
 /*
@@ -69,6 +74,7 @@ apply_check_handler(Oid fn)
 {
 	HeapTuple	tup;
 	Form_pg_proc proc;
+	Oid			nsp;
 	AclResult	acl;
 
 	tup = SearchSysCache1(PROCOID, ObjectIdGetDatum(fn));
@@ -92,8 +98,17 @@ apply_check_handler(Oid fn)
 				 errdetail("It returns %s%s.", proc->proretset ? "SETOF " : "",
 						   format_type_be(proc->prorettype)),
 				 errhint("Declare it as FUNCTION name(args jsonb) RETURNS jsonb; it returns the outcome, a JSON object.")));
+	nsp = proc->pronamespace;
 	ReleaseSysCache(tup);
 
+	/*
+	 * What a direct call needs: USAGE on the function's schema (checked
+	 * when its name is looked up) and EXECUTE on it.  Given by OID, the
+	 * name is never looked up, so the schema is checked here.
+	 */
+	acl = idem_namespace_aclcheck(nsp, GetUserId(), ACL_USAGE);
+	if (acl != ACLCHECK_OK)
+		aclcheck_error(acl, OBJECT_SCHEMA, get_namespace_name(nsp));
 	acl = idem_proc_aclcheck(fn, GetUserId(), ACL_EXECUTE);
 	if (acl != ACLCHECK_OK)
 		aclcheck_error(acl, OBJECT_FUNCTION, get_func_name(fn));
@@ -121,23 +136,54 @@ apply_error_is_permanent(int sqlerrcode)
 		strncmp(state, "23", 2) == 0;
 }
 
+/*
+ * msg as a JSON string, clipped to APPLY_MESSAGE_MAX bytes of escaped text
+ * between characters: never inside a multibyte character or an escape.
+ * Clipping before escaping would not do: a message quoting a request full
+ * of control characters grows sixfold, over the outcome's limit, and then
+ * nothing could be recorded and every redelivery would run the handler
+ * again.
+ */
+static void
+apply_append_message(StringInfo buf, const char *msg)
+{
+	StringInfoData one;
+	const char *p = msg;
+	int			used = 0;
+
+	initStringInfo(&one);
+	appendStringInfoChar(buf, '"');
+	while (*p != '\0')
+	{
+		char		chr[MAX_MULTIBYTE_CHAR_LEN + 1];
+		int			clen = Min(pg_mblen(p), (int) strnlen(p, MAX_MULTIBYTE_CHAR_LEN));
+
+		memcpy(chr, p, clen);
+		chr[clen] = '\0';
+		resetStringInfo(&one);
+		escape_json(&one, chr);
+		/* one.data is the character escaped, between its two quotes */
+		if (used + one.len - 2 > APPLY_MESSAGE_MAX)
+			break;
+		appendBinaryStringInfo(buf, one.data + 1, one.len - 2);
+		used += one.len - 2;
+		p += clen;
+	}
+	appendStringInfoChar(buf, '"');
+	pfree(one.data);
+}
+
 /* {"sqlstate": ..., "message": ...} of an error the handler raised. */
 static Jsonb *
 apply_error_detail(ErrorData *edata)
 {
 	StringInfoData buf;
-	const char *msg = edata->message ? edata->message : "";
-	int			len = strlen(msg);
-	char	   *clipped;
 
-	if (len > APPLY_MESSAGE_MAX)
-		len = pg_mbcliplen(msg, len, APPLY_MESSAGE_MAX);
-	clipped = pnstrdup(msg, len);
 	initStringInfo(&buf);
 	appendStringInfoString(&buf, "{\"sqlstate\": ");
 	escape_json(&buf, unpack_sql_state(edata->sqlerrcode));
 	appendStringInfoString(&buf, ", \"message\": ");
-	escape_json(&buf, clipped);
+	apply_append_message(&buf, edata->message ? edata->message : "");
 	appendStringInfoChar(&buf, '}');
 	return DatumGetJsonbP(DirectFunctionCall1(jsonb_in, CStringGetDatum(buf.data)));
 }
@@ -253,6 +299,7 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 	a++;
 	retention_end = ledger_retention_end(PG_ARGISNULL(a) ? NULL :
 										 PG_GETARG_INTERVAL_P(a), now);
+
 	/* everything the caller gave is checked before the key is touched */
 	apply_check_handler(fn);
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
@@ -262,8 +309,10 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 	tupdesc = BlessTupleDesc(tupdesc);
 
 	store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
+	/* settled in this statement, never left open: no lease mode */
 	ledger_claim_key(store, &lk, fingerprint, now,
-					 ledger_deadline(NULL, "lease", idem_lease_ms, now), &ans);
+					 ledger_deadline(NULL, "lease", idem_lease_ms, now), true,
+					 idem_max_attempts, &ans);
 	if (ans.decision != IDEM_DECISION_CLAIMED)
 	{
 		ledger_answer_values(&ans, values, nulls);
@@ -279,6 +328,8 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 
 		outcome = apply_run_handler(fn, args, PG_GET_COLLATION(), &failed,
 									&permanent);
+		/* The handler may have dropped or altered the ledger: check again. */
+		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 		text = ledger_check_outcome(outcome, failed ? "failure detail" : "handler outcome");
 		status = !failed ? IDEM_STATUS_COMPLETED :
 			permanent ? IDEM_STATUS_FAILED_PERMANENT : IDEM_STATUS_FAILED_RETRYABLE;

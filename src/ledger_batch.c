@@ -238,7 +238,9 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		CHECK_FOR_INTERRUPTS();
 		batch_key(kind, &b.tenants, &b.keys, i, &lk);
 		ledger_check_digest(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
-		ledger_claim_key_nowait(b.store, &lk, fingerprint, now, lease_end, &ans);
+		ledger_claim_key_nowait(b.store, &lk, fingerprint, now, lease_end,
+								batch_interval_arg(fcinfo, b.interval_arg) != NULL,
+								idem_max_attempts, &ans);
 		if (ledger_answer_needs_durable(&ans))
 		{
 			XLogRecPtr	lsn = idem_commit_lsn(ans.writer);

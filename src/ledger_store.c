@@ -66,6 +66,7 @@ typedef enum StorePlanId
 	PLAN_RECLAIM,				/* failed_retryable / expired lease -> processing */
 	PLAN_FINISH,				/* processing -> completed / failed_* */
 	PLAN_PURGE,					/* delete one batch of expired rows */
+	PLAN_EXHAUST,				/* failed_retryable, out of attempts -> failed_permanent */
 	PLAN_COUNT
 } StorePlanId;
 
@@ -310,6 +311,19 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 			types[4] = TIMESTAMPTZOID;
 			types[5] = INT4OID;
 			nargs = 6;
+			break;
+		case PLAN_EXHAUST:
+			sql = psprintf("UPDATE %s SET status = '%s',"
+						   " expires_at = GREATEST(expires_at, $3),"
+						   " updated_at = pg_catalog.clock_timestamp()"
+						   " WHERE %s AND attempt OPERATOR(pg_catalog.=) $4"
+						   " AND status OPERATOR(pg_catalog.=) '%s'"
+						   " RETURNING expires_at", qtable,
+						   idem_status_names[IDEM_STATUS_FAILED_PERMANENT], owner,
+						   idem_status_names[IDEM_STATUS_FAILED_RETRYABLE]);
+			types[2] = TIMESTAMPTZOID;
+			types[3] = INT4OID;
+			nargs = 4;
 			break;
 		case PLAN_PURGE:
 			sql = purge_sql(qtable, "$1", "$2", "$4", "$3");
@@ -593,7 +607,8 @@ store_check(LedgerStore *store, Relation rel)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("the idem tenant ledger has no foreign key to a tenants table"),
-					 errhint("Re-create it with idem_install('tenants').")));
+					 errdetail("Dropping the tenants table's primary key with CASCADE drops the ledger's foreign key."),
+					 errhint("Give the tenants table a primary key on id again if it has none, then run SELECT idem_install('tenants') (naming your tenants table): it re-creates the foreign key.")));
 
 		/*
 		 * Probe tenants directly only where that reads what the FK reads: a
@@ -1179,6 +1194,32 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 	if (done)
 		*attempt = DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[0],
 											   SPI_tuptable->tupdesc, 1, &isnull));
+	SPI_finish();
+	return done;
+}
+
+/*
+ * A failed_retryable row seen out of attempts becomes failed_permanent, its
+ * detail kept, retained at least until expires_at.  False when the row
+ * changed since it was seen.
+ */
+bool
+ledger_exhaust(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
+			   TimestampTz expires_at, TimestampTz *kept_until)
+{
+	Datum		extra[2];
+	bool		isnull;
+	bool		done;
+
+	store_check_local(store);
+	extra[0] = TimestampTzGetDatum(expires_at);
+	extra[1] = Int32GetDatum(seen->attempt);
+	SPI_connect();
+	run_write(store, PLAN_EXHAUST, lk, extra, 2, SPI_OK_UPDATE_RETURNING);
+	done = SPI_processed == 1;
+	if (done)
+		*kept_until = DatumGetTimestampTz(SPI_getbinval(SPI_tuptable->vals[0],
+														SPI_tuptable->tupdesc, 1, &isnull));
 	SPI_finish();
 	return done;
 }

@@ -60,7 +60,7 @@ pending_find(const LedgerKey *lk)
 
 void
 pending_add(const LedgerKey *lk, const uint8 *fingerprint,
-			TimestampTz lease_end, Oid relid)
+			TimestampTz lease_end, bool lease_given, Oid relid)
 {
 	LedgerKey	k;
 	PendingClaim *claim;
@@ -85,6 +85,7 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	 * transaction): the key is new again */
 	memcpy(claim->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	claim->lease_end = lease_end;
+	claim->lease_given = lease_given;
 	claim->relid = relid;
 	claim->nest_level = GetCurrentTransactionNestLevel();
 	claim->settled_level = 0;
@@ -114,6 +115,7 @@ pending_flush(void)
 	HASH_SEQ_STATUS seq;
 	PendingClaim *claim;
 	Datum		empty;
+	int			by_accident = 0;
 
 	if (pending == NULL || hash_get_num_entries(pending) == 0)
 		return;
@@ -128,7 +130,23 @@ pending_flush(void)
 		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
 					  claim->fingerprint, IDEM_STATUS_PROCESSING, 1, empty,
 					  claim->lease_end);
+		if (!claim->lease_given)
+			by_accident++;
 	}
+
+	/*
+	 * Outside a transaction block, the statement's own transaction commits
+	 * the claim alone: lease mode, although nothing asked for it (no lease
+	 * given).  Most likely a handler that forgot BEGIN and runs its effect
+	 * in the next statements, after the claim committed.
+	 */
+	if (by_accident > 0 && !IsTransactionBlock())
+		ereport(WARNING,
+				(errmsg_plural("%d idempotency key claimed outside a transaction block was committed in lease mode",
+							   "%d idempotency keys claimed outside a transaction block were committed in lease mode",
+							   by_accident, by_accident),
+				 errdetail("The claim committed alone, as a processing row with the default lease (idem.lease); the effect will not commit with it."),
+				 errhint("Claim, run the effect and complete in one transaction (BEGIN ... COMMIT); for lease mode on purpose, pass the lease explicitly.")));
 
 	/*
 	 * Pre-commit comes after the transaction's deferred triggers fired:
