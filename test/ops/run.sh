@@ -79,7 +79,13 @@ UPDATE idempotency_keys SET expires_at = now() - interval '1 hour',
        updated_at = now() - interval '1 day'
  WHERE idempotency_key IN (SELECT idem_key('ops', n::text) FROM generate_series(1, 3) n);
 SQL
-job=$(PSQL -c "SELECT cron.schedule('idem-purge', '* * * * *', 'SELECT idem_purge()')" 2>&1)
+# The README's statement, as it is written there ("app" is this database).
+job=$(PSQL -tA <<'SQL' 2>&1
+SELECT cron.schedule_in_database('idem-purge', '* * * * *',
+  $job$DO $d$ BEGIN WHILE idem_purge(10000) > 0 LOOP END LOOP; END $d$$job$,
+  'postgres');
+SQL
+)
 scheduled=$(date +%s)
 [[ $job =~ ^[0-9]+$ ]]
 ok $? "pg_cron schedules idem_purge (job $job)"
