@@ -18,6 +18,8 @@
  *	  ledger_apply.c	idem_apply: claim, a SQL handler, complete
  *	  ledger_store.c	index probes and prepared writes on a ledger table
  *	  ledger_insert.c	the direct write of a new row (the hot write)
+ *	  ledger_guard.c	ledger rows removed outside idem (DELETE, TRUNCATE,
+ *					DROP...): a new cache epoch at commit
  *	  pending.c		this transaction's claims not written yet (ledger.h)
  *	  outbox.c		the commit hook: this transaction's copies for Valkey
  *	  outbox_ring.c	the shared-memory queue they move to at commit, and
@@ -26,13 +28,14 @@
  *	  worker_cluster.c	the worker's copies to a Valkey Cluster
  *	  valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h), shared
  *					with client/
- *	  cache_secret.c	the secret that MACs Valkey values: file, shared copy,
- *					rotation, HMAC
+ *	  cache_secret.c	the secret that MACs Valkey values and the history
+ *					epoch that names the keyspace: file, shared copy,
+ *					rotation, renewal, takeover, HMAC
+ *	  sha256.c, hmac.c	SHA-256 and HMAC-SHA-256 (sha256.h), shared with
+ *					client/
  *	  standby_slots.c	idem.standby_slots: the standbys a copy waits for
- *	  citus.c		Citus: the distributed tenant ledger, delegation to
- *					the shard's node (citus.h)
  *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
- *					timeline, database) and idem_cache_keyspace()
+ *					timeline, epoch, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
  *	  citus.c		idem on Citus: the tenant's local shard, distribution
  *					at install, the purge of every shard (citus.h)
