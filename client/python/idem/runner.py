@@ -496,13 +496,13 @@ class _RunContext:
             # get=True: redis-py then returns the reply as it is, not as a bool
             value = r.valkey.execute_command("SET", self.ckey, self.marker, "NX", "PX",
                                              str(r.lease_ms), "GET", get=True)
+        except ValkeyClusterNotSupported:
+            raise
         except Exception as e:
-            import redis
-            if isinstance(e, ValkeyClusterNotSupported):
-                raise
+            # down, slow, or an error reply (WRONGTYPE, a server older than
+            # 7.0): nothing usable; PostgreSQL decides, lookup first
             r._valkey_failed(e)
-            # a ResponseError (WRONGTYPE, an old server): answered, nothing usable
-            return False, not isinstance(e, redis.exceptions.ResponseError), False, False
+            return False, True, False, False
         run.valkey_used = True
         if value is None or value == self.marker:
             self.own_marker = True      # absent: our marker is set

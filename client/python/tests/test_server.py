@@ -445,6 +445,96 @@ class RunnerTests(unittest.TestCase):
         self.assertEqual(effects(self.scope), 2)    # d1 and d3; d2 rolled back
 
 
+class Learning(unittest.TestCase):
+    FAKE = """
+        CREATE SCHEMA IF NOT EXISTS fake55;
+        CREATE TABLE IF NOT EXISTS fake55.ready (ok boolean);
+        INSERT INTO fake55.ready VALUES (false);
+        CREATE OR REPLACE FUNCTION fake55.idem_cache_keyspace() RETURNS text LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NOT (SELECT bool_and(ok) FROM fake55.ready) THEN
+                RAISE EXCEPTION 'the worker has not taken the cache epoch over yet'
+                    USING ERRCODE = '55000';
+            END IF;
+            RETURN public.idem_cache_keyspace();
+        END $$;
+        CREATE OR REPLACE FUNCTION fake55.idem_cache_secrets(OUT key_id integer, OUT secret bytea,
+            OUT is_current boolean) RETURNS SETOF record LANGUAGE sql
+            AS $$ SELECT * FROM public.idem_cache_secrets() $$;
+        CREATE OR REPLACE FUNCTION fake55.idem_claim(bigint, bytea, bytea, interval)
+            RETURNS public.idem_claim_result LANGUAGE sql
+            AS $$ SELECT * FROM public.idem_claim($1, $2, $3, $4) $$;
+        CREATE OR REPLACE FUNCTION fake55.idem_complete(bigint, bytea, jsonb, interval)
+            RETURNS void LANGUAGE sql AS $$ SELECT public.idem_complete($1, $2, $3, $4) $$;
+        CREATE OR REPLACE FUNCTION fake55.idem_lookup(bigint, bytea, OUT status text,
+            OUT attempt integer, OUT outcome jsonb, OUT fingerprint bytea, OUT expires_at timestamptz)
+            RETURNS SETOF record LANGUAGE sql AS $$ SELECT * FROM public.idem_lookup($1, $2) $$;
+    """
+
+    def test_not_ready_55000(self):
+        """while idem_cache_keyspace() answers 55000 the runner runs on PostgreSQL alone, and asks again a second later"""
+        with admin() as a:
+            a.execute(self.FAKE)
+        notices = []
+        runner = idem.Runner(("127.0.0.1", VPORT), schema="fake55", notice=notices.append)
+        conn = connect()
+        scope = uid("ready")
+        try:
+            def go(id):
+                with runner.run(conn, 1, scope, id, {}) as run:
+                    if run.claimed:
+                        effect(conn, run)
+                return run
+            run = go("n1")
+            self.assertEqual((run.status, run.valkey_used), ("applied", False))
+            self.assertTrue(any("55000" in n for n in notices), notices)
+            self.assertIsNone(valkey().get(ckey(1, scope, "n1")))   # no marker was set
+            with admin() as a:
+                a.execute("UPDATE fake55.ready SET ok = true")
+            began = time.monotonic()
+            while True:
+                run = go("n1")
+                self.assertEqual(run.status, "replayed")
+                if run.valkey_used:
+                    break
+                self.assertLess(time.monotonic() - began, 3, "never asked again")
+                time.sleep(0.1)
+            self.assertGreater(time.monotonic() - began, 0.5)      # not at once: a second after
+        finally:
+            conn.close()
+        self.assertEqual(effects(scope, "n1"), 1)
+
+    def test_secret_rotation(self):
+        """a value under a newly rotated secret: ignored until the runner learns again (a second later), then replayed from Valkey"""
+        runner = idem.Runner(("127.0.0.1", VPORT))
+        conn = connect()
+        scope = uid("rot")
+        try:
+            def go(id):
+                with runner.run(conn, 1, scope, id, {}) as run:
+                    if run.claimed:
+                        effect(conn, run)
+                return run
+            go("warm")                              # learns the secrets now
+            with admin() as a:
+                new_id = a.execute("SELECT idem_rotate_cache_secret()").fetchone()[0]
+            with runner.run(conn, 1, scope, "s1", {}) as run:
+                effect(conn, run)
+            self.assertEqual(run.status, "applied")
+            e = wait_copy(ckey(1, scope, "s1"))
+            self.assertEqual(e.key_id, new_id)
+            before = runner.stats["cache_rejected"]
+            run = go("s1")
+            if run.source == "postgres":            # not learnt yet: an unknown key id
+                self.assertEqual(runner.stats["cache_rejected"], before + 1)
+                time.sleep(1.1)
+                wait_copy(ckey(1, scope, "s1"))
+                run = go("s1")
+            self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+        finally:
+            conn.close()
+
+
 class MixedFleet(unittest.TestCase):
     def test_c_and_python_on_the_same_keys(self):
         """a mixed fleet: 2 C runners and 2 Python runners on the same 120 keys, duplicates and reordering: every effect once, no mismatch"""
