@@ -633,8 +633,6 @@ class _RunContext:
                 if et is None:
                     raise IdemError("state", "the block ran statements on a run that was not "
                                     "claimed (check run.claimed): rolled back")
-            if et is None and run.outcome is not None and run.status is None:
-                raise IdemError("state", "outcome set on a run that was not claimed")
             return False
         try:
             return self._finish(et, ev)
@@ -661,7 +659,12 @@ class _RunContext:
                             "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
                             "effect may have committed without its idempotency key")
         failure = run._failure
-        if et is not None:
+        suppress = False
+        if et is not None and issubclass(et, Failure):
+            # raise idem.PermanentFailure(detail) in the block: run.fail(detail)
+            failure = (ev.detail, ev.retryable)
+            suppress = True
+        elif et is not None:
             failure = ({"error": et.__name__, "message": str(ev)[:1000]}, True)
         elif ts == TransactionStatus.INERROR:
             conn.rollback()
@@ -682,7 +685,7 @@ class _RunContext:
                 try:
                     text = _outcome_text(detail, "the failure detail")
                 except IdemError:
-                    if et is None:
+                    if et is None or suppress:
                         conn.rollback()
                         raise
                     text = _outcome_text({"error": et.__name__}, "the failure detail")
@@ -713,4 +716,4 @@ class _RunContext:
             run.outcome = json.loads(text)
         if run.status != FAILED_RETRYABLE:
             self.own_marker = False     # left for the worker's copy of the row
-        return False
+        return suppress
