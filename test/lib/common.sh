@@ -46,6 +46,12 @@ EOT
 		echo "prometheus-postgres-exporter:/usr/bin/prometheus-postgres-exporter"
 		echo "pgbouncer:/usr/sbin/pgbouncer"
 	fi
+	# The Python suite's queue test (test/python/rabbitmq.sh): consumers
+	# killed mid-message on a real broker.
+	if [ -n "${IDEM_NEED_RABBITMQ:-}" ]; then
+		echo "rabbitmq-server:/usr/lib/rabbitmq/bin/rabbitmq-server"
+		echo "python3-pika:/usr/lib/python3/dist-packages/pika/__init__.py"
+	fi
 	# Building PostgreSQL 18 (test/lib/cache.sh), when it is not cached yet.
 	if [ -n "${IDEM_NEED_PG_BUILD:-}" ]; then
 		echo "bison:/usr/bin/bison"

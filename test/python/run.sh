@@ -10,11 +10,13 @@ set -uo pipefail
 WORK=$1
 TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$TREE/test/lib/common.sh"
+. "$TREE/test/python/rabbitmq.sh"
 PY=${IDEM_PYTHON:-/usr/bin/python3}
 
 dir=$(mktemp -d "$WORK/python.XXXXXX")
 chmod 755 "$dir"
 cleanup() {
+	idem_rabbitmq_stop "$dir/rabbitmq"
 	idem_pg_stop "$dir"
 	idem_valkey_stop "$dir"
 }
@@ -63,7 +65,18 @@ else
 	sed 's/^/# /' "$dir/cc.log" | tail -n 10 >&2
 fi
 
-# 4. the tests, on the package pip installed (else on the checkout's)
+# 4. a RabbitMQ broker for the consumers killed mid-message (when
+#    rabbitmq-server is installed: make test installs it for this suite)
+if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+	if idem_rabbitmq_start "$dir/rabbitmq"; then
+		export IDEM_RABBITMQ_PORT=$(cat "$dir/rabbitmq/amqp_port")
+		tap ok "a throwaway RabbitMQ broker starts on loopback"
+	else
+		tap notok "a throwaway RabbitMQ broker starts on loopback"
+	fi
+fi
+
+# 5. the tests, on the package pip installed (else on the checkout's)
 py=$PY
 pypath=$TREE/client/python/tests:$TREE/client/python
 if (cd "$dir" && "$dir/venv/bin/python" -c 'import idem') 2>/dev/null; then
@@ -74,6 +87,6 @@ cd "$dir"
 IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_PORT=$vport IDEM_VALKEY_DIR="$dir" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
-	IDEM_PACKAGE_README="$TREE/client/python/README.md" \
+	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
 	timeout 280 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))

@@ -276,7 +276,7 @@ class RunnerTests(unittest.TestCase):
                 self.assertTrue(2000 < run.retry_after_ms <= 3000, run.retry_after_ms)
 
     def test_failures(self):
-        """a block that raises records a retryable failure (attempt + 1 next); run.fail() a permanent one, replayed"""
+        """a block that raises records a retryable failure (attempt + 1 next) and propagates; run.fail() or raising idem.PermanentFailure records a permanent one, replayed"""
         with self.assertRaises(ZeroDivisionError):
             with self.runner.run(self.conn, 1, self.scope, "x1", {"a": 1}) as run:
                 effect(self.conn, run)
@@ -292,6 +292,16 @@ class RunnerTests(unittest.TestCase):
         self.assertEqual((run.status, run.source, run.outcome),
                          ("failed_permanent", "valkey", {"reason": "card declined"}))
         self.assertEqual(effects(self.scope, "x1"), 0)
+        # raising idem.RetryableFailure / PermanentFailure in the block: recorded, not propagated
+        with self.runner.run(self.conn, 1, self.scope, "x2", {}) as run:
+            effect(self.conn, run)
+            raise idem.RetryableFailure({"reason": "try later"})
+        self.assertEqual((run.status, run.outcome), ("failed_retryable", {"reason": "try later"}))
+        with self.runner.run(self.conn, 1, self.scope, "x2", {}) as run:
+            self.assertEqual(run.attempt, 2)
+            raise idem.PermanentFailure({"reason": "no"})
+        self.assertEqual((run.status, run.outcome), ("failed_permanent", {"reason": "no"}))
+        self.assertEqual(effects(self.scope, "x2"), 0)
 
     def test_bad_outcome_and_misuse(self):
         """a non-object outcome rolls back; a block that commits, or writes on an unclaimed run, is refused"""
