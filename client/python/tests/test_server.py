@@ -160,6 +160,27 @@ class Corpus(unittest.TestCase):
             self.assertEqual(idem.idem_key(sc, i), bytes(k), (sc, i))
 
 
+    def test_limits_agree_with_sql(self):
+        """at numeric's limits and on refused escapes, Python accepts and refuses what jsonb does, with the same text"""
+        cases = ["1e131071", "1e131072", "9e131071", "1e-16383", "1e-16384", "0e-16383",
+                 "0e-16384", "0e1073741822", "0e1073741823", "1e1073741822", "1.5e-16382",
+                 "0.1e-16383", "10e-16384", "0e-1073741822", "1e-1073741822", "-0e-5",
+                 '"\\ud800\\u0041"', '{"a\\u0000": 1}', '"\\udc00"', "[1,]", "[01]",
+                 '"\\u00e9\\ud83d\\ude00"', "1E400", "-1.0e-400"]
+        with admin() as c:
+            for t in cases:
+                try:
+                    with c.transaction():
+                        want = c.execute("SELECT %s::jsonb::text", [t]).fetchone()[0]
+                except psycopg.Error:
+                    want = None
+                try:
+                    got = idem.canonical_json(t)
+                except idem.RequestError:
+                    got = None
+                self.assertEqual(got, want, t)
+
+
 class RunnerTests(unittest.TestCase):
     def setUp(self):
         self.runner = idem.Runner(("127.0.0.1", VPORT), lease_ms=5000)
