@@ -325,7 +325,7 @@ class RunnerTests(unittest.TestCase):
         self.assertEqual(effects(self.scope, "x2"), 0)
 
     def test_bad_outcome_and_misuse(self):
-        """a non-object outcome rolls back; a block that commits, or writes on an unclaimed run, is refused"""
+        """a non-object outcome rolls back; a server error rolls back; a block that commits, writes on an unclaimed run, or a connection already in a transaction, is refused"""
         with self.assertRaises(idem.IdemError) as cm:
             with self.runner.run(self.conn, 1, self.scope, "o1", {}) as run:
                 effect(self.conn, run)
@@ -346,6 +346,24 @@ class RunnerTests(unittest.TestCase):
         with self.assertRaises(idem.IdemError) as cm:
             self.go("o4", "{not json")
         self.assertEqual(cm.exception.code, "request")
+        # a server error (an unknown tenant): rolled back, the connection usable, both modes
+        for autocommit in (False, True):
+            conn = connect(autocommit=autocommit)
+            try:
+                with self.assertRaises(idem.IdemError) as cm:
+                    self.go("o5", {}, conn=conn, tenant=999)
+                self.assertEqual((cm.exception.code, cm.exception.sqlstate), ("server", "23503"))
+                self.assertIsNone(valkey().get(ckey(999, self.scope, "o5")))   # marker deleted
+                self.assertEqual(self.go("o5", {}, conn=conn).status, "applied" if not autocommit
+                                 else "replayed")
+                # a connection inside a transaction of its own is refused
+                conn.execute("BEGIN" if autocommit else "SELECT 1")
+                with self.assertRaises(idem.IdemError) as cm:
+                    self.go("o6", {}, conn=conn)
+                self.assertEqual(cm.exception.code, "state")
+                conn.rollback()
+            finally:
+                conn.close()
 
     def test_backend_terminated_mid_run(self):
         """the backend terminated mid-run: an error saying nothing committed, the marker deleted, the redelivery applies once"""
