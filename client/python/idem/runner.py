@@ -552,6 +552,11 @@ class _RunContext:
                                     [run.fingerprint] + self._key_params()).fetchone()
             self.r._end_tx(self.conn)
         except psycopg.Error as e:
+            if not self._broken() and getattr(e.diag, "sqlstate", None) in ("42501", "42883"):
+                # not granted (or absent): the claim decides, from now on directly
+                self.conn.rollback()
+                self.r.lookup_first = False
+                return False
             self._pg_error(e, "idem_lookup")
         if row is None or row[0] is None or row[3] is None:
             return False
