@@ -19,6 +19,8 @@ cleanup() {
 	idem_rabbitmq_stop "$dir/rabbitmq"
 	idem_pg_stop "$dir"
 	idem_valkey_stop "$dir"
+	idem_pg_stop "$dir/c"
+	idem_valkey_cluster_stop "$dir/vcluster"
 }
 trap cleanup EXIT
 
@@ -53,6 +55,25 @@ idem_pg_install_ledgers "$dir" "$pgport" || { echo "Bail out! could not install 
 "$(idem_pg_bindir)/psql" -X -q -h "$dir" -p "$pgport" -U postgres -d postgres \
 	-c "INSERT INTO tenants VALUES (2); CREATE TABLE effects (scope text, id text, node text DEFAULT 'c', at timestamptz DEFAULT clock_timestamp())" >/dev/null ||
 	{ echo "Bail out! could not create the effects table"; exit 1; }
+
+# ... and a Valkey Cluster (3 masters, 3 replicas) with a second server
+# whose worker copies into it, for the runner's routing by slot
+mkdir -p "$dir/vcluster" "$dir/c"
+if idem_valkey_cluster_start "$dir/vcluster" 3 &&
+	cport=$(idem_free_port) &&
+	idem_pg_start "$dir/c" "$cport" "idem.valkey_host = '127.0.0.1'" \
+		"idem.valkey_port = $(idem_valkey_cluster_first "$dir/vcluster")" \
+		"idem.valkey_nodes = '$(idem_valkey_cluster_others "$dir/vcluster")'" \
+		"synchronous_commit = off" "max_connections = 30" &&
+	idem_pg_install_ledgers "$dir/c" "$cport" &&
+	"$(idem_pg_bindir)/psql" -X -q -h "$dir/c" -p "$cport" -U postgres -d postgres \
+		-c "CREATE TABLE effects (scope text, id text, node text DEFAULT 'c', at timestamptz DEFAULT clock_timestamp())" >/dev/null; then
+	export IDEM_PG_CLUSTER_DSN="host=127.0.0.1 port=$cport user=postgres dbname=postgres"
+	export IDEM_VALKEY_CLUSTER_PORT=$(idem_valkey_cluster_first "$dir/vcluster")
+	tap ok "a Valkey Cluster and a server whose worker copies into it start"
+else
+	tap notok "a Valkey Cluster and a server whose worker copies into it start"
+fi
 
 # 3. the C runner for the mixed fleet
 if gcc -O1 -o "$dir/idem_run_once" "$TREE/test/t/idem_run_once.c" \

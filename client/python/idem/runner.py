@@ -173,10 +173,13 @@ class Run:
 class Runner:
     """A gated idempotency runner.
 
-    ``valkey``: a ``redis.Redis`` client, or ``(host, port)``, or None for
-    PostgreSQL only.  Valkey may be down: the runner then decides on
-    PostgreSQL alone and leaves Valkey alone for ``valkey_retry_ms``.
-    A Valkey Cluster node is refused (ValkeyClusterNotSupported).
+    ``valkey``: ``(host, port)``, a ``redis.Redis`` or
+    ``redis.cluster.RedisCluster`` client, or None for PostgreSQL only.
+    Valkey may be down: the runner then decides on PostgreSQL alone and
+    leaves Valkey alone for ``valkey_retry_ms``.  ``(host, port)`` of a
+    Valkey Cluster node is routed by slot (RedisCluster, seeded there); a
+    plain ``redis.Redis`` client of a cluster node is refused
+    (ValkeyClusterNotSupported).
 
     A runner may be shared by threads; each run uses the connection it is
     given, which must not be used by another thread meanwhile.
@@ -202,14 +205,16 @@ class Runner:
         self._cad = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0}
+        self._seed = None                   # (host, port): ours to route if a cluster
+        self._timeout = valkey_timeout_ms / 1000.0
         if valkey is None:
             self.valkey = None
         elif isinstance(valkey, tuple):
             import redis
             host, port = valkey
-            t = valkey_timeout_ms / 1000.0
-            self.valkey = redis.Redis(host=host, port=int(port), socket_timeout=t,
-                                      socket_connect_timeout=t)
+            self._seed = (host, int(port))
+            self.valkey = redis.Redis(host=host, port=int(port), socket_timeout=self._timeout,
+                                      socket_connect_timeout=self._timeout)
         else:
             self.valkey = valkey
         if self.valkey is not None:
@@ -223,14 +228,31 @@ class Runner:
 
     # ---- Valkey ----
     def _check_cluster(self):
+        """On first contact: is this a Valkey Cluster node?  Then route by
+        key with redis-py's RedisCluster (given (host, port), or a
+        RedisCluster), or refuse a plain client of one node."""
         if self._cluster_checked:
+            return
+        from redis.cluster import RedisCluster
+        if isinstance(self.valkey, RedisCluster):
+            self._cluster_checked = True
             return
         info = self.valkey.info("cluster")
         if int(info.get("cluster_enabled", 0)) == 1:
-            raise ValkeyClusterNotSupported(
-                "this Valkey is a cluster node (cluster_enabled:1): the Python "
-                "runner speaks to one node and does not route by slot; use a "
-                "standalone Valkey (or the C client, which routes)")
+            if self._seed is None:
+                raise ValkeyClusterNotSupported(
+                    "this Valkey is a cluster node (cluster_enabled:1) and the client given "
+                    "speaks to one node: pass (host, port) or a redis.cluster.RedisCluster, "
+                    "so that each key goes to its slot's master")
+            with self._lock:
+                if not isinstance(self.valkey, RedisCluster):
+                    # every command touches one key: no hash tags, no cross-slot
+                    cluster = RedisCluster(host=self._seed[0], port=self._seed[1],
+                                           socket_timeout=self._timeout,
+                                           socket_connect_timeout=self._timeout,
+                                           cluster_error_retry_attempts=1)
+                    self._cad = cluster.register_script(CAD_SCRIPT)
+                    self.valkey = cluster
         self._cluster_checked = True
 
     def _valkey_ok(self):
@@ -239,7 +261,9 @@ class Runner:
     def _valkey_failed(self, e):
         import redis
         self.stats["valkey_errors"] += 1
-        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
+        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                          redis.exceptions.RedisClusterException, redis.exceptions.ClusterError,
+                          OSError)):
             self._rest_until = time.monotonic() + self.valkey_retry_ms / 1000.0
             if self.notice:
                 self.notice("Valkey unavailable (%s): running on PostgreSQL only for %d ms"

@@ -444,7 +444,7 @@ class RunnerTests(unittest.TestCase):
             self.assertEqual(effects(self.scope, id), 1, id)
 
     def test_cluster_refused(self):
-        """a Valkey Cluster node is refused when the runner is made"""
+        """a plain redis.Redis client of a Valkey Cluster node is refused when the runner is made"""
         port = free_port()
         d = os.path.join(VDIR, "cluster%d" % port)
         os.makedirs(d)
@@ -461,7 +461,7 @@ class RunnerTests(unittest.TestCase):
                 except redis.exceptions.ConnectionError:
                     time.sleep(0.05)
             with self.assertRaises(idem.ValkeyClusterNotSupported):
-                idem.Runner(("127.0.0.1", port))
+                idem.Runner(redis.Redis(port=port))
         finally:
             p.kill()
             p.wait()
