@@ -598,14 +598,17 @@ class _RunContext:
     def _claim(self):
         run, conn = self.run, self.conn
         try:
-            if conn.autocommit:
-                conn.execute("BEGIN")
-            self.tx_open = True
-            row = conn.execute(self._sql("claim"), self._key_params() +
-                               [run.fingerprint, "%d milliseconds" % self.r.lease_ms]).fetchone()
-            decision, attempt, outcome, ms = row
-            if decision == "claimed":
+            # one round trip: BEGIN, the claim, the handler's savepoint
+            # (harmless when the key is not ours: COMMIT follows)
+            with conn.pipeline():
+                if conn.autocommit:
+                    conn.execute("BEGIN")
+                self.tx_open = True
+                cur = conn.execute(self._sql("claim"), self._key_params() +
+                                   [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
                 conn.execute("SAVEPOINT idem_handler")
+            decision, attempt, outcome, ms = cur.fetchone()
+            if decision == "claimed":
                 run.claimed = True
                 run.attempt = attempt
                 return
@@ -699,43 +702,56 @@ class _RunContext:
             conn.rollback()
             raise IdemError("handler", "the block left the transaction in error (a failed "
                             "statement it caught): rolled back, nothing recorded")
-        # the statements that end the run, then COMMIT
-        try:
-            if failure is None:
-                try:
-                    text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-                except IdemError:
+        # the outcome (or detail) is checked before anything is sent
+        if failure is None:
+            try:
+                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
+            except IdemError:
+                conn.rollback()
+                raise
+        else:
+            detail, retryable = failure
+            try:
+                text = _outcome_text(detail, "the failure detail")
+            except IdemError:
+                if et is None or suppress:
                     conn.rollback()
                     raise
-                conn.execute("RELEASE SAVEPOINT idem_handler")
-                conn.execute(self._sql("complete"), self._key_params() + [text, self.r.retention])
-            else:
-                detail, retryable = failure
-                try:
-                    text = _outcome_text(detail, "the failure detail")
-                except IdemError:
-                    if et is None or suppress:
-                        conn.rollback()
-                        raise
-                    text = _outcome_text({"error": et.__name__}, "the failure detail")
-                conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                conn.execute(self._sql("fail"), self._key_params() + [text, retryable,
-                                                                      self.r.retention])
+                text = _outcome_text({"error": et.__name__}, "the failure detail")
+        # A session the server ended while the block ran (pg_terminate_backend,
+        # a restart) is seen now, before COMMIT is sent: nothing committed.
+        # (libpq reads the server's FATAL message, then its end of stream)
+        for _ in range(2):
+            try:
+                conn.pgconn.consume_input()
+            except psycopg.OperationalError:
+                break
+        if self._broken() or conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+            raise IdemError("connection", "connection lost during the run (nothing committed)")
+        # one round trip: end the savepoint, complete or fail, COMMIT (a
+        # statement of the pipeline: conn.commit() would sync once more)
+        try:
+            with conn.pipeline():
+                if failure is None:
+                    conn.execute("RELEASE SAVEPOINT idem_handler")
+                    conn.execute(self._sql("complete"), self._key_params() + [text, self.r.retention])
+                else:
+                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
+                    conn.execute(self._sql("fail"), self._key_params() + [text, retryable,
+                                                                          self.r.retention])
+                conn.execute("COMMIT")
         except psycopg.Error as e:
-            if e.diag.sqlstate == "3B001" and not self._broken():
+            if self._broken():
+                # COMMIT was handed to the connection with the rest
+                raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
+                                    "and its key committed together or not at all; redeliver, "
+                                    "the ledger decides (%s)" % str(e).strip()) from e
+            if e.diag.sqlstate == "3B001":
                 conn.rollback()
                 self._drop_marker()
                 raise IdemError("handler_ended_tx",
                                 "the block released the runner's savepoint") from e
             self._pg_error(e, "completing the run")
-        try:
-            conn.commit()
-        except psycopg.Error as e:
-            if self._broken():
-                raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
-                                    "and its key committed together or not at all; redeliver, "
-                                    "the ledger decides (%s)" % str(e).strip()) from e
-            self._pg_error(e, "COMMIT")
         run.source = SOURCE_HANDLER
         if failure is None:
             run.status = APPLIED

@@ -110,6 +110,54 @@ def uid(prefix="id"):
     return "%s-%d-%d" % (prefix, os.getpid(), _n[0])
 
 
+class TurnCounter:
+    """A TCP proxy that counts round trips: each time the client sends
+    after the server has answered is one turn."""
+
+    def __init__(self, host, port):
+        self.turns = 0
+        self.answered = True
+        self.lock = threading.Lock()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.port = self.listener.getsockname()[1]
+        self.target = (host, port)
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            threading.Thread(target=self.pump, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self.pump, args=(u, c, False), daemon=True).start()
+
+    def pump(self, src, dst, from_client):
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                for x in (src, dst):
+                    try:
+                        x.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            with self.lock:
+                if from_client and self.answered:
+                    self.turns += 1
+                self.answered = not from_client
+            dst.sendall(data)
+
+    def close(self):
+        self.listener.close()
+
+
 class Corpus(unittest.TestCase):
     def test_digests_equal_sql(self):
         """Python's idem_key, canonical text and fingerprint equal SQL's on a generated corpus of 2000 documents"""
@@ -387,20 +435,79 @@ class RunnerTests(unittest.TestCase):
         self.assertEqual((run.status, run.attempt), ("applied", 1))
         self.assertEqual(effects(self.scope, "t1"), 1)
 
-    def test_commit_unknown(self):
-        """the connection lost while COMMIT is in flight: CommitUnknown, and the redelivery finds what the ledger holds"""
-        conn = self.conn
-        real = conn.commit
+    def test_backend_terminated_while_block_idle(self):
+        """the backend terminated while the block ran without touching the connection: seen before COMMIT is sent, so not commit-unknown"""
+        with self.assertRaises(idem.IdemError) as cm:
+            with self.runner.run(self.conn, 1, self.scope, "t2", {"a": 1}) as run:
+                self.assertTrue(run.claimed)
+                with admin() as a:
+                    a.execute("SELECT pg_terminate_backend(%s)", [self.conn.info.backend_pid])
+                time.sleep(0.3)
+                run.outcome = {"sent": "an email, say"}
+        self.assertEqual(cm.exception.code, "connection")
+        self.assertNotIsInstance(cm.exception, idem.CommitUnknown)
+        self.assertIsNone(valkey().get(ckey(1, self.scope, "t2")))
+        self.conn = connect()
+        self.assertEqual(self.go("t2", {"a": 1}).status, "applied")
 
-        def commit_then_die():
+    def test_round_trips(self):
+        """round trips to PostgreSQL, counted by a proxy: applied 2 (claim; complete with COMMIT), 3 without autocommit (psycopg's BEGIN), a replay from Valkey 0"""
+        host, port = "127.0.0.1", int(psycopg.conninfo.conninfo_to_dict(DSN)["port"])
+        proxy = TurnCounter(host, port)
+        try:
+            for autocommit, want in ((True, 2), (False, 3)):
+                conn = psycopg.connect(DSN.replace("port=%d" % port, "port=%d" % proxy.port),
+                                       autocommit=autocommit)
+                try:
+                    id = "rt-%s" % autocommit
+                    self.go(id + "-0", {}, conn=conn)       # learns the schema and secrets
+                    time.sleep(0.1)
+                    turns = proxy.turns
+                    with self.runner.run(conn, 1, self.scope, id, {}) as run:
+                        pass                                # an effect elsewhere: no statement
+                    self.assertEqual(run.status, "applied")
+                    time.sleep(0.1)
+                    self.assertEqual(proxy.turns - turns, want, "autocommit %s" % autocommit)
+                    wait_copy(ckey(1, self.scope, id))
+                    turns = proxy.turns
+                    run = self.go(id, {}, conn=conn)
+                    self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+                    time.sleep(0.1)
+                    self.assertEqual(proxy.turns - turns, 0)
+                finally:
+                    conn.close()
+        finally:
+            proxy.close()
+
+    def test_commit_unknown(self):
+        """the backend terminated while COMMIT runs (a deferred trigger): CommitUnknown, and the redelivery finds what the ledger holds"""
+        with admin() as a:
+            a.execute("""
+                CREATE TABLE IF NOT EXISTS slow_commit (id text);
+                CREATE OR REPLACE FUNCTION slow_commit_wait() RETURNS trigger LANGUAGE plpgsql
+                    AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$;
+                DROP TRIGGER IF EXISTS slow_commit_wait ON slow_commit;
+                CREATE CONSTRAINT TRIGGER slow_commit_wait AFTER INSERT ON slow_commit
+                    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit_wait();
+            """)
+        pid = self.conn.info.backend_pid
+
+        def terminate_during_commit():
             with admin() as a:
-                a.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
-            time.sleep(0.1)
-            real()
+                for _ in range(100):
+                    time.sleep(0.05)
+                    # COMMIT runs the deferred trigger: pg_sleep shows the backend in it
+                    if a.execute("SELECT query ~ 'COMMIT' OR wait_event = 'PgSleep' "
+                                 "FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == (True,):
+                        a.execute("SELECT pg_terminate_backend(%s)", [pid])
+                        return
+        t = threading.Thread(target=terminate_during_commit)
         with self.assertRaises(idem.CommitUnknown):
-            with self.runner.run(conn, 1, self.scope, "u1", {"a": 1}) as run:
-                effect(conn, run)
-                conn.commit = commit_then_die
+            with self.runner.run(self.conn, 1, self.scope, "u1", {"a": 1}) as run:
+                effect(self.conn, run)
+                self.conn.execute("INSERT INTO slow_commit VALUES ('u1')")
+                t.start()
+        t.join()
         self.conn = connect()
         run = self.go("u1", {"a": 1})
         self.assertIn(run.status, ("applied", "replayed"))
