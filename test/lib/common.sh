@@ -34,12 +34,23 @@ make:/usr/bin/make
 valgrind:/usr/bin/valgrind
 sqlsmith:/usr/bin/sqlsmith
 pkgconf:/usr/bin/pkg-config
+python3-psycopg:/usr/lib/python3/dist-packages/psycopg/__init__.py
+python3-redis:/usr/lib/python3/dist-packages/redis/__init__.py
+python3-setuptools:/usr/lib/python3/dist-packages/setuptools/__init__.py
+python3-pip:/usr/lib/python3/dist-packages/pip/__init__.py
+python3-wheel:/usr/lib/python3/dist-packages/wheel/__init__.py
 EOT
 	# The operations suite (test/ops): the tools it runs idem with.
 	if [ -n "${IDEM_NEED_OPS:-}" ]; then
 		echo "postgresql-$IDEM_PG_MAJOR-cron:/usr/lib/postgresql/$IDEM_PG_MAJOR/lib/pg_cron.so"
 		echo "prometheus-postgres-exporter:/usr/bin/prometheus-postgres-exporter"
 		echo "pgbouncer:/usr/sbin/pgbouncer"
+	fi
+	# The Python suite's queue test (test/python/rabbitmq.sh): consumers
+	# killed mid-message on a real broker.
+	if [ -n "${IDEM_NEED_RABBITMQ:-}" ]; then
+		echo "rabbitmq-server:/usr/lib/rabbitmq/bin/rabbitmq-server"
+		echo "python3-pika:/usr/lib/python3/dist-packages/pika/__init__.py"
 	fi
 	# Building PostgreSQL 18 (test/lib/cache.sh), when it is not cached yet.
 	if [ -n "${IDEM_NEED_PG_BUILD:-}" ]; then

@@ -1,0 +1,22 @@
+"""idem for Python: exactly-once effects over at-least-once delivery.
+
+The Valkey gate and replay cache in front, PostgreSQL with the idem
+extension as the truth, the handler's effect in the application's own
+transaction on its own psycopg 3 connection.  See README.md.
+"""
+from .canonical import RequestError, canonical_json, fingerprint, idem_key
+from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
+                     MISMATCH, REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES,
+                     SOURCE_VALKEY, Busy, CommitUnknown, Failure, IdemError,
+                     Mismatch, NotApplied, PermanentFailure, RetryableFailure,
+                     Run, Runner, ValkeyClusterNotSupported)
+
+__version__ = "0.3.0"
+
+__all__ = [
+    "Runner", "Run", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
+    "NotApplied", "Busy", "Mismatch", "Failure", "PermanentFailure",
+    "RetryableFailure", "RequestError", "canonical_json", "fingerprint",
+    "idem_key", "APPLIED", "REPLAYED", "BUSY", "MISMATCH", "FAILED_PERMANENT",
+    "FAILED_RETRYABLE", "SOURCE_HANDLER", "SOURCE_VALKEY", "SOURCE_POSTGRES",
+]

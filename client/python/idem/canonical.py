@@ -1,0 +1,208 @@
+"""The canonical JSON text of a request, its fingerprint, and the key.
+
+These reproduce, byte for byte, what the server computes:
+
+* ``canonical_json(text)`` is what PostgreSQL 15 prints for ``text::jsonb``:
+  duplicate keys keep the last value; keys are sorted by UTF-8 byte length,
+  then bytewise; ``", "`` and ``": "`` separate; strings are escaped as
+  ``escape_json()`` does (``\\" \\\\ \\b \\f \\n \\r \\t``, other bytes below
+  0x20 as ``\\u00xx``, everything else as is); numbers are printed as
+  ``numeric_out(numeric_in(text))``: no exponent, display scale = fraction
+  digits minus exponent (at least 0), ``-0`` is ``0``, PostgreSQL's numeric
+  range limits refused alike.
+* ``fingerprint(request)`` = SHA-256 of that text (SQL ``idem_fingerprint``).
+* ``idem_key(scope, id)`` = SHA-256(be32(len scope) || scope || be32(len id)
+  || id), lengths in UTF-8 bytes (SQL ``idem_key``).
+
+The C client does the same in ``client/canonical_json.c``; the tests compare
+this module with the server over a generated corpus.
+"""
+import hashlib
+import json
+import re
+import struct
+
+MAX_DEPTH = 512                 # as the C client: deeper nesting is refused
+NUMERIC_DSCALE_MAX = 16383
+NUMERIC_INT_DIGITS_MAX = 131072
+EXPONENT_LIMIT = 1073741823     # INT_MAX / 2
+
+
+class RequestError(ValueError):
+    """The request is not JSON that jsonb accepts (or is nested too deep)."""
+
+
+class _Canon:
+    """Canonical text of a value already converted (a number or an object)."""
+    __slots__ = ("text",)
+
+    def __init__(self, text):
+        self.text = text
+
+
+def canonical_number(s):
+    """``numeric_out(numeric_in(s))`` for a JSON number token ``s``."""
+    neg = s[0] == "-"
+    body = s[1:] if neg else s
+    m = re.fullmatch(r"(0|[1-9][0-9]*)(?:\.([0-9]+))?(?:[eE]([+-]?[0-9]+))?", body)
+    if m is None:
+        raise RequestError("invalid number: %r" % s)
+    ip, fp, ex = m.group(1), m.group(2) or "", m.group(3)
+    exp = 0
+    if ex is not None:
+        digits = ex.lstrip("+-").lstrip("0")
+        if len(digits) > 10:
+            raise RequestError("number overflows numeric format")
+        exp = int(digits or "0")
+        if ex.startswith("-"):
+            exp = -exp
+    if exp >= EXPONENT_LIMIT or exp <= -EXPONENT_LIMIT:
+        raise RequestError("number overflows numeric format")
+    dig = ip + fp
+    ndig = len(dig)
+    dscale = max(0, len(fp) - exp)
+    if dscale > NUMERIC_DSCALE_MAX:
+        raise RequestError("number overflows numeric format")
+    p = len(ip) + exp               # the decimal point, after p digits
+    z = len(dig) - len(dig.lstrip("0"))
+    allzero = z == ndig
+    if not allzero and p > z and p - z > NUMERIC_INT_DIGITS_MAX:
+        raise RequestError("number overflows numeric format")
+    out = "-" if (neg and not allzero) else ""
+    if allzero or p <= z:
+        out += "0"
+    else:
+        out += dig[z:min(p, ndig)] + "0" * max(0, p - ndig)
+    if dscale > 0:
+        out += "."
+        if allzero:
+            out += "0" * dscale
+        else:
+            out += "0" * max(0, -p) + dig[max(p, 0):]
+    return out
+
+
+_ESC = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n",
+        "\r": "\\r", "\t": "\\t"}
+_NEEDS_ESC = re.compile(r'["\\\x00-\x1f]')
+
+
+def _string(s):
+    if "\x00" in s:
+        raise RequestError("unsupported Unicode escape sequence: \\u0000 cannot be converted to text")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("invalid Unicode escape (a lone surrogate)") from None
+    return '"' + _NEEDS_ESC.sub(
+        lambda m: _ESC.get(m.group(0)) or "\\u%04x" % ord(m.group(0)), s) + '"'
+
+
+def _emit(v):
+    if isinstance(v, _Canon):
+        return v.text
+    if isinstance(v, str):
+        return _string(v)
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    if v is None:
+        return "null"
+    if isinstance(v, list):
+        parts = []
+        for x in v:             # a loop, not a generator: one frame per level
+            parts.append(_emit(x))
+        return "[" + ", ".join(parts) + "]"
+    raise RequestError("unexpected value %r" % (v,))
+
+
+def _object(pairs):
+    members = {}
+    for k, v in pairs:
+        members[k] = v              # the last duplicate wins, as in jsonb
+    enc = []
+    for k, v in members.items():
+        ks = _string(k)
+        enc.append((len(k.encode("utf-8")), k.encode("utf-8"), ks, v))
+    enc.sort(key=lambda e: (e[0], e[1]))
+    return _Canon("{" + ", ".join(e[2] + ": " + _emit(e[3]) for e in enc) + "}")
+
+
+def _constant(name):
+    raise RequestError("invalid input syntax for type json: %s" % name)
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def _check_depth(text):
+    depth = 0
+    for ch in _STRINGS.sub("", text):
+        if ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise RequestError("JSON nested deeper than %d levels" % MAX_DEPTH)
+        elif ch in "]}":
+            depth -= 1
+
+
+def canonical_json(request):
+    """The canonical jsonb text of ``request`` (str).
+
+    ``request`` is JSON text (``str``, or ``bytes`` in UTF-8), or a Python
+    value that ``json.dumps`` serialises (dict, list, str, int, float, bool,
+    None; NaN and infinities refused).  Raises RequestError for anything
+    jsonb would refuse.
+    """
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(request).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError("request is not valid UTF-8: %s" % e) from None
+    elif isinstance(request, str):
+        text = request
+    else:
+        try:
+            text = json.dumps(request, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RequestError("request cannot be serialised as JSON: %s" % e) from None
+    if "\x00" in text:
+        raise RequestError("request contains a NUL character")
+    _check_depth(text)
+    try:
+        value = json.loads(text, object_pairs_hook=_object,
+                           parse_float=lambda s: _Canon(canonical_number(s)),
+                           parse_int=lambda s: _Canon(canonical_number(s)),
+                           parse_constant=_constant)
+    except RequestError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise RequestError("request is not valid JSON: %s" % e) from None
+    try:
+        return _emit(value)
+    except RecursionError:
+        raise RequestError("request nested too deep") from None
+
+
+def fingerprint(request):
+    """SHA-256 of the canonical text: SQL ``idem_fingerprint(request::jsonb)``."""
+    return hashlib.sha256(canonical_json(request).encode("utf-8")).digest()
+
+
+def _text_bytes(s, what):
+    if not isinstance(s, str):
+        raise TypeError("%s must be a str" % what)
+    if "\x00" in s:
+        raise ValueError("%s contains a NUL character" % what)
+    try:
+        return s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("%s is not valid Unicode (a lone surrogate)" % what) from None
+
+
+def idem_key(scope, id):
+    """SQL ``idem_key(scope, id)``: 32 bytes."""
+    a = _text_bytes(scope, "scope")
+    b = _text_bytes(id, "id")
+    return hashlib.sha256(struct.pack(">I", len(a)) + a + struct.pack(">I", len(b)) + b).digest()

@@ -1,0 +1,107 @@
+"""The Python runner on a Valkey Cluster: each key routed to its slot's
+master (redis-py's RedisCluster), with a server whose worker copies into
+the same cluster (test/python/run.sh starts both)."""
+import os
+import time
+import unittest
+
+import psycopg
+from redis.cluster import RedisCluster
+
+import idem
+from idem import cache
+
+DSN = os.environ.get("IDEM_PG_CLUSTER_DSN")
+PORT = os.environ.get("IDEM_VALKEY_CLUSTER_PORT")
+
+
+def admin():
+    return psycopg.connect(DSN, autocommit=True)
+
+
+@unittest.skipUnless(DSN and PORT, "no Valkey Cluster (IDEM_PG_CLUSTER_DSN, IDEM_VALKEY_CLUSTER_PORT)")
+class Cluster(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        end = time.time() + 60
+        while True:
+            try:
+                with admin() as c:
+                    cls.keyspace = c.execute("SELECT idem_cache_keyspace()").fetchone()[0]
+                break
+            except psycopg.errors.ObjectNotInPrerequisiteState:
+                if time.time() > end:
+                    raise
+                time.sleep(0.2)
+        cls.vc = RedisCluster(host="127.0.0.1", port=int(PORT), socket_timeout=2)
+
+    def setUp(self):
+        self.runner = idem.Runner(("127.0.0.1", int(PORT)), lease_ms=5000)
+        self.conn = psycopg.connect(DSN)
+        self.scope = "cl-%d-%s" % (os.getpid(), self._testMethodName)
+
+    def tearDown(self):
+        self.conn.close()
+
+    def go(self, id, request, conn=None):
+        conn = conn or self.conn
+        with self.runner.run(conn, 1, self.scope, id, request) as run:
+            if run.claimed:
+                conn.execute("INSERT INTO effects (scope, id) VALUES (%s, %s)", [self.scope, id])
+                run.outcome = {"id": id}
+        return run
+
+    def ckey(self, id):
+        return cache.cache_key(self.keyspace, 1, idem.idem_key(self.scope, id))
+
+    def wait_copy(self, id):
+        end = time.time() + 15
+        while time.time() < end:
+            v = self.vc.get(self.ckey(id))
+            e = cache.parse(v) if v is not None else None
+            if e is not None and e.kind != cache.MARKER:
+                return e
+            time.sleep(0.02)
+        raise AssertionError("no copy of %s" % id)
+
+    def test_routed_by_slot(self):
+        """(host, port) of a cluster node: each key goes to its slot's master; the worker's copies replay from the cluster"""
+        ids = ["k%d" % i for i in range(24)]
+        for id in ids:
+            self.assertEqual(self.go(id, {"n": id}).status, "applied")
+        self.assertIsInstance(self.runner.valkey, RedisCluster)
+        masters = {self.vc.get_node_from_key(self.ckey(id)).name for id in ids}
+        self.assertGreaterEqual(len(masters), 2, "the keys span several masters")
+        for id in ids:
+            self.wait_copy(id)
+        for id in ids:
+            run = self.go(id, {"n": id})
+            self.assertEqual((run.status, run.source, run.outcome), ("replayed", "valkey", {"id": id}))
+        self.assertEqual(self.go(ids[0], {"n": "other"}).status, "mismatch")
+        with admin() as c:
+            n = c.execute("SELECT count(*), count(DISTINCT id) FROM effects WHERE scope = %s",
+                          [self.scope]).fetchone()
+        self.assertEqual(n, (24, 24))
+
+    def test_busy_and_compare_and_delete(self):
+        """on the cluster: a held key is busy from its marker; a retryable failure deletes its marker (EVALSHA routed by key)"""
+        other = psycopg.connect(DSN)
+        try:
+            with self.runner.run(self.conn, 1, self.scope, "b", {}) as run:
+                self.assertTrue(run.claimed)
+                dup = self.go("b", {}, conn=other)
+                self.assertEqual((dup.status, dup.source), ("busy", "valkey"))
+            self.assertEqual(run.status, "applied")
+        finally:
+            other.close()
+        with self.assertRaises(RuntimeError):
+            with self.runner.run(self.conn, 1, self.scope, "r", {}) as run:
+                self.assertTrue(run.claimed)
+                self.assertIsNotNone(self.vc.get(self.ckey("r")))     # our marker
+                raise RuntimeError("retry me")
+        self.assertEqual(run.status, "failed_retryable")
+        self.assertIsNone(self.vc.get(self.ckey("r")))
+
+
+if __name__ == "__main__":
+    unittest.main()

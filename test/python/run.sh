@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# test/python/run.sh WORK: the Python package (client/python) against real
+# servers.  Runs as the unprivileged test user (test/suites).  Starts a
+# throwaway PostgreSQL 15 with idem preloaded and its worker pointed at a
+# throwaway Valkey on loopback, builds the C runner's one-shot program
+# (test/t/idem_run_once.c, for the mixed fleet), installs the package with
+# pip from the checkout without network, and runs the unit and integration
+# tests (client/python/tests) printing TAP lines.
+set -uo pipefail
+WORK=$1
+TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+. "$TREE/test/lib/common.sh"
+. "$TREE/test/python/rabbitmq.sh"
+PY=${IDEM_PYTHON:-/usr/bin/python3}
+
+dir=$(mktemp -d "$WORK/python.XXXXXX")
+chmod 755 "$dir"
+cleanup() {
+	idem_rabbitmq_stop "$dir/rabbitmq"
+	idem_pg_stop "$dir"
+	idem_valkey_stop "$dir"
+	idem_pg_stop "$dir/c"
+	idem_valkey_cluster_stop "$dir/vcluster"
+}
+trap cleanup EXIT
+
+n=0
+tap() {	# tap OK|NOTOK description
+	n=$((n + 1))
+	if [ "$1" = ok ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
+}
+
+# 1. pip install from the checkout, offline, into a venv that sees Debian's
+#    psycopg and redis (--system-site-packages; Debian's pip runs in it).
+cp -r "$TREE/client/python" "$dir/pkg"
+if "$PY" -m venv --system-site-packages --without-pip "$dir/venv" >"$dir/pip.log" 2>&1 &&
+	"$dir/venv/bin/python" -m pip install --no-build-isolation --no-index "$dir/pkg" \
+		>>"$dir/pip.log" 2>&1 &&
+	(cd "$dir" && "$dir/venv/bin/python" -c 'import idem, sys; sys.exit(0 if idem.__file__.startswith(sys.prefix) else 1)') \
+		>>"$dir/pip.log" 2>&1; then
+	tap ok "pip install --no-build-isolation --no-index ./client/python works offline (setuptools from Debian)"
+else
+	tap notok "pip install --no-build-isolation --no-index ./client/python works offline"
+	sed 's/^/# /' "$dir/pip.log" | tail -n 20 >&2
+fi
+
+# 2. the servers
+vport=$(idem_free_port)
+pgport=$(idem_free_port)
+idem_valkey_start "$dir" "$vport" || { echo "Bail out! Valkey did not start"; exit 1; }
+idem_pg_start "$dir" "$pgport" "idem.valkey_host = '127.0.0.1'" "idem.valkey_port = $vport" \
+	"synchronous_commit = off" "max_connections = 60" ||
+	{ echo "Bail out! PostgreSQL did not start"; exit 1; }
+idem_pg_install_ledgers "$dir" "$pgport" || { echo "Bail out! could not install idem"; exit 1; }
+"$(idem_pg_bindir)/psql" -X -q -h "$dir" -p "$pgport" -U postgres -d postgres \
+	-c "INSERT INTO tenants VALUES (2); CREATE TABLE effects (scope text, id text, node text DEFAULT 'c', at timestamptz DEFAULT clock_timestamp())" >/dev/null ||
+	{ echo "Bail out! could not create the effects table"; exit 1; }
+
+# ... and a Valkey Cluster (3 masters, 3 replicas) with a second server
+# whose worker copies into it, for the runner's routing by slot
+mkdir -p "$dir/vcluster" "$dir/c"
+if idem_valkey_cluster_start "$dir/vcluster" 3 &&
+	cport=$(idem_free_port) &&
+	idem_pg_start "$dir/c" "$cport" "idem.valkey_host = '127.0.0.1'" \
+		"idem.valkey_port = $(idem_valkey_cluster_first "$dir/vcluster")" \
+		"idem.valkey_nodes = '$(idem_valkey_cluster_others "$dir/vcluster")'" \
+		"synchronous_commit = off" "max_connections = 30" &&
+	idem_pg_install_ledgers "$dir/c" "$cport" &&
+	"$(idem_pg_bindir)/psql" -X -q -h "$dir/c" -p "$cport" -U postgres -d postgres \
+		-c "CREATE TABLE effects (scope text, id text, node text DEFAULT 'c', at timestamptz DEFAULT clock_timestamp())" >/dev/null; then
+	export IDEM_PG_CLUSTER_DSN="host=127.0.0.1 port=$cport user=postgres dbname=postgres"
+	export IDEM_VALKEY_CLUSTER_PORT=$(idem_valkey_cluster_first "$dir/vcluster")
+	tap ok "a Valkey Cluster and a server whose worker copies into it start"
+else
+	tap notok "a Valkey Cluster and a server whose worker copies into it start"
+fi
+
+# 3. the C runner for the mixed fleet
+if gcc -O1 -o "$dir/idem_run_once" "$TREE/test/t/idem_run_once.c" \
+	"$TREE/client/build/libidemclient.a" -I"$TREE/client" \
+	-I"$("$(idem_pg_config)" --includedir)" -lpq -lhiredis -lpthread >"$dir/cc.log" 2>&1; then
+	export IDEM_RUN_ONCE="$dir/idem_run_once"
+	tap ok "the C runner for the mixed fleet builds (test/t/idem_run_once.c, libidemclient.a)"
+else
+	tap notok "the C runner for the mixed fleet builds (test/t/idem_run_once.c, libidemclient.a)"
+	sed 's/^/# /' "$dir/cc.log" | tail -n 10 >&2
+fi
+
+# 4. a RabbitMQ broker for the consumers killed mid-message (when
+#    rabbitmq-server is installed: make test installs it for this suite)
+if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+	if idem_rabbitmq_start "$dir/rabbitmq"; then
+		export IDEM_RABBITMQ_PORT=$(cat "$dir/rabbitmq/amqp_port")
+		tap ok "a throwaway RabbitMQ broker starts on loopback"
+	else
+		tap notok "a throwaway RabbitMQ broker starts on loopback"
+	fi
+fi
+
+# 5. the tests, on the package pip installed (else on the checkout's)
+py=$PY
+pypath=$TREE/client/python/tests:$TREE/client/python
+if (cd "$dir" && "$dir/venv/bin/python" -c 'import idem') 2>/dev/null; then
+	py=$dir/venv/bin/python
+	pypath=$TREE/client/python/tests
+fi
+cd "$dir"
+IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
+	IDEM_VALKEY_PORT=$vport IDEM_VALKEY_DIR="$dir" \
+	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
+	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
+	PYTHONPATH="$pypath" \
+	timeout 280 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
