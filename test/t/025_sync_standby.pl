@@ -16,6 +16,7 @@ use IdemValkey;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IPC::Run;
 use Time::HiRes qw(usleep);
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
@@ -60,7 +61,43 @@ $standby->start;
 ok(defined $valkey->wait_for_key($k2, 30), 'once the synchronous standby has it, it is copied');
 is($primary->safe_psql('postgres', $claim), 'completed', '... and replayed with synchronous_commit = on');
 
+# --- a COMMIT's wait cancelled, then the synchronous standby promoted ---
 $standby->stop;
-$primary->stop;
+my $k3 = IdemValkey::tenant_key($primary, 1, 's', 'k3');
+# (statement_timeout does not reach a COMMIT's wait: cancel it from outside)
+my ($cout, $cerr) = ('', '');
+my $h = IPC::Run::start(
+	[ 'psql', '-X', '-d', $primary->connstr('postgres'), '-c',
+	  "BEGIN; INSERT INTO effects VALUES ('s', 'k3'); "
+		. IdemValkey::complete_sql('s', 'k3') . ' COMMIT;' ],
+	'>', \$cout, '2>', \$cerr);
+ok(IdemValkey::poll_until(30, sub {
+			$primary->safe_psql('postgres',
+				"SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'") eq '1' }),
+	'a COMMIT waits for the stopped synchronous standby');
+$primary->safe_psql('postgres',
+	"SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'");
+$h->finish;
+like($cerr, qr/canceling wait for synchronous replication/,
+	'... its wait is cancelled');
+is($primary->safe_psql('postgres',
+		"SET synchronous_commit = local; SELECT count(*) FROM effects WHERE id = 'k3'"),
+	'1', '... is committed on the primary');
+usleep(2_000_000);
+is($valkey->command('GET', $k3), undef, '... and not copied to Valkey');
+$primary->stop('immediate');
+$standby->start;
+$standby->promote;
+ok(IdemValkey::poll_until(30,
+		sub { $standby->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+	'the synchronous standby is promoted');
+is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'k3'"), '0',
+	'it lacks the commit whose wait was cancelled');
+my ($status, $source) = IdemValkey::run_message($standby, 'postgres', $valkey, 1, 's', 'k3', '{}');
+is("$status $source", 'applied handler', 'the redelivery is applied on the new primary, not replayed');
+is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'k3'"), '1',
+	'... once');
+
+$standby->stop;
 
 done_testing();
