@@ -4,7 +4,10 @@
 #   idem_cache_dir              where cached builds live: $IDEM_CACHE_DIR, else
 #                               /var/cache/idem (root) or ~/.cache/idem
 #   idem_cached_build NAME FN   the directory $(idem_cache_dir)/NAME, built by
-#                               "FN PREFIX" if it is not there yet
+#                               "FN PREFIX TMP" if it is not there yet, in a
+#                               clean make environment
+#   idem_clean_make_env         forget the make that called us (MAKELEVEL,
+#                               MAKEFLAGS, ...), for a third-party build
 #   idem_deps_dir ROOT          the shared/deps folder beside the checkout
 #   idem_verify_dsc FILE        FILE's SHA-256 matches a .dsc beside it
 #   idem_pg18_build             PostgreSQL 18.6 with assertions (cached)
@@ -25,6 +28,19 @@ idem_cache_dir() {
 	fi
 }
 
+# idem_clean_make_env: unset what a calling make exports to its recipes
+# (MAKELEVEL, MAKEFLAGS and the rest), in the current shell: call it in the
+# subshell a third-party build runs in.  `make test` and `make demo` run the
+# harness from inside make; a build started from there would otherwise act
+# as a sub-make: PostgreSQL generates its headers (utils/errcodes.h, ...)
+# only at MAKELEVEL 0, so its build stopped in src/common on a cold
+# machine, and the caller's flags and command-line variables (MAKEFLAGS,
+# MAKEOVERRIDES) would reach Citus's and PostgreSQL's own makes too.
+idem_clean_make_env() {
+	unset MAKELEVEL MAKEFLAGS MFLAGS MAKEOVERRIDES GNUMAKEFLAGS MAKEFILES \
+		MAKE_TERMOUT MAKE_TERMERR MAKE_RESTARTS MAKECMDGOALS
+}
+
 # idem_cached_build NAME FN: FN PREFIX must build and install into PREFIX
 # (an empty directory that becomes the cached one) and return 0.  Prints the
 # cached directory.  The key in NAME must change whenever FN's result would.
@@ -42,7 +58,9 @@ idem_cached_build() {
 			tmp=$dir.building
 			mkdir -p "$tmp" || exit 1
 			# The build installs into its final path (PostgreSQL records
-			# it), then marks itself complete.
+			# it), then marks itself complete.  Third-party makes must run
+			# as top-level makes, whoever called us.
+			idem_clean_make_env
 			"$fn" "$dir" "$tmp" || exit 1
 			touch "$dir/.idem-complete"
 			rm -rf "$tmp"
