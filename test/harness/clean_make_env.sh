@@ -51,6 +51,8 @@ ok $? "a cached build run from inside make builds as a top-level make"
 sed 's/^/# /' "$T/err"
 [ "$dir" = "$T/cache/fake-1" ] && [ -f "$dir/generated.h" ] && [ -e "$dir/.idem-complete" ]
 ok $? "... and is cached complete in IDEM_CACHE_DIR"
+secs=$(IDEM_CACHE_DIR="$T/cache" idem_built_here fake-1)
+ok $? "... and says this script built it, in ${secs:-?} s (idem_built_here)"
 (
 	export MAKELEVEL=1 MAKEFLAGS=-j2 MFLAGS=-j2
 	idem_clean_make_env 2>/dev/null

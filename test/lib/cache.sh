@@ -6,6 +6,8 @@
 #   idem_cached_build NAME FN   the directory $(idem_cache_dir)/NAME, built by
 #                               "FN PREFIX TMP" if it is not there yet, in a
 #                               clean make environment
+#   idem_built_here NAME        the seconds NAME's build took, if this script
+#                               (its pid) made it
 #   idem_clean_make_env         forget the make that called us (MAKELEVEL,
 #                               MAKEFLAGS, ...), for a third-party build
 #   idem_deps_dir ROOT          the shared/deps folder beside the checkout
@@ -45,7 +47,7 @@ idem_clean_make_env() {
 # (an empty directory that becomes the cached one) and return 0.  Prints the
 # cached directory.  The key in NAME must change whenever FN's result would.
 idem_cached_build() {
-	local name=$1 fn=$2 cache dir tmp rc
+	local name=$1 fn=$2 cache dir tmp began
 	cache=$(idem_cache_dir)
 	dir=$cache/$name
 	mkdir -p "$cache" || return 1
@@ -61,12 +63,25 @@ idem_cached_build() {
 			# it), then marks itself complete.  Third-party makes must run
 			# as top-level makes, whoever called us.
 			idem_clean_make_env
+			began=$SECONDS
 			"$fn" "$dir" "$tmp" || exit 1
+			# Who built it (the calling script's pid) and in how long, for
+			# that script's report (test/run's time line).
+			echo "$$ $((SECONDS - began))" >"$dir/.idem-built"
+			echo "idem: built $name in $((SECONDS - began)) s" >&2
 			touch "$dir/.idem-complete"
 			rm -rf "$tmp"
 		) || { echo "idem: cached build $name failed" >&2; return 1; }
 	fi
 	echo "$dir"
+}
+
+# idem_built_here NAME: print how many seconds the cached build NAME took,
+# and succeed, if the calling script made it (not another run it waited for).
+idem_built_here() {
+	local by secs
+	read -r by secs 2>/dev/null <"$(idem_cache_dir)/$1/.idem-built" || return 1
+	[ "$by" = "$$" ] && echo "$secs"
 }
 
 # idem_deps_dir ROOT: third-party sources for tests, in shared/deps beside
