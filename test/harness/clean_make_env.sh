@@ -42,11 +42,13 @@ _fake_make() {
 		{ cat "$tmp/build.log" >&2; return 1; }
 }
 
-# What a recipe of `make -j2 test PG_CONFIG=x` sees.
-dir=$(IDEM_CACHE_DIR="$T/cache" MAKELEVEL=1 MFLAGS=-j2 \
+# What a recipe of `make -j2 test PG_CONFIG=x` has in its environment
+# (make test's own, when this runs there), and the same given to the
+# function alone (VAR=value fn: a scope of its own over the environment).
+dir=$(export IDEM_CACHE_DIR="$T/cache" MAKELEVEL=1 MFLAGS=-j2 \
 	MAKEFLAGS=" -j2 --jobserver-auth=3,4 -- PG_CONFIG=x" \
-	MAKEOVERRIDES='${-*-command-variables-*-}' GNUMAKEFLAGS=--no-print-directory \
-	idem_cached_build fake-1 _fake_make 2>"$T/err")
+	MAKEOVERRIDES='${-*-command-variables-*-}' GNUMAKEFLAGS=--no-print-directory
+	MAKELEVEL=2 MAKEFLAGS="-- PG_CONFIG=y" idem_cached_build fake-1 _fake_make 2>"$T/err")
 ok $? "a cached build run from inside make builds as a top-level make"
 sed 's/^/# /' "$T/err"
 [ "$dir" = "$T/cache/fake-1" ] && [ -f "$dir/generated.h" ] && [ -e "$dir/.idem-complete" ]

@@ -38,9 +38,14 @@ idem_cache_dir() {
 # only at MAKELEVEL 0, so its build stopped in src/common on a cold
 # machine, and the caller's flags and command-line variables (MAKEFLAGS,
 # MAKEOVERRIDES) would reach Citus's and PostgreSQL's own makes too.
+# Each is unset until no scope has it: a function called as VAR=value fn
+# has its own, over the environment's.
 idem_clean_make_env() {
-	unset MAKELEVEL MAKEFLAGS MFLAGS MAKEOVERRIDES GNUMAKEFLAGS MAKEFILES \
-		MAKE_TERMOUT MAKE_TERMERR MAKE_RESTARTS MAKECMDGOALS
+	local v
+	for v in MAKELEVEL MAKEFLAGS MFLAGS MAKEOVERRIDES GNUMAKEFLAGS MAKEFILES \
+		MAKE_TERMOUT MAKE_TERMERR MAKE_RESTARTS MAKECMDGOALS; do
+		while [ -n "${!v+set}" ]; do unset "$v" || break; done
+	done
 }
 
 # idem_cached_build NAME FN: FN PREFIX must build and install into PREFIX
