@@ -231,12 +231,13 @@ idem_serialize() {
 	fi
 }
 
-# idem_pg_private DIR: make DIR (in a folder the test user can enter) a
-# fresh relocated copy of the machine's
+# idem_pg_private DIR: make DIR a fresh relocated copy of the machine's
 # PostgreSQL $IDEM_PG_MAJOR (binaries, libraries, share; headers and libpq
 # linked, not copied) and point IDEM_PG_ROOT at it, so that installing and
 # testing idem never touches the system's own PostgreSQL directories and
-# two checkouts can test at once.  PostgreSQL finds its share and lib
+# two checkouts can test at once.  DIR must lie where the test user can
+# enter, with no spaces in its path (pg_config's path goes into PGXS):
+# idem_pg_private_for picks it.  PostgreSQL finds its share and lib
 # directories relative to its binaries, so the copy works where it lies.
 # Made anew each run (about 50 MB): packages installed since are in it.
 idem_pg_private() {
