@@ -77,7 +77,9 @@ all install installcheck:
 endif
 
 # make install also installs the client library (libidemclient.so.1,
-# idem_client.h, idemclient.pc) under CLIENT_PREFIX; NO_CLIENT=1 skips it.
+# idem_client.h, idemclient.pc) under CLIENT_PREFIX, and runs ldconfig when
+# that library directory is one the dynamic linker searches (client/Makefile);
+# NO_CLIENT=1 skips it.
 CLIENT_PREFIX ?= /usr/local
 .PHONY: install-client uninstall-client
 ifndef NO_CLIENT

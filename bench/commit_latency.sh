@@ -34,7 +34,7 @@ else
 	# Never the system PostgreSQL: the checkout's private copy (test/run).
 	if [ -z "${IDEM_PG_ROOT:-}" ]; then
 		idem_serialize "$ROOT/tmp_pgroot.lock"
-		idem_pg_private "$ROOT/tmp_pgroot" || exit 2
+		idem_pg_private_for "$ROOT" || exit 2
 	fi
 	idem_build_install "$ROOT" || exit 1
 	WORK=$(mktemp -d /tmp/idem-latency.XXXXXX)

@@ -29,7 +29,7 @@ if [ -n "${BENCH_WORK:-}" ]; then
 	PGPORT=$BENCH_PGPORT
 else
 	idem_ensure_deps || exit 2
-	idem_pg_private "$ROOT/tmp_pgroot" || exit 2
+	idem_pg_private_for "$ROOT" || exit 2
 	idem_build_install "$ROOT" || exit 1
 	WORK=$(mktemp -d /tmp/idem-churn.XXXXXX)
 	chmod 777 "$WORK"

@@ -3,18 +3,52 @@
 # `pkg-config --cflags --libs idemclient` links libidemclient.so.1 by its
 # soname and computes the same key as SQL's idem_key.  TAP.
 #   IDEM_CLIENT_PREFIX  where make install put the client (the harness sets
-#                       it to the private PostgreSQL copy's usr/local)
+#                       it to the private PostgreSQL copy's usr/local, which
+#                       the dynamic linker does not search: the program runs
+#                       with LD_LIBRARY_PATH, as make install says there)
+#   --system            (as root: test/run's root pass) what a user's
+#                       `sudo make install` does instead: the client into
+#                       /usr/local, for real, in a mount namespace of its
+#                       own whose /usr/local and /etc are overlays on the
+#                       machine's (ldconfig's cache too: nothing of the
+#                       machine's changes); the program is then built and
+#                       run as a user's shell would, with no PKG_CONFIG_PATH
+#                       and no LD_LIBRARY_PATH.
 set -uo pipefail
-prefix=${IDEM_CLIENT_PREFIX:-/usr/local}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SYSTEM=
+[ "${1:-}" != --system ] || SYSTEM=1
+if [ -n "$SYSTEM" ] && [ -z "${IDEM_CLIENT_NS:-}" ]; then
+	if [ "$(id -u)" -ne 0 ] || ! command -v unshare >/dev/null 2>&1; then
+		echo "1..0 # SKIP --system needs root and unshare"
+		exit 0
+	fi
+	exec unshare -m --propagation private env IDEM_CLIENT_NS=1 bash "$0" --system
+fi
+. "$ROOT/test/lib/common.sh"
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-client-install.XXXXXX")
-trap 'rm -rf "$T"' EXIT
+trap '[ -z "$SYSTEM" ] || umount /usr/local /etc 2>/dev/null; rm -rf "$T"' EXIT
 n=0
 ok() {
 	n=$((n + 1))
 	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
 }
 
-export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+if [ -n "$SYSTEM" ]; then
+	for d in /usr/local /etc; do
+		mkdir -p "$T/ov$d/up" "$T/ov$d/work"
+		mount -t overlay overlay -o "lowerdir=$d,upperdir=$T/ov$d/up,workdir=$T/ov$d/work" "$d" ||
+			{ echo "1..0 # SKIP cannot lay an overlay on $d here"; exit 0; }
+	done
+	prefix=/usr/local
+	make -s -C "$ROOT" install-client PG_CONFIG="$(idem_pg_config)" >"$T/install.log" 2>&1
+	ok $? "make install-client as root, into make install's default prefix $prefix"
+	sed 's/^/# /' "$T/install.log"
+	unset PKG_CONFIG_PATH LD_LIBRARY_PATH
+else
+	prefix=${IDEM_CLIENT_PREFIX:-/usr/local}
+	export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+fi
 flags=$(pkg-config --cflags --libs idemclient 2>"$T/pc.err")
 ok $? "pkg-config finds idemclient under $prefix"
 [ -s "$T/pc.err" ] && sed 's/^/# /' "$T/pc.err"
@@ -54,7 +88,12 @@ needed=$(readelf -d "$T/app" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(libidemclie
 [ "$needed" = libidemclient.so.1 ]
 ok $? "the program needs libidemclient.so.1 by soname (got '$needed')"
 
-out=$(LD_LIBRARY_PATH=$(pkg-config --variable=libdir idemclient) "$T/app" 2>&1)
+if [ -n "$SYSTEM" ]; then
+	out=$("$T/app" 2>&1)
+else
+	out=$(LD_LIBRARY_PATH=$(pkg-config --variable=libdir idemclient) "$T/app" 2>&1)
+fi
 [ "$out" = 5c76c6f58eff897da07846a990b77e88e8a0d282df751a06dfd7653c771f32cd ]
-ok $? "it runs against the installed library and gets SQL's key"
+ok $? "it runs against the installed library${SYSTEM:+ with no LD_LIBRARY_PATH} and gets SQL's key"
+[ -n "$out" ] && [ ${#out} -ne 64 ] && printf '%s\n' "$out" | sed 's/^/# /'
 echo "1..$n"

@@ -4,7 +4,12 @@
 #   idem_cache_dir              where cached builds live: $IDEM_CACHE_DIR, else
 #                               /var/cache/idem (root) or ~/.cache/idem
 #   idem_cached_build NAME FN   the directory $(idem_cache_dir)/NAME, built by
-#                               "FN PREFIX" if it is not there yet
+#                               "FN PREFIX TMP" if it is not there yet, in a
+#                               clean make environment
+#   idem_built_here NAME        the seconds NAME's build took, if this script
+#                               (its pid) made it
+#   idem_clean_make_env         forget the make that called us (MAKELEVEL,
+#                               MAKEFLAGS, ...), for a third-party build
 #   idem_deps_dir ROOT          the shared/deps folder beside the checkout
 #   idem_verify_dsc FILE        FILE's SHA-256 matches a .dsc beside it
 #   idem_pg18_build             PostgreSQL 18.6 with assertions (cached)
@@ -25,11 +30,29 @@ idem_cache_dir() {
 	fi
 }
 
+# idem_clean_make_env: unset what a calling make exports to its recipes
+# (MAKELEVEL, MAKEFLAGS and the rest), in the current shell: call it in the
+# subshell a third-party build runs in.  `make test` and `make demo` run the
+# harness from inside make; a build started from there would otherwise act
+# as a sub-make: PostgreSQL generates its headers (utils/errcodes.h, ...)
+# only at MAKELEVEL 0, so its build stopped in src/common on a cold
+# machine, and the caller's flags and command-line variables (MAKEFLAGS,
+# MAKEOVERRIDES) would reach Citus's and PostgreSQL's own makes too.
+# Each is unset until no scope has it: a function called as VAR=value fn
+# has its own, over the environment's.
+idem_clean_make_env() {
+	local v
+	for v in MAKELEVEL MAKEFLAGS MFLAGS MAKEOVERRIDES GNUMAKEFLAGS MAKEFILES \
+		MAKE_TERMOUT MAKE_TERMERR MAKE_RESTARTS MAKECMDGOALS; do
+		while [ -n "${!v+set}" ]; do unset "$v" || break; done
+	done
+}
+
 # idem_cached_build NAME FN: FN PREFIX must build and install into PREFIX
 # (an empty directory that becomes the cached one) and return 0.  Prints the
 # cached directory.  The key in NAME must change whenever FN's result would.
 idem_cached_build() {
-	local name=$1 fn=$2 cache dir tmp rc
+	local name=$1 fn=$2 cache dir tmp began
 	cache=$(idem_cache_dir)
 	dir=$cache/$name
 	mkdir -p "$cache" || return 1
@@ -42,13 +65,28 @@ idem_cached_build() {
 			tmp=$dir.building
 			mkdir -p "$tmp" || exit 1
 			# The build installs into its final path (PostgreSQL records
-			# it), then marks itself complete.
+			# it), then marks itself complete.  Third-party makes must run
+			# as top-level makes, whoever called us.
+			idem_clean_make_env
+			began=$SECONDS
 			"$fn" "$dir" "$tmp" || exit 1
+			# Who built it (the calling script's pid) and in how long, for
+			# that script's report (test/run's time line).
+			echo "$$ $((SECONDS - began))" >"$dir/.idem-built"
+			echo "idem: built $name in $((SECONDS - began)) s" >&2
 			touch "$dir/.idem-complete"
 			rm -rf "$tmp"
 		) || { echo "idem: cached build $name failed" >&2; return 1; }
 	fi
 	echo "$dir"
+}
+
+# idem_built_here NAME: print how many seconds the cached build NAME took,
+# and succeed, if the calling script made it (not another run it waited for).
+idem_built_here() {
+	local by secs
+	read -r by secs 2>/dev/null <"$(idem_cache_dir)/$1/.idem-built" || return 1
+	[ "$by" = "$$" ] && echo "$secs"
 }
 
 # idem_deps_dir ROOT: third-party sources for tests, in shared/deps beside

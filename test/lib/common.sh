@@ -15,7 +15,10 @@
 #                         from the system's own Debian entry
 #   idem_pg_bindir        PostgreSQL 15's bindir
 #   idem_serialize LOCK   one run at a time per checkout
+#   idem_private_dir ROOT  the checkout's folder for what the test user must
+#                         read or run, outside the checkout
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
+#   idem_pg_private_for ROOT   that copy, in the checkout's private folder
 #   idem_pg_install_ledgers DIR PORT   idem, tenant 1 and the ledgers
 
 IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
@@ -243,7 +246,9 @@ idem_serialize() {
 # PostgreSQL $IDEM_PG_MAJOR (binaries, libraries, share; headers and libpq
 # linked, not copied) and point IDEM_PG_ROOT at it, so that installing and
 # testing idem never touches the system's own PostgreSQL directories and
-# two checkouts can test at once.  PostgreSQL finds its share and lib
+# two checkouts can test at once.  DIR must lie where the test user can
+# enter, with no spaces in its path (pg_config's path goes into PGXS):
+# idem_pg_private_for picks it.  PostgreSQL finds its share and lib
 # directories relative to its binaries, so the copy works where it lies.
 # Made anew each run (about 50 MB): packages installed since are in it.
 idem_pg_private() {
@@ -258,6 +263,37 @@ idem_pg_private() {
 		{ echo "idem: could not copy PostgreSQL $m into $dir" >&2; return 1; }
 	chmod -R a+rX "$dir"
 	export IDEM_PG_ROOT=$dir
+}
+
+# idem_private_dir ROOT: print the folder (made if missing) that holds what
+# the test user must read or run for the checkout ROOT: the private copies
+# of PostgreSQL (idem_pg_private_for, test/run's PostgreSQL 18 copy) and
+# what is installed into them.  Never inside the checkout: a checkout may
+# lie where that user cannot enter (under /root, in a mktemp -d folder,
+# below any 0700 folder).  /var/tmp/idem-UID-HASH, HASH from ROOT's path, so
+# each checkout has its own (runs in one checkout wait for each other,
+# idem_serialize); mode 755, and it must be a real folder of the caller's
+# (/var/tmp is sticky: nobody else can swap it).  IDEM_PRIVATE_BASE
+# replaces /var/tmp.
+idem_private_dir() {
+	local root=$1 base=${IDEM_PRIVATE_BASE:-/var/tmp} dir
+	dir=$base/idem-$(id -u)-$(printf '%s' "$root" | sha256sum | cut -c1-12)
+	[ -d "$dir" ] || mkdir -m 755 "$dir" 2>/dev/null || [ -d "$dir" ] ||
+		{ echo "idem: cannot make $dir" >&2; return 1; }
+	if [ -L "$dir" ] || [ ! -O "$dir" ]; then
+		echo "idem: $dir is not a folder of $(id -un)'s; remove it" >&2
+		return 1
+	fi
+	chmod 755 "$dir" && echo "$dir"
+}
+
+# idem_pg_private_for ROOT: idem_pg_private in the checkout's private
+# folder (idem_private_dir), the copy make test, make demo and make bench
+# install idem into.
+idem_pg_private_for() {
+	local dir
+	dir=$(idem_private_dir "$1") || return 1
+	idem_pg_private "$dir/pgroot"
 }
 
 idem_pg_bindir() {
