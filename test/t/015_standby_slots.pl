@@ -122,7 +122,27 @@ SKIP:
 	$primary->reload;
 	$primary->safe_psql('postgres', "SELECT pg_drop_replication_slot('idle')");
 }
+
+# --- the asynchronous standby promoted, with the default settings ---
 $standby->stop;
-$primary->stop;
+my ($status, $source) = IdemValkey::run_message($primary, 'postgres', $valkey, 1, 'fo', 'p8', '{}');
+is("$status $source", 'applied handler', 'the primary applies p8 while its standby is stopped');
+usleep(2_000_000);
+my $p8 = IdemValkey::parse_value($valkey->command('GET', IdemValkey::tenant_key($primary, 1, 'fo', 'p8')));
+ok(!defined $p8 || $p8->{kind} eq 'p',
+	"... and, by default, does not copy its result (at most the runner's marker is there)");
+$primary->stop('immediate');
+$standby->start;
+$standby->promote;
+ok(IdemValkey::poll_until(30,
+		sub { $standby->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+	'the standby is promoted');
+is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'p8'"), '0',
+	'it lacks p8');
+($status, $source) = IdemValkey::run_message($standby, 'postgres', $valkey, 1, 'fo', 'p8', '{}');
+is("$status $source", 'applied handler', 'the promoted standby applies the redelivery of p8');
+is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'p8'"), '1',
+	'... once');
+$standby->stop;
 
 done_testing();
