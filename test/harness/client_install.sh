@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The client as make install leaves it: a program built with nothing but
 # `pkg-config --cflags --libs idemclient` links libidemclient.so.1 by its
-# soname and computes the same key as SQL's idem_key.  TAP.
+# soname and computes the same key as SQL's idem_key; the example programs
+# the READMEs show (examples/*.c, each README block checked against its
+# file) build with the README's own cc line and, on a throwaway PostgreSQL
+# with idem preloaded and a real Valkey, apply a message once and replay
+# its redelivery.  TAP.
 #   IDEM_CLIENT_PREFIX  where make install put the client (the harness sets
 #                       it to the private PostgreSQL copy's usr/local, which
 #                       the dynamic linker does not search: the program runs
@@ -27,7 +31,7 @@ if [ -n "$SYSTEM" ] && [ -z "${IDEM_CLIENT_NS:-}" ]; then
 fi
 . "$ROOT/test/lib/common.sh"
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-client-install.XXXXXX")
-trap '[ -z "$SYSTEM" ] || umount /usr/local /etc 2>/dev/null; rm -rf "$T"' EXIT
+trap '[ -z "$SYSTEM" ] || umount /usr/local /etc 2>/dev/null; idem_pg_stop "$T"; idem_valkey_stop "$T"; rm -rf "$T"' EXIT
 n=0
 ok() {
 	n=$((n + 1))
@@ -96,4 +100,89 @@ fi
 [ "$out" = 5c76c6f58eff897da07846a990b77e88e8a0d282df751a06dfd7653c771f32cd ]
 ok $? "it runs against the installed library${SYSTEM:+ with no LD_LIBRARY_PATH} and gets SQL's key"
 [ -n "$out" ] && [ ${#out} -ne 64 ] && printf '%s\n' "$out" | sed 's/^/# /'
+
+# The examples: once, as a user of make install without sudo (the --system
+# pass has shown the system install already).
+if [ -n "$SYSTEM" ]; then
+	echo "1..$n"
+	exit 0
+fi
+EXAMPLES="runner_sql_handler:README.md runner_c_handler:client/README.md"
+built=
+ln -s "$ROOT/examples" "$T/examples"
+for e in $EXAMPLES; do
+	ex=${e%%:*} readme=${e#*:}
+	bash "$ROOT/test/harness/readme_block.sh" "$readme" "examples/$ex.c" >"$T/block.diff" 2>&1
+	ok $? "$readme shows examples/$ex.c as it is"
+	sed 's/^/# /' "$T/block.diff"
+	# The README's build line, run as written (from the tree's root).
+	line=$(grep -E "^cc .*examples/$ex\.c" "$ROOT/$readme")
+	[ "$(printf '%s\n' "$line" | grep -c .)" -eq 1 ] &&
+		[[ $line == *'$(pkg-config --cflags --libs idemclient)'* ]]
+	ok $? "$readme gives one cc line for examples/$ex.c, through pkg-config: $line"
+	rm -f "$T/$ex"
+	(cd "$T" && eval "$line") >"$T/cc.err" 2>&1 && [ -x "$T/$ex" ]
+	st=$?
+	ok $st "examples/$ex.c builds with that line"
+	sed 's/^/# /' "$T/cc.err"
+	[ $st -eq 0 ] && built="$built $ex"
+	cc -Wall -Wextra -Werror -fsyntax-only "$ROOT/examples/$ex.c" $flags >"$T/cc.err" 2>&1
+	ok $? "... and compiles with -Wall -Wextra -Werror"
+	sed 's/^/# /' "$T/cc.err"
+done
+
+chmod 777 "$T"	# the servers run as the test user
+PGPORT=$(idem_free_port)
+VKPORT=$(idem_free_port)
+if idem_valkey_start "$T" "$VKPORT" && idem_pg_start "$T" "$PGPORT" "idem.valkey_port = $VKPORT" &&
+	idem_pg_install_ledgers "$T" "$PGPORT"; then
+	servers=0
+else
+	servers=1
+fi
+ok $servers "a PostgreSQL with idem preloaded and a Valkey for the examples"
+PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$T" -p "$PGPORT" -U postgres -d postgres)
+# The account and charge(jsonb) of the README's "One statement".
+"${PSQL[@]}" >/dev/null 2>"$T/sql.err" <<'SQL'
+CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL);
+INSERT INTO accounts VALUES (7, 100);
+CREATE FUNCTION charge(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  UPDATE accounts SET balance = balance - (args->>'amount')::int WHERE id = (args->>'account')::int;
+  RETURN jsonb_build_object('charged', args->'amount');        -- the outcome
+END $$;
+SQL
+ok $? "the README's accounts and charge(jsonb)"
+sed 's/^/# /' "$T/sql.err"
+
+# example TENANT RUN_ID REQUEST: its output and exit status, "OUT|STATUS"
+example() {
+	local out
+	out=$(idem_as_test_user env LD_LIBRARY_PATH="$(pkg-config --variable=libdir idemclient)" \
+		IDEM_PG="host=127.0.0.1 port=$PGPORT user=postgres dbname=postgres connect_timeout=2" \
+		IDEM_VALKEY=127.0.0.1 IDEM_VALKEY_PORT="$VKPORT" "$T/$ex" "$@" 2>"$T/run.err")
+	echo "$out|$?"
+}
+balance() { "${PSQL[@]}" -c "SELECT balance FROM accounts WHERE id = 7"; }
+req='{"account": 7, "amount": 5}'
+for ex in $built; do
+	[ $servers -eq 0 ] || break
+	before=$(balance)
+	got=$(example 1 "run-$ex" "$req")
+	[ "$got" = 'applied {"charged": 5}|0' ]
+	ok $? "$ex: a message is applied (got '$got')"
+	sed 's/^/# /' "$T/run.err"
+	got=$(example 1 "run-$ex" "$req")
+	[ "$got" = 'replayed {"charged": 5}|0' ]
+	ok $? "$ex: its redelivery is replayed (got '$got')"
+	after=$(balance)
+	[ "$after" = $((before - 5)) ]
+	ok $? "$ex: the account is charged once ($before, then $after)"
+	got=$(example 1 "run-$ex" '{"account": 7, "amount": 6}')
+	[ "${got%%|*}" = "mismatch " ] && [ "${got##*|}" = 65 ]
+	ok $? "$ex: the run id with another request is a mismatch, dead-lettered (got '$got')"
+	got=$(example x "run-$ex" "$req")
+	[ "${got##*|}" = 2 ]
+	ok $? "$ex: a bad tenant id is refused (got '$got')"
+done
 echo "1..$n"
