@@ -151,8 +151,10 @@ COMMIT;
 SELECT decision, attempt FROM idem_platform_claim(k('pf'), f('{}'));
 
 -- Purge: only rows past retention, and processing rows past lease + grace.
--- (No retention floor here: sql/retention.sql tests it.)
+-- (No retention or grace floor here: sql/retention.sql and sql/lease_purge.sql
+-- test them.)
 SET idem.purge_grace = 0;
+SET idem.min_purge_grace = 0;
 SET idem.min_retention = 0;
 BEGIN;
 SELECT decision FROM idem_claim(1, k('old'), f('{}'));
@@ -169,6 +171,7 @@ SELECT status FROM idem_lookup(1, k('a'));
 -- A purged key is new again.
 SELECT decision, attempt FROM idem_claim(1, k('old'), f('{}'));
 RESET idem.purge_grace;
+RESET idem.min_purge_grace;
 RESET idem.min_retention;
 
 -- The GUC defaults.

@@ -7,7 +7,7 @@
  *	  Ledger settings (any user, per session or transaction):
  *		idem.lease, idem.retention, idem.purge_grace, idem.max_attempts
  *	  Ledger settings (superuser, or GRANT SET):
- *		idem.min_retention
+ *		idem.min_retention, idem.min_purge_grace
  *	  Worker settings (postgresql.conf, applied on reload):
  *		idem.valkey_host, idem.valkey_port, idem.valkey_password,
  *		idem.valkey_password_file,
@@ -33,6 +33,7 @@ int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;
 int			idem_purge_grace_s = 60 * 60;
 int			idem_min_retention_s = 60 * 60;
+int			idem_min_purge_grace_s = 60 * 60;
 int			idem_max_attempts = 0;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
@@ -163,6 +164,20 @@ idem_define_gucs(void)
 							"Shortest retention idem_complete() and idem_fail() accept, and the youngest result idem_purge() deletes.",
 							"A redelivery that arrives after its key was purged runs the effect again: set this above the queue's longest redelivery window.",
 							&idem_min_retention_s,
+							60 * 60, 0, INT_MAX,
+							PGC_SUSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	/*
+	 * The lease-mode fence lives in the processing row: purged, the key's
+	 * next claim is attempt 1 again and a stale holder's
+	 * idem_complete(..., attempt => 1) would complete it.  idem.purge_grace
+	 * is any user's, so the floor under it is the administrator's.
+	 */
+	DefineCustomIntVariable("idem.min_purge_grace",
+							"Shortest time after its lease ended that idem_purge() keeps a processing row, whatever idem.purge_grace says.",
+							"Set it above the longest time a lease-mode holder may still complete after its lease ended: a holder that completes after its key's processing row was purged and claimed again completes the new claim.",
+							&idem_min_purge_grace_s,
 							60 * 60, 0, INT_MAX,
 							PGC_SUSET, GUC_UNIT_S,
 							NULL, NULL, NULL);

@@ -115,6 +115,7 @@ extern int	idem_lease_ms;
 extern int	idem_retention_s;
 extern int	idem_purge_grace_s;
 extern int	idem_min_retention_s;
+extern int	idem_min_purge_grace_s;
 extern int	idem_max_attempts;
 extern char *idem_valkey_host;
 extern int	idem_valkey_port;

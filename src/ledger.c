@@ -869,9 +869,13 @@ idem_platform_lookup(PG_FUNCTION_ARGS)
  * Deletes up to batch_size expired rows from each ledger: terminal rows past
  * their retention (and finished at least idem.min_retention ago, whatever
  * retention they were given), and processing rows whose lease ended more
- * than idem.purge_grace ago.  Rows locked by a running claim or completion are
- * skipped (SKIP LOCKED), so the purge never waits for them.  Call it again
- * until it returns 0; each call is one short batch.
+ * than idem.purge_grace ago, and never less than idem.min_purge_grace ago:
+ * a processing row holds the lease-mode fence (its attempt), so purging it
+ * while a stale holder may still complete would let that holder's
+ * idem_complete(..., attempt => 1) complete the key's next claim.  Rows
+ * locked by a running claim or completion are skipped (SKIP LOCKED), so the
+ * purge never waits for them.  Call it again until it returns 0; each call
+ * is one short batch.
  */
 Datum
 idem_purge(PG_FUNCTION_ARGS)
@@ -881,6 +885,7 @@ idem_purge(PG_FUNCTION_ARGS)
 	TimestampTz now = GetCurrentTimestamp();
 	int64		deleted = 0;
 	int			kind;
+	int			grace_s = Max(idem_purge_grace_s, idem_min_purge_grace_s);
 
 	idem_require_arg(fcinfo, 0, "batch_size");
 	batch = PG_GETARG_INT32(0);
@@ -891,7 +896,7 @@ idem_purge(PG_FUNCTION_ARGS)
 
 	for (kind = 0; kind < LEDGER_KINDS; kind++)
 		deleted += ledger_purge(ledger_store_open(cc->nsp, (LedgerKind) kind), now,
-								now - (int64) idem_purge_grace_s * USECS_PER_SEC,
+								now - (int64) grace_s * USECS_PER_SEC,
 								now - (int64) idem_min_retention_s * USECS_PER_SEC,
 								batch);
 	PG_RETURN_INT64(deleted);

@@ -30,7 +30,14 @@
  *            ledger_settle (src/ledger.c)
  *   LIVENESS redeliveries continue until a run ends with a terminal result
  *   CHECK_COMPLETION_ATTEMPT  assert, in lease mode, that idem_complete
- *            stores an outcome under the attempt that produced it
+ *            stores an outcome under the attempt that produced it, in the
+ *            row that attempt's claim wrote
+ *   LEASE_PURGE  (with LEASE_MODE) idem_purge deletes a processing row
+ *            whose lease ended, kept for idem.min_purge_grace: only once
+ *            no holder is still between its lease claim and its completion
+ *            (the floor, set above the longest holder stall, as the README
+ *            asks; -DPURGE_NO_FLOOR: whenever the lease ended, as with
+ *            idem.purge_grace = 0 in idem 0.3)
  *   EXT_AT_MOST_ONCE  assert that the lease-mode (external) effect happens
  *            at most once -- expected to FAIL: it is at-least-once
  *   NO_BACKEND_TIMEOUT  a dead client's backend is never terminated
@@ -584,6 +591,9 @@ inline lease_complete_step(me)
 #ifdef CHECK_COMPLETION_ATTEMPT
 			/* the outcome stored is produced by the attempt the row records */
 			assert(row_att == att);
+			/* ... in the row that attempt's claim wrote: a purged key's
+			 * next claim is attempt 1 again (LEASE_PURGE) */
+			assert(row_holder == me);
 #endif
 			if
 			:: row_st = S_DONE; row_out = OUT(me, att);

@@ -239,6 +239,31 @@ end:	do
 }
 #endif
 
+/* idem_purge (src/ledger.c): deletes a processing row whose lease ended
+ * more than Max(idem.purge_grace, idem.min_purge_grace) ago, skipping a
+ * row a running claim has locked (FOR UPDATE SKIP LOCKED; here: the key
+ * lock held).  Time is abstract: the floor, set above the longest time a
+ * holder may still complete after its lease ended, means no holder is
+ * still working on the row (in_lease) when the purge takes it.
+ * -DPURGE_NO_FLOOR: any session's idem.purge_grace = 0, no floor. */
+#if defined(LEASE_MODE) && defined(LEASE_PURGE)
+#ifdef PURGE_NO_FLOOR
+#define PURGE_FLOOR_PASSED true
+#elif NRUN >= 3
+#define PURGE_FLOOR_PASSED (!in_lease[1] && !in_lease[2] && !in_lease[3])
+#else
+#define PURGE_FLOOR_PASSED (!in_lease[1] && !in_lease[2])
+#endif
+active proctype lease_purge()
+{
+end:	do
+	:: atomic { row_st == S_PROC && !lease_live[row_holder] && lock_owner == 0 &&
+		PURGE_FLOOR_PASSED ->
+		row_st = S_NONE; row_att = 0; row_out = 0; row_holder = 0 }
+	od
+}
+#endif
+
 /* A dead client's backend, idle in transaction, is terminated
  * (idle_in_transaction_session_timeout, TCP keepalive, pg_terminate_backend):
  * its transaction rolls back and the try-lock is released.
