@@ -204,7 +204,12 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 
 	for (i = 0; i < LEDGER_KINDS; i++)
 		store_invalidate(&stores[i], relid);
-	/* citus.c's one cached answer (PostgreSQL 15 has 10 callback slots) */
+	/*
+	 * The other relcache callbacks of idem, from this one slot: PostgreSQL
+	 * 15 has ten for every library, and a Citus non-blocking split's
+	 * walsender (Citus's decoder over pgoutput) needs all the others.
+	 */
+	ledger_insert_relcache_cb(arg, relid);
 	idem_citus_relcache_cb(arg, relid);
 	if (citus_stores != NULL)
 	{
