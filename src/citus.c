@@ -39,8 +39,12 @@
  *
  *	  Cached state: whether a ledger is distributed is remembered per
  *	  relation and forgotten by a relcache callback (Citus invalidates the
- *	  relation when its distribution changes).  Shard ids are resolved
- *	  per call, through SPI; nothing about placements is cached.
+ *	  relation when its distribution changes).  The local shard of each
+ *	  tenant is remembered per backend and forgotten on any relcache
+ *	  invalidation of the ledger, which Citus sends for every change to its
+ *	  shards or placements: a call for a tenant seen before takes the shard
+ *	  lock, receives pending invalidations, and skips the two catalog
+ *	  lookups when nothing changed.  The lock is taken on every call.
  *
  *-------------------------------------------------------------------------
  */
@@ -57,8 +61,10 @@
 #include "miscadmin.h"
 #include "storage/lockdefs.h"
 #include "utils/builtins.h"
+#include "utils/hsearch.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
@@ -71,12 +77,35 @@ static SPIPlanPtr shard_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
 static SPIPlanPtr placement_plan = NULL;
 
+/*
+ * The local shard of each tenant seen, for the distributed ledger
+ * tenant_shards_ledger.  An entry holds while tenant_shards_gen has not
+ * moved: any relcache invalidation of the ledger moves it, and Citus
+ * sends one for every change to the ledger's shards or placements (a
+ * move, a split, a shard dropped), on every node with metadata.
+ */
+typedef struct TenantShard
+{
+	int64		tenant_id;		/* hash key */
+	int64		shardid;
+	Oid			shard;			/* the local shard table */
+	uint64		gen;			/* tenant_shards_gen when looked up */
+} TenantShard;
+
+#define TENANT_SHARDS_MAX	65536
+
+static HTAB *tenant_shards = NULL;
+static Oid	tenant_shards_ledger = InvalidOid;
+static uint64 tenant_shards_gen = 1;
+
 /* Called by ledger_store_relcache_cb: no callback slot of its own. */
 void
 idem_citus_relcache_cb(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == dist_relid)
 		dist_relid = InvalidOid;
+	if (relid == InvalidOid || relid == tenant_shards_ledger)
+		tenant_shards_gen++;
 }
 
 /* Citus is loaded and created in this database. */
@@ -196,10 +225,47 @@ lock_citus_shard(Oid relid, int64 shardid)
 			 shardid, SPI_result_code_string(rc));
 }
 
+/* Remember the local shard of a tenant, as of generation gen. */
+static void
+tenant_shard_remember(Oid relid, int64 tenant_id, int64 shardid, Oid shard,
+					  uint64 gen)
+{
+	TenantShard *entry;
+
+	if (tenant_shards != NULL &&
+		(relid != tenant_shards_ledger ||
+		 hash_get_num_entries(tenant_shards) >= TENANT_SHARDS_MAX))
+	{
+		hash_destroy(tenant_shards);
+		tenant_shards = NULL;
+	}
+	if (tenant_shards == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(int64);
+		ctl.entrysize = sizeof(TenantShard);
+		ctl.hcxt = TopMemoryContext;
+		tenant_shards = hash_create("idem Citus tenant shards", 256, &ctl,
+									HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+		tenant_shards_ledger = relid;
+	}
+	entry = hash_search(tenant_shards, &tenant_id, HASH_ENTER, NULL);
+	entry->shardid = shardid;
+	entry->shard = shard;
+	entry->gen = gen;
+}
+
 /*
  * The local shard of the distributed ledger that holds tenant_id; ERROR
  * when this node has no active placement of it.  *shardid receives the
  * shard's id, which suffixes the shard's table and constraint names.
+ *
+ * A tenant seen before costs the lock alone: once the lock is held, no
+ * move or split of the shard can start, and one that ended before has
+ * sent its invalidations, which AcceptInvalidationMessages receives; an
+ * entry still current then is the shard's placement for the rest of the
+ * transaction.  Otherwise the shard is looked up in Citus's metadata.
  */
 Oid
 idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
@@ -213,6 +279,26 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 	int			rc;
 	char	   *shardname;
 	Oid			shard;
+	uint64		gen;
+
+	if (tenant_shards != NULL && relid == tenant_shards_ledger)
+	{
+		TenantShard *entry = hash_search(tenant_shards, &tenant_id, HASH_FIND, NULL);
+
+		if (entry != NULL && entry->gen == tenant_shards_gen)
+		{
+			gen = entry->gen;
+			SPI_connect();
+			lock_citus_shard(relid, entry->shardid);
+			SPI_finish();
+			AcceptInvalidationMessages();
+			if (gen == tenant_shards_gen)
+			{
+				*shardid = entry->shardid;
+				return entry->shard;
+			}
+		}
+	}
 
 	args[0] = ObjectIdGetDatum(relid);
 	args[1] = Int64GetDatum(tenant_id);
@@ -235,6 +321,8 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 	 * this call waited: such a move has taken the shard away.
 	 */
 	lock_citus_shard(relid, id);
+	AcceptInvalidationMessages();
+	gen = tenant_shards_gen;
 
 	args[0] = Int64GetDatum(id);
 	argtypes[0] = INT8OID;
@@ -262,6 +350,7 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it, or the shard moved away while the call waited for the move.",
 						   shardname),
 				 errhint("Call the function as a statement of its own, SELECT idem_claim(...) or SELECT * FROM idem_claim(...), with tenant_id a constant or a parameter, so that Citus delegates it; not from a PL/pgSQL expression, a subquery or an INSERT ... SELECT.")));
+	tenant_shard_remember(relid, tenant_id, id, shard, gen);
 	*shardid = id;
 	return shard;
 }

@@ -152,8 +152,10 @@ sub lookup
 }
 
 # ---------- block_writes move: claim, a reference-table effect, complete ----------
+my ($t_bw, $shard_bw);
 {
 	my ($t, $shard) = fresh_tenant($w1);
+	($t_bw, $shard_bw) = ($t, $shard);
 	my $h = $c->background_psql('postgres', on_error_stop => 0);
 	$h->query_safe(qq{BEGIN;
 		SELECT decision FROM idem_claim($t, idem_key('mv', 'bw'), $fp);
@@ -338,6 +340,39 @@ sub lookup
 			extra_params => [ '-U', 'handler' ])
 		  . ' ' . $c->safe_psql('postgres', "SELECT count(*) FROM audit WHERE note = 'mv:role'"),
 		'completed 1', 'the key is completed on worker 1, its effect once');
+}
+
+# ---------- back and forth: what a worker's backends remember of a shard ----------
+# One coordinator session keeps its connections to the workers, so the
+# same worker backend serves its calls before and after the shard left
+# and came back (dropped and created again): it must not use the shard it
+# remembers.
+{
+	my $t = $t_bw;
+	my $s = $c->background_psql('postgres', on_error_stop => 0);
+	my $claim = sub {
+		my ($k) = @_;
+		return hq($s, qq{BEGIN;
+			SELECT decision FROM idem_claim($t, idem_key('mv', '$k'), $fp);
+			SELECT idem_complete($t, idem_key('mv', '$k'), '{}'); COMMIT});
+	};
+	my $move = sub {
+		my ($from, $to) = @_;
+		$c->safe_psql('postgres', move_sql($shard_bw, $from, $to, 'block_writes'));
+		$c->safe_psql('postgres', 'CALL citus_cleanup_orphaned_resources()');
+	};
+	like($claim->('back1'), qr/^claimed/, 'a key written on worker 2');
+	$move->($w2, $w1);
+	like($claim->('back2'), qr/^claimed/, '... one on worker 1, after a move');
+	$move->($w1, $w2);
+	like($claim->('back3'), qr/^claimed/, '... one on worker 2 again, by the same session');
+	is( join(' ', map { hq($s, "SELECT decision FROM idem_claim($t, idem_key('mv', '$_'), $fp)") }
+			qw(bw back1 back2 back3)),
+		'completed completed completed completed', '... and every key of the tenant replays');
+	$s->quit;
+	my $ledger_shard = $cl->shard_of($t);
+	is($w2->safe_psql('postgres', "SELECT count(*) FROM $ledger_shard WHERE tenant_id = $t"),
+		'4', '... all four in the shard, now on worker 2');
 }
 
 # idem's own transactions do not wait for one another: two handlers of one
