@@ -207,8 +207,8 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 		store_invalidate(&stores[i], relid);
 	/*
 	 * The other relcache callbacks of idem, from this one slot: PostgreSQL
-	 * 15 has ten for every library, and a Citus non-blocking split's
-	 * walsender (Citus's decoder over pgoutput) needs all the others.
+	 * 15 has ten in all, shared by every library, and a Citus non-blocking
+	 * split's walsender (Citus's decoder over pgoutput) needs the others.
 	 */
 	ledger_insert_relcache_cb(arg, relid);
 	idem_citus_relcache_cb(arg, relid);
