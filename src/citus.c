@@ -21,18 +21,30 @@
  *	  tables on workers are never read or written by idem: a call that
  *	  reaches a node without an active placement of the shard fails.
  *
- *	  Locking: before resolving the shard, a call takes Citus's own shard
- *	  metadata lock (advisory class 4) in ShareLock, as Citus's executor
- *	  does for a write; a shard move or split takes it in ExclusiveLock on
- *	  every node before its final catch-up, so a move waits for running
- *	  handler transactions, and a call arriving meanwhile waits for the
- *	  move and then finds the shard gone (an error: the caller retries and
- *	  Citus delegates to the new node).  Nothing is lost or written twice.
+ *	  Locking: once it knows the tenant's shard, a call takes the lock
+ *	  Citus's executor takes for a write to that shard, through Citus's own
+ *	  lock_shard_metadata(ShareLock, ...): Citus picks the lock tag (for a
+ *	  hash-distributed table, one per co-location group and shard index),
+ *	  so idem meets whatever Citus takes.  A shard move or split, in either
+ *	  transfer mode, takes that lock in ExclusiveLock on every node
+ *	  (BlockWritesToShardList) before it copies (block_writes) or before
+ *	  its final catch-up (logical replication), and holds it to its commit.
+ *	  So a move waits for every running transaction that read or wrote the
+ *	  shard through idem, handler transactions and idem's own alike, and
+ *	  idem's transactions, all in ShareLock, never wait for one another.
+ *	  A call arriving meanwhile waits for the move, then reads the
+ *	  placement again under a fresh snapshot and finds the shard gone (an
+ *	  error: the caller retries and Citus delegates to the new node).
+ *	  Nothing is lost or written twice.
  *
  *	  Cached state: whether a ledger is distributed is remembered per
  *	  relation and forgotten by a relcache callback (Citus invalidates the
- *	  relation when its distribution changes).  Shard ids are resolved
- *	  per call, through SPI; nothing about placements is cached.
+ *	  relation when its distribution changes).  The local shard of each
+ *	  tenant is remembered per backend and forgotten on any relcache
+ *	  invalidation of the ledger, which Citus sends for every change to its
+ *	  shards or placements: a call for a tenant seen before takes the shard
+ *	  lock, receives pending invalidations, and skips the two catalog
+ *	  lookups when nothing changed.  The lock is taken on every call.
  *
  *-------------------------------------------------------------------------
  */
@@ -41,25 +53,50 @@
 
 #include "access/xact.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_namespace.h"
 #include "catalog/pg_type.h"
 #include "executor/spi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
-#include "storage/lock.h"
+#include "storage/lockdefs.h"
 #include "utils/builtins.h"
+#include "utils/hsearch.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
-
-/* Citus's advisory lock class for shard metadata (resource_lock.h). */
-#define CITUS_LOCKTAG_SHARD_METADATA	4
 
 /* The last relation asked about, and the answer. */
 static Oid	dist_relid = InvalidOid;
 static bool dist_answer = false;
 
 static SPIPlanPtr shard_plan = NULL;
+static SPIPlanPtr lock_plan = NULL;
+static SPIPlanPtr placement_plan = NULL;
+
+/*
+ * The local shard of each tenant seen, for the distributed ledger
+ * tenant_shards_ledger.  An entry holds while tenant_shards_gen has not
+ * moved: any relcache invalidation of the ledger moves it, and Citus
+ * sends one for every change to the ledger's shards or placements (a
+ * move, a split, a shard dropped), on every node with metadata.
+ */
+typedef struct TenantShard
+{
+	int64		tenant_id;		/* hash key */
+	int64		shardid;
+	Oid			shard;			/* the local shard table */
+	uint64		gen;			/* tenant_shards_gen when looked up */
+} TenantShard;
+
+#define TENANT_SHARDS_MAX	65536
+
+static HTAB *tenant_shards = NULL;
+static Oid	tenant_shards_ledger = InvalidOid;
+static uint64 tenant_shards_gen = 1;
 
 /* Called by ledger_store_relcache_cb: no callback slot of its own. */
 void
@@ -67,6 +104,8 @@ idem_citus_relcache_cb(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == dist_relid)
 		dist_relid = InvalidOid;
+	if (relid == InvalidOid || relid == tenant_shards_ledger)
+		tenant_shards_gen++;
 }
 
 /* Citus is loaded and created in this database. */
@@ -127,10 +166,106 @@ idem_citus_distributed(Oid relid)
 	return dist_answer;
 }
 
+/* A plan prepared once per backend and kept (inside SPI_connect). */
+static SPIPlanPtr
+kept_plan(SPIPlanPtr *slot, const char *sql, int nargs, Oid *argtypes)
+{
+	if (*slot == NULL)
+	{
+		SPIPlanPtr	plan = SPI_prepare(sql, nargs, argtypes);
+
+		if (plan == NULL)
+			elog(ERROR, "could not prepare \"%s\": %s",
+				 sql, SPI_result_code_string(SPI_result));
+		SPI_keepplan(plan);
+		*slot = plan;
+	}
+	return *slot;
+}
+
+/*
+ * Take, until the transaction ends, the lock Citus's executor takes on the
+ * metadata of a shard it writes (ShareLock), by calling Citus's own
+ * lock_shard_metadata(): a move or split of the shard's co-location group
+ * takes the same lock in ExclusiveLock, so it waits for this transaction,
+ * and a call made while a move holds it waits for the move.  Citus lets
+ * only the table's owner take it: the call runs as the ledger's owner,
+ * in a restricted security context (inside SPI_connect).
+ */
+static void
+lock_citus_shard(Oid relid, int64 shardid)
+{
+	Oid			argtypes[2] = {INT4OID, INT8OID};
+	Datum		args[2];
+	HeapTuple	tuple;
+	Oid			owner;
+	Oid			save_userid;
+	int			save_sec_context;
+	int			rc;
+
+	tuple = SearchSysCache1(RELOID, ObjectIdGetDatum(relid));
+	if (!HeapTupleIsValid(tuple))
+		elog(ERROR, "cache lookup failed for relation %u", relid);
+	owner = ((Form_pg_class) GETSTRUCT(tuple))->relowner;
+	ReleaseSysCache(tuple);
+
+	args[0] = Int32GetDatum(ShareLock);
+	args[1] = Int64GetDatum(shardid);
+	GetUserIdAndSecContext(&save_userid, &save_sec_context);
+	SetUserIdAndSecContext(owner, save_sec_context |
+						   SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+	rc = SPI_execute_plan(kept_plan(&lock_plan,
+									"SELECT pg_catalog.lock_shard_metadata($1, ARRAY[$2])",
+									2, argtypes),
+						  args, NULL, false, 1);
+	SetUserIdAndSecContext(save_userid, save_sec_context);
+	if (rc != SPI_OK_SELECT)
+		elog(ERROR, "could not lock the metadata of Citus shard " INT64_FORMAT ": %s",
+			 shardid, SPI_result_code_string(rc));
+}
+
+/* Remember the local shard of a tenant, as of generation gen. */
+static void
+tenant_shard_remember(Oid relid, int64 tenant_id, int64 shardid, Oid shard,
+					  uint64 gen)
+{
+	TenantShard *entry;
+
+	if (tenant_shards != NULL &&
+		(relid != tenant_shards_ledger ||
+		 hash_get_num_entries(tenant_shards) >= TENANT_SHARDS_MAX))
+	{
+		hash_destroy(tenant_shards);
+		tenant_shards = NULL;
+	}
+	if (tenant_shards == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(int64);
+		ctl.entrysize = sizeof(TenantShard);
+		ctl.hcxt = TopMemoryContext;
+		tenant_shards = hash_create("idem Citus tenant shards", 256, &ctl,
+									HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+		tenant_shards_ledger = relid;
+	}
+	entry = hash_search(tenant_shards, &tenant_id, HASH_ENTER, NULL);
+	entry->shardid = shardid;
+	entry->shard = shard;
+	entry->gen = gen;
+}
+
 /*
  * The local shard of the distributed ledger that holds tenant_id; ERROR
  * when this node has no active placement of it.  *shardid receives the
  * shard's id, which suffixes the shard's table and constraint names.
+ *
+ * A tenant seen before costs the lock alone: once the lock is held, no
+ * move or split of the shard can start, and one that ended before has
+ * sent its invalidations, which AcceptInvalidationMessages receives; an
+ * entry still current then is the shard's placement for the rest of the
+ * transaction.  Otherwise the shard is looked up in Citus's metadata.
  */
 Oid
 idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
@@ -140,25 +275,38 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 	bool		isnull;
 	bool		local;
 	int64		id;
-	LOCKTAG		tag;
+	Snapshot	snapshot;
+	int			rc;
 	char	   *shardname;
 	Oid			shard;
+	uint64		gen;
+
+	if (tenant_shards != NULL && relid == tenant_shards_ledger)
+	{
+		TenantShard *entry = hash_search(tenant_shards, &tenant_id, HASH_FIND, NULL);
+
+		if (entry != NULL && entry->gen == tenant_shards_gen)
+		{
+			gen = entry->gen;
+			SPI_connect();
+			lock_citus_shard(relid, entry->shardid);
+			SPI_finish();
+			AcceptInvalidationMessages();
+			if (gen == tenant_shards_gen)
+			{
+				*shardid = entry->shardid;
+				return entry->shard;
+			}
+		}
+	}
 
 	args[0] = ObjectIdGetDatum(relid);
 	args[1] = Int64GetDatum(tenant_id);
 	SPI_connect();
-	if (shard_plan == NULL)
-	{
-		SPIPlanPtr	plan = SPI_prepare("SELECT pg_catalog.get_shard_id_for_distribution_column($1, $2)",
-									   2, argtypes);
-
-		if (plan == NULL)
-			elog(ERROR, "could not prepare the Citus shard lookup: %s",
-				 SPI_result_code_string(SPI_result));
-		SPI_keepplan(plan);
-		shard_plan = plan;
-	}
-	if (SPI_execute_plan(shard_plan, args, NULL, true, 1) != SPI_OK_SELECT ||
+	if (SPI_execute_plan(kept_plan(&shard_plan,
+								   "SELECT pg_catalog.get_shard_id_for_distribution_column($1, $2)",
+								   2, argtypes),
+						 args, NULL, true, 1) != SPI_OK_SELECT ||
 		SPI_processed != 1)
 		elog(ERROR, "could not find the Citus shard of tenant " INT64_FORMAT, tenant_id);
 	id = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
@@ -167,22 +315,27 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 		elog(ERROR, "could not find the Citus shard of tenant " INT64_FORMAT, tenant_id);
 
 	/*
-	 * Hold off shard moves (they take this in ExclusiveLock on every node)
-	 * until the transaction ends, then look at the placement: a move that
-	 * finished meanwhile has taken it away.
+	 * Hold off moves and splits of the shard until the transaction ends,
+	 * then look at the placement as it is now, not as the transaction's
+	 * snapshot (REPEATABLE READ) saw it before a move that finished while
+	 * this call waited: such a move has taken the shard away.
 	 */
-	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (id >> 32), (uint32) id,
-						 CITUS_LOCKTAG_SHARD_METADATA);
-	(void) LockAcquire(&tag, ShareLock, false, false);
+	lock_citus_shard(relid, id);
+	AcceptInvalidationMessages();
+	gen = tenant_shards_gen;
 
 	args[0] = Int64GetDatum(id);
 	argtypes[0] = INT8OID;
-	if (SPI_execute_with_args("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_placement p"
-							  " WHERE p.shardid OPERATOR(pg_catalog.=) $1"
-							  " AND p.shardstate OPERATOR(pg_catalog.=) 1"
-							  " AND p.groupid OPERATOR(pg_catalog.=) (SELECT groupid FROM pg_catalog.pg_dist_local_group))",
-							  1, argtypes, args, NULL, false, 1) != SPI_OK_SELECT ||
-		SPI_processed != 1)
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	rc = SPI_execute_snapshot(kept_plan(&placement_plan,
+										"SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_placement p"
+										" WHERE p.shardid OPERATOR(pg_catalog.=) $1"
+										" AND p.shardstate OPERATOR(pg_catalog.=) 1"
+										" AND p.groupid OPERATOR(pg_catalog.=) (SELECT groupid FROM pg_catalog.pg_dist_local_group))",
+										1, argtypes),
+							  args, NULL, snapshot, InvalidSnapshot, true, false, 1);
+	UnregisterSnapshot(snapshot);
+	if (rc != SPI_OK_SELECT || SPI_processed != 1)
 		elog(ERROR, "could not read the placement of Citus shard " INT64_FORMAT, id);
 	local = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
 									   &isnull));
@@ -194,9 +347,10 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("the idem ledger shard of tenant " INT64_FORMAT " is not on this node", tenant_id),
-				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it.",
+				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it, or the shard moved away while the call waited for the move.",
 						   shardname),
 				 errhint("Call the function as a statement of its own, SELECT idem_claim(...) or SELECT * FROM idem_claim(...), with tenant_id a constant or a parameter, so that Citus delegates it; not from a PL/pgSQL expression, a subquery or an INSERT ... SELECT.")));
+	tenant_shard_remember(relid, tenant_id, id, shard, gen);
 	*shardid = id;
 	return shard;
 }

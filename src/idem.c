@@ -59,8 +59,8 @@ _PG_init(void)
 
 	RegisterXactCallback(idem_xact_callback, NULL);
 	RegisterSubXactCallback(idem_subxact_callback, NULL);
+	/* one slot of PostgreSQL 15's ten: ledger_store_relcache_cb calls the rest */
 	CacheRegisterRelcacheCallback(ledger_store_relcache_cb, (Datum) 0);
-	CacheRegisterRelcacheCallback(ledger_insert_relcache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(PROCOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);

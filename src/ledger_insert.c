@@ -114,7 +114,7 @@ typedef struct InsertCache
 
 static InsertCache caches[LEDGER_KINDS];
 
-/* Registered by _PG_init: any change to a ledger's definition. */
+/* Called by ledger_store_relcache_cb: any change to a ledger's definition. */
 void
 ledger_insert_relcache_cb(Datum arg, Oid relid)
 {

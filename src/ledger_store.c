@@ -43,6 +43,7 @@
 #include "catalog/pg_constraint.h"
 #include "catalog/pg_index.h"
 #include "commands/defrem.h"
+#include "commands/sequence.h"
 #include "catalog/pg_type.h"
 #include "common/hashfn.h"
 #include "executor/spi.h"
@@ -204,7 +205,12 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 
 	for (i = 0; i < LEDGER_KINDS; i++)
 		store_invalidate(&stores[i], relid);
-	/* citus.c's one cached answer (PostgreSQL 15 has 10 callback slots) */
+	/*
+	 * The other relcache callbacks of idem, from this one slot: PostgreSQL
+	 * 15 has ten in all, shared by every library, and a Citus non-blocking
+	 * split's walsender (Citus's decoder over pgoutput) needs the others.
+	 */
+	ledger_insert_relcache_cb(arg, relid);
 	idem_citus_relcache_cb(arg, relid);
 	if (citus_stores != NULL)
 	{
@@ -258,7 +264,7 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 	const char *owner = owner_clause[kind];
 	const char *processing = idem_status_names[IDEM_STATUS_PROCESSING];
 	char	   *sql;
-	Oid			types[7] = {INT8OID, BYTEAOID};
+	Oid			types[8] = {INT8OID, BYTEAOID};
 	int			nargs;
 	SPIPlanPtr	plan;
 
@@ -266,9 +272,9 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 	{
 		case PLAN_INSERT:
 			/*
-			 * A Citus shard has no identity of its own: its id comes from
-			 * the identity sequence of the node's shell table, which Citus
-			 * gives a range of its own on each node.
+			 * A Citus shard has no identity of its own: its id ($8) comes
+			 * from the identity sequence of the node's shell table, which
+			 * Citus gives a range of its own on each node (ledger_insert).
 			 */
 			sql = psprintf("INSERT INTO %s (%s%sidempotency_key, request_fingerprint,"
 						   " status, attempt, outcome, expires_at)"
@@ -276,15 +282,15 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 						   qtable,
 						   OidIsValid(idseq) ? "id, " : "",
 						   kind == LEDGER_TENANT ? "tenant_id, " : "",
-						   OidIsValid(idseq) ?
-						   psprintf("pg_catalog.nextval(%u::pg_catalog.regclass), ", idseq) : "",
+						   OidIsValid(idseq) ? "$8, " : "",
 						   kind == LEDGER_TENANT ? "$1, " : "");
 			types[2] = BYTEAOID;
 			types[3] = TEXTOID;
 			types[4] = INT4OID;
 			types[5] = JSONBOID;
 			types[6] = TIMESTAMPTZOID;
-			nargs = 7;
+			types[7] = INT8OID;
+			nargs = OidIsValid(idseq) ? 8 : 7;
 			break;
 		case PLAN_RECLAIM:
 			sql = psprintf("UPDATE %s SET status = '%s',"
@@ -1128,7 +1134,7 @@ static void
 run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		  Datum *extra, int nextra, int expect)
 {
-	Datum		values[7];
+	Datum		values[8];
 	IdemDigestBytea keybuf;
 	int			i;
 	volatile int rc = 0;
@@ -1158,7 +1164,8 @@ ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 			  IdemStatus status, int32 attempt, Datum outcome,
 			  TimestampTz expires_at)
 {
-	Datum		extra[5];
+	Datum		extra[6];
+	int			nextra = 5;
 
 	store_check_local(store);
 	if (!OidIsValid(store->idseq) &&
@@ -1170,8 +1177,16 @@ ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	extra[2] = Int32GetDatum(attempt);
 	extra[3] = outcome;
 	extra[4] = TimestampTzGetDatum(expires_at);
+
+	/*
+	 * A Citus shard's id, drawn from the shell table's identity sequence as
+	 * an identity column's default draws it: without the USAGE privilege on
+	 * the sequence, which the INSERT privilege on the ledger stands for.
+	 */
+	if (OidIsValid(store->idseq))
+		extra[nextra++] = Int64GetDatum(nextval_internal(store->idseq, false));
 	SPI_connect();
-	run_write(store, PLAN_INSERT, lk, extra, 5, SPI_OK_INSERT);
+	run_write(store, PLAN_INSERT, lk, extra, nextra, SPI_OK_INSERT);
 	SPI_finish();
 }
 
