@@ -1130,20 +1130,16 @@ ledger_tenant_exists(LedgerStore *store, int64 tenant_id, Snapshot snapshot)
 
 /* ---------- writes: prepared statements ---------- */
 
-static void
-run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
-		  Datum *extra, int nextra, int expect)
+/*
+ * Run one of idem's own prepared statements on the ledger: its rows do not
+ * leave the ledger behind idem's back (ledger_guard.c), whatever it does.
+ * Returns SPI_execute_plan's code.
+ */
+static int
+store_execute_own(LedgerStore *store, StorePlanId id, Datum *values)
 {
-	Datum		values[8];
-	IdemDigestBytea keybuf;
-	int			i;
 	volatile int rc = 0;
 
-	values[0] = Int64GetDatum(lk->tenant_id);
-	values[1] = PointerGetDatum(idem_digest_bytea(lk->key, &keybuf));
-	for (i = 0; i < nextra; i++)
-		values[2 + i] = extra[i];
-	/* idem's own write: not a removal (ledger_guard.c) */
 	ledger_guard_own_begin();
 	PG_TRY();
 	{
@@ -1154,6 +1150,23 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		ledger_guard_own_end();
 	}
 	PG_END_TRY();
+	return rc;
+}
+
+static void
+run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
+		  Datum *extra, int nextra, int expect)
+{
+	Datum		values[8];
+	IdemDigestBytea keybuf;
+	int			i;
+	int			rc;
+
+	values[0] = Int64GetDatum(lk->tenant_id);
+	values[1] = PointerGetDatum(idem_digest_bytea(lk->key, &keybuf));
+	for (i = 0; i < nextra; i++)
+		values[2 + i] = extra[i];
+	rc = store_execute_own(store, id, values);
 	if (rc != expect)
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
@@ -1285,7 +1298,7 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 {
 	Datum		values[4];
 	int64		deleted;
-	volatile int rc = 0;
+	int			rc;
 
 	values[0] = TimestampTzGetDatum(terminal_before);
 	values[1] = TimestampTzGetDatum(processing_before);
@@ -1301,17 +1314,8 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 										  psprintf("%d", batch)));
 	}
 	SPI_connect();
-	/* expired rows, whose copies have expired too (ledger_guard.c) */
-	ledger_guard_own_begin();
-	PG_TRY();
-	{
-		rc = SPI_execute_plan(store_plan(store, PLAN_PURGE), values, NULL, false, 0);
-	}
-	PG_FINALLY();
-	{
-		ledger_guard_own_end();
-	}
-	PG_END_TRY();
+	/* expired rows, whose copies have expired too */
+	rc = store_execute_own(store, PLAN_PURGE, values);
 	if (rc != SPI_OK_DELETE)
 		elog(ERROR, "idem purge failed");
 	deleted = (int64) SPI_processed;

@@ -133,9 +133,7 @@ ok(!defined $p8 || $p8->{kind} eq 'p',
 	"... and, by default, does not copy its result (at most the runner's marker is there)");
 $primary->stop('immediate');
 $standby->start;
-$standby->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $standby->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($standby),
 	'the standby is promoted');
 is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'p8'"), '0',
 	'it lacks p8');

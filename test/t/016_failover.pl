@@ -43,9 +43,7 @@ ok(defined $valkey->wait_for_key($old_key, 10), '... and its worker copies the r
 $old->stop('immediate');
 
 $new->start;
-$new->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $new->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($new),
 	'the standby is promoted');
 is($new->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'm1'"), '0',
 	'it lacks the newest commit');

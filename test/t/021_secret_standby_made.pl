@@ -53,9 +53,7 @@ is(slurp_file($s2->data_dir . '/idem_cache_secret'),
 
 # s1 takes over, and rotates that secret out (as after a leak)
 $primary->stop;
-$s1->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $s1->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($s1),
 	's1 is promoted');
 $s1->safe_psql('postgres', 'SELECT idem_rotate_cache_secret()') for 1 .. 2;
 unlike(secret_hexes($s1), qr/$made/, 's1 no longer holds the secret it made');
@@ -64,9 +62,7 @@ $s1->wait_for_catchup($s2);
 
 # s2 takes over later: the secret made during recovery is not trusted there
 $s1->stop;
-$s2->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $s2->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($s2),
 	's2 is promoted');
 is(secrets($s2), '2*', 's2 made itself a new secret: key id 2 alone');
 unlike(secret_hexes($s2), qr/$made/,
@@ -103,9 +99,7 @@ $nps->init_from_backup($np, 'b2', has_streaming => 1);
 $nps->start;
 $np->wait_for_catchup($nps);
 $np->stop;
-$nps->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $nps->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($nps),
 	'its standby is promoted');
 is(secrets($nps), '2*', 'not preloaded, promoted: a new secret, key id 2 alone');
 unlike(secret_hexes($nps), qr/$np_leaked/, '... not the secret it was made with');

@@ -87,9 +87,7 @@ usleep(2_000_000);
 is($valkey->command('GET', $k3), undef, '... and not copied to Valkey');
 $primary->stop('immediate');
 $standby->start;
-$standby->promote;
-ok(IdemValkey::poll_until(30,
-		sub { $standby->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
+ok(IdemValkey::promote_and_wait($standby),
 	'the synchronous standby is promoted');
 is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'k3'"), '0',
 	'it lacks the commit whose wait was cancelled');

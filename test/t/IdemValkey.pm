@@ -216,6 +216,16 @@ sub install
 	});
 }
 
+# Promote the standby $node and wait until it is out of recovery (up to
+# 30 s); true on success.
+sub promote_and_wait
+{
+	my ($node) = @_;
+	$node->promote;
+	return poll_until(30,
+		sub { $node->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' });
+}
+
 # One idem_stats() column.
 sub stats_col
 {
