@@ -1395,6 +1395,18 @@ handler(PGconn *conn, idem_call *call, void *ud)
 				break;
 			sleep_ms(10);
 		}
+		{
+			/*
+			 * And until its FATAL (or the end of the stream) has reached
+			 * our socket: the backend may leave pg_stat_activity before
+			 * the kernel hands its last bytes over, and the runner judges
+			 * the connection by what it can read when the handler
+			 * returns.
+			 */
+			struct pollfd pfd = {PQsocket(conn), POLLIN, 0};
+
+			(void) poll(&pfd, 1, 5000);
+		}
 		if (strcmp(m, "terminate2") == 0)
 		{
 			r = PQexec(conn, "INSERT INTO effects (scope, id) VALUES ('x', 'after-terminate')");
