@@ -1,6 +1,7 @@
 -- idem 0.1: the in-transaction ledger API.
 -- The ledgers themselves are created by idem_install(tenants), not here:
--- see SPEC 4.5 and the README ("Why idem_install").
+-- pg_dump must dump them after the application's tenants table (see the
+-- README, "Why idem_install").
 
 \echo Use "CREATE EXTENSION idem" to load this file. \quit
 

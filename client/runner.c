@@ -1,7 +1,7 @@
 /*
  * runner.c
- *	  The GatedIdempotencyRunner: one run, step by step (SPEC section 1,
- *	  issue 4).  Opening and closing a runner is in lifecycle.c, what the
+ *	  The gated idempotency runner: one run, step by step (the Valkey
+ *	  gate, then PostgreSQL's claim, the handler and the completion).  Opening and closing a runner is in lifecycle.c, what the
  *	  handler sees of its run and the names of the results in call.c, the
  *	  read-only lookups (idem_cached) in cached.c.
  *

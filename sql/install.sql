@@ -1,4 +1,5 @@
--- idem_install: the ledgers it creates, exactly as SPEC section 2 says.
+-- idem_install: the ledgers it creates, with the exact columns, checks and
+-- constraint names the README's "The ledgers" section documents.
 CREATE EXTENSION idem;
 
 -- Before idem_install, every ledger function refuses clearly.

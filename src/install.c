@@ -7,7 +7,9 @@
  *	  The ledgers are ordinary tables, not extension members, so that
  *	  pg_dump dumps them (rows, identity sequences and the FK to the
  *	  application's tenants table) after the application's own tables and a
- *	  restore recreates them in order (SPEC 4.5).  Both tables are built from
+ *	  restore recreates them in order (a ledger made by the extension script
+ *	  with an FK to an application table would be restored before that table,
+ *	  and fail).  Both tables are built from
  *	  one template, so their columns and checks cannot drift apart.
  *
  *	  fillfactor 70 leaves room on each page for the processing -> completed
@@ -477,7 +479,7 @@ idem_install(PG_FUNCTION_ARGS)
 			 * co-located with tenants, and the tenant API delegated to
 			 * the tenant's worker.  Citus requires the distribution column
 			 * in every unique constraint, hence its primary key (tenant_id,
-			 * id) there: the one difference from SPEC 2.  The platform
+			 * id) there: the one difference from the single-node ledger.  The platform
 			 * ledger stays a local table of the coordinator.
 			 */
 			if (citus && kind == LEDGER_TENANT)

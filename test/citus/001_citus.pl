@@ -51,8 +51,8 @@ is( $c->safe_psql('postgres', q{
 is($cl->w1->safe_psql('postgres', "SELECT to_regclass('platform_idempotency_keys') IS NULL"),
 	't', '... which the workers do not have');
 
-# The one Citus-forced difference from SPEC 2: the primary key includes
-# the distribution column.  Everything else is exactly the spec.
+# The one Citus-forced difference from the single-node ledger: the primary
+# key includes the distribution column.  Everything else is the same.
 is( $c->safe_psql('postgres', q{
 		SELECT string_agg(conname || ': ' || pg_get_constraintdef(oid), E'\n' ORDER BY conname)
 		FROM pg_constraint WHERE conrelid = 'idempotency_keys'::regclass}),
@@ -66,7 +66,7 @@ is( $c->safe_psql('postgres', q{
 		'idempotency_keys_request_fingerprint_check: CHECK ((octet_length(request_fingerprint) = 32))',
 		q{idempotency_keys_status_check: CHECK ((status = ANY (ARRAY['processing'::text, 'completed'::text, 'failed_retryable'::text, 'failed_permanent'::text])))},
 		'idempotency_keys_tenant_id_fkey: FOREIGN KEY (tenant_id) REFERENCES tenants(id)'),
-	'install: on Citus the primary key is (tenant_id, id); every other constraint is SPEC 2');
+	'install: on Citus the primary key is (tenant_id, id); every other constraint is the single-node ledger\'s');
 is( $c->safe_psql('postgres', q{
 		SELECT pg_get_constraintdef(oid) FROM pg_constraint
 		WHERE conname = 'platform_idempotency_keys_pkey'}),

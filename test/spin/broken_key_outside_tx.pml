@@ -6,7 +6,8 @@
  *
  * broken_key_outside_tx.pml -- the idempotency key is written to
  * PostgreSQL in its own transaction, outside the effect's transaction
- * (SPEC 1: "Writing the key asynchronously would open two holes").
+ * (writing the key outside the effect's transaction opens two holes:
+ * a doubled effect, or a lost one).
  *
  * Identical to idem.pml except for ONE step, commit_step, replaced below:
  * instead of one COMMIT of {try-lock, row, effect, idem_complete}, the

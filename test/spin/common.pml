@@ -21,7 +21,7 @@
  *            (ignored with LIVENESS: redelivery continues until acked)
  *   NFAULT   fault budget shared by every fault kind               default 2
  *   LEASE_MODE  runners commit a `processing` row and do the effect
- *            outside PostgreSQL (SPEC 4.3) instead of in-transaction
+ *            outside PostgreSQL (lease mode) instead of in-transaction
  *   PERM_FAIL   handlers may fail permanently (idem_fail retryable=false)
  *   NO_VALKEY_FAULTS  no FLUSHALL/restart/unreachable/lost replies and no
  *            marker expiry (used to isolate the gate race)
