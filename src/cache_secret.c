@@ -562,7 +562,8 @@ secret_shared_load(void)
 
 /*
  * Bring the shared copy up to date (secret_fit) with its pending reason,
- * which a new epoch settles; a new epoch waits for the worker's takeover.
+ * which a new epoch settles (during recovery the reason waits for its
+ * end); a new epoch waits for the worker's takeover.
  * The caller holds the lock exclusive, the copy loaded.
  */
 static void
@@ -573,8 +574,6 @@ secret_shared_fit(void)
 		secret_shared->confirmed = false;
 		secret_shared->renew = 0;
 	}
-	else if (secret_timeline() != 0)
-		secret_shared->renew = 0;	/* nothing was due after all */
 }
 
 /*
