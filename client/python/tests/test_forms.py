@@ -243,6 +243,19 @@ class Options(Base):
                          ("failed_retryable", "failed_retryable"))
 
 
+    def test_fail_after_failed_statement(self):
+        """a block whose statement failed (caught) and that calls run.fail() records the failure, its statements rolled back to the savepoint (as the C runner)"""
+        with self.runner.run(self.conn, 1, self.scope, "e1", {}) as run:
+            effect(self.conn, run)
+            try:
+                self.conn.execute("SELECT 1 / 0")
+            except psycopg.errors.DivisionByZero:
+                run.fail({"division": "by zero"}, retryable=False)
+        self.assertEqual((run.status, run.outcome), ("failed_permanent", {"division": "by zero"}))
+        self.assertEqual(ledger(1, self.scope, "e1")[0], "failed_permanent")
+        self.assertEqual(effects(self.scope, "e1"), 0)
+
+
 class LeaseMode(Base):
     def test_lease_completes_and_replays(self):
         """lease: the claim commits before the effect (another delivery is busy meanwhile), the completion after it; then replays"""
