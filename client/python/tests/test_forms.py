@@ -3,6 +3,9 @@ a real Valkey: a SQL handler run by idem_apply (runner.apply), lease mode
 (runner.lease, runner.complete), batches (runner.batch, runner.cached_many),
 delivery_count, first_sql and max_attempts.  Each test checks what the
 servers hold: effects counted in the table, statuses in the ledger."""
+import os
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -433,6 +436,23 @@ class Batches(Base):
                          "replayed")
         self.assertEqual(self.conn.info.transaction_status, psycopg.pq.TransactionStatus.IDLE)
         self.assertIsInstance(cache.parse(bytes(forged)), cache.Entry)
+
+
+class Readme(unittest.TestCase):
+    def test_readme_forms_example(self):
+        """the package README's second example (apply, delivery_count, lease, batch) runs as written"""
+        path = os.environ.get("IDEM_PACKAGE_README")
+        if not path or not os.path.exists(path):
+            self.skipTest("no README")
+        code = open(path).read().split("```python\n")[2].split("```", 1)[0]
+        env = dict(os.environ, IDEM_DSN=test_server.DSN, VALKEY_PORT=str(VPORT))
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("apply: applied {'charged': 5}", p.stdout)
+        self.assertIn("first delivery: applied", p.stdout)
+        self.assertIn("lease: applied", p.stdout)
+        self.assertIn("batch: ['failed_permanent', 'applied', 'applied', 'replayed']", p.stdout)
 
 
 if __name__ == "__main__":

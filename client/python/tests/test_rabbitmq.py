@@ -21,9 +21,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class RabbitMQ(unittest.TestCase):
     def test_sigkill_mid_message(self):
         """RabbitMQ, 3 consumers SIGKILLed mid-message every 0.3 s, 300 messages (60 published twice): every effect exactly once"""
+        self.sigkill_mid_message("rmq-%d" % os.getpid(), {})
+
+    def test_sigkill_first_deliveries(self):
+        """RabbitMQ, the same with delivery_count 1 for deliveries not flagged redelivered (no gate; the 60 published twice are duplicates flagged 1): every effect exactly once"""
+        self.sigkill_mid_message("rmq-first-%d" % os.getpid(), {"IDEM_RABBIT_DELIVERY_COUNT": "1"})
+
+    def sigkill_mid_message(self, queue, extra_env):
         if not PORT:
             self.skipTest("no RabbitMQ (IDEM_RABBITMQ_PORT)")
-        queue = scope = "rmq-%d" % os.getpid()
+        scope = queue
         mq = pika.BlockingConnection(pika.ConnectionParameters(host="127.0.0.1", port=int(PORT)))
         ch = mq.channel()
         ch.queue_declare(queue=queue, durable=True)
@@ -35,7 +42,7 @@ class RabbitMQ(unittest.TestCase):
                              pika.BasicProperties(message_id=i, delivery_mode=2))
         mq.close()
 
-        env = dict(os.environ, IDEM_RABBITMQ_PORT=PORT)
+        env = dict(os.environ, IDEM_RABBITMQ_PORT=PORT, **extra_env)
         log = os.environ.get("IDEM_PG_LOG")
         log_from = os.path.getsize(log) if log else 0
 
