@@ -8,35 +8,17 @@ and fails them (idem_complete_many, idem_fail_many) and commits.  The
 claim is the only guard against a concurrent duplicate here (busy); this
 module sets no marker and leaves the gate (runner.py) alone."""
 import contextlib
-import hashlib
 import json
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .canonical import RequestError, canonical_json, idem_key
 from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
                      MISMATCH, REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES,
                      SOURCE_VALKEY, CommitUnknown, Failure, IdemError, Run,
-                     ValkeyClusterNotSupported, _outcome_text, _session_ended,
-                     _wall_ms)
-
-
-def make_run(tenant_id, scope, run_id, request):
-    """A Run for one item: its key, canonical request and fingerprint."""
-    if tenant_id is not None:
-        tenant_id = int(tenant_id)
-    try:
-        text = canonical_json(request)
-    except RequestError as e:
-        raise IdemError("request", "request: %s" % e) from None
-    try:
-        key = idem_key(scope, run_id)
-    except (TypeError, ValueError) as e:
-        raise IdemError("argument", str(e)) from None
-    return Run(tenant_id, scope, run_id, text, key,
-               hashlib.sha256(text.encode("utf-8")).digest())
+                     ValkeyClusterNotSupported, _failure_of, _make_run, _outcome_text,
+                     _session_ended, _wall_ms)
 
 
 def from_cache(runner, st, runs):
@@ -90,7 +72,7 @@ def from_cache(runner, st, runs):
 def cached_many(runner, conn, items):
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
-    runs = [make_run(*item) for item in items]
+    runs = [_make_run(Run, *item) for item in items]
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise IdemError("state", "the connection must be idle (the runner reads the "
                         "keyspace and secrets on it when it has not yet)")
@@ -109,10 +91,12 @@ class Batch:
     (or ``run.fail(detail)``); ``with batch.step(run):`` gives one run a
     savepoint of its own.  ``batch.runs``: every item's Run, in order."""
 
+    _failure = None     # the batch's own (none): each run records its own
+
     def __init__(self, runner, conn, items):
         self.r = runner
         self.conn = conn
-        self.runs = [make_run(*item) for item in items]
+        self.runs = [_make_run(Run, *item) for item in items]
         self.st = None
         self.tx_open = False
 
@@ -278,12 +262,8 @@ class Batch:
             raise IdemError("handler_ended_tx",
                             "the block ended the batch's transaction (COMMIT or ROLLBACK): its "
                             "effects may have committed without their idempotency keys")
-        block_failure, suppress = None, False
-        if et is not None and issubclass(et, Failure):
-            block_failure, suppress = (ev.detail, ev.retryable), True
-        elif et is not None:
-            block_failure = ({"error": et.__name__, "message": str(ev)[:1000]}, True)
-        elif ts == TransactionStatus.INERROR:
+        block_failure, suppress = _failure_of(self, et, ev)
+        if et is None and ts == TransactionStatus.INERROR:
             conn.rollback()
             raise IdemError("handler", "the block left the transaction in error (a failed "
                             "statement it caught): rolled back, nothing recorded")

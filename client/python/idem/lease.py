@@ -11,8 +11,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from .runner import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE,
-                     SOURCE_HANDLER, CommitUnknown, Failure, IdemError, Run,
-                     _outcome_text, _RunContext, _session_ended)
+                     SOURCE_HANDLER, CommitUnknown, IdemError, Run,
+                     _failure_of, _outcome_text, _RunContext, _session_ended)
 
 
 class LeaseLost(IdemError):
@@ -116,13 +116,8 @@ class _LeaseContext(_RunContext):
         run, conn = self.run, self.conn
         if et is not None and not issubclass(et, Exception):
             return False        # KeyboardInterrupt...: the lease ends it
-        failure = run._failure
-        suppress = False
-        if et is not None and issubclass(et, Failure):
-            failure, suppress = (ev.detail, ev.retryable), True
-        elif et is not None:
-            failure = ({"error": et.__name__, "message": str(ev)[:1000]}, True)
-        elif run.deferred:
+        failure, suppress = _failure_of(run, et, ev)
+        if et is None and run.deferred:
             return False        # completed later, by attempt
         ts = conn.info.transaction_status
         if ts == TransactionStatus.INERROR:

@@ -507,6 +507,35 @@ class Runner:
         return cached_many(self, conn, items)
 
 
+def _make_run(cls, tenant_id, scope, run_id, request):
+    """A Run (or subclass) for one delivery: its key, canonical request and
+    fingerprint."""
+    if tenant_id is not None:
+        tenant_id = int(tenant_id)
+    try:
+        text = canonical_json(request)
+    except RequestError as e:
+        raise IdemError("request", "request: %s" % e) from None
+    try:
+        key = idem_key(scope, run_id)
+    except (TypeError, ValueError) as e:
+        raise IdemError("argument", str(e)) from None
+    return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
+
+
+def _failure_of(run, et, ev):
+    """What a block that ended with exception type et (None: none) records:
+    (failure, suppress), failure (detail, retryable) or None (complete).
+    A Failure raised in the block is recorded and suppressed (as
+    run.fail(detail)); any other exception is recorded as retryable and
+    propagates."""
+    if et is not None and issubclass(et, Failure):
+        return (ev.detail, ev.retryable), True
+    if et is not None:
+        return ({"error": et.__name__, "message": str(ev)[:1000]}, True), False
+    return run._failure, False
+
+
 def _session_ended(conn):
     """Has the server ended this session (pg_terminate_backend, a restart)?
     Reads, without blocking, what it sent meanwhile (libpq reads the
@@ -544,18 +573,7 @@ class _RunContext:
             raise IdemError("argument", "first_sql must be a non-empty statement")
         self.first_sql = first_sql
         self.first_params = first_params
-        if tenant_id is not None:
-            tenant_id = int(tenant_id)
-        try:
-            text = canonical_json(request)
-        except RequestError as e:
-            raise IdemError("request", "request: %s" % e) from None
-        try:
-            key = idem_key(scope, run_id)
-        except (TypeError, ValueError) as e:
-            raise IdemError("argument", str(e)) from None
-        fp = hashlib.sha256(text.encode("utf-8")).digest()
-        self.run = self.run_class(tenant_id, scope, run_id, text, key, fp)
+        self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
         self.ckey = None
         self.marker = None
         self.own_marker = False
@@ -838,15 +856,8 @@ class _RunContext:
             raise IdemError("handler_ended_tx",
                             "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
                             "effect may have committed without its idempotency key")
-        failure = run._failure
-        suppress = False
-        if et is not None and issubclass(et, Failure):
-            # raise idem.PermanentFailure(detail) in the block: run.fail(detail)
-            failure = (ev.detail, ev.retryable)
-            suppress = True
-        elif et is not None:
-            failure = ({"error": et.__name__, "message": str(ev)[:1000]}, True)
-        elif ts == TransactionStatus.INERROR and failure is None:
+        failure, suppress = _failure_of(run, et, ev)
+        if et is None and ts == TransactionStatus.INERROR and failure is None:
             conn.rollback()
             raise IdemError("handler", "the block left the transaction in error (a failed "
                             "statement it caught): rolled back, nothing recorded")

@@ -233,6 +233,7 @@ class Options(Base):
             self.assertEqual(run.first, [("s1",)])
             run.outcome = {"id": run.first[0][0]}
         self.assertEqual((run.status, run.outcome), ("applied", {"id": "s1"}))
+        wait_copy(ckey(1, self.scope, "s1"))
         valkey().flushall()     # the gate cannot answer: the claim does, with first_sql sent
         with self.runner.run(self.conn, 1, self.scope, "s1", {}, first_sql=sql,
                              first_params=[self.scope, "s1"]) as run:
