@@ -35,7 +35,7 @@ def on_message(ch, method, props, body):
             if run.claimed:
                 conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, %s)",
                              [scope, run_id, "pid %d" % os.getpid()])
-                time.sleep(random.uniform(0, 0.03))     # a handler takes a while: SIGKILL lands here
+                time.sleep(random.uniform(0.02, 0.15))  # a handler takes a while: SIGKILL lands here
                 run.outcome = {"by": os.getpid()}
     except idem.IdemError:
         if conn.broken or conn.closed:
