@@ -7,7 +7,6 @@ rules for what its failures prove."""
 import json
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from .canonical import RequestError, canonical_json
 from . import cache
@@ -95,8 +94,6 @@ class _ApplyContext(_RunContext):
                                     "committed is unknown; redeliver, the ledger decides (%s)"
                                     % str(e).strip()) from e
             self._pg_error(e, "idem_apply")
-        if conn.info.transaction_status == TransactionStatus.INTRANS:
-            conn.commit()       # autocommit off and no pipeline: cannot happen
         decision, attempt, outcome, ms, ran = cur.fetchone()
         run.attempt = attempt
         if decision in ("applied", "failed_retryable") or \

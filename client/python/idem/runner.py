@@ -148,6 +148,7 @@ class Run:
         self.claimed = False
         self.first = None                   # first_sql's rows, once claimed
         self.first_error = None             # or its error (the transaction is in error)
+        self.error = None                   # the exception a batch step recorded
         self._failure = None                # (detail, retryable) from fail()
 
     @property
