@@ -18,7 +18,7 @@ from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
                      MISMATCH, REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES,
                      SOURCE_VALKEY, CommitUnknown, Failure, IdemError, Run,
                      ValkeyClusterNotSupported, _failure_of, _make_run, _outcome_text,
-                     _session_ended, _wall_ms)
+                     _raise_pg_error, _session_ended, _wall_ms)
 
 
 def from_cache(runner, st, runs):
@@ -140,15 +140,7 @@ class Batch:
         return [(p, g) for p, g in ((False, ten), (True, plat)) if g]
 
     def _error(self, e, what):
-        if self.conn.broken or self.conn.closed:
-            raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                            % (what, e)) from e
-        try:
-            self.conn.rollback()
-        except psycopg.Error:
-            pass
-        raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                        getattr(e.diag, "sqlstate", None)) from e
+        _raise_pg_error(self.conn, e, what)
 
     def __enter__(self):
         r, conn = self.r, self.conn

@@ -537,6 +537,20 @@ def _failure_of(run, et, ev):
     return run._failure, False
 
 
+def _raise_pg_error(conn, e, what):
+    """A statement's error: nothing committed (the connection lost, or the
+    transaction rolled back here)."""
+    if conn.broken or conn.closed:
+        raise IdemError("connection", "%s: connection lost (nothing committed): %s"
+                        % (what, e)) from e
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        pass
+    raise IdemError("server", "%s: %s" % (what, str(e).strip()),
+                    getattr(e.diag, "sqlstate", None)) from e
+
+
 def _session_ended(conn):
     """Has the server ended this session (pg_terminate_backend, a restart)?
     Reads, without blocking, what it sent meanwhile (libpq reads the
@@ -620,15 +634,7 @@ class _RunContext:
     def _pg_error(self, e, what):
         """An error from a statement: roll back what can be, release the marker."""
         self._drop_marker()
-        if self._broken():
-            raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                            % (what, e)) from e
-        try:
-            self.conn.rollback()
-        except psycopg.Error:
-            pass
-        raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                        getattr(e.diag, "sqlstate", None)) from e
+        _raise_pg_error(self.conn, e, what)
 
     def _drop_marker(self):
         if self.own_marker:
