@@ -110,4 +110,4 @@ IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
 	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
-	timeout 280 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
+	timeout 480 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))

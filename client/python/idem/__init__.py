@@ -10,11 +10,13 @@ from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
                      SOURCE_VALKEY, Busy, CommitUnknown, Failure, IdemError,
                      Mismatch, NotApplied, PermanentFailure, RetryableFailure,
                      Run, Runner, ValkeyClusterNotSupported)
+from .lease import Lease, LeaseLost
+from .batch import Batch
 
 __version__ = "0.3.0"
 
 __all__ = [
-    "Runner", "Run", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
+    "Runner", "Run", "Lease", "Batch", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
     "NotApplied", "Busy", "Mismatch", "Failure", "PermanentFailure",
     "RetryableFailure", "RequestError", "canonical_json", "fingerprint",
     "idem_key", "APPLIED", "REPLAYED", "BUSY", "MISMATCH", "FAILED_PERMANENT",

@@ -146,6 +146,9 @@ class Run:
         self.retry_after_ms = None
         self.valkey_used = False
         self.claimed = False
+        self.first = None                   # first_sql's rows, once claimed
+        self.first_error = None             # or its error (the transaction is in error)
+        self.error = None                   # the exception a batch step recorded
         self._failure = None                # (detail, retryable) from fail()
 
     @property
@@ -188,10 +191,14 @@ class Runner:
     def __init__(self, valkey=None, *, lease_ms=30000, retention=None,
                  lookup_first=True, secrets_max_age_ms=5000,
                  valkey_timeout_ms=200, valkey_retry_ms=1000, schema=None,
-                 notice=None):
+                 notice=None, max_attempts=None):
         if not (0 < int(lease_ms) <= 2147483647):
             raise ValueError("lease_ms must be positive")
+        if max_attempts is not None and not (0 <= int(max_attempts) <= 2147483647):
+            raise ValueError("max_attempts must be None, 0 (no limit) or positive")
         self.lease_ms = int(lease_ms)
+        # None: the session's idem.max_attempts; else SET LOCAL in each claim
+        self.max_attempts = None if max_attempts is None else int(max_attempts)
         self.retention = retention          # interval text, None: idem.retention
         self.lookup_first = lookup_first
         self.secrets_max_age_ms = secrets_max_age_ms
@@ -204,7 +211,7 @@ class Runner:
         self._cluster_checked = False
         self._cad = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
-                      "replayed_from_valkey": 0}
+                      "replayed_from_valkey": 0, "gate_skipped_first": 0}
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         if valkey is None:
@@ -352,19 +359,30 @@ class Runner:
         st.keyspace, st.secrets, st.current = ks, secrets, current
 
     # ---- the run ----
-    def run(self, conn, tenant_id, scope, run_id, request):
+    def run(self, conn, tenant_id, scope, run_id, request, *, delivery_count=0,
+            first_sql=None, first_params=None):
         """A context manager: ``with runner.run(conn, 42, "billing.charge",
         run_id, request) as run:`` then ``if run.claimed:`` do the effect on
-        ``conn`` and set ``run.outcome``.  See the package README."""
-        return _RunContext(self, conn, tenant_id, scope, run_id, request)
+        ``conn`` and set ``run.outcome``.  See the package README.
 
-    def call(self, conn, tenant_id, scope, run_id, request, handler):
+        ``delivery_count``: how many times the queue has delivered the
+        message, this one included (0: unknown); 1 skips the Valkey gate.
+        ``first_sql`` (with ``first_params``): the block's first statement,
+        sent with the claim; its rows are ``run.first`` (None unless
+        claimed)."""
+        return _RunContext(self, conn, tenant_id, scope, run_id, request,
+                           delivery_count=delivery_count, first_sql=first_sql,
+                           first_params=first_params)
+
+    def call(self, conn, tenant_id, scope, run_id, request, handler, *,
+             delivery_count=0, first_sql=None, first_params=None):
         """Run ``handler(conn, run)`` at most once per key, in the run's
         transaction; it returns the outcome (a dict; None means {}) or
         raises PermanentFailure / RetryableFailure to record a failure.
         Returns the Run (status, source, outcome...).  Any other exception
         is recorded as a retryable failure and propagates."""
-        with self.run(conn, tenant_id, scope, run_id, request) as run:
+        with self.run(conn, tenant_id, scope, run_id, request, delivery_count=delivery_count,
+                      first_sql=first_sql, first_params=first_params) as run:
             if run.claimed:
                 try:
                     out = handler(conn, run)
@@ -374,7 +392,7 @@ class Runner:
                     run.outcome = {} if out is None else out
         return run
 
-    def idempotent(self, scope, *, run_id, request=None, tenant=None):
+    def idempotent(self, scope, *, run_id, request=None, tenant=None, delivery_count=None):
         """A decorator for ``fn(conn, *args, **kwargs)``: the outcome of its
         one run is returned to every delivery (applied or replayed).
 
@@ -384,7 +402,9 @@ class Runner:
         None is the first argument after ``conn``.  Other answers raise:
         Busy (``retry_after``), Mismatch, PermanentFailure and
         RetryableFailure (``detail``: recorded now or replayed), and the
-        IdemError family (CommitUnknown...)."""
+        IdemError family (CommitUnknown...).  ``delivery_count``, a
+        parameter name or callable too, is the queue's delivery count (see
+        ``run``)."""
         def deco(fn):
             sig = inspect.signature(fn)
 
@@ -402,8 +422,9 @@ class Runner:
                 rid = pick(run_id, args, kwargs)
                 req = pick(request, args, kwargs, default=args[0] if args else None)
                 ten = pick(tenant, args, kwargs)
+                dc = pick(delivery_count, args, kwargs, default=0) if delivery_count else 0
                 run = self.call(conn, ten, scope, str(rid), req,
-                                lambda c, r: fn(c, *args, **kwargs))
+                                lambda c, r: fn(c, *args, **kwargs), delivery_count=dc or 0)
                 if run.status in (APPLIED, REPLAYED):
                     return run.outcome
                 if run.status == BUSY:
@@ -415,6 +436,131 @@ class Runner:
                 raise RetryableFailure(run.outcome, result=run)
             return wrapper
         return deco
+
+    # ---- the forms beyond one run in the runner's transaction ----
+    def apply(self, conn, tenant_id, scope, run_id, request, sql_handler, *, args=None,
+              delivery_count=0):
+        """The effect is the SQL function ``sql_handler`` (regprocedure
+        text, ``"charge(jsonb)"``: ``(args jsonb) RETURNS jsonb``, the
+        outcome), run by the extension's idem_apply: claim, effect and
+        completion are one statement, one round trip, committed by
+        itself.  ``args`` (JSON) is passed to it; None: the request.
+        Returns the Run; an error the function raises is recorded as a
+        failure (failed_permanent or failed_retryable, its sqlstate and
+        message as the detail)."""
+        from .apply import _ApplyContext
+        with _ApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
+                           args=args, delivery_count=delivery_count) as run:
+            pass
+        return run
+
+    def lease(self, conn, tenant_id, scope, run_id, request, *, lease_ms=None,
+              delivery_count=0):
+        """Lease mode, for an effect outside PostgreSQL: ``with
+        runner.lease(conn, ...) as lease:`` then ``if lease.claimed:`` do
+        the effect and set ``lease.outcome``.  The claim commits alone
+        with a lease of ``lease_ms`` (default: the runner's); after the
+        block the completion, fenced by ``lease.attempt``, commits in a
+        transaction of its own (LeaseLost if a later attempt took the key
+        over).  ``lease.defer()`` leaves the completion to
+        ``runner.complete``."""
+        from .lease import _LeaseContext
+        return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
+                             lease_ms=lease_ms, delivery_count=delivery_count)
+
+    def complete(self, conn, tenant_id, scope, run_id, outcome=None, *, attempt):
+        """Complete a key claimed in lease mode, fenced by the claim's
+        ``attempt``, in the connection's transaction (it commits by itself
+        on an autocommit connection).  LeaseLost if a later attempt took
+        the key over."""
+        from .lease import settle
+        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
+
+    def fail(self, conn, tenant_id, scope, run_id, detail=None, *, attempt, retryable=False):
+        """Fail a key claimed in lease mode, as ``complete``."""
+        from .lease import settle
+        settle(self, conn, tenant_id, scope, run_id, attempt,
+               failure=({} if detail is None else detail, retryable))
+
+    def batch(self, conn, items):
+        """Many deliveries at once: ``items`` are (tenant, scope, run_id,
+        request).  ``with runner.batch(conn, items) as batch:`` then, for
+        each run of ``batch.claimed``, the effect on ``conn`` and
+        ``run.outcome``; every Run is in ``batch.runs`` (in order) with its
+        status after the block.  Valkey answers what it can in one
+        pipelined GET, one idem_claim_many claims the rest, one round trip
+        completes, fails and commits."""
+        from .batch import Batch
+        return Batch(self, conn, items)
+
+    def cached(self, conn, tenant_id, scope, run_id, request):
+        """Valkey alone (one GET, no marker, no transaction): the Run,
+        replayed or failed_permanent, when the cache holds this key's
+        verified result for the same request; else None (PostgreSQL
+        decides)."""
+        return self.cached_many(conn, [(tenant_id, scope, run_id, request)])[0]
+
+    def cached_many(self, conn, items):
+        """``cached`` for many (tenant, scope, run_id, request) in one
+        pipelined round trip (one per node on a cluster): a list of Run or
+        None, in order."""
+        from .batch import cached_many
+        return cached_many(self, conn, items)
+
+
+def _make_run(cls, tenant_id, scope, run_id, request):
+    """A Run (or subclass) for one delivery: its key, canonical request and
+    fingerprint."""
+    if tenant_id is not None:
+        tenant_id = int(tenant_id)
+    try:
+        text = canonical_json(request)
+    except RequestError as e:
+        raise IdemError("request", "request: %s" % e) from None
+    try:
+        key = idem_key(scope, run_id)
+    except (TypeError, ValueError) as e:
+        raise IdemError("argument", str(e)) from None
+    return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
+
+
+def _failure_of(run, et, ev):
+    """What a block that ended with exception type et (None: none) records:
+    (failure, suppress), failure (detail, retryable) or None (complete).
+    A Failure raised in the block is recorded and suppressed (as
+    run.fail(detail)); any other exception is recorded as retryable and
+    propagates."""
+    if et is not None and issubclass(et, Failure):
+        return (ev.detail, ev.retryable), True
+    if et is not None:
+        return ({"error": et.__name__, "message": str(ev)[:1000]}, True), False
+    return run._failure, False
+
+
+def _raise_pg_error(conn, e, what):
+    """A statement's error: nothing committed (the connection lost, or the
+    transaction rolled back here)."""
+    if conn.broken or conn.closed:
+        raise IdemError("connection", "%s: connection lost (nothing committed): %s"
+                        % (what, e)) from e
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        pass
+    raise IdemError("server", "%s: %s" % (what, str(e).strip()),
+                    getattr(e.diag, "sqlstate", None)) from e
+
+
+def _session_ended(conn):
+    """Has the server ended this session (pg_terminate_backend, a restart)?
+    Reads, without blocking, what it sent meanwhile (libpq reads the
+    server's FATAL message, then its end of stream)."""
+    for _ in range(2):
+        try:
+            conn.pgconn.consume_input()
+        except psycopg.OperationalError:
+            break
+    return conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD
 
 
 def _outcome_text(outcome, what):
@@ -429,21 +575,20 @@ def _outcome_text(outcome, what):
 
 
 class _RunContext:
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request):
+    run_class = Run
+
+    def __init__(self, runner, conn, tenant_id, scope, run_id, request, *,
+                 delivery_count=0, first_sql=None, first_params=None):
         self.r = runner
         self.conn = conn
-        if tenant_id is not None:
-            tenant_id = int(tenant_id)
-        try:
-            text = canonical_json(request)
-        except RequestError as e:
-            raise IdemError("request", "request: %s" % e) from None
-        try:
-            key = idem_key(scope, run_id)
-        except (TypeError, ValueError) as e:
-            raise IdemError("argument", str(e)) from None
-        fp = hashlib.sha256(text.encode("utf-8")).digest()
-        self.run = Run(tenant_id, scope, run_id, text, key, fp)
+        if delivery_count is None or int(delivery_count) < 0:
+            raise IdemError("argument", "delivery_count must be 0 (unknown) or positive")
+        self.delivery_count = int(delivery_count)
+        if first_sql is not None and (not isinstance(first_sql, str) or not first_sql.strip()):
+            raise IdemError("argument", "first_sql must be a non-empty statement")
+        self.first_sql = first_sql
+        self.first_params = first_params
+        self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
         self.ckey = None
         self.marker = None
         self.own_marker = False
@@ -489,15 +634,7 @@ class _RunContext:
     def _pg_error(self, e, what):
         """An error from a statement: roll back what can be, release the marker."""
         self._drop_marker()
-        if self._broken():
-            raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                            % (what, e)) from e
-        try:
-            self.conn.rollback()
-        except psycopg.Error:
-            pass
-        raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                        getattr(e.diag, "sqlstate", None)) from e
+        _raise_pg_error(self.conn, e, what)
 
     def _drop_marker(self):
         if self.own_marker:
@@ -595,28 +732,60 @@ class _RunContext:
         return True
 
     # -- step 3b: the claim --
+    def _set_max_attempts(self):
+        """In the claim's transaction (pipelined): the runner's max_attempts."""
+        if self.r.max_attempts is not None:
+            self.conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
+                              [str(self.r.max_attempts)])
+
     def _claim(self):
         run, conn = self.run, self.conn
+        first = None
         try:
             # one round trip: BEGIN, the claim, the handler's savepoint
-            # (harmless when the key is not ours: COMMIT follows)
-            with conn.pipeline():
-                if conn.autocommit:
-                    conn.execute("BEGIN")
-                self.tx_open = True
-                cur = conn.execute(self._sql("claim"), self._key_params() +
-                                   [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
-                conn.execute("SAVEPOINT idem_handler")
+            # (harmless when the key is not ours: COMMIT follows), and the
+            # block's first statement if it gave one (rolled back to the
+            # savepoint when the key is not ours)
+            try:
+                with conn.pipeline():
+                    if conn.autocommit:
+                        conn.execute("BEGIN")
+                    self.tx_open = True
+                    self._set_max_attempts()
+                    cur = conn.execute(self._sql("claim"), self._key_params() +
+                                       [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
+                    conn.execute("SAVEPOINT idem_handler")
+                    if self.first_sql is not None:
+                        first = conn.execute(self.first_sql, self.first_params)
+            except psycopg.Error as e:
+                # the first statement's own error is the block's to handle
+                # when the key is ours (the transaction is then in error)
+                if first is None or self._broken() or cur.pgresult is None or \
+                        cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                    raise
+                run.first_error = e
             decision, attempt, outcome, ms = cur.fetchone()
             if decision == "claimed":
                 run.claimed = True
                 run.attempt = attempt
+                if first is not None and run.first_error is None:
+                    run.first = first.fetchall() if first.description is not None else []
                 return
-            conn.commit()
+            if first is not None:
+                with conn.pipeline():
+                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
+                    conn.execute("COMMIT")
+            else:
+                conn.commit()
             self.tx_open = False
         except psycopg.Error as e:
             self.tx_open = False
             self._pg_error(e, "idem_claim")
+        self._claim_decided(decision, attempt, outcome, ms)
+
+    def _claim_decided(self, decision, attempt, outcome, ms):
+        """A decision of idem_claim other than claimed."""
+        run = self.run
         if decision in ("completed", "failed_permanent"):
             # a terminal row: the claim queued a copy that overwrites our marker
             self.own_marker = False
@@ -641,7 +810,11 @@ class _RunContext:
         except psycopg.Error as e:
             self._pg_error(e, "learning the schema")
         try:
-            decided, silent, hint, marker_busy = self._gate()
+            # a first delivery (delivery_count 1): no run can have committed
+            # this key, so the gate could only answer "absent"; the claim decides
+            skip_gate = self.delivery_count == 1 and r.valkey is not None
+            r.stats["gate_skipped_first"] += skip_gate
+            decided, silent, hint, marker_busy = (False,) * 4 if skip_gate else self._gate()
             if decided:
                 if marker_busy and r.lookup_first:
                     self._lookup()      # a committed run's marker: replay or mismatch now
@@ -690,15 +863,8 @@ class _RunContext:
             raise IdemError("handler_ended_tx",
                             "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
                             "effect may have committed without its idempotency key")
-        failure = run._failure
-        suppress = False
-        if et is not None and issubclass(et, Failure):
-            # raise idem.PermanentFailure(detail) in the block: run.fail(detail)
-            failure = (ev.detail, ev.retryable)
-            suppress = True
-        elif et is not None:
-            failure = ({"error": et.__name__, "message": str(ev)[:1000]}, True)
-        elif ts == TransactionStatus.INERROR:
+        failure, suppress = _failure_of(run, et, ev)
+        if et is None and ts == TransactionStatus.INERROR and failure is None:
             conn.rollback()
             raise IdemError("handler", "the block left the transaction in error (a failed "
                             "statement it caught): rolled back, nothing recorded")
@@ -720,13 +886,7 @@ class _RunContext:
                 text = _outcome_text({"error": et.__name__}, "the failure detail")
         # A session the server ended while the block ran (pg_terminate_backend,
         # a restart) is seen now, before COMMIT is sent: nothing committed.
-        # (libpq reads the server's FATAL message, then its end of stream)
-        for _ in range(2):
-            try:
-                conn.pgconn.consume_input()
-            except psycopg.OperationalError:
-                break
-        if self._broken() or conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+        if _session_ended(conn):
             raise IdemError("connection", "connection lost during the run (nothing committed)")
         # one round trip: end the savepoint, complete or fail, COMMIT (a
         # statement of the pipeline: conn.commit() would sync once more)
