@@ -350,6 +350,8 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it, or the shard moved away while the call waited for the move.",
 						   shardname),
 				 errhint("Call the function as a statement of its own, SELECT idem_claim(...) or SELECT * FROM idem_claim(...), with tenant_id a constant or a parameter, so that Citus delegates it; not from a PL/pgSQL expression, a subquery or an INSERT ... SELECT.")));
+	/* this node copies into the cluster's cache only (cache_cluster.c) */
+	idem_cache_cluster_mark(MyDatabaseId);
 	tenant_shard_remember(relid, tenant_id, id, shard, gen);
 	*shardid = id;
 	return shard;
@@ -412,17 +414,15 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 }
 
 /*
- * Run DELETE_SQL, one purge batch (ledger_store.c), on every shard of the
- * distributed tenant ledger RELID, through run_command_on_shards (%1$s in
- * it is the shard's name; a connection per shard placement, outside this
- * transaction: each shard's batch commits on its own, like a purge batch).
- * Returns the rows deleted.
+ * Run CMD, one purge batch (ledger_store.c) that returns the rows it
+ * deleted, on every shard of the distributed tenant ledger RELID, through
+ * run_command_on_shards (%1$L in it is the shard's name, as a literal; a
+ * connection per shard placement, outside this transaction: each shard's
+ * batch commits on its own, like a purge batch).  Returns the rows deleted.
  */
 int64
-idem_citus_purge(Oid relid, const char *delete_sql)
+idem_citus_purge(Oid relid, const char *cmd)
 {
-	char	   *cmd = psprintf("WITH d AS (%s RETURNING 1) SELECT pg_catalog.count(*) FROM d",
-							   delete_sql);
 	Datum		args[2];
 	Oid			argtypes[2] = {REGCLASSOID, TEXTOID};
 	int64		deleted = 0;
