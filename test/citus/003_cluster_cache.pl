@@ -58,6 +58,14 @@ sub coord_mac_ok { return IdemValkey::mac_ok($c, @_) }
 # ---------- one keyspace, the coordinator's secrets ----------
 my $ks = ks();
 like($ks, qr/^idem:[0-9]+\.1\.[0-9a-f]{16}\.[0-9]+:$/, 'the coordinator names a keyspace');
+$c->safe_psql('postgres', q{
+	CREATE ROLE runner LOGIN;
+	GRANT EXECUTE ON FUNCTION idem_cache_keyspace(), idem_cache_secrets() TO runner;
+});
+is($c->safe_psql('postgres', 'SET ROLE runner; SELECT idem_cache_keyspace()'), $ks,
+	'a runner role that is granted idem_cache_keyspace() learns the same keyspace');
+is($c->psql('postgres', 'SET ROLE runner; SELECT idem_cache_node()'), 3,
+	'... but may not call the nodes\' own functions');
 is(IdemValkey::wait_keyspace($w1), $ks, 'worker 1 joined it');
 is(IdemValkey::wait_keyspace($w2), $ks, 'worker 2 joined it');
 is(IdemValkey::secrets($w1) . ' ' . IdemValkey::secret_hex($w1, 1),
@@ -125,10 +133,14 @@ isnt($ks4, $ks3, 'TRUNCATE of a shard too');
 
 # ---------- what is not a removal ----------
 $c->safe_psql('postgres', qq{
+	BEGIN;
 	SELECT idem_claim($t1, idem_key('s', 'old1'), idem_fingerprint('{}'));
 	SELECT idem_complete($t1, idem_key('s', 'old1'), '{}', '1 millisecond');
+	COMMIT;
+	BEGIN;
 	SELECT idem_claim($t2, idem_key('s', 'old2'), idem_fingerprint('{}'));
 	SELECT idem_complete($t2, idem_key('s', 'old2'), '{}', '1 millisecond');
+	COMMIT;
 });
 usleep(50_000);
 is($c->safe_psql('postgres', 'SELECT idem_purge(1000)'), '2',
@@ -136,7 +148,7 @@ is($c->safe_psql('postgres', 'SELECT idem_purge(1000)'), '2',
 is(ks(), $ks4, '... and keeps the keyspace');
 
 my $sid = $c->safe_psql('postgres',
-	"SELECT get_shard_id_for_distribution_column('idempotency_keys', $t1::bigint)");
+	"SELECT get_shard_id_for_distribution_column('idempotency_keys', ${t1}::bigint)");
 $c->safe_psql('postgres', qq{
 	SELECT citus_move_shard_placement($sid, '127.0.0.1', ${\ $w1->port}, '127.0.0.1', ${\ $w2->port},
 		shard_transfer_mode => 'block_writes')});
