@@ -249,9 +249,10 @@ REVOKE ALL ON FUNCTION
 FROM PUBLIC;
 
 -- On Citus: one purge batch on a shard of the tenant ledger, which
--- idem_purge() runs on every shard from the coordinator.  Only expired rows
--- go, with the caller's own privileges on the shard; unlike a DELETE by
--- hand, it does not start a new cache epoch on the node.
+-- idem_purge() runs on every shard from the coordinator, as the extension's
+-- owner, once it has checked the caller's privileges on the ledger.  Only
+-- expired rows go; unlike a DELETE by hand, it does not start a new cache
+-- epoch on the node.
 CREATE FUNCTION @extschema@.idem_shard_purge(shard regclass,
                                              terminal_before timestamptz,
                                              processing_before timestamptz,
@@ -260,6 +261,9 @@ CREATE FUNCTION @extschema@.idem_shard_purge(shard regclass,
 RETURNS bigint
 AS 'MODULE_PATHNAME', 'idem_shard_purge'
 LANGUAGE C VOLATILE STRICT PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_shard_purge(regclass, timestamptz, timestamptz,
+                                                    timestamptz, integer) FROM PUBLIC;
 
 -- On Citus: one Valkey cache for the cluster.  The coordinator's
 -- idem_cache_keyspace() asks each worker node for its identity and a
