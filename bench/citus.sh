@@ -30,6 +30,14 @@ SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_CITUS_CLIENTS:-1 8}
 
+# Alone (not from bench/run): build and install idem into the private
+# PostgreSQL copy first, as bench/run does.
+if [ -z "${BENCH_WORK:-}" ]; then
+	idem_serialize "$ROOT/tmp_pgroot.lock"
+	idem_ensure_deps || exit 2
+	idem_pg_private_for "$ROOT" || exit 2
+	idem_build_install "$ROOT" || exit 1
+fi
 if ! idem_citus_prepare "$ROOT"; then
 	echo "citus bench skipped: $IDEM_CITUS_SKIP"
 	exit 0
