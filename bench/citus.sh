@@ -69,7 +69,8 @@ for n in coord w1 w2; do
 	PORT[$n]=$(idem_free_port)
 	idem_pg_start "$WORK/$n" "${PORT[$n]}" "shared_preload_libraries = 'citus,idem'" \
 		"max_connections = 200" "shared_buffers = 128MB" "max_prepared_transactions = 100" \
-		"citus.shard_count = 8" "idem.valkey_port = $VKPORT" || exit 1
+		"citus.shard_count = 8" "idem.valkey_port = $VKPORT" \
+		${BENCH_CITUS_DEBUG:+"log_min_duration_statement = 0"} || exit 1
 done
 psql_on() {
 	local n=$1
@@ -118,7 +119,7 @@ BEGIN
   INSERT INTO transfers (tenant_id, amount) VALUES (t, amt) RETURNING id INTO tid;
   UPDATE hand_keys
      SET status = 'completed', outcome = jsonb_build_object('transfer_id', tid),
-         expires_at = now() + interval '1 day', updated_at = clock_timestamp()
+         expires_at = now() + interval '1 day', updated_at = now()
    WHERE tenant_id = t AND idempotency_key = k;
   RETURN 'applied';
 END \$\$;
@@ -140,10 +141,15 @@ SQL
 
 # The replay keys client_bench expects (bench/setup.sql's), completed
 # through the coordinator, each call delegated to its tenant's worker.
-seq 1 10000 | awk '{ printf "BEGIN;\nSELECT idem_claim(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), idem_fingerprint('"'"'{\"amount\": 1}'"'"'));\nSELECT idem_complete(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), jsonb_build_object('"'"'transfer_id'"'"', %d));\nCOMMIT;\n", 1 + $1 % 100, $1, 1 + $1 % 100, $1, $1 }' \
+seq 1 10000 | awk '{ printf "BEGIN; SELECT idem_claim(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), idem_fingerprint('"'"'{\"amount\": 1}'"'"')); SELECT idem_complete(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), jsonb_build_object('"'"'transfer_id'"'"', %d)); COMMIT;\n", 1 + $1 % 100, $1, 1 + $1 % 100, $1, $1 }' \
 	>"$WORK/fill.sql"
 chmod a+r "$WORK/fill.sql"
-psql_on coord -f "$WORK/fill.sql" >/dev/null || { echo "citus bench: filling the replay keys failed" >&2; exit 1; }
+split -n l/4 -d "$WORK/fill.sql" "$WORK/fill.part."
+chmod a+r "$WORK"/fill.part.*
+for f in "$WORK"/fill.part.*; do psql_on coord -f "$f" >/dev/null & done
+fill_ok=1
+for _ in 1 2 3 4; do wait -n || fill_ok=; done
+[ -n "$fill_ok" ] || { echo "citus bench: filling the replay keys failed" >&2; exit 1; }
 psql_on coord -c 'VACUUM ANALYZE' >/dev/null
 
 BIN=$WORK/client_bench
@@ -157,13 +163,21 @@ bench() { idem_as_test_user "$BIN" "$1" "$2" "$3" "$PG" 127.0.0.1 "$VKPORT"; }
 
 # Warm-up: replays until Valkey answers at least 95 % of them (each key's
 # first replay is answered by PostgreSQL, and the worker copies it).
-for _ in $(seq 1 10); do
+for _ in $(seq 1 "${BENCH_CITUS_WARMUPS:-10}"); do
 	out=$(bench valkey-replay 8 "$SECS") || { echo "citus bench: warm-up failed" >&2; exit 1; }
 	share=$(echo "$out" | awk '$1 == "valkey" { print ($4 > 0 ? $5 / $4 : 0) }')
-	echo "warm-up: $(awk -v s="$share" 'BEGIN { printf "%.1f", 100 * s }') % of replays from Valkey"
+	echo "warm-up: $(awk -v s="$share" 'BEGIN { printf "%.1f", 100 * s }') % of replays from Valkey, $("$(idem_valkey_cli)" -p "$VKPORT" dbsize) keys in Valkey"
+	if [ -n "${BENCH_CITUS_DEBUG:-}" ]; then
+		psql_on coord -c 'SELECT idem_cache_keyspace()'
+		grep -h "idem" "$WORK"/*/pg.log | tail -n 20
+	fi
 	awk -v s="$share" 'BEGIN { exit !(s >= 0.95) }' && break
 done
 
+if [ -n "${BENCH_CITUS_HOLD:-}" ]; then
+	echo "holding: coordinator ${PORT[coord]}, workers ${PORT[w1]} ${PORT[w2]}, Valkey $VKPORT, work $WORK"
+	sleep "$BENCH_CITUS_HOLD"
+fi
 echo "Through the coordinator of a Citus cluster (coordinator + 2 workers, one machine),"
 echo "client_bench, ${SECS} s per run, median of $ROUNDS alternating rounds."
 MODES="run-new-sql-first hand-new valkey-replay pg-replay"
