@@ -139,6 +139,17 @@ END \$\$;
 SELECT create_distributed_function('bench_transfer(jsonb)');
 SQL
 
+# A runner learns the cache keyspace on the coordinator before its first
+# run, which joins the workers to the cluster's cache: do that first, so
+# that the workers copy the replay keys as they complete them.
+for _ in $(seq 1 20); do
+	ks=$(psql_on coord -c 'SELECT idem_cache_keyspace()' 2>/dev/null)
+	[ -n "$ks" ] && [ "$(psql_on w1 -c 'SELECT idem_cache_keyspace()' 2>/dev/null)" = "$ks" ] &&
+		[ "$(psql_on w2 -c 'SELECT idem_cache_keyspace()' 2>/dev/null)" = "$ks" ] && break
+	sleep 1
+done
+[ -n "$ks" ] || { echo "citus bench: the coordinator names no cache keyspace" >&2; exit 1; }
+
 # The replay keys client_bench expects (bench/setup.sql's), completed
 # through the coordinator, each call delegated to its tenant's worker.
 seq 1 10000 | awk '{ printf "BEGIN; SELECT idem_claim(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), idem_fingerprint('"'"'{\"amount\": 1}'"'"')); SELECT idem_complete(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), jsonb_build_object('"'"'transfer_id'"'"', %d)); COMMIT;\n", 1 + $1 % 100, $1, 1 + $1 % 100, $1, $1 }' \
