@@ -40,8 +40,9 @@
  * keyspace (runners ask at least every secrets_max_age_ms): one
  * run_command_on_workers to read each node's identity, and one
  * master_run_on_worker for the nodes whose join is missing or stale.  A
- * node that does not answer is left out of the hash and not joined: its
- * tenants are served by PostgreSQL alone until it answers again.
+ * node that does not answer (within CLUSTER_CONNECT_TIMEOUT_MS to connect)
+ * is left out of the hash and not joined: its tenants are served by
+ * PostgreSQL alone until it answers again.
  *
  * Locking: a spinlock over the shared struct, held only to copy a few
  * hundred bytes in or out; the idem worker reads it for every batch.
@@ -60,6 +61,7 @@
 #include "storage/spin.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/lsyscache.h"
 
 /* Databases of one server that may join a cluster cache at once. */
@@ -70,6 +72,8 @@
 /* current id, current secret, previous id, previous secret */
 #define SEAL_PLAIN_LEN		(4 + IDEM_MAC_LEN + 4 + IDEM_MAC_LEN)
 #define SEAL_LEN			(SEAL_NONCE_LEN + SEAL_PLAIN_LEN + IDEM_MAC_LEN)
+/* How long the coordinator waits to connect to a node it asks. */
+#define CLUSTER_CONNECT_TIMEOUT_MS	2000
 
 typedef struct ClusterSlot
 {
@@ -525,6 +529,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
 	uint64		cluster_epoch = 0;
 	IdemCacheSecrets s;
 	char	   *node_fn;
+	int			guc_level;
 
 	if (cluster_shared == NULL || !OidIsValid(ledger) ||
 		!idem_citus_distributed(ledger))
@@ -558,6 +563,17 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
 	 */
 	node_fn = psprintf("SELECT %s.idem_cache_node()",
 					   quote_identifier(get_namespace_name(nsp)));
+
+	/*
+	 * A node that does not answer is left out: bound the wait for its
+	 * connection, so that a runner learning the keyspace is not held for
+	 * Citus's default (30 s).  Restored when this returns.
+	 */
+	guc_level = NewGUCNestLevel();
+	(void) set_config_option("citus.node_connection_timeout",
+							 CppAsString2(CLUSTER_CONNECT_TIMEOUT_MS),
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, WARNING, false);
 	GetUserIdAndSecContext(&save_userid, &save_sec_context);
 	SetUserIdAndSecContext(owner, save_sec_context | SECURITY_LOCAL_USERID_CHANGE);
 	{
@@ -676,6 +692,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
 		}
 	}
 	SetUserIdAndSecContext(save_userid, save_sec_context);
+	AtEOXact_GUC(true, guc_level);
 	SPI_finish();
 	return 1;
 }

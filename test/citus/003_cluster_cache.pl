@@ -166,6 +166,16 @@ is(IdemValkey::wait_keyspace($w2, undef, 2), undef,
 is(ks(), $ks4, 'a clean restart keeps the node\'s epoch and the cluster keyspace');
 is(IdemValkey::wait_keyspace($w2), $ks4, '... and the coordinator joins it again');
 
+# ---------- a node that does not answer is left out ----------
+$w2->stop;
+my $t0 = time;
+my $ks5 = ks();
+ok(time - $t0 < 15, 'with worker 2 down, the coordinator still names a keyspace, soon');
+isnt($ks5, $ks4, '... another one: worker 2 is left out of it');
+is(IdemValkey::wait_keyspace($w1), $ks5, '... which worker 1 joins');
+$w2->start;
+is(ks(), $ks4, 'worker 2 back with its history unchanged: the keyspace is the one before');
+
 $w1->stop;
 $w2->stop;
 $c->stop;
