@@ -5,22 +5,9 @@
  *	  Internal functions are idemc_*: only the public API bears idem_, in
  *	  the static library too (shared_names.h renames those of ../src).
  *
- *	  ../src/sha256.c, ../src/hmac.c	SHA-256, HMAC-SHA-256 (sha256.h; shared
- *						with the extension's worker)
- *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
- *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
- *						MAC verification, the marker it writes
- *	  canonical_json.c	the jsonb-identical canonical JSON text
- *	  digest.c			idem_key(), idem_fingerprint()
- *	  gate.c			the Valkey side: connection, the gate (SET NX PX
- *						GET), compare-and-delete
- *	  pg.c				the PostgreSQL side: connection, pipelines
- *	  lifecycle.c		a runner's life: options, open, close, last error,
- *						counters
- *	  runner.c			one run, step by step: the gate, the claim, the
- *						handler's call, the result
- *	  cached.c			idem_cached(_many): read-only lookups in Valkey
- *	  call.c			the handler's idem_call accessors; status names
+ *	  Which file owns what: the source-layout table of ../README.md, the
+ *	  one file map (test/harness/file_map.sh checks it against the
+ *	  Makefile's OBJS).
  */
 #ifndef IDEM_CLIENT_INTERNAL_H
 #define IDEM_CLIENT_INTERNAL_H
@@ -32,6 +19,11 @@
 #include "idem_client.h"
 #include "cache_format.h"
 #include "sha256.h"
+
+/* The public header's sizes are the server's (idem_client.h states them). */
+_Static_assert(IDEM_OUTCOME_MAX_BYTES == IDEM_OUTCOME_MAX,
+			   "idem_client.h's outcome limit is the server's");
+_Static_assert(IDEM_DIGEST_LEN == 32, "idem_call_key() is stated as 32 bytes");
 
 /* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
 void		idemc_sha1_hex(const void *data, size_t len, char out[41]);

@@ -3,45 +3,9 @@
  * idem.h
  *	  Declarations shared between the files of the idem extension.
  *
- * Who owns what (one file per concern):
- *	  idem.c		module load: _PG_init registers every callback and hook
- *	  shmem.c		shared memory: the one request/startup hook pair
- *	  xact.c		transaction and subtransaction ends, and the one rule
- *					by which per-transaction state follows subtransactions
- *	  compat.h		differences between PostgreSQL versions; exports
- *	  guc.c			every idem.* setting, its checks and documentation
- *	  digest.c		idem_key() and idem_fingerprint(): the SHA-256 helpers,
- *					and the 32-byte bytea of keys and fingerprints
- *	  install.c		idem_install(): creates the two ledgers
- *	  ledger.c		claim / complete / fail / lookup / purge on both ledgers
- *	  ledger_batch.c	idem_claim_many / idem_complete_many
- *	  ledger_apply.c	idem_apply: claim, a SQL handler, complete
- *	  ledger_store.c	index probes and prepared writes on a ledger table
- *	  ledger_insert.c	the direct write of a new row (the hot write)
- *	  ledger_guard.c	ledger rows removed outside idem (DELETE, TRUNCATE,
- *					DROP...): a new cache epoch at commit
- *	  pending.c		this transaction's claims not written yet (ledger.h)
- *	  outbox.c		the commit hook: this transaction's copies for Valkey
- *	  outbox_ring.c	the shared-memory queue they move to at commit, and
- *					the worker's side of it (outbox_ring.h)
- *	  worker.c		the background worker that drains the queue into Valkey
- *	  worker_cluster.c	the worker's copies to a Valkey Cluster
- *	  valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h), shared
- *					with client/
- *	  cache_secret.c	the secret that MACs Valkey values and the history
- *					epoch that names the keyspace: file, shared copy,
- *					rotation, renewal, takeover, HMAC
- *	  sha256.c, hmac.c	SHA-256 and HMAC-SHA-256 (sha256.h), shared with
- *					client/
- *	  standby_slots.c	idem.standby_slots: the standbys a copy waits for
- *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
- *					timeline, epoch, database) and idem_cache_keyspace()
- *	  cache_cluster.c	one cache for a Citus cluster: the cluster keyspace,
- *					the coordinator's secrets sealed to each node
- *	  stats.c		idem_stats() and the shared counters behind it
- *	  citus.c		idem on Citus: the tenant's local shard, distribution
- *					at install, the purge of every shard (citus.h)
- *	  cache_format.h the Valkey key/value format, shared with client/
+ * Which file owns what: the source-layout table of README.md, the one
+ * file map (test/harness/file_map.sh checks it against the Makefile's
+ * OBJS); each file's header says what it owns and its locking rules.
  *
  *-------------------------------------------------------------------------
  */

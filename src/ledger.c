@@ -189,6 +189,7 @@ ledger_retention_end(Interval *iv, TimestampTz now)
 }
 
 /* A result or failure detail: a JSON object of at most 4096 bytes of text. */
+StaticAssertDecl(IDEM_OUTCOME_MAX == 4096, "the size stated above and in the README");
 char *
 ledger_check_outcome(Jsonb *jb, const char *name)
 {

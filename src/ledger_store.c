@@ -1016,6 +1016,7 @@ row_attr(LedgerStore *store, TupleTableSlot *slot, StoreColumn col)
 }
 
 /* A 32-byte digest column; any other length is refused (its CHECK was dropped). */
+StaticAssertDecl(IDEM_DIGEST_LEN == 32, "the size stated above");
 static void
 digest_value(LedgerStore *store, Datum d, uint8 *out)
 {

@@ -55,8 +55,15 @@
 #include "storage/proc.h"
 #include "storage/shmem.h"
 
-/* Average bytes reserved per queued record (112-byte header + outcome). */
-#define IDEM_OUTBOX_BYTES_PER_RECORD	256
+/*
+ * A record's header (everything before the outcome) is 120 bytes; the ring
+ * reserves IDEM_OUTBOX_BYTES_PER_RECORD (256) bytes per queued record on
+ * average, header and a typical outcome.
+ */
+StaticAssertDecl(offsetof(IdemOutboxRecord, outcome) == 120,
+				 "the header size stated above and in docs/commit-ring.md");
+StaticAssertDecl(IDEM_OUTBOX_BYTES_PER_RECORD == 256,
+				 "the size stated above, in idem.queue_size's description and in the README");
 #define IDEM_OUTBOX_RECORD_MAX	IDEM_OUTBOX_RECORD_SIZE(IDEM_OUTCOME_MAX)
 #define IDEM_OUTBOX_NO_WORKER	PG_UINT32_MAX
 

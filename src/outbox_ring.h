@@ -39,6 +39,9 @@ typedef struct IdemOutboxRecord
 	char		outcome[FLEXIBLE_ARRAY_MEMBER];
 } IdemOutboxRecord;
 
+/* Average bytes the ring reserves per queued record (see outbox_ring.c). */
+#define IDEM_OUTBOX_BYTES_PER_RECORD	256
+
 #define IDEM_OUTBOX_RECORD_SIZE(outcome_len) \
 	MAXALIGN(offsetof(IdemOutboxRecord, outcome) + (outcome_len))
 

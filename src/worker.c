@@ -33,8 +33,10 @@
  * one write to each master it has copies for and their replies are read
  * after the sleep.
  * While the worker is awake, committing backends do not set its latch
- * (outbox_ring.c).  An error
- * reply counts a copy error and drops that record.  A connection that fails,
+ * (outbox_ring.c).  An error reply that says the server cannot take
+ * writes now (vk_classify_error) counts a copy error and keeps the batch;
+ * any other condemns its record only, dropped and counted in rejected.
+ * A connection that fails,
  * or a batch not answered within idem.valkey_command_timeout, closes the
  * connection and keeps the batch queued; the worker reconnects after a
  * delay that doubles from IDEM_BACKOFF_MIN_MS to IDEM_BACKOFF_MAX_MS and
