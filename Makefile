@@ -14,7 +14,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/install.o src/ledger.o src/ledger_store.o src/ledger_insert.o \
 	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_cluster.o src/stats.o src/cache_secret.o \
-	src/cache_keyspace.o src/standby_slots.o src/valkey_cluster.o src/citus.o \
+	src/cache_keyspace.o src/cache_cluster.o src/standby_slots.o src/valkey_cluster.o src/citus.o \
 	src/sha256.o src/hmac.o
 # Install and upgrade scripts, beside idem.control as in contrib.
 DATA = $(wildcard idem--*.sql)

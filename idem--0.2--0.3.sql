@@ -247,3 +247,38 @@ REVOKE ALL ON FUNCTION
     @extschema@.idem_fail_many(bigint[], bytea[], jsonb[], boolean[], interval),
     @extschema@.idem_platform_fail_many(bytea[], jsonb[], boolean[], interval)
 FROM PUBLIC;
+
+-- On Citus: one purge batch on a shard of the tenant ledger, which
+-- idem_purge() runs on every shard from the coordinator, as the extension's
+-- owner, once it has checked the caller's privileges on the ledger.  Only
+-- expired rows go; unlike a DELETE by hand, it does not start a new cache
+-- epoch on the node.
+CREATE FUNCTION @extschema@.idem_shard_purge(shard regclass,
+                                             terminal_before timestamptz,
+                                             processing_before timestamptz,
+                                             finished_before timestamptz,
+                                             batch integer)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_shard_purge'
+LANGUAGE C VOLATILE STRICT PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_shard_purge(regclass, timestamptz, timestamptz,
+                                                    timestamptz, integer) FROM PUBLIC;
+
+-- On Citus: one Valkey cache for the cluster.  The coordinator's
+-- idem_cache_keyspace() asks each worker node for its identity and a
+-- one-time key, then sends it the cluster's keyspace and the coordinator's
+-- secrets sealed with that key.  Only the coordinator calls these, as the
+-- extension's owner.
+CREATE FUNCTION @extschema@.idem_cache_node()
+RETURNS text
+AS 'MODULE_PATHNAME', 'idem_cache_node'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_cache_node_join(keyspace text, identity text, sealed text)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_cache_node_join'
+LANGUAGE C VOLATILE STRICT PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_cache_node(),
+    @extschema@.idem_cache_node_join(text, text, text) FROM PUBLIC;

@@ -1,19 +1,43 @@
 #!/usr/bin/env bash
-# bench/citus.sh (run by make bench after the main table): claim + effect +
-# complete per transaction, on Citus (a coordinator and two workers, the
-# handler sent to the coordinator and delegated to the tenant's worker)
-# next to the single node bench/run started (BENCH_PGPORT).  All the nodes
-# share this machine's cores, so the Citus figure is indicative only: it
-# shows the cost of the extra hop, not how Citus scales out.
+# bench/citus.sh (also run by make bench after the main table): idem on a
+# Citus cluster (a coordinator and two workers on this machine), every
+# figure measured through the coordinator, side by side on the same
+# cluster, alternating rounds, median kept:
 #
-#   BENCH_SECONDS, BENCH_CITUS_CLIENTS (default "1 8")
+#   new keys  run-new-sql-first: the C runner's idem_apply with a SQL
+#             handler (one statement, delegated to the tenant's worker)
+#             against hand-new: the seed's ledger written by hand, the table
+#             distributed by tenant and co-located, INSERT ... ON CONFLICT DO
+#             NOTHING, the effect and UPDATE in one PL/pgSQL function
+#             distributed by its tenant argument (one call, routed to the
+#             worker): target >= 0.90
+#   replays   valkey-replay: the runner's replays of completed keys, which
+#             the workers copied into the cluster's cache (after a warm-up:
+#             the first replay of a key is answered by PostgreSQL and copied)
+#             against pg-replay: the same with Valkey down: target >= 2, with
+#             >= 90 % of the replays answered by Valkey
+#
+# All three nodes share this machine's cores: the figures show idem against
+# the hand-written ledger on one cluster, not how Citus scales out.
+#
+#   BENCH_SECONDS (5), BENCH_ROUNDS (3), BENCH_CITUS_CLIENTS ("1 8"),
+#   BENCH_VKPORT (a Valkey to use; one is started otherwise)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/test/lib/common.sh"
 . "$ROOT/test/lib/citus.sh"
-SECONDS_PER=${BENCH_SECONDS:-5}
+SECS=${BENCH_SECONDS:-5}
+ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_CITUS_CLIENTS:-1 8}
 
+# Alone (not from bench/run): build and install idem into the private
+# PostgreSQL copy first, as bench/run does.
+if [ -z "${BENCH_WORK:-}" ]; then
+	idem_serialize "$ROOT/tmp_pgroot.lock"
+	idem_ensure_deps || exit 2
+	idem_pg_private_for "$ROOT" || exit 2
+	idem_build_install "$ROOT" || exit 1
+fi
 if ! idem_citus_prepare "$ROOT"; then
 	echo "citus bench skipped: $IDEM_CITUS_SKIP"
 	exit 0
@@ -22,9 +46,21 @@ fi
 WORK=$(mktemp -d /tmp/idem-bench-citus.XXXXXX)
 chmod 755 "$WORK"
 [ "$(id -u)" -ne 0 ] || chown "$(idem_test_user)" "$WORK"
-cleanup() { for n in coord w1 w2; do idem_pg_stop "$WORK/$n"; done; rm -rf "$WORK"; }
+OWN_VK=
+cleanup() {
+	for n in coord w1 w2; do idem_pg_stop "$WORK/$n"; done
+	[ -z "$OWN_VK" ] || idem_valkey_stop "$WORK"
+	rm -rf "$WORK"
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+VKPORT=${BENCH_VKPORT:-}
+if [ -z "$VKPORT" ]; then
+	VKPORT=$(idem_free_port)
+	OWN_VK=1
+	idem_valkey_start "$WORK" "$VKPORT" || exit 1
+fi
 
 declare -A PORT
 for n in coord w1 w2; do
@@ -32,8 +68,9 @@ for n in coord w1 w2; do
 	[ "$(id -u)" -ne 0 ] || chown "$(idem_test_user)" "$WORK/$n"
 	PORT[$n]=$(idem_free_port)
 	idem_pg_start "$WORK/$n" "${PORT[$n]}" "shared_preload_libraries = 'citus,idem'" \
-		"max_connections = 100" "shared_buffers = 128MB" "max_prepared_transactions = 100" \
-		"citus.shard_count = 8" "idem.valkey_port = ${BENCH_VKPORT:-6379}" || exit 1
+		"max_connections = 200" "shared_buffers = 128MB" "max_prepared_transactions = 100" \
+		"citus.shard_count = 8" "idem.valkey_port = $VKPORT" \
+		${BENCH_CITUS_DEBUG:+"log_min_duration_statement = 0"} || exit 1
 done
 psql_on() {
 	local n=$1
@@ -51,44 +88,130 @@ SELECT create_distributed_table('tenants', 'id');
 INSERT INTO tenants (id) SELECT g FROM generate_series(1, 100) g;
 CREATE EXTENSION idem;
 SELECT idem_install('tenants');
-CREATE TABLE ctransfers (id bigserial, tenant_id bigint NOT NULL REFERENCES tenants (id),
-	amount bigint NOT NULL, PRIMARY KEY (tenant_id, id));
-SELECT create_distributed_table('ctransfers', 'tenant_id', colocate_with => 'tenants');
-SQL
-# The same schema's effect table on the single node.
-idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -h "$BENCH_WORK" -p "$BENCH_PGPORT" -U postgres -d postgres \
-	-c "CREATE TABLE IF NOT EXISTS ctransfers (id bigserial, tenant_id bigint NOT NULL REFERENCES tenants (id), amount bigint NOT NULL, PRIMARY KEY (tenant_id, id))" >/dev/null
 
-cat >"$WORK/handler.sql" <<'SQL'
-\set t random(1, 100)
-\set run random(1, 2000000000)
-BEGIN;
-SELECT * FROM idem_claim(:t, idem_key('bench.citus', (:run)::text), idem_fingerprint('{}'));
-INSERT INTO ctransfers (tenant_id, amount) VALUES (:t, 1);
-SELECT idem_complete(:t, idem_key('bench.citus', (:run)::text), '{"ok": true}');
-COMMIT;
-SQL
-chmod a+r "$WORK/handler.sql"
+-- The effect, co-located with its tenant.
+CREATE TABLE transfers (id bigserial, tenant_id bigint NOT NULL REFERENCES tenants (id),
+	amount bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (tenant_id, id));
+SELECT create_distributed_table('transfers', 'tenant_id', colocate_with => 'tenants');
 
-tps() {
-	local out rc
-	out=$(idem_as_test_user "$(idem_pg_bindir)/pgbench" -n -M prepared -h "$1" -p "$2" -U postgres \
-		-c "$3" -j "$(($3 < 2 ? $3 : 2))" -T "$SECONDS_PER" -f "$WORK/handler.sql" postgres 2>&1)
-	rc=$?
-	# a client that aborts lowers the figure: say so rather than print it
-	if [ $rc -ne 0 ]; then
-		echo "citus bench: pgbench on port $2 exited $rc: $(echo "$out" | grep -m1 -iE 'error|abort')" >&2
-		return
+-- The seed's ledger, written by hand (make bench's variant (3)), distributed
+-- the same way as idem's.
+CREATE TABLE hand_keys (LIKE idempotency_keys INCLUDING ALL) WITH (fillfactor = 70);
+SELECT create_distributed_table('hand_keys', 'tenant_id', colocate_with => 'tenants');
+ALTER TABLE hand_keys ADD FOREIGN KEY (tenant_id) REFERENCES tenants (id);
+CREATE FUNCTION v3_hand(t bigint, run bigint, amt bigint) RETURNS text
+LANGUAGE plpgsql AS \$\$
+DECLARE
+  k  bytea := idem_key('bench.transfer', run::text);
+  fp bytea := idem_fingerprint(jsonb_build_object('amount', amt));
+  r  record;
+  tid bigint;
+BEGIN
+  INSERT INTO hand_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+  VALUES (t, k, fp, now() + interval '30 seconds')
+  ON CONFLICT (tenant_id, idempotency_key) DO NOTHING;
+  IF NOT FOUND THEN
+    SELECT status, outcome INTO r FROM hand_keys
+     WHERE tenant_id = t AND idempotency_key = k;
+    RETURN r.status;
+  END IF;
+  INSERT INTO transfers (tenant_id, amount) VALUES (t, amt) RETURNING id INTO tid;
+  UPDATE hand_keys
+     SET status = 'completed', outcome = jsonb_build_object('transfer_id', tid),
+         expires_at = now() + interval '1 day', updated_at = now()
+   WHERE tenant_id = t AND idempotency_key = k;
+  RETURN 'applied';
+END \$\$;
+SELECT create_distributed_function('v3_hand(bigint, bigint, bigint)', 't',
+	colocate_with => 'tenants');
+
+-- The runner's effect as a SQL handler (idem_apply runs it on the worker).
+CREATE FUNCTION bench_transfer(args jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS \$\$
+DECLARE
+  tid bigint;
+BEGIN
+  INSERT INTO transfers (tenant_id, amount)
+  VALUES ((args->>'t')::bigint, (args->>'amount')::bigint) RETURNING id INTO tid;
+  RETURN jsonb_build_object('transfer_id', tid);
+END \$\$;
+SELECT create_distributed_function('bench_transfer(jsonb)');
+SQL
+
+# A runner learns the cache keyspace on the coordinator before its first
+# run, which joins the workers to the cluster's cache: do that first, so
+# that the workers copy the replay keys as they complete them.
+for _ in $(seq 1 20); do
+	ks=$(psql_on coord -c 'SELECT idem_cache_keyspace()' 2>/dev/null)
+	[ -n "$ks" ] && [ "$(psql_on w1 -c 'SELECT idem_cache_keyspace()' 2>/dev/null)" = "$ks" ] &&
+		[ "$(psql_on w2 -c 'SELECT idem_cache_keyspace()' 2>/dev/null)" = "$ks" ] && break
+	sleep 1
+done
+[ -n "$ks" ] || { echo "citus bench: the coordinator names no cache keyspace" >&2; exit 1; }
+
+# The replay keys client_bench expects (bench/setup.sql's), completed
+# through the coordinator, each call delegated to its tenant's worker.
+seq 1 10000 | awk '{ printf "BEGIN; SELECT idem_claim(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), idem_fingerprint('"'"'{\"amount\": 1}'"'"')); SELECT idem_complete(%d, idem_key('"'"'bench.replay'"'"', '"'"'%d'"'"'), jsonb_build_object('"'"'transfer_id'"'"', %d)); COMMIT;\n", 1 + $1 % 100, $1, 1 + $1 % 100, $1, $1 }' \
+	>"$WORK/fill.sql"
+chmod a+r "$WORK/fill.sql"
+split -n l/4 -d "$WORK/fill.sql" "$WORK/fill.part."
+chmod a+r "$WORK"/fill.part.*
+for f in "$WORK"/fill.part.*; do psql_on coord -f "$f" >/dev/null & done
+fill_ok=1
+for _ in 1 2 3 4; do wait -n || fill_ok=; done
+[ -n "$fill_ok" ] || { echo "citus bench: filling the replay keys failed" >&2; exit 1; }
+psql_on coord -c 'VACUUM ANALYZE' >/dev/null
+
+BIN=$WORK/client_bench
+[ -f "$ROOT/client/build/libidemclient.a" ] || make -s -C "$ROOT/client" >/dev/null || exit 1
+cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
+	-lpq -lhiredis -lcrypto -pthread || exit 1
+PG="host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres"
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+bench() { idem_as_test_user "$BIN" "$1" "$2" "$3" "$PG" 127.0.0.1 "$VKPORT"; }
+
+# Warm-up: replays until Valkey answers at least 95 % of them (each key's
+# first replay is answered by PostgreSQL, and the worker copies it).
+for _ in $(seq 1 "${BENCH_CITUS_WARMUPS:-10}"); do
+	out=$(bench valkey-replay 8 "$SECS") || { echo "citus bench: warm-up failed" >&2; exit 1; }
+	share=$(echo "$out" | awk '$1 == "valkey" { print ($4 > 0 ? $5 / $4 : 0) }')
+	echo "warm-up: $(awk -v s="$share" 'BEGIN { printf "%.1f", 100 * s }') % of replays from Valkey, $("$(idem_valkey_cli)" -p "$VKPORT" dbsize) keys in Valkey"
+	if [ -n "${BENCH_CITUS_DEBUG:-}" ]; then
+		psql_on coord -c 'SELECT idem_cache_keyspace()'
+		grep -h "idem" "$WORK"/*/pg.log | tail -n 20
 	fi
-	echo "$out" | sed -nE 's/^tps = ([0-9.]+) \(without initial connection time\)/\1/p'
-}
-echo "claim + effect + complete per transaction (pgbench -M prepared, ${SECONDS_PER}s per run,"
-echo "synchronous_commit on): one node vs a Citus coordinator + 2 workers on the same"
-echo "machine. Indicative only: every node shares the same cores."
-printf '%-8s %12s %12s %8s\n' clients single citus ratio
+	awk -v s="$share" 'BEGIN { exit !(s >= 0.95) }' && break
+done
+
+if [ -n "${BENCH_CITUS_HOLD:-}" ]; then
+	echo "holding: coordinator ${PORT[coord]}, workers ${PORT[w1]} ${PORT[w2]}, Valkey $VKPORT, work $WORK"
+	sleep "$BENCH_CITUS_HOLD"
+fi
+echo "Through the coordinator of a Citus cluster (coordinator + 2 workers, one machine),"
+echo "client_bench, ${SECS} s per run, median of $ROUNDS alternating rounds."
+MODES="run-new-sql-first hand-new valkey-replay pg-replay"
+printf '%-18s %7s %10s %10s\n' mode clients ops/s from-valkey
 for c in $CLIENTS; do
-	s=$(tps "$BENCH_WORK" "$BENCH_PGPORT" "$c")
-	d=$(tps 127.0.0.1 "${PORT[coord]}" "$c")
-	printf '%-8s %12.0f %12.0f %8.2f\n' "$c" "${s:-0}" "${d:-0}" \
-		"$(awk -v a="${d:-0}" -v b="${s:-0}" 'BEGIN { print (b > 0 ? a / b : 0) }')"
+	declare -A runs=() vk=()
+	for r in $(seq 1 "$ROUNDS"); do
+		for m in $MODES; do
+			out=$(bench "$m" "$c" "$SECS") || { echo "client_bench $m failed" >&2; exit 1; }
+			runs[$m]+="$(echo "$out" | awk -v m="$m" '$1 == m { print $3 }') "
+			vk[$m]+="$(echo "$out" | awk '$1 == "valkey" { print ($4 > 0 ? $5 / $4 : 0) }') "
+		done
+	done
+	declare -A med=() vmed=()
+	for m in $MODES; do
+		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
+		vmed[$m]=$(echo "${vk[$m]}" | tr ' ' '\n' | grep . | median)
+		printf '%-18s %7s %10.0f %10s\n' "$m" "$c" "${med[$m]}" \
+			"$([ -n "${vmed[$m]}" ] && awk -v s="${vmed[$m]}" 'BEGIN { printf "%.1f %%", 100 * s }')"
+	done
+	awk -v c="$c" -v n="${med[run-new-sql-first]}" -v h="${med[hand-new]}" \
+		-v v="${med[valkey-replay]}" -v p="${med[pg-replay]}" -v s="${vmed[valkey-replay]}" 'BEGIN {
+		printf "%-18s %7s  targets: new keys idem/hand-written %.2f (>= 0.90); replays Valkey/PostgreSQL %.2f (>= 2), %.1f %% from Valkey (>= 90)\n",
+			"", c, n / h, v / p, 100 * s }'
+	unset runs vk med vmed
 done

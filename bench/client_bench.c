@@ -62,7 +62,8 @@
  * request {"amount": 1}.  Prints "cpu MODE CLIENTS us": the clients' own
  * CPU time (user + system, their setup included) per operation, less
  * sensitive to other load on the machine than the rate; for a -late mode
- * "late MODE CLIENTS runs redeliveries answered_by_valkey"; then, last,
+ * "late MODE CLIENTS runs redeliveries answered_by_valkey"; for a replay
+ * mode "valkey MODE CLIENTS replays answered_by_valkey"; then, last,
  * "MODE CLIENTS ops_per_second".
  */
 #include <errno.h>
@@ -667,6 +668,10 @@ run_client(const char *mode, int client, double seconds, const char *conninfo,
 							idem_status_name(st), res->error_message);
 					break;
 				}
+				/* counted as the -late modes count (the "valkey" line) */
+				late.redeliveries++;
+				if (res->source == IDEM_SOURCE_VALKEY)
+					late.from_valkey++;
 			}
 			else
 			{
@@ -809,6 +814,8 @@ main(int argc, char **argv)
 	if (strstr(mode, "-late"))
 		printf("late %s %d %ld %ld %ld\n", mode, clients, total, redeliveries,
 			   from_valkey);
+	if (strncmp(mode, "valkey-replay", 13) == 0 || strcmp(mode, "pg-replay") == 0)
+		printf("valkey %s %d %ld %ld\n", mode, clients, redeliveries, from_valkey);
 	/* the ops/s last: callers take the output's last field */
 	printf("cpu %s %d %.2f\n", mode, clients,
 		   total > 0 ? (double) cpu_us / total : 0.0);

@@ -16,6 +16,9 @@
  * Valkey, so that runners never read Valkey for a history that may not be
  * this server's.
  *
+ * On Citus the keyspace is the cluster's, which the coordinator names
+ * (cache_cluster.c).
+ *
  * No state and no locks of its own: everything is read when asked.
  *
  *-------------------------------------------------------------------------
@@ -25,6 +28,7 @@
 #include "access/xlog.h"
 #include "miscadmin.h"
 #include "utils/builtins.h"
+#include "utils/lsyscache.h"
 
 /*
  * Write the keyspace of database dboid on the given timeline and epoch into
@@ -77,6 +81,22 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 				 errmsg("the Valkey cache is not ready"),
 				 errdetail("idem's worker has not yet taken this server's cache epoch over in Valkey since the server started or the epoch changed."),
 				 errhint("Use PostgreSQL alone meanwhile, and ask again later; idem_stats() shows whether the worker reaches Valkey.")));
+	/* On Citus, the cluster's keyspace (cache_cluster.c) */
+	switch (idem_cache_cluster_keyspace(buf, sizeof(buf),
+										get_func_namespace(fcinfo->flinfo->fn_oid),
+										epoch))
+	{
+		case 1:
+			PG_RETURN_TEXT_P(cstring_to_text(buf));
+		case -1:
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("the Valkey cache of this Citus cluster is not ready on this node"),
+					 errdetail("This node copies into the cluster's cache once the coordinator has sent it the cluster's keyspace and secrets for this node's current cache epoch."),
+					 errhint("Learn the keyspace on the coordinator, or ask again later.")));
+		default:
+			break;
+	}
 	if (idem_cache_keyspace_of(buf, sizeof(buf), MyDatabaseId,
 							   GetWALInsertionTimeLine(), epoch) < 0)
 		elog(ERROR, "idem.valkey_prefix is longer than %d bytes",

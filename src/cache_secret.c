@@ -755,7 +755,9 @@ idem_cache_secrets(PG_FUNCTION_ARGS)
 	int			i;
 
 	InitMaterializedSRF(fcinfo, 0);
-	idem_cache_secrets_get(&s);
+	/* On a node of a Citus cluster, the cluster's (cache_cluster.c) */
+	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) != 1)
+		idem_cache_secrets_get(&s);
 	for (i = 0; i < 2; i++)
 	{
 		int32		id = i == 0 ? s.current_id : s.previous_id;

@@ -60,6 +60,7 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "storage/lockdefs.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
 #include "utils/inval.h"
@@ -350,6 +351,8 @@ idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid)
 				 errdetail("On Citus, idem reads and writes only the local shard that holds the tenant (%s), never the distributed table; Citus did not delegate this call to the node that holds it, or the shard moved away while the call waited for the move.",
 						   shardname),
 				 errhint("Call the function as a statement of its own, SELECT idem_claim(...) or SELECT * FROM idem_claim(...), with tenant_id a constant or a parameter, so that Citus delegates it; not from a PL/pgSQL expression, a subquery or an INSERT ... SELECT.")));
+	/* this node copies into the cluster's cache only (cache_cluster.c) */
+	idem_cache_cluster_mark(MyDatabaseId);
 	tenant_shard_remember(relid, tenant_id, id, shard, gen);
 	*shardid = id;
 	return shard;
@@ -412,27 +415,52 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 }
 
 /*
- * Run DELETE_SQL, one purge batch (ledger_store.c), on every shard of the
- * distributed tenant ledger RELID, through run_command_on_shards (%1$s in
- * it is the shard's name; a connection per shard placement, outside this
- * transaction: each shard's batch commits on its own, like a purge batch).
- * Returns the rows deleted.
+ * Run CMD, one purge batch (ledger_store.c) that returns the rows it
+ * deleted, on every shard of the distributed tenant ledger RELID, through
+ * run_command_on_shards (%1$L in it is the shard's name, as a literal; a
+ * connection per shard placement, outside this transaction: each shard's
+ * batch commits on its own, like a purge batch).  Returns the rows deleted.
+ *
+ * CMD calls idem_shard_purge, revoked from PUBLIC: it runs as the idem
+ * extension's owner, once the caller is known to hold on the ledger the
+ * privileges the single-node purge needs (SELECT, UPDATE for its FOR
+ * UPDATE SKIP LOCKED, DELETE).
  */
 int64
-idem_citus_purge(Oid relid, const char *delete_sql)
+idem_citus_purge(Oid relid, const char *cmd)
 {
-	char	   *cmd = psprintf("WITH d AS (%s RETURNING 1) SELECT pg_catalog.count(*) FROM d",
-							   delete_sql);
 	Datum		args[2];
 	Oid			argtypes[2] = {REGCLASSOID, TEXTOID};
 	int64		deleted = 0;
 	uint64		i;
+	AclMode		modes[3] = {ACL_SELECT, ACL_UPDATE, ACL_DELETE};
+	Oid			owner;
+	Oid			save_userid;
+	int			save_sec_context;
+	bool		isnull;
+	int			rc;
 
+	for (i = 0; i < lengthof(modes); i++)
+	{
+		AclResult	acl = pg_class_aclcheck(relid, GetUserId(), modes[i]);
+
+		if (acl != ACLCHECK_OK)
+			aclcheck_error(acl, OBJECT_TABLE, get_rel_name(relid));
+	}
 	args[0] = ObjectIdGetDatum(relid);
 	args[1] = CStringGetTextDatum(cmd);
 	SPI_connect();
-	if (SPI_execute_with_args("SELECT success, result FROM pg_catalog.run_command_on_shards($1, $2)",
-							  2, argtypes, args, NULL, false, 0) != SPI_OK_SELECT)
+	if (SPI_execute("SELECT extowner FROM pg_catalog.pg_extension"
+					" WHERE extname OPERATOR(pg_catalog.=) 'idem'", true, 1) != SPI_OK_SELECT ||
+		SPI_processed != 1)
+		elog(ERROR, "could not read the idem extension's owner");
+	owner = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+	GetUserIdAndSecContext(&save_userid, &save_sec_context);
+	SetUserIdAndSecContext(owner, save_sec_context | SECURITY_LOCAL_USERID_CHANGE);
+	rc = SPI_execute_with_args("SELECT success, result FROM pg_catalog.run_command_on_shards($1, $2)",
+							   2, argtypes, args, NULL, false, 0);
+	SetUserIdAndSecContext(save_userid, save_sec_context);
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not run the idem purge on the Citus shards");
 	for (i = 0; i < SPI_processed; i++)
 	{

@@ -19,6 +19,6 @@ extern Oid	idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid);
 extern bool idem_citus_check_tenants(Oid tenants);
 extern void idem_citus_distribute(const char *qledger, const char *qtenants,
 								  Oid nsp);
-extern int64 idem_citus_purge(Oid relid, const char *delete_sql);
+extern int64 idem_citus_purge(Oid relid, const char *cmd);
 
 #endif							/* IDEM_CITUS_H */

@@ -210,6 +210,18 @@ extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
 extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
 
 /* cache_keyspace.c */
+/* cache_cluster.c */
+extern Size idem_cache_cluster_shmem_size(void);
+extern void idem_cache_cluster_shmem_init(void);
+extern void idem_cache_cluster_mark(Oid dboid);
+extern int	idem_cache_cluster_encoder(Oid dboid, TimeLineID tli, uint64 epoch,
+									   char *keyspace, int32 *key_id,
+									   idem_hmac *mac_key);
+extern int	idem_cache_cluster_joined(Oid dboid, char *keyspace,
+									  IdemCacheSecrets *s);
+extern int	idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp,
+										uint64 epoch);
+
 extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
 								   TimeLineID timeline, uint64 epoch);
 extern int	idem_cache_epoch_key_of(char *buf, size_t buflen,

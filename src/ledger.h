@@ -146,6 +146,7 @@ extern void idem_ledger_guard_register(void);
 extern void idem_ledger_guard_xact_event(XactEvent event);
 extern void ledger_guard_own_begin(void);
 extern void ledger_guard_own_end(void);
+extern bool idem_ledger_guard_is_ledger(Oid relid, bool *shard);
 
 extern void idem_pending_xact_event(XactEvent event);
 extern void idem_pending_subxact_end(bool committed, int level);

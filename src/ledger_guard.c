@@ -21,7 +21,15 @@
  *	  A ledger is recognised by its name (idempotency_keys or
  *	  platform_idempotency_keys) in the schema that holds idem's registry
  *	  idem_ledgers: two syscache lookups, made only for relations of those
- *	  names.
+ *	  names.  On a Citus node the tenant ledger's rows live in its shards,
+ *	  idempotency_keys_<shard id> in the same schema, and rows removed from
+ *	  a shard renew this node's epoch the same way (a DELETE on the
+ *	  distributed table reaches each shard as such a statement).  Dropping
+ *	  or altering a shard does not: Citus itself drops a shard's old
+ *	  placement after a move or split, and creates and alters the new one,
+ *	  moving rows, never removing them; TRUNCATE of a shard does.  idem's
+ *	  purge of the shards runs through idem_shard_purge(), bracketed like
+ *	  idem's own writes.
  *
  *	  State: one process-local flag per transaction (and the depth of
  *	  idem's own writes), reset at every transaction end; no shared memory
@@ -47,20 +55,47 @@ static int	guard_own_depth = 0;	/* inside idem's own ledger writes */
 static ExecutorStart_hook_type prev_executor_start = NULL;
 static object_access_hook_type prev_object_access = NULL;
 
-/* Is relid a ledger (see the file header)? */
+/*
+ * Is relid a ledger, or a Citus shard of the tenant ledger (see the file
+ * header)?  *shard says which.
+ */
 static bool
-guard_is_ledger(Oid relid)
+guard_is_ledger_or_shard(Oid relid, bool *shard)
 {
 	char	   *name = get_rel_name(relid);
+	const char *tenant = ledger_table_name(LEDGER_TENANT);
+	size_t		len = strlen(tenant);
 	bool		ledger;
 
+	*shard = false;
 	if (name == NULL)
 		return false;
-	ledger = (strcmp(name, ledger_table_name(LEDGER_TENANT)) == 0 ||
+	if (strncmp(name, tenant, len) == 0 && name[len] == '_' &&
+		name[len + 1] != '\0' &&
+		strspn(name + len + 1, "0123456789") == strlen(name + len + 1))
+		*shard = true;
+	ledger = (*shard || strcmp(name, tenant) == 0 ||
 			  strcmp(name, ledger_table_name(LEDGER_PLATFORM)) == 0) &&
 		OidIsValid(get_relname_relid("idem_ledgers", get_rel_namespace(relid)));
 	pfree(name);
+	if (!ledger)
+		*shard = false;
 	return ledger;
+}
+
+/* Is relid a ledger or a shard of one? */
+bool
+idem_ledger_guard_is_ledger(Oid relid, bool *shard)
+{
+	return guard_is_ledger_or_shard(relid, shard);
+}
+
+static bool
+guard_is_ledger(Oid relid)
+{
+	bool		shard;
+
+	return guard_is_ledger_or_shard(relid, &shard);
 }
 
 /*
@@ -124,9 +159,16 @@ guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 	if (guard_rows_removed || guard_own_depth > 0 ||
 		classId != RelationRelationId || subId != 0)
 		return;
-	if ((access == OAT_TRUNCATE || access == OAT_DROP ||
-		 access == OAT_POST_ALTER) && guard_is_ledger(objectId))
-		guard_rows_removed = true;
+	if (access == OAT_TRUNCATE || access == OAT_DROP ||
+		access == OAT_POST_ALTER)
+	{
+		bool		shard;
+
+		/* Citus drops, creates and alters shards as it moves them */
+		if (guard_is_ledger_or_shard(objectId, &shard) &&
+			(!shard || access == OAT_TRUNCATE))
+			guard_rows_removed = true;
+	}
 }
 
 /* From _PG_init. */

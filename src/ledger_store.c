@@ -1307,12 +1307,18 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 	values[3] = TimestampTzGetDatum(finished_before);
 	if (store->distributed)
 	{
-		/* Every shard, through Citus: %1$s is the shard's name there. */
+		/*
+		 * Every shard, through Citus: %1$L is the shard's name there, as a
+		 * literal.  idem_shard_purge runs the batch on it as idem's own
+		 * write, so that the worker's ledger guard lets it through.
+		 */
 		return idem_citus_purge(store->relid,
-								purge_sql("%1$s", timestamptz_literal(terminal_before),
-										  timestamptz_literal(processing_before),
-										  timestamptz_literal(finished_before),
-										  psprintf("%d", batch)));
+								psprintf("SELECT %s.idem_shard_purge(%%1$L, %s, %s, %s, %d)",
+										 quote_identifier(get_namespace_name(get_rel_namespace(store->relid))),
+										 timestamptz_literal(terminal_before),
+										 timestamptz_literal(processing_before),
+										 timestamptz_literal(finished_before),
+										 batch));
 	}
 	SPI_connect();
 	/* expired rows, whose copies have expired too */
@@ -1322,4 +1328,63 @@ ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 	deleted = (int64) SPI_processed;
 	SPI_finish();
 	return deleted;
+}
+
+PG_FUNCTION_INFO_V1(idem_shard_purge);
+
+/*
+ * idem_shard_purge(shard regclass, terminal_before timestamptz,
+ * processing_before timestamptz, finished_before timestamptz, batch integer)
+ * RETURNS bigint: one purge batch on a Citus shard of the tenant ledger, run
+ * on the node that holds it by idem_purge on the coordinator (through
+ * run_command_on_shards), with the caller's privileges on the shard.  Only
+ * expired rows leave, whose copies have expired too, so the batch is idem's
+ * own write for the ledger guard (ledger_guard.c), as the single-node purge
+ * is.  Returns the rows deleted.
+ */
+Datum
+idem_shard_purge(PG_FUNCTION_ARGS)
+{
+	Oid			shard = PG_GETARG_OID(0);
+	Datum		values[4];
+	Oid			types[4] = {TIMESTAMPTZOID, TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID};
+	bool		is_shard;
+	char	   *sql;
+	volatile int rc = 0;
+	int64		deleted;
+
+	if (PG_NARGS() != 5 || PG_ARGISNULL(0) || PG_ARGISNULL(1) ||
+		PG_ARGISNULL(2) || PG_ARGISNULL(3) || PG_ARGISNULL(4))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("idem_shard_purge arguments must not be null")));
+	if (!idem_ledger_guard_is_ledger(shard, &is_shard) || !is_shard)
+		ereport(ERROR,
+				(errcode(ERRCODE_WRONG_OBJECT_TYPE),
+				 errmsg("relation \"%s\" is not a Citus shard of the idem tenant ledger",
+						get_rel_name(shard) ? get_rel_name(shard) : "?"),
+				 errhint("idem_purge() calls this function on every shard; call idem_purge() on the coordinator.")));
+	sql = purge_sql(quote_qualified_identifier(get_namespace_name(get_rel_namespace(shard)),
+											   get_rel_name(shard)),
+					"$1", "$2", "$4", "$3");
+	values[0] = PG_GETARG_DATUM(1);
+	values[1] = PG_GETARG_DATUM(2);
+	values[2] = PG_GETARG_DATUM(4);
+	values[3] = PG_GETARG_DATUM(3);
+	SPI_connect();
+	ledger_guard_own_begin();
+	PG_TRY();
+	{
+		rc = SPI_execute_with_args(sql, 4, types, values, NULL, false, 0);
+	}
+	PG_FINALLY();
+	{
+		ledger_guard_own_end();
+	}
+	PG_END_TRY();
+	if (rc != SPI_OK_DELETE)
+		elog(ERROR, "idem purge of shard \"%s\" failed", get_rel_name(shard));
+	deleted = (int64) SPI_processed;
+	SPI_finish();
+	PG_RETURN_INT64(deleted);
 }

@@ -657,10 +657,13 @@ typedef struct VkEncoder
 	TimestampTz now;
 	TimeLineID	timeline;
 	uint64		epoch;
-	int32		key_id;
+	int32		key_id;			/* of keyspace_db */
 	idem_hmac	mac_key;
 	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
 	Oid			keyspace_db;
+	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
+	int32		own_key_id;		/* this server's own secret */
+	idem_hmac	own_mac_key;
 } VkEncoder;
 
 static void
@@ -673,8 +676,8 @@ vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 	enc->keyspace_db = InvalidOid;
 	idem_cache_secrets_get(&secrets);
 	enc->epoch = secrets.epoch;
-	enc->key_id = secrets.current_id;
-	idem_cache_mac_key(&enc->mac_key, &secrets);
+	enc->own_key_id = secrets.current_id;
+	idem_cache_mac_key(&enc->own_mac_key, &secrets);
 	explicit_bzero(&secrets, sizeof(secrets));
 }
 
@@ -683,12 +686,14 @@ static void
 vk_encoder_done(VkEncoder *enc)
 {
 	explicit_bzero(&enc->mac_key, sizeof(enc->mac_key));
+	explicit_bzero(&enc->own_mac_key, sizeof(enc->own_mac_key));
 }
 
 /*
  * One record as SET key value PX ttl (both modes use this): an idem2 value
  * in its database's keyspace on this timeline, MACed with the current
- * secret.  1 done, 0 the row's retention already ended, -1 it cannot be
+ * secret.  1 done, 0 nothing to copy (the row's retention already ended,
+ * or its database copies nothing now: cache_cluster.c), -1 it cannot be
  * encoded (errbuf says why).
  */
 static int
@@ -703,10 +708,26 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 	if (ttl_ms < 1)
 		return 0;
 	*keylen = -1;
-	if (rec->dboid != enc->keyspace_db &&
-		idem_cache_keyspace_of(enc->keyspace, sizeof(enc->keyspace), rec->dboid,
-							   enc->timeline, enc->epoch) >= 0)
-		enc->keyspace_db = rec->dboid;
+	if (rec->dboid != enc->keyspace_db)
+	{
+		/* a Citus cluster's database: its keyspace and secret, or nothing */
+		int			c = idem_cache_cluster_encoder(rec->dboid, enc->timeline,
+												   enc->epoch, enc->keyspace,
+												   &enc->key_id, &enc->mac_key);
+
+		enc->skip_db = c < 0;
+		if (c == 0)
+		{
+			enc->key_id = enc->own_key_id;
+			enc->mac_key = enc->own_mac_key;
+		}
+		if (c != 0 ||
+			idem_cache_keyspace_of(enc->keyspace, sizeof(enc->keyspace), rec->dboid,
+								   enc->timeline, enc->epoch) >= 0)
+			enc->keyspace_db = rec->dboid;
+	}
+	if (rec->dboid == enc->keyspace_db && enc->skip_db)
+		return 0;
 	if (rec->dboid == enc->keyspace_db)
 		*keylen = idem_cache_key(key, IDEM_CACHE_KEY_MAX, enc->keyspace,
 								 rec->is_platform, rec->tenant_id, rec->key);

@@ -85,12 +85,16 @@ my $t1 = $cl->tenant_on($w1);
 my $t2 = $cl->tenant_on($w2);
 my $fp = $c->safe_psql('postgres', "SELECT encode(idem_fingerprint('{}'), 'hex')");
 
-# The Valkey key of a tenant's row, in the keyspace of the worker that
-# holds the tenant (each node copies under its own keyspace).
+# A runner learns the cluster's keyspace on the coordinator, which sends it
+# to every worker node with the secrets: from then on they copy there.
+ok(defined IdemValkey::wait_keyspace($c), 'the coordinator names the cluster\'s cache keyspace');
+
+# The Valkey key of a tenant's row: every node copies under the keyspace
+# the coordinator names.
 sub vkey
 {
 	my ($t, $scope, $id) = @_;
-	return IdemValkey::tenant_key($cl->node_of($t), $t, $scope, $id);
+	return IdemValkey::tenant_key($c, $t, $scope, $id);
 }
 
 # kind attempt fingerprint outcome of a value, with its MAC checked under
