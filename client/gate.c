@@ -33,8 +33,9 @@
  *
  *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless the
  *	  mode is forced); a cluster node hands the gate to the shared router
- *	  (../src/valkey_cluster.c), which sends every command to the master of
- *	  its key's slot, follows MOVED/ASK and retries CLUSTERDOWN/TRYAGAIN.
+ *	  (../src/common/valkey_cluster.c), which sends every command to the
+ *	  master of its key's slot, follows MOVED/ASK and retries
+ *	  CLUSTERDOWN/TRYAGAIN.
  *	  A node that cannot be reached rests for retry_ms: only its keys go
  *	  without the gate meanwhile.  A node that never saw a script answers
  *	  EVALSHA with NOSCRIPT, and EVAL runs it (and caches it there).

@@ -3,10 +3,12 @@
  *	  Declarations shared by the files of libidemclient; not installed.
  *
  *	  Internal functions are idemc_*: only the public API bears idem_, in
- *	  the static library too (shared_names.h renames those of ../src).
+ *	  the static library too (shared_names.h renames those of
+ *	  ../src/common).
  *
- *	  ../src/sha256.c, ../src/hmac.c	SHA-256, HMAC-SHA-256 (sha256.h; shared
- *						with the extension's worker)
+ *	  ../src/common/	shared with the extension: the idem2 format
+ *						(cache_format.h), SHA-256 and HMAC-SHA-256
+ *						(sha256.h), Valkey routing (valkey_cluster.h)
  *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
  *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
  *						MAC verification, the marker it writes

@@ -1,19 +1,32 @@
 /*
  * shared_names.h
  *   The names, in libidemclient, of the functions it shares with the
- *   extension's worker (../src/valkey_cluster.c, sha256.c, hmac.c): those
- *   sources call them idem_vc_*, idem_sha256_*, idem_hmac_*, and so does
- *   the extension; in this library they are idemc_*, so that only the
- *   public API (idem_client.h) bears the idem_ prefix, in the static
- *   library as in the shared one.  Every object of the library and of
- *   its tests is compiled with -include shared_names.h (Makefile), and
- *   internal.h includes it for a program built on the library's
- *   internals (bench/client_bench.c).  tests/exports.sh fails when a new
+ *   extension (../src/common/: cache_format.c, valkey_cluster.c, sha256.c,
+ *   hmac.c): those sources call them idem_cache_*, idem_vc_*,
+ *   idem_sha256_*, idem_hmac_*, and so does the extension; in this
+ *   library they are idemc_*, so that only the public API (idem_client.h)
+ *   bears the idem_ prefix, in the static library as in the shared one.
+ *   Every object of the library and of its tests is compiled with
+ *   -include shared_names.h (Makefile), and internal.h includes it for a
+ *   program built on the library's internals (bench/client_bench.c).  tests/exports.sh fails when a new
  *   shared function is missing here.
  */
 #ifndef IDEM_CLIENT_SHARED_NAMES_H
 #define IDEM_CLIENT_SHARED_NAMES_H
 
+#define idem_cache_encode_lease_marker idemc_cache_encode_lease_marker
+#define idem_cache_encode_terminal idemc_cache_encode_terminal
+#define idem_cache_epoch_key idemc_cache_epoch_key
+#define idem_cache_hex idemc_cache_hex
+#define idem_cache_key idemc_cache_key
+#define idem_cache_keyspace idemc_cache_keyspace
+#define idem_cache_mac_equal idemc_cache_mac_equal
+#define idem_cache_mac_input idemc_cache_mac_input
+#define idem_cache_parse idemc_cache_parse
+#define idem_cache_put_head idemc_cache_put_head
+#define idem_cache_result_ok idemc_cache_result_ok
+#define idem_cache_set_mac idemc_cache_set_mac
+#define idem_cache_unhex idemc_cache_unhex
 #define idem_hmac_key idemc_hmac_key
 #define idem_hmac_sha256 idemc_hmac_sha256
 #define idem_sha256_accel idemc_sha256_accel

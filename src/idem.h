@@ -26,20 +26,21 @@
  *					the worker's side of it (outbox_ring.h)
  *	  worker.c		the background worker that drains the queue into Valkey
  *	  worker_cluster.c	the worker's copies to a Valkey Cluster
- *	  valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h), shared
- *					with client/
  *	  cache_secret.c	the secret that MACs Valkey values and the history
  *					epoch that names the keyspace: file, shared copy,
  *					rotation, renewal, takeover, HMAC
- *	  sha256.c, hmac.c	SHA-256 and HMAC-SHA-256 (sha256.h), shared with
- *					client/
  *	  standby_slots.c	idem.standby_slots: the standbys a copy waits for
  *	  cache_keyspace.c	the Valkey namespace of a database (cluster,
  *					timeline, epoch, database) and idem_cache_keyspace()
  *	  stats.c		idem_stats() and the shared counters behind it
  *	  citus.c		idem on Citus: the tenant's local shard, distribution
  *					at install, the purge of every shard (citus.h)
- *	  cache_format.h the Valkey key/value format, shared with client/
+ *
+ *	  common/		plain C with no server headers, compiled into both
+ *					idem.so and the client library (client/):
+ *	    cache_format.c	the Valkey key/value format (cache_format.h)
+ *	    valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h)
+ *	    sha256.c, hmac.c	SHA-256 and HMAC-SHA-256 (sha256.h)
  *
  *-------------------------------------------------------------------------
  */

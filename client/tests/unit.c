@@ -3,8 +3,8 @@
  *	  SHA-256 against the FIPS 180-2 examples; idem_key vectors (computed
  *	  independently, and equal to SQL idem_key: see itest.c); canonical JSON
  *	  vectors taken from PostgreSQL 15 output; invalid JSON refused; the idem2 cache format of
- *	  src/cache_format.h (keyspace, keys, values, the MAC input); the API
- *	  with NULLs, bad options and servers that are down: errors, no crash.
+ *	  src/common/cache_format.h (keyspace, keys, values, the MAC input); the
+ *	  API with NULLs, bad options and servers that are down: errors, no crash.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -330,7 +330,7 @@ test_canonical(void)
 	}
 }
 
-/* The idem2 format of src/cache_format.h: keys, values, the MAC input. */
+/* The idem2 format of src/common/cache_format.h: keys, values, the MAC input. */
 static void
 test_cache_format(void)
 {
