@@ -9,7 +9,6 @@
  *	  ../src/common/	shared with the extension: the idem2 format
  *						(cache_format.h), SHA-256 and HMAC-SHA-256
  *						(sha256.h), Valkey routing (valkey_cluster.h)
- *	  sha1.c			SHA-1 hex of a script (its EVALSHA name)
  *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
  *						MAC verification, the marker it writes
  *	  canonical_json.c	the jsonb-identical canonical JSON text
@@ -34,9 +33,6 @@
 #include "idem_client.h"
 #include "cache_format.h"
 #include "sha256.h"
-
-/* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
-void		idemc_sha1_hex(const void *data, size_t len, char out[41]);
 
 /* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
  * accepts in a UTF8 database). */

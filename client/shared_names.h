@@ -1,9 +1,9 @@
 /*
  * shared_names.h
  *   The names, in libidemclient, of the functions it shares with the
- *   extension (../src/common/: cache_format.c, valkey_cluster.c, sha256.c,
- *   hmac.c): those sources call them idem_cache_*, idem_vc_*,
- *   idem_sha256_*, idem_hmac_*, and so does the extension; in this
+ *   extension (../src/common/: cache_format.c, valkey_cluster.c, sha256.c):
+ *   those sources call them idem_cache_*, idem_vc_*, idem_sha256_*,
+ *   idem_hmac_*, and so does the extension; in this
  *   library they are idemc_*, so that only the public API (idem_client.h)
  *   bears the idem_ prefix, in the static library as in the shared one.
  *   Every object of the library and of its tests is compiled with

@@ -14,7 +14,7 @@
  *		here within that time, even on a connection that never meets a new
  *		key id.
  *	  - Every value read is parsed (src/common/cache_format.h) and its MAC
- *		checked (HMAC-SHA-256 over <key> 0x00 <rest>, hmac.c) with the
+ *		checked (HMAC-SHA-256 over <key> 0x00 <rest>, sha256.c) with the
  *		secret of its key id; anything that fails, an idem1 value, an
  *		expired terminal value, or a marker whose deadline is past or
  *		further away than our own lease (+ 1 s of clock skew) is ignored

@@ -40,7 +40,7 @@
  *					idem.so and the client library (client/):
  *	    cache_format.c	the Valkey key/value format (cache_format.h)
  *	    valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h)
- *	    sha256.c, hmac.c	SHA-256 and HMAC-SHA-256 (sha256.h)
+ *	    sha256.c		SHA-256 and HMAC-SHA-256 (sha256.h)
  *
  *-------------------------------------------------------------------------
  */
