@@ -9,6 +9,7 @@
  *	  ../src/common/	shared with the extension: the idem2 format
  *						(cache_format.h), SHA-256 and HMAC-SHA-256
  *						(sha256.h), Valkey routing (valkey_cluster.h)
+ *	  error.c			the error text handed back to callers (idemc_set_err)
  *	  trust.c			what the client trusts in Valkey: keyspace, secrets,
  *						MAC verification, the marker it writes
  *	  canonical_json.c	the jsonb-identical canonical JSON text
@@ -38,7 +39,7 @@
  * accepts in a UTF8 database). */
 int			idemc_utf8_valid(const char *buf, size_t len);
 
-/* Error strings: always NUL-terminated, truncated to fit. */
+/* Error strings: always NUL-terminated, truncated to fit (error.c). */
 void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 			__attribute__((format(printf, 3, 4)));
 
