@@ -47,7 +47,8 @@
  *	  common/		plain C with no server headers, compiled into both
  *					idem.so and the client library (client/):
  *	    cache_format.c	the Valkey key/value format (cache_format.h)
- *	    valkey_cluster.c	Valkey Cluster routing (valkey_cluster.h)
+ *	    valkey_*.c	Valkey Cluster routing (valkey_cluster.h; its files:
+ *					valkey_cluster_int.h)
  *	    sha256.c		SHA-256 and HMAC-SHA-256 (sha256.h)
  *
  *-------------------------------------------------------------------------
