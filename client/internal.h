@@ -20,7 +20,8 @@
  *	  lifecycle.c		a runner's life: options, open, close, last error,
  *						counters
  *	  runner.c			one run, step by step: the gate, the claim, the
- *						handler's call, the result
+ *						handler's call, the result; each step's file is
+ *						listed in run.h (run_*.c)
  *	  cached.c			idem_cached(_many): read-only lookups in Valkey
  *	  call.c			the handler's idem_call accessors; status names
  */
