@@ -12,8 +12,10 @@
  *	  library built on OpenSSL 3's EVP (the digest and MAC fetched once, a
  *	  MAC key prepared once and duplicated per value) spent 7 to 11 us more
  *	  client CPU per replay (about a third more) and replayed 0.85-1.0x as
- *	  often; every EVP call allocates and frees a context, which this file
- *	  never does.  The figures: bench/README.md, "SHA-256 and HMAC".
+ *	  often, and its worker spent about a tenth more CPU per copy (a
+ *	  quarter more in small batches); every EVP call allocates and frees a
+ *	  context, which this file never does.  The figures: bench/README.md,
+ *	  "SHA-256 and HMAC".
  *
  *	  On x86-64 CPUs with the SHA extensions (Intel since Goldmont and Ice
  *	  Lake, AMD since Zen), blocks go through the SHA-NI instructions, about
