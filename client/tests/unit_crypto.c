@@ -20,10 +20,14 @@
 #ifndef VALGRIND_MAKE_MEM_DEFINED
 #define VALGRIND_MAKE_MEM_DEFINED(addr, len) ((void) (addr), (void) (len))
 #endif
+#ifndef RUNNING_ON_VALGRIND
+#define RUNNING_ON_VALGRIND 0
+#endif
 
 #include "internal.h"
 
 int			crypto_vs_openssl(int rounds, char *why, size_t whylen);
+int			crypto_rounds(int rounds);
 int			crypto_key_copies_on_stack(void);
 
 /*
@@ -78,6 +82,13 @@ crypto_vs_openssl(int rounds, char *why, size_t whylen)
 	}
 	snprintf(why, whylen, "%d random keys and messages", rounds);
 	return 1;
+}
+
+/* rounds, or a tenth of them under valgrind (the client suite's time). */
+int
+crypto_rounds(int rounds)
+{
+	return RUNNING_ON_VALGRIND ? rounds / 10 : rounds;
 }
 
 /*
