@@ -11,14 +11,19 @@
 EXTENSION = idem
 MODULE_big = idem
 OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
-	src/install.o src/ledger.o src/ledger_store.o src/ledger_insert.o \
+	src/install.o src/ledger.o src/ledger_row.o src/ledger_store.o src/ledger_insert.o \
 	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/pending.o src/outbox.o src/outbox_ring.o \
-	src/worker.o src/worker_cluster.o src/stats.o src/cache_secret.o \
-	src/cache_keyspace.o src/cache_cluster.o src/standby_slots.o src/valkey_cluster.o src/citus.o \
-	src/sha256.o src/hmac.o
+	src/worker.o src/worker_cluster.o src/stats.o src/stats_sql.o src/cache_secret.o \
+	src/cache_keyspace.o src/cache_cluster.o src/standby_slots.o src/citus.o \
+	$(COMMON_OBJS)
+# src/common/: plain C with no server headers, compiled into both idem.so and
+# the client library (client/Makefile), as PostgreSQL's own src/common.
+COMMON_OBJS = src/common/cache_format.o src/common/sha256.o \
+	src/common/valkey_slots.o src/common/valkey_map.o src/common/valkey_endpoint.o \
+	src/common/valkey_node.o src/common/valkey_cluster.o src/common/valkey_pipeline.o
 # Install and upgrade scripts, beside idem.control as in contrib.
 DATA = $(wildcard idem--*.sql)
-PG_CPPFLAGS = -I$(srcdir)/src
+PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/common
 # Export only what PostgreSQL looks up by name (src/compat.h, IDEM_EXPORT);
 # PostgreSQL 16+ adds this flag itself.
 PG_CFLAGS = -fvisibility=hidden
@@ -62,7 +67,7 @@ REGRESS += write_pg18
 endif
 # PGXS tracks no header dependencies: rebuild every object when a header
 # (src/compat.h, say) changes.
-$(OBJS): $(wildcard $(srcdir)/src/*.h)
+$(OBJS): $(wildcard $(srcdir)/src/*.h $(srcdir)/src/common/*.h)
 # ddl drives its sessions through dblink: without that contrib module
 # (PostgreSQL 18 as make test builds it), it cannot run.
 ifeq ($(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/dblink.control),)

@@ -7,7 +7,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 BIN=$BENCH_WORK/client_bench
-cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
 	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
 	-lpq -lhiredis -lcrypto -pthread || exit 1
 # synchronous_commit=off, as the pgbench variants run at their headline figure.

@@ -25,7 +25,7 @@ idem_valkey_cluster_start "$CL" 3 || exit 1
 CL_PORT=$(idem_valkey_cluster_first "$CL")
 CL_NODES=$(idem_valkey_cluster_others "$CL")
 BIN=$BENCH_WORK/client_bench
-[ -x "$BIN" ] || cc -O2 -I"$ROOT/client" -I"$ROOT/src" \
+[ -x "$BIN" ] || cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" \
 	-I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
 	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
 	-lpq -lhiredis -lcrypto -pthread || exit 1

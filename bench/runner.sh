@@ -20,7 +20,7 @@ SYNCS=${BENCH_SYNC:-off on}
 BIN=$BENCH_WORK/runner_bench
 PSQL=$(command -v psql || echo "$(pg_config --bindir)/psql")
 CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)"
-cc -O2 -I"$ROOT/client" -I"$ROOT/src" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
+cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
 	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
 # BENCH_RUNNER_MODES: which columns (client_bench modes; hand-new and
 # hand-dup are always run, as the references of new-key and duplicate
@@ -49,12 +49,12 @@ if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
 	# A base whose library has every option the modes use runs each mode
 	# asked for; an older one (built with -DBENCH_BASELINE) run-new and
 	# run-dup only.
-	if cc -O2 -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
+	if cc -O2 -I"$SRC/client" -I"$SRC/src" -I"$SRC/src/common" "$CFLAGS_PG" -o "$BIN-base" \
 		"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
 		-lpq -lhiredis -lcrypto -pthread 2>/dev/null; then
 		for m in $RMODES; do MODES="$MODES base:$m"; done
 	else
-		cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" "$CFLAGS_PG" -o "$BIN-base" \
+		cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" -I"$SRC/src/common" "$CFLAGS_PG" -o "$BIN-base" \
 			"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
 			-lpq -lhiredis -lcrypto -pthread || exit 1
 		MODES="$MODES base:run-new base:run-dup"

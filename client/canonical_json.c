@@ -18,12 +18,12 @@
  *		exponent, display scale = fraction digits - exponent (at least 0),
  *		"-0" is "0", and PostgreSQL's range limits are refused alike.
  *	  The tests compare this with the server over many generated documents.
+ *	  idem_free frees the text it returns.
  */
 #include "internal.h"
 
 #include <errno.h>
-
-#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,18 +58,6 @@ typedef struct member
 	size_t		vlen;
 	size_t		order;
 } member;
-
-void
-idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
-{
-	va_list		ap;
-
-	if (buf == NULL || buflen == 0)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(buf, buflen, fmt, ap);
-	va_end(ap);
-}
 
 static int
 sb_reserve(parser *P, sbuf *b, size_t more)

@@ -33,8 +33,9 @@
  *
  *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless the
  *	  mode is forced); a cluster node hands the gate to the shared router
- *	  (../src/valkey_cluster.c), which sends every command to the master of
- *	  its key's slot, follows MOVED/ASK and retries CLUSTERDOWN/TRYAGAIN.
+ *	  (../src/common/valkey_cluster.c), which sends every command to the
+ *	  master of its key's slot, follows MOVED/ASK and retries
+ *	  CLUSTERDOWN/TRYAGAIN.
  *	  A node that cannot be reached rests for retry_ms: only its keys go
  *	  without the gate meanwhile.  A node that never saw a script answers
  *	  EVALSHA with NOSCRIPT, and EVAL runs it (and caches it there).
@@ -62,6 +63,12 @@ static const char CAD_SCRIPT[] =
 "end\n"
 "return 0\n";
 
+/*
+ * CAD_SCRIPT's SHA-1: its EVALSHA name.  The connect checks it against what
+ * SCRIPT LOAD answers, so a script changed without it fails every connect.
+ */
+static const char CAD_SHA1[] = "c89cee65b7ab260d98c281f3c3eb6fa7c992cdd2";
+
 struct idem_gate
 {
 	char	   *host;
@@ -73,7 +80,6 @@ struct idem_gate
 	int			retry_ms;
 	redisContext *c;
 	int64_t		down_until;		/* monotonic ms */
-	char		sha_cad[41];
 	long		round_trips;
 	long		connects;
 	int			last_errno;		/* of the last failed exchange; 0: EOF,
@@ -210,7 +216,7 @@ idemc_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
 	return (nodes && nodes[0] && g->nodes == NULL) ? -1 : 0;
 }
 
-static int	reply_ok(redisReply *r, int want_sha, char *sha);
+static int	reply_ok(redisReply *r, int want_sha, const char *sha);
 
 /* idem_vc_io.wait for the client: poll(), or sleep with fd -1. */
 int
@@ -297,7 +303,6 @@ cluster_open(idem_gate *g)
 		if (rc != 0 || !idem_vc_is_cluster(g->vc))
 			goto fail;
 	}
-	idemc_sha1_hex(CAD_SCRIPT, sizeof(CAD_SCRIPT) - 1, g->sha_cad);
 	return 0;
 fail:
 	if (g->vc != NULL && !idem_vc_is_cluster(g->vc))
@@ -343,19 +348,15 @@ idemc_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
 	*node_errors = s ? (long) s->node_errors : 0;
 }
 
+/* A connect pipeline's reply: OK, or (SCRIPT LOAD) the script's SHA-1, sha. */
 static int
-reply_ok(redisReply *r, int want_sha, char *sha)
+reply_ok(redisReply *r, int want_sha, const char *sha)
 {
 	if (r == NULL)
 		return 0;
 	if (want_sha)
-	{
-		if (r->type != REDIS_REPLY_STRING || r->len != 40)
-			return 0;
-		memcpy(sha, r->str, 40);
-		sha[40] = '\0';
-		return 1;
-	}
+		return r->type == REDIS_REPLY_STRING && r->len == 40 &&
+			memcmp(sha, r->str, 40) == 0;
 	return r->type == REDIS_REPLY_STATUS;
 }
 
@@ -471,7 +472,7 @@ do_connect(idem_gate *g)
 		else if (i == info_at)
 			cluster = ((redisReply *) rep)->type == REDIS_REPLY_STRING &&
 				strstr(((redisReply *) rep)->str, "cluster_enabled:1") != NULL;
-		else if (!reply_ok(rep, is_sha, g->sha_cad))
+		else if (!reply_ok(rep, is_sha, CAD_SHA1))
 			ok = 0;
 		if (rep)
 			freeReplyObject(rep);
@@ -981,7 +982,7 @@ idemc_gate_release(idem_gate *g, const char *key, const char *marker)
 		return -1;
 	args[0] = key;
 	args[1] = marker;
-	r = eval(g, g->sha_cad, CAD_SCRIPT, 2, args);
+	r = eval(g, CAD_SHA1, CAD_SCRIPT, 2, args);
 	if (r == NULL)
 		return -1;
 	if (r->type == REDIS_REPLY_INTEGER)

@@ -3,7 +3,8 @@
  *	  Declarations shared by the files of libidemclient; not installed.
  *
  *	  Internal functions are idemc_*: only the public API bears idem_, in
- *	  the static library too (shared_names.h renames those of ../src).
+ *	  the static library too (shared_names.h renames those of
+ *	  ../src/common).
  *
  *	  Which file owns what: the source-layout table of ../README.md, the
  *	  one file map (test/harness/file_map.sh checks it against the
@@ -25,14 +26,11 @@ _Static_assert(IDEM_OUTCOME_MAX_BYTES == IDEM_OUTCOME_MAX,
 			   "idem_client.h's outcome limit is the server's");
 _Static_assert(IDEM_DIGEST_LEN == 32, "idem_call_key() is stated as 32 bytes");
 
-/* Lowercase hex SHA-1 of data: a script's EVALSHA name (sha1.c). */
-void		idemc_sha1_hex(const void *data, size_t len, char out[41]);
-
 /* 1 if buf[0..len) is valid UTF-8 without NUL bytes (what PostgreSQL text
  * accepts in a UTF8 database). */
 int			idemc_utf8_valid(const char *buf, size_t len);
 
-/* Error strings: always NUL-terminated, truncated to fit. */
+/* Error strings: always NUL-terminated, truncated to fit (error.c). */
 void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 			__attribute__((format(printf, 3, 4)));
 

@@ -4,7 +4,7 @@
  *	  things faster, never change an outcome).
  *
  *	  - The keyspace (<prefix><system id>.<timeline>.<epoch>.<database
- *		oid>:, src/cache_format.h) and
+ *		oid>:, src/common/cache_format.h) and
  *		the secrets are learnt from the PostgreSQL server the runner is
  *		connected to, with idem_cache_keyspace() and idem_cache_secrets()
  *		in one pipeline on each new connection (never guessed), again
@@ -13,12 +13,12 @@
  *		out on the server (two rotations, as after a leak) stops verifying
  *		here within that time, even on a connection that never meets a new
  *		key id.
- *	  - Every value read is parsed (src/cache_format.h) and its MAC checked
- *		(HMAC-SHA-256 over <key> 0x00 <rest>, hmac.c) with the secret of its
- *		key id; anything that fails, an idem1 value, an expired terminal
- *		value, or a marker whose deadline is past or further away than our
- *		own lease (+ 1 s of clock skew) is ignored and counted: PostgreSQL
- *		decides.
+ *	  - Every value read is parsed (src/common/cache_format.h) and its MAC
+ *		checked (HMAC-SHA-256 over <key> 0x00 <rest>, sha256.c) with the
+ *		secret of its key id; anything that fails, an idem1 value, an
+ *		expired terminal value, or a marker whose deadline is past or
+ *		further away than our own lease (+ 1 s of clock skew) is ignored
+ *		and counted: PostgreSQL decides.
  *	  - The only value the client writes is its processing marker, MACed
  *		with the current secret.
  *	  - A role without EXECUTE on those functions (42501), or a server

@@ -13,7 +13,8 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "digest.h"
+#include "sql_args.h"
 
 #include "common/cryptohash.h"
 #include "common/sha2.h"

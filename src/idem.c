@@ -18,8 +18,9 @@
  *-------------------------------------------------------------------------
  */
 #include "idem.h"
-#include "ledger.h"
-#include "citus.h"
+#include "ledger_guard.h"
+#include "ledger_insert.h"
+#include "ledger_store.h"
 
 #include "miscadmin.h"
 #include "utils/inval.h"
@@ -28,29 +29,6 @@
 PG_MODULE_MAGIC;
 
 extern IDEM_EXPORT void _PG_init(void);
-
-const char *const idem_decision_names[IDEM_DECISION_COUNT] = {
-	"claimed", "completed", "failed_permanent", "busy", "mismatch"
-};
-
-const char *const idem_status_names[IDEM_STATUS_COUNT] = {
-	"processing", "completed", "failed_retryable", "failed_permanent"
-};
-
-/* The status spelled name; false when it is none of them. */
-bool
-idem_status_parse(const char *name, IdemStatus *status)
-{
-	int			i;
-
-	for (i = 0; i < IDEM_STATUS_COUNT; i++)
-		if (strcmp(name, idem_status_names[i]) == 0)
-		{
-			*status = (IdemStatus) i;
-			return true;
-		}
-	return false;
-}
 
 void
 _PG_init(void)

@@ -24,6 +24,7 @@
 
 #include "cache_format.h"
 #include "sha256.h"
+#include "subxact.h"
 
 /* Claim decisions, in the order idem_stats() reports them. */
 typedef enum IdemDecision
@@ -36,45 +37,6 @@ typedef enum IdemDecision
 	IDEM_DECISION_COUNT
 } IdemDecision;
 
-extern const char *const idem_decision_names[IDEM_DECISION_COUNT];
-
-/*
- * The status of a ledger row.  idem_status_names[] is its spelling in the
- * ledgers' status column: install.c builds the CHECK constraint from it, and
- * every read and write of the column goes through it.
- */
-typedef enum IdemStatus
-{
-	IDEM_STATUS_PROCESSING = 0,
-	IDEM_STATUS_COMPLETED,
-	IDEM_STATUS_FAILED_RETRYABLE,
-	IDEM_STATUS_FAILED_PERMANENT,
-	IDEM_STATUS_COUNT
-} IdemStatus;
-
-extern const char *const idem_status_names[IDEM_STATUS_COUNT];
-extern bool idem_status_parse(const char *name, IdemStatus *status);
-
-/* Every SQL function refuses NULL arguments with the same error. */
-static inline void
-idem_require_arg(FunctionCallInfo fcinfo, int argno, const char *name)
-{
-	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("%s must not be null", name)));
-}
-
-/* digest.c */
-
-/* Room for a digest as a bytea (e.g. on the stack), suitably aligned. */
-typedef union IdemDigestBytea
-{
-	char		bytes[VARHDRSZ + IDEM_DIGEST_LEN];
-	int32		align;
-} IdemDigestBytea;
-
-extern bytea *idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf);
 
 /* guc.c */
 extern int	idem_lease_ms;
@@ -117,25 +79,7 @@ extern void idem_replay_durable(XLogRecPtr commit_lsn);
 /* idem.standby_slots: every physical replication slot (the default) */
 #define IDEM_ALL_STANDBY_SLOTS "*"
 
-/*
- * Subtransactions (xact.c).  Per-transaction state is tagged with the
- * nesting level that made it (GetCurrentTransactionNestLevel()).  When the
- * subtransaction at level ends, each tag goes through this one rule: state
- * of outer levels is untouched; state of this level or deeper is handed to
- * the parent (level - 1) when the subtransaction committed, and must be
- * forgotten (false) when it aborted.
- */
-static inline bool
-idem_subxact_follow(int *tag, bool committed, int level)
-{
-	if (*tag < level)
-		return true;
-	if (!committed)
-		return false;
-	*tag = level - 1;
-	return true;
-}
-
+/* xact.c (the rule its callbacks apply: subxact.h) */
 extern void idem_xact_callback(XactEvent event, void *arg);
 extern void idem_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 								  SubTransactionId parentSubid, void *arg);
@@ -260,5 +204,21 @@ typedef enum IdemClusterStat
 
 extern void idem_stats_add_cluster(IdemClusterStat stat, uint64 n);
 extern void idem_stats_set_cluster(bool cluster, const char *nodes);
+
+/* What idem_stats_read() copies out of the shared counters. */
+#define IDEM_LAST_ERROR_LEN 256
+#define IDEM_NODES_TEXT_LEN 1024
+typedef struct IdemStatsSnapshot
+{
+	uint64		counters[IDEM_STAT_COUNT];
+	uint64		claims[IDEM_DECISION_COUNT];
+	uint64		cluster_counters[IDEM_CLUSTER_STAT_COUNT];
+	bool		connected;		/* the worker reaches Valkey */
+	bool		cluster;		/* ... a Valkey Cluster */
+	char		last_error[IDEM_LAST_ERROR_LEN];
+	char		nodes[IDEM_NODES_TEXT_LEN];
+} IdemStatsSnapshot;
+
+extern bool idem_stats_read(IdemStatsSnapshot *out);
 
 #endif							/* IDEM_H */

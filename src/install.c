@@ -33,6 +33,7 @@
  */
 #include "idem.h"
 #include "ledger.h"
+#include "sql_args.h"
 #include "citus.h"
 
 #include "access/htup_details.h"

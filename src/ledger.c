@@ -21,6 +21,8 @@
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
+#include "digest.h"
+#include "sql_args.h"
 
 #include "access/htup_details.h"
 #include "access/xact.h"
@@ -53,6 +55,10 @@ PG_FUNCTION_INFO_V1(idem_purge);
 
 /* When another transaction holds a key, suggest a retry within this. */
 #define IDEM_BUSY_RETRY_MS		1000
+
+const char *const idem_decision_names[IDEM_DECISION_COUNT] = {
+	"claimed", "completed", "failed_permanent", "busy", "mismatch"
+};
 
 /* Per call site (fn_extra) of a non-set-returning function. */
 typedef struct CallCache

@@ -35,6 +35,7 @@
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
+#include "sql_args.h"
 
 #include "access/htup_details.h"
 #include "access/xact.h"

@@ -30,6 +30,7 @@
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
+#include "sql_args.h"
 
 #include "catalog/pg_type.h"
 #include "funcapi.h"

@@ -40,7 +40,8 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
+#include "ledger_guard.h"
+#include "ledger_store.h"
 #include "outbox_ring.h"
 
 #include "catalog/objectaccess.h"

@@ -36,7 +36,8 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
+#include "ledger_insert.h"
+#include "digest.h"
 
 #include "access/table.h"
 #include "access/xact.h"

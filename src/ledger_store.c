@@ -27,8 +27,11 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
+#include "ledger_store.h"
 #include "citus.h"
+#include "digest.h"
+#include "ledger_guard.h"
+#include "ledger_insert.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"

@@ -1,28 +1,23 @@
 /*-------------------------------------------------------------------------
  *
  * stats.c
- *	  idem_stats() and the shared counters behind it.
+ *	  The shared counters behind idem_stats() (stats_sql.c).
  *
+ * A leaf: every part of idem counts into it, and it calls none of them.
  * The counters live in shared memory (reserved and initialised through
  * shmem.c when idem is preloaded) as 64-bit atomics, so that counting a claim or a
  * copy takes no lock.  The worker's connection state and last error text
  * sit beside them, the text under a spinlock held for one copy.  Without
- * preloading there is no shared memory: counting is a no-op and
- * idem_stats() says that nothing is copied.
+ * preloading there is no shared memory: counting is a no-op, and
+ * idem_stats_read() says so.
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "idem.h"
 
-#include "access/htup_details.h"
-#include "funcapi.h"
 #include "port/atomics.h"
 #include "storage/shmem.h"
 #include "storage/spin.h"
-#include "utils/builtins.h"
-
-#define IDEM_LAST_ERROR_LEN 256
-#define IDEM_NODES_TEXT_LEN 1024
 
 typedef struct IdemStatsShared
 {
@@ -37,28 +32,6 @@ typedef struct IdemStatsShared
 } IdemStatsShared;
 
 static IdemStatsShared *idem_stats_shared = NULL;
-
-/* Column order of idem_stats(); see idem--0.2--0.3.sql. */
-enum
-{
-	COL_PRELOADED = 0,
-	COL_CONNECTED,
-	COL_QUEUED,
-	COL_COPIED,
-	COL_DROPPED,
-	COL_COPY_ERRORS,
-	COL_REJECTED,				/* COL_QUEUED..here follow IdemStat's order */
-	COL_QUEUE_DEPTH,
-	COL_LAST_ERROR,
-	COL_CLAIMS,					/* one column per IdemDecision from here */
-	COL_CLUSTER = COL_CLAIMS + IDEM_DECISION_COUNT,
-	COL_CLUSTER_COUNTERS,		/* one column per IdemClusterStat from here */
-	COL_NODES = COL_CLUSTER_COUNTERS + IDEM_CLUSTER_STAT_COUNT,
-	COL_COUNT
-};
-
-StaticAssertDecl(COL_QUEUED + IDEM_STAT_COUNT == COL_QUEUE_DEPTH,
-				 "idem_stats() columns must follow IdemStat");
 
 Size
 idem_stats_shmem_size(void)
@@ -150,79 +123,30 @@ idem_stats_set_cluster(bool cluster, const char *nodes)
 	}
 }
 
-PG_FUNCTION_INFO_V1(idem_stats);
-
 /*
- * idem_stats() RETURNS one row; the columns are documented in the README
- * and declared in idem--0.2--0.3.sql.
+ * Copy every counter and text into *out, as one reader sees them (each
+ * value is read atomically, not the set).  false, and *out untouched,
+ * when idem is not preloaded: there are no counters.
  */
-Datum
-idem_stats(PG_FUNCTION_ARGS)
+bool
+idem_stats_read(IdemStatsSnapshot *out)
 {
-	TupleDesc	tupdesc;
-	Datum		values[COL_COUNT];
-	bool		nulls[COL_COUNT];
-	char		last_error[IDEM_LAST_ERROR_LEN];
-	char		nodes[IDEM_NODES_TEXT_LEN];
 	int			i;
 
-	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
-		ereport(ERROR,
-				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("function returning record called in context that cannot accept type record")));
-	if (tupdesc->natts != COL_COUNT)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem_stats() is declared with %d columns, the loaded library returns %d",
-						tupdesc->natts, COL_COUNT),
-				 errhint("Run ALTER EXTENSION idem UPDATE.")));
-	tupdesc = BlessTupleDesc(tupdesc);
-
-	memset(nulls, 0, sizeof(nulls));
 	if (idem_stats_shared == NULL)
-	{
-		values[COL_PRELOADED] = BoolGetDatum(false);
-		values[COL_CONNECTED] = BoolGetDatum(false);
-		for (i = COL_QUEUED; i < COL_COUNT; i++)
-			values[i] = Int64GetDatum(0);
-		values[COL_LAST_ERROR] = CStringGetTextDatum("idem is not in shared_preload_libraries: results are not copied to Valkey");
-		values[COL_CLUSTER] = BoolGetDatum(false);
-		nulls[COL_NODES] = true;
-	}
-	else
-	{
-		values[COL_PRELOADED] = BoolGetDatum(true);
-		values[COL_CONNECTED] =
-			BoolGetDatum(pg_atomic_read_u32(&idem_stats_shared->connected) != 0);
-		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
-		for (i = 0; i < IDEM_STAT_COUNT; i++)
-			values[COL_QUEUED + i] =
-				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->counters[i]));
-		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_outbox_depth());
-
-		SpinLockAcquire(&idem_stats_shared->mutex);
-		strlcpy(last_error, idem_stats_shared->last_error, sizeof(last_error));
-		strlcpy(nodes, idem_stats_shared->nodes, sizeof(nodes));
-		SpinLockRelease(&idem_stats_shared->mutex);
-		if (last_error[0] == '\0')
-			nulls[COL_LAST_ERROR] = true;
-		else
-			values[COL_LAST_ERROR] = CStringGetTextDatum(last_error);
-
-		for (i = 0; i < IDEM_DECISION_COUNT; i++)
-			values[COL_CLAIMS + i] =
-				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->claims[i]));
-
-		values[COL_CLUSTER] =
-			BoolGetDatum(pg_atomic_read_u32(&idem_stats_shared->cluster) != 0);
-		for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
-			values[COL_CLUSTER_COUNTERS + i] =
-				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->cluster_counters[i]));
-		if (nodes[0] == '\0')
-			nulls[COL_NODES] = true;
-		else
-			values[COL_NODES] = CStringGetTextDatum(nodes);
-	}
-
-	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+		return false;
+	out->connected = pg_atomic_read_u32(&idem_stats_shared->connected) != 0;
+	for (i = 0; i < IDEM_STAT_COUNT; i++)
+		out->counters[i] = pg_atomic_read_u64(&idem_stats_shared->counters[i]);
+	SpinLockAcquire(&idem_stats_shared->mutex);
+	strlcpy(out->last_error, idem_stats_shared->last_error, IDEM_LAST_ERROR_LEN);
+	strlcpy(out->nodes, idem_stats_shared->nodes, IDEM_NODES_TEXT_LEN);
+	SpinLockRelease(&idem_stats_shared->mutex);
+	for (i = 0; i < IDEM_DECISION_COUNT; i++)
+		out->claims[i] = pg_atomic_read_u64(&idem_stats_shared->claims[i]);
+	out->cluster = pg_atomic_read_u32(&idem_stats_shared->cluster) != 0;
+	for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
+		out->cluster_counters[i] =
+			pg_atomic_read_u64(&idem_stats_shared->cluster_counters[i]);
+	return true;
 }

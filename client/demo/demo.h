@@ -6,6 +6,7 @@
  *	  from PostgreSQL, that every effect happened exactly once.
  *
  *	  main.c      options, setup, the parent's loop (reaping, progress, end)
+ *	  shared.c    what the processes share: counters, last error, clock
  *	  queue.c     Valkey Streams: XADD, XREADGROUP, XAUTOCLAIM, XACK, XPENDING
  *	  workload.c  the plan (tasks, duplicates), the schema, the handlers
  *	  worker.c    one worker process: read, run through the runner, ack
@@ -183,8 +184,10 @@ typedef struct demo_shared
 	char		last_error[512];
 } demo_shared;
 
-/* main.c */
+/* shared.c */
 extern demo_shared *g_shared;
+int			demo_shared_open(void);
+void		demo_shared_close(void);
 int64_t		demo_now_ms(void);
 void		demo_note_error(const char *fmt,...) __attribute__((format(printf, 1, 2)));
 void		demo_counters_sum(demo_counters *out);

@@ -11,17 +11,13 @@
 
 #include <errno.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-
-demo_shared *g_shared;
 
 static volatile sig_atomic_t interrupted = 0;
 
@@ -29,43 +25,6 @@ static volatile sig_atomic_t interrupted = 0;
  * parent's PostgreSQL connection is left alone: PQfinish would end the
  * parent's session for it). */
 static queue *parent_q;
-
-int64_t
-demo_now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-void
-demo_note_error(const char *fmt,...)
-{
-	va_list		ap;
-
-	va_start(ap, fmt);
-	vsnprintf(g_shared->last_error, sizeof(g_shared->last_error), fmt, ap);
-	va_end(ap);
-}
-
-void
-demo_counters_sum(demo_counters *out)
-{
-	int			i;
-	size_t		j,
-				n = sizeof(demo_counters) / sizeof(long);
-
-	memset(out, 0, sizeof(*out));
-	for (i = 0; i < DEMO_MAX_WORKERS; i++)
-	{
-		const long *src = (const long *) &g_shared->slot[i];
-		long	   *dst = (long *) out;
-
-		for (j = 0; j < n; j++)
-			dst[j] += __atomic_load_n(&src[j], __ATOMIC_RELAXED);
-	}
-}
 
 static void
 on_interrupt(int sig)
@@ -423,14 +382,8 @@ main(int argc, char **argv)
 	snprintf(cfg.group, sizeof(cfg.group), "workers");
 	setvbuf(stdout, NULL, _IOLBF, 0);
 
-	g_shared = mmap(NULL, sizeof(demo_shared), PROT_READ | PROT_WRITE,
-					MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	if (g_shared == MAP_FAILED)
-	{
-		perror("idem-demo: mmap");
+	if (demo_shared_open() != 0)
 		return 2;
-	}
-	memset(g_shared, 0, sizeof(*g_shared));
 	if (plan_build(&cfg, &plan) != 0 || misses_init(plan.ntasks) != 0)
 	{
 		fprintf(stderr, "idem-demo: out of memory\n");
@@ -632,6 +585,6 @@ main(int argc, char **argv)
 	queue_close(q);
 	PQfinish(conn);
 	plan_free(&plan);
-	munmap(g_shared, sizeof(demo_shared));
+	demo_shared_close();
 	return rc == 0 ? 0 : 1;
 }

@@ -1,5 +1,5 @@
 /*
- * itest_router.c: the Valkey router (src/valkey_cluster.c, shared by the
+ * itest_router.c: the Valkey router (src/common/valkey_*.c, shared by the
  * client's gate and the server's worker) against the real RESP server
  * (itest router).
  *

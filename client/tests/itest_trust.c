@@ -120,6 +120,22 @@ plant(int64_t tenant, const char *id, const char *v_new, const char *v_old,
 		rv_cmd_ok("SET %s %s PX %lld", k, v_old, px);
 }
 
+/*
+ * An idem1 value, the format before 0.3 ("idem1 <c|f> <attempt> <fingerprint
+ * hex> <outcome>": no MAC, no expiry), as an older writer left it: nothing
+ * reads it any more, and these tests plant it to check that it is ignored.
+ */
+static void
+idem1_terminal(char *buf, size_t buflen, IdemCacheKind kind, int attempt,
+			   const uint8_t fp[32], const char *outcome)
+{
+	char		fph[65];
+
+	idem_cache_hex(fph, fp, 32);
+	fph[64] = '\0';
+	snprintf(buf, buflen, "idem1 %c %d %s %s", (char) kind, attempt, fph, outcome);
+}
+
 static void
 fingerprint_of(const char *req, uint8_t fp[32], char fph[65])
 {
@@ -172,7 +188,7 @@ test_values(idem_runner *R)
 		idem_hmac_sha256(&hm, input, (size_t) in, mac);
 		idem_cache_set_mac(val, mac);
 	}
-	idem_cache_encode_result(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, forged_out, strlen(forged_out));
+	idem1_terminal(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, forged_out);
 	plant(1, "forged-c", val, old, 3600000);
 	idem_runner_get_stats(R, &st0);
 	memset(&h, 0, sizeof(h));
@@ -195,7 +211,7 @@ test_values(idem_runner *R)
 
 		(void) n;				/* all-zero MAC: forged */
 	}
-	idem_cache_encode_result(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, other, "{}", 2);
+	idem1_terminal(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, other, "{}");
 	plant(1, "forged-m", val, old, 3600000);
 	memset(&h, 0, sizeof(h));
 	idem_run(R, 1, S, "forged-m", req, thandler, &h, &res);
@@ -222,7 +238,7 @@ test_values(idem_runner *R)
 		idem_run(R, 1, S, "src", req, thandler, &h, &res);
 		tap_ok_ext(v != NULL && res.status == IDEM_REPLAYED && res.source == IDEM_SOURCE_VALKEY,
 				   "control: the authentic value replays from Valkey under its own key (%s)", rs(&res));
-		idem_cache_encode_result(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, "{\"done\": true}", 14);
+		idem1_terminal(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, "{\"done\": true}");
 		plant(1, "moved", v, old, 3600000);
 		plant(2, "src", v, old, 3600000);
 		free(v);
@@ -249,7 +265,7 @@ test_values(idem_runner *R)
 		if (t)
 			*t = 'T';			/* {"done": True} */
 		rv_cmd_ok("SET %s %s PX 3600000", k, v ? v : "x");
-		idem_cache_encode_result(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, "{\"done\": 1}", 11);
+		idem1_terminal(old, sizeof(old), IDEM_CACHE_COMPLETED, 1, fp, "{\"done\": 1}");
 		plant(1, "flip", NULL, old, 3600000);
 		free(v);
 	}

@@ -3,8 +3,8 @@
  *	  SHA-256 against the FIPS 180-2 examples; idem_key vectors (computed
  *	  independently, and equal to SQL idem_key: see itest.c); canonical JSON
  *	  vectors taken from PostgreSQL 15 output; invalid JSON refused; the idem2 cache format of
- *	  src/cache_format.h (keyspace, keys, values, the MAC input); the API
- *	  with NULLs, bad options and servers that are down: errors, no crash.
+ *	  src/common/cache_format.h (keyspace, keys, values, the MAC input); the
+ *	  API with NULLs, bad options and servers that are down: errors, no crash.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -32,37 +32,6 @@ sha_is(const char *msg, size_t len, const char *want)
 	idem_sha256_final(&c, d);
 	hex(d, 32, h);
 	return strcmp(h, want) == 0;
-}
-
-static int
-sha1_is(const char *msg, size_t len, const char *hex)
-{
-	char		out[41];
-
-	idemc_sha1_hex(msg, len, out);
-	return strcmp(out, hex) == 0;
-}
-
-static void
-test_sha1(void)
-{
-	static const char *m2 =
-		"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
-	char	   *million = malloc(1000000);
-
-	tap_ok(sha1_is("abc", 3, "a9993e364706816aba3e25717850c26c9cd0d89d"),
-		   "sha1 FIPS example 1 (abc)");
-	tap_ok(sha1_is("", 0, "da39a3ee5e6b4b0d3255bfef95601890afd80709"),
-		   "sha1 of the empty string");
-	tap_ok(sha1_is(m2, strlen(m2), "84983e441c3bd26ebaae4aa1f95129e5e54670f1"),
-		   "sha1 FIPS example 2 (448 bits: the padding takes a second block)");
-	memset(million, 'a', 1000000);
-	tap_ok(sha1_is(million, 1000000, "34aa973cd4c4daa4f61eeb2bdbad27316534016f"),
-		   "sha1 FIPS example 3 (a million 'a')");
-	free(million);
-	/* what Valkey names "return 1" (SCRIPT LOAD "return 1") */
-	tap_ok(sha1_is("return 1", 8, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"),
-		   "sha1 of a script is its EVALSHA name");
 }
 
 static void
@@ -330,7 +299,7 @@ test_canonical(void)
 	}
 }
 
-/* The idem2 format of src/cache_format.h: keys, values, the MAC input. */
+/* The idem2 format of src/common/cache_format.h: keys, values, the MAC input. */
 static void
 test_cache_format(void)
 {
@@ -678,15 +647,39 @@ test_api_without_servers(void)
 }
 
 void		test_cluster(void);	/* unit_cluster.c */
+int			crypto_vs_openssl(int rounds, char *why, size_t whylen);	/* unit_crypto.c */
+int			crypto_key_copies_on_stack(void);
+int			crypto_rounds(int rounds);
+
+/* SHA-256 and HMAC against OpenSSL in both block functions; the key wipe. */
+static void
+test_crypto(void)
+{
+	char		why[128];
+	int			path,
+				copies;
+
+	for (path = 0; path <= 1; path++)
+	{
+		int			ni = idem_sha256_accel(path);
+
+		tap_ok(crypto_vs_openssl(crypto_rounds(2000), why, sizeof(why)),
+			   "sha256 and hmac-sha256 (%s) equal OpenSSL's: %s", ni ? "SHA-NI" : "portable", why);
+	}
+	copies = crypto_key_copies_on_stack();
+	tap_ok(copies == 0, "idem_hmac_key leaves no copy of the key or its pads on the stack (%d found)",
+		   copies);
+	idem_sha256_accel(1);
+}
 
 int
 main(void)
 {
-	test_sha1();
 	idem_sha256_accel(0);
 	test_sha256("portable");
 	test_sha256_paths();
 	test_hmac();
+	test_crypto();
 	test_keys();
 	test_canonical();
 	test_cache_format();

@@ -1,5 +1,5 @@
 /*
- * unit_cluster.c: the Valkey Cluster routing's pure parts (src/valkey_cluster.c),
+ * unit_cluster.c: the Valkey Cluster routing's pure parts (src/common/valkey_*.c),
  * no server needed: CRC16 and slots (with hash tags) against the values
  * Valkey documents and computes, redirect and transient-error classification,
  * the CLUSTER SLOTS and CLUSTER SHARDS parsers (fed real RESP text through

@@ -22,7 +22,7 @@ ok() {
 }
 
 cc -O2 -Wall -Wextra -Werror -Wno-missing-field-initializers \
-	-I"$ROOT/client" -I"$ROOT/src" -I"$("$(idem_pg_config)" --includedir)" \
+	-I"$ROOT/client" -I"$ROOT/src/common" -I"$("$(idem_pg_config)" --includedir)" \
 	-o "$T/client_bench" "$ROOT/bench/client_bench.c" \
 	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread 2>"$T/cc.err"
 ok $? "bench/client_bench.c builds with -Wall -Wextra -Werror"

@@ -101,13 +101,13 @@
 #define S_FAILP  4      /* failed_permanent */
 #define TERMINAL(s) ((s) == S_DONE || (s) == S_FAILP)
 
-/* ---- Valkey value kinds (src/cache_format.h) ---- */
+/* ---- Valkey value kinds (src/common/cache_format.h) ---- */
 #define V_NONE   0      /* no key */
 #define V_MARK   1      /* "idem1 p <token>"  processing marker */
 #define V_DONE   2      /* "idem1 c <attempt> <fp> <outcome>" */
 #define V_FAILP  3      /* "idem1 f <attempt> <fp> <detail>" */
 #define VK_OF(s)  ((s) == S_DONE -> V_DONE : V_FAILP)
-/* Valkey values are idem2 (MACed, src/cache_format.h): forged or altered
+/* Valkey values are idem2 (MACed, src/common/cache_format.h): forged or altered
  * values are ignored by every reader and are not modelled. */
 
 /* An outcome (or failure detail) names the attempt and the runner that

@@ -50,7 +50,7 @@ my $value = $valkey->wait_for_key(key_of('commit'), 5);
 my $took = time() - $t0;
 ok(defined $value && $took < 1.0,
 	sprintf('committed result in Valkey within 1 s (%.3f s)', $took));
-# An idem2 value (src/cache_format.h): version, MAC, key id, kind, attempt,
+# An idem2 value (src/common/cache_format.h): version, MAC, key id, kind, attempt,
 # expiry, fingerprint, outcome.
 sub shape
 {

@@ -477,7 +477,7 @@ sub run_once_binary
 	my $lib = `pg_config --libdir`;
 	chomp($inc, $lib);
 	my $bin = "$PostgreSQL::Test::Utils::tmp_check/idem_run_once";
-	my @cmd = ('cc', '-std=c11', '-D_GNU_SOURCE', "-I$tree/client", "-I$tree/src", "-I$inc",
+	my @cmd = ('cc', '-std=c11', '-D_GNU_SOURCE', "-I$tree/client", "-I$tree/src/common", "-I$inc",
 		'-o', $bin, "$tree/test/t/idem_run_once.c", "$tree/client/build/libidemclient.a",
 		"-L$lib", '-lpq', '-lhiredis', '-pthread');
 	system(@cmd) == 0 or die "could not build idem_run_once: @cmd";

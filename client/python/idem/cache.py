@@ -1,4 +1,4 @@
-"""The Valkey key and value format "idem2" (src/cache_format.h), in Python.
+"""The Valkey key and value format "idem2" (src/common/cache_format.h), in Python.
 
 Keys::
 

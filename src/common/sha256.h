@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * sha256.h
- *	  SHA-256 (sha256.c) and HMAC-SHA-256 with a prepared key (hmac.c): one
+ *	  SHA-256 and HMAC-SHA-256 with a prepared key (sha256.c): one
  *	  definition, compiled into both the extension's background worker (the
  *	  MAC of each value it copies to Valkey) and the client library (keys,
  *	  fingerprints, the MAC of values it reads and of its marker).
@@ -32,7 +32,7 @@ void		idem_sha256_final(idem_sha256 *c, uint8_t out[32]);
  * 0 the portable C (tests), -1 ask.  Returns 1 if SHA-NI is in use. */
 int			idem_sha256_accel(int mode);
 
-/* HMAC-SHA-256 with a prepared key (hmac.c). */
+/* HMAC-SHA-256 with a prepared key. */
 typedef struct idem_hmac
 {
 	idem_sha256 inner;			/* after the key ^ ipad block */

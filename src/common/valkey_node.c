@@ -1,0 +1,425 @@
+/*-------------------------------------------------------------------------
+ *
+ * valkey_node.c
+ *	  The router's node table and each node's I/O: one non-blocking socket,
+ *	  one hiredis reader and one output buffer per node; connect (with AUTH
+ *	  and SELECT), send, read, rest after a failure.  Waiting is the
+ *	  caller's (idem_vc_io.wait); writes use send(MSG_NOSIGNAL).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "valkey_cluster_int.h"
+
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+int64_t
+idem_vc_now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void
+idem_vc_set_err(idem_vc *vc, const char *fmt,...)
+{
+	va_list		ap;
+
+	va_start(ap, fmt);
+	vsnprintf(vc->err, sizeof(vc->err), fmt, ap);
+	va_end(ap);
+}
+
+void
+idem_vc_copy_err(char *err, size_t errlen, const char *text)
+{
+	if (err != NULL && errlen > 0)
+		snprintf(err, errlen, "%s", text);
+}
+
+/* Index of host:port in the node table, added if new; -1 if full. */
+int
+idem_vc_node_get(idem_vc *vc, const char *host, int port)
+{
+	int			i;
+	vc_node    *n;
+
+	for (i = 0; i < vc->nnodes; i++)
+		if (vc->nodes[i].port == port && strcmp(vc->nodes[i].host, host) == 0)
+			return i;
+	if (vc->nnodes == IDEM_VC_MAX_NODES || strlen(host) >= IDEM_VC_HOST_MAX)
+		return -1;
+	n = &vc->nodes[vc->nnodes];
+	memset(n, 0, sizeof(*n));
+	snprintf(n->host, sizeof(n->host), "%s", host);
+	n->port = port;
+	idem_vc_format_endpoint(n->name, sizeof(n->name), host, port);
+	n->fd = -1;
+	return vc->nnodes++;
+}
+
+void
+idem_vc_node_unsent(idem_vc *vc, vc_node *n)
+{
+	if (n->sent)
+	{
+		n->sent = 0;
+		vc->nsent--;
+	}
+}
+
+void
+idem_vc_node_drop(idem_vc *vc, vc_node *n)
+{
+	idem_vc_node_unsent(vc, n);
+	if (n->fd >= 0)
+	{
+		if (vc->io.closing)
+			vc->io.closing(vc->io.arg, n->fd);
+		close(n->fd);
+		n->fd = -1;
+	}
+	if (n->rd)
+		redisReaderFree(n->rd);
+	n->rd = NULL;
+	n->olen = 0;
+	n->nexpect = 0;
+}
+
+/* A failure on an established or new connection: drop it, let it rest. */
+void
+idem_vc_node_failed(idem_vc *vc, vc_node *n, const char *what)
+{
+	char		why[VC_ERR_LEN];
+
+	snprintf(why, sizeof(why), "%s", vc->err[0] ? vc->err : "failed");
+	idem_vc_set_err(vc, "%s %s: %s", what, n->name, why);
+	idem_vc_node_drop(vc, n);
+	n->errors++;
+	vc->stats.node_errors++;
+	n->down_until = idem_vc_now_ms() + vc->retry_ms;
+	if (vc->cluster)
+		vc->need_refresh = 1;
+}
+
+int
+idem_vc_node_append(idem_vc *vc, vc_node *n, int argc, const char **argv,
+			const size_t *argvlen)
+{
+	char	   *cmd = NULL;
+	long long	len = redisFormatCommandArgv(&cmd, argc, argv, argvlen);
+
+	if (len < 0)
+	{
+		idem_vc_set_err(vc, "out of memory");
+		return -1;
+	}
+	if (n->olen + (size_t) len > n->ocap)
+	{
+		size_t		cap = n->ocap ? n->ocap : 4096;
+		char	   *nb;
+
+		while (cap < n->olen + (size_t) len)
+			cap *= 2;
+		nb = realloc(n->obuf, cap);
+		if (nb == NULL)
+		{
+			redisFreeCommand(cmd);
+			idem_vc_set_err(vc, "out of memory");
+			return -1;
+		}
+		n->obuf = nb;
+		n->ocap = cap;
+	}
+	memcpy(n->obuf + n->olen, cmd, (size_t) len);
+	n->olen += (size_t) len;
+	redisFreeCommand(cmd);
+	return 0;
+}
+
+int
+idem_vc_node_expect(idem_vc *vc, vc_node *n, int what)
+{
+	if (n->nexpect == n->expcap)
+	{
+		int			cap = n->expcap ? n->expcap * 2 : 64;
+		int		   *ne = realloc(n->expect, sizeof(int) * cap);
+
+		if (ne == NULL)
+		{
+			idem_vc_set_err(vc, "out of memory");
+			return -1;
+		}
+		n->expect = ne;
+		n->expcap = cap;
+	}
+	n->expect[n->nexpect++] = what;
+	return 0;
+}
+
+/* Wait through io; 0 ready, -1 timeout (err set), -2 abandon. */
+static int
+vc_wait(idem_vc *vc, int fd, int for_write, int64_t deadline, const char *what)
+{
+	int			rc = vc->io.wait(vc->io.arg, fd, for_write, deadline);
+
+	if (rc == -1)
+		idem_vc_set_err(vc, "timed out %s", what);
+	return rc;
+}
+
+/* Send everything buffered.  0, -1 (err set), -2 abandon. */
+int
+idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
+{
+	size_t		off = 0;
+
+	while (off < n->olen)
+	{
+		ssize_t		w = send(n->fd, n->obuf + off, n->olen - off, MSG_NOSIGNAL);
+
+		if (w > 0)
+		{
+			off += (size_t) w;
+			continue;
+		}
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+		{
+			int			rc = vc_wait(vc, n->fd, 1, deadline, "sending");
+
+			if (rc != 0)
+				return rc;
+			continue;
+		}
+		idem_vc_set_err(vc, "could not send: %s", strerror(errno));
+		return -1;
+	}
+	if (n->olen > 0 && !n->sent)
+	{
+		n->sent = 1;
+		vc->nsent++;
+	}
+	n->olen = 0;
+	return 0;
+}
+
+/* Read the next reply.  0 (*out set), -1 (err set), -2 abandon. */
+int
+idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
+{
+	for (;;)
+	{
+		void	   *reply = NULL;
+		char		buf[16 * 1024];
+		ssize_t		got;
+
+		if (redisReaderGetReply(n->rd, &reply) != REDIS_OK)
+		{
+			idem_vc_set_err(vc, "protocol error");
+			return -1;
+		}
+		if (reply != NULL)
+		{
+			*out = reply;
+			return 0;
+		}
+
+		/*
+		 * Right after a send to this node alone, its reply is almost never
+		 * in yet: wait first, which saves a recv that would only say EAGAIN
+		 * (one system call per round trip).  When several nodes were sent
+		 * to, the later ones' replies are usually in by the time they are
+		 * read: recv first.
+		 */
+		if (n->sent)
+		{
+			int			alone = vc->nsent == 1;
+
+			idem_vc_node_unsent(vc, n);
+			if (alone)
+			{
+				int			rc = vc_wait(vc, n->fd, 0, deadline,
+										 "waiting for a reply");
+
+				if (rc != 0)
+					return rc;
+			}
+		}
+		got = recv(n->fd, buf, sizeof(buf), 0);
+		if (got > 0)
+		{
+			if (redisReaderFeed(n->rd, buf, (size_t) got) != REDIS_OK)
+			{
+				idem_vc_set_err(vc, "protocol error");
+				return -1;
+			}
+			continue;
+		}
+		if (got == 0)
+		{
+			idem_vc_set_err(vc, "server closed the connection");
+			return -1;
+		}
+		if (errno == EINTR)
+			continue;
+		if (errno == EAGAIN || errno == EWOULDBLOCK)
+		{
+			int			rc = vc_wait(vc, n->fd, 0, deadline, "waiting for a reply");
+
+			if (rc != 0)
+				return rc;
+			continue;
+		}
+		idem_vc_set_err(vc, "could not receive: %s", strerror(errno));
+		return -1;
+	}
+}
+
+/* One command and its reply, on a connected node (setup commands). */
+int
+idem_vc_node_call(idem_vc *vc, vc_node *n, int argc, const char **argv,
+		  int64_t deadline, redisReply **out)
+{
+	int			rc;
+
+	*out = NULL;
+	if (idem_vc_node_append(vc, n, argc, argv, NULL) != 0)
+		return -1;
+	rc = idem_vc_node_flush(vc, n, deadline);
+	if (rc == 0)
+		rc = idem_vc_node_read(vc, n, deadline, out);
+	vc->stats.round_trips++;
+	return rc;
+}
+
+/* Open the socket and authenticate.  0, -1 (err set), -2 abandon. */
+static int
+node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
+{
+	struct addrinfo hints,
+			   *res = NULL;
+	char		portbuf[16];
+	int			fd = -1;
+	int			rc;
+	int			one = 1;
+	int			soerr = 0;
+	socklen_t	slen = sizeof(soerr);
+	int64_t		cdeadline = idem_vc_now_ms() + vc->connect_timeout_ms;
+	redisReply *r;
+
+	if (cdeadline > deadline)
+		cdeadline = deadline;
+	vc->err[0] = '\0';
+	vc->stats.connects++;
+	memset(&hints, 0, sizeof(hints));
+	hints.ai_family = AF_UNSPEC;
+	hints.ai_socktype = SOCK_STREAM;
+	snprintf(portbuf, sizeof(portbuf), "%d", n->port);
+	rc = getaddrinfo(n->host, portbuf, &hints, &res);
+	if (rc != 0 || res == NULL)
+	{
+		idem_vc_set_err(vc, "could not resolve: %s", gai_strerror(rc));
+		return -1;
+	}
+	fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+	{
+		idem_vc_set_err(vc, "could not create a socket: %s", strerror(errno));
+		freeaddrinfo(res);
+		return -1;
+	}
+	rc = connect(fd, res->ai_addr, res->ai_addrlen);
+	freeaddrinfo(res);
+	n->fd = fd;
+	if (rc != 0 && errno != EINPROGRESS)
+	{
+		idem_vc_set_err(vc, "could not connect: %s", strerror(errno));
+		return -1;
+	}
+	if (rc != 0)
+	{
+		rc = vc_wait(vc, fd, 1, cdeadline, "connecting");
+		if (rc != 0)
+			return rc;
+		if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &slen) != 0)
+			soerr = errno;
+		if (soerr != 0)
+		{
+			idem_vc_set_err(vc, "could not connect: %s", strerror(soerr));
+			return -1;
+		}
+	}
+	(void) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+	n->rd = redisReaderCreate();
+	if (n->rd == NULL)
+	{
+		idem_vc_set_err(vc, "out of memory");
+		return -1;
+	}
+	if (vc->password != NULL)
+	{
+		const char *argv[2] = {"AUTH", vc->password};
+
+		rc = idem_vc_node_call(vc, n, 2, argv, cdeadline, &r);
+		if (rc != 0)
+			return rc;
+		if (r->type == REDIS_REPLY_ERROR)
+		{
+			idem_vc_set_err(vc, "AUTH refused: %.*s", (int) r->len, r->str);
+			freeReplyObject(r);
+			return -1;
+		}
+		freeReplyObject(r);
+	}
+	if (!vc->cluster && vc->db != 0)
+	{
+		char		dbtxt[16];
+		const char *argv[2] = {"SELECT", dbtxt};
+
+		snprintf(dbtxt, sizeof(dbtxt), "%d", vc->db);
+		rc = idem_vc_node_call(vc, n, 2, argv, cdeadline, &r);
+		if (rc != 0)
+			return rc;
+		if (r->type == REDIS_REPLY_ERROR)
+		{
+			idem_vc_set_err(vc, "SELECT refused: %.*s", (int) r->len, r->str);
+			freeReplyObject(r);
+			return -1;
+		}
+		freeReplyObject(r);
+	}
+	return 0;
+}
+
+/* Connected, or connect now unless resting.  0, -1, -2. */
+int
+idem_vc_node_ensure(idem_vc *vc, vc_node *n, int64_t deadline)
+{
+	int			rc;
+
+	if (n->fd >= 0)
+		return 0;
+	if (idem_vc_now_ms() < n->down_until)
+	{
+		idem_vc_set_err(vc, "%s is resting after a failure", n->name);
+		return -1;
+	}
+	rc = node_connect(vc, n, deadline);
+	if (rc == -1)
+		idem_vc_node_failed(vc, n, "connecting to");
+	else if (rc == -2)
+		idem_vc_node_drop(vc, n);
+	return rc;
+}

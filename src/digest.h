@@ -1,0 +1,22 @@
+/*-------------------------------------------------------------------------
+ *
+ * digest.h
+ *	  The 32-byte bytea of keys and fingerprints (digest.c).
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_DIGEST_H
+#define IDEM_DIGEST_H
+
+#include "idem.h"
+
+/* Room for a digest as a bytea (e.g. on the stack), suitably aligned. */
+typedef union IdemDigestBytea
+{
+	char		bytes[VARHDRSZ + IDEM_DIGEST_LEN];
+	int32		align;
+} IdemDigestBytea;
+
+extern bytea *idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf);
+
+#endif							/* IDEM_DIGEST_H */

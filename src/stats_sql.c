@@ -1,0 +1,101 @@
+/*-------------------------------------------------------------------------
+ *
+ * stats_sql.c
+ *	  idem_stats(): one row of the shared counters (stats.c) and the depth
+ *	  of the commit queue (outbox_ring.c).  It stands above both, so that
+ *	  the counters stay a leaf that the queue counts into.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "outbox_ring.h"
+
+#include "access/htup_details.h"
+#include "funcapi.h"
+#include "utils/builtins.h"
+
+/* Column order of idem_stats(); see idem--0.2--0.3.sql. */
+enum
+{
+	COL_PRELOADED = 0,
+	COL_CONNECTED,
+	COL_QUEUED,
+	COL_COPIED,
+	COL_DROPPED,
+	COL_COPY_ERRORS,
+	COL_REJECTED,				/* COL_QUEUED..here follow IdemStat's order */
+	COL_QUEUE_DEPTH,
+	COL_LAST_ERROR,
+	COL_CLAIMS,					/* one column per IdemDecision from here */
+	COL_CLUSTER = COL_CLAIMS + IDEM_DECISION_COUNT,
+	COL_CLUSTER_COUNTERS,		/* one column per IdemClusterStat from here */
+	COL_NODES = COL_CLUSTER_COUNTERS + IDEM_CLUSTER_STAT_COUNT,
+	COL_COUNT
+};
+
+StaticAssertDecl(COL_QUEUED + IDEM_STAT_COUNT == COL_QUEUE_DEPTH,
+				 "idem_stats() columns must follow IdemStat");
+
+PG_FUNCTION_INFO_V1(idem_stats);
+
+/*
+ * idem_stats() RETURNS one row; the columns are documented in the README
+ * and declared in idem--0.2--0.3.sql.
+ */
+Datum
+idem_stats(PG_FUNCTION_ARGS)
+{
+	TupleDesc	tupdesc;
+	Datum		values[COL_COUNT];
+	bool		nulls[COL_COUNT];
+	IdemStatsSnapshot snap;
+	int			i;
+
+	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("function returning record called in context that cannot accept type record")));
+	if (tupdesc->natts != COL_COUNT)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem_stats() is declared with %d columns, the loaded library returns %d",
+						tupdesc->natts, COL_COUNT),
+				 errhint("Run ALTER EXTENSION idem UPDATE.")));
+	tupdesc = BlessTupleDesc(tupdesc);
+
+	memset(nulls, 0, sizeof(nulls));
+	if (!idem_stats_read(&snap))
+	{
+		values[COL_PRELOADED] = BoolGetDatum(false);
+		values[COL_CONNECTED] = BoolGetDatum(false);
+		for (i = COL_QUEUED; i < COL_COUNT; i++)
+			values[i] = Int64GetDatum(0);
+		values[COL_LAST_ERROR] = CStringGetTextDatum("idem is not in shared_preload_libraries: results are not copied to Valkey");
+		values[COL_CLUSTER] = BoolGetDatum(false);
+		nulls[COL_NODES] = true;
+	}
+	else
+	{
+		values[COL_PRELOADED] = BoolGetDatum(true);
+		values[COL_CONNECTED] = BoolGetDatum(snap.connected);
+		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
+		for (i = 0; i < IDEM_STAT_COUNT; i++)
+			values[COL_QUEUED + i] = Int64GetDatum((int64) snap.counters[i]);
+		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_outbox_depth());
+		if (snap.last_error[0] == '\0')
+			nulls[COL_LAST_ERROR] = true;
+		else
+			values[COL_LAST_ERROR] = CStringGetTextDatum(snap.last_error);
+		for (i = 0; i < IDEM_DECISION_COUNT; i++)
+			values[COL_CLAIMS + i] = Int64GetDatum((int64) snap.claims[i]);
+		values[COL_CLUSTER] = BoolGetDatum(snap.cluster);
+		for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
+			values[COL_CLUSTER_COUNTERS + i] =
+				Int64GetDatum((int64) snap.cluster_counters[i]);
+		if (snap.nodes[0] == '\0')
+			nulls[COL_NODES] = true;
+		else
+			values[COL_NODES] = CStringGetTextDatum(snap.nodes);
+	}
+
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));
+}
