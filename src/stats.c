@@ -47,7 +47,8 @@ enum
 	COL_COPIED,
 	COL_DROPPED,
 	COL_COPY_ERRORS,
-	COL_REJECTED,				/* COL_QUEUED..here follow IdemStat's order */
+	COL_REJECTED,
+	COL_QUEUE_STALLS,			/* COL_QUEUED..here follow IdemStat's order */
 	COL_QUEUE_DEPTH,
 	COL_LAST_ERROR,
 	COL_CLAIMS,					/* one column per IdemDecision from here */
@@ -194,7 +195,7 @@ idem_stats(PG_FUNCTION_ARGS)
 		values[COL_PRELOADED] = BoolGetDatum(true);
 		values[COL_CONNECTED] =
 			BoolGetDatum(pg_atomic_read_u32(&idem_stats_shared->connected) != 0);
-		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
+		/* queued .. queue_stalls: IdemStat order */
 		for (i = 0; i < IDEM_STAT_COUNT; i++)
 			values[COL_QUEUED + i] =
 				Int64GetDatum((int64) pg_atomic_read_u64(&idem_stats_shared->counters[i]));
