@@ -35,11 +35,7 @@ ok(IdemValkey::wait_connected($node, 1), 'worker connects to Valkey');
 
 sub commit_sql
 {
-	my ($id) = @_;
-	return "BEGIN;\n"
-	  . "SELECT idem_claim(1, idem_key('ring', '$id'), idem_fingerprint('{}'));\n"
-	  . "SELECT idem_complete(1, idem_key('ring', '$id'), jsonb_build_object('id', '$id'));\n"
-	  . "COMMIT;\n";
+	return "BEGIN; " . IdemValkey::complete_sql('ring', $_[0], qq({"id": "$_[0]"})) . " COMMIT;\n";
 }
 sub key_of { return IdemValkey::tenant_key($node, 1, 'ring', $_[0]); }
 sub dropped { return IdemValkey::stats_col($node, 'dropped'); }
