@@ -110,7 +110,7 @@ ok $? "... idem_preloaded is 1"
 claimed=$(sed -nE 's/^idem_claims_claimed(\{[^}]*\})? ([0-9.e+]+)$/\2/p' "$W/metrics.txt" | head -n 1)
 [ -n "$claimed" ] && awk -v c="$claimed" 'BEGIN { exit !(c >= 5) }'
 ok $? "... idem_claims_claimed counts the claims made ($claimed)"
-for m in valkey_connected queued copied dropped copy_errors queue_depth claims_completed \
+for m in valkey_connected queued copied dropped copy_errors queue_stalls queue_depth claims_completed \
 	claims_failed_permanent claims_busy claims_mismatch; do
 	grep -q "^idem_$m" "$W/metrics.txt" || { echo "# missing: idem_$m"; false; } || break
 done
