@@ -21,8 +21,9 @@
  *		head with compare-and-swap, checking the room against tail.  The
  *		head it compares was read before tail, or before others moved it
  *		and the reader consumed past it: it rereads head then, as head -
- *		tail would wrap.  nrecords only bounds the count: the worker sleeps
- *		when head equals tail (idem_outbox_worker_sleepy).
+ *		tail would wrap.  The worker sleeps when head equals tail and
+ *		nothing is counted in; with a copy counted in but not reserved it
+ *		naps briefly, marked awake (idem_outbox_worker_sleepy).
  *	  - A reserved record becomes visible to the reader only when published:
  *		the writer copies it in, then (after a write barrier) sets its
  *		published field to its position + 1.  The reader stops at the first
@@ -385,10 +386,14 @@ idem_outbox_worker_awake(void)
  * latch.  Returns whether the queue is empty, read after the flag is
  * cleared and a barrier, so that a commit either sees the flag cleared
  * (and wakes the worker) or its record is seen here (and the worker does
- * not sleep).  When false, the worker has been marked awake again.
+ * not sleep).  When false, the worker has been marked awake again.  Also
+ * false, with *coming set, when nothing is reserved but a copy is counted
+ * in (its committer is between the two): the worker, marked awake, naps
+ * briefly and looks again, so that the committer need not set its latch
+ * and the worker does not spin.
  */
 bool
-idem_outbox_worker_sleepy(void)
+idem_outbox_worker_sleepy(bool *coming)
 {
 	uint64		tail;
 
@@ -403,10 +408,15 @@ idem_outbox_worker_sleepy(void)
 	 * reserved and published (its compare-and-swap on head is a full
 	 * barrier before it reads worker_awake).
 	 */
+	*coming = false;
 	tail = pg_atomic_read_u64(&outbox->tail);
 	pg_read_barrier();
 	if (pg_atomic_read_u64(&outbox->head) == tail)
-		return true;
+	{
+		if (idem_outbox_depth() == 0)
+			return true;
+		*coming = true;
+	}
 	idem_outbox_worker_awake();
 	return false;
 }
