@@ -74,7 +74,9 @@ FROM PUBLIC;
 -- example NOPERM for a key the server's ACL refuses), dropped; copy_errors now counts only
 -- failures that keep the copies queued (connects, timeouts, replies such as
 -- READONLY or LOADING that say the server cannot take writes now).
--- It also gains the Valkey Cluster columns.
+-- It also gains "queue_stalls" (a committing backend stopped between
+-- reserving its copy in the commit queue and writing it: everything behind
+-- it waits) and the Valkey Cluster columns.
 --
 -- A new row type needs a new function (CREATE OR REPLACE cannot change it).
 -- Objects that depend on idem_stats() (a view over it) cannot follow it to
@@ -113,6 +115,7 @@ CREATE FUNCTION @extschema@.idem_stats(
     OUT dropped bigint,                    -- copies refused because the queue was full
     OUT copy_errors bigint,                -- failed connects and batches; their copies are resent
     OUT rejected bigint,                   -- copies Valkey refused one by one; dropped
+    OUT queue_stalls bigint,               -- times a committer held the queue's oldest copy unwritten over 1 s
     OUT queue_depth bigint,                -- copies waiting in the queue now
     OUT last_error text,                   -- the worker's last failure, with its time
     OUT claims_claimed bigint,             -- claim decisions since the server started
@@ -282,3 +285,13 @@ LANGUAGE C VOLATILE STRICT PARALLEL UNSAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_cache_node(),
     @extschema@.idem_cache_node_join(text, text, text) FROM PUBLIC;
+
+-- Inside an idem_apply handler, the attempt it runs as (1, then 2 after a
+-- retryable failure, ...); NULL elsewhere.  Backend-local: not in parallel
+-- workers.
+CREATE FUNCTION @extschema@.idem_attempt()
+RETURNS integer
+AS 'MODULE_PATHNAME', 'idem_attempt'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_attempt() FROM PUBLIC;

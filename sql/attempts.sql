@@ -71,12 +71,48 @@ SELECT decision, attempt, outcome, ran FROM idem_apply(1, k('apply'), f('{}'), '
 SELECT decision, attempt, ran FROM idem_apply(1, k('apply'), f('{}'), 'flaky(jsonb)', '{}');
 SELECT last_value AS handler_runs FROM runs;
 
+-- idem_attempt(): the handler sees its attempt, and may give up early
+-- (failed_permanent from the third on); NULL outside a handler, and the
+-- outer handler's again after a nested idem_apply.
+RESET idem.max_attempts;
+CREATE FUNCTION patient(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  IF idem_attempt() >= 3 THEN
+    RAISE EXCEPTION 'giving up at attempt %', idem_attempt();
+  END IF;
+  RAISE EXCEPTION 'upstream down at attempt %', idem_attempt() USING ERRCODE = '08006';
+END $$;
+SELECT idem_attempt() AS outside;
+SELECT decision, attempt, outcome->>'message' AS message
+  FROM idem_apply(1, k('patient'), f('{}'), 'patient(jsonb)', '{}');
+SELECT decision, attempt, outcome->>'message' AS message
+  FROM idem_apply(1, k('patient'), f('{}'), 'patient(jsonb)', '{}');
+SELECT decision, attempt, outcome->>'message' AS message
+  FROM idem_apply(1, k('patient'), f('{}'), 'patient(jsonb)', '{}');
+SELECT idem_attempt() AS after;
+CREATE FUNCTION outer_handler(args jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+  before integer := idem_attempt();
+  inner_outcome jsonb;
+BEGIN
+  SELECT outcome INTO inner_outcome
+    FROM idem_apply(1, k('inner'), f('{}'), 'inner_handler(jsonb)', '{}');
+  RETURN jsonb_build_object('before', before, 'inner', inner_outcome, 'after', idem_attempt());
+END $$;
+CREATE FUNCTION inner_handler(args jsonb) RETURNS jsonb LANGUAGE sql AS $$
+  SELECT jsonb_build_object('attempt', idem_attempt()) $$;
+SELECT idem_fail(1, k('outer'), '{}', true)
+  FROM idem_claim(1, k('outer'), f('{}')) WHERE decision = 'claimed';
+SELECT decision, attempt, outcome
+  FROM idem_apply(1, k('outer'), f('{}'), 'outer_handler(jsonb)', '{}');
+
 -- Out of range.
 SET idem.max_attempts = -1;
 RESET idem.max_attempts;
 
 DROP PROCEDURE fail_n(text, integer);
-DROP FUNCTION k(text), f(jsonb), flaky(jsonb);
+DROP FUNCTION k(text), f(jsonb), flaky(jsonb), patient(jsonb), outer_handler(jsonb),
+  inner_handler(jsonb);
 DROP SEQUENCE runs;
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

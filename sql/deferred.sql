@@ -44,8 +44,38 @@ BEGIN;
 SELECT decision FROM idem_claim(1, idem_key('d', '4'), :fp);
 COMMIT;
 SELECT count(*) AS rows FROM idem_lookup(1, idem_key('d', '4'));
+DROP TRIGGER audit ON idempotency_keys;
+
+-- A trigger on the ledger that calls idem while idem writes the open
+-- claims at commit (walking its table of them): refused, before the commit
+-- record, whether it claims a new key or settles another open claim.
+CREATE FUNCTION chain() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.status = 'processing' AND current_setting('test.chain', true) = 'claim' THEN
+    PERFORM idem_claim(50, idem_key('chain', NEW.id::text), idem_fingerprint('{}'));
+  ELSIF NEW.status = 'processing' AND current_setting('test.chain', true) = 'complete' THEN
+    PERFORM idem_complete(50, k, '{}') FROM (VALUES (idem_key('d', '5')), (idem_key('d', '6'))) v(k)
+      WHERE k <> NEW.idempotency_key;
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER chain AFTER INSERT ON idempotency_keys
+  FOR EACH ROW EXECUTE FUNCTION chain();
+SET test.chain = 'claim';
+BEGIN;
+SELECT decision FROM idem_claim(50, idem_key('d', '5'), :fp, lease => '1 minute');
+SELECT decision FROM idem_claim(50, idem_key('d', '6'), :fp, lease => '1 minute');
+COMMIT;
+SET test.chain = 'complete';
+BEGIN;
+SELECT decision FROM idem_claim(50, idem_key('d', '5'), :fp, lease => '1 minute');
+SELECT decision FROM idem_claim(50, idem_key('d', '6'), :fp, lease => '1 minute');
+COMMIT;
+-- Only d/3's row (above) for tenant 50: nothing of either commit.
+SELECT count(*) AS rows FROM idempotency_keys WHERE tenant_id = 50;
+RESET test.chain;
 
 -- Leave the database as we found it for the next test.
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
-DROP FUNCTION audit();
+DROP FUNCTION audit(), chain();
 DROP EXTENSION idem;

@@ -183,6 +183,7 @@ typedef enum IdemStat
 	IDEM_STAT_DROPPED,			/* copies refused because the queue was full */
 	IDEM_STAT_COPY_ERRORS,		/* failed connects and batches (kept, resent) */
 	IDEM_STAT_REJECTED,			/* copies Valkey refused one by one (dropped) */
+	IDEM_STAT_QUEUE_STALLS,		/* the oldest copy reserved, unwritten over 1 s */
 	IDEM_STAT_COUNT
 } IdemStat;
 

@@ -704,6 +704,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 	if (mine)
 	{
 		/* Claimed in this transaction: the row's one and only write. */
+		pending_check_change(what);
 		memcpy(fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
 		attempt = 1;
 		ledger_insert(store, lk, fingerprint, status, attempt,

@@ -85,5 +85,6 @@ extern PendingClaim *pending_find(const LedgerKey *lk);
 extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 						TimestampTz lease_end, bool lease_given, Oid relid);
 extern void pending_settle(PendingClaim *claim);
+extern void pending_check_change(const char *what);
 
 #endif							/* IDEM_LEDGER_H */

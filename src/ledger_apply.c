@@ -28,6 +28,12 @@
  *	  57, 58 and XX are the server's state, not the handler's answer: they
  *	  are re-raised and nothing is recorded (the statement fails).
  *
+ *	  idem_attempt() answers, inside the handler, the attempt it runs as
+ *	  (1 for the first, 2 after one retryable failure, ...), and NULL
+ *	  outside any handler: backend-local state, saved and restored around
+ *	  each handler so that a handler that calls idem_apply itself sees its
+ *	  own attempt again afterwards.
+ *
  *	  Locking: as idem_claim; the key lock of a claimed key is held until
  *	  the transaction ends.  Called outside a transaction block, the
  *	  statement's own transaction commits the effect and the key together.
@@ -58,6 +64,10 @@
 
 PG_FUNCTION_INFO_V1(idem_apply);
 PG_FUNCTION_INFO_V1(idem_platform_apply);
+PG_FUNCTION_INFO_V1(idem_attempt);
+
+/* The attempt of the handler running now (idem_attempt()); 0: none. */
+static int32 apply_attempt = 0;
 
 /*
  * Longest error message kept in a failure detail: bytes of its JSON-escaped
@@ -195,11 +205,12 @@ apply_error_detail(ErrorData *edata)
  * *permanent set.  Errors of the server's state are re-raised.
  */
 static Jsonb *
-apply_run_handler(Oid fn, Datum args, Oid collation, bool *failed,
-				  bool *permanent)
+apply_run_handler(Oid fn, Datum args, Oid collation, int32 attempt,
+				  bool *failed, bool *permanent)
 {
 	MemoryContext oldcontext = CurrentMemoryContext;
 	ResourceOwner oldowner = CurrentResourceOwner;
+	int32		outer_attempt = apply_attempt;
 	FmgrInfo	flinfo;
 	Jsonb	   *volatile result = NULL;
 	ErrorData  *volatile edata = NULL;
@@ -218,7 +229,9 @@ apply_run_handler(Oid fn, Datum args, Oid collation, bool *failed,
 		InitFunctionCallInfoData(*fc, &flinfo, 1, collation, NULL, NULL);
 		fc->args[0].value = args;
 		fc->args[0].isnull = false;
+		apply_attempt = attempt;
 		d = FunctionCallInvoke(fc);
+		apply_attempt = outer_attempt;
 		if (!fc->isnull)
 		{
 			/* in our context: the subtransaction's memory goes with it */
@@ -231,6 +244,7 @@ apply_run_handler(Oid fn, Datum args, Oid collation, bool *failed,
 	}
 	PG_CATCH();
 	{
+		apply_attempt = outer_attempt;
 		MemoryContextSwitchTo(oldcontext);
 		edata = CopyErrorData();
 		FlushErrorState();
@@ -327,8 +341,8 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 		char	   *text;
 		IdemStatus	status;
 
-		outcome = apply_run_handler(fn, args, PG_GET_COLLATION(), &failed,
-									&permanent);
+		outcome = apply_run_handler(fn, args, PG_GET_COLLATION(), ans.attempt,
+									&failed, &permanent);
 		/* The handler may have dropped or altered the ledger: check again. */
 		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
 		text = ledger_check_outcome(outcome, failed ? "failure detail" : "handler outcome");
@@ -361,4 +375,16 @@ Datum
 idem_platform_apply(PG_FUNCTION_ARGS)
 {
 	return ledger_apply(fcinfo, LEDGER_PLATFORM);
+}
+
+/*
+ * idem_attempt(): inside an idem_apply handler, the attempt it runs as;
+ * NULL elsewhere.
+ */
+Datum
+idem_attempt(PG_FUNCTION_ARGS)
+{
+	if (apply_attempt <= 0)
+		PG_RETURN_NULL();
+	PG_RETURN_INT32(apply_attempt);
 }

@@ -61,11 +61,15 @@ static List *pending_levels = NIL;	/* nesting level of each, same order */
  * What the pending copies would take in the ring, and the copies dropped
  * at once because the ring could never take them all: a transaction's
  * memory for copies is bounded by the ring's size, whatever it completes.
- * (Copies dropped inside a subtransaction that rolls back are counted all
- * the same.)
+ * The dropped copies are counted per nesting level, as runs (level,
+ * count) whose levels never decrease, so that a subtransaction that rolls
+ * back takes its count with it: idem_stats().dropped counts copies of
+ * committed work only.
  */
 static uint64 pending_bytes = 0;
-static uint64 pending_dropped = 0;
+static uint64 pending_dropped = 0;	/* the sum of pending_dropped_counts */
+static List *pending_dropped_levels = NIL;	/* of int */
+static List *pending_dropped_counts = NIL;	/* of int, same order */
 
 static void
 outbox_pending_reset(void)
@@ -75,6 +79,29 @@ outbox_pending_reset(void)
 	pending_levels = NIL;
 	pending_bytes = 0;
 	pending_dropped = 0;
+	pending_dropped_levels = NIL;
+	pending_dropped_counts = NIL;
+}
+
+/* One copy dropped at once, at the current nesting level. */
+static void
+outbox_count_dropped(void)
+{
+	int			level = GetCurrentTransactionNestLevel();
+	MemoryContext oldcxt;
+
+	pending_dropped++;
+	if (pending_dropped_levels != NIL &&
+		llast_int(pending_dropped_levels) == level &&
+		llast_int(pending_dropped_counts) < PG_INT32_MAX)
+	{
+		llast_int(pending_dropped_counts)++;
+		return;
+	}
+	oldcxt = MemoryContextSwitchTo(TopTransactionContext);
+	pending_dropped_levels = lappend_int(pending_dropped_levels, level);
+	pending_dropped_counts = lappend_int(pending_dropped_counts, 1);
+	MemoryContextSwitchTo(oldcxt);
 }
 
 /*
@@ -170,6 +197,21 @@ idem_outbox_subxact_end(bool committed, int level)
 			pending_levels = list_delete_last(pending_levels);
 		}
 	}
+	/* The same for the copies dropped at once, counted per level. */
+	for (i = list_length(pending_dropped_levels) - 1; i >= 0; i--)
+	{
+		ListCell   *cell = list_nth_cell(pending_dropped_levels, i);
+
+		if (lfirst_int(cell) < level)
+			break;
+		if (!idem_subxact_follow(&lfirst_int(cell), committed, level))
+		{
+			Assert(i == list_length(pending_dropped_levels) - 1);
+			pending_dropped -= llast_int(pending_dropped_counts);
+			pending_dropped_levels = list_delete_last(pending_dropped_levels);
+			pending_dropped_counts = list_delete_last(pending_dropped_counts);
+		}
+	}
 }
 
 /* A record of a terminal result, palloc'd in the current context. */
@@ -222,7 +264,7 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 							   pending_bytes + size))
 	{
 		/* More than the ring can ever take from one commit: drop it now. */
-		pending_dropped++;
+		outbox_count_dropped();
 		return;
 	}
 	pending_bytes += size;

@@ -18,14 +18,22 @@
  *	  - head, tail and nrecords are 64-bit atomics.  A writer first counts
  *		its record in nrecords (fetch-add; over idem.queue_size it takes the
  *		count back and drops the copy), then reserves its bytes by moving
- *		head with compare-and-swap, checking the room against tail.
+ *		head with compare-and-swap, checking the room against tail.  The
+ *		head it compares was read before tail, or before others moved it
+ *		and the reader consumed past it: it rereads head then, as head -
+ *		tail would wrap.  The worker sleeps when head equals tail and
+ *		nothing is counted in; with a copy counted in but not reserved it
+ *		naps briefly, marked awake (idem_outbox_worker_sleepy).
  *	  - A reserved record becomes visible to the reader only when published:
  *		the writer copies it in, then (after a write barrier) sets its
  *		published field to its position + 1.  The reader stops at the first
  *		record not yet published, as at one whose WAL is not durable yet:
  *		records are taken in the order of their reservation.  A writer
  *		that must skip the end of the ring reserves and publishes the
- *		padding record too.
+ *		padding record too.  A writer that stops between reserving and
+ *		publishing (preempted, or stopped) holds back every copy behind it
+ *		until it goes on, and the ring fills meanwhile: counted in
+ *		idem_stats().queue_stalls when it lasts over a second.
  *	  - There is exactly one reader.  It reads records in place between
  *		tail and the head it saw; writers only write beyond head, so that
  *		span cannot change under it.  It moves tail only once Valkey has
@@ -54,6 +62,7 @@
 #include "storage/latch.h"
 #include "storage/proc.h"
 #include "storage/shmem.h"
+#include "utils/timestamp.h"
 
 /*
  * A record's header (everything before the outcome) is 120 bytes; the ring
@@ -66,6 +75,12 @@ StaticAssertDecl(IDEM_OUTBOX_BYTES_PER_RECORD == 256,
 				 "the size stated above, in idem.queue_size's description and in the README");
 #define IDEM_OUTBOX_RECORD_MAX	IDEM_OUTBOX_RECORD_SIZE(IDEM_OUTCOME_MAX)
 #define IDEM_OUTBOX_NO_WORKER	PG_UINT32_MAX
+
+/*
+ * The oldest record reserved but still unwritten this long holds back every
+ * copy behind it: count it (idem_stats().queue_stalls), once per record.
+ */
+#define IDEM_OUTBOX_STALL_MS	1000
 
 typedef struct IdemOutboxShared
 {
@@ -200,11 +215,31 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 		return false;
 	}
 	head = pg_atomic_read_u64(&outbox->head);
+
+	/*
+	 * Counted, not reserved: a test may hold this writer here, as a
+	 * preemption would, while others commit and the reader consumes past
+	 * the head read above.
+	 */
+	IDEM_INJECTION_POINT("idem-outbox-counted");
+
 	for (;;)
 	{
 		uint64		tail = pg_atomic_read_u64(&outbox->tail);
 		uint64		contiguous;
 
+		/*
+		 * The head read before (or returned by a failed compare-and-swap)
+		 * may be older than tail: others reserved and the reader consumed
+		 * past it meanwhile, and head - tail would wrap.  head read after
+		 * tail is not older than it (tail never passes head).
+		 */
+		if (unlikely(head < tail))
+		{
+			pg_read_barrier();
+			head = pg_atomic_read_u64(&outbox->head);
+			Assert(head >= tail);
+		}
 		off = head % outbox->capacity;
 		contiguous = outbox->capacity - off;
 		pad = (rec->size > contiguous) ? contiguous : 0;
@@ -358,17 +393,69 @@ idem_outbox_worker_awake(void)
  * latch.  Returns whether the queue is empty, read after the flag is
  * cleared and a barrier, so that a commit either sees the flag cleared
  * (and wakes the worker) or its record is seen here (and the worker does
- * not sleep).  When false, the worker has been marked awake again.
+ * not sleep).  When false, the worker has been marked awake again.  Also
+ * false, with *coming set, when nothing is reserved but a copy is counted
+ * in (its committer is between the two): the worker, marked awake, naps
+ * briefly and looks again, so that the committer need not set its latch
+ * and the worker does not spin.
  */
 bool
-idem_outbox_worker_sleepy(void)
+idem_outbox_worker_sleepy(bool *coming)
 {
+	uint64		tail;
+
 	pg_atomic_write_u32(&outbox->worker_awake, 0);
 	pg_memory_barrier();
-	if (idem_outbox_depth() == 0)
-		return true;
+
+	/*
+	 * Empty means nothing reserved and not consumed, not nrecords: a writer
+	 * counts its record in before it reserves it, and one held in between
+	 * (preempted) would keep the worker from sleeping while there is
+	 * nothing it can read.  Such a writer sets the latch once it has
+	 * reserved and published (its compare-and-swap on head is a full
+	 * barrier before it reads worker_awake).
+	 */
+	*coming = false;
+	tail = pg_atomic_read_u64(&outbox->tail);
+	pg_read_barrier();
+	if (pg_atomic_read_u64(&outbox->head) == tail)
+	{
+		if (idem_outbox_depth() == 0)
+			return true;
+		*coming = true;
+	}
 	idem_outbox_worker_awake();
 	return false;
+}
+
+/*
+ * The reader found the record at pos reserved but not written.  One that
+ * stays so over IDEM_OUTBOX_STALL_MS is counted, once: its writer stopped
+ * between its commit record and its copy (preempted, or stopped by a
+ * debugger or SIGSTOP), and every copy behind it waits, so the queue
+ * fills and drops new copies until it goes on.  The reader cannot skip it:
+ * the writer will still write those bytes.  Worker-local state.
+ */
+static void
+outbox_note_unwritten(uint64 pos)
+{
+	static uint64 stall_mark = 0;	/* pos + 1 of the record watched */
+	static TimestampTz stall_since = 0;
+	static bool stall_counted = false;
+	TimestampTz now = GetCurrentTimestamp();
+
+	if (stall_mark != pos + 1)
+	{
+		stall_mark = pos + 1;
+		stall_since = now;
+		stall_counted = false;
+	}
+	else if (!stall_counted &&
+			 TimestampDifferenceExceeds(stall_since, now, IDEM_OUTBOX_STALL_MS))
+	{
+		idem_stats_add(IDEM_STAT_QUEUE_STALLS, 1);
+		stall_counted = true;
+	}
 }
 
 /*
@@ -406,6 +493,7 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
 		{
 			/* reserved, still being written: look again shortly */
 			*held = true;
+			outbox_note_unwritten(p);
 			break;
 		}
 		pg_read_barrier();

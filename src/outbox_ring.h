@@ -60,7 +60,7 @@ extern bool idem_outbox_ring_fits(uint64 nrecords, uint64 bytes);
 extern void idem_outbox_attach_worker(void);
 extern void idem_outbox_detach_worker(void);
 extern void idem_outbox_worker_awake(void);
-extern bool idem_outbox_worker_sleepy(void);
+extern bool idem_outbox_worker_sleepy(bool *coming);
 extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
 							 int max, XLogRecPtr durable, bool *held,
 							 XLogRecPtr *flush_to);

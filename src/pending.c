@@ -19,6 +19,13 @@
  *	  (idem_subxact_follow), applied to both levels of a claim.  The events
  *	  arrive from xact.c, which owns the transaction callbacks.
  *
+ *	  The table is backend-local, in TopTransactionContext.  It must not
+ *	  change while pending_flush walks it (a dynahash scan is undefined
+ *	  when entries are added or others removed): the rows it writes fire
+ *	  the ledger's triggers, and a user trigger may call idem.  Claims,
+ *	  completions and failures of open claims are refused meanwhile
+ *	  (pending_check_change), before the commit record.
+ *
  *-------------------------------------------------------------------------
  */
 #include "ledger.h"
@@ -34,11 +41,32 @@
 /* This transaction's open claims; NULL when there are none. */
 static HTAB *pending = NULL;
 
+/* pending_flush is walking the table (and firing the ledger's triggers). */
+static bool pending_walking = false;
+
 static void
 pending_reset(void)
 {
 	/* The table lives in TopTransactionContext, which goes with the xact. */
 	pending = NULL;
+	pending_walking = false;
+}
+
+/*
+ * Refuse a change to the table while pending_flush walks it: a trigger on
+ * the ledger (or a deferred trigger its rows queued) that claims a key or
+ * settles an open claim at commit.  Still before the commit record: the
+ * transaction aborts.
+ */
+void
+pending_check_change(const char *what)
+{
+	if (pending_walking)
+		ereport(ERROR,
+				(errcode(ERRCODE_TRIGGERED_ACTION_EXCEPTION),
+				 errmsg("cannot %s an idempotency key while idem writes this transaction's open claims at commit", what),
+				 errdetail("A trigger fired by the processing rows idem writes at commit (lease mode) called idem."),
+				 errhint("Do not claim, complete or fail keys in triggers on the ledger; do it in the transaction before COMMIT.")));
 }
 
 /* The open (not yet written) claim of this key by this transaction. */
@@ -66,6 +94,7 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	PendingClaim *claim;
 	bool		found;
 
+	pending_check_change("claim");
 	if (pending == NULL)
 	{
 		HASHCTL		ctl;
@@ -102,6 +131,7 @@ pending_settle(PendingClaim *claim)
 {
 	int			level = GetCurrentTransactionNestLevel();
 
+	pending_check_change("settle");
 	if (level <= 1)
 		hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
 	else
@@ -122,6 +152,7 @@ pending_flush(void)
 	empty = DirectFunctionCall1(jsonb_in, CStringGetDatum("{}"));
 	/* Pre-commit runs after the last statement: SPI needs a snapshot. */
 	PushActiveSnapshot(GetTransactionSnapshot());
+	pending_walking = true;
 	hash_seq_init(&seq, pending);
 	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
 	{

@@ -22,7 +22,8 @@ enum
 	COL_COPIED,
 	COL_DROPPED,
 	COL_COPY_ERRORS,
-	COL_REJECTED,				/* COL_QUEUED..here follow IdemStat's order */
+	COL_REJECTED,
+	COL_QUEUE_STALLS,			/* COL_QUEUED..here follow IdemStat's order */
 	COL_QUEUE_DEPTH,
 	COL_LAST_ERROR,
 	COL_CLAIMS,					/* one column per IdemDecision from here */

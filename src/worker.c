@@ -94,6 +94,8 @@
 #define IDEM_STUCK_POLL_MS		20
 #define IDEM_STUCK_RETRY_MS		100
 #define IDEM_IDLE_WAIT_MS		10000
+/* Naps while a copy is counted in but not reserved: from 1 ms, doubling. */
+#define IDEM_COMING_MAX_MS		128
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
@@ -1380,6 +1382,7 @@ void
 idem_worker_main(Datum main_arg)
 {
 	int			backoff_ms = IDEM_BACKOFF_MIN_MS;
+	long		coming_ms = 0;	/* the last nap for a copy counted in */
 	TimestampTz retry_at = 0;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -1494,12 +1497,27 @@ idem_worker_main(Datum main_arg)
 
 		/*
 		 * The queue was empty when vk_drain() last looked.  Sleep, and let
-		 * commits wake us, unless a commit came in meanwhile.
+		 * commits wake us, unless a commit came in meanwhile.  A copy
+		 * counted in but not reserved yet (its committer between the two):
+		 * look again shortly, less and less often while it stays so (a
+		 * committer held there), neither spinning nor costing it a wakeup.
 		 */
-		if (!ConfigReloadPending && idem_outbox_worker_sleepy())
+		if (!ConfigReloadPending)
 		{
-			worker_nap(IDEM_IDLE_WAIT_MS);
-			idem_outbox_worker_awake();
+			bool		coming;
+
+			if (idem_outbox_worker_sleepy(&coming))
+			{
+				worker_nap(IDEM_IDLE_WAIT_MS);
+				idem_outbox_worker_awake();
+			}
+			if (coming)
+			{
+				coming_ms = coming_ms == 0 ? 1 : Min(coming_ms * 2, IDEM_COMING_MAX_MS);
+				worker_nap(coming_ms);
+			}
+			else
+				coming_ms = 0;
 		}
 	}
 
