@@ -111,6 +111,13 @@
  * epoch over: a server stopped for longer starts with a cold cache.
  */
 #define IDEM_EPOCH_OWNER_TTL_MS		(INT64CONST(30) * 24 * 3600 * 1000)
+/*
+ * How often the worker checks that its epoch owner key still holds its
+ * token (and pushes its expiry back): a copy of this server may have
+ * retired it, or Valkey lost it (cache_secret.c).  Runners check it at
+ * every lookup, so this only bounds how long the cache stays unused.
+ */
+#define IDEM_OWNER_CHECK_MS			1000
 #define IDEM_DURABLE_POLL_MS		1
 #define IDEM_DURABLE_SLOW_POLL_MS	20
 #define IDEM_DURABLE_POLL_DIVISOR	4
@@ -550,12 +557,63 @@ vk_command(const char *key, size_t keylen, int argc, const char **argv,
 	return r;
 }
 
+/* When the owner key was last checked (worker_check_owner). */
+static TimestampTz owner_checked_at = 0;
+
+/*
+ * Overwrite the owner key of the epoch t replaced with a retired marker
+ * naming t's epoch (cache_secret.c's file header), whatever it holds: the
+ * runners still on that epoch stop trusting it at their next lookup.
+ */
+static VkResult
+worker_retire_epoch(const IdemEpochTakeover *t)
+{
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+	char		value[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
+	char		ttl[32];
+	const char *argv[5];
+	size_t		argvlen[5];
+	int			keylen;
+	redisReply *reply = NULL;
+	VkResult	r;
+
+	keylen = idem_cache_epoch_key_of(key, sizeof(key), t->retire_timeline,
+									 t->retire_epoch);
+	if (keylen < 0)
+	{
+		snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
+		return VK_FAILED;
+	}
+	snprintf(value, sizeof(value), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
+			 t->timeline, (unsigned long long) t->epoch);
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "SET";
+	argv[1] = key;
+	argv[2] = value;
+	argv[3] = "PX";
+	argv[4] = ttl;
+	for (int i = 0; i < 5; i++)
+		argvlen[i] = strlen(argv[i]);
+	r = vk_command(key, keylen, 5, argv, argvlen, &reply);
+	if (r != VK_OK)
+		return r;
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+				 (int) reply->len, reply->str);
+		r = VK_FAILED;
+	}
+	freeReplyObject(reply);
+	return r;
+}
+
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet: SET <epoch owner key> <new token> GET, and keep the epoch only if the
- * value replaced is the token this data directory recorded (none, for a new
- * epoch); otherwise make a new epoch and take that one over.  Until this
- * succeeds nothing is copied and runners get no keyspace.
+ * yet: retire the epoch it replaced, if any; then SET <epoch owner key>
+ * <new token> GET, and keep the epoch only if the value replaced is the
+ * token this data directory recorded (none, for a new epoch); otherwise
+ * make a new epoch and take that one over.  Until this succeeds nothing is
+ * copied and runners get no keyspace.
  */
 static VkResult
 worker_take_epoch(void)
@@ -594,6 +652,8 @@ worker_take_epoch(void)
 		for (int i = 0; i < 6; i++)
 			argvlen[i] = strlen(argv[i]);
 		argvlen[1] = keylen;
+		if (t.retire_epoch != 0 && (r = worker_retire_epoch(&t)) != VK_OK)
+			return r;
 		r = vk_command(key, keylen, 6, argv, argvlen, &reply);
 		if (r != VK_OK)
 			return r;
@@ -614,6 +674,7 @@ worker_take_epoch(void)
 		if (won)
 		{
 			idem_cache_epoch_taken(&t);
+			owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
 					(errmsg("idem: took cache epoch %016llx over in Valkey",
 							(unsigned long long) t.epoch)));
@@ -622,6 +683,73 @@ worker_take_epoch(void)
 			idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
 	}
 	return VK_OK;
+}
+
+/*
+ * Every IDEM_OWNER_CHECK_MS: does the owner key of the epoch this server
+ * owns still hold its token?  If so its expiry is pushed back; if not (a
+ * copy of this server retired it, or Valkey lost it) a new epoch is due,
+ * which the main loop takes over next.
+ */
+static VkResult
+worker_check_owner(void)
+{
+	IdemEpochTakeover t;
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+	char		ttl[32];
+	const char *argv[3];
+	size_t		argvlen[3];
+	int			keylen;
+	redisReply *reply = NULL;
+	VkResult	r;
+	bool		ours;
+
+	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
+									IDEM_OWNER_CHECK_MS) ||
+		!idem_cache_epoch_owned(&t))
+		return VK_OK;
+	keylen = idem_cache_epoch_key_of(key, sizeof(key), t.timeline, t.epoch);
+	if (keylen < 0)
+		return VK_OK;			/* the takeover reports it */
+	snprintf(token, sizeof(token), "%016llx", (unsigned long long) t.new_token);
+	argv[0] = "GET";
+	argv[1] = key;
+	argvlen[0] = 3;
+	argvlen[1] = keylen;
+	r = vk_command(key, keylen, 2, argv, argvlen, &reply);
+	if (r != VK_OK)
+		return r;
+	if (reply->type == REDIS_REPLY_ERROR)
+	{
+		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+				 (int) reply->len, reply->str);
+		freeReplyObject(reply);
+		return VK_FAILED;
+	}
+	ours = reply->type == REDIS_REPLY_STRING &&
+		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
+		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+	freeReplyObject(reply);
+	owner_checked_at = GetCurrentTimestamp();
+	if (!ours)
+	{
+		ereport(LOG,
+				(errmsg("idem: cache epoch %016llx is no longer this server's in Valkey",
+						(unsigned long long) t.epoch),
+				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory, or Valkey lost it; a new epoch follows.")));
+		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
+		return VK_OK;
+	}
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "PEXPIRE";
+	argv[2] = ttl;
+	argvlen[0] = 7;
+	argvlen[2] = strlen(ttl);
+	r = vk_command(key, keylen, 3, argv, argvlen, &reply);
+	if (r == VK_OK)
+		freeReplyObject(reply);
+	return r;
 }
 
 /*
@@ -1436,7 +1564,9 @@ idem_worker_main(Datum main_arg)
 						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = worker_take_epoch();
+		r = worker_check_owner();
+		if (r == VK_OK)
+			r = worker_take_epoch();
 		if (r == VK_OK)
 			r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
 				vk_drain(&copied, &rejected);
