@@ -6,8 +6,10 @@
  *	  read-only lookups (idem_cached) in cached.c.
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
- *	  2. Valkey, one round trip (SET NX PX GET), in the keyspace the server
- *		 gave (trust.c; learnt on each new connection): a terminal value
+ *	  2. Valkey, one round trip (SET NX PX GET, and a GET of the epoch's
+ *		 owner key: a value counts only if it holds the token the server
+ *		 gave), in the keyspace the server gave (trust.c; learnt on each
+ *		 new connection): a terminal value
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own
@@ -281,7 +283,26 @@ gate_step(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
+	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt,
+					s->r->trust.owner_key, s->r->trust.owner_token, &g);
+	if (g.answer == GATE_VALUE && !g.checked)
+	{
+		/*
+		 * The epoch's owner key did not hold the token the server gave (a
+		 * newer epoch retired it, or that node did not answer): the value
+		 * may be of a history this server does not hold.  PostgreSQL
+		 * decides, as if Valkey were silent (a lookup first); the runner
+		 * learns again before it uses the cache.  A marker we set in that
+		 * keyspace is ours all the same (below), and released as usual.
+		 */
+		idemc_trust_owner_mismatch(&s->r->trust);
+		s->r->stats.valkey_skipped++;
+		s->valkey_silent = 1;
+		free(g.value);
+		return 0;
+	}
+	if (g.answer == GATE_ACQUIRED && !g.checked)
+		idemc_trust_owner_mismatch(&s->r->trust);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:
