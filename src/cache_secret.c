@@ -92,10 +92,11 @@
  * restarted since.  An epoch replaced because another start took it over,
  * or was never taken over, is not retired (it is not ours, or was never
  * used); an unused epoch passes its retire line on to the next one.
- * A worker whose owner key stops holding its token (checked every
- * IDEM_OWNER_CHECK_MS; a copy of this server retired it, or Valkey lost it)
- * makes a new epoch: of two servers from one backup, neither answers for
- * the other's history, and each gets a cold cache at worst.
+ * A worker whose owner key holds something else than its token (checked
+ * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
+ * retired it or took it over) makes a new epoch: of two servers from one
+ * backup, neither answers for the other's history, and each gets a cold
+ * cache at worst.  A key Valkey lost is set again (worker.c).
  *
  * The secret is never shared by two servers: it is made at random here,
  * kept in this file and in shared memory only (never in a table, so

@@ -686,9 +686,13 @@ worker_take_epoch(void)
 }
 
 /*
- * Every IDEM_OWNER_CHECK_MS: does the owner key of the epoch this server
- * owns still hold its token?  If so its expiry is pushed back; if not (a
- * copy of this server retired it, or Valkey lost it) a new epoch is due,
+ * Every IDEM_OWNER_CHECK_MS, and after each connect: does the owner key of
+ * the epoch this server owns still hold its token?  If so its expiry is
+ * pushed back.  If Valkey lost it (a restart without persistence, a flush,
+ * an eviction), it is set again (SET NX): everything left under this
+ * epoch's keyspace was written by this server, and runners trust nothing
+ * there meanwhile.  If it holds anything else (another server started
+ * from a copy of this one retired it or took it over), a new epoch is due,
  * which the main loop takes over next.
  */
 static VkResult
@@ -704,6 +708,7 @@ worker_check_owner(void)
 	redisReply *reply = NULL;
 	VkResult	r;
 	bool		ours;
+	bool		lost;
 
 	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
@@ -730,18 +735,30 @@ worker_check_owner(void)
 	ours = reply->type == REDIS_REPLY_STRING &&
 		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+	lost = reply->type == REDIS_REPLY_NIL;
 	freeReplyObject(reply);
 	owner_checked_at = GetCurrentTimestamp();
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	if (lost)
+	{
+		const char *set[6] = {"SET", key, token, "NX", "PX", ttl};
+		size_t		setlen[6] = {3, keylen, IDEM_CACHE_EPOCH_TOKEN_LEN, 2, 2,
+		strlen(ttl)};
+
+		r = vk_command(key, keylen, 6, set, setlen, &reply);
+		if (r == VK_OK)
+			freeReplyObject(reply);
+		return r;				/* a racing writer: the next check sees it */
+	}
 	if (!ours)
 	{
 		ereport(LOG,
 				(errmsg("idem: cache epoch %016llx is no longer this server's in Valkey",
 						(unsigned long long) t.epoch),
-				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory, or Valkey lost it; a new epoch follows.")));
+				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
 		return VK_OK;
 	}
-	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
 	argvlen[0] = 7;
@@ -1555,6 +1572,7 @@ idem_worker_main(Datum main_arg)
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
+			owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
 			if (idem_wc_active())
 				ereport(LOG,
 						(errmsg("idem: connected to Valkey Cluster at %s:%d (%s)",
