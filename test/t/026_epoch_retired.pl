@@ -118,7 +118,7 @@ SKIP:
 			'restored: the runner connected through the pooler before applies r1 (not in the restored database), not replays it');
 		is($node->safe_psql('postgres', q{SELECT count(*) FROM effects WHERE id = 'r1'}), '1',
 			'... and the restored database has its effect once');
-		$b->finish;
+		$b->{h}->kill_kill;
 		1;
 	};
 	$stop_bouncer->();
