@@ -560,60 +560,68 @@ vk_command(const char *key, size_t keylen, int argc, const char **argv,
 /* When the owner key was last checked (worker_check_owner). */
 static TimestampTz owner_checked_at = 0;
 
+/* The token an epoch's owner key holds (16 lower-case hex digits). */
+#define OWNER_TOKEN_TEXT(buf, token) \
+	snprintf((buf), sizeof(buf), "%016llx", (unsigned long long) (token))
+
+/* Does a reply hold exactly that token's text? */
+static bool
+owner_reply_is(const redisReply *reply, const char *token)
+{
+	return reply->type == REDIS_REPLY_STRING &&
+		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
+		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+}
+
 /*
- * Overwrite the owner key of the epoch t replaced with a retired marker
- * naming t's epoch (cache_secret.c's file header), whatever it holds: the
- * runners still on that epoch stop trusting it at their next lookup.
+ * One command on the owner key of epoch (timeline, epoch): argv[1] is set
+ * to that key here, the other arguments are the caller's.  An error reply
+ * is VK_FAILED, with errbuf saying it; on VK_OK *reply (if reply is not
+ * NULL) is the caller's to free.
  */
 static VkResult
-worker_retire_epoch(const IdemEpochTakeover *t)
+vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
+				 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
-	char		value[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
-	char		ttl[32];
-	const char *argv[5];
-	size_t		argvlen[5];
+	size_t		argvlen[6];
 	int			keylen;
-	redisReply *reply = NULL;
+	redisReply *rep = NULL;
 	VkResult	r;
 
-	keylen = idem_cache_epoch_key_of(key, sizeof(key), t->retire_timeline,
-									 t->retire_epoch);
+	Assert(argc <= lengthof(argvlen));
+	keylen = idem_cache_epoch_key_of(key, sizeof(key), timeline, epoch);
 	if (keylen < 0)
 	{
 		snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
 		return VK_FAILED;
 	}
-	snprintf(value, sizeof(value), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
-			 t->timeline, (unsigned long long) t->epoch);
-	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
-	argv[0] = "SET";
 	argv[1] = key;
-	argv[2] = value;
-	argv[3] = "PX";
-	argv[4] = ttl;
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < argc; i++)
 		argvlen[i] = strlen(argv[i]);
-	r = vk_command(key, keylen, 5, argv, argvlen, &reply);
-	if (r != VK_OK)
-		return r;
-	if (reply->type == REDIS_REPLY_ERROR)
+	r = vk_command(key, keylen, argc, argv, argvlen, &rep);
+	if (r == VK_OK && rep->type == REDIS_REPLY_ERROR)
 	{
 		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
-				 (int) reply->len, reply->str);
+				 (int) rep->len, rep->str);
 		r = VK_FAILED;
 	}
-	freeReplyObject(reply);
+	if (r == VK_OK && reply != NULL)
+		*reply = rep;
+	else if (rep != NULL)
+		freeReplyObject(rep);
 	return r;
 }
 
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet: retire the epoch it replaced, if any; then SET <epoch owner key>
- * <new token> GET, and keep the epoch only if the value replaced is the
- * token this data directory recorded (none, for a new epoch); otherwise
- * make a new epoch and take that one over.  Until this succeeds nothing is
- * copied and runners get no keyspace.
+ * yet: retire the epoch it replaced, if any (its owner key gets a retired
+ * marker naming this epoch, whatever it held: the runners still on it stop
+ * trusting it at their next lookup); then SET <epoch owner key> <new
+ * token> GET, and keep the epoch only if the value replaced is the token
+ * this data directory recorded (none, for a new epoch); otherwise make a
+ * new epoch and take that one over.  Until this succeeds nothing is copied
+ * and runners get no keyspace.
  */
 static VkResult
 worker_take_epoch(void)
@@ -623,53 +631,42 @@ worker_take_epoch(void)
 
 	for (tries = 0; tries < 3 && idem_cache_epoch_takeover(&t); tries++)
 	{
-		char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 		char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 		char		expect[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+		char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
 		char		ttl[32];
 		const char *argv[6];
-		size_t		argvlen[6];
-		int			keylen;
 		redisReply *reply = NULL;
 		VkResult	r;
 		bool		won;
 
-		keylen = idem_cache_epoch_key_of(key, sizeof(key), t.timeline, t.epoch);
-		if (keylen < 0)
-		{
-			snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
-			return VK_FAILED;
-		}
-		snprintf(token, sizeof(token), "%016llx", (unsigned long long) t.new_token);
-		snprintf(expect, sizeof(expect), "%016llx", (unsigned long long) t.expect_token);
+		OWNER_TOKEN_TEXT(token, t.new_token);
+		OWNER_TOKEN_TEXT(expect, t.expect_token);
 		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+		if (t.retire_epoch != 0)
+		{
+			snprintf(retired, sizeof(retired), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
+					 t.timeline, (unsigned long long) t.epoch);
+			argv[0] = "SET";
+			argv[2] = retired;
+			argv[3] = "PX";
+			argv[4] = ttl;
+			r = vk_owner_command(t.retire_timeline, t.retire_epoch, 5, argv, NULL);
+			if (r != VK_OK)
+				return r;
+		}
 		argv[0] = "SET";
-		argv[1] = key;
 		argv[2] = token;
 		argv[3] = "PX";
 		argv[4] = ttl;
 		argv[5] = "GET";
-		for (int i = 0; i < 6; i++)
-			argvlen[i] = strlen(argv[i]);
-		argvlen[1] = keylen;
-		if (t.retire_epoch != 0 && (r = worker_retire_epoch(&t)) != VK_OK)
-			return r;
-		r = vk_command(key, keylen, 6, argv, argvlen, &reply);
+		r = vk_owner_command(t.timeline, t.epoch, 6, argv, &reply);
 		if (r != VK_OK)
 			return r;
-		if (reply->type == REDIS_REPLY_ERROR)
-		{
-			snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
-					 (int) reply->len, reply->str);
-			freeReplyObject(reply);
-			return VK_FAILED;
-		}
 		if (t.expect_token == 0)
 			won = reply->type == REDIS_REPLY_NIL;
 		else
-			won = reply->type == REDIS_REPLY_STRING &&
-				reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
-				memcmp(reply->str, expect, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+			won = owner_reply_is(reply, expect);
 		freeReplyObject(reply);
 		if (won)
 		{
@@ -699,12 +696,9 @@ static VkResult
 worker_check_owner(void)
 {
 	IdemEpochTakeover t;
-	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 	char		ttl[32];
-	const char *argv[3];
-	size_t		argvlen[3];
-	int			keylen;
+	const char *argv[6];
 	redisReply *reply = NULL;
 	VkResult	r;
 	bool		ours;
@@ -714,41 +708,25 @@ worker_check_owner(void)
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
 		return VK_OK;
-	keylen = idem_cache_epoch_key_of(key, sizeof(key), t.timeline, t.epoch);
-	if (keylen < 0)
-		return VK_OK;			/* the takeover reports it */
-	snprintf(token, sizeof(token), "%016llx", (unsigned long long) t.new_token);
+	OWNER_TOKEN_TEXT(token, t.new_token);
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "GET";
-	argv[1] = key;
-	argvlen[0] = 3;
-	argvlen[1] = keylen;
-	r = vk_command(key, keylen, 2, argv, argvlen, &reply);
+	r = vk_owner_command(t.timeline, t.epoch, 2, argv, &reply);
 	if (r != VK_OK)
 		return r;
-	if (reply->type == REDIS_REPLY_ERROR)
-	{
-		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
-				 (int) reply->len, reply->str);
-		freeReplyObject(reply);
-		return VK_FAILED;
-	}
-	ours = reply->type == REDIS_REPLY_STRING &&
-		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
-		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+	ours = owner_reply_is(reply, token);
 	lost = reply->type == REDIS_REPLY_NIL;
 	freeReplyObject(reply);
 	owner_checked_at = GetCurrentTimestamp();
-	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	if (lost)
 	{
-		const char *set[6] = {"SET", key, token, "NX", "PX", ttl};
-		size_t		setlen[6] = {3, keylen, IDEM_CACHE_EPOCH_TOKEN_LEN, 2, 2,
-		strlen(ttl)};
-
-		r = vk_command(key, keylen, 6, set, setlen, &reply);
-		if (r == VK_OK)
-			freeReplyObject(reply);
-		return r;				/* a racing writer: the next check sees it */
+		/* a racing writer wins: the next check sees it */
+		argv[0] = "SET";
+		argv[2] = token;
+		argv[3] = "NX";
+		argv[4] = "PX";
+		argv[5] = ttl;
+		return vk_owner_command(t.timeline, t.epoch, 6, argv, NULL);
 	}
 	if (!ours)
 	{
@@ -761,12 +739,7 @@ worker_check_owner(void)
 	}
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
-	argvlen[0] = 7;
-	argvlen[2] = strlen(ttl);
-	r = vk_command(key, keylen, 3, argv, argvlen, &reply);
-	if (r == VK_OK)
-		freeReplyObject(reply);
-	return r;
+	return vk_owner_command(t.timeline, t.epoch, 3, argv, NULL);
 }
 
 /*
