@@ -103,6 +103,8 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 					   r->trust.owner_token, g, &checked);
 	if (m > 0 && !checked)
 		idemc_trust_owner_mismatch(&r->trust);	/* trust none of them */
+	else if (checked)
+		idemc_trust_owner_ok(&r->trust);
 	for (i = 0; i < m; i++)
 	{
 		IdemCacheEntry e;

@@ -248,6 +248,9 @@ typedef struct idem_trust
 	int			refresh_wanted; /* met an unknown key id, or the owner
 								 * key did not hold owner_token */
 	int			owner_suspect;	/* ...the latter: no cache until learnt */
+	int			owner_relearnt; /* learnt at once after a mismatch, and no
+								 * check passed since: the next waits the
+								 * second */
 	char		owner_key[IDEM_CACHE_EPOCH_KEY_MAX];	/* the epoch's owner key */
 	char		owner_token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];	/* it holds */
 	long		owner_mismatches;	/* lookups whose owner check failed */
@@ -265,6 +268,8 @@ trust_state idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
  * nothing read in it, and no cache until learnt again (at most once a
  * second). */
 void		idemc_trust_owner_mismatch(idem_trust *t);
+/* ... and it did. */
+void		idemc_trust_owner_ok(idem_trust *t);
 trust_verdict idemc_trust_check(idem_trust *t, const char *key,
 							   const char *value, size_t len, int lease_ms,
 							   IdemCacheEntry *e);

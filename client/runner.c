@@ -303,6 +303,8 @@ gate_step(run_state *s)
 	}
 	if (g.answer == GATE_ACQUIRED && !g.checked)
 		idemc_trust_owner_mismatch(&s->r->trust);
+	else if (g.checked)
+		idemc_trust_owner_ok(&s->r->trust);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:

@@ -22,7 +22,8 @@
  *		the old epoch (behind a pooler that kept its connection) stops
  *		replaying from it at its next lookup.  On a mismatch nothing read
  *		in that round trip is trusted, the cache is not used until the
- *		runner has learnt again (at once, then at most once a second), and
+ *		runner has learnt again (at once, then, while the server's worker
+ *		has not yet set the key right, at most once a second), and
  *		PostgreSQL decides.
  *	  - Every value read is parsed (src/cache_format.h) and its MAC checked
  *		(HMAC-SHA-256 over <key> 0x00 <rest>, hmac.c) with the secret of its
@@ -95,7 +96,8 @@ idemc_trust_stale(const idem_trust *t, const idem_pg *pg)
 	if (t->state == TRUST_UNKNOWN || t->learnt_at_connect != pg->connects)
 		return 1;
 	age = idemc_now_ms() - t->learnt_ms;
-	return (t->refresh_wanted && age >= 1000) ||
+	return (t->refresh_wanted &&
+			(age >= 1000 || (t->owner_suspect && !t->owner_relearnt))) ||
 		(t->state == TRUST_READY && t->max_age_ms > 0 &&
 		 age >= t->max_age_ms);
 }
@@ -138,6 +140,12 @@ idemc_trust_owner_mismatch(idem_trust *t)
 	t->refresh_wanted = 1;
 }
 
+void
+idemc_trust_owner_ok(idem_trust *t)
+{
+	t->owner_relearnt = 0;
+}
+
 /*
  * Learn the keyspace and the secrets on pg's connection (connected, idle):
  * one round trip.  Returns the new state.  TRUST_DENIED when the role may
@@ -158,6 +166,7 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	idemc_pg_pipeline(pg, cmds, 2, &o);
 	t->learnt_ms = idemc_now_ms();
 	t->refresh_wanted = 0;
+	t->owner_relearnt = t->owner_suspect;
 	t->owner_suspect = 0;
 	if (o.rc == PG_CONN_LOST)
 	{

@@ -131,6 +131,8 @@ class _ConnState:
         self.owner_key = None
         self.owner_token = None
         self.owner_suspect = False  # it did not: no cache until learnt
+        self.owner_relearnt = False  # learnt at once after a mismatch, and
+        # no check passed since: the next learning waits the second
 
 
 class Run:
@@ -318,7 +320,8 @@ class Runner:
             return st
         now = time.monotonic()
         age = None if st.learnt is None else (now - st.learnt) * 1000
-        if age is None or (st.refresh_wanted and age >= 1000) or \
+        if age is None or (st.refresh_wanted and (age >= 1000 or (
+                st.owner_suspect and not st.owner_relearnt))) or \
                 (st.keyspace is not None and self.secrets_max_age_ms and
                  age >= self.secrets_max_age_ms):
             self._learn(conn, st)
@@ -327,6 +330,7 @@ class Runner:
     def _learn(self, conn, st):
         st.learnt = time.monotonic()
         st.refresh_wanted = False
+        st.owner_relearnt = st.owner_suspect
         st.owner_suspect = False
         try:
             ks = conn.execute("SELECT %s.idem_cache_keyspace()" % st.schema).fetchone()[0]
@@ -550,7 +554,9 @@ class _RunContext:
             return False, True, False, False
         run.valkey_used = True
         checked = owner == self.st.owner_token
-        if not checked:
+        if checked:
+            self.st.owner_relearnt = False
+        else:
             # the owner key did not hold the server's token (a newer epoch
             # retired it, or its node did not answer): nothing read here is
             # trusted, PostgreSQL decides (lookup first), and the runner
