@@ -683,7 +683,9 @@ worker_take_epoch(void)
 }
 
 /*
- * Every IDEM_OWNER_CHECK_MS, and after each connect: does the owner key of
+ * Every IDEM_OWNER_CHECK_MS, after each connect and before the first copy
+ * after an idle wait (so that the copies runners read next are vouched
+ * for): does the owner key of
  * the epoch this server owns still hold its token?  If so its expiry is
  * pushed back.  If Valkey lost it (a restart without persistence, a flush,
  * an eviction), it is set again (SET NX): everything left under this
@@ -1598,6 +1600,8 @@ idem_worker_main(Datum main_arg)
 		{
 			worker_nap(IDEM_IDLE_WAIT_MS);
 			idem_outbox_worker_awake();
+			/* Valkey may have lost it while we slept (a flush) */
+			owner_checked_at = 0;
 		}
 	}
 
