@@ -101,9 +101,9 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 	}
 	idemc_gate_get_many(r->gate, keys, m, r->trust.owner_key,
 					   r->trust.owner_token, g, &checked);
-	if (m > 0 && !checked)
-		idemc_trust_owner_mismatch(&r->trust);	/* trust none of them */
-	else if (checked)
+	if (m > 0 && checked != GATE_CHECK_HOLDS)
+		idemc_trust_owner_mismatch(&r->trust, checked);	/* trust none */
+	else if (checked == GATE_CHECK_HOLDS)
 		idemc_trust_owner_ok(&r->trust);
 	for (i = 0; i < m; i++)
 	{
@@ -112,7 +112,7 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 
 		if (g[i].answer != GATE_SKIPPED)
 			o->valkey_used = 1; /* the node answered, even "not there" */
-		if (g[i].answer == GATE_VALUE && checked &&
+		if (g[i].answer == GATE_VALUE && checked == GATE_CHECK_HOLDS &&
 			idemc_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
 							 r->lease_ms, &e) == TRUST_VALUE_OK &&
 			e.kind != IDEM_CACHE_MARKER &&

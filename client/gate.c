@@ -872,12 +872,14 @@ commands(idem_gate *g, int n, const int *argc, const char *const *const *argv,
 	}
 }
 
-/* Does the owner check's reply hold exactly value? */
+/* What the check key's reply says (gate_reply.checked). */
 static int
 check_holds(const redisReply *r, const char *value)
 {
-	return r != NULL && value != NULL && r->type == REDIS_REPLY_STRING &&
-		r->len == strlen(value) && memcmp(r->str, value, r->len) == 0;
+	if (r == NULL || value == NULL || r->type != REDIS_REPLY_STRING)
+		return GATE_CHECK_ABSENT;
+	return (r->len == strlen(value) && memcmp(r->str, value, r->len) == 0) ?
+		GATE_CHECK_HOLDS : GATE_CHECK_OTHER;
 }
 
 /*

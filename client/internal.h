@@ -66,8 +66,13 @@ typedef struct gate_reply
 	gate_answer answer;
 	char	   *value;			/* GATE_VALUE: malloc'd, NUL-terminated */
 	size_t		value_len;
-	int			checked;		/* the check key held the check value */
+	int			checked;		/* GATE_CHECK_*: what the check key held */
 } gate_reply;
+
+/* The check key (gate_reply.checked): */
+#define GATE_CHECK_HOLDS	1	/* the check value */
+#define GATE_CHECK_ABSENT	0	/* nothing (nil), or no reply */
+#define GATE_CHECK_OTHER	(-1)	/* another value */
 
 idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
@@ -78,7 +83,7 @@ int			idemc_gate_resting(const idem_gate *g);
 /* One round trip: SET key marker NX PX lease_ms GET (the value if one
  * exists, else our marker is set; lease_ms in decimal), and GET check_key
  * (the epoch owner key; NULL: none): out->checked says whether it held
- * exactly check_value. */
+ * exactly check_value (GATE_CHECK_*). */
 void		idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 							const char *lease_ms, const char *check_key,
 							const char *check_value, gate_reply *out);
@@ -247,7 +252,8 @@ typedef struct idem_trust
 	int64_t		learnt_ms;		/* monotonic */
 	int			refresh_wanted; /* met an unknown key id, or the owner
 								 * key did not hold owner_token */
-	int			owner_suspect;	/* ...the latter: no cache until learnt */
+	int			owner_suspect;	/* ...the latter held another value: no
+								 * cache until learnt */
 	int			owner_relearnt; /* learnt at once after a mismatch, and no
 								 * check passed since: the next waits the
 								 * second */
@@ -264,10 +270,11 @@ void		idemc_trust_clear(idem_trust *t);
 int			idemc_trust_stale(const idem_trust *t, const idem_pg *pg);
 trust_state idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
 							 size_t msglen);
-/* The owner key did not hold our token in a lookup's round trip: trust
- * nothing read in it, and no cache until learnt again (at most once a
- * second). */
-void		idemc_trust_owner_mismatch(idem_trust *t);
+/* The owner key did not hold our token in a lookup's round trip
+ * (GATE_CHECK_ABSENT or _OTHER): trust nothing read in it, and learn
+ * again; if it held another value (the epoch was retired or taken), no
+ * cache until then. */
+void		idemc_trust_owner_mismatch(idem_trust *t, int checked);
 /* ... and it did. */
 void		idemc_trust_owner_ok(idem_trust *t);
 trust_verdict idemc_trust_check(idem_trust *t, const char *key,

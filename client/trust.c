@@ -21,10 +21,11 @@
  *		removed) retires the old one's owner key, so a runner that learnt
  *		the old epoch (behind a pooler that kept its connection) stops
  *		replaying from it at its next lookup.  On a mismatch nothing read
- *		in that round trip is trusted, the cache is not used until the
- *		runner has learnt again (at once, then, while the server's worker
- *		has not yet set the key right, at most once a second), and
- *		PostgreSQL decides.
+ *		in that round trip is trusted, PostgreSQL decides, and the runner
+ *		learns again; if the key held another value (the epoch was retired
+ *		or taken over), the cache is not used until it has (at once, then
+ *		at most once a second); if it held nothing (Valkey lost it, and the
+ *		server's worker sets it again), later lookups check it as usual.
  *	  - Every value read is parsed (src/cache_format.h) and its MAC checked
  *		(HMAC-SHA-256 over <key> 0x00 <rest>, hmac.c) with the secret of its
  *		key id; anything that fails, an idem1 value, an expired terminal
@@ -133,11 +134,13 @@ owner_of(idem_trust *t, const PGresult *r, int row)
 }
 
 void
-idemc_trust_owner_mismatch(idem_trust *t)
+idemc_trust_owner_mismatch(idem_trust *t, int checked)
 {
 	t->owner_mismatches++;
-	t->owner_suspect = 1;
 	t->refresh_wanted = 1;
+	/* absent: Valkey lost it (its worker sets it again), or no reply */
+	if (checked == GATE_CHECK_OTHER)
+		t->owner_suspect = 1;
 }
 
 void

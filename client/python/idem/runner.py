@@ -557,12 +557,15 @@ class _RunContext:
         if checked:
             self.st.owner_relearnt = False
         else:
-            # the owner key did not hold the server's token (a newer epoch
-            # retired it, or its node did not answer): nothing read here is
-            # trusted, PostgreSQL decides (lookup first), and the runner
-            # learns again before it uses the cache
-            self.st.owner_suspect = True
+            # the owner key did not hold the server's token: nothing read
+            # here is trusted, PostgreSQL decides (lookup first), and the
+            # runner learns again; if it held another value (a newer epoch
+            # retired it, or another server took it over) no cache until
+            # then; if nothing (Valkey lost it, the server's worker sets it
+            # again; or its node did not answer) later lookups check it
             self.st.refresh_wanted = True
+            if isinstance(owner, bytes):
+                self.st.owner_suspect = True
             r.stats["owner_mismatches"] += 1
         if value is None or value == self.marker:
             self.own_marker = True      # absent: our marker is set
