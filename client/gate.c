@@ -91,6 +91,9 @@ struct idem_gate
 	int			cluster_mode;	/* 0 auto, 1 on, -1 off */
 	idem_vc    *vc;				/* non-NULL: cluster mode */
 	long		stat_connects;	/* of routers freed */
+	char	   *get_cmd;		/* GET <get_key>, formatted once: the owner */
+	size_t		get_cmd_len;	/* check of every lookup (trust.c) */
+	char	   *get_key;
 	char		config_error[160];	/* non-empty: Valkey is not usable as
 									 * configured (valkey_db on a cluster) */
 };
@@ -200,6 +203,8 @@ idemc_gate_free(idem_gate *g)
 		return;
 	drop(g);
 	idem_vc_free(g->vc);
+	free(g->get_cmd);
+	free(g->get_key);
 	free(g->host);
 	free(g->password);
 	free(g->nodes);
@@ -783,6 +788,53 @@ cluster_command(idem_gate *g, int argc, const char **argv,
  * caller frees), within the command timeout.  0, or -1 with the connection
  * dropped and out[] all NULL.
  */
+/*
+ * Append GET key to *buf: the gate's owner check, the same key lookup after
+ * lookup, so its bytes are formatted once and kept.
+ */
+static int
+append_get(idem_gate *g, char **buf, size_t *len, const char *key)
+{
+	char	   *grown;
+
+	if (g->get_key == NULL || strcmp(g->get_key, key) != 0)
+	{
+		const char *argv[2] = {"GET", key};
+		char	   *cmd = NULL;
+		long long	n = redisFormatCommandArgv(&cmd, 2, argv, NULL);
+		char	   *k = strdup(key);
+
+		if (n < 0 || k == NULL)
+		{
+			if (n >= 0)
+				redisFreeCommand(cmd);
+			free(k);
+			return -1;
+		}
+		free(g->get_cmd);
+		free(g->get_key);
+		g->get_cmd = malloc((size_t) n);
+		if (g->get_cmd == NULL)
+		{
+			redisFreeCommand(cmd);
+			free(k);
+			g->get_key = NULL;
+			return -1;
+		}
+		memcpy(g->get_cmd, cmd, (size_t) n);
+		redisFreeCommand(cmd);
+		g->get_cmd_len = (size_t) n;
+		g->get_key = k;
+	}
+	grown = realloc(*buf, *len + g->get_cmd_len);
+	if (grown == NULL)
+		return -1;
+	memcpy(grown + *len, g->get_cmd, g->get_cmd_len);
+	*buf = grown;
+	*len += g->get_cmd_len;
+	return 0;
+}
+
 static int
 exchange_pipeline(idem_gate *g, int n, const int *argc, const char *const *const *argv,
 				  redisReply **out)
@@ -797,7 +849,9 @@ exchange_pipeline(idem_gate *g, int n, const int *argc, const char *const *const
 	for (i = 0; i < n; i++)
 		out[i] = NULL;
 	for (i = 0; ok && i < n; i++)
-		ok = append_cmd(&buf, &len, argc[i], (const char **) argv[i]) == 0;
+		ok = (argc[i] == 2 && strcmp(argv[i][0], "GET") == 0 ?
+			  append_get(g, &buf, &len, argv[i][1]) :
+			  append_cmd(&buf, &len, argc[i], (const char **) argv[i])) == 0;
 	if (!ok)
 		io_error(g->c, REDIS_ERR_OOM, "Out of memory");
 	else
