@@ -11,9 +11,14 @@ AS 'MODULE_PATHNAME', 'idem_cache_keyspace_sql'
 LANGUAGE C STABLE STRICT PARALLEL SAFE;
 
 -- The secrets that MAC Valkey values: the current one, then the previous
--- one (still accepted) if any.  Grant EXECUTE to the client's handler role.
+-- one (still accepted) if any; on each row, the history epoch's owner key
+-- in Valkey and the token it holds while this server owns the epoch (NULL
+-- until the worker took the epoch over): a client trusts a value only if
+-- the owner key, read in the same round trip, still holds that token.
+-- Grant EXECUTE to the client's handler role.
 CREATE FUNCTION @extschema@.idem_cache_secrets(
-    OUT key_id integer, OUT secret bytea, OUT is_current boolean)
+    OUT key_id integer, OUT secret bytea, OUT is_current boolean,
+    OUT owner_key text, OUT owner_token text)
 RETURNS SETOF record
 AS 'MODULE_PATHNAME', 'idem_cache_secrets'
 LANGUAGE C VOLATILE STRICT PARALLEL SAFE ROWS 2;

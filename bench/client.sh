@@ -2,6 +2,12 @@
 # Part of make bench (called by bench/run with BENCH_WORK, BENCH_PGPORT,
 # BENCH_VKPORT set): the client runner's paths next to what they are built
 # on, same process model and concurrency, alternating rounds, median kept.
+#
+#   BENCH_CLIENT_BASE=<commit>   also the library at <commit> (built in a
+#                                temporary git worktree) against the same
+#                                server, in the same rounds: each runner
+#                                mode again as base:MODE, and new/base ratios
+#   BENCH_CLIENT_MODES           the modes (default all below)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SECS=${BENCH_SECONDS:-5}
@@ -19,13 +25,29 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a
 "$BIN" fill-cache 1 0 "$PG" 127.0.0.1 "$BENCH_VKPORT" >/dev/null || { echo "client_bench fill-cache failed" >&2; exit 1; }
 printf '%-15s %7s %10s %14s\n' mode clients ops/s "client CPU us"
 declare -A med=() cmed=()
-MODES="valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup"
+MODES=${BENCH_CLIENT_MODES:-valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup}
+BASE=""
+if [ -n "${BENCH_CLIENT_BASE:-}" ]; then
+	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_CLIENT_BASE^{commit}") || exit 2
+	SRC=$BENCH_WORK/client-base
+	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
+	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
+	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "client.sh: building the client at $BASE failed" >&2; exit 1; }
+	cc -O2 -I"$SRC/client" -I"$SRC/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+		-o "$BIN-base" "$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
+		-lpq -lhiredis -lcrypto -pthread || exit 1
+	for m in $MODES; do
+		case $m in raw-get|pg-select) ;; *) MODES="$MODES base:$m" ;; esac
+	done
+fi
 for c in ${BENCH_CLIENTS:-1 8 32}; do
 	declare -A runs=() cpus=()
 	for r in $(seq 1 "$ROUNDS"); do
 		for m in $MODES; do
-			out=$("$BIN" "$m" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") || { echo "client_bench $m failed" >&2; exit 1; }
-			runs[$m]+="$(echo "$out" | awk -v m="$m" '$1 == m { print $3 }') "
+			bin=$BIN mode=$m
+			if [[ $m == base:* ]]; then bin=$BIN-base mode=${m#base:}; fi
+			out=$("$bin" "$mode" "$c" "$SECS" "$PG" 127.0.0.1 "$BENCH_VKPORT") || { echo "client_bench $m failed" >&2; exit 1; }
+			runs[$m]+="$(echo "$out" | awk -v m="$mode" '$1 == m { print $3 }') "
 			cpus[$m]+="$(echo "$out" | awk '$1 == "cpu" { print $4 }') "
 		done
 	done
@@ -36,9 +58,15 @@ for c in ${BENCH_CLIENTS:-1 8 32}; do
 		cmed[$m]=$(echo "${cpus[$m]}" | tr ' ' '\n' | grep . | median)
 		printf '%-15s %7s %10.0f %14.2f\n' "$m" "$c" "${med[$m]}" "${cmed[$m]}"
 	done
+	for m in $MODES; do
+		[[ $m == base:* ]] || continue
+		awk -v c="$c" -v m="${m#base:}" -v n="${med[${m#base:}]}" -v b="${med[$m]}" \
+			'BEGIN { printf "%-15s %7s  new/base (%s): %.2f\n", m, c, "'"$BASE"'", n / b }'
+	done
+	[ -n "${med[valkey-replay]:-}" ] && [ -n "${med[raw-get]:-}" ] &&
 	awk -v c="$c" -v vr="${med[valkey-replay]}" -v rg="${med[raw-get]}" \
-		-v vd="${med[valkey-replay-redelivery]}" \
-		-v pr="${med[pg-replay]}" -v ps="${med[pg-select]}" 'BEGIN {
+		-v vd="${med[valkey-replay-redelivery]:-0}" \
+		-v pr="${med[pg-replay]:-0}" -v ps="${med[pg-select]:-1}" 'BEGIN {
 		printf "%-15s %7s  targets: valkey replay (MAC verified)/raw GET %.2f, as a redelivery %.2f (>= 0.90); client pg replay/bare SELECT %.2f\n",
 			"", c, vr / rg, vd / rg, pr / ps }'
 	unset runs cpus

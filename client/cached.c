@@ -65,7 +65,8 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 	gate_reply *g = NULL;
 	int			i,
 				m = 0,
-				decided = 0;
+				decided = 0,
+				checked = 0;
 
 	for (i = 0; i < n; i++)
 		idem_result_init(&out[i]);
@@ -98,7 +99,12 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 		keys[m] = ck;
 		at[m++] = i;
 	}
-	idemc_gate_get_many(r->gate, keys, m, g);
+	idemc_gate_get_many(r->gate, keys, m, r->trust.owner_key,
+					   r->trust.owner_token, g, &checked);
+	if (m > 0 && checked != GATE_CHECK_HOLDS)
+		idemc_trust_owner_mismatch(&r->trust, checked);	/* trust none */
+	else if (checked == GATE_CHECK_HOLDS)
+		idemc_trust_owner_ok(&r->trust);
 	for (i = 0; i < m; i++)
 	{
 		IdemCacheEntry e;
@@ -106,7 +112,7 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 
 		if (g[i].answer != GATE_SKIPPED)
 			o->valkey_used = 1; /* the node answered, even "not there" */
-		if (g[i].answer == GATE_VALUE &&
+		if (g[i].answer == GATE_VALUE && checked == GATE_CHECK_HOLDS &&
 			idemc_trust_check(&r->trust, keys[i], g[i].value, g[i].value_len,
 							 r->lease_ms, &e) == TRUST_VALUE_OK &&
 			e.kind != IDEM_CACHE_MARKER &&

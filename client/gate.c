@@ -11,6 +11,13 @@
  *	  No TTL comes back: a marker's deadline is in its MACed content
  *	  (trust.c bounds it by our own lease).
  *
+ *	  The gate and the read-only lookups carry, in the same round trip, a
+ *	  GET of the history epoch's owner key (trust.c): the caller is told
+ *	  whether it still holds the token the server gave.  On one node the
+ *	  two commands are pipelined; on a cluster the owner key usually lives
+ *	  in another slot, and the router sends each node its share before
+ *	  reading any reply, so the round trip is the slower node's.
+ *
  *	  Every command touches one key (Valkey Cluster: one slot), and only
  *	  commands that both Redis >= 7.0 and Valkey have are used: GET,
  *	  SET NX PX GET (NX with GET needs 7.0), DEL inside EVAL/EVALSHA,
@@ -90,6 +97,9 @@ struct idem_gate
 	int			cluster_mode;	/* 0 auto, 1 on, -1 off */
 	idem_vc    *vc;				/* non-NULL: cluster mode */
 	long		stat_connects;	/* of routers freed */
+	char	   *get_cmd;		/* GET <get_key>, formatted once: the owner */
+	size_t		get_cmd_len;	/* check of every lookup (trust.c) */
+	char	   *get_key;
 	char		config_error[160];	/* non-empty: Valkey is not usable as
 									 * configured (valkey_db on a cluster) */
 };
@@ -199,6 +209,8 @@ idemc_gate_free(idem_gate *g)
 		return;
 	drop(g);
 	idem_vc_free(g->vc);
+	free(g->get_cmd);
+	free(g->get_key);
 	free(g->host);
 	free(g->password);
 	free(g->nodes);
@@ -773,6 +785,159 @@ cluster_command(idem_gate *g, int argc, const char **argv,
 }
 
 /*
+ * Single node: n commands in one pipeline and their replies (out[i], the
+ * caller frees), within the command timeout.  0, or -1 with the connection
+ * dropped and out[] all NULL.
+ */
+/*
+ * Append GET key to *buf: the gate's owner check, the same key lookup after
+ * lookup, so its bytes are formatted once and kept.
+ */
+static int
+append_get(idem_gate *g, char **buf, size_t *len, const char *key)
+{
+	char	   *grown;
+
+	if (g->get_key == NULL || strcmp(g->get_key, key) != 0)
+	{
+		const char *argv[2] = {"GET", key};
+		char	   *cmd = NULL;
+		long long	n = redisFormatCommandArgv(&cmd, 2, argv, NULL);
+		char	   *k = strdup(key);
+
+		if (n < 0 || k == NULL)
+		{
+			if (n >= 0)
+				redisFreeCommand(cmd);
+			free(k);
+			return -1;
+		}
+		free(g->get_cmd);
+		free(g->get_key);
+		g->get_cmd = malloc((size_t) n);
+		if (g->get_cmd == NULL)
+		{
+			redisFreeCommand(cmd);
+			free(k);
+			g->get_key = NULL;
+			return -1;
+		}
+		memcpy(g->get_cmd, cmd, (size_t) n);
+		redisFreeCommand(cmd);
+		g->get_cmd_len = (size_t) n;
+		g->get_key = k;
+	}
+	grown = realloc(*buf, *len + g->get_cmd_len);
+	if (grown == NULL)
+		return -1;
+	memcpy(grown + *len, g->get_cmd, g->get_cmd_len);
+	*buf = grown;
+	*len += g->get_cmd_len;
+	return 0;
+}
+
+static int
+exchange_pipeline(idem_gate *g, int n, const int *argc, const char *const *const *argv,
+				  redisReply **out)
+{
+	int64_t		deadline = idemc_now_ms() + g->command_timeout_ms;
+	char	   *buf = NULL;
+	size_t		len = 0;
+	int			ok = 1;
+	int			i;
+
+	g->last_errno = 0;
+	for (i = 0; i < n; i++)
+		out[i] = NULL;
+	for (i = 0; ok && i < n; i++)
+		ok = (argc[i] == 2 && strcmp(argv[i][0], "GET") == 0 ?
+			  append_get(g, &buf, &len, argv[i][1]) :
+			  append_cmd(&buf, &len, argc[i], (const char **) argv[i])) == 0;
+	if (!ok)
+		io_error(g->c, REDIS_ERR_OOM, "Out of memory");
+	else
+		ok = send_all(g, buf, len, deadline) == 0;
+	free(buf);
+	for (i = 0; ok && i < n; i++)
+		ok = (out[i] = read_reply(g, deadline)) != NULL;
+	if (ok)
+		return 0;
+	for (i = 0; i < n; i++)
+	{
+		if (out[i])
+			freeReplyObject(out[i]);
+		out[i] = NULL;
+	}
+	return -1;
+}
+
+/*
+ * n single-key commands (the key is argv[i][1]) in one round trip: one
+ * pipeline on a single node (retried once on a new connection if a reused
+ * one was dead), or each node's share sent before any reply is read on a
+ * cluster.  out[i] is command i's reply (the caller frees), or NULL if it
+ * has none (its node failed, or the connection did).
+ */
+static void
+commands(idem_gate *g, int n, const int *argc, const char *const *const *argv,
+		 redisReply **out)
+{
+	int			i,
+				tries;
+
+	for (i = 0; i < n; i++)
+		out[i] = NULL;
+	if (ensure(g) != 0)
+		return;
+	if (g->vc != NULL)
+	{
+		idem_vc_cmd cmds[2];
+
+		if (n > 2)
+			return;
+		memset(cmds, 0, sizeof(cmds));
+		for (i = 0; i < n; i++)
+		{
+			cmds[i].key = argv[i][1];
+			cmds[i].keylen = strlen(argv[i][1]);
+			cmds[i].argc = argc[i];
+			cmds[i].argv = (const char **) argv[i];
+		}
+		g->round_trips++;
+		(void) idem_vc_pipeline(g->vc, cmds, n,
+								idemc_now_ms() + g->command_timeout_ms);
+		for (i = 0; i < n; i++)
+			out[i] = cmds[i].reply;
+		return;
+	}
+	for (tries = 0; tries < 2; tries++)
+	{
+		int			died;
+		int			reused = g->c != NULL;
+
+		if (ensure(g) != 0)
+			return;
+		g->round_trips++;
+		if (exchange_pipeline(g, n, argc, argv, out) == 0)
+			return;
+		died = connection_died(g);
+		drop(g);
+		if (!died || !reused)
+			return;
+	}
+}
+
+/* What the check key's reply says (gate_reply.checked). */
+static int
+check_holds(const redisReply *r, const char *value)
+{
+	if (r == NULL || value == NULL || r->type != REDIS_REPLY_STRING)
+		return GATE_CHECK_ABSENT;
+	return (r->len == strlen(value) && memcmp(r->str, value, r->len) == 0) ?
+		GATE_CHECK_HOLDS : GATE_CHECK_OTHER;
+}
+
+/*
  * Run one command; on a dead reused connection, reconnect and try once more.
  * Returns the reply (caller frees) or NULL with the connection dropped.
  */
@@ -854,12 +1019,16 @@ take_value(gate_reply *out, const redisReply *r)
 
 void
 idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
-				const char *lease_ms, gate_reply *out)
+				const char *lease_ms, const char *check_key,
+				const char *check_value, gate_reply *out)
 {
 	const char *argv[7];
-	size_t		argvlen[7];
+	const char *get[2];
+	const char *const *argvs[2];
+	int			argc[2] = {7, 2};
+	size_t		marker_len = strlen(marker);
+	redisReply *replies[2];
 	redisReply *r;
-	int			i;
 
 	memset(out, 0, sizeof(*out));
 	out->answer = GATE_SKIPPED;
@@ -872,9 +1041,18 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 	argv[4] = "PX";
 	argv[5] = lease_ms;
 	argv[6] = "GET";
-	for (i = 0; i < 7; i++)
-		argvlen[i] = strlen(argv[i]);
-	r = command(g, 7, argv, argvlen);
+	get[0] = "GET";
+	get[1] = check_key;
+	argvs[0] = argv;
+	argvs[1] = get;
+	commands(g, check_key ? 2 : 1, argc, argvs, replies);
+	if (check_key)
+	{
+		out->checked = check_holds(replies[1], check_value);
+		if (replies[1])
+			freeReplyObject(replies[1]);
+	}
+	r = replies[0];
 	if (r == NULL)
 		return;
 	if (r->type == REDIS_REPLY_NIL)
@@ -883,7 +1061,7 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 	{
 		take_value(out, r);
 		/* our own marker, from a command retried after a dead connection */
-		if (out->answer == GATE_VALUE && out->value_len == argvlen[2] &&
+		if (out->answer == GATE_VALUE && out->value_len == marker_len &&
 			memcmp(out->value, marker, out->value_len) == 0)
 		{
 			free(out->value);
@@ -903,12 +1081,15 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 
 void
 idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
-				   gate_reply *out)
+				   const char *check_key, const char *check_value,
+				   gate_reply *out, int *checked)
 {
 	int64_t		deadline;
 	int			i;
+	int			ncmd = n + (check_key != NULL);
 
 	memset(out, 0, sizeof(*out) * (n > 0 ? n : 0));	/* GATE_SKIPPED */
+	*checked = 0;
 	if (g == NULL || n <= 0 || idemc_gate_resting(g) || ensure(g) != 0)
 		return;
 	deadline = idemc_now_ms() + g->command_timeout_ms;
@@ -916,24 +1097,29 @@ idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 	if (g->vc != NULL)
 	{
 		/* split per node by the router; a node that fails skips its keys */
-		idem_vc_cmd *cmds = calloc(n, sizeof(idem_vc_cmd));
-		const char **argv = calloc(2 * (size_t) n, sizeof(char *));
+		idem_vc_cmd *cmds = calloc(ncmd, sizeof(idem_vc_cmd));
+		const char **argv = calloc(2 * (size_t) ncmd, sizeof(char *));
 
 		if (cmds != NULL && argv != NULL)
 		{
-			for (i = 0; i < n; i++)
+			for (i = 0; i < ncmd; i++)
 			{
+				const char *k = i < n ? keys[i] : check_key;
+
 				argv[2 * i] = "GET";
-				argv[2 * i + 1] = keys[i];
-				cmds[i].key = keys[i];
-				cmds[i].keylen = strlen(keys[i]);
+				argv[2 * i + 1] = k;
+				cmds[i].key = k;
+				cmds[i].keylen = strlen(k);
 				cmds[i].argc = 2;
 				cmds[i].argv = &argv[2 * i];
 			}
-			(void) idem_vc_pipeline(g->vc, cmds, n, deadline);
-			for (i = 0; i < n; i++)
+			(void) idem_vc_pipeline(g->vc, cmds, ncmd, deadline);
+			for (i = 0; i < ncmd; i++)
 			{
-				take_value(&out[i], cmds[i].reply);
+				if (i < n)
+					take_value(&out[i], cmds[i].reply);
+				else
+					*checked = check_holds(cmds[i].reply, check_value);
 				if (cmds[i].reply)
 					freeReplyObject(cmds[i].reply);
 			}
@@ -947,22 +1133,25 @@ idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 		size_t		len = 0;
 		int			ok = 1;
 
-		for (i = 0; ok && i < n; i++)
+		for (i = 0; ok && i < ncmd; i++)
 		{
-			const char *argv[2] = {"GET", keys[i]};
+			const char *argv[2] = {"GET", i < n ? keys[i] : check_key};
 
 			ok = append_cmd(&buf, &len, 2, argv) == 0;
 		}
 		if (ok)
 			ok = send_all(g, buf, len, deadline) == 0;
 		free(buf);
-		for (i = 0; ok && i < n; i++)
+		for (i = 0; ok && i < ncmd; i++)
 		{
 			redisReply *r = read_reply(g, deadline);
 
 			if (r == NULL)
 				ok = 0;
-			take_value(&out[i], r);
+			if (i < n)
+				take_value(&out[i], r);
+			else
+				*checked = check_holds(r, check_value);
 			if (r)
 				freeReplyObject(r);
 		}

@@ -56,7 +56,13 @@ typedef struct gate_reply
 	gate_answer answer;
 	char	   *value;			/* GATE_VALUE: malloc'd, NUL-terminated */
 	size_t		value_len;
+	int			checked;		/* GATE_CHECK_*: what the check key held */
 } gate_reply;
+
+/* The check key (gate_reply.checked): */
+#define GATE_CHECK_HOLDS	1	/* the check value */
+#define GATE_CHECK_ABSENT	0	/* nothing (nil), or no reply */
+#define GATE_CHECK_OTHER	(-1)	/* another value */
 
 idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
@@ -64,14 +70,19 @@ idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 void		idemc_gate_free(idem_gate *g);
 /* After a failure, within retry_ms: every call skips Valkey at once. */
 int			idemc_gate_resting(const idem_gate *g);
-/* One round trip, one command: SET key marker NX PX lease_ms GET (the
- * value if one exists, else our marker is set); lease_ms in decimal. */
+/* One round trip: SET key marker NX PX lease_ms GET (the value if one
+ * exists, else our marker is set; lease_ms in decimal), and GET check_key
+ * (the epoch owner key; NULL: none): out->checked says whether it held
+ * exactly check_value (GATE_CHECK_*). */
 void		idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
-							const char *lease_ms, gate_reply *out);
-/* GET of n keys in one pipeline (per node on a cluster), no marker:
- * out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED. */
+							const char *lease_ms, const char *check_key,
+							const char *check_value, gate_reply *out);
+/* GET of n keys and of check_key in one pipeline (per node on a cluster),
+ * no marker: out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED;
+ * *checked as out->checked above. */
 void		idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
-							   gate_reply *out);
+							   const char *check_key, const char *check_value,
+							   gate_reply *out, int *checked);
 /* Compare-and-delete of our marker (script).  Returns 1 deleted, 0 not,
  * -1 Valkey unavailable. */
 int			idemc_gate_release(idem_gate *g, const char *key,
@@ -229,7 +240,16 @@ typedef struct idem_trust
 	int			current;		/* index into keys of the current secret */
 	long		learnt_at_connect;	/* idem_pg.connects when learnt */
 	int64_t		learnt_ms;		/* monotonic */
-	int			refresh_wanted; /* met an unknown key id */
+	int			refresh_wanted; /* met an unknown key id, or the owner
+								 * key did not hold owner_token */
+	int			owner_suspect;	/* ...the latter held another value: no
+								 * cache until learnt */
+	int			owner_relearnt; /* learnt at once after a mismatch, and no
+								 * check passed since: the next waits the
+								 * second */
+	char		owner_key[IDEM_CACHE_EPOCH_KEY_MAX];	/* the epoch's owner key */
+	char		owner_token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];	/* it holds */
+	long		owner_mismatches;	/* lookups whose owner check failed */
 	int			max_age_ms;		/* re-learn at least this often; 0: never */
 	long		rejected;		/* values ignored: failed verification */
 } idem_trust;
@@ -240,6 +260,13 @@ void		idemc_trust_clear(idem_trust *t);
 int			idemc_trust_stale(const idem_trust *t, const idem_pg *pg);
 trust_state idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
 							 size_t msglen);
+/* The owner key did not hold our token in a lookup's round trip
+ * (GATE_CHECK_ABSENT or _OTHER): trust nothing read in it, and learn
+ * again; if it held another value (the epoch was retired or taken), no
+ * cache until then. */
+void		idemc_trust_owner_mismatch(idem_trust *t, int checked);
+/* ... and it did. */
+void		idemc_trust_owner_ok(idem_trust *t);
 trust_verdict idemc_trust_check(idem_trust *t, const char *key,
 							   const char *value, size_t len, int lease_ms,
 							   IdemCacheEntry *e);

@@ -280,7 +280,7 @@ idemc_runner_trust_ready(idem_runner *r)
 	int			fresh;
 
 	if (!idemc_trust_stale(&r->trust, &r->pg))
-		return r->trust.state == TRUST_READY;
+		return r->trust.state == TRUST_READY && !r->trust.owner_suspect;
 	msg[0] = '\0';
 	if (idemc_pg_ensure(&r->pg, &fresh, msg, sizeof(msg)) != 0 ||
 		PQtransactionStatus(r->pg.conn) != PQTRANS_IDLE)
@@ -293,5 +293,5 @@ idemc_runner_trust_ready(idem_runner *r)
 		if (r->notice)
 			r->notice(r->notice_arg, msg);
 	}
-	return r->trust.state == TRUST_READY;
+	return r->trust.state == TRUST_READY && !r->trust.owner_suspect;
 }

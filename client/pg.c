@@ -158,7 +158,8 @@ build_sql(idem_pg *p, const char *s)
 		"FROM %s.idem_platform_lookup($1::bytea) AS l",
 		/* KEYSPACE, SECRETS: trust.c */
 		"SELECT %s.idem_cache_keyspace()",
-		"SELECT s.key_id, s.secret, s.is_current FROM %s.idem_cache_secrets() AS s",
+		"SELECT s.key_id, s.secret, s.is_current, s.owner_key, s.owner_token "
+		"FROM %s.idem_cache_secrets() AS s",
 		/* APPLY_*: decision, attempt, outcome, ms until expires_at, ran */
 		"SELECT a.decision, a.attempt, a.outcome::text, "
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "

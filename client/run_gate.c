@@ -66,7 +66,28 @@ idemc_run_gate(run_state *s)
 		s->r->stats.valkey_skipped++;
 		return 0;
 	}
-	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt, &g);
+	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt,
+					s->r->trust.owner_key, s->r->trust.owner_token, &g);
+	if (g.answer == GATE_VALUE && g.checked != GATE_CHECK_HOLDS)
+	{
+		/*
+		 * The epoch's owner key did not hold the token the server gave (a
+		 * newer epoch retired it, or that node did not answer): the value
+		 * may be of a history this server does not hold.  PostgreSQL
+		 * decides, as if Valkey were silent (a lookup first); the runner
+		 * learns again before it uses the cache.  A marker we set in that
+		 * keyspace is ours all the same (below), and released as usual.
+		 */
+		idemc_trust_owner_mismatch(&s->r->trust, g.checked);
+		s->r->stats.valkey_skipped++;
+		s->valkey_silent = 1;
+		free(g.value);
+		return 0;
+	}
+	if (g.answer == GATE_ACQUIRED && g.checked != GATE_CHECK_HOLDS)
+		idemc_trust_owner_mismatch(&s->r->trust, g.checked);
+	else if (g.checked == GATE_CHECK_HOLDS)
+		idemc_trust_owner_ok(&s->r->trust);
 	switch (g.answer)
 	{
 		case GATE_SKIPPED:

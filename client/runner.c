@@ -9,8 +9,10 @@
  *	  the read-only lookups (idem_cached) in cached.c.
  *
  *	  1. key = idem_key(scope, id); fingerprint of the canonical request.
- *	  2. Valkey, one round trip (SET NX PX GET), in the keyspace the server
- *		 gave (trust.c; learnt on each new connection): a terminal value
+ *	  2. Valkey, one round trip (SET NX PX GET, and a GET of the epoch's
+ *		 owner key: a value counts only if it holds the token the server
+ *		 gave), in the keyspace the server gave (trust.c; learnt on each
+ *		 new connection): a terminal value
  *		 whose MAC verifies, with our fingerprint, is a replay (no
  *		 PostgreSQL at all); another fingerprint is only a hint, which
  *		 PostgreSQL confirms (3a or 3b); an authentic marker within our own

@@ -13,6 +13,19 @@
  *		out on the server (two rotations, as after a leak) stops verifying
  *		here within that time, even on a connection that never meets a new
  *		key id.
+ *	  - The history epoch's owner key and the token it holds while the
+ *		server owns the epoch are learnt with the secrets.  Every lookup
+ *		reads the owner key in the same round trip (gate.c), and a value is
+ *		trusted only if it held that token: a server that replaced its
+ *		epoch (a restart after a crash, a restore, a promotion, ledger rows
+ *		removed) retires the old one's owner key, so a runner that learnt
+ *		the old epoch (behind a pooler that kept its connection) stops
+ *		replaying from it at its next lookup.  On a mismatch nothing read
+ *		in that round trip is trusted, PostgreSQL decides, and the runner
+ *		learns again; if the key held another value (the epoch was retired
+ *		or taken over), the cache is not used until it has (at once, then
+ *		at most once a second); if it held nothing (Valkey lost it, and the
+ *		server's worker sets it again), later lookups check it as usual.
  *	  - Every value read is parsed (src/common/cache_format.h) and its MAC
  *		checked (HMAC-SHA-256 over <key> 0x00 <rest>, sha256.c) with the
  *		secret of its key id; anything that fails, an idem1 value, an
@@ -84,9 +97,56 @@ idemc_trust_stale(const idem_trust *t, const idem_pg *pg)
 	if (t->state == TRUST_UNKNOWN || t->learnt_at_connect != pg->connects)
 		return 1;
 	age = idemc_now_ms() - t->learnt_ms;
-	return (t->refresh_wanted && age >= 1000) ||
+	return (t->refresh_wanted &&
+			(age >= 1000 || (t->owner_suspect && !t->owner_relearnt))) ||
 		(t->state == TRUST_READY && t->max_age_ms > 0 &&
 		 age >= t->max_age_ms);
+}
+
+/*
+ * The owner key and token of row row of idem_cache_secrets() into t: both
+ * present, the token 16 lower-case hex digits, and the key that of the
+ * keyspace's epoch (the keyspace minus ".<database oid>:" is the key minus
+ * ":owner").  0, or -1 when not.
+ */
+static int
+owner_of(idem_trust *t, const PGresult *r, int row)
+{
+	const char *key;
+	const char *tok;
+	size_t		klen;
+
+	if (PQnfields(r) < 5 || PQgetisnull(r, row, 3) || PQgetisnull(r, row, 4))
+		return -1;
+	key = PQgetvalue(r, row, 3);
+	tok = PQgetvalue(r, row, 4);
+	klen = strlen(key);
+	if (klen >= sizeof(t->owner_key) || klen <= 6 ||
+		strcmp(key + klen - 6, ":owner") != 0 ||
+		strncmp(t->keyspace, key, klen - 6) != 0 ||
+		t->keyspace[klen - 6] != '.' ||
+		strlen(tok) != IDEM_CACHE_EPOCH_TOKEN_LEN ||
+		strspn(tok, "0123456789abcdef") != IDEM_CACHE_EPOCH_TOKEN_LEN)
+		return -1;
+	memcpy(t->owner_key, key, klen + 1);
+	memcpy(t->owner_token, tok, IDEM_CACHE_EPOCH_TOKEN_LEN + 1);
+	return 0;
+}
+
+void
+idemc_trust_owner_mismatch(idem_trust *t, int checked)
+{
+	t->owner_mismatches++;
+	t->refresh_wanted = 1;
+	/* absent: Valkey lost it (its worker sets it again), or no reply */
+	if (checked == GATE_CHECK_OTHER)
+		t->owner_suspect = 1;
+}
+
+void
+idemc_trust_owner_ok(idem_trust *t)
+{
+	t->owner_relearnt = 0;
 }
 
 /*
@@ -101,6 +161,7 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	pg_cmd		cmds[2];
 	pg_outcome	o;
 	int			i;
+	int			owner_row = -1;
 
 	memset(cmds, 0, sizeof(cmds));
 	cmds[0].sql = pg->sql[STMT_KEYSPACE];
@@ -108,6 +169,8 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	idemc_pg_pipeline(pg, cmds, 2, &o);
 	t->learnt_ms = idemc_now_ms();
 	t->refresh_wanted = 0;
+	t->owner_relearnt = t->owner_suspect;
+	t->owner_suspect = 0;
 	if (o.rc == PG_CONN_LOST)
 	{
 		idemc_pg_outcome_clear(&o);
@@ -181,8 +244,21 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 		idem_hmac_key(&t->keys[t->nkeys].hmac, secret, sizeof(secret));
 		memset(secret, 0, sizeof(secret));
 		if (!PQgetisnull(r, i, 2) && PQgetvalue(r, i, 2)[0] == 't')
+		{
 			t->current = t->nkeys;
+			owner_row = i;
+		}
 		t->nkeys++;
+	}
+	if (owner_row >= 0 && owner_of(t, o.res[1], owner_row) != 0)
+	{
+		/* not taken over yet, or the keyspace is of another epoch: soon */
+		idemc_set_err(msg, msglen, "the server's Valkey cache is not ready (its worker has not taken the cache epoch over): running on PostgreSQL only, asking again in a second");
+		idemc_pg_outcome_clear(&o);
+		idemc_trust_clear(t);
+		t->state = TRUST_DENIED;
+		t->refresh_wanted = 1;
+		return t->state;
 	}
 	idemc_pg_outcome_clear(&o);
 	if (t->current < 0)

@@ -8,6 +8,9 @@ CREATE EXTENSION idem;
 SELECT idem_cache_keyspace();
 -- One current secret of 32 bytes to start with (created at first start).
 SELECT key_id > 0 AS has_id, octet_length(secret), is_current FROM idem_cache_secrets();
+-- ... and no epoch owner key or token for runners to check while no
+-- worker has taken the epoch over.
+SELECT owner_key IS NULL AND owner_token IS NULL AS no_owner FROM idem_cache_secrets();
 CREATE TEMP TABLE s0 AS SELECT * FROM idem_cache_secrets();
 
 -- Rotation: a new current id, the old secret kept as the previous one.

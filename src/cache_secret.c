@@ -15,8 +15,9 @@
  * <N>" (the timeline its secrets were made on; absent if made during
  * recovery, by a standby that had no file), a line "epoch <16 hex>" (the
  * history epoch, below), perhaps a line "token <16 hex>" (the last start
- * that took the epoch over), then at most two lines "<key id> <secret as
- * 64 hex>", the previous secret first, the current one last.
+ * that took the epoch over), perhaps a line "retire <timeline> <16 hex>"
+ * (the epoch this one replaced, below), then at most two lines "<key id>
+ * <secret as 64 hex>", the previous secret first, the current one last.
  * It is created the first time a process needs it (the worker at its start,
  * so a primary has it before any base backup is taken, and pg_basebackup
  * copies it to standbys), written to a temporary file, synced and renamed
@@ -77,6 +78,26 @@
  * Until the takeover succeeded, idem_cache_keyspace() refuses to name a
  * keyspace, so no runner reads Valkey for a history not yet confirmed.
  *
+ * Retiring.  Runners that learnt an epoch before it was replaced may still
+ * hold it (behind a pooler that keeps their connection), so they check, in
+ * the round trip of every lookup, that the epoch owner key still holds the
+ * token idem_cache_secrets() told them.  When a new epoch replaces one that
+ * was taken over because this server's history may have diverged (a start
+ * that ran recovery, a new timeline, ledger rows removed), the file records
+ * the old epoch ("retire"), and the worker overwrites its owner key with a
+ * retired marker (cache_format.h) before it takes the new epoch over: every
+ * runner still on the old epoch stops trusting it at its next lookup.  The
+ * marker is written whatever the key held: a restored backup or a promoted
+ * standby holds the token of the start it was copied from, which may have
+ * restarted since.  An epoch replaced because another start took it over,
+ * or was never taken over, is not retired (it is not ours, or was never
+ * used); an unused epoch passes its retire line on to the next one.
+ * A worker whose owner key holds something else than its token (checked
+ * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
+ * retired it or took it over) makes a new epoch: of two servers from one
+ * backup, neither answers for the other's history, and each gets a cold
+ * cache at worst.  A key Valkey lost is set again (worker.c).
+ *
  * The secret is never shared by two servers: it is made at random here,
  * kept in this file and in shared memory only (never in a table, so
  * pg_dump does not copy it), and a copy of the file that base backups take
@@ -116,8 +137,9 @@
 #include "utils/builtins.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
-/* The longest file: the timeline, epoch and token lines, two secrets. */
-#define SECRET_FILE_MAX	(21 + 2 * (6 + 16 + 1) + 2 * (11 + 2 * IDEM_MAC_LEN + 1))
+/* The longest file: the timeline, epoch, token and retire lines, two secrets. */
+#define SECRET_FILE_MAX	(21 + 2 * (6 + 16 + 1) + (7 + 10 + 1 + 16 + 1) + \
+						 2 * (11 + 2 * IDEM_MAC_LEN + 1))
 
 typedef struct IdemSecretShared
 {
@@ -208,6 +230,8 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	TimeLineID	timeline = 0;
 	uint64		epoch = 0;
 	uint64		token = 0;
+	TimeLineID	retire_tli = 0;
+	uint64		retire_epoch = 0;
 
 	if (strncmp(p, "timeline ", 9) == 0)
 	{
@@ -242,6 +266,23 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 			return false;
 		}
 		p += 6 + 16 + 1;
+	}
+	if (strncmp(p, "retire ", 7) == 0)
+	{
+		char	   *end;
+		unsigned long tli;
+
+		errno = 0;
+		tli = strtoul(p + 7, &end, 10);
+		if (errno != 0 || end == p + 7 || p[7] < '1' || p[7] > '9' ||
+			tli > PG_UINT32_MAX || *end != ' ' ||
+			!secret_parse_hex64(end + 1, &retire_epoch) || retire_epoch == 0)
+		{
+			*why = "the retire line is not a timeline and 16 lower-case hex digits";
+			return false;
+		}
+		retire_tli = (TimeLineID) tli;
+		p = end + 1 + 16 + 1;
 	}
 	while (*p != '\0')
 	{
@@ -280,6 +321,8 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	out->timeline = timeline;
 	out->epoch = epoch;
 	out->token = token;
+	out->retire_timeline = retire_tli;
+	out->retire_epoch = retire_epoch;
 	out->current_id = ids[nlines - 1];
 	memcpy(out->current, keys[nlines - 1], IDEM_MAC_LEN);
 	if (nlines == 2)
@@ -346,6 +389,10 @@ secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
 	if (s->token != 0)
 		len += snprintf(text + len, sizeof(text) - len, "token %016llx\n",
 						(unsigned long long) s->token);
+	if (s->retire_epoch != 0)
+		len += snprintf(text + len, sizeof(text) - len, "retire %u %016llx\n",
+						s->retire_timeline,
+						(unsigned long long) s->retire_epoch);
 	if (s->previous_id > 0)
 	{
 		idem_cache_hex(hex, s->previous, IDEM_MAC_LEN);
@@ -474,6 +521,23 @@ secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
 	next.timeline = secret_timeline();
 	next.epoch = secret_random64();
 	next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
+
+	/*
+	 * Retire the epoch being replaced if runners may use it (it was taken
+	 * over, on a known timeline) and it is ours to retire (see the file
+	 * header); an epoch never used passes on what it was to retire.
+	 */
+	if (s->token != 0 && s->epoch != 0 && s->timeline != 0 &&
+		renew != IDEM_EPOCH_TAKEN_ELSEWHERE)
+	{
+		next.retire_timeline = s->timeline;
+		next.retire_epoch = s->epoch;
+	}
+	else
+	{
+		next.retire_timeline = s->retire_timeline;
+		next.retire_epoch = s->retire_epoch;
+	}
 	secret_generate(next.current);
 	secret_install(&next);
 	ereport(LOG,
@@ -651,7 +715,36 @@ idem_cache_epoch_takeover(IdemEpochTakeover *t)
 	t->timeline = s.timeline;
 	t->expect_token = s.token;
 	t->new_token = secret_random64();
+	t->retire_timeline = s.retire_timeline;
+	t->retire_epoch = s.retire_epoch;
 	return true;
+}
+
+/*
+ * The epoch runners use now, and the token this server holds its owner key
+ * with: true, with *t filled (new_token is the token; no retire), once the
+ * worker took it over; false otherwise.  The worker checks its owner key
+ * with it; idem_cache_secrets() tells runners.
+ */
+bool
+idem_cache_epoch_owned(IdemEpochTakeover *t)
+{
+	bool		ok;
+
+	memset(t, 0, sizeof(*t));
+	if (secret_shared == NULL)
+		return false;
+	LWLockAcquire(secret_lock, LW_SHARED);
+	ok = secret_shared->loaded && secret_shared->confirmed &&
+		secret_shared->renew == 0 && secret_shared->secrets.token != 0;
+	if (ok)
+	{
+		t->epoch = secret_shared->secrets.epoch;
+		t->timeline = secret_shared->secrets.timeline;
+		t->new_token = secret_shared->secrets.token;
+	}
+	LWLockRelease(secret_lock);
+	return ok;
 }
 
 /*
@@ -742,22 +835,51 @@ PG_FUNCTION_INFO_V1(idem_cache_secrets);
 
 /*
  * idem_cache_secrets() RETURNS TABLE(key_id integer, secret bytea,
- * is_current boolean): the current secret, then the previous one if any.
+ * is_current boolean, owner_key text, owner_token text): the current
+ * secret, then the previous one if any; on each row the epoch owner key and
+ * the token it holds while this server owns the epoch (see the file
+ * header), both NULL when the worker has not taken the epoch over (the
+ * runner then does not use the cache).
  */
 Datum
 idem_cache_secrets(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	IdemCacheSecrets s;
-	Datum		values[3];
-	bool		nulls[3] = {false, false, false};
+	IdemEpochTakeover owned;
+	char		owner_key[IDEM_CACHE_EPOCH_KEY_MAX];
+	char		owner_token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+	bool		has_owner;
+	Datum		values[5];
+	bool		nulls[5] = {false, false, false, false, false};
 	bytea	   *b;
 	int			i;
 
 	InitMaterializedSRF(fcinfo, 0);
-	/* On a node of a Citus cluster, the cluster's (cache_cluster.c) */
-	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) != 1)
+	/*
+	 * On a node of a Citus cluster, the cluster's secrets (cache_cluster.c).
+	 * The cluster keyspace has no epoch owner key yet: no owner, so runners
+	 * do not use the cache there (they cannot check that its history is
+	 * still this cluster's).
+	 */
+	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) == 1)
+		has_owner = false;
+	else
+	{
 		idem_cache_secrets_get(&s);
+		/* the owner of the epoch these secrets belong to, if it is this one */
+		has_owner = idem_cache_epoch_owned(&owned) && owned.epoch == s.epoch &&
+			idem_cache_epoch_key_of(owner_key, sizeof(owner_key), owned.timeline,
+									owned.epoch) >= 0;
+	}
+	if (has_owner)
+	{
+		snprintf(owner_token, sizeof(owner_token), "%016llx",
+				 (unsigned long long) owned.new_token);
+		values[3] = CStringGetTextDatum(owner_key);
+		values[4] = CStringGetTextDatum(owner_token);
+	}
+	nulls[3] = nulls[4] = !has_owner;
 	for (i = 0; i < 2; i++)
 	{
 		int32		id = i == 0 ? s.current_id : s.previous_id;
@@ -815,6 +937,8 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 	next.timeline = secret_shared->secrets.timeline;
 	next.epoch = secret_shared->secrets.epoch;
 	next.token = secret_shared->secrets.token;
+	next.retire_timeline = secret_shared->secrets.retire_timeline;
+	next.retire_epoch = secret_shared->secrets.retire_epoch;
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;

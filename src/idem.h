@@ -114,6 +114,8 @@ typedef struct IdemCacheSecrets
 								 * none yet */
 	uint64		token;			/* the token of the last start that took
 								 * the epoch over in Valkey; 0: none */
+	TimeLineID	retire_timeline;	/* the epoch this one replaced, whose */
+	uint64		retire_epoch;	/* owner key the worker retires; 0: none */
 } IdemCacheSecrets;
 
 /*
@@ -127,6 +129,8 @@ typedef struct IdemEpochTakeover
 	TimeLineID	timeline;
 	uint64		expect_token;
 	uint64		new_token;
+	TimeLineID	retire_timeline;	/* retire this epoch's owner key first */
+	uint64		retire_epoch;	/* (0: none) */
 } IdemEpochTakeover;
 
 /* Why an epoch is replaced while the server runs (idem_cache_epoch_renew). */
@@ -152,6 +156,7 @@ extern bool idem_cache_epoch_confirmed(uint64 *epoch);
 extern bool idem_cache_epoch_takeover(IdemEpochTakeover *t);
 extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
 extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
+extern bool idem_cache_epoch_owned(IdemEpochTakeover *t);
 
 /* cache_keyspace.c */
 /* cache_cluster.c */

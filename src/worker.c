@@ -115,6 +115,13 @@
  * epoch over: a server stopped for longer starts with a cold cache.
  */
 #define IDEM_EPOCH_OWNER_TTL_MS		(INT64CONST(30) * 24 * 3600 * 1000)
+/*
+ * How often the worker checks that its epoch owner key still holds its
+ * token (and pushes its expiry back): a copy of this server may have
+ * retired it, or Valkey lost it (cache_secret.c).  Runners check it at
+ * every lookup, so this only bounds how long the cache stays unused.
+ */
+#define IDEM_OWNER_CHECK_MS			1000
 #define IDEM_DURABLE_POLL_MS		1
 #define IDEM_DURABLE_SLOW_POLL_MS	20
 #define IDEM_DURABLE_POLL_DIVISOR	4
@@ -554,12 +561,71 @@ vk_command(const char *key, size_t keylen, int argc, const char **argv,
 	return r;
 }
 
+/* When the owner key was last checked (worker_check_owner). */
+static TimestampTz owner_checked_at = 0;
+
+/* The token an epoch's owner key holds (16 lower-case hex digits). */
+#define OWNER_TOKEN_TEXT(buf, token) \
+	snprintf((buf), sizeof(buf), "%016llx", (unsigned long long) (token))
+
+/* Does a reply hold exactly that token's text? */
+static bool
+owner_reply_is(const redisReply *reply, const char *token)
+{
+	return reply->type == REDIS_REPLY_STRING &&
+		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
+		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+}
+
+/*
+ * One command on the owner key of epoch (timeline, epoch): argv[1] is set
+ * to that key here, the other arguments are the caller's.  An error reply
+ * is VK_FAILED, with errbuf saying it; on VK_OK *reply (if reply is not
+ * NULL) is the caller's to free.
+ */
+static VkResult
+vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
+				 const char **argv, redisReply **reply)
+{
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+	size_t		argvlen[6];
+	int			keylen;
+	redisReply *rep = NULL;
+	VkResult	r;
+
+	Assert(argc <= lengthof(argvlen));
+	keylen = idem_cache_epoch_key_of(key, sizeof(key), timeline, epoch);
+	if (keylen < 0)
+	{
+		snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
+		return VK_FAILED;
+	}
+	argv[1] = key;
+	for (int i = 0; i < argc; i++)
+		argvlen[i] = strlen(argv[i]);
+	r = vk_command(key, keylen, argc, argv, argvlen, &rep);
+	if (r == VK_OK && rep->type == REDIS_REPLY_ERROR)
+	{
+		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
+				 (int) rep->len, rep->str);
+		r = VK_FAILED;
+	}
+	if (r == VK_OK && reply != NULL)
+		*reply = rep;
+	else if (rep != NULL)
+		freeReplyObject(rep);
+	return r;
+}
+
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet: SET <epoch owner key> <new token> GET, and keep the epoch only if the
- * value replaced is the token this data directory recorded (none, for a new
- * epoch); otherwise make a new epoch and take that one over.  Until this
- * succeeds nothing is copied and runners get no keyspace.
+ * yet: retire the epoch it replaced, if any (its owner key gets a retired
+ * marker naming this epoch, whatever it held: the runners still on it stop
+ * trusting it at their next lookup); then SET <epoch owner key> <new
+ * token> GET, and keep the epoch only if the value replaced is the token
+ * this data directory recorded (none, for a new epoch); otherwise make a
+ * new epoch and take that one over.  Until this succeeds nothing is copied
+ * and runners get no keyspace.
  */
 static VkResult
 worker_take_epoch(void)
@@ -569,55 +635,47 @@ worker_take_epoch(void)
 
 	for (tries = 0; tries < 3 && idem_cache_epoch_takeover(&t); tries++)
 	{
-		char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 		char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 		char		expect[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+		char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
 		char		ttl[32];
 		const char *argv[6];
-		size_t		argvlen[6];
-		int			keylen;
 		redisReply *reply = NULL;
 		VkResult	r;
 		bool		won;
 
-		keylen = idem_cache_epoch_key_of(key, sizeof(key), t.timeline, t.epoch);
-		if (keylen < 0)
-		{
-			snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
-			return VK_FAILED;
-		}
-		snprintf(token, sizeof(token), "%016llx", (unsigned long long) t.new_token);
-		snprintf(expect, sizeof(expect), "%016llx", (unsigned long long) t.expect_token);
+		OWNER_TOKEN_TEXT(token, t.new_token);
+		OWNER_TOKEN_TEXT(expect, t.expect_token);
 		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+		if (t.retire_epoch != 0)
+		{
+			snprintf(retired, sizeof(retired), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
+					 t.timeline, (unsigned long long) t.epoch);
+			argv[0] = "SET";
+			argv[2] = retired;
+			argv[3] = "PX";
+			argv[4] = ttl;
+			r = vk_owner_command(t.retire_timeline, t.retire_epoch, 5, argv, NULL);
+			if (r != VK_OK)
+				return r;
+		}
 		argv[0] = "SET";
-		argv[1] = key;
 		argv[2] = token;
 		argv[3] = "PX";
 		argv[4] = ttl;
 		argv[5] = "GET";
-		for (int i = 0; i < 6; i++)
-			argvlen[i] = strlen(argv[i]);
-		argvlen[1] = keylen;
-		r = vk_command(key, keylen, 6, argv, argvlen, &reply);
+		r = vk_owner_command(t.timeline, t.epoch, 6, argv, &reply);
 		if (r != VK_OK)
 			return r;
-		if (reply->type == REDIS_REPLY_ERROR)
-		{
-			snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
-					 (int) reply->len, reply->str);
-			freeReplyObject(reply);
-			return VK_FAILED;
-		}
 		if (t.expect_token == 0)
 			won = reply->type == REDIS_REPLY_NIL;
 		else
-			won = reply->type == REDIS_REPLY_STRING &&
-				reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
-				memcmp(reply->str, expect, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
+			won = owner_reply_is(reply, expect);
 		freeReplyObject(reply);
 		if (won)
 		{
 			idem_cache_epoch_taken(&t);
+			owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
 					(errmsg("idem: took cache epoch %016llx over in Valkey",
 							(unsigned long long) t.epoch)));
@@ -626,6 +684,68 @@ worker_take_epoch(void)
 			idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
 	}
 	return VK_OK;
+}
+
+/*
+ * Every IDEM_OWNER_CHECK_MS, after each connect and before the first copy
+ * after an idle wait (so that the copies runners read next are vouched
+ * for): does the owner key of
+ * the epoch this server owns still hold its token?  If so its expiry is
+ * pushed back.  If Valkey lost it (a restart without persistence, a flush,
+ * an eviction), it is set again (SET NX): everything left under this
+ * epoch's keyspace was written by this server, and runners trust nothing
+ * there meanwhile.  If it holds anything else (another server started
+ * from a copy of this one retired it or took it over), a new epoch is due,
+ * which the main loop takes over next.
+ */
+static VkResult
+worker_check_owner(void)
+{
+	IdemEpochTakeover t;
+	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+	char		ttl[32];
+	const char *argv[6];
+	redisReply *reply = NULL;
+	VkResult	r;
+	bool		ours;
+	bool		lost;
+
+	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
+									IDEM_OWNER_CHECK_MS) ||
+		!idem_cache_epoch_owned(&t))
+		return VK_OK;
+	OWNER_TOKEN_TEXT(token, t.new_token);
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "GET";
+	r = vk_owner_command(t.timeline, t.epoch, 2, argv, &reply);
+	if (r != VK_OK)
+		return r;
+	ours = owner_reply_is(reply, token);
+	lost = reply->type == REDIS_REPLY_NIL;
+	freeReplyObject(reply);
+	owner_checked_at = GetCurrentTimestamp();
+	if (lost)
+	{
+		/* a racing writer wins: the next check sees it */
+		argv[0] = "SET";
+		argv[2] = token;
+		argv[3] = "NX";
+		argv[4] = "PX";
+		argv[5] = ttl;
+		return vk_owner_command(t.timeline, t.epoch, 6, argv, NULL);
+	}
+	if (!ours)
+	{
+		ereport(LOG,
+				(errmsg("idem: cache epoch %016llx is no longer this server's in Valkey",
+						(unsigned long long) t.epoch),
+				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
+		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
+		return VK_OK;
+	}
+	argv[0] = "PEXPIRE";
+	argv[2] = ttl;
+	return vk_owner_command(t.timeline, t.epoch, 3, argv, NULL);
 }
 
 /*
@@ -1453,6 +1573,7 @@ idem_worker_main(Datum main_arg)
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
+			owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
 			if (idem_wc_active())
 				ereport(LOG,
 						(errmsg("idem: connected to Valkey Cluster at %s:%d (%s)",
@@ -1462,7 +1583,9 @@ idem_worker_main(Datum main_arg)
 						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = worker_take_epoch();
+		r = worker_check_owner();
+		if (r == VK_OK)
+			r = worker_take_epoch();
 		if (r == VK_OK)
 			r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
 				vk_drain(&copied, &rejected);
@@ -1510,6 +1633,8 @@ idem_worker_main(Datum main_arg)
 			{
 				worker_nap(IDEM_IDLE_WAIT_MS);
 				idem_outbox_worker_awake();
+				/* Valkey may have lost it while we slept (a flush) */
+				owner_checked_at = 0;
 			}
 			if (coming)
 			{

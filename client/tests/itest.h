@@ -72,6 +72,9 @@ void		await_worker_settled(int ms);
 void		await_worker_copy(const char *key, const char *not_this, int ms);
 int64_t		wall_ms(void);
 void		sleep_ms(int ms);
+/* Until the epoch owner key holds a token again (the worker sets it after
+ * Valkey lost it), at most 10 s. */
+void		wait_owner_key(void);
 int64_t		now_ms(void);
 
 /* Loopback TCP for the tests' proxies: a listener on a free port, a

@@ -30,8 +30,11 @@
  * recovery, a copy of the data directory, rows removed outside idem_purge;
  * cache_secret.c), so a restored or cloned server never reads what another
  * history wrote.  The epoch owner key holds the token of the last start
- * that took the epoch over.  The server tells the client its keyspace (SQL
- * idem_cache_keyspace()).
+ * that took the epoch over, or, once a newer epoch replaced it, a retired
+ * marker.  The server tells the client its keyspace (SQL
+ * idem_cache_keyspace()), and the owner key and token (idem_cache_secrets()):
+ * a client trusts a value only if the owner key, read in the same round
+ * trip, still holds that token.
  *
  * Values are one line of ASCII, then the outcome for terminal results:
  *
@@ -79,6 +82,12 @@
 #define IDEM_CACHE_EPOCH_KEY_MAX	(IDEM_CACHE_PREFIX_MAX + 20 + 1 + 10 + 1 + 16 + 6 + 1)
 /* An epoch owner's token: 16 lower-case hex digits. */
 #define IDEM_CACHE_EPOCH_TOKEN_LEN	16
+/*
+ * What a retired epoch's owner key holds instead of a token: this, then the
+ * timeline and epoch that replaced it ("<tli>.<epoch: 16 hex>").  Never a
+ * token, so no reader's check matches it.
+ */
+#define IDEM_CACHE_EPOCH_RETIRED	"retired "
 /* Longest key: keyspace + "t:" + 20-digit int64 + ":" + 64 hex, and a NUL. */
 #define IDEM_CACHE_KEY_MAX	(IDEM_CACHE_KEYSPACE_MAX + 2 + 20 + 1 + 64 + 1)
 /* Where <rest> starts in a value: after "idem2 " + 64 hex + " ". */

@@ -67,6 +67,17 @@
  *            The start ran recovery (or Valkey shows that another start
  *            took the epoch over), so a new history epoch, hence a new,
  *            empty namespace (src/cache_secret.c)
+ *            The new server retires the old epoch's owner key, and every
+ *            gate reads that key in its round trip: a runner still on the
+ *            old keyspace trusts nothing there once it is retired
+ *            (client/trust.c).  The retire is modelled in the step that
+ *            starts the server: until its worker has retired the old
+ *            epoch, no runner can learn the new keyspace (55000), so a
+ *            replay from the old epoch in that window is one the old
+ *            history vouched for, as if made just before the restore
+ *   NO_OWNER_CHECK  broken: the gate does not read the owner key (idem
+ *            0.3 before it): a runner on the old keyspace replays from it
+ *            until it learns again
  *   NO_EPOCH    broken: the namespace has no history epoch (idem 0.3: a
  *            rewound server keeps its keyspace and its secret)
  *   RELEARN_AT_GATE  control: every gate uses the current keyspace (the
@@ -175,6 +186,8 @@ byte vk_kind = V_NONE;
 byte vk_val = 0;        /* marker: runner id (token); terminal: outcome */
 byte ovk_kind = V_NONE;
 byte ovk_val = 0;
+bool ovk_retired = false;   /* the old namespace's epoch owner key is
+                             * retired (a new epoch replaced it) */
 bool ns_old[NRUN + 1];
 bool vk_up = true;      /* reachable */
 
@@ -228,11 +241,22 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
 #else
 #define STALE_NS(me) ns_old[me]
 #endif
+#ifdef NO_OWNER_CHECK
+#define OWNER_RETIRED false     /* broken: the owner key is not read */
+#else
+#define OWNER_RETIRED ovk_retired
+#endif
 #ifndef STEP_GATE
 inline gate_step(me)
 {
 	if
-	:: atomic { vk_up && STALE_NS(me) ->
+	:: atomic { vk_up && STALE_NS(me) && OWNER_RETIRED ->
+		/* the owner key, read in the same round trip, is retired: nothing
+		 * read is trusted; PostgreSQL decides (a lookup first), and the
+		 * runner learns again there.  A marker it set there guards
+		 * nothing. */
+		res = R_GO; silent = true }
+	:: atomic { vk_up && STALE_NS(me) && !OWNER_RETIRED ->
 		/* a keyspace learnt before a promotion: the old namespace */
 		if
 		:: ovk_kind == V_NONE -> res = R_GO    /* its marker there guards nothing */

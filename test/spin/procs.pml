@@ -175,8 +175,10 @@ end:	do
 		commit_seq = b_seq; flushed_seq = b_seq; standby_seq = b_seq;
 #ifndef NO_EPOCH
 		/* a new epoch: runners that learnt the old keyspace read it until
-		 * they learn again (at their next PostgreSQL round trip) */
+		 * they learn again (at their next PostgreSQL round trip), and the
+		 * old epoch's owner key is retired (see REWIND in common.pml) */
 		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_retired = true;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
 		ns_old[3] = true;
@@ -191,7 +193,10 @@ end:	do
 		d_row_holder = s_row_holder; d_effects = s_effects;
 		commit_seq = standby_seq; flushed_seq = standby_seq; tl = 1;
 #ifndef NS_WITHOUT_TIMELINE
+		/* a new timeline, a new epoch: the promoted standby retires the
+		 * epoch its copy of the secret file names (the old primary's) */
 		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_retired = true;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
 		ns_old[3] = true;

@@ -52,8 +52,8 @@ isnt(IdemValkey::keyspace($new), IdemValkey::keyspace_of_key($old_key),
 is(secrets($new), '2*',
 	'it made itself a new secret for it: key id 2 alone, not the key id 1 it was made with');
 isnt(secret_hex($new, 2), $leaked, '... a secret of its own');
-like(slurp_file($new->data_dir . '/idem_cache_secret'), qr/^timeline 2\nepoch [0-9a-f]{16}\ntoken [0-9a-f]{16}\n2 [0-9a-f]{64}\n\z/,
-	'its secret file names timeline 2');
+like(slurp_file($new->data_dir . '/idem_cache_secret'), qr/^timeline 2\nepoch [0-9a-f]{16}\ntoken [0-9a-f]{16}\nretire 1 [0-9a-f]{16}\n2 [0-9a-f]{64}\n\z/,
+	'its secret file names timeline 2, and the old primary\'s epoch it retired');
 
 ($status, $source, $outcome) =
   IdemValkey::run_message($new, 'postgres', $valkey, 1, 'fo', 'm1', '{"x": 1}');

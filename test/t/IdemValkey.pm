@@ -501,12 +501,14 @@ sub run_message
 # A runner that stays connected (idem_run_once with id "-"): ->run($id)
 # runs message $id of ($tenant, $scope, $request) and returns "status
 # source"; ->rejected is its cache_rejected counter; ->finish ends it.
+# $node may also be a connection string (a pooler's).
 sub runner_session
 {
 	my ($node, $db, $valkey, $tenant, $scope, $request) = @_;
 	my $self = { in => '', out => '' };
 	$self->{h} = IPC::Run::start(
-		[ run_once_binary(), $node->connstr($db), $valkey->port, $tenant,
+		[ run_once_binary(), ref $node ? $node->connstr($db) : $node,
+		  $valkey->port, $tenant,
 		  $scope, '-', $request ],
 		'<', \$self->{in}, '>', \$self->{out}, '2>', \$self->{err},
 		IPC::Run::timeout(250));

@@ -26,7 +26,7 @@ def from_cache(runner, st, runs):
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
     alone.  Returns how many were decided."""
-    if not runs or not runner._valkey_ok() or st.keyspace is None:
+    if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
         return 0
     ckeys = [cache.cache_key(st.keyspace, run.tenant_id, run.key) for run in runs]
     try:
@@ -34,11 +34,22 @@ def from_cache(runner, st, runs):
         pipe = runner.valkey.pipeline(transaction=False)
         for k in ckeys:
             pipe.get(k)
+        pipe.get(st.owner_key)      # the epoch's owner, in the same round trip
         values = pipe.execute(raise_on_error=False)
     except ValkeyClusterNotSupported:
         raise
     except Exception as e:
         runner._valkey_failed(e)
+        return 0
+    owner = values.pop()
+    if owner != st.owner_token:
+        # as at the gate: nothing read here is trusted, PostgreSQL decides,
+        # and the runner learns again (no cache until then if the key held
+        # another value: a newer epoch retired it)
+        st.refresh_wanted = True
+        if isinstance(owner, bytes):
+            st.owner_suspect = True
+        runner.stats["owner_mismatches"] += 1
         return 0
     now = _wall_ms()
     decided = 0

@@ -44,6 +44,18 @@ def cache_key(keyspace, tenant_id, key):
     return ("%st:%d:%s" % (keyspace, int(tenant_id), key.hex())).encode("ascii")
 
 
+def owner_ok(keyspace, owner_key, owner_token):
+    """Are the epoch owner key and token idem_cache_secrets() gave usable
+    with keyspace: both present, the token 16 lower-case hex digits, and
+    the key that of the keyspace's epoch (the keyspace minus
+    ".<database oid>:" is the key minus ":owner")?"""
+    if owner_key is None or owner_token is None or not owner_key.endswith(":owner"):
+        return False
+    base = owner_key[:-len(":owner")]
+    return (len(base) > 0 and keyspace.startswith(base + ".") and
+            len(owner_token) == 16 and set(owner_token) <= set("0123456789abcdef"))
+
+
 def compute_mac(secret, full_key, value):
     """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
     return hmac.new(secret, full_key + b"\x00" + value[REST_OFFSET:],

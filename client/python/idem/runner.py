@@ -28,6 +28,9 @@ FAILED_RETRYABLE = "failed_retryable"
 SOURCE_HANDLER = "handler"
 SOURCE_VALKEY = "valkey"
 SOURCE_POSTGRES = "postgres"
+# How long another run's marker answers its duplicates "busy" from Valkey
+# alone; after that the claim decides (a dead runner's marker).
+MARKER_CHEAP_MS = 1000
 
 # KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
 # The same text as client/gate.c, so the same SHA-1 for EVALSHA.
@@ -125,6 +128,14 @@ class _ConnState:
         self.current = None
         self.learnt = None          # monotonic time of the last learning
         self.refresh_wanted = False
+        # the history epoch's owner key and the token it holds while the
+        # server owns the epoch: read with every lookup, a value counts only
+        # if it still holds the token
+        self.owner_key = None
+        self.owner_token = None
+        self.owner_suspect = False  # it did not: no cache until learnt
+        self.owner_relearnt = False  # learnt at once after a mismatch, and
+        # no check passed since: the next learning waits the second
 
 
 class Run:
@@ -211,7 +222,8 @@ class Runner:
         self._cluster_checked = False
         self._cad = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
-                      "replayed_from_valkey": 0, "gate_skipped_first": 0}
+                      "replayed_from_valkey": 0, "gate_skipped_first": 0,
+                      "owner_mismatches": 0}
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         if valkey is None:
@@ -294,7 +306,8 @@ class Runner:
     def _state(self, conn):
         """The session's state, learning the schema and (with Valkey) the
         keyspace and secrets when the session is new, a second after an
-        unknown key id or a 55000, and at least every secrets_max_age_ms."""
+        unknown key id, a 55000 or an owner key that did not hold the
+        server's token, and at least every secrets_max_age_ms."""
         pid = conn.info.backend_pid
         with self._lock:
             st = self._conns.get(conn)
@@ -318,7 +331,8 @@ class Runner:
             return st
         now = time.monotonic()
         age = None if st.learnt is None else (now - st.learnt) * 1000
-        if age is None or (st.refresh_wanted and age >= 1000) or \
+        if age is None or (st.refresh_wanted and (age >= 1000 or (
+                st.owner_suspect and not st.owner_relearnt))) or \
                 (st.keyspace is not None and self.secrets_max_age_ms and
                  age >= self.secrets_max_age_ms):
             self._learn(conn, st)
@@ -327,10 +341,12 @@ class Runner:
     def _learn(self, conn, st):
         st.learnt = time.monotonic()
         st.refresh_wanted = False
+        st.owner_relearnt = st.owner_suspect
+        st.owner_suspect = False
         try:
             ks = conn.execute("SELECT %s.idem_cache_keyspace()" % st.schema).fetchone()[0]
-            rows = conn.execute("SELECT s.key_id, s.secret, s.is_current FROM %s.idem_cache_secrets() AS s"
-                                % st.schema).fetchall()
+            rows = conn.execute("SELECT s.key_id, s.secret, s.is_current, s.owner_key, s.owner_token "
+                                "FROM %s.idem_cache_secrets() AS s" % st.schema).fetchall()
             self._end_tx(conn)
         except psycopg.errors.Error as e:
             if conn.broken or conn.closed:
@@ -345,18 +361,24 @@ class Runner:
                 self.notice("no Valkey cache on this connection (%s %s): PostgreSQL decides"
                             % (sqlstate, str(e).strip()))
             return
-        secrets, current = {}, None
-        for key_id, secret, is_current in rows:
+        secrets, current, owner = {}, None, None
+        for key_id, secret, is_current, owner_key, owner_token in rows:
             if key_id is None or secret is None or not (0 < key_id <= cache.KEY_ID_MAX) \
                     or len(secret) != cache.MAC_LEN:
                 continue
             secrets[key_id] = bytes(secret)
             if is_current:
-                current = key_id
+                current, owner = key_id, (owner_key, owner_token)
         if ks is None or current is None:
             st.keyspace, st.secrets, st.current = None, {}, None
             return
+        if not cache.owner_ok(ks, *owner):
+            # not taken over yet, or the keyspace is of another epoch: soon
+            st.keyspace, st.secrets, st.current = None, {}, None
+            st.refresh_wanted = True
+            return
         st.keyspace, st.secrets, st.current = ks, secrets, current
+        st.owner_key, st.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
 
     # ---- the run ----
     def run(self, conn, tenant_id, scope, run_id, request, *, delivery_count=0,
@@ -647,16 +669,23 @@ class _RunContext:
         r, run = self.r, self.run
         if not r._valkey_ok():
             return False, r.valkey is not None, False, False
-        if self.st.keyspace is None:
+        if self.st.keyspace is None or self.st.owner_suspect:
             return False, False, False, False
         self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
         self.marker = cache.encode_marker(self.st.secrets[self.st.current], self.st.current,
                                           self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
         try:
             r._check_cluster()
-            # get=True: redis-py then returns the reply as it is, not as a bool
-            value = r.valkey.execute_command("SET", self.ckey, self.marker, "NX", "PX",
-                                             str(r.lease_ms), "GET", get=True)
+            # one round trip: the gate, and the epoch's owner key (on a
+            # cluster each node's share is sent before any reply is read);
+            # get=True: redis-py then returns SET's reply as it is
+            pipe = r.valkey.pipeline(transaction=False)
+            pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX",
+                                 str(r.lease_ms), "GET", get=True)
+            pipe.execute_command("GET", self.st.owner_key)
+            value, owner = pipe.execute(raise_on_error=False)
+            if isinstance(value, Exception):
+                raise value
         except ValkeyClusterNotSupported:
             raise
         except Exception as e:
@@ -665,9 +694,25 @@ class _RunContext:
             r._valkey_failed(e)
             return False, True, False, False
         run.valkey_used = True
+        checked = owner == self.st.owner_token
+        if checked:
+            self.st.owner_relearnt = False
+        else:
+            # the owner key did not hold the server's token: nothing read
+            # here is trusted, PostgreSQL decides (lookup first), and the
+            # runner learns again; if it held another value (a newer epoch
+            # retired it, or another server took it over) no cache until
+            # then; if nothing (Valkey lost it, the server's worker sets it
+            # again; or its node did not answer) later lookups check it
+            self.st.refresh_wanted = True
+            if isinstance(owner, bytes):
+                self.st.owner_suspect = True
+            r.stats["owner_mismatches"] += 1
         if value is None or value == self.marker:
             self.own_marker = True      # absent: our marker is set
             return False, False, False, False
+        if not checked:
+            return False, True, False, False
         e = cache.parse(value)
         if e is None:
             r.stats["cache_rejected"] += 1
@@ -686,6 +731,13 @@ class _RunContext:
             if e.expires_ms <= now or e.expires_ms > now + r.lease_ms + 1000:
                 if e.expires_ms > now:
                     r.stats["cache_rejected"] += 1
+                return False, False, False, False
+            # busy from Valkey alone for the marker's first second only
+            # (its age: our lease minus what is left of it); after that the
+            # claim decides, so a runner killed mid-handler (PostgreSQL
+            # rolled its claim back) does not keep the key busy for the
+            # rest of its lease.  The C runner's IDEM_MARKER_CHEAP_MS.
+            if r.lease_ms - (e.expires_ms - now) >= MARKER_CHEAP_MS:
                 return False, False, False, False
             self._decide(BUSY, SOURCE_VALKEY)
             run.retry_after_ms = max(1, e.expires_ms - now)
