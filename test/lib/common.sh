@@ -17,6 +17,7 @@
 #   idem_serialize LOCK   one run at a time per checkout
 #   idem_private_dir ROOT  the checkout's folder for what the test user must
 #                         read or run, outside the checkout
+#   idem_private_remove ROOT  remove that folder (make clean-test)
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
 #   idem_pg_private_for ROOT   that copy, in the checkout's private folder
 #   idem_pg_install_ledgers DIR PORT   idem, tenant 1 and the ledgers
@@ -285,6 +286,29 @@ idem_private_dir() {
 		return 1
 	fi
 	chmod 755 "$dir" && echo "$dir"
+}
+
+# idem_private_remove ROOT: remove the checkout's private folder
+# (idem_private_dir) and the throwaway trees left by runs that were killed,
+# unless a run in that checkout holds its lock (idem_serialize).
+# make clean-test.
+idem_private_remove() {
+	local root=$1 base=${IDEM_PRIVATE_BASE:-/var/tmp} dir
+	dir=$base/idem-$(id -u)-$(printf '%s' "$root" | sha256sum | cut -c1-12)
+	if command -v flock >/dev/null 2>&1 && [ -e "$root/tmp_pgroot.lock" ] &&
+		! flock -n "$root/tmp_pgroot.lock" true; then
+		echo "idem: a run in this checkout is using $dir; try again when it ends" >&2
+		return 1
+	fi
+	if [ -L "$dir" ] || { [ -e "$dir" ] && [ ! -O "$dir" ]; }; then
+		echo "idem: $dir is not a folder of $(id -un)'s; not removed" >&2
+		return 1
+	fi
+	if [ -d "$dir" ]; then
+		rm -rf "$dir" && echo "idem: removed $dir ($(basename "$root")'s private PostgreSQL copies)"
+	else
+		echo "idem: nothing to remove ($dir does not exist)"
+	fi
 }
 
 # idem_pg_private_for ROOT: idem_pg_private in the checkout's private
