@@ -176,7 +176,7 @@ end:	do
 #ifndef NO_EPOCH
 		/* a new epoch: runners that learnt the old keyspace read it until
 		 * they learn again (at their next PostgreSQL round trip) */
-		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
 		ns_old[3] = true;
@@ -191,7 +191,7 @@ end:	do
 		d_row_holder = s_row_holder; d_effects = s_effects;
 		commit_seq = standby_seq; flushed_seq = standby_seq; tl = 1;
 #ifndef NS_WITHOUT_TIMELINE
-		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
 		ns_old[3] = true;
@@ -203,14 +203,21 @@ end:	do
 }
 #endif
 
-/* Marker PX expiry: time passes, the lease-long marker expires (no fault:
- * this is the normal end of a dead runner's marker). */
+/* Time passes for markers: a marker's first second ends (it is then
+ * "old": the gate lets its duplicates through to the claim), and its PX
+ * (the lease) runs out (no fault: this is the normal end of a dead runner's
+ * marker).  -DNO_MARKER_PX: the lease outlasts every redelivery (RabbitMQ
+ * redelivers at once, far more often than a 30 s lease runs out). */
 #ifndef NO_VALKEY_FAULTS
 active proctype marker_px()
 {
 end:	do
+	:: atomic { vk_kind == V_MARK && vk_young -> vk_young = false }
+	:: atomic { ovk_kind == V_MARK && ovk_young -> ovk_young = false }
+#ifndef NO_MARKER_PX
 	:: atomic { vk_kind == V_MARK -> vk_kind = V_NONE; vk_val = 0 }
 	:: atomic { ovk_kind == V_MARK -> ovk_kind = V_NONE; ovk_val = 0 }
+#endif
 	od
 }
 #endif
