@@ -425,11 +425,33 @@ idem_test_tree() {
 	fi
 }
 
+# idem_free_port: a free TCP port on 127.0.0.1.  With PG_TEST_PORT_DIR
+# (test/run sets it) the port is also reserved there for the calling
+# script ($$), as PostgreSQL::Test::Cluster's get_free_port reserves its
+# ports (DIR/PORT.rsv holding the owner's pid; a dead owner's reservation
+# lapses): suites side by side never hand out the same port.
 idem_free_port() {
-	perl -MIO::Socket::INET -e '
-		my $s = IO::Socket::INET->new(Listen => 1, LocalAddr => "127.0.0.1",
-			LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
-		print $s->sockport, "\n";'
+	perl -MIO::Socket::INET -MFcntl=:DEFAULT,:flock -e '
+		my ($dir, $owner) = @ARGV;
+		for (1 .. 200) {
+			my $s = IO::Socket::INET->new(Listen => 1, LocalAddr => "127.0.0.1",
+				LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
+			my $port = $s->sockport;
+			close $s;
+			if ($dir eq "") { print "$port\n"; exit 0; }
+			sysopen(my $f, "$dir/$port.rsv", O_RDWR | O_CREAT)
+				or die "opening $dir/$port.rsv: $!\n";
+			flock($f, LOCK_EX) or die "locking $dir/$port.rsv: $!\n";
+			my $pid = <$f> // "0";
+			$pid =~ s/\s+//g;
+			if ($pid =~ /^\d+$/ && $pid > 0 && kill(0, $pid)) { close $f; next; }
+			seek($f, 0, 0);
+			print $f sprintf("%10d\n", $owner);
+			close $f;
+			print "$port\n";
+			exit 0;
+		}
+		die "no free port that is not reserved in $dir\n";' "${PG_TEST_PORT_DIR:-}" "$$"
 }
 
 # idem_pg_start DIR PORT [CONF-LINE...]: a throwaway cluster in DIR/pg,
