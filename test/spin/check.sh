@@ -96,7 +96,7 @@ run_check() {
 	{
 		cd "$d" || exit 1
 		local cflags="-O1 -DCOLLAPSE -DMEMLIM=2048 -DVECTORSZ=2048"
-		local panflags="-m200000 -w22"
+		local panflags="-m1000000 -w22"
 		if [ "$mode" = safety ]; then
 			cflags="$cflags -DSAFETY -DNOCLAIM"
 		else
