@@ -3,6 +3,8 @@
 #   make demo    build, install, and run the main job on throwaway servers
 #   make test    install what is missing, build, and run every suite
 #   make bench   the benchmarks (not part of make test)
+#   make clean-test  remove what make test, make demo and make bench keep
+#                outside the checkout (/var/tmp/idem-UID-HASH, ~110 MB)
 #
 # make / make install / make installcheck are the usual PGXS targets;
 # installcheck runs the regress, isolation and TAP suites against the
@@ -96,9 +98,15 @@ install-client:
 uninstall-client:
 	$(MAKE) -C $(srcdir)/client uninstall prefix='$(CLIENT_PREFIX)'
 
-.PHONY: test demo bench
+.PHONY: test demo bench clean-test
 test:
 	@bash test/run
+
+# The checkout's private folder outside it (test/lib/common.sh,
+# idem_private_dir): the copies of PostgreSQL 15 and 18 that make test,
+# make demo and make bench install idem into.  The next run makes it again.
+clean-test:
+	@bash -c '. test/lib/common.sh && idem_private_remove "$$PWD"'
 
 demo:
 	@bash test/demo

@@ -17,6 +17,7 @@
 #   idem_serialize LOCK   one run at a time per checkout
 #   idem_private_dir ROOT  the checkout's folder for what the test user must
 #                         read or run, outside the checkout
+#   idem_private_remove ROOT  remove that folder (make clean-test)
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
 #   idem_pg_private_for ROOT   that copy, in the checkout's private folder
 #   idem_pg_install_ledgers DIR PORT   idem, tenant 1 and the ledgers
@@ -287,6 +288,29 @@ idem_private_dir() {
 	chmod 755 "$dir" && echo "$dir"
 }
 
+# idem_private_remove ROOT: remove the checkout's private folder
+# (idem_private_dir) and the throwaway trees left by runs that were killed,
+# unless a run in that checkout holds its lock (idem_serialize).
+# make clean-test.
+idem_private_remove() {
+	local root=$1 base=${IDEM_PRIVATE_BASE:-/var/tmp} dir
+	dir=$base/idem-$(id -u)-$(printf '%s' "$root" | sha256sum | cut -c1-12)
+	if command -v flock >/dev/null 2>&1 && [ -e "$root/tmp_pgroot.lock" ] &&
+		! flock -n "$root/tmp_pgroot.lock" true; then
+		echo "idem: a run in this checkout is using $dir; try again when it ends" >&2
+		return 1
+	fi
+	if [ -L "$dir" ] || { [ -e "$dir" ] && [ ! -O "$dir" ]; }; then
+		echo "idem: $dir is not a folder of $(id -un)'s; not removed" >&2
+		return 1
+	fi
+	if [ -d "$dir" ]; then
+		rm -rf "$dir" && echo "idem: removed $dir ($(basename "$root")'s private PostgreSQL copies)"
+	else
+		echo "idem: nothing to remove ($dir does not exist)"
+	fi
+}
+
 # idem_pg_private_for ROOT: idem_pg_private in the checkout's private
 # folder (idem_private_dir), the copy make test, make demo and make bench
 # install idem into.
@@ -401,11 +425,33 @@ idem_test_tree() {
 	fi
 }
 
+# idem_free_port: a free TCP port on 127.0.0.1.  With PG_TEST_PORT_DIR
+# (test/run sets it) the port is also reserved there for the calling
+# script ($$), as PostgreSQL::Test::Cluster's get_free_port reserves its
+# ports (DIR/PORT.rsv holding the owner's pid; a dead owner's reservation
+# lapses): suites side by side never hand out the same port.
 idem_free_port() {
-	perl -MIO::Socket::INET -e '
-		my $s = IO::Socket::INET->new(Listen => 1, LocalAddr => "127.0.0.1",
-			LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
-		print $s->sockport, "\n";'
+	perl -MIO::Socket::INET -MFcntl=:DEFAULT,:flock -e '
+		my ($dir, $owner) = @ARGV;
+		for (1 .. 200) {
+			my $s = IO::Socket::INET->new(Listen => 1, LocalAddr => "127.0.0.1",
+				LocalPort => 0, ReuseAddr => 1) or die "no free port: $!\n";
+			my $port = $s->sockport;
+			close $s;
+			if ($dir eq "") { print "$port\n"; exit 0; }
+			sysopen(my $f, "$dir/$port.rsv", O_RDWR | O_CREAT)
+				or die "opening $dir/$port.rsv: $!\n";
+			flock($f, LOCK_EX) or die "locking $dir/$port.rsv: $!\n";
+			my $pid = <$f> // "0";
+			$pid =~ s/\s+//g;
+			if ($pid =~ /^\d+$/ && $pid > 0 && kill(0, $pid)) { close $f; next; }
+			seek($f, 0, 0);
+			print $f sprintf("%10d\n", $owner);
+			close $f;
+			print "$port\n";
+			exit 0;
+		}
+		die "no free port that is not reserved in $dir\n";' "${PG_TEST_PORT_DIR:-}" "$$"
 }
 
 # idem_pg_start DIR PORT [CONF-LINE...]: a throwaway cluster in DIR/pg,

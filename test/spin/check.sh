@@ -51,6 +51,9 @@ checks=(
 "pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3 -DFIRST_DELIVERY|real model, deliveries flagged first may skip the gate, faults cease after 3: liveness <> effect applied (weak fairness)"
 "pass|safety|idem.pml|-DNRUN=2 -DNDELIV=4 -DNFAULT=3 -DLEASE_MODE|real model, lease mode, 2 runners, 4 deliveries, 3 faults: one unexpired lease at a time, no completion overwritten, replay = committed"
 "pass|safety|idem.pml|-DNRUN=3 -DNDELIV=3 -DNFAULT=1 -DLEASE_MODE|real model, lease mode, 3 runners, 3 deliveries, 1 fault: one unexpired lease at a time, no completion overwritten, replay = committed"
+"pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3 -DNO_MARKER_PX|real model, a dead runner's marker outlives every redelivery (no PX within the run; runners killed between their marker and their claim, and after the claim): liveness <> effect applied, the marker answers busy for its first second only"
+"fail:acceptance cycle|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3 -DNO_MARKER_PX -DMARKER_BUSY_WHOLE_LEASE -DNO_BUSY_BOUND|broken: another run's marker busy for its whole lease (idem before issue 26) -- counterexample: a runner killed after setting its marker, every redelivery busy from Valkey, the effect never applied"
+"fail:vk_orphan|safety|idem.pml|-DNRUN=2 -DNDELIV=3 -DNFAULT=2 -DMARKER_BUSY_WHOLE_LEASE|broken: another run's marker busy for its whole lease (idem before issue 26) -- counterexample: a dead run's marker answers busy past its first second"
 "pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=3|real model, in-transaction effect, 2 runners, faults cease after 3: liveness <> effect applied (weak fairness)"
 "pass|live|idem.pml|-DLIVENESS -DNRUN=3 -DNFAULT=2|real model, in-transaction effect, 3 runners, faults cease after 2: liveness <> effect applied (weak fairness)"
 "pass|live|idem.pml|-DLIVENESS -DNRUN=2 -DNFAULT=2 -DLEASE_MODE|real model, lease mode, 2 runners, faults (lease overruns included) cease after 2: liveness <> completed (weak fairness)"
@@ -95,7 +98,7 @@ run_check() {
 	{
 		cd "$d" || exit 1
 		local cflags="-O1 -DCOLLAPSE -DMEMLIM=2048 -DVECTORSZ=2048"
-		local panflags="-m200000 -w22"
+		local panflags="-m1000000 -w22"
 		if [ "$mode" = safety ]; then
 			cflags="$cflags -DSAFETY -DNOCLAIM"
 		else

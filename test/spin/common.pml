@@ -29,6 +29,12 @@
  *            not the caller's: idem_complete(..., attempt), as implemented in
  *            ledger_settle (src/ledger.c)
  *   LIVENESS redeliveries continue until a run ends with a terminal result
+ *   NO_MARKER_PX  a marker never expires within the run (a lease longer
+ *            than every redelivery): only its first second ending matters
+ *   MARKER_BUSY_WHOLE_LEASE  (broken) another run's marker answers busy
+ *            for as long as it lives, not its first second only
+ *   NO_BUSY_BOUND  leave out the assertion that a dead run's marker is
+ *            busy in its first second only (a liveness variant)
  *   CHECK_COMPLETION_ATTEMPT  assert, in lease mode, that idem_complete
  *            stores an outcome under the attempt that produced it, in the
  *            row that attempt's claim wrote
@@ -188,6 +194,14 @@ byte ovk_kind = V_NONE;
 byte ovk_val = 0;
 bool ovk_retired = false;   /* the old namespace's epoch owner key is
                              * retired (a new epoch replaced it) */
+/* A marker's age (client/runner.c IDEM_MARKER_CHEAP_MS): young in its
+ * first second, when another run's marker answers "busy" from Valkey;
+ * older, the gate passes and the claim in PostgreSQL decides.  Time passes
+ * in marker_px (procs.pml).  vk_orphan (ghost): the runner that set the
+ * current marker died holding it (its marker stays in Valkey). */
+bool vk_young = false;
+bool ovk_young = false;
+bool vk_orphan = false;
 bool ns_old[NRUN + 1];
 bool vk_up = true;      /* reachable */
 
@@ -246,6 +260,23 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
 #else
 #define OWNER_RETIRED ovk_retired
 #endif
+/* -DMARKER_BUSY_WHOLE_LEASE: the rule before issue 26, another run's
+ * marker is busy for as long as it lives (its whole lease). */
+#ifdef MARKER_BUSY_WHOLE_LEASE
+#define MARK_BUSY(young) true
+#else
+#define MARK_BUSY(young) (young)
+#endif
+/* How long a dead run's marker may answer "busy" from Valkey: only in its
+ * first second; after that only PostgreSQL may say busy (while the dead
+ * runner's backend still holds the key), as it would without Valkey. */
+#ifndef NO_BUSY_BOUND
+#define BUSY_BOUND assert(!vk_orphan || vk_young)
+#else
+#define BUSY_BOUND skip /* a liveness variant: the cycle is what it shows */
+#endif
+/* A marker set by this runner: young, its run alive. */
+#define SET_MARK(me) vk_kind = V_MARK; vk_val = me; vk_young = true; vk_orphan = false
 #ifndef STEP_GATE
 inline gate_step(me)
 {
@@ -260,15 +291,22 @@ inline gate_step(me)
 		/* a keyspace learnt before a promotion: the old namespace */
 		if
 		:: ovk_kind == V_NONE -> res = R_GO    /* its marker there guards nothing */
-		:: ovk_kind == V_MARK -> res = R_BUSY; saw_mark = true
+		:: ovk_kind == V_MARK && MARK_BUSY(ovk_young) -> res = R_BUSY; saw_mark = true
+		:: ovk_kind == V_MARK && !MARK_BUSY(ovk_young) -> res = R_GO  /* the claim decides */
 		:: ovk_kind == V_DONE || ovk_kind == V_FAILP ->
 			got_kind = ovk_kind; got_val = ovk_val; res = R_REPLAY;
 			assert(TERMINAL(row_st) && VK_OF(row_st) == got_kind && row_out == got_val)
 		fi }
 	:: atomic { vk_up && !STALE_NS(me) ->
 		if
-		:: vk_kind == V_NONE -> vk_kind = V_MARK; vk_val = me; marked = true; res = R_GO
-		:: vk_kind == V_MARK -> res = R_BUSY; saw_mark = true
+		:: vk_kind == V_NONE -> SET_MARK(me); marked = true; res = R_GO
+		:: vk_kind == V_MARK && MARK_BUSY(vk_young) -> res = R_BUSY; saw_mark = true;
+			BUSY_BOUND
+		:: vk_kind == V_MARK && !MARK_BUSY(vk_young) ->
+			/* older than a second: not ours, no marker of our own; the
+			 * claim never waits (busy at once while its run holds the
+			 * key, the key itself if that run died) */
+			res = R_GO
 		:: vk_kind == V_DONE || vk_kind == V_FAILP ->
 			got_kind = vk_kind; got_val = vk_val; res = R_REPLAY;
 			/* REPLAY: a cached terminal value is the committed one */
@@ -277,7 +315,7 @@ inline gate_step(me)
 	:: atomic { vk_up && !STALE_NS(me) && vk_kind == V_NONE && VK_FAULT ->
 		/* the command ran (marker set) but its reply timed out: the runner
 		 * does not know it holds a marker and goes to PostgreSQL */
-		SPEND; vk_kind = V_MARK; vk_val = me; res = R_GO }
+		SPEND; SET_MARK(me); res = R_GO }
 	:: atomic { !vk_up -> res = R_GO; silent = true }
 #ifdef FIRST_DELIVERY
 	:: res = R_GO   /* the consumer says "first delivery" (rightly or
@@ -416,6 +454,10 @@ inline runner_dies(me)
 {
 	if
 	:: lock_owner == me -> lock_owner = ZOMBIE
+	:: else -> skip
+	fi;
+	if
+	:: vk_kind == V_MARK && vk_val == me -> vk_orphan = true   /* its marker stays */
 	:: else -> skip
 	fi;
 	tx_clear();

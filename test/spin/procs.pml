@@ -177,7 +177,7 @@ end:	do
 		/* a new epoch: runners that learnt the old keyspace read it until
 		 * they learn again (at their next PostgreSQL round trip), and the
 		 * old epoch's owner key is retired (see REWIND in common.pml) */
-		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
 		ovk_retired = true;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
@@ -195,7 +195,7 @@ end:	do
 #ifndef NS_WITHOUT_TIMELINE
 		/* a new timeline, a new epoch: the promoted standby retires the
 		 * epoch its copy of the secret file names (the old primary's) */
-		ovk_kind = vk_kind; ovk_val = vk_val; vk_kind = V_NONE; vk_val = 0;
+		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
 		ovk_retired = true;
 		ns_old[1] = true; ns_old[2] = true;
 #if NRUN >= 3
@@ -208,14 +208,21 @@ end:	do
 }
 #endif
 
-/* Marker PX expiry: time passes, the lease-long marker expires (no fault:
- * this is the normal end of a dead runner's marker). */
+/* Time passes for markers: a marker's first second ends (it is then
+ * "old": the gate lets its duplicates through to the claim), and its PX
+ * (the lease) runs out (no fault: this is the normal end of a dead runner's
+ * marker).  -DNO_MARKER_PX: the lease outlasts every redelivery (RabbitMQ
+ * redelivers at once, far more often than a 30 s lease runs out). */
 #ifndef NO_VALKEY_FAULTS
 active proctype marker_px()
 {
 end:	do
+	:: atomic { vk_kind == V_MARK && vk_young -> vk_young = false }
+	:: atomic { ovk_kind == V_MARK && ovk_young -> ovk_young = false }
+#ifndef NO_MARKER_PX
 	:: atomic { vk_kind == V_MARK -> vk_kind = V_NONE; vk_val = 0 }
 	:: atomic { ovk_kind == V_MARK -> ovk_kind = V_NONE; ovk_val = 0 }
+#endif
 	od
 }
 #endif
