@@ -381,10 +381,13 @@ with r.run(c, 1, sys.argv[1], "kill1", {"a": 1}) as run:
                 p.wait()
         # its marker (lease 30 s) is still in Valkey
         self.assertIsNotNone(valkey().get(ckey(1, self.scope, "kill1")))
+        # redeliveries through a runner with the killed one's lease (a marker
+        # further than our own lease + 1 s would be ignored anyway)
+        same_lease = idem.Runner(("127.0.0.1", VPORT), lease_ms=30000)
         deadline = time.time() + 10
         while True:
             time.sleep(1.2)
-            run = self.go("kill1", {"a": 1})
+            run = self.go("kill1", {"a": 1}, runner=same_lease)
             # the killed backend's rollback may take a moment to be seen
             if run.status != "busy" or time.time() > deadline:
                 break
@@ -661,8 +664,10 @@ class Learning(unittest.TestCase):
             END IF;
             RETURN public.idem_cache_keyspace();
         END $$;
-        CREATE OR REPLACE FUNCTION fake55.idem_cache_secrets(OUT key_id integer, OUT secret bytea,
-            OUT is_current boolean) RETURNS SETOF record LANGUAGE sql
+        DROP FUNCTION IF EXISTS fake55.idem_cache_secrets();
+        CREATE FUNCTION fake55.idem_cache_secrets(OUT key_id integer, OUT secret bytea,
+            OUT is_current boolean, OUT owner_key text, OUT owner_token text)
+            RETURNS SETOF record LANGUAGE sql
             AS $$ SELECT * FROM public.idem_cache_secrets() $$;
         CREATE OR REPLACE FUNCTION fake55.idem_claim(bigint, bytea, bytea, interval)
             RETURNS public.idem_claim_result LANGUAGE sql
