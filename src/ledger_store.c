@@ -167,14 +167,6 @@ store_invalidate(LedgerStore *store, Oid relid)
 	}
 }
 
-static const char *const ledger_tables[LEDGER_KINDS] = {
-	"idempotency_keys", "platform_idempotency_keys"
-};
-
-static const char *const ledger_kind_names[LEDGER_KINDS] = {
-	"tenant", "platform"
-};
-
 static const char *const ledger_unique[LEDGER_KINDS] = {
 	"idempotency_keys_owner_key", "platform_idempotency_keys_key"
 };
@@ -187,18 +179,6 @@ static const char *const owner_clause[LEDGER_KINDS] = {
 	"tenant_id OPERATOR(pg_catalog.=) $1 AND idempotency_key OPERATOR(pg_catalog.=) $2",
 	"idempotency_key OPERATOR(pg_catalog.=) $2"
 };
-
-const char *
-ledger_table_name(LedgerKind kind)
-{
-	return ledger_tables[kind];
-}
-
-const char *
-ledger_kind_name(LedgerKind kind)
-{
-	return ledger_kind_names[kind];
-}
 
 /* Registered by _PG_init: forget what we know about a ledger that changed. */
 void
@@ -410,13 +390,13 @@ ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry)
 	if (registry)
 		*registry = reg;
 	if (!OidIsValid(reg))
-		relid = get_relname_relid(ledger_tables[kind], nsp);
+		relid = get_relname_relid(ledger_table_name(kind), nsp);
 	else
 	{
 		char	   *sql = psprintf("SELECT ledger::pg_catalog.oid FROM %s WHERE kind OPERATOR(pg_catalog.=) $1",
 								   quote_qualified_identifier(nspname, IDEM_REGISTRY_TABLE));
 		Oid			argtype = TEXTOID;
-		Datum		arg = CStringGetTextDatum(ledger_kind_names[kind]);
+		Datum		arg = CStringGetTextDatum(ledger_kind_name(kind));
 		bool		isnull;
 
 		SPI_connect();
@@ -438,7 +418,7 @@ ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idem is not installed in this database: no %s ledger %s.%s",
-						ledger_kind_names[kind], nspname, ledger_tables[kind]),
+						ledger_kind_name(kind), nspname, ledger_table_name(kind)),
 				 errhint("Run SELECT idem_install('tenants') once after CREATE EXTENSION idem.")));
 
 	tp = SearchSysCache1(RELOID, ObjectIdGetDatum(relid));
@@ -446,11 +426,11 @@ ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("the idem %s ledger %s.%s was dropped",
-						ledger_kind_names[kind], nspname, ledger_tables[kind]),
+						ledger_kind_name(kind), nspname, ledger_table_name(kind)),
 				 errdetail("idem uses the table idem_install recorded, not whatever table has its name now."),
 				 errhint("Restore the ledger, or run SELECT idem_install('tenants') to create (or adopt) it again.")));
 	renamed = ((Form_pg_class) GETSTRUCT(tp))->relnamespace != nsp ||
-		strcmp(NameStr(((Form_pg_class) GETSTRUCT(tp))->relname), ledger_tables[kind]) != 0;
+		strcmp(NameStr(((Form_pg_class) GETSTRUCT(tp))->relname), ledger_table_name(kind)) != 0;
 	if (renamed)
 	{
 		char	   *now = quote_qualified_identifier(get_namespace_name(((Form_pg_class) GETSTRUCT(tp))->relnamespace),
@@ -460,9 +440,9 @@ ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("the idem %s ledger %s.%s was renamed to %s",
-						ledger_kind_names[kind], nspname, ledger_tables[kind], now),
+						ledger_kind_name(kind), nspname, ledger_table_name(kind), now),
 				 errhint("Rename it back, or run SELECT idem_install('tenants') to adopt the table now named %s.%s (it must have the ledger's exact shape).",
-						 nspname, ledger_tables[kind])));
+						 nspname, ledger_table_name(kind))));
 	}
 	ReleaseSysCache(tp);
 	return relid;
@@ -511,12 +491,12 @@ ledger_check_permanent(LedgerKind kind, Oid relid)
 	if (persistence == RELPERSISTENCE_UNLOGGED)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem ledger \"%s\" is an unlogged table", ledger_tables[kind]),
+				 errmsg("idem ledger \"%s\" is an unlogged table", ledger_table_name(kind)),
 				 errdetail("A crash empties an unlogged table while the effects it recorded survive, so every redelivered message would run its effect again."),
 				 errhint("Make it permanent again: ALTER TABLE %s SET LOGGED.", qtable)));
 	ereport(ERROR,
 			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-			 errmsg("idem ledger \"%s\" is a temporary table", ledger_tables[kind]),
+			 errmsg("idem ledger \"%s\" is a temporary table", ledger_table_name(kind)),
 			 errdetail("A temporary table is gone at the end of its session while the effects it recorded survive."),
 			 errhint("Drop it and run SELECT idem_install('tenants') to create a permanent ledger.")));
 }
@@ -526,7 +506,7 @@ static void
 store_check(LedgerStore *store, Relation rel)
 {
 	LedgerKind	kind = store->kind;
-	const char *table = ledger_tables[kind];
+	const char *table = ledger_table_name(kind);
 	TupleDesc	desc = RelationGetDescr(rel);
 	Oid			conoid;
 	Relation	idx;
@@ -703,7 +683,7 @@ store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
 	if (rel == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("the idem %s ledger was dropped", ledger_kind_names[kind]),
+				 errmsg("the idem %s ledger was dropped", ledger_kind_name(kind)),
 				 errhint("Restore the ledger, or run SELECT idem_install('tenants') to create it again.")));
 	store->relid = relid;
 	store_check(store, rel);
@@ -747,7 +727,7 @@ store_lock_valid(LedgerStore *store, Oid nsp, LedgerKind kind)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("the idem %s ledger kept changing while it was opened",
-							ledger_kind_names[kind]),
+							ledger_kind_name(kind)),
 					 errhint("Retry once the concurrent schema changes are done.")));
 	}
 }
@@ -773,7 +753,7 @@ store_checked(LedgerStore *store, LedgerKind kind)
 	 * through SPI, which checks INSERT and UPDATE itself.
 	 */
 	if (pg_class_aclcheck(relid, GetUserId(), ACL_SELECT) != ACLCHECK_OK)
-		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_TABLE, ledger_tables[kind]);
+		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_TABLE, ledger_table_name(kind));
 
 	/*
 	 * Nor do probes apply row-level security policies: refuse, rather than
@@ -783,7 +763,7 @@ store_checked(LedgerStore *store, LedgerKind kind)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("idem does not support row-level security on table %s",
-						ledger_tables[kind]),
+						ledger_table_name(kind)),
 				 errdetail("idem reads the ledger by key without applying policies."),
 				 errhint("Disable row-level security on the ledger, or run the caller as a role that bypasses it, and restrict access with grants.")));
 	return store;
@@ -801,7 +781,7 @@ citus_ledger(Oid nsp, LedgerKind kind)
 
 	if (kind != LEDGER_TENANT)
 		return InvalidOid;
-	relid = get_relname_relid(ledger_tables[kind], nsp);
+	relid = get_relname_relid(ledger_table_name(kind), nsp);
 	return OidIsValid(relid) && idem_citus_distributed(relid) ? relid : InvalidOid;
 }
 
@@ -1011,10 +991,10 @@ row_attr(LedgerStore *store, TupleTableSlot *slot, StoreColumn col)
 	Datum		d = slot_getattr(slot, store->att[col], &isnull);
 
 	if (isnull)
-		ereport_altered(ledger_tables[store->kind],
+		ereport_altered(ledger_table_name(store->kind),
 						("A row has a NULL \"%s\".", store_columns[col].name),
 						("Restore the constraint: ALTER TABLE %s ALTER COLUMN %s SET NOT NULL.",
-						 ledger_tables[store->kind], store_columns[col].name));
+						 ledger_table_name(store->kind), store_columns[col].name));
 	return d;
 }
 
@@ -1026,11 +1006,11 @@ digest_value(LedgerStore *store, Datum d, uint8 *out)
 	bytea	   *b = DatumGetByteaPP(d);
 
 	if (VARSIZE_ANY_EXHDR(b) != IDEM_DIGEST_LEN)
-		ereport_altered(ledger_tables[store->kind],
+		ereport_altered(ledger_table_name(store->kind),
 						("A row has a request_fingerprint of %d bytes, not %d.",
 						 (int) VARSIZE_ANY_EXHDR(b), IDEM_DIGEST_LEN),
 						("Restore the constraint %s_request_fingerprint_check.",
-						 ledger_tables[store->kind]));
+						 ledger_table_name(store->kind)));
 	memcpy(out, VARDATA_ANY(b), IDEM_DIGEST_LEN);
 }
 
@@ -1058,10 +1038,10 @@ ledger_probe(LedgerStore *store, const LedgerKey *lk, Snapshot snapshot,
 	/* Every column read here was checked to be of its type (store_check). */
 	status = TextDatumGetCString(row_attr(store, slot, COL_STATUS));
 	if (!idem_status_parse(status, &row->status))
-		ereport_altered(ledger_tables[store->kind],
+		ereport_altered(ledger_table_name(store->kind),
 						("A row has the status \"%s\".", status),
 						("Restore the constraint %s_status_check and correct the row.",
-						 ledger_tables[store->kind]));
+						 ledger_table_name(store->kind)));
 	pfree(status);
 	digest_value(store, row_attr(store, slot, COL_FINGERPRINT), row->fingerprint);
 	row->attempt = DatumGetInt32(row_attr(store, slot, COL_ATTEMPT));
@@ -1285,7 +1265,7 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, IdemStatus status,
 											   SPI_tuptable->tupdesc, 1, &isnull));
 		fp = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull);
 		if (isnull)
-			ereport_altered(ledger_tables[store->kind],
+			ereport_altered(ledger_table_name(store->kind),
 							("A row has a NULL \"request_fingerprint\"."),
 							("Restore the column's NOT NULL constraint."));
 		digest_value(store, fp, fingerprint);

@@ -19,8 +19,6 @@ typedef struct LedgerStore LedgerStore;
 #define IDEM_REGISTRY_TABLE "idem_ledgers"	/* kind -> ledger, by idem_install */
 extern Oid	ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry);
 extern void ledger_check_permanent(LedgerKind kind, Oid relid);
-extern const char *ledger_table_name(LedgerKind kind);
-extern const char *ledger_kind_name(LedgerKind kind);
 extern void ledger_store_relcache_cb(Datum arg, Oid relid);
 extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);
 extern LedgerStore *ledger_store_open_key(Oid nsp, const LedgerKey *lk);
