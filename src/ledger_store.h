@@ -1,9 +1,11 @@
 /*-------------------------------------------------------------------------
  *
  * ledger_store.h
- *	  How a ledger table is found, read (index probes) and written
- *	  (prepared SPI statements): ledger_store.c.  Storage only: it knows
- *	  rows (ledger_row.h), not the decisions made from them (ledger.h).
+ *	  How a ledger table is found and checked (ledger_registry.c, Citus
+ *	  shards in ledger_citus.c), read by index probes (ledger_probe.c) and
+ *	  written by prepared SPI statements (ledger_store.c).  Storage only:
+ *	  it knows rows (ledger_row.h), not the decisions made from them
+ *	  (ledger.h).  The files share ledger_store_int.h.
  *
  *-------------------------------------------------------------------------
  */
