@@ -464,7 +464,6 @@ idem_citus_purge(Oid relid, const char *cmd)
 		elog(ERROR, "could not run the idem purge on the Citus shards");
 	for (i = 0; i < SPI_processed; i++)
 	{
-		bool		isnull;
 		bool		ok = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[i],
 													SPI_tuptable->tupdesc, 1, &isnull));
 		char	   *result = SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 2);

@@ -9,7 +9,8 @@
  *
  *	  Callbacks registered here:
  *		xact.c			the transaction and subtransaction callbacks
- *		ledger_store.c	a relcache callback that forgets a ledger's cached
+ *		ledger_registry.c
+ *						a relcache callback that forgets a ledger's cached
  *						identity when the ledger changes
  *		ledger_insert.c	relcache and syscache (functions, types, role
  *						membership) callbacks that invalidate the prepared

@@ -494,7 +494,7 @@ idem_install(PG_FUNCTION_ARGS)
 	SPI_finish();
 	AtEOXact_GUC(true, save_nestlevel);
 
-	/* Every backend looks its ledgers up again (ledger_store.c). */
+	/* Every backend looks its ledgers up again (ledger_registry.c). */
 	if (OidIsValid(registry))
 		CacheInvalidateRelcacheByRelid(registry);
 	PG_RETURN_VOID();

@@ -41,7 +41,7 @@
  *-------------------------------------------------------------------------
  */
 #include "ledger_guard.h"
-#include "ledger_store.h"
+#include "ledger_row.h"
 #include "outbox_ring.h"
 
 #include "catalog/objectaccess.h"

@@ -20,6 +20,9 @@ typedef enum LedgerKind
 	LEDGER_KINDS
 } LedgerKind;
 
+extern const char *ledger_table_name(LedgerKind kind);
+extern const char *ledger_kind_name(LedgerKind kind);
+
 /*
  * The status of a ledger row.  idem_status_names[] is its spelling in the
  * ledgers' status column: install.c builds the CHECK constraint from it, and

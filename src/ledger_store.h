@@ -1,9 +1,11 @@
 /*-------------------------------------------------------------------------
  *
  * ledger_store.h
- *	  How a ledger table is found, read (index probes) and written
- *	  (prepared SPI statements): ledger_store.c.  Storage only: it knows
- *	  rows (ledger_row.h), not the decisions made from them (ledger.h).
+ *	  How a ledger table is found and checked (ledger_registry.c, Citus
+ *	  shards in ledger_citus.c), read by index probes (ledger_probe.c) and
+ *	  written by prepared SPI statements (ledger_store.c).  Storage only:
+ *	  it knows rows (ledger_row.h), not the decisions made from them
+ *	  (ledger.h).  The files share ledger_store_int.h.
  *
  *-------------------------------------------------------------------------
  */
@@ -19,8 +21,6 @@ typedef struct LedgerStore LedgerStore;
 #define IDEM_REGISTRY_TABLE "idem_ledgers"	/* kind -> ledger, by idem_install */
 extern Oid	ledger_relation_find(Oid nsp, LedgerKind kind, Oid *registry);
 extern void ledger_check_permanent(LedgerKind kind, Oid relid);
-extern const char *ledger_table_name(LedgerKind kind);
-extern const char *ledger_kind_name(LedgerKind kind);
 extern void ledger_store_relcache_cb(Datum arg, Oid relid);
 extern LedgerStore *ledger_store_open(Oid nsp, LedgerKind kind);
 extern LedgerStore *ledger_store_open_key(Oid nsp, const LedgerKey *lk);
