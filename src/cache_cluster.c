@@ -35,6 +35,18 @@
  *		cluster keyspace at once (idem_cache_cluster_encoder), and so does
  *		a node of a clustered database that has not joined: no node writes
  *		what no runner reads.
+ *	  - The cluster keyspace has an epoch owner key, as a server's own
+ *		(cache_secret.c): the keyspace without ".<dboid>:", then ":owner".
+ *		The coordinator chooses a random token whenever it names a keyspace
+ *		it did not name last, keeps it in its slot, and its worker sets the
+ *		key (idem_cache_cluster_duty); idem_cache_secrets() hands the token
+ *		out once set.  The worker retires (a marker, whatever the key held)
+ *		the keyspace the coordinator replaced, if runners were told its
+ *		token, and on any node the keyspace of a join this node's new epoch
+ *		made stale, at once: runners that keep their connection stop
+ *		trusting it at their next lookup.  A node restarted has lost its
+ *		join and cannot retire it: the coordinator retires it when next
+ *		asked (docs/citus.md, Limits).
  *
  * The coordinator refreshes the joins whenever it is asked for the
  * keyspace (runners ask at least every secrets_max_age_ms): one
