@@ -422,8 +422,10 @@ idem_cache_cluster_duty(IdemClusterDuty *d, bool owned, TimeLineID tli,
 	SpinLockRelease(&cluster_shared->mutex);
 	if (found && owner_key_of(d->key, sizeof(d->key), d->keyspace) < 0)
 	{
-		/* cannot happen: the keyspace was made here or checked */
-		d->kind = IDEM_CLUSTER_RETIRE;
+		/*
+		 * Cannot happen (the coordinator made the keyspace): drop the duty,
+		 * and idem_cache_cluster_owner() names no owner for it.
+		 */
 		idem_cache_cluster_duty_done(d);
 		return false;
 	}

@@ -577,15 +577,15 @@ owner_reply_is(const redisReply *reply, const char *token)
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
 }
 
+static VkResult vk_key_command(const char *key, int argc, const char **argv,
+								redisReply **reply);
+
 /*
  * One command on the owner key of epoch (timeline, epoch): argv[1] is set
  * to that key here, the other arguments are the caller's.  An error reply
  * is VK_FAILED, with errbuf saying it; on VK_OK *reply (if reply is not
  * NULL) is the caller's to free.
  */
-static VkResult vk_key_command(const char *key, int argc, const char **argv,
-								redisReply **reply);
-
 static VkResult
 vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
 				 const char **argv, redisReply **reply)
