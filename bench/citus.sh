@@ -165,7 +165,7 @@ psql_on coord -c 'VACUUM ANALYZE' >/dev/null
 
 BIN=$WORK/client_bench
 [ -f "$ROOT/client/build/libidemclient.a" ] || make -s -C "$ROOT/client" >/dev/null || exit 1
-cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$ROOT/src/common" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
 	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
 	-lpq -lhiredis -lcrypto -pthread || exit 1
 PG="host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres"

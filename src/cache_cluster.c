@@ -35,6 +35,18 @@
  *		cluster keyspace at once (idem_cache_cluster_encoder), and so does
  *		a node of a clustered database that has not joined: no node writes
  *		what no runner reads.
+ *	  - The cluster keyspace has an epoch owner key, as a server's own
+ *		(cache_secret.c): the keyspace without ".<dboid>:", then ":owner".
+ *		The coordinator chooses a random token whenever it names a keyspace
+ *		it did not name last, keeps it in its slot, and its worker sets the
+ *		key (idem_cache_cluster_duty); idem_cache_secrets() hands the token
+ *		out once set.  The worker retires (a marker, whatever the key held)
+ *		the keyspace the coordinator replaced, if runners were told its
+ *		token, and on any node the keyspace of a join this node's new epoch
+ *		made stale, at once: runners that keep their connection stop
+ *		trusting it at their next lookup.  A node restarted has lost its
+ *		join and cannot retire it: the coordinator retires it when next
+ *		asked (docs/citus.md, Limits).
  *
  * The coordinator refreshes the joins whenever it is asked for the
  * keyspace (runners ask at least every secrets_max_age_ms): one
@@ -51,6 +63,7 @@
  */
 #include "idem.h"
 #include "citus.h"
+#include "outbox_ring.h"
 
 #include "access/xlog.h"
 #include "catalog/pg_type.h"
@@ -64,8 +77,7 @@
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
 
-/* Databases of one server that may join a cluster cache at once. */
-#define CLUSTER_DBS			8
+#define CLUSTER_DBS			IDEM_CLUSTER_SLOTS
 /* "<system id>.<timeline>.<epoch as 16 hex>" */
 #define NODE_ID_MAX			(20 + 1 + 10 + 1 + 16 + 1)
 #define SEAL_NONCE_LEN		16
@@ -86,6 +98,11 @@ typedef struct ClusterSlot
 	uint8		current[IDEM_MAC_LEN];
 	int32		previous_id;	/* 0: none */
 	uint8		previous[IDEM_MAC_LEN];
+	/* the coordinator only: the owner key of keyspace (see the header) */
+	uint64		owner_token;	/* its token; 0: none chosen */
+	bool		owner_set;		/* the worker set it: runners may be told */
+	/* a keyspace whose owner key the worker must retire; "": none */
+	char		retire[IDEM_CACHE_KEYSPACE_MAX + 1];
 } ClusterSlot;
 
 typedef struct ClusterShared
@@ -262,17 +279,34 @@ idem_cache_cluster_joined(Oid dboid, char *keyspace, IdemCacheSecrets *s)
 	return r;
 }
 
-/* Install a join for dboid (the mutex not held). */
+/*
+ * Install a join for dboid (the mutex not held).  On the coordinator
+ * new_token is a fresh random token: it becomes the owner token of a
+ * keyspace that changed (or has none), and the keyspace it replaces is
+ * retired if runners were told its owner; an unused keyspace passes its
+ * retire on.  Returns whether the worker has an owner key to set.
+ */
 static bool
 slot_join(Oid dboid, const char *keyspace, TimeLineID tli, uint64 epoch,
-		  const IdemCacheSecrets *s)
+		  const IdemCacheSecrets *s, uint64 new_token)
 {
 	ClusterSlot *slot;
+	bool		wake = false;
 
 	SpinLockAcquire(&cluster_shared->mutex);
 	slot = slot_find(dboid, true);
 	if (slot != NULL)
 	{
+		if (new_token != 0 &&
+			(slot->owner_token == 0 || !slot->joined ||
+			 strcmp(slot->keyspace, keyspace) != 0))
+		{
+			if (slot->owner_set && strcmp(slot->keyspace, keyspace) != 0)
+				strlcpy(slot->retire, slot->keyspace, sizeof(slot->retire));
+			slot->owner_token = new_token;
+			slot->owner_set = false;
+			wake = true;
+		}
 		slot->joined = true;
 		slot->node_tli = tli;
 		slot->node_epoch = epoch;
@@ -283,7 +317,205 @@ slot_join(Oid dboid, const char *keyspace, TimeLineID tli, uint64 epoch,
 		memcpy(slot->previous, s->previous, IDEM_MAC_LEN);
 	}
 	SpinLockRelease(&cluster_shared->mutex);
-	return slot != NULL;
+	return slot != NULL && (wake || new_token == 0);
+}
+
+/* ---------- the owner key of the cluster keyspace ---------- */
+
+/*
+ * The owner key of a cluster keyspace: the keyspace without its
+ * ".<database oid>:", then ":owner", as for a server's own keyspace
+ * (cache_format.h), so that clients check it the same way.  Returns its
+ * length, or -1 if keyspace is not of that form.
+ */
+static int
+owner_key_of(char *buf, size_t buflen, const char *keyspace)
+{
+	const char *dot = strrchr(keyspace, '.');
+	int			n;
+
+	if (dot == NULL || dot == keyspace)
+		return -1;
+	n = snprintf(buf, buflen, "%.*s:owner", (int) (dot - keyspace), keyspace);
+	return n < 0 || (size_t) n >= buflen ? -1 : n;
+}
+
+/*
+ * For idem_cache_secrets() on the coordinator: the owner key of the
+ * cluster keyspace database dboid joined, and its token, once the worker
+ * has set it.  false otherwise (a worker node, not joined, not set yet):
+ * runners then do not use the cache.
+ */
+bool
+idem_cache_cluster_owner(Oid dboid, char *key, size_t keylen, uint64 *token)
+{
+	ClusterSlot *slot;
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	bool		ok = false;
+
+	if (cluster_shared == NULL)
+		return false;
+	SpinLockAcquire(&cluster_shared->mutex);
+	slot = slot_find(dboid, false);
+	if (slot != NULL && slot->joined && slot->owner_set &&
+		slot->owner_token != 0)
+	{
+		memcpy(keyspace, slot->keyspace, sizeof(keyspace));
+		*token = slot->owner_token;
+		ok = true;
+	}
+	SpinLockRelease(&cluster_shared->mutex);
+	return ok && owner_key_of(key, keylen, keyspace) >= 0;
+}
+
+/*
+ * For the idem worker: the next write to a cluster owner key, given this
+ * node's epoch (owned: taken over, as (tli, epoch); idem_cache_epoch_owned).
+ * In this order:
+ *	  - IDEM_CLUSTER_RETIRE a keyspace the coordinator replaced;
+ *	  - IDEM_CLUSTER_RETIRE the keyspace of a join gone stale: this node's
+ *		epoch or timeline changed since (ledger rows deleted by hand on a
+ *		shard, a promotion), so the cluster's history is no longer the
+ *		one the keyspace was named for;
+ *	  - IDEM_CLUSTER_SET the owner key of the coordinator's keyspace to its
+ *		token.
+ * false: nothing to do.  No ERROR, no allocation.
+ */
+bool
+idem_cache_cluster_duty(IdemClusterDuty *d, bool owned, TimeLineID tli,
+						uint64 epoch)
+{
+	bool		found = false;
+
+	memset(d, 0, sizeof(*d));
+	if (cluster_shared == NULL)
+		return false;
+	SpinLockAcquire(&cluster_shared->mutex);
+	for (int i = 0; i < CLUSTER_DBS && !found; i++)
+	{
+		ClusterSlot *slot = &cluster_shared->slots[i];
+
+		if (slot->dboid == InvalidOid)
+			continue;
+		d->dboid = slot->dboid;
+		if (slot->retire[0] != '\0')
+		{
+			d->kind = IDEM_CLUSTER_RETIRE;
+			memcpy(d->keyspace, slot->retire, sizeof(d->keyspace));
+			found = true;
+		}
+		else if (slot->joined &&
+				 (!owned || slot->node_tli != tli || slot->node_epoch != epoch))
+		{
+			d->kind = IDEM_CLUSTER_RETIRE_STALE;
+			memcpy(d->keyspace, slot->keyspace, sizeof(d->keyspace));
+			found = true;
+		}
+		else if (slot->joined && slot->owner_token != 0 && !slot->owner_set)
+		{
+			d->kind = IDEM_CLUSTER_SET;
+			memcpy(d->keyspace, slot->keyspace, sizeof(d->keyspace));
+			d->token = slot->owner_token;
+			found = true;
+		}
+	}
+	SpinLockRelease(&cluster_shared->mutex);
+	if (found && owner_key_of(d->key, sizeof(d->key), d->keyspace) < 0)
+	{
+		/*
+		 * Cannot happen (the coordinator made the keyspace): drop the duty,
+		 * and idem_cache_cluster_owner() names no owner for it.
+		 */
+		idem_cache_cluster_duty_done(d);
+		return false;
+	}
+	return found;
+}
+
+/* The worker did duty d in Valkey (or gives up on a malformed one). */
+void
+idem_cache_cluster_duty_done(const IdemClusterDuty *d)
+{
+	ClusterSlot *slot;
+
+	SpinLockAcquire(&cluster_shared->mutex);
+	slot = slot_find(d->dboid, false);
+	if (slot != NULL)
+	{
+		switch (d->kind)
+		{
+			case IDEM_CLUSTER_RETIRE:
+				if (strcmp(slot->retire, d->keyspace) == 0)
+					slot->retire[0] = '\0';
+				break;
+			case IDEM_CLUSTER_RETIRE_STALE:
+				/* the join is over: the coordinator's next refresh joins again */
+				if (slot->joined && strcmp(slot->keyspace, d->keyspace) == 0)
+				{
+					slot->joined = false;
+					slot->owner_token = 0;
+					slot->owner_set = false;
+				}
+				break;
+			case IDEM_CLUSTER_SET:
+				if (slot->joined && slot->owner_token == d->token &&
+					strcmp(slot->keyspace, d->keyspace) == 0)
+					slot->owner_set = true;
+				break;
+		}
+	}
+	SpinLockRelease(&cluster_shared->mutex);
+}
+
+/*
+ * For the idem worker's periodic check: the owner key the coordinator set
+ * in slot i (0 .. IDEM_CLUSTER_SLOTS - 1), and its token; false if none.
+ */
+bool
+idem_cache_cluster_owned(int i, IdemClusterDuty *d)
+{
+	ClusterSlot *slot;
+	bool		ok;
+
+	memset(d, 0, sizeof(*d));
+	if (cluster_shared == NULL)
+		return false;
+	slot = &cluster_shared->slots[i];
+	SpinLockAcquire(&cluster_shared->mutex);
+	ok = slot->dboid != InvalidOid && slot->joined && slot->owner_set &&
+		slot->owner_token != 0;
+	if (ok)
+	{
+		d->kind = IDEM_CLUSTER_SET;
+		d->dboid = slot->dboid;
+		d->token = slot->owner_token;
+		memcpy(d->keyspace, slot->keyspace, sizeof(d->keyspace));
+	}
+	SpinLockRelease(&cluster_shared->mutex);
+	return ok && owner_key_of(d->key, sizeof(d->key), d->keyspace) >= 0;
+}
+
+/*
+ * The worker found the owner key of d (idem_cache_cluster_owned) holding
+ * something else than its token: a node whose history changed retired it.
+ * Runners are told no owner from now on, and the coordinator's next
+ * refresh names a keyspace with a new token (the cluster epoch changed
+ * with that node's identity).
+ */
+void
+idem_cache_cluster_disown(const IdemClusterDuty *d)
+{
+	ClusterSlot *slot;
+
+	SpinLockAcquire(&cluster_shared->mutex);
+	slot = slot_find(d->dboid, false);
+	if (slot != NULL && slot->owner_token == d->token &&
+		strcmp(slot->keyspace, d->keyspace) == 0)
+	{
+		slot->owner_token = 0;
+		slot->owner_set = false;
+	}
+	SpinLockRelease(&cluster_shared->mutex);
 }
 
 /* ---------- sealing the secrets for one node ---------- */
@@ -484,7 +716,7 @@ idem_cache_node_join(PG_FUNCTION_ARGS)
 	memcpy(s.previous, plain + 8 + IDEM_MAC_LEN, IDEM_MAC_LEN);
 	explicit_bzero(buf, sizeof(buf));
 	ok = s.current_id > 0 && s.previous_id >= 0 &&
-		slot_join(MyDatabaseId, keyspace, tli, epoch, &s);
+		slot_join(MyDatabaseId, keyspace, tli, epoch, &s, 0);
 	explicit_bzero(&s, sizeof(s));
 	PG_RETURN_BOOL(ok);
 }
@@ -641,9 +873,24 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
 		elog(ERROR, "idem.valkey_prefix is longer than %d bytes",
 			 IDEM_CACHE_PREFIX_MAX);
 
-	/* The coordinator joins itself, with its own current secrets. */
+	/*
+	 * The coordinator joins itself, with its own current secrets, and
+	 * holds the owner key of the cluster keyspace: a new keyspace gets a
+	 * new token, which its worker sets (woken now), and the one it
+	 * replaces is retired.
+	 */
 	idem_cache_secrets_get(&s);
-	slot_join(MyDatabaseId, buf, tli, own_epoch, &s);
+	{
+		uint64		token = 0;
+
+		while (token == 0)
+			if (!pg_strong_random(&token, sizeof(token)))
+				ereport(ERROR,
+						(errcode(ERRCODE_INTERNAL_ERROR),
+						 errmsg("idem: could not generate a random token")));
+		if (slot_join(MyDatabaseId, buf, tli, own_epoch, &s, token))
+			idem_outbox_wake();
+	}
 
 	/* Seal the secrets for each node whose join is missing or stale. */
 	{

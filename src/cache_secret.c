@@ -857,13 +857,13 @@ idem_cache_secrets(PG_FUNCTION_ARGS)
 
 	InitMaterializedSRF(fcinfo, 0);
 	/*
-	 * On a node of a Citus cluster, the cluster's secrets (cache_cluster.c).
-	 * The cluster keyspace has no epoch owner key yet: no owner, so runners
-	 * do not use the cache there (they cannot check that its history is
-	 * still this cluster's).
+	 * On a node of a Citus cluster, the cluster's secrets, and on the
+	 * coordinator the cluster keyspace's owner key (cache_cluster.c).
 	 */
 	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) == 1)
-		has_owner = false;
+		has_owner = idem_cache_cluster_owner(MyDatabaseId, owner_key,
+											 sizeof(owner_key),
+											 &owned.new_token);
 	else
 	{
 		idem_cache_secrets_get(&s);

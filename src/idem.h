@@ -170,6 +170,29 @@ extern int	idem_cache_cluster_joined(Oid dboid, char *keyspace,
 									  IdemCacheSecrets *s);
 extern int	idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp,
 										uint64 epoch);
+/* Databases of one server that may join a cluster cache at once. */
+#define IDEM_CLUSTER_SLOTS	8
+typedef enum IdemClusterDutyKind
+{
+	IDEM_CLUSTER_RETIRE = 1,	/* a keyspace the coordinator replaced */
+	IDEM_CLUSTER_RETIRE_STALE,	/* a join this node's new epoch ended */
+	IDEM_CLUSTER_SET			/* the coordinator's owner key */
+} IdemClusterDutyKind;
+typedef struct IdemClusterDuty
+{
+	IdemClusterDutyKind kind;
+	Oid			dboid;
+	uint64		token;			/* IDEM_CLUSTER_SET */
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];	/* its owner key */
+} IdemClusterDuty;
+extern bool idem_cache_cluster_owner(Oid dboid, char *key, size_t keylen,
+									 uint64 *token);
+extern bool idem_cache_cluster_duty(IdemClusterDuty *d, bool owned,
+									TimeLineID tli, uint64 epoch);
+extern void idem_cache_cluster_duty_done(const IdemClusterDuty *d);
+extern bool idem_cache_cluster_owned(int i, IdemClusterDuty *d);
+extern void idem_cache_cluster_disown(const IdemClusterDuty *d);
 
 extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
 								   TimeLineID timeline, uint64 epoch);

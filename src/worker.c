@@ -577,6 +577,9 @@ owner_reply_is(const redisReply *reply, const char *token)
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
 }
 
+static VkResult vk_key_command(const char *key, int argc, const char **argv,
+								redisReply **reply);
+
 /*
  * One command on the owner key of epoch (timeline, epoch): argv[1] is set
  * to that key here, the other arguments are the caller's.  An error reply
@@ -588,18 +591,26 @@ vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
 				 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
-	size_t		argvlen[6];
-	int			keylen;
-	redisReply *rep = NULL;
-	VkResult	r;
 
-	Assert(argc <= lengthof(argvlen));
-	keylen = idem_cache_epoch_key_of(key, sizeof(key), timeline, epoch);
-	if (keylen < 0)
+	if (idem_cache_epoch_key_of(key, sizeof(key), timeline, epoch) < 0)
 	{
 		snprintf(errbuf, sizeof(errbuf), "idem.valkey_prefix is too long");
 		return VK_FAILED;
 	}
+	return vk_key_command(key, argc, argv, reply);
+}
+
+/* The same on any key: argv[1] is set to key here. */
+static VkResult
+vk_key_command(const char *key, int argc, const char **argv,
+			   redisReply **reply)
+{
+	size_t		argvlen[6];
+	int			keylen = strlen(key);
+	redisReply *rep = NULL;
+	VkResult	r;
+
+	Assert(argc <= lengthof(argvlen));
 	argv[1] = key;
 	for (int i = 0; i < argc; i++)
 		argvlen[i] = strlen(argv[i]);
@@ -746,6 +757,98 @@ worker_check_owner(void)
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
 	return vk_owner_command(t.timeline, t.epoch, 3, argv, NULL);
+}
+
+/*
+ * The owner keys of Citus cluster keyspaces (cache_cluster.c): retire the
+ * ones a coordinator replaced and the one of a join this node's new epoch
+ * ended (a retired marker, whatever the key held: runners still on that
+ * keyspace stop trusting it at their next lookup), and set the
+ * coordinator's.  With check (as often as worker_check_owner), the owner
+ * keys the coordinator set are checked as its own: pushed back if they
+ * hold its token, set again if Valkey lost them, and given up if a node
+ * retired them.
+ */
+static VkResult
+worker_cluster_owners(bool check)
+{
+	IdemEpochTakeover t;
+	IdemClusterDuty d;
+	bool		owned = idem_cache_epoch_owned(&t);
+	char		ttl[32];
+	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
+	const char *argv[6];
+	VkResult	r;
+
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	for (int n = 0; n < 3 * IDEM_CLUSTER_SLOTS &&
+		 idem_cache_cluster_duty(&d, owned, t.timeline, t.epoch); n++)
+	{
+		argv[0] = "SET";
+		argv[3] = "PX";
+		argv[4] = ttl;
+		if (d.kind == IDEM_CLUSTER_SET)
+		{
+			OWNER_TOKEN_TEXT(token, d.token);
+			argv[2] = token;
+		}
+		else
+			argv[2] = IDEM_CACHE_EPOCH_RETIRED "cluster";
+		r = vk_key_command(d.key, 5, argv, NULL);
+		if (r != VK_OK)
+			return r;
+		if (d.kind != IDEM_CLUSTER_SET)
+			ereport(LOG,
+					(errmsg("idem: retired the Citus cluster cache keyspace \"%s\"",
+							d.keyspace),
+					 errdetail(d.kind == IDEM_CLUSTER_RETIRE ?
+							   "The coordinator named a new cluster keyspace." :
+							   "This node's history epoch changed since it joined.")));
+		idem_cache_cluster_duty_done(&d);
+	}
+	for (int i = 0; check && i < IDEM_CLUSTER_SLOTS; i++)
+	{
+		redisReply *reply = NULL;
+		bool		ours;
+		bool		lost;
+
+		if (!idem_cache_cluster_owned(i, &d))
+			continue;
+		OWNER_TOKEN_TEXT(token, d.token);
+		argv[0] = "GET";
+		r = vk_key_command(d.key, 2, argv, &reply);
+		if (r != VK_OK)
+			return r;
+		ours = owner_reply_is(reply, token);
+		lost = reply->type == REDIS_REPLY_NIL;
+		freeReplyObject(reply);
+		if (lost)
+		{
+			argv[0] = "SET";
+			argv[2] = token;
+			argv[3] = "NX";
+			argv[4] = "PX";
+			argv[5] = ttl;
+			r = vk_key_command(d.key, 6, argv, NULL);
+		}
+		else if (ours)
+		{
+			argv[0] = "PEXPIRE";
+			argv[2] = ttl;
+			r = vk_key_command(d.key, 3, argv, NULL);
+		}
+		else
+		{
+			ereport(LOG,
+					(errmsg("idem: the Citus cluster cache keyspace \"%s\" was retired",
+							d.keyspace),
+					 errdetail("The history epoch of a node of the cluster changed; the next time a runner asks, the coordinator names a new keyspace.")));
+			idem_cache_cluster_disown(&d);
+		}
+		if (r != VK_OK)
+			return r;
+	}
+	return VK_OK;
 }
 
 /*
@@ -1583,7 +1686,15 @@ idem_worker_main(Datum main_arg)
 						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
-		r = worker_check_owner();
+		{
+			bool		check = TimestampDifferenceExceeds(owner_checked_at,
+														   GetCurrentTimestamp(),
+														   IDEM_OWNER_CHECK_MS);
+
+			r = worker_check_owner();
+			if (r == VK_OK)
+				r = worker_cluster_owners(check);
+		}
 		if (r == VK_OK)
 			r = worker_take_epoch();
 		if (r == VK_OK)

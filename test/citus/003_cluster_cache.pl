@@ -4,6 +4,10 @@
 # A node's epoch change (rows deleted by hand on a shard, through the
 # distributed table, or TRUNCATE) changes the cluster keyspace; the purge
 # and a shard move do not.  A node that has not joined copies nothing.
+# The cluster keyspace has an owner key like a server's own: a C runner
+# connected to the coordinator replays from Valkey, and stops trusting the
+# keyspace at once when a node's history changes (that node retires it),
+# or when the coordinator names another (it retires the one before).
 use strict;
 use warnings;
 
@@ -16,6 +20,10 @@ use IdemValkey;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
+
+# the runners here learn again only once an hour: only the owner check
+# stands between them and a keyspace whose history changed
+$ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $cl = IdemCitus->new(valkey => $valkey, conf => { log_statement => q('all') });
@@ -108,8 +116,48 @@ is((IdemValkey::parse_value($v3) // {})->{key_id}, $kid,
 	'after the next learn, the worker MACs with the rotated secret');
 ok(coord_mac_ok($k3, $v3), '... which the coordinator hands out');
 
-# ---------- a node's epoch changes: the cluster keyspace changes ----------
+# ---------- the owner key: a runner on the coordinator ----------
+sub owner_key_of { (my $k = $_[0]) =~ s/\.[0-9]+:\z/:owner/; return $k; }
+
+# Poll Valkey until the owner key of keyspace $k matches $re.
+sub owner_is
+{
+	my ($k, $re) = @_;
+	my $v;
+	IdemValkey::poll_until(20, sub { $v = $valkey->command('GET', owner_key_of($k)) // ''; $v =~ $re });
+	return $v // '';
+}
+
+like(owner_is($ks, qr/^[0-9a-f]{16}\z/), qr/^[0-9a-f]{16}\z/,
+	'the coordinator\'s worker set the cluster keyspace\'s owner key to a token');
+is($c->safe_psql('postgres', 'SELECT owner_key FROM idem_cache_secrets() WHERE is_current'),
+	owner_key_of($ks), 'idem_cache_secrets() on the coordinator names it');
+$c->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
+my $s = IdemValkey::runner_session($c, 'postgres', $valkey, $t1, 'cr', '{"x": 1}');
+is($s->run('r1'), 'applied handler', 'a C runner on the coordinator applies r1 (tenant on worker 1)');
+my $kr = "${ks}t:$t1:" . $c->safe_psql('postgres', "SELECT encode(idem_key('cr', 'r1'), 'hex')");
+ok(defined $valkey->wait_for_key($kr, 10), '... worker 1 copies its result into the cluster keyspace');
+is($s->run('r1'), 'replayed valkey', '... and the same runner replays it from Valkey');
 my $shard1 = $cl->shard_of($t1);
+$w1->safe_psql('postgres', "DELETE FROM $shard1 WHERE idempotency_key = idem_key('cr', 'r1')");
+like(owner_is($ks, qr/^retired /), qr/^retired /,
+	'a DELETE by hand on worker 1\'s shard: worker 1 retires the cluster keyspace it joined');
+is($s->run('r1'), 'applied handler',
+	'... the runner connected before applies r1 again, not replays it from the old keyspace');
+is($c->safe_psql('postgres', q{SELECT count(*) FROM effects WHERE id = 'r1'}), '2',
+	'... the effect ran again, as the removed row asks');
+my $ksr = ks();
+isnt($ksr, $ks, '... the coordinator names a new keyspace');
+like(owner_is($ksr, qr/^[0-9a-f]{16}\z/), qr/^[0-9a-f]{16}\z/, '... with its own owner token');
+# r1 applied again committed before worker 1 joined the new keyspace: its
+# next PostgreSQL replay copies it there
+my $r;
+IdemValkey::poll_until(20, sub { $r = $s->run('r1'); $r eq 'replayed valkey' });
+is($r, 'replayed valkey', '... which the runner, having learnt again, replays from Valkey');
+$s->finish;
+$ks = $ksr;
+
+# ---------- a node's epoch changes: the cluster keyspace changes ----------
 $w1->safe_psql('postgres', "DELETE FROM $shard1 WHERE idempotency_key = idem_key('s', 'a')");
 my $ks2;
 IdemValkey::poll_until(20, sub { $ks2 = ks(); $ks2 ne $ks && $ks2 ne 'none' });
@@ -172,6 +220,8 @@ my $t0 = time;
 my $ks5 = ks();
 ok(time - $t0 < 15, 'with worker 2 down, the coordinator still names a keyspace, soon');
 isnt($ks5, $ks4, '... another one: worker 2 is left out of it');
+like(owner_is($ks4, qr/^retired /), qr/^retired /,
+	'... the coordinator retires the keyspace it replaced');
 is(IdemValkey::wait_keyspace($w1), $ks5, '... which worker 1 joins');
 $w2->start;
 is(ks(), $ks4, 'worker 2 back with its history unchanged: the keyspace is the one before');
