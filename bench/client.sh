@@ -33,7 +33,7 @@ if [ -n "${BENCH_CLIENT_BASE:-}" ]; then
 	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
 	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
 	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "client.sh: building the client at $BASE failed" >&2; exit 1; }
-	cc -O2 -I"$SRC/client" -I"$SRC/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
+	cc -O2 -I"$SRC/client" -I"$SRC/src/common" -I"$SRC/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
 		-o "$BIN-base" "$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
 		-lpq -lhiredis -lcrypto -pthread || exit 1
 	for m in $MODES; do

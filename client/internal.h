@@ -36,10 +36,11 @@ void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 
 /* Monotonic milliseconds. */
 int64_t		idemc_now_ms(void);
-/* idem_vc_io.wait for the client's routers (gate.c): poll(), or sleep. */
+/* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
 
-/* ---- gate.c: the Valkey side ---- */
+/* ---- the Valkey side: valkey_conn.c (connection), valkey_io.c (I/O),
+ * gate.c (the gate, lookups), release.c (compare-and-delete) ---- */
 
 typedef struct idem_gate idem_gate;
 

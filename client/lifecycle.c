@@ -3,7 +3,7 @@
  *	  A runner's life: its options, opening it (and the first connect to
  *	  both servers, neither of which has to be up), closing it, its last
  *	  error and its counters.  What a run does with it is in runner.c; the
- *	  connections themselves are kept by pg.c and gate.c, which reconnect
+ *	  connections themselves are kept by pg.c and valkey_conn.c, which reconnect
  *	  on the next run after a failure.
  */
 #include "internal.h"
