@@ -115,8 +115,9 @@ $valkey->start;
 # --- a reply that condemns one record drops that record only ---
 ok(IdemValkey::wait_connected($node, 1), 'the worker is connected again');
 my $rejected0 = stat_of('rejected');
-# The default user may write tenant keys only: a platform key gets NOPERM.
-$valkey->command('ACL', 'SETUSER', 'default', 'resetkeys', '~*:t:*');
+# The default user may write tenant keys (and the epoch owner key, without
+# which nothing is copied) only: a platform key gets NOPERM.
+$valkey->command('ACL', 'SETUSER', 'default', 'resetkeys', '~*:t:*', '~*:owner');
 $node->safe_psql('postgres', join "\n",
 	'BEGIN; ' . IdemValkey::complete_sql('r', 'perm-1') . ' COMMIT;',
 	q{BEGIN; SELECT idem_platform_claim(idem_key('r', 'perm-2'), idem_fingerprint('{}'));
