@@ -416,6 +416,18 @@ idem_vc_node_ensure(idem_vc *vc, vc_node *n, int64_t deadline)
 		idem_vc_set_err(vc, "%s is resting after a failure", n->name);
 		return -1;
 	}
+
+	/*
+	 * Another node of the same round used the whole deadline up (a hung
+	 * master): this one is not tried now, and is not failed for it.  Had it
+	 * been, a healthy node (the one holding the epoch owner key, say) would
+	 * rest for retry_ms after any lookup that met the hung one first.
+	 */
+	if (idem_vc_now_ms() >= deadline)
+	{
+		idem_vc_set_err(vc, "no time left to connect to %s", n->name);
+		return -1;
+	}
 	rc = node_connect(vc, n, deadline);
 	if (rc == -1)
 		idem_vc_node_failed(vc, n, "connecting to");
