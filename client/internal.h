@@ -34,8 +34,9 @@ int			idemc_utf8_valid(const char *buf, size_t len);
 void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 			__attribute__((format(printf, 3, 4)));
 
-/* Monotonic milliseconds. */
-int64_t		idemc_now_ms(void);
+/* Monotonic milliseconds: the router's clock (src/common/valkey_node.c). */
+int64_t		idem_vc_now_ms(void);
+#define idemc_now_ms idem_vc_now_ms
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
 

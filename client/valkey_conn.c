@@ -83,15 +83,6 @@ pipe_unblock(pipe_guard *pg)
 	pthread_sigmask(SIG_SETMASK, &pg->old, NULL);
 }
 
-int64_t
-idemc_now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static char *
 dup_or_null(const char *s)
 {
