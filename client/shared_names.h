@@ -69,5 +69,8 @@
 #define idem_vc_refresh idemc_vc_refresh
 #define idem_vc_send idemc_vc_send
 #define idem_vc_set_err idemc_vc_set_err
+#define idem_vk_error_class idemc_vk_error_class
+#define idem_vk_error_code_is idemc_vk_error_code_is
+#define idem_vk_error_not_now idemc_vk_error_not_now
 
 #endif

@@ -34,7 +34,7 @@
  * after the sleep.
  * While the worker is awake, committing backends do not set its latch
  * (outbox_ring.c).  An error reply that says the server cannot take
- * writes now (vk_classify_error) counts a copy error and keeps the batch;
+ * writes now (valkey_reply.c) counts a copy error and keeps the batch;
  * any other condemns its record only, dropped and counted in rejected.
  * A connection that fails,
  * or a batch not answered within idem.valkey_command_timeout, closes the
@@ -74,6 +74,7 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
+#include "valkey_reply.h"
 #include "worker_cluster.h"
 
 #define IDEM_WORKER_RESTART_S	2
@@ -233,7 +234,12 @@ vk_flush(TimestampTz deadline)
 	}
 }
 
-/* What a reply to one SET means for its record. */
+/*
+ * What a reply to one SET means for its record.  An error reply that says
+ * "not now" (valkey_reply.c: LOADING, READONLY, OOM, ...) keeps the batch;
+ * any other (WRONGTYPE, a per-key NOPERM, and for now the cluster
+ * redirections MOVED and ASK) condemns its record only.
+ */
 typedef enum VkReplyClass
 {
 	VK_REPLY_OK,				/* written */
@@ -241,30 +247,6 @@ typedef enum VkReplyClass
 								 * the batch, reconnect, resend */
 	VK_REPLY_REJECT				/* this record cannot be written: drop it */
 } VkReplyClass;
-
-/*
- * Classify an error reply by its code (the first word).  The codes that say
- * "not now" keep the batch; anything else (WRONGTYPE, a per-key NOPERM, and
- * for now the cluster redirections MOVED and ASK) condemns its record only.
- */
-static VkReplyClass
-vk_classify_error(const char *str, size_t len)
-{
-	static const char *const not_now[] = {
-		"READONLY", "LOADING", "NOAUTH", "MASTERDOWN", "BUSY", "OOM",
-		"CLUSTERDOWN", "TRYAGAIN", "MISCONF", NULL
-	};
-	size_t		codelen = 0;
-	int			i;
-
-	while (codelen < len && str[codelen] != ' ')
-		codelen++;
-	for (i = 0; not_now[i] != NULL; i++)
-		if (codelen == strlen(not_now[i]) &&
-			memcmp(str, not_now[i], codelen) == 0)
-			return VK_REPLY_RETRY;
-	return VK_REPLY_REJECT;
-}
 
 /*
  * Wait for the next reply and hand it over in *reply (the caller frees it).
@@ -325,7 +307,8 @@ vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
 	*class = VK_REPLY_OK;
 	if (rr->type == REDIS_REPLY_ERROR)
 	{
-		*class = vk_classify_error(rr->str, rr->len);
+		*class = idem_vk_error_not_now(rr->str, rr->len) ?
+			VK_REPLY_RETRY : VK_REPLY_REJECT;
 		snprintf(errbuf, sizeof(errbuf), "Valkey replied: %.*s",
 				 (int) rr->len, rr->str);
 	}
@@ -1177,7 +1160,7 @@ batch_delay_sleep(void)
  * next one is not, the worker looks again shortly (durable_poll_ms),
  * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
  * batch leaves the queue once all its replies are read.  A reply that says
- * the server cannot take writes now (vk_classify_error) fails the drain with
+ * the server cannot take writes now (valkey_reply.c) fails the drain with
  * the batches kept; one that condemns a record drops that record.  Returns
  * early, once the batches in flight are answered, when a reload is pending.
  * *copied and *rejected count OK replies and dropped records (refused or
@@ -1326,13 +1309,6 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	}
 }
 
-/* Does this error reply mean "not now" (keep the batch)? */
-static bool
-vk_reply_keeps_batch(const char *str, size_t len)
-{
-	return vk_classify_error(str, len) == VK_REPLY_RETRY;
-}
-
 /*
  * Records up to here were sent ahead of a stuck batch (positions only grow;
  * one before the ring's tail means nothing is ahead).
@@ -1371,7 +1347,7 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 		if (n == 0)
 			break;
 		vk_encoder_init(&enc, timeline);
-		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc, vk_reply_keeps_batch,
+		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc,
 						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
 			result = VK_SHUTDOWN;
 		vk_encoder_done(&enc);
@@ -1513,7 +1489,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		}
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
-		rc = idem_wc_collect(slept, vk_reply_keeps_batch, &ok, &nrej,
+		rc = idem_wc_collect(slept, &ok, &nrej,
 							 errbuf, sizeof(errbuf));
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;

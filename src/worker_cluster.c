@@ -43,6 +43,7 @@
 #include "utils/timestamp.h"
 
 #include "valkey_cluster.h"
+#include "valkey_reply.h"
 #include "worker_cluster.h"
 
 #define IDEM_WC_BATCH		512
@@ -474,7 +475,7 @@ idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
  * *rejected count this batch's records only.
  */
 IdemWcCopy
-idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
+idem_wc_collect(bool waited, uint64 *copied,
 				uint64 *rejected, char *errbuf, size_t errlen)
 {
 	int			nc = wc_nc;
@@ -514,7 +515,7 @@ idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
 			snprintf(errbuf, errlen, "%s replied: %.*s",
 					 idem_vc_node_name(wc, wc_cmds[i].node),
 					 (int) Min(r->len, 120), r->str);
-			if (keeps(r->str, r->len))
+			if (idem_vk_error_not_now(r->str, r->len))
 				keep = settled = false;
 			else
 				(*rejected)++;
@@ -542,15 +543,14 @@ idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
  */
 IdemWcCopy
 idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
-			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
-			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+			 IdemWcEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	uint64		unencodable;
 	IdemWcCopy	rc;
 
 	if (idem_wc_send(records, n, done, encode, encode_arg, &unencodable) < 0)
 		return IDEM_WC_STOPPING;
-	rc = idem_wc_collect(false, keeps, copied, rejected, errbuf, errlen);
+	rc = idem_wc_collect(false, copied, rejected, errbuf, errlen);
 	*rejected += unencodable;
 	return rc;
 }

@@ -34,9 +34,6 @@ typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
 							 char *key, int *keylen, char *value,
 							 int *valuelen, char *ttl, size_t ttllen);
 
-/* Does an error reply (not a redirect) mean "not now, keep the batch"? */
-typedef bool (*IdemWcKeeps) (const char *str, size_t len);
-
 extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
 									 size_t errlen);
 extern bool idem_wc_active(void);
@@ -44,13 +41,13 @@ extern void idem_wc_disconnect(void);
 extern int	idem_wc_send(const IdemOutboxRecord **records, int n,
 						 bool *done, IdemWcEncode encode, void *encode_arg,
 						 uint64 *rejected);
-extern IdemWcCopy idem_wc_collect(bool waited, IdemWcKeeps keeps,
+extern IdemWcCopy idem_wc_collect(bool waited,
 								  uint64 *copied, uint64 *rejected,
 								  char *errbuf, size_t errlen);
 extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
 							   bool *done,
 							   IdemWcEncode encode, void *encode_arg,
-							   IdemWcKeeps keeps, uint64 *copied,
+							   uint64 *copied,
 							   uint64 *rejected, char *errbuf, size_t errlen);
 extern struct redisReply *idem_wc_command(const char *key, size_t keylen, int argc,
 								   const char **argv, const size_t *argvlen,

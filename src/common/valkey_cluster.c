@@ -43,7 +43,7 @@ refresh_from(idem_vc *vc, int i, int64_t deadline)
 		return rc;
 	}
 	if (!vc->use_slots && r->type == REDIS_REPLY_ERROR &&
-		(idem_vc_starts_with(r->str, r->len, "ERR") || idem_vc_starts_with(r->str, r->len, "NOPERM")))
+		(idem_vk_error_code_is(r->str, r->len, "ERR") || idem_vk_error_code_is(r->str, r->len, "NOPERM")))
 	{
 		freeReplyObject(r);
 		vc->use_slots = 1;

@@ -11,8 +11,10 @@
  * single-key commands split per node whose replies are matched back to the
  * commands.  MOVED updates the map (and refreshes it) and resends that
  * command; ASK sends ASKING and the command to the named node; replies that
- * mean "not now" (CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep
- * the command and retry it with a backoff until the deadline.  A caller
+ * say the cluster is between two states (valkey_reply.c: CLUSTERDOWN,
+ * TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep the command and retry it
+ * with a backoff until the deadline; every other error reply, the other
+ * "not now" codes among them, is the caller's.  A caller
  * may split a pipeline after its first send (idem_vc_send, then
  * idem_vc_collect) to do something else while the replies come.  A command
  * whose node cannot be reached is left pending: the caller decides (the
@@ -57,8 +59,9 @@ typedef enum idem_vc_errkind
 	IDEM_VC_REPLY = 0,			/* not a redirect or a transient error */
 	IDEM_VC_MOVED,				/* MOVED <slot> <host>:<port> */
 	IDEM_VC_ASK,				/* ASK <slot> <host>:<port> */
-	IDEM_VC_RETRY				/* CLUSTERDOWN, TRYAGAIN, READONLY, LOADING,
-								 * MASTERDOWN: keep the command, retry later */
+	IDEM_VC_RETRY				/* a transient state (valkey_reply.h:
+								 * IDEM_VK_ERR_TRANSIENT): keep the command,
+								 * retry later */
 } idem_vc_errkind;
 
 /*

@@ -1,6 +1,7 @@
 # The worker's reply classes (issue 12): a Valkey that cannot take writes
-# now (a replica: READONLY; loading its dataset: LOADING; a password it
-# does not accept: WRONGPASS / NOAUTH) keeps the batch, and every copy
+# now (a replica: READONLY; loading its dataset: LOADING; too few replicas:
+# NOREPLICAS; memory full: OOM; a password it does not accept: WRONGPASS /
+# NOAUTH) keeps the batch, and every copy
 # arrives once the server takes writes again; only a reply that condemns one
 # record (NOPERM for a key the server's ACL does not allow) drops that
 # record, counted apart in idem_stats().
@@ -72,6 +73,27 @@ is(stat_of('rejected'), '0', 'no record is rejected for it');
 $valkey->command('REPLICAOF', 'NO', 'ONE');
 ok(all_copied($valkey, 'ro', 5), 'once promoted, every copy held back arrives');
 is(stat_of('queue_depth'), '0', '... and the queue is empty');
+
+# --- a server that takes no writes until it is mended: NOREPLICAS, OOM ---
+# (valkey_reply.c: both keep the batch; NOREPLICAS dropped every record
+# before the worker and the router shared one list)
+foreach my $case ([ 'NOREPLICAS', 'min-replicas-to-write', '1', '0' ],
+	[ 'OOM', 'maxmemory', '1', '0' ])
+{
+	my ($code, $param, $on, $off) = @$case;
+	my $tag = lc $code;
+	my $errors = stat_of('copy_errors');
+	$valkey->command('CONFIG', 'SET', 'maxmemory-policy', 'noeviction') if $code eq 'OOM';
+	$valkey->command('CONFIG', 'SET', $param, $on);
+	commit_keys($tag, 4);
+	ok(IdemValkey::poll_until(10, sub { stat_of('last_error') =~ /$code/ }),
+		"$code replies are reported");
+	ok(stat_of('copy_errors') > $errors && none_copied($valkey, $tag, 4),
+		"$code: counted as copy errors, nothing written");
+	is(stat_of('rejected'), '0', "$code: no record is rejected for it");
+	$valkey->command('CONFIG', 'SET', $param, $off);
+	ok(all_copied($valkey, $tag, 4), "$code: once mended, every copy held back arrives");
+}
 
 # --- a password the server does not accept: NOAUTH, then WRONGPASS ---
 $valkey->command('CONFIG', 'SET', 'requirepass', 'sesame');
