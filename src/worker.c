@@ -55,8 +55,6 @@
  */
 #include "outbox_ring.h"
 
-#include <sys/socket.h>
-
 #include <hiredis/hiredis.h>
 
 #include "access/xlog.h"
@@ -74,6 +72,7 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
+#include "valkey_cluster.h"
 #include "valkey_reply.h"
 #include "worker_cluster.h"
 
@@ -134,10 +133,7 @@ typedef enum VkResult
 	VK_SHUTDOWN					/* SIGTERM arrived while waiting */
 } VkResult;
 
-/* The connection, and the settings it was made with. */
-static redisContext *vk = NULL;
-static WaitEventSet *vk_wes = NULL;
-static int	vk_sock_pos = -1;
+/* The settings the connection (worker_cluster.c's router) was made with. */
 static char *vk_host = NULL;
 static int	vk_port = 0;
 static char *vk_password = NULL;
@@ -169,69 +165,18 @@ idem_worker_register(void)
 	RegisterBackgroundWorker(&worker);
 }
 
-/*
- * Wait until the socket is ready for events, or until deadline.  Wakeups of
- * the latch (committing backends, SIGHUP) are absorbed; the caller's main
- * loop looks at the queue and the configuration again afterwards.
- */
+/* A router's result (0, -1, -2) as the worker's. */
 static VkResult
-vk_wait(uint32 events, TimestampTz deadline, const char *what)
+vk_result(int rc)
 {
-	ModifyWaitEvent(vk_wes, vk_sock_pos, events, NULL);
-	for (;;)
-	{
-		WaitEvent	ev;
-		long		timeout;
-		int			rc;
-
-		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
-		timeout = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
-												  deadline);
-		if (timeout <= 0)
-		{
-			snprintf(errbuf, sizeof(errbuf), "timed out %s", what);
-			return VK_FAILED;
-		}
-		rc = WaitEventSetWait(vk_wes, timeout, &ev, 1, PG_WAIT_EXTENSION);
-		if (rc > 0 && (ev.events & WL_LATCH_SET))
-		{
-			ResetLatch(MyLatch);
-			continue;
-		}
-		if (rc > 0 && (ev.events & events))
-			return VK_OK;
-	}
+	return rc == 0 ? VK_OK : rc == -2 ? VK_SHUTDOWN : VK_FAILED;
 }
 
-static void
-vk_context_error(const char *what)
-{
-	snprintf(errbuf, sizeof(errbuf), "%s: %s", what,
-			 (vk != NULL && vk->err) ? vk->errstr : "out of memory");
-}
-
-/* Write everything appended to the context. */
+/* Write everything appended (a single Valkey), before deadline_ms. */
 static VkResult
-vk_flush(TimestampTz deadline)
+vk_flush(int64 deadline_ms)
 {
-	int			done = 0;
-
-	for (;;)
-	{
-		VkResult	r;
-
-		if (redisBufferWrite(vk, &done) != REDIS_OK)
-		{
-			vk_context_error("could not send");
-			return VK_FAILED;
-		}
-		if (done)
-			return VK_OK;
-		r = vk_wait(WL_SOCKET_WRITEABLE, deadline, "sending to Valkey");
-		if (r != VK_OK)
-			return r;
-	}
+	return vk_result(idem_wc_single_flush(deadline_ms, errbuf, sizeof(errbuf)));
 }
 
 /*
@@ -254,42 +199,10 @@ typedef enum VkReplyClass
  * since it sent): read before waiting for the socket.
  */
 static VkResult
-vk_next_reply(TimestampTz deadline, bool read_first, redisReply **reply)
+vk_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
 {
-	for (;;)
-	{
-		void	   *r = NULL;
-		VkResult	vr;
-
-		if (read_first)
-		{
-			/* non-blocking: nothing to read is no error */
-			if (redisBufferRead(vk) != REDIS_OK)
-			{
-				vk_context_error("could not read");
-				return VK_FAILED;
-			}
-			read_first = false;
-		}
-		if (redisGetReplyFromReader(vk, &r) != REDIS_OK)
-		{
-			vk_context_error("could not parse the reply");
-			return VK_FAILED;
-		}
-		if (r != NULL)
-		{
-			*reply = (redisReply *) r;
-			return VK_OK;
-		}
-		vr = vk_wait(WL_SOCKET_READABLE, deadline, "waiting for Valkey's reply");
-		if (vr != VK_OK)
-			return vr;
-		if (redisBufferRead(vk) != REDIS_OK)
-		{
-			vk_context_error("could not read");
-			return VK_FAILED;
-		}
-	}
+	return vk_result(idem_wc_single_read(deadline_ms, read_first, reply,
+										 errbuf, sizeof(errbuf)));
 }
 
 /*
@@ -297,10 +210,10 @@ vk_next_reply(TimestampTz deadline, bool read_first, redisReply **reply)
  * reply its text is then in errbuf); the reply itself is already freed.
  */
 static VkResult
-vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
+vk_read_reply(int64 deadline_ms, bool read_first, VkReplyClass *class)
 {
 	redisReply *rr;
-	VkResult	r = vk_next_reply(deadline, read_first, &rr);
+	VkResult	r = vk_next_reply(deadline_ms, read_first, &rr);
 
 	if (r != VK_OK)
 		return r;
@@ -316,27 +229,17 @@ vk_read_reply(TimestampTz deadline, bool read_first, VkReplyClass *class)
 	return VK_OK;
 }
 
-/* Connected: to one Valkey (vk), or to a cluster (worker_cluster.c). */
+/* Connected: to one Valkey or to a cluster (worker_cluster.c). */
 static bool
 vk_connected(void)
 {
-	return vk != NULL || idem_wc_active();
+	return idem_wc_connected();
 }
 
 static void
 vk_disconnect(void)
 {
 	idem_wc_disconnect();
-	if (vk_wes != NULL)
-	{
-		FreeWaitEventSet(vk_wes);
-		vk_wes = NULL;
-	}
-	if (vk != NULL)
-	{
-		redisFree(vk);
-		vk = NULL;
-	}
 	idem_stats_set_valkey(false, NULL);
 }
 
@@ -417,131 +320,45 @@ vk_settings_changed(void)
 	return changed;
 }
 
+/*
+ * Connect: the router (worker_cluster.c) opens a cluster, or a single
+ * Valkey as its one node (connect, AUTH, SELECT are the router's).
+ */
 static VkResult
 vk_connect(void)
 {
-	TimestampTz deadline;
-	VkResult	r;
-	int			sockerr = 0;
-	socklen_t	len = sizeof(sockerr);
-	int			nreplies = 0;
-	int			i;
-
 	if (!vk_remember_settings())
 		return VK_FAILED;		/* errbuf says why */
 
-	/* A Valkey Cluster (detected, or idem.valkey_cluster = on)? */
 	switch (idem_wc_connect(vk_password, errbuf, sizeof(errbuf)))
 	{
 		case IDEM_WC_SINGLE:
-			break;
 		case IDEM_WC_CLUSTER:
 			return VK_OK;
 		case IDEM_WC_SHUTDOWN:
 			return VK_SHUTDOWN;
 		case IDEM_WC_MISCONFIGURED:
 		case IDEM_WC_FAILED:
-			return VK_FAILED;
+			break;
 	}
-
-	vk = redisConnectNonBlock(vk_host, vk_port);
-	if (vk == NULL || vk->err)
-	{
-		vk_context_error("could not connect");
-		return VK_FAILED;
-	}
-
-	vk_wes = idem_create_wait_event_set(3);
-	AddWaitEventToSet(vk_wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
-	AddWaitEventToSet(vk_wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
-	vk_sock_pos = AddWaitEventToSet(vk_wes, WL_SOCKET_WRITEABLE, vk->fd,
-									NULL, NULL);
-
-	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-										   idem_valkey_connect_timeout_ms);
-	r = vk_wait(WL_SOCKET_WRITEABLE, deadline, "connecting");
-	if (r != VK_OK)
-		return r;
-	if (getsockopt(vk->fd, SOL_SOCKET, SO_ERROR, &sockerr, &len) != 0)
-		sockerr = errno;
-	if (sockerr != 0)
-	{
-		snprintf(errbuf, sizeof(errbuf), "could not connect: %s",
-				 strerror(sockerr));
-		return VK_FAILED;
-	}
-
-	if (vk_password[0] != '\0')
-	{
-		const char *argv[2] = {"AUTH", vk_password};
-		size_t		argvlen[2] = {4, strlen(vk_password)};
-
-		if (redisAppendCommandArgv(vk, 2, argv, argvlen) != REDIS_OK)
-		{
-			vk_context_error("could not authenticate");
-			return VK_FAILED;
-		}
-		nreplies++;
-	}
-	if (vk_db != 0)
-	{
-		if (redisAppendCommand(vk, "SELECT %d", vk_db) != REDIS_OK)
-		{
-			vk_context_error("could not select the database");
-			return VK_FAILED;
-		}
-		nreplies++;
-	}
-	if (nreplies == 0)
-		return VK_OK;
-
-	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-										   idem_valkey_command_timeout_ms);
-	r = vk_flush(deadline);
-	for (i = 0; r == VK_OK && i < nreplies; i++)
-	{
-		VkReplyClass class;
-
-		r = vk_read_reply(deadline, false, &class);
-		if (r == VK_OK && class != VK_REPLY_OK)
-			r = VK_FAILED;		/* errbuf holds the reply, not the password */
-	}
-	return r;
+	return VK_FAILED;
 }
 
 /*
- * One command outside any batch, on either connection: its reply in *reply
- * (the caller frees it), or VK_FAILED with errbuf saying why.  key routes
- * it on a cluster.
+ * One command outside any batch: its reply in *reply (the caller frees
+ * it), or VK_FAILED with errbuf saying why.  key routes it on a cluster.
  */
 static VkResult
 vk_command(const char *key, size_t keylen, int argc, const char **argv,
 		   const size_t *argvlen, redisReply **reply)
 {
-	TimestampTz deadline;
-	VkResult	r;
+	bool		shutdown = false;
 
-	if (idem_wc_active())
-	{
-		bool		shutdown = false;
-
-		*reply = idem_wc_command(key, keylen, argc, argv, argvlen,
-								 &shutdown, errbuf, sizeof(errbuf));
-		if (shutdown)
-			return VK_SHUTDOWN;
-		return *reply != NULL ? VK_OK : VK_FAILED;
-	}
-	if (redisAppendCommandArgv(vk, argc, argv, argvlen) != REDIS_OK)
-	{
-		vk_context_error("could not queue a command");
-		return VK_FAILED;
-	}
-	deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-										   idem_valkey_command_timeout_ms);
-	r = vk_flush(deadline);
-	if (r == VK_OK)
-		r = vk_next_reply(deadline, false, reply);
-	return r;
+	*reply = idem_wc_command(key, keylen, argc, argv, argvlen,
+							 &shutdown, errbuf, sizeof(errbuf));
+	if (shutdown)
+		return VK_SHUTDOWN;
+	return *reply != NULL ? VK_OK : VK_FAILED;
 }
 
 /* When the owner key was last checked (worker_check_owner). */
@@ -999,11 +816,8 @@ vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
 		argvlen[3] = 2;
 		argv[4] = ttl;
 		argvlen[4] = strlen(ttl);
-		if (redisAppendCommandArgv(vk, 5, argv, argvlen) != REDIS_OK)
-		{
-			vk_context_error("could not queue a command");
+		if (idem_wc_single_append(5, argv, argvlen, errbuf, sizeof(errbuf)) != 0)
 			return -1;
-		}
 		nsent++;
 	}
 	return nsent;
@@ -1181,7 +995,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	*rejected = 0;
 	for (;;)
 	{
-		TimestampTz deadline;
+		int64		deadline;
 		TimestampTz now = GetCurrentTimestamp();
 		VkBatch    *b;
 		VkResult	r;
@@ -1271,8 +1085,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		}
 
 		/* Send what is appended; read the oldest batch's replies. */
-		deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-											   idem_valkey_command_timeout_ms);
+		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		r = vk_flush(deadline);
 		if (r != VK_OK)
 			return r;
@@ -1282,8 +1095,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
 		if (slept)
-			deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-												   idem_valkey_command_timeout_ms);
+			deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		b = &inflight[first];
 		for (i = 0, ok = 0, nrej = 0; i < b->nsent; i++)
 		{

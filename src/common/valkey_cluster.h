@@ -22,8 +22,10 @@
  * that key only).  After a failed connect a node rests for retry_ms.
  *
  * The same code also drives a single Valkey that is not a cluster: every
- * slot then maps to the node given first.  idem_vc_open() detects the mode
- * with INFO cluster (unless forced).
+ * slot then maps to the node given first (a one-node map), whose error
+ * replies, transient ones too, are all the caller's; the worker also
+ * pipelines its batches to that node directly (idem_vc_single_*).
+ * idem_vc_open() detects the mode with INFO cluster (unless forced).
  *
  * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.  All
  * sockets are non-blocking; waiting is the caller's (idem_vc_io.wait), so
@@ -217,6 +219,20 @@ int			idem_vc_send(idem_vc *vc, idem_vc_cmd *cmds, int n,
 						 int64_t deadline_ms);
 int			idem_vc_collect(idem_vc *vc, idem_vc_cmd *cmds, int n,
 							int64_t deadline_ms, int waited);
+
+/*
+ * A single Valkey (idem_vc_open found no cluster, or the mode is single),
+ * driven directly (valkey_single.c): append commands to its one node, send
+ * them, read their replies in order, with batches written ahead of the
+ * replies to earlier ones.  read_first: time has passed since the send,
+ * receive before waiting.  0; -1 (idem_vc_last_error says why; the node is
+ * dropped); -2 abandoned (io.wait said so).  No pipeline may be in flight.
+ */
+int			idem_vc_single_append(idem_vc *vc, int argc, const char **argv,
+								  const size_t *argvlen);
+int			idem_vc_single_flush(idem_vc *vc, int64_t deadline_ms);
+int			idem_vc_single_read(idem_vc *vc, int64_t deadline_ms,
+								int read_first, redisReply **out);
 
 /* Close every connection (the map is kept; the next pipeline reconnects). */
 void		idem_vc_close_all(idem_vc *vc);

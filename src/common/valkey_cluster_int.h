@@ -12,6 +12,7 @@
  *	  valkey_node.c		the node table and each node's socket I/O
  *	  valkey_cluster.c	the router: open, map refresh, close, accessors
  *	  valkey_pipeline.c	a batch split per node, redirects followed
+ *	  valkey_single.c	a single Valkey's one node, driven directly
  *
  *	  No locking: an idem_vc belongs to one thread (the worker, or one
  *	  runner).
