@@ -246,6 +246,16 @@ int			idem_vc_node_in_map(const idem_vc *vc, int i);
 /* The last error text (connection failures and the like). */
 const char *idem_vc_last_error(const idem_vc *vc);
 
+/*
+ * A TCP connection to host:port by deadline_ms (monotonic), waiting through
+ * io: each address the name resolves to in turn; the socket non-blocking,
+ * close-on-exec, TCP_NODELAY.  Every Valkey connection of the worker and
+ * the router's nodes are made here, and the client's gate connection too.
+ * The socket, or -1 (err says why), or -2 abandoned (io.wait said so).
+ */
+int			idem_vc_tcp_connect(const char *host, int port, int64_t deadline_ms,
+								const idem_vc_io *io, char *err, size_t errlen);
+
 /* Monotonic milliseconds. */
 int64_t		idem_vc_now_ms(void);
 
