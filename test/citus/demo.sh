@@ -95,20 +95,32 @@ wait_banner() {
 	done
 ) >"$WORK/chaos.log" 2>&1 &
 BG+=($!)
+# The move, as an operator would make it: Citus may cancel it (its
+# distributed deadlock detection picks the move as the victim when it
+# waits on the handlers' transactions, more often on a loaded machine), and
+# then it is tried again, up to five times while the run goes on.
 (
 	wait_banner
 	sleep 1
-	if psql_on coord -c "SELECT citus_move_shard_placement(s, '127.0.0.1', f.nodeport, '127.0.0.1', t.nodeport)
-		FROM (SELECT get_shard_id_for_distribution_column('public.tenants', 1::bigint) s) x,
-		LATERAL (SELECT nodeport FROM pg_dist_placement JOIN pg_dist_node USING (groupid) WHERE shardid = s) f,
-		LATERAL (SELECT nodeport FROM pg_dist_node WHERE noderole = 'primary' AND groupid > 0 AND nodeport <> f.nodeport) t"; then
-		if grep -q '^Report' "$WORK/demo.out"; then
-			echo "moved the shard of tenant 1, but only after the run"
-		else
-			echo "moved the shard of tenant 1 mid-run"
+	moved=""
+	for try in 1 2 3 4 5; do
+		grep -q '^Report' "$WORK/demo.out" && break
+		if psql_on coord -c "SELECT citus_move_shard_placement(s, '127.0.0.1', f.nodeport, '127.0.0.1', t.nodeport)
+			FROM (SELECT get_shard_id_for_distribution_column('public.tenants', 1::bigint) s) x,
+			LATERAL (SELECT nodeport FROM pg_dist_placement JOIN pg_dist_node USING (groupid) WHERE shardid = s) f,
+			LATERAL (SELECT nodeport FROM pg_dist_node WHERE noderole = 'primary' AND groupid > 0 AND nodeport <> f.nodeport) t"; then
+			moved=yes
+			break
 		fi
-	else
+		echo "shard move attempt $try failed; trying again"
+		sleep 1
+	done
+	if [ -z "$moved" ]; then
 		echo "shard move failed"
+	elif grep -q '^Report' "$WORK/demo.out"; then
+		echo "moved the shard of tenant 1, but only after the run"
+	else
+		echo "moved the shard of tenant 1 mid-run"
 	fi
 ) >"$WORK/move.log" 2>&1 &
 MOVER=$!
