@@ -22,7 +22,9 @@ idem_rabbitmq_start() {
 		exec /usr/lib/rabbitmq/bin/rabbitmq-server >"$dir/server.log" 2>&1 9>&-
 	) &
 	echo $! >"$dir/script.pid"
-	for _ in $(seq 1 240); do
+	# Up to three minutes: Erlang's boot took over a minute on a 2-core
+	# machine at load 19.
+	for _ in $(seq 1 720); do
 		if (exec 3<>"/dev/tcp/127.0.0.1/$amqp") 2>/dev/null; then
 			echo "$amqp" >"$dir/amqp_port"
 			return 0
