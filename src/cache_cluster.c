@@ -61,9 +61,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "citus.h"
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "access/xlog.h"
 #include "catalog/pg_type.h"
@@ -76,6 +74,15 @@
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
+
+#include "cache_cluster.h"
+#include "cache_format.h"
+#include "cache_keyspace.h"
+#include "cache_secret.h"
+#include "citus.h"
+#include "compat.h"
+#include "outbox_ring.h"
+#include "sha256.h"
 
 #define CLUSTER_DBS			IDEM_CLUSTER_SLOTS
 /* "<system id>.<timeline>.<epoch as 16 hex>" */

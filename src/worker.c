@@ -53,7 +53,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include <sys/socket.h>
 
@@ -74,6 +74,17 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
+#include "worker.h"
+#include "cache_cluster.h"
+#include "cache_format.h"
+#include "cache_keyspace.h"
+#include "cache_secret.h"
+#include "compat.h"
+#include "guc.h"
+#include "outbox_ring.h"
+#include "sha256.h"
+#include "standby_slots.h"
+#include "stats.h"
 #include "worker_cluster.h"
 
 #define IDEM_WORKER_RESTART_S	2

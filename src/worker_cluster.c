@@ -32,7 +32,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
 
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
@@ -42,8 +42,13 @@
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
-#include "valkey_cluster.h"
 #include "worker_cluster.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "guc.h"
+#include "outbox_ring.h"
+#include "stats.h"
+#include "valkey_cluster.h"
 
 #define IDEM_WC_BATCH		512
 
