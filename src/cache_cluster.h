@@ -29,7 +29,7 @@ extern int	idem_cache_cluster_encoder(Oid dboid, TimeLineID tli, uint64 epoch,
 									   idem_hmac *mac_key);
 extern int	idem_cache_cluster_joined(Oid dboid, char *keyspace,
 									  IdemCacheSecrets *s);
-extern int	idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp,
+extern int	idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger,
 										uint64 epoch);
 
 /* Databases of one server that may join a cluster cache at once. */

@@ -25,6 +25,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
+#include "citus.h"
 #include "compat.h"
 #include "outbox_ring.h"
 
@@ -36,6 +37,7 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 {
 	char		buf[IDEM_CACHE_KEYSPACE_MAX + 1];
 	uint64		epoch;
+	Oid			ledger;
 
 	if (RecoveryInProgress())
 		ereport(ERROR,
@@ -55,10 +57,14 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 				 errmsg("the Valkey cache is not ready"),
 				 errdetail("idem's worker has not yet taken this server's cache epoch over in Valkey since the server started or the epoch changed."),
 				 errhint("Use PostgreSQL alone meanwhile, and ask again later; idem_stats() shows whether the worker reaches Valkey.")));
-	/* On Citus, the cluster's keyspace (cache_cluster.c) */
-	switch (idem_cache_cluster_keyspace(buf, sizeof(buf),
-										get_func_namespace(fcinfo->flinfo->fn_oid),
-										epoch))
+	/*
+	 * On Citus, where the tenant ledger is distributed, the cluster's
+	 * keyspace (cache_cluster.c)
+	 */
+	ledger = get_relname_relid("idempotency_keys",
+							   get_func_namespace(fcinfo->flinfo->fn_oid));
+	switch (OidIsValid(ledger) && idem_citus_distributed(ledger) ?
+			idem_cache_cluster_keyspace(buf, sizeof(buf), ledger, epoch) : 0)
 	{
 		case 1:
 			PG_RETURN_TEXT_P(cstring_to_text(buf));
