@@ -69,5 +69,12 @@
 #define idem_vc_refresh idemc_vc_refresh
 #define idem_vc_send idemc_vc_send
 #define idem_vc_set_err idemc_vc_set_err
+#define idem_vc_single_append idemc_vc_single_append
+#define idem_vc_single_flush idemc_vc_single_flush
+#define idem_vc_single_read idemc_vc_single_read
+#define idem_vc_tcp_connect idemc_vc_tcp_connect
+#define idem_vk_error_class idemc_vk_error_class
+#define idem_vk_error_code_is idemc_vk_error_code_is
+#define idem_vk_error_not_now idemc_vk_error_not_now
 
 #endif

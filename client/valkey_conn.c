@@ -1,7 +1,8 @@
 /*
  * valkey_conn.c
  *	  The Valkey connection of a runner's gate: its options and counters,
- *	  connect (TCP with a short timeout, then AUTH, INFO cluster, SELECT and
+ *	  connect (TCP with a short timeout, made as the router makes every
+ *	  node's: ../src/common/valkey_node.c; then AUTH, INFO cluster, SELECT and
  *	  SCRIPT LOAD of the release script in one pipelined round trip within
  *	  the command timeout), reconnect on use, and the rest after a failure.
  *	  The bytes themselves go through valkey_io.c.
@@ -35,6 +36,7 @@
 #include <string.h>
 #include <time.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include <hiredis/hiredis.h>
 
@@ -294,7 +296,9 @@ reply_ok(redisReply *r, int want_sha, const char *sha)
 static int
 do_connect(idem_gate *g)
 {
-	struct timeval tv = ms_tv(g->connect_timeout_ms);
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
+	char		err[256];
+	int			fd;
 	redisContext *c;
 	int			ok = 1;
 	int			n = 0,
@@ -310,11 +314,17 @@ do_connect(idem_gate *g)
 	g->connects++;
 	if (g->cluster_mode > 0 || g->vc != NULL)
 		return cluster_open(g);
-	c = redisConnectWithTimeout(g->host, g->port, tv);
+	/* the TCP connect is the router's (as every node's), hiredis wraps it */
+	fd = idem_vc_tcp_connect(g->host, g->port,
+							 idemc_now_ms() + g->connect_timeout_ms, &io,
+							 err, sizeof(err));
+	c = fd >= 0 ? redisConnectFd(fd) : NULL;
 	if (c == NULL || c->err)
 	{
 		if (c)
 			redisFree(c);
+		else if (fd >= 0)
+			close(fd);
 		/* the first node is down: the others may be a cluster's */
 		if (g->nodes != NULL && g->cluster_mode == 0)
 			return cluster_open(g);

@@ -5,12 +5,13 @@
  *	  copy of the commit queue's batches through the shared router
  *	  (valkey_cluster.c).
  *
- * worker.c calls idem_wc_connect() when it (re)connects.  Unless
- * idem.valkey_cluster is off, the router opens the first node of
- * idem.valkey_host:idem.valkey_port then idem.valkey_nodes that answers
- * and asks it INFO cluster (idem.valkey_cluster = on skips the question).
- * A node that is not a cluster leaves the worker on its single-connection
- * path (worker.c); a cluster keeps the router, and idem_wc_send() writes the
+ * worker.c calls idem_wc_connect() when it (re)connects.  The router opens
+ * the first node of idem.valkey_host:idem.valkey_port then
+ * idem.valkey_nodes that answers and asks it INFO cluster
+ * (idem.valkey_cluster = on or off skips the question).  A node that is
+ * not a cluster is the router's one node: worker.c pipelines its batches
+ * to it (idem_wc_single_*) and sends its other commands through
+ * idem_wc_command(), as on a cluster.  A cluster: idem_wc_send() writes the
  * batches worker.c takes from the queue (durable records, encoded and MACed
  * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
  * of its key's slot, all nodes pipelined at once.  idem_wc_collect() reads
@@ -34,6 +35,8 @@
  */
 #include "postgres.h"
 
+#include "postgres.h"
+
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "pgstat.h"
@@ -49,6 +52,7 @@
 #include "outbox_ring.h"
 #include "stats.h"
 #include "valkey_cluster.h"
+#include "valkey_reply.h"
 
 #define IDEM_WC_BATCH		512
 
@@ -92,6 +96,7 @@ static WcSlot *wc_slots = NULL;
 static idem_vc_cmd *wc_cmds = NULL;
 
 static void wc_publish_nodes(void);
+static void wc_report_stats(void);
 
 static void
 wc_forget_fd(void *arg, int fd)
@@ -173,7 +178,13 @@ wc_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
 bool
 idem_wc_active(void)
 {
-	return wc != NULL;
+	return wc != NULL && idem_vc_is_cluster(wc);
+}
+
+bool
+idem_wc_connected(void)
+{
+	return wc != NULL && idem_vc_is_open(wc);
 }
 
 /* The entry of a node name in wc_past, added if room; NULL if full. */
@@ -247,8 +258,6 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 	int			i;
 
 	idem_wc_disconnect();
-	if (idem_valkey_cluster == IDEM_VALKEY_CLUSTER_OFF)
-		return IDEM_WC_SINGLE;
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
 		if (wc_waits[i].wes == NULL)
 			wc_waits[i].fd = -1;
@@ -259,7 +268,9 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 	opt.password = password;
 	opt.db = idem_valkey_db;
 	opt.mode = idem_valkey_cluster == IDEM_VALKEY_CLUSTER_ON ?
-		IDEM_VC_MODE_CLUSTER : IDEM_VC_MODE_AUTO;
+		IDEM_VC_MODE_CLUSTER :
+		idem_valkey_cluster == IDEM_VALKEY_CLUSTER_OFF ?
+		IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 	opt.connect_timeout_ms = idem_valkey_connect_timeout_ms;
 	opt.retry_ms = 100;
 	io.wait = wc_wait;
@@ -282,15 +293,15 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 										 sizeof(idem_vc_cmd) * IDEM_WC_BATCH);
 		}
 		wc_publish_nodes();
-		idem_wc_report_stats();
+		wc_report_stats();
 		return IDEM_WC_CLUSTER;
 	}
-	idem_wc_report_stats();
-	idem_vc_free(wc);
-	wc = NULL;
+	wc_report_stats();
 	idem_stats_set_cluster(false, "");
 	if (rc == 0)
-		return IDEM_WC_SINGLE;
+		return IDEM_WC_SINGLE;	/* the router's one node: wc stays */
+	idem_vc_free(wc);
+	wc = NULL;
 	if (rc == -3)
 		return IDEM_WC_SHUTDOWN;
 	if (rc == -2)
@@ -324,9 +335,19 @@ wc_publish_nodes(void)
 	pfree(s.data);
 }
 
-/* Add what the router counted since the last report to idem_stats(). */
+/*
+ * Add what the router counted since the last report to idem_stats(): on a
+ * cluster, and at connect (a failed seed is a node error either way).
+ */
 void
 idem_wc_report_stats(void)
+{
+	if (idem_wc_active())
+		wc_report_stats();
+}
+
+static void
+wc_report_stats(void)
 {
 	const idem_vc_stats *s;
 
@@ -465,9 +486,46 @@ idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
 		return c.reply;
 	if (c.reply != NULL)
 		freeReplyObject(c.reply);
-	snprintf(errbuf, errlen, "no reply from the cluster: %s",
+	snprintf(errbuf, errlen, "no reply from %s: %s",
+			 idem_vc_is_cluster(wc) ? "the cluster" : "Valkey",
 			 idem_vc_last_error(wc));
 	return NULL;
+}
+
+/*
+ * A single Valkey: the router's one node, driven by worker.c's pipelined
+ * batches (valkey_single.c).  0, -1 (errbuf says why), -2 shutdown.
+ */
+static int
+wc_single_result(int rc, char *errbuf, size_t errlen)
+{
+	if (rc == -1)
+		snprintf(errbuf, errlen, "%s", idem_vc_last_error(wc));
+	return rc;
+}
+
+int
+idem_wc_single_append(int argc, const char **argv, const size_t *argvlen,
+					  char *errbuf, size_t errlen)
+{
+	return wc_single_result(idem_vc_single_append(wc, argc, argv, argvlen),
+							errbuf, errlen);
+}
+
+int
+idem_wc_single_flush(int64 deadline_ms, char *errbuf, size_t errlen)
+{
+	return wc_single_result(idem_vc_single_flush(wc, deadline_ms),
+							errbuf, errlen);
+}
+
+int
+idem_wc_single_read(int64 deadline_ms, bool read_first,
+					struct redisReply **reply, char *errbuf, size_t errlen)
+{
+	return wc_single_result(idem_vc_single_read(wc, deadline_ms, read_first,
+												reply),
+							errbuf, errlen);
 }
 
 /*
@@ -479,7 +537,7 @@ idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
  * *rejected count this batch's records only.
  */
 IdemWcCopy
-idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
+idem_wc_collect(bool waited, uint64 *copied,
 				uint64 *rejected, char *errbuf, size_t errlen)
 {
 	int			nc = wc_nc;
@@ -519,7 +577,7 @@ idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
 			snprintf(errbuf, errlen, "%s replied: %.*s",
 					 idem_vc_node_name(wc, wc_cmds[i].node),
 					 (int) Min(r->len, 120), r->str);
-			if (keeps(r->str, r->len))
+			if (idem_vk_error_not_now(r->str, r->len))
 				keep = settled = false;
 			else
 				(*rejected)++;
@@ -547,15 +605,14 @@ idem_wc_collect(bool waited, IdemWcKeeps keeps, uint64 *copied,
  */
 IdemWcCopy
 idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
-			 IdemWcEncode encode, void *encode_arg, IdemWcKeeps keeps,
-			 uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+			 IdemWcEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	uint64		unencodable;
 	IdemWcCopy	rc;
 
 	if (idem_wc_send(records, n, done, encode, encode_arg, &unencodable) < 0)
 		return IDEM_WC_STOPPING;
-	rc = idem_wc_collect(false, keeps, copied, rejected, errbuf, errlen);
+	rc = idem_wc_collect(false, copied, rejected, errbuf, errlen);
 	*rejected += unencodable;
 	return rc;
 }

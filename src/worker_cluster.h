@@ -12,7 +12,7 @@
 
 typedef enum IdemWcConnect
 {
-	IDEM_WC_SINGLE,				/* not a cluster: use worker.c's connection */
+	IDEM_WC_SINGLE,				/* not a cluster: the router's one node */
 	IDEM_WC_CLUSTER,			/* routing through the cluster */
 	IDEM_WC_FAILED,				/* no node answered; errbuf says why */
 	IDEM_WC_MISCONFIGURED,		/* a cluster, but idem.valkey_db is not 0 */
@@ -34,28 +34,34 @@ typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
 							 char *key, int *keylen, char *value,
 							 int *valuelen, char *ttl, size_t ttllen);
 
-/* Does an error reply (not a redirect) mean "not now, keep the batch"? */
-typedef bool (*IdemWcKeeps) (const char *str, size_t len);
-
 extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
 									 size_t errlen);
-extern bool idem_wc_active(void);
+extern bool idem_wc_active(void);	/* on a cluster */
+extern bool idem_wc_connected(void);	/* on a cluster or a single Valkey */
 extern void idem_wc_disconnect(void);
 extern int	idem_wc_send(const IdemOutboxRecord **records, int n,
 						 bool *done, IdemWcEncode encode, void *encode_arg,
 						 uint64 *rejected);
-extern IdemWcCopy idem_wc_collect(bool waited, IdemWcKeeps keeps,
+extern IdemWcCopy idem_wc_collect(bool waited,
 								  uint64 *copied, uint64 *rejected,
 								  char *errbuf, size_t errlen);
 extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
 							   bool *done,
 							   IdemWcEncode encode, void *encode_arg,
-							   IdemWcKeeps keeps, uint64 *copied,
+							   uint64 *copied,
 							   uint64 *rejected, char *errbuf, size_t errlen);
 extern struct redisReply *idem_wc_command(const char *key, size_t keylen, int argc,
 								   const char **argv, const size_t *argvlen,
 								   bool *shutdown, char *errbuf,
 								   size_t errlen);
+extern int	idem_wc_single_append(int argc, const char **argv,
+								  const size_t *argvlen, char *errbuf,
+								  size_t errlen);
+extern int	idem_wc_single_flush(int64 deadline_ms, char *errbuf,
+								 size_t errlen);
+extern int	idem_wc_single_read(int64 deadline_ms, bool read_first,
+								struct redisReply **reply, char *errbuf,
+								size_t errlen);
 extern void idem_wc_report_stats(void);
 extern const char *idem_wc_describe(void);
 

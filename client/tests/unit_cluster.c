@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "valkey_cluster.h"
+#include "valkey_reply.h"
 #include "tap.h"
 
 void		test_cluster(void);
@@ -84,6 +85,89 @@ test_classify(void)
 		   classify("NOSCRIPT No matching script", &slot, host, &port) == IDEM_VC_REPLY &&
 		   classify("WRONGTYPE Operation against a key", &slot, host, &port) == IDEM_VC_REPLY,
 		   "other errors are replies for the caller");
+}
+
+/*
+ * The one list of "not now" error codes (valkey_reply.c), each code with its
+ * class, as the worker and the router see it: the worker keeps a batch for
+ * both "not now" classes, the router retries only the transient one within
+ * its deadline.  A code added, dropped or moved here must be a decision.
+ */
+static void
+test_reply_classes(void)
+{
+	static const struct
+	{
+		const char *reply;
+		idem_vk_error class;
+		int			router;		/* what idem_vc_classify says */
+	}			cases[] = {
+		{"CLUSTERDOWN The cluster is down", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"TRYAGAIN Multiple keys request during rehashing of slot", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"READONLY You can't write against a read only replica.", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"LOADING Valkey is loading the dataset in memory", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"BUSY Valkey is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"OOM command not allowed when used memory > 'maxmemory'.", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"MISCONF Errors writing to the AOF file: No space left on device", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"NOREPLICAS Not enough good replicas to write.", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"NOAUTH Authentication required.", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"MOVED 3999 127.0.0.1:6381", IDEM_VK_ERR_MOVED, IDEM_VC_MOVED},
+		{"ASK 3999 127.0.0.1:6381", IDEM_VK_ERR_ASK, IDEM_VC_ASK},
+		/* answers about the command: the record is refused */
+		{"ERR unknown command 'FOO'", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"WRONGTYPE Operation against a key holding the wrong kind of value", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"NOPERM User idem has no permissions to access the 'x' key", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"NOSCRIPT No matching script.", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"WRONGPASS invalid username-password pair or user is disabled.", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		/* a code is the whole first word, never a prefix of it */
+		{"BUSYKEY Target key name already exists.", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"BUSYGROUP Consumer Group name already exists", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"LOADINGX", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"OOMKILL", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		{"loading lower case is not the code", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+		/* a code alone, with no message */
+		{"LOADING", IDEM_VK_ERR_TRANSIENT, IDEM_VC_RETRY},
+		{"NOREPLICAS", IDEM_VK_ERR_UNAVAILABLE, IDEM_VC_REPLY},
+		{"", IDEM_VK_ERR_ANSWER, IDEM_VC_REPLY},
+	};
+	int			wrong = 0;
+	int			keeps = 0;
+	size_t		i;
+
+	for (i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+	{
+		const char *r = cases[i].reply;
+		size_t		len = strlen(r);
+		int			slot,
+					port;
+		char		host[64];
+		idem_vk_error c = idem_vk_error_class(r, len);
+		int			rc = idem_vc_classify(r, len, &slot, host, sizeof(host), &port);
+		int			not_now = idem_vk_error_not_now(r, len);
+
+		if (c != cases[i].class || rc != cases[i].router ||
+			not_now != (c == IDEM_VK_ERR_TRANSIENT || c == IDEM_VK_ERR_UNAVAILABLE))
+		{
+			tap_diag("\"%s\": class %d (want %d), router %d (want %d), not now %d",
+					 r, c, cases[i].class, rc, cases[i].router, not_now);
+			wrong++;
+		}
+		/* what the router retries, the worker keeps */
+		if (rc == IDEM_VC_RETRY && !not_now)
+		{
+			tap_diag("\"%s\": the router retries it, the worker would drop it", r);
+			wrong++;
+		}
+		keeps += not_now;
+	}
+	tap_ok(wrong == 0, "each error code has its class, for the worker and the router alike");
+	tap_ok(keeps == 12, "twelve of the replies above say \"not now\" (%d)", keeps);
+	tap_ok(idem_vk_error_not_now("LOADING Valkey is loading", 7) &&
+		   !idem_vk_error_not_now("LOADINGX", 8) &&
+		   idem_vk_error_code_is("ERR x", 5, "ERR") &&
+		   !idem_vk_error_code_is("ERRX", 4, "ERR"),
+		   "only the reply's len bytes are read, and a code is a whole word");
 }
 
 static redisReply *
@@ -337,6 +421,7 @@ test_cluster(void)
 {
 	test_slots();
 	test_classify();
+	test_reply_classes();
 	test_parse_slots();
 	test_parse_shards();
 	test_endpoints();

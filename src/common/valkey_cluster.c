@@ -43,7 +43,7 @@ refresh_from(idem_vc *vc, int i, int64_t deadline)
 		return rc;
 	}
 	if (!vc->use_slots && r->type == REDIS_REPLY_ERROR &&
-		(idem_vc_starts_with(r->str, r->len, "ERR") || idem_vc_starts_with(r->str, r->len, "NOPERM")))
+		(idem_vk_error_code_is(r->str, r->len, "ERR") || idem_vk_error_code_is(r->str, r->len, "NOPERM")))
 	{
 		freeReplyObject(r);
 		vc->use_slots = 1;
@@ -247,7 +247,7 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 		int			cluster;
 
 		/* connect as a cluster node first: no SELECT before we know */
-		vc->cluster = 1;
+		vc->cluster = vc->mode != IDEM_VC_MODE_SINGLE;
 		n->down_until = 0;
 		rc = idem_vc_node_ensure(vc, n, deadline_ms);
 		if (rc == -2)
@@ -296,12 +296,15 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 			int			s;
 
 			/* the connection did not SELECT: make it again */
-			idem_vc_node_drop(vc, n);
-			rc = idem_vc_node_ensure(vc, n, deadline_ms);
-			if (rc == -2)
-				return -3;
-			if (rc != 0)
-				continue;
+			if (vc->mode != IDEM_VC_MODE_SINGLE)
+			{
+				idem_vc_node_drop(vc, n);
+				rc = idem_vc_node_ensure(vc, n, deadline_ms);
+				if (rc == -2)
+					return -3;
+				if (rc != 0)
+					continue;
+			}
 			for (s = 0; s < IDEM_VC_SLOTS; s++)
 				vc->slot_node[s] = (int16_t) vc->seeds[k];
 			n->in_map = 1;

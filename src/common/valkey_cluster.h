@@ -11,8 +11,10 @@
  * single-key commands split per node whose replies are matched back to the
  * commands.  MOVED updates the map (and refreshes it) and resends that
  * command; ASK sends ASKING and the command to the named node; replies that
- * mean "not now" (CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep
- * the command and retry it with a backoff until the deadline.  A caller
+ * say the cluster is between two states (valkey_reply.c: CLUSTERDOWN,
+ * TRYAGAIN, READONLY, LOADING, MASTERDOWN) keep the command and retry it
+ * with a backoff until the deadline; every other error reply, the other
+ * "not now" codes among them, is the caller's.  A caller
  * may split a pipeline after its first send (idem_vc_send, then
  * idem_vc_collect) to do something else while the replies come.  A command
  * whose node cannot be reached is left pending: the caller decides (the
@@ -20,8 +22,10 @@
  * that key only).  After a failed connect a node rests for retry_ms.
  *
  * The same code also drives a single Valkey that is not a cluster: every
- * slot then maps to the node given first.  idem_vc_open() detects the mode
- * with INFO cluster (unless forced).
+ * slot then maps to the node given first (a one-node map), whose error
+ * replies, transient ones too, are all the caller's; the worker also
+ * pipelines its batches to that node directly (idem_vc_single_*).
+ * idem_vc_open() detects the mode with INFO cluster (unless forced).
  *
  * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.  All
  * sockets are non-blocking; waiting is the caller's (idem_vc_io.wait), so
@@ -57,8 +61,9 @@ typedef enum idem_vc_errkind
 	IDEM_VC_REPLY = 0,			/* not a redirect or a transient error */
 	IDEM_VC_MOVED,				/* MOVED <slot> <host>:<port> */
 	IDEM_VC_ASK,				/* ASK <slot> <host>:<port> */
-	IDEM_VC_RETRY				/* CLUSTERDOWN, TRYAGAIN, READONLY, LOADING,
-								 * MASTERDOWN: keep the command, retry later */
+	IDEM_VC_RETRY				/* a transient state (valkey_reply.h:
+								 * IDEM_VK_ERR_TRANSIENT): keep the command,
+								 * retry later */
 } idem_vc_errkind;
 
 /*
@@ -215,6 +220,20 @@ int			idem_vc_send(idem_vc *vc, idem_vc_cmd *cmds, int n,
 int			idem_vc_collect(idem_vc *vc, idem_vc_cmd *cmds, int n,
 							int64_t deadline_ms, int waited);
 
+/*
+ * A single Valkey (idem_vc_open found no cluster, or the mode is single),
+ * driven directly (valkey_single.c): append commands to its one node, send
+ * them, read their replies in order, with batches written ahead of the
+ * replies to earlier ones.  read_first: time has passed since the send,
+ * receive before waiting.  0; -1 (idem_vc_last_error says why; the node is
+ * dropped); -2 abandoned (io.wait said so).  No pipeline may be in flight.
+ */
+int			idem_vc_single_append(idem_vc *vc, int argc, const char **argv,
+								  const size_t *argvlen);
+int			idem_vc_single_flush(idem_vc *vc, int64_t deadline_ms);
+int			idem_vc_single_read(idem_vc *vc, int64_t deadline_ms,
+								int read_first, redisReply **out);
+
 /* Close every connection (the map is kept; the next pipeline reconnects). */
 void		idem_vc_close_all(idem_vc *vc);
 
@@ -226,6 +245,16 @@ long long	idem_vc_node_errors(const idem_vc *vc, int i);
 int			idem_vc_node_in_map(const idem_vc *vc, int i);
 /* The last error text (connection failures and the like). */
 const char *idem_vc_last_error(const idem_vc *vc);
+
+/*
+ * A TCP connection to host:port by deadline_ms (monotonic), waiting through
+ * io: each address the name resolves to in turn; the socket non-blocking,
+ * close-on-exec, TCP_NODELAY.  Every Valkey connection of the worker and
+ * the router's nodes are made here, and the client's gate connection too.
+ * The socket, or -1 (err says why), or -2 abandoned (io.wait said so).
+ */
+int			idem_vc_tcp_connect(const char *host, int port, int64_t deadline_ms,
+								const idem_vc_io *io, char *err, size_t errlen);
 
 /* Monotonic milliseconds. */
 int64_t		idem_vc_now_ms(void);

@@ -6,11 +6,13 @@
  *	  functions one file of it calls in another.
  *
  *	  valkey_slots.c	CRC16, the slot of a key, the class of an error reply
+ *	  valkey_reply.c	which error codes mean "not now" (also the worker's)
  *	  valkey_map.c		the slot map, from CLUSTER SLOTS or CLUSTER SHARDS
  *	  valkey_endpoint.c	host:port, as settings and maps spell it
  *	  valkey_node.c		the node table and each node's socket I/O
  *	  valkey_cluster.c	the router: open, map refresh, close, accessors
  *	  valkey_pipeline.c	a batch split per node, redirects followed
+ *	  valkey_single.c	a single Valkey's one node, driven directly
  *
  *	  No locking: an idem_vc belongs to one thread (the worker, or one
  *	  runner).
@@ -21,6 +23,7 @@
 #define IDEM_VALKEY_CLUSTER_INT_H
 
 #include "valkey_cluster.h"
+#include "valkey_reply.h"
 
 #include <string.h>
 
@@ -78,16 +81,6 @@ struct idem_vc
 	idem_vc_stats stats;
 	char		err[VC_ERR_LEN];
 };
-
-/* An error reply's text begins with word (then a blank, or ends). */
-static inline int
-idem_vc_starts_with(const char *s, size_t len, const char *word)
-{
-	size_t		wl = strlen(word);
-
-	return len >= wl && memcmp(s, word, wl) == 0 &&
-		(len == wl || s[wl] == ' ');
-}
 
 /* valkey_node.c */
 extern void idem_vc_set_err(idem_vc *vc, const char *fmt,...)

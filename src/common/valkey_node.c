@@ -304,18 +304,86 @@ idem_vc_node_call(idem_vc *vc, vc_node *n, int argc, const char **argv,
 	return rc;
 }
 
+/* Close a socket this module opened, telling io first. */
+static void
+tcp_close(const idem_vc_io *io, int fd)
+{
+	if (io->closing)
+		io->closing(io->arg, fd);
+	close(fd);
+}
+
+int
+idem_vc_tcp_connect(const char *host, int port, int64_t deadline,
+					const idem_vc_io *io, char *err, size_t errlen)
+{
+	struct addrinfo hints,
+			   *res = NULL,
+			   *ai;
+	char		portbuf[16];
+	int			rc;
+	int			one = 1;
+
+	memset(&hints, 0, sizeof(hints));
+	hints.ai_family = AF_UNSPEC;
+	hints.ai_socktype = SOCK_STREAM;
+	snprintf(portbuf, sizeof(portbuf), "%d", port);
+	rc = getaddrinfo(host, portbuf, &hints, &res);
+	if (rc != 0 || res == NULL)
+	{
+		snprintf(err, errlen, "could not resolve: %s", gai_strerror(rc));
+		return -1;
+	}
+	snprintf(err, errlen, "could not connect: no address");
+	for (ai = res; ai != NULL; ai = ai->ai_next)
+	{
+		int			fd = socket(ai->ai_family,
+								SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+		int			soerr = 0;
+		socklen_t	slen = sizeof(soerr);
+
+		if (fd < 0)
+		{
+			snprintf(err, errlen, "could not create a socket: %s", strerror(errno));
+			continue;
+		}
+		rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+		if (rc != 0 && errno == EINPROGRESS)
+		{
+			rc = io->wait(io->arg, fd, 1, deadline);
+			if (rc != 0)
+			{
+				tcp_close(io, fd);
+				freeaddrinfo(res);
+				if (rc == -1)
+					snprintf(err, errlen, "timed out connecting");
+				return rc;
+			}
+			if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &slen) != 0)
+				soerr = errno;
+			rc = soerr != 0 ? -1 : 0;
+			errno = soerr;
+		}
+		if (rc != 0)
+		{
+			snprintf(err, errlen, "could not connect: %s", strerror(errno));
+			tcp_close(io, fd);
+			continue;
+		}
+		(void) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+		freeaddrinfo(res);
+		err[0] = '\0';
+		return fd;
+	}
+	freeaddrinfo(res);
+	return -1;
+}
+
 /* Open the socket and authenticate.  0, -1 (err set), -2 abandon. */
 static int
 node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 {
-	struct addrinfo hints,
-			   *res = NULL;
-	char		portbuf[16];
-	int			fd = -1;
 	int			rc;
-	int			one = 1;
-	int			soerr = 0;
-	socklen_t	slen = sizeof(soerr);
 	int64_t		cdeadline = idem_vc_now_ms() + vc->connect_timeout_ms;
 	redisReply *r;
 
@@ -323,45 +391,14 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 		cdeadline = deadline;
 	vc->err[0] = '\0';
 	vc->stats.connects++;
-	memset(&hints, 0, sizeof(hints));
-	hints.ai_family = AF_UNSPEC;
-	hints.ai_socktype = SOCK_STREAM;
-	snprintf(portbuf, sizeof(portbuf), "%d", n->port);
-	rc = getaddrinfo(n->host, portbuf, &hints, &res);
-	if (rc != 0 || res == NULL)
+	n->fd = idem_vc_tcp_connect(n->host, n->port, cdeadline, &vc->io,
+								vc->err, sizeof(vc->err));
+	if (n->fd < 0)
 	{
-		idem_vc_set_err(vc, "could not resolve: %s", gai_strerror(rc));
-		return -1;
+		rc = n->fd;
+		n->fd = -1;
+		return rc;
 	}
-	fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-	if (fd < 0)
-	{
-		idem_vc_set_err(vc, "could not create a socket: %s", strerror(errno));
-		freeaddrinfo(res);
-		return -1;
-	}
-	rc = connect(fd, res->ai_addr, res->ai_addrlen);
-	freeaddrinfo(res);
-	n->fd = fd;
-	if (rc != 0 && errno != EINPROGRESS)
-	{
-		idem_vc_set_err(vc, "could not connect: %s", strerror(errno));
-		return -1;
-	}
-	if (rc != 0)
-	{
-		rc = vc_wait(vc, fd, 1, cdeadline, "connecting");
-		if (rc != 0)
-			return rc;
-		if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &slen) != 0)
-			soerr = errno;
-		if (soerr != 0)
-		{
-			idem_vc_set_err(vc, "could not connect: %s", strerror(soerr));
-			return -1;
-		}
-	}
-	(void) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 	n->rd = redisReaderCreate();
 	if (n->rd == NULL)
 	{

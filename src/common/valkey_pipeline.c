@@ -189,6 +189,14 @@ vc_read_round(idem_vc *vc, idem_vc_cmd *cmds, int64_t deadline_ms,
 					freeReplyObject(r);
 					break;
 				case IDEM_VC_RETRY:
+					if (!vc->cluster)
+					{
+						/* a single Valkey's state: the caller backs off */
+						c->reply = r;
+						c->ask_node = -1;
+						(*done)++;
+						break;
+					}
 					vc->stats.retries++;
 					idem_vc_set_err(vc, "%s replied: %.*s", nd->name,
 							(int) (r->len > 100 ? 100 : r->len), r->str);

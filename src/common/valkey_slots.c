@@ -2,8 +2,8 @@
  *
  * valkey_slots.c
  *	  The slot of a key (CRC16, hash tags) and the class of an error reply:
- *	  a redirect (MOVED, ASK, with the slot and node it names), "not now"
- *	  (CLUSTERDOWN, TRYAGAIN, READONLY, LOADING, MASTERDOWN), or an answer
+ *	  a redirect (MOVED, ASK, with the slot and node it names), a transient
+ *	  state to retry (valkey_reply.c: its TRANSIENT class), or an answer
  *	  for the caller.  Pure functions, unit tested (client/tests).
  *
  *-------------------------------------------------------------------------
@@ -85,9 +85,11 @@ idem_vc_errkind
 idem_vc_classify(const char *err, size_t len, int *slot, char *host,
 				 size_t hostlen, int *port)
 {
-	if (idem_vc_starts_with(err, len, "MOVED") || idem_vc_starts_with(err, len, "ASK"))
+	idem_vk_error class = idem_vk_error_class(err, len);
+
+	if (class == IDEM_VK_ERR_MOVED || class == IDEM_VK_ERR_ASK)
 	{
-		int			moved = err[1] == 'O';
+		int			moved = class == IDEM_VK_ERR_MOVED;
 		size_t		skip = moved ? 6 : 4;
 
 		if (len <= skip ||
@@ -95,9 +97,8 @@ idem_vc_classify(const char *err, size_t len, int *slot, char *host,
 			return IDEM_VC_REPLY;
 		return moved ? IDEM_VC_MOVED : IDEM_VC_ASK;
 	}
-	if (idem_vc_starts_with(err, len, "CLUSTERDOWN") || idem_vc_starts_with(err, len, "TRYAGAIN") ||
-		idem_vc_starts_with(err, len, "READONLY") || idem_vc_starts_with(err, len, "LOADING") ||
-		idem_vc_starts_with(err, len, "MASTERDOWN"))
+	/* UNAVAILABLE is the caller's: retrying within its deadline is a spin */
+	if (class == IDEM_VK_ERR_TRANSIENT)
 		return IDEM_VC_RETRY;
 	return IDEM_VC_REPLY;
 }

@@ -375,9 +375,11 @@ idem_valkey_cli() {
 idem_build_install() {
 	local root=$1 pgc
 	pgc=$(idem_pg_config)
-	make -C "$root" -s PG_CONFIG="$pgc" COPT="$IDEM_WARNING_FLAGS" all || return 1
+	# one job per core: the build is the one step every suite waits for
+	make -C "$root" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$pgc" \
+		COPT="$IDEM_WARNING_FLAGS" all || return 1
 	if [ -f "$root/client/Makefile" ]; then
-		make -C "$root/client" -s PG_CONFIG="$pgc" all || return 1
+		make -C "$root/client" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$pgc" all || return 1
 	fi
 	# The client goes beside the private PostgreSQL copy, not /usr/local.
 	local client_prefix=${IDEM_CLIENT_PREFIX:-${IDEM_PG_ROOT:+$IDEM_PG_ROOT/usr/local}}

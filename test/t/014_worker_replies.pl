@@ -1,6 +1,7 @@
 # The worker's reply classes (issue 12): a Valkey that cannot take writes
-# now (a replica: READONLY; loading its dataset: LOADING; a password it
-# does not accept: WRONGPASS / NOAUTH) keeps the batch, and every copy
+# now (a replica: READONLY; loading its dataset: LOADING; too few replicas:
+# NOREPLICAS; memory full: OOM; a password it does not accept: WRONGPASS /
+# NOAUTH) keeps the batch, and every copy
 # arrives once the server takes writes again; only a reply that condemns one
 # record (NOPERM for a key the server's ACL does not allow) drops that
 # record, counted apart in idem_stats().
@@ -14,6 +15,7 @@ use IdemValkey;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IPC::Run;
 use Time::HiRes qw(time usleep);
 
 my $primary = IdemValkey->new(name => 'primary')->start;
@@ -72,6 +74,71 @@ is(stat_of('rejected'), '0', 'no record is rejected for it');
 $valkey->command('REPLICAOF', 'NO', 'ONE');
 ok(all_copied($valkey, 'ro', 5), 'once promoted, every copy held back arrives');
 is(stat_of('queue_depth'), '0', '... and the queue is empty');
+
+# --- a server that takes no writes until it is mended: NOREPLICAS, OOM ---
+# (valkey_reply.c: both keep the batch.)  NOREPLICAS refuses the owner
+# key's check too, so it is set while the worker is inside a drain: with a
+# batch delay of 300 ms and a commit every 30 ms, each batch finds the next
+# one's records waiting and the drain does not return to the main loop
+# (where the check is).  Its SETs then get NOREPLICAS, which dropped every
+# record as rejected before the worker and the router shared one list.
+$node->safe_psql('postgres', q{
+CREATE PROCEDURE stream_keys(tag text, secs float8) LANGUAGE plpgsql AS $$
+DECLARE
+	i int := 0;
+	stop timestamptz := clock_timestamp() + secs * interval '1 second';
+BEGIN
+	WHILE clock_timestamp() < stop LOOP
+		i := i + 1;
+		PERFORM idem_claim(1, idem_key('r', tag || '-' || i), idem_fingerprint('{}'));
+		PERFORM idem_complete(1, idem_key('r', tag || '-' || i), '{"ok": true}');
+		COMMIT;
+		PERFORM pg_sleep(0.03);
+	END LOOP;
+	RAISE NOTICE 'streamed %', i;
+END $$;});
+$node->append_conf('postgresql.conf', "idem.valkey_batch_delay = '300ms'\n");
+$node->reload;
+{
+	my ($rejected, $copied, $errors) = map { stat_of($_) } qw(rejected copied copy_errors);
+	my ($out, $err) = ('', '');
+	my $h = IPC::Run::start(
+		[ 'psql', '-X', '-d', $node->connstr('postgres'), '-c',
+		  "CALL stream_keys('norep', 3)" ],
+		'>', \$out, '2>', \$err);
+	usleep(1_000_000);
+	$valkey->command('CONFIG', 'SET', 'min-replicas-to-write', '1');
+	ok(IdemValkey::poll_until(10, sub { stat_of('last_error') =~ /NOREPLICAS/ }),
+		'NOREPLICAS replies are reported');
+	usleep(1_000_000);
+	$valkey->command('CONFIG', 'SET', 'min-replicas-to-write', '0');
+	$h->finish;
+	my ($n) = $err =~ /streamed (\d+)/;
+	ok(defined $n && $n > 0, "NOREPLICAS: commits streamed in meanwhile (${\($n // 0)})");
+	ok(IdemValkey::poll_until(15, sub { stat_of('queue_depth') == 0 }),
+		'NOREPLICAS: the queue drains once the server takes writes');
+	is(stat_of('rejected'), $rejected, 'NOREPLICAS: no record is rejected for it');
+	ok(stat_of('copy_errors') > $errors, 'NOREPLICAS: counted as copy errors');
+	ok(all_copied($valkey, 'norep', $n // 1),
+		'NOREPLICAS: every copy held back arrives');
+}
+$node->append_conf('postgresql.conf', "idem.valkey_batch_delay = '1ms'\n");
+$node->reload;
+
+# OOM: memory full (maxmemory, noeviction)
+{
+	my ($errors, $rejected) = map { stat_of($_) } qw(copy_errors rejected);
+	$valkey->command('CONFIG', 'SET', 'maxmemory-policy', 'noeviction');
+	$valkey->command('CONFIG', 'SET', 'maxmemory', '1');
+	commit_keys('oom', 4);
+	ok(IdemValkey::poll_until(10, sub { stat_of('last_error') =~ /OOM/ }),
+		'OOM replies are reported');
+	ok(stat_of('copy_errors') > $errors && none_copied($valkey, 'oom', 4),
+		'OOM: counted as copy errors, nothing written');
+	is(stat_of('rejected'), $rejected, 'OOM: no record is rejected for it');
+	$valkey->command('CONFIG', 'SET', 'maxmemory', '0');
+	ok(all_copied($valkey, 'oom', 4), 'OOM: once mended, every copy held back arrives');
+}
 
 # --- a password the server does not accept: NOAUTH, then WRONGPASS ---
 $valkey->command('CONFIG', 'SET', 'requirepass', 'sesame');

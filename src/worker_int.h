@@ -1,0 +1,144 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker_int.h
+ *	  What the files of the background worker share, and nothing outside
+ *	  them may use:
+ *
+ *	  worker.c			registration and the main loop (connect, epoch,
+ *						drain, back off, sleep)
+ *	  worker_valkey.c	the connection: settings, password, connect, one
+ *						command, a single Valkey's pipelined I/O
+ *	  worker_epoch.c	the epoch owner keys: take over, check, Citus
+ *	  worker_encode.c	records as SET commands (key, idem2 value, MAC)
+ *	  worker_durable.c	durability waits, naps and the batch delay
+ *	  worker_drain.c	the drains: single Valkey and Valkey Cluster
+ *	  worker_report.c	problems in idem_stats() and the log
+ *	  worker_cluster.c	the router (worker_cluster.h)
+ *
+ *	  Locking: none; the worker is one single-threaded process, and the
+ *	  state declared here is process-local.  What it shares with other
+ *	  processes (the commit queue, the stats, the cache secrets) has its
+ *	  own file and locking rules.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_WORKER_INT_H
+#define IDEM_WORKER_INT_H
+
+#include <hiredis/hiredis.h>
+
+#include "access/xlogdefs.h"
+#include "datatype/timestamp.h"
+
+#include "cache_format.h"
+#include "outbox_ring.h"
+#include "sha256.h"
+
+#define IDEM_BATCH_MAX			512
+/* A backlog: batches are pipelined ahead of replies when this many wait. */
+#define IDEM_BATCH_EAGER		256
+#define IDEM_LOG_INTERVAL_MS	10000
+#define IDEM_ERRBUF_LEN			200
+/*
+ * How often the worker checks that its epoch owner key still holds its
+ * token (and pushes its expiry back): a copy of this server may have
+ * retired it, or Valkey lost it (cache_secret.c).  Runners check it at
+ * every lookup, so this only bounds how long the cache stays unused.
+ */
+#define IDEM_OWNER_CHECK_MS			1000
+
+typedef enum VkResult
+{
+	VK_OK,
+	VK_FAILED,					/* worker_errbuf says why */
+	VK_SHUTDOWN					/* SIGTERM arrived while waiting */
+} VkResult;
+
+/*
+ * What a reply to one SET means for its record.  An error reply that says
+ * "not now" (valkey_reply.c: LOADING, READONLY, OOM, ...) keeps the batch;
+ * any other (WRONGTYPE, a per-key NOPERM, and for now the cluster
+ * redirections MOVED and ASK) condemns its record only.
+ */
+typedef enum VkReplyClass
+{
+	VK_REPLY_OK,				/* written */
+	VK_REPLY_RETRY,				/* the server cannot take writes now: keep
+								 * the batch, reconnect, resend */
+	VK_REPLY_REJECT				/* this record cannot be written: drop it */
+} VkReplyClass;
+
+/*
+ * What one batch's records are encoded with: the time, the timeline that
+ * names the keyspace, the current secret's key id and its prepared HMAC key,
+ * and the last database's keyspace.
+ */
+typedef struct VkEncoder
+{
+	TimestampTz now;
+	TimeLineID	timeline;
+	uint64		epoch;
+	int32		key_id;			/* of keyspace_db */
+	idem_hmac	mac_key;
+	char		keyspace[IDEM_CACHE_KEYSPACE_MAX + 1];
+	Oid			keyspace_db;
+	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
+	int32		own_key_id;		/* this server's own secret */
+	idem_hmac	own_mac_key;
+} VkEncoder;
+
+/* worker_valkey.c */
+extern char worker_errbuf[IDEM_ERRBUF_LEN];	/* the last problem */
+extern char *vk_host;
+extern int	vk_port;
+extern VkResult vk_flush(int64 deadline_ms);
+extern VkResult vk_next_reply(int64 deadline_ms, bool read_first,
+							  redisReply **reply);
+extern VkResult vk_read_reply(int64 deadline_ms, bool read_first,
+							  VkReplyClass *class);
+extern bool vk_connected(void);
+extern void vk_disconnect(void);
+extern bool vk_settings_changed(void);
+extern VkResult vk_connect(void);
+extern VkResult vk_command(const char *key, size_t keylen, int argc,
+						   const char **argv, const size_t *argvlen,
+						   redisReply **reply);
+
+/* worker_epoch.c */
+extern TimestampTz owner_checked_at;
+extern VkResult worker_take_epoch(void);
+extern VkResult worker_check_owner(void);
+extern VkResult worker_cluster_owners(bool check);
+extern bool worker_epoch_ready(void);
+
+/* worker_encode.c */
+extern void vk_encoder_init(VkEncoder *enc, TimeLineID timeline);
+extern void vk_encoder_done(VkEncoder *enc);
+extern int	vk_encode_record(void *arg, const IdemOutboxRecord *rec,
+							 char *key, int *keylen, char *value,
+							 int *valuelen, char *ttl, size_t ttllen);
+extern int	vk_append_batch(const IdemOutboxRecord **records, int n,
+							VkEncoder *enc, uint64 *errors);
+
+/* worker_durable.c */
+extern XLogRecPtr worker_durable_lsn(TimeLineID *timeline,
+									 bool *standby_problem);
+extern void worker_flush_wal(XLogRecPtr lsn);
+extern long durable_poll_ms(TimestampTz held_since, TimestampTz now);
+extern void worker_nap(long ms);
+extern void batch_delay_start(TimestampTz now);
+extern long batch_delay_left_ms(TimestampTz now);
+extern bool batch_delay_holds(int n, TimestampTz now);
+extern bool batch_delay_sleep(void);
+
+/* worker_drain.c */
+extern VkResult vk_drain(uint64 *copied, uint64 *rejected);
+extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
+
+/* worker_report.c */
+extern bool worker_failing;
+extern void worker_report_standby(void);
+extern void worker_report_problem(const char *doing, int retry_ms,
+								  bool is_error);
+
+#endif							/* IDEM_WORKER_INT_H */

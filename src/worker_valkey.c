@@ -1,0 +1,220 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker_valkey.c
+ *	  The worker's Valkey connection: the settings it was made with (and
+ *	  whether a reload changed them), the password, connect and disconnect
+ *	  (through worker_cluster.c's router: a cluster, or a single Valkey as
+ *	  its one node, whose connect, AUTH and SELECT are the router's), one
+ *	  command outside a batch, and the single Valkey's pipelined I/O that
+ *	  vk_drain() writes its batches with.  Every reply is freed before
+ *	  anything is reported, and the password is never logged.
+ *
+ *	  Locking: none; the worker is one process and one thread, and this
+ *	  state is its own (process-local).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "storage/fd.h"
+#include "utils/memutils.h"
+
+#include "guc.h"
+#include "stats.h"
+#include "valkey_reply.h"
+#include "worker_cluster.h"
+#include "worker_int.h"
+
+/* The settings the connection (worker_cluster.c's router) was made with. */
+char	   *vk_host = NULL;
+int			vk_port = 0;
+static char *vk_password = NULL;
+static int	vk_db = 0;
+static char *vk_nodes = NULL;	/* idem.valkey_nodes */
+static int	vk_cluster = IDEM_VALKEY_CLUSTER_AUTO;
+
+char		worker_errbuf[IDEM_ERRBUF_LEN];
+
+/* A router's result (0, -1, -2) as the worker's. */
+static VkResult
+vk_result(int rc)
+{
+	return rc == 0 ? VK_OK : rc == -2 ? VK_SHUTDOWN : VK_FAILED;
+}
+
+/* Write everything appended (a single Valkey), before deadline_ms. */
+VkResult
+vk_flush(int64 deadline_ms)
+{
+	return vk_result(idem_wc_single_flush(deadline_ms, worker_errbuf, sizeof(worker_errbuf)));
+}
+
+/*
+ * Wait for the next reply and hand it over in *reply (the caller frees it).
+ * read_first: the replies are most likely in already (the worker slept
+ * since it sent): read before waiting for the socket.
+ */
+VkResult
+vk_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
+{
+	return vk_result(idem_wc_single_read(deadline_ms, read_first, reply,
+										 worker_errbuf, sizeof(worker_errbuf)));
+}
+
+/*
+ * Read the next reply.  On VK_OK, *class says what it means (for an error
+ * reply its text is then in worker_errbuf); the reply itself is already
+ * freed.
+ */
+VkResult
+vk_read_reply(int64 deadline_ms, bool read_first, VkReplyClass *class)
+{
+	redisReply *rr;
+	VkResult	r = vk_next_reply(deadline_ms, read_first, &rr);
+
+	if (r != VK_OK)
+		return r;
+	*class = VK_REPLY_OK;
+	if (rr->type == REDIS_REPLY_ERROR)
+	{
+		*class = idem_vk_error_not_now(rr->str, rr->len) ?
+			VK_REPLY_RETRY : VK_REPLY_REJECT;
+		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
+				 (int) rr->len, rr->str);
+	}
+	freeReplyObject(rr);
+	return VK_OK;
+}
+
+/* Connected: to one Valkey or to a cluster (worker_cluster.c). */
+bool
+vk_connected(void)
+{
+	return idem_wc_connected();
+}
+
+void
+vk_disconnect(void)
+{
+	idem_wc_disconnect();
+	idem_stats_set_valkey(false, NULL);
+}
+
+/*
+ * The password to send: idem.valkey_password, else the first line of
+ * idem.valkey_password_file (read now, so a changed file is picked up at
+ * the next connect or reload), else none.  A file that cannot be read
+ * yields NULL, with the reason (never the password) in worker_errbuf.
+ */
+static char *
+vk_current_password(void)
+{
+	FILE	   *f;
+	char		line[1024];
+	size_t		n;
+
+	if (idem_valkey_password && idem_valkey_password[0] != '\0')
+		return pstrdup(idem_valkey_password);
+	if (idem_valkey_password_file == NULL || idem_valkey_password_file[0] == '\0')
+		return pstrdup("");
+	f = AllocateFile(idem_valkey_password_file, "r");
+	if (f == NULL)
+	{
+		snprintf(worker_errbuf, sizeof(worker_errbuf), "could not open idem.valkey_password_file \"%s\": %s",
+				 idem_valkey_password_file, strerror(errno));
+		return NULL;
+	}
+	if (fgets(line, sizeof(line), f) == NULL)
+		line[0] = '\0';
+	FreeFile(f);
+	n = strlen(line);
+	while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
+		line[--n] = '\0';
+	return pstrdup(line);
+}
+
+/* Remember the settings a connection is made with; false if unusable. */
+static bool
+vk_remember_settings(void)
+{
+	char	   *password = vk_current_password();
+
+	if (vk_host)
+		pfree(vk_host);
+	if (vk_password)
+		pfree(vk_password);
+	if (vk_nodes)
+		pfree(vk_nodes);
+	vk_nodes = MemoryContextStrdup(TopMemoryContext,
+								   idem_valkey_nodes ? idem_valkey_nodes : "");
+	vk_cluster = idem_valkey_cluster;
+	vk_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
+	vk_password = MemoryContextStrdup(TopMemoryContext, password ? password : "");
+	vk_port = idem_valkey_port;
+	vk_db = idem_valkey_db;
+	if (password)
+		pfree(password);
+	return password != NULL;
+}
+
+bool
+vk_settings_changed(void)
+{
+	char	   *password;
+	bool		changed;
+
+	if (vk_host == NULL)
+		return true;
+	password = vk_current_password();
+	changed = strcmp(vk_host, idem_valkey_host) != 0 ||
+		password == NULL || strcmp(vk_password, password) != 0 ||
+		vk_port != idem_valkey_port ||
+		vk_db != idem_valkey_db ||
+		vk_cluster != idem_valkey_cluster ||
+		strcmp(vk_nodes, idem_valkey_nodes ? idem_valkey_nodes : "") != 0;
+	if (password)
+		pfree(password);
+	return changed;
+}
+
+/*
+ * Connect: the router (worker_cluster.c) opens a cluster, or a single
+ * Valkey as its one node (connect, AUTH, SELECT are the router's).
+ */
+VkResult
+vk_connect(void)
+{
+	if (!vk_remember_settings())
+		return VK_FAILED;		/* worker_errbuf says why */
+
+	switch (idem_wc_connect(vk_password, worker_errbuf, sizeof(worker_errbuf)))
+	{
+		case IDEM_WC_SINGLE:
+		case IDEM_WC_CLUSTER:
+			return VK_OK;
+		case IDEM_WC_SHUTDOWN:
+			return VK_SHUTDOWN;
+		case IDEM_WC_MISCONFIGURED:
+		case IDEM_WC_FAILED:
+			break;
+	}
+	return VK_FAILED;
+}
+
+/*
+ * One command outside any batch: its reply in *reply (the caller frees
+ * it), or VK_FAILED with worker_errbuf saying why.  key routes it on a
+ * cluster.
+ */
+VkResult
+vk_command(const char *key, size_t keylen, int argc, const char **argv,
+		   const size_t *argvlen, redisReply **reply)
+{
+	bool		shutdown = false;
+
+	*reply = idem_wc_command(key, keylen, argc, argv, argvlen,
+							 &shutdown, worker_errbuf, sizeof(worker_errbuf));
+	if (shutdown)
+		return VK_SHUTDOWN;
+	return *reply != NULL ? VK_OK : VK_FAILED;
+}
