@@ -18,7 +18,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_valkey.o src/worker_epoch.o src/worker_encode.o \
 	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_cluster.o src/stats.o src/stats_sql.o src/cache_secret.o \
-	src/cache_keyspace.o src/cache_cluster.o src/standby_slots.o src/citus.o \
+	src/cache_keyspace.o src/cache_cluster.o src/cache_sql.o src/standby_slots.o src/citus.o \
 	$(COMMON_OBJS)
 # src/common/: plain C with no server headers, compiled into both idem.so and
 # the client library (client/Makefile), as PostgreSQL's own src/common.

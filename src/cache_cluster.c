@@ -61,9 +61,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "citus.h"
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "access/xlog.h"
 #include "catalog/pg_type.h"
@@ -76,6 +74,14 @@
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
+
+#include "cache_cluster.h"
+#include "cache_format.h"
+#include "cache_keyspace.h"
+#include "cache_secret.h"
+#include "compat.h"
+#include "outbox_ring.h"
+#include "sha256.h"
 
 #define CLUSTER_DBS			IDEM_CLUSTER_SLOTS
 /* "<system id>.<timeline>.<epoch as 16 hex>" */
@@ -730,16 +736,17 @@ cmp_str(const void *a, const void *b)
 }
 
 /*
- * idem_cache_keyspace() on a database whose tenant ledger (in schema nsp) is
- * distributed by Citus.  Returns 0 when it is not (the server's own
- * keyspace applies); 1 with the cluster keyspace in buf (on the
- * coordinator, after refreshing the nodes' joins; on another node, the one
- * it joined); -1 on a node that has not joined.
+ * idem_cache_keyspace() on a database whose tenant ledger is distributed
+ * by Citus (the caller has checked: idem_citus_distributed).  Returns 0
+ * without idem's shared memory (the server's own keyspace applies); 1 with
+ * the cluster keyspace in buf (on the coordinator, after refreshing the
+ * nodes' joins; on another node, the one it joined); -1 on a node that has
+ * not joined.
  */
 int
-idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
+idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 {
-	Oid			ledger = get_relname_relid("idempotency_keys", nsp);
+	Oid			nsp = get_rel_namespace(ledger);
 	Oid			owner;
 	Oid			save_userid;
 	int			save_sec_context;
@@ -763,8 +770,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid nsp, uint64 epoch)
 	char	   *node_fn;
 	int			guc_level;
 
-	if (cluster_shared == NULL || !OidIsValid(ledger) ||
-		!idem_citus_distributed(ledger))
+	if (cluster_shared == NULL)
 		return 0;
 
 	SPI_connect();

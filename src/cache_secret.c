@@ -112,13 +112,13 @@
  * without overwriting one another process made first), and rotation is
  * refused.
  *
- * idem_cache_secrets() hands the secrets to roles granted EXECUTE on it (the
- * client's handler role); PUBLIC may not execute it.  The secrets never
- * appear in the log.
+ * idem_cache_secrets() (cache_sql.c) hands the secrets to roles granted
+ * EXECUTE on it (the client's handler role); PUBLIC may not execute it.
+ * The secrets never appear in the log.
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -129,12 +129,16 @@
 #include "catalog/pg_control.h"
 #include "common/controldata_utils.h"
 #include "common/cryptohash.h"
-#include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/fd.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
 #include "utils/builtins.h"
+
+#include "cache_secret.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "sha256.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
 /* The longest file: the timeline, epoch, token and retire lines, two secrets. */
@@ -829,73 +833,6 @@ idem_cache_sign(const idem_hmac *mac_key, const char *key, int keylen,
 	idem_hmac_sha256(mac_key, input, n, mac);
 	idem_cache_set_mac(value, mac);
 	return true;
-}
-
-PG_FUNCTION_INFO_V1(idem_cache_secrets);
-
-/*
- * idem_cache_secrets() RETURNS TABLE(key_id integer, secret bytea,
- * is_current boolean, owner_key text, owner_token text): the current
- * secret, then the previous one if any; on each row the epoch owner key and
- * the token it holds while this server owns the epoch (see the file
- * header), both NULL when the worker has not taken the epoch over (the
- * runner then does not use the cache).
- */
-Datum
-idem_cache_secrets(PG_FUNCTION_ARGS)
-{
-	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	IdemCacheSecrets s;
-	IdemEpochTakeover owned;
-	char		owner_key[IDEM_CACHE_EPOCH_KEY_MAX];
-	char		owner_token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
-	bool		has_owner;
-	Datum		values[5];
-	bool		nulls[5] = {false, false, false, false, false};
-	bytea	   *b;
-	int			i;
-
-	InitMaterializedSRF(fcinfo, 0);
-	/*
-	 * On a node of a Citus cluster, the cluster's secrets, and on the
-	 * coordinator the cluster keyspace's owner key (cache_cluster.c).
-	 */
-	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) == 1)
-		has_owner = idem_cache_cluster_owner(MyDatabaseId, owner_key,
-											 sizeof(owner_key),
-											 &owned.new_token);
-	else
-	{
-		idem_cache_secrets_get(&s);
-		/* the owner of the epoch these secrets belong to, if it is this one */
-		has_owner = idem_cache_epoch_owned(&owned) && owned.epoch == s.epoch &&
-			idem_cache_epoch_key_of(owner_key, sizeof(owner_key), owned.timeline,
-									owned.epoch) >= 0;
-	}
-	if (has_owner)
-	{
-		snprintf(owner_token, sizeof(owner_token), "%016llx",
-				 (unsigned long long) owned.new_token);
-		values[3] = CStringGetTextDatum(owner_key);
-		values[4] = CStringGetTextDatum(owner_token);
-	}
-	nulls[3] = nulls[4] = !has_owner;
-	for (i = 0; i < 2; i++)
-	{
-		int32		id = i == 0 ? s.current_id : s.previous_id;
-
-		if (id <= 0)
-			continue;
-		b = (bytea *) palloc(VARHDRSZ + IDEM_MAC_LEN);
-		SET_VARSIZE(b, VARHDRSZ + IDEM_MAC_LEN);
-		memcpy(VARDATA(b), i == 0 ? s.current : s.previous, IDEM_MAC_LEN);
-		values[0] = Int32GetDatum(id);
-		values[1] = PointerGetDatum(b);
-		values[2] = BoolGetDatum(i == 0);
-		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
-	}
-	explicit_bzero(&s, sizeof(s));
-	return (Datum) 0;
 }
 
 PG_FUNCTION_INFO_V1(idem_rotate_cache_secret);

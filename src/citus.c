@@ -48,8 +48,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "citus.h"
+#include "postgres.h"
 
 #include "access/xact.h"
 #include "catalog/namespace.h"
@@ -69,6 +68,9 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
+
+#include "citus.h"
+#include "cache_cluster.h"
 
 /* The last relation asked about, and the answer. */
 static Oid	dist_relid = InvalidOid;

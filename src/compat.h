@@ -5,8 +5,11 @@
  *	  supports 15 and later: 15 and 18 are built and tested on every run
  *	  (make test), 16 and 17 build under the same guards, and the changes
  *	  announced for 19 are handled here so idem builds the day it is
- *	  released.  Every other file includes it through idem.h and uses the
- *	  names defined here instead of testing PG_VERSION_NUM itself.
+ *	  released.  Every file that meets one of these differences includes
+ *	  it and uses the names defined here instead of testing PG_VERSION_NUM
+ *	  itself; so does every file that declares a SQL function
+ *	  (PG_FUNCTION_INFO_V1) or another symbol PostgreSQL looks up by name
+ *	  (IDEM_EXPORT), else on 15 that symbol stays hidden.
  *
  *	  19, for the record: funcapi.h no longer includes access/htup_details.h
  *	  (files that form tuples include it themselves), and signal handlers

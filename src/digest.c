@@ -13,13 +13,17 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "digest.h"
-#include "sql_args.h"
+#include "postgres.h"
 
 #include "common/cryptohash.h"
 #include "common/sha2.h"
 #include "utils/builtins.h"
 #include "utils/jsonb.h"
+
+#include "digest.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "sql_args.h"
 
 PG_FUNCTION_INFO_V1(idem_key);
 PG_FUNCTION_INFO_V1(idem_fingerprint);

@@ -8,7 +8,7 @@
 #ifndef IDEM_DIGEST_H
 #define IDEM_DIGEST_H
 
-#include "idem.h"
+#include "cache_format.h"
 
 /* Room for a digest as a bytea (e.g. on the stack), suitably aligned. */
 typedef union IdemDigestBytea

@@ -19,15 +19,18 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
 
 #include <ctype.h>
 #include <limits.h>
 
 #include "miscadmin.h"
+#include "replication/slot.h"
 #include "utils/guc.h"
+#include "utils/varlena.h"
 
-#include "outbox_ring.h"		/* IDEM_OUTBOX_BYTES_PER_RECORD */
+#include "guc.h"
+#include "cache_format.h"
 #include "valkey_cluster.h"	/* idem_vc_parse_endpoint: pure, no I/O */
 
 int			idem_lease_ms = 30 * 1000;
@@ -124,6 +127,49 @@ check_valkey_nodes(char **newval, void **extra, GucSource source)
 			p++;
 	}
 	return true;
+}
+
+/* Check hook of idem.standby_slots: a list of valid slot names. */
+static bool
+idem_check_standby_slots(char **newval, void **extra, GucSource source)
+{
+	char	   *raw;
+	List	   *names;
+	ListCell   *lc;
+	bool		ok = true;
+
+	if (*newval == NULL || (*newval)[0] == '\0' ||
+		strcmp(*newval, IDEM_ALL_STANDBY_SLOTS) == 0)
+		return true;
+	raw = pstrdup(*newval);
+	if (!SplitIdentifierString(raw, ',', &names))
+	{
+		GUC_check_errdetail("List syntax is invalid.");
+		ok = false;
+	}
+	else
+	{
+		foreach(lc, names)
+		{
+			if (strcmp((char *) lfirst(lc), IDEM_ALL_STANDBY_SLOTS) == 0)
+			{
+				GUC_check_errdetail("\"%s\" (every physical slot) cannot be combined with slot names.",
+									IDEM_ALL_STANDBY_SLOTS);
+				ok = false;
+				break;
+			}
+			if (!ReplicationSlotValidateName((char *) lfirst(lc), DEBUG1))
+			{
+				GUC_check_errdetail("\"%s\" is not a valid replication slot name.",
+									(char *) lfirst(lc));
+				ok = false;
+				break;
+			}
+		}
+	}
+	list_free(names);
+	pfree(raw);
+	return ok;
 }
 
 void

@@ -18,14 +18,20 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "ledger_guard.h"
-#include "ledger_insert.h"
-#include "ledger_store.h"
+#include "postgres.h"
 
 #include "miscadmin.h"
 #include "utils/inval.h"
 #include "utils/syscache.h"
+
+#include "compat.h"
+#include "guc.h"
+#include "ledger_guard.h"
+#include "ledger_insert.h"
+#include "ledger_store.h"
+#include "shmem.h"
+#include "worker.h"
+#include "xact.h"
 
 PG_MODULE_MAGIC;
 

@@ -31,10 +31,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "ledger.h"
-#include "sql_args.h"
-#include "citus.h"
+#include "postgres.h"
 
 #include "access/htup_details.h"
 #include "catalog/namespace.h"
@@ -48,6 +45,13 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/syscache.h"
+
+#include "cache_format.h"
+#include "citus.h"
+#include "compat.h"
+#include "ledger_row.h"
+#include "ledger_store.h"
+#include "sql_args.h"
 
 PG_FUNCTION_INFO_V1(idem_install);
 

@@ -20,9 +20,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
-#include "digest.h"
-#include "sql_args.h"
+#include "postgres.h"
 
 #include "access/htup_details.h"
 #include "access/xact.h"
@@ -39,6 +37,20 @@
 #include "utils/memutils.h"
 #include "utils/resowner.h"
 #include "utils/snapmgr.h"
+
+#include "ledger.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "decision.h"
+#include "digest.h"
+#include "guc.h"
+#include "ledger_row.h"
+#include "ledger_store.h"
+#include "outbox.h"
+#include "pending.h"
+#include "sql_args.h"
+#include "standby_slots.h"
+#include "stats.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_complete);

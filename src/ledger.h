@@ -1,9 +1,11 @@
 /*-------------------------------------------------------------------------
  *
  * ledger.h
- *	  The decisions: ledger.c (the SQL API and its decisions), and
- *	  pending.c (claims of the running transaction whose row is not
- *	  written yet).  They stand on the storage below them:
+ *	  The decisions (ledger.c: the SQL API and its decisions), which the
+ *	  batch and apply forms (ledger_batch.c, ledger_apply.c) share.  They
+ *	  stand on what is below them:
+ *		pending.h		claims of the running transaction whose row is
+ *						not written yet
  *		ledger_row.h	a row: its ledger, key, content and status
  *		ledger_store.h	how a ledger table is read (index probes) and
  *						written (prepared SPI statements)
@@ -20,15 +22,12 @@
 #ifndef IDEM_LEDGER_H
 #define IDEM_LEDGER_H
 
-#include "idem.h"
+#include "datatype/timestamp.h"
+#include "utils/jsonb.h"
+
+#include "decision.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
-#include "ledger_insert.h"
-#include "ledger_guard.h"
-
-#include "utils/jsonb.h"
-#include "utils/snapshot.h"
-#include "datatype/timestamp.h"
 
 /* The spelling of each IdemDecision (ledger.c): idem_claim's decision. */
 extern const char *const idem_decision_names[IDEM_DECISION_COUNT];
@@ -66,25 +65,5 @@ extern char *ledger_check_outcome(Jsonb *jb, const char *name);
 extern TimestampTz ledger_deadline(Interval *iv, const char *name,
 								   int64 default_ms, TimestampTz now);
 extern TimestampTz ledger_retention_end(Interval *iv, TimestampTz now);
-
-/* pending.c */
-typedef struct PendingClaim
-{
-	LedgerKey	lk;				/* hash key: must stay first */
-	uint8		fingerprint[IDEM_DIGEST_LEN];
-	TimestampTz lease_end;
-	bool		lease_given;	/* the caller chose the lease (not idem.lease) */
-	Oid			relid;
-	int			nest_level;		/* subtransaction that made the claim */
-	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */
-} PendingClaim;
-
-extern void idem_pending_xact_event(XactEvent event);
-extern void idem_pending_subxact_end(bool committed, int level);
-extern PendingClaim *pending_find(const LedgerKey *lk);
-extern void pending_add(const LedgerKey *lk, const uint8 *fingerprint,
-						TimestampTz lease_end, bool lease_given, Oid relid);
-extern void pending_settle(PendingClaim *claim);
-extern void pending_check_change(const char *what);
 
 #endif							/* IDEM_LEDGER_H */

@@ -40,8 +40,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
-#include "sql_args.h"
+#include "postgres.h"
 
 #include "access/htup_details.h"
 #include "access/xact.h"
@@ -61,6 +60,16 @@
 #include "utils/regproc.h"
 #include "utils/resowner.h"
 #include "utils/syscache.h"
+#include "utils/timestamp.h"
+
+#include "cache_format.h"
+#include "compat.h"
+#include "decision.h"
+#include "guc.h"
+#include "ledger.h"
+#include "ledger_row.h"
+#include "ledger_store.h"
+#include "sql_args.h"
 
 PG_FUNCTION_INFO_V1(idem_apply);
 PG_FUNCTION_INFO_V1(idem_platform_apply);

@@ -29,8 +29,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
-#include "sql_args.h"
+#include "postgres.h"
 
 #include "catalog/pg_type.h"
 #include "funcapi.h"
@@ -42,6 +41,15 @@
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/tuplestore.h"
+
+#include "cache_format.h"
+#include "compat.h"
+#include "guc.h"
+#include "ledger.h"
+#include "ledger_row.h"
+#include "ledger_store.h"
+#include "sql_args.h"
+#include "standby_slots.h"
 
 PG_FUNCTION_INFO_V1(idem_claim_many);
 PG_FUNCTION_INFO_V1(idem_platform_claim_many);

@@ -14,13 +14,17 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_store_int.h"
-#include "citus.h"
+#include "postgres.h"
 
 #include "catalog/dependency.h"
 #include "utils/hsearch.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+
+#include "ledger_store_int.h"
+#include "citus.h"
+#include "compat.h"
+#include "ledger_row.h"
 
 /*
  * On Citus, one store per shard of the tenant ledger this backend used

@@ -40,15 +40,18 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_guard.h"
-#include "ledger_row.h"
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "catalog/objectaccess.h"
 #include "catalog/pg_class.h"
 #include "executor/executor.h"
 #include "parser/parsetree.h"
 #include "utils/lsyscache.h"
+
+#include "ledger_guard.h"
+#include "cache_secret.h"
+#include "ledger_row.h"
+#include "outbox_ring.h"
 
 static bool guard_rows_removed = false;	/* this transaction */
 static int	guard_own_depth = 0;	/* inside idem's own ledger writes */

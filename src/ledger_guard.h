@@ -10,7 +10,7 @@
 #ifndef IDEM_LEDGER_GUARD_H
 #define IDEM_LEDGER_GUARD_H
 
-#include "idem.h"
+#include "access/xact.h"
 
 extern void idem_ledger_guard_register(void);
 extern void idem_ledger_guard_xact_event(XactEvent event);

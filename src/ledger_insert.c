@@ -36,8 +36,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_insert.h"
-#include "digest.h"
+#include "postgres.h"
 
 #include "access/table.h"
 #include "access/xact.h"
@@ -56,6 +55,12 @@
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
+#include "utils/timestamp.h"
+
+#include "ledger_insert.h"
+#include "compat.h"
+#include "digest.h"
+#include "ledger_row.h"
 
 /* The columns idem supplies, and their types. */
 typedef enum InsertColumn

@@ -15,8 +15,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_store_int.h"
-#include "digest.h"
+#include "postgres.h"
 
 #include "access/genam.h"
 #include "access/heapam.h"
@@ -30,6 +29,13 @@
 #include "utils/fmgroids.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
+#include "ledger_store_int.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "digest.h"
+#include "ledger_row.h"
 
 /*
  * Fetch the first tuple of an equality scan on a unique index.  Returns

@@ -21,9 +21,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_store_int.h"
-#include "citus.h"
-#include "ledger_insert.h"
+#include "postgres.h"
 
 #include "access/genam.h"
 #include "access/relation.h"
@@ -41,6 +39,11 @@
 #include "utils/rel.h"
 #include "utils/rls.h"
 #include "utils/syscache.h"
+
+#include "ledger_store_int.h"
+#include "citus.h"
+#include "ledger_insert.h"
+#include "ledger_row.h"
 
 const StoreColumnDef store_columns[COL_COUNT] = {
 	{"status", TEXTOID},

@@ -7,6 +7,8 @@
  *
  *-------------------------------------------------------------------------
  */
+#include "postgres.h"
+
 #include "ledger_row.h"
 
 static const char *const ledger_tables[LEDGER_KINDS] = {

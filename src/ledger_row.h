@@ -11,7 +11,9 @@
 #ifndef IDEM_LEDGER_ROW_H
 #define IDEM_LEDGER_ROW_H
 
-#include "idem.h"
+#include "datatype/timestamp.h"
+
+#include "cache_format.h"
 
 typedef enum LedgerKind
 {

@@ -19,11 +19,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger_store_int.h"
-#include "citus.h"
-#include "digest.h"
-#include "ledger_guard.h"
-#include "ledger_insert.h"
+#include "postgres.h"
 
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
@@ -31,6 +27,14 @@
 #include "miscadmin.h"
 #include "utils/builtins.h"
 #include "utils/lsyscache.h"
+
+#include "ledger_store_int.h"
+#include "citus.h"
+#include "compat.h"
+#include "digest.h"
+#include "ledger_guard.h"
+#include "ledger_insert.h"
+#include "ledger_row.h"
 
 /*
  * Every statement takes the owner of the key as $1 (tenant_id, unused on

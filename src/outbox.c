@@ -45,13 +45,19 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "access/xact.h"
 #include "access/xlog.h"
 #include "access/xlog_internal.h"
 #include "miscadmin.h"
 #include "utils/memutils.h"
+
+#include "outbox.h"
+#include "cache_format.h"
+#include "outbox_ring.h"
+#include "stats.h"
+#include "subxact.h"
 
 /* This transaction's pending copies, in TopTransactionContext. */
 static List *pending_records = NIL;	/* of IdemOutboxRecord * */

@@ -55,7 +55,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "miscadmin.h"
 #include "port/atomics.h"
@@ -63,6 +63,12 @@
 #include "storage/proc.h"
 #include "storage/shmem.h"
 #include "utils/timestamp.h"
+
+#include "outbox_ring.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "guc.h"
+#include "stats.h"
 
 /*
  * A record's header (everything before the outcome) is 120 bytes; the ring

@@ -10,9 +10,11 @@
 #ifndef IDEM_OUTBOX_RING_H
 #define IDEM_OUTBOX_RING_H
 
-#include "idem.h"
-
+#include "access/xlogdefs.h"
+#include "datatype/timestamp.h"
 #include "nodes/pg_list.h"
+
+#include "cache_format.h"
 
 /*
  * One queued copy as it sits in the shared queue.  Records are variable
@@ -38,9 +40,6 @@ typedef struct IdemOutboxRecord
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	char		outcome[FLEXIBLE_ARRAY_MEMBER];
 } IdemOutboxRecord;
-
-/* Average bytes the ring reserves per queued record (see outbox_ring.c). */
-#define IDEM_OUTBOX_BYTES_PER_RECORD	256
 
 #define IDEM_OUTBOX_RECORD_SIZE(outcome_len) \
 	MAXALIGN(offsetof(IdemOutboxRecord, outcome) + (outcome_len))

@@ -28,7 +28,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "ledger.h"
+#include "postgres.h"
 
 #include "access/xact.h"
 #include "commands/trigger.h"
@@ -37,6 +37,12 @@
 #include "utils/jsonb.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
+
+#include "pending.h"
+#include "cache_format.h"
+#include "ledger_row.h"
+#include "ledger_store.h"
+#include "subxact.h"
 
 /* This transaction's open claims; NULL when there are none. */
 static HTAB *pending = NULL;

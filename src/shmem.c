@@ -17,12 +17,18 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "miscadmin.h"
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
+
+#include "shmem.h"
+#include "cache_cluster.h"
+#include "cache_secret.h"
+#include "outbox_ring.h"
+#include "stats.h"
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;

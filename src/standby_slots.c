@@ -39,7 +39,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
 
 #include "access/transam.h"
 #include "access/xact.h"
@@ -54,52 +54,14 @@
 #include "utils/memutils.h"
 #include "utils/varlena.h"
 
+#include "standby_slots.h"
+#include "compat.h"
+#include "guc.h"
+#include "outbox.h"
+
 static char *parsed_from = NULL;	/* the setting the list was parsed from */
 static List *slot_names = NIL;		/* of char *, in TopMemoryContext */
 static bool all_slots = false;		/* '*': every physical slot in use */
-
-/* Check hook of idem.standby_slots: a list of valid slot names. */
-bool
-idem_check_standby_slots(char **newval, void **extra, GucSource source)
-{
-	char	   *raw;
-	List	   *names;
-	ListCell   *lc;
-	bool		ok = true;
-
-	if (*newval == NULL || (*newval)[0] == '\0' ||
-		strcmp(*newval, IDEM_ALL_STANDBY_SLOTS) == 0)
-		return true;
-	raw = pstrdup(*newval);
-	if (!SplitIdentifierString(raw, ',', &names))
-	{
-		GUC_check_errdetail("List syntax is invalid.");
-		ok = false;
-	}
-	else
-	{
-		foreach(lc, names)
-		{
-			if (strcmp((char *) lfirst(lc), IDEM_ALL_STANDBY_SLOTS) == 0)
-			{
-				GUC_check_errdetail("\"%s\" (every physical slot) cannot be combined with slot names.",
-									IDEM_ALL_STANDBY_SLOTS);
-				ok = false;
-				break;
-			}
-			if (!ReplicationSlotValidateName((char *) lfirst(lc), DEBUG1))
-			{
-				GUC_check_errdetail("\"%s\" is not a valid replication slot name.",
-									(char *) lfirst(lc));
-				ok = false;
-				break;
-			}
-		}
-	}
-	list_free(names);
-	pfree(raw);
-	return ok;
-}
 
 static void
 parse_setting(void)
@@ -126,7 +88,7 @@ parse_setting(void)
 		return;
 	}
 	raw = pstrdup(cur);
-	/* The check hook has accepted it. */
+	/* The check hook (guc.c) has accepted it. */
 	(void) SplitIdentifierString(raw, ',', &names);
 	foreach(lc, names)
 		slot_names = lappend(slot_names, pstrdup((char *) lfirst(lc)));

@@ -13,11 +13,14 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
 
 #include "port/atomics.h"
 #include "storage/shmem.h"
 #include "storage/spin.h"
+
+#include "stats.h"
+#include "decision.h"
 
 typedef struct IdemStatsShared
 {

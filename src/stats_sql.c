@@ -7,11 +7,16 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "outbox_ring.h"
+#include "postgres.h"
 
 #include "access/htup_details.h"
 #include "funcapi.h"
 #include "utils/builtins.h"
+
+#include "compat.h"
+#include "decision.h"
+#include "outbox_ring.h"
+#include "stats.h"
 
 /* Column order of idem_stats(); see idem--0.2--0.3.sql. */
 enum

@@ -59,7 +59,9 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
+
+#include "postgres.h"
 
 #include "miscadmin.h"
 #include "postmaster/bgworker.h"
@@ -70,7 +72,12 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
+#include "worker.h"
+#include "cache_secret.h"
+#include "outbox_ring.h"
+#include "stats.h"
 #include "worker_cluster.h"
+#include "worker_int.h"
 
 #define IDEM_WORKER_RESTART_S	2
 #define IDEM_BACKOFF_MIN_MS		100

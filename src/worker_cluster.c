@@ -33,7 +33,9 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
+#include "postgres.h"
+
+#include "postgres.h"
 
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
@@ -43,9 +45,14 @@
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
+#include "worker_cluster.h"
+#include "cache_format.h"
+#include "compat.h"
+#include "guc.h"
+#include "outbox_ring.h"
+#include "stats.h"
 #include "valkey_cluster.h"
 #include "valkey_reply.h"
-#include "worker_cluster.h"
 
 #define IDEM_WC_BATCH		512
 

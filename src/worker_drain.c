@@ -13,14 +13,18 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "miscadmin.h"
 #include "postmaster/interrupt.h"
 #include "utils/timestamp.h"
 
+#include "guc.h"
+#include "outbox_ring.h"
+#include "stats.h"
 #include "valkey_cluster.h"
 #include "worker_cluster.h"
+#include "worker_int.h"
 
 /* batches sent ahead of a stuck one, to the nodes that answer */
 #define IDEM_AHEAD_BATCHES		8

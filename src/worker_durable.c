@@ -11,13 +11,17 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "access/xlog.h"
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "storage/latch.h"
 #include "utils/timestamp.h"
+
+#include "guc.h"
+#include "standby_slots.h"
+#include "worker_int.h"
 
 /*
  * How often to look at the durable WAL position while copies wait for it

@@ -12,12 +12,18 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "utils/datetime.h"
 #include "utils/timestamp.h"
 
+#include "cache_cluster.h"
+#include "cache_format.h"
+#include "cache_keyspace.h"
+#include "cache_secret.h"
+#include "outbox_ring.h"
 #include "worker_cluster.h"
+#include "worker_int.h"
 
 /* Unix epoch milliseconds of a timestamp. */
 static int64

@@ -12,9 +12,15 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "utils/timestamp.h"
+
+#include "cache_cluster.h"
+#include "cache_format.h"
+#include "cache_keyspace.h"
+#include "cache_secret.h"
+#include "worker_int.h"
 
 /*
  * How long the epoch owner key lives after the last start that took the

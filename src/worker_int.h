@@ -25,12 +25,14 @@
 #ifndef IDEM_WORKER_INT_H
 #define IDEM_WORKER_INT_H
 
-#include "outbox_ring.h"
-
 #include <hiredis/hiredis.h>
 
 #include "access/xlogdefs.h"
 #include "datatype/timestamp.h"
+
+#include "cache_format.h"
+#include "outbox_ring.h"
+#include "sha256.h"
 
 #define IDEM_BATCH_MAX			512
 /* A backlog: batches are pipelined ahead of replies when this many wait. */

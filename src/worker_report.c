@@ -10,9 +10,12 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "utils/timestamp.h"
+
+#include "stats.h"
+#include "worker_int.h"
 
 static TimestampTz last_logged = 0;
 bool		worker_failing = false;	/* last attempt failed; log the recovery */

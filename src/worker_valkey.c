@@ -14,13 +14,16 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "worker_int.h"
+#include "postgres.h"
 
 #include "storage/fd.h"
 #include "utils/memutils.h"
 
+#include "guc.h"
+#include "stats.h"
 #include "valkey_reply.h"
 #include "worker_cluster.h"
+#include "worker_int.h"
 
 /* The settings the connection (worker_cluster.c's router) was made with. */
 char	   *vk_host = NULL;

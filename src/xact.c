@@ -12,7 +12,7 @@
  *
  *	  Both tag their state with the subtransaction nesting level that made
  *	  it and follow subtransactions by the same rule, idem_subxact_follow()
- *	  (idem.h): what the ending subtransaction made is forgotten when it
+ *	  (subxact.h): what the ending subtransaction made is forgotten when it
  *	  aborts and handed to its parent when it commits.
  *
  *	  The outbox goes first; at PREPARE (two-phase commit: nothing is
@@ -21,8 +21,12 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "idem.h"
-#include "ledger.h"
+#include "postgres.h"
+
+#include "xact.h"
+#include "ledger_guard.h"
+#include "outbox.h"
+#include "pending.h"
 
 void
 idem_xact_callback(XactEvent event, void *arg)

@@ -46,7 +46,7 @@ ok $? "the Makefile's OBJS ($(echo $objs | wc -w) objects)"
 missing=
 for o in $objs; do
 	src=${o%.o}.c
-	printf '%s\n' "$table" | grep -qxF "$src" || missing="$missing $src"
+	grep -qxF -- "$src" <<<"$table" || missing="$missing $src"
 done
 [ -n "$objs" ] && [ -z "$missing" ]
 ok $? "every source of the extension's OBJS is in the table${missing:+ (missing:$missing)}"
@@ -69,7 +69,7 @@ for o in $cobjs; do
 	done
 	if [ -z "$found" ]; then
 		missing="$missing $base.c(no source found)"
-	elif ! printf '%s\n' "$table" | grep -qxF "$found"; then
+	elif ! grep -qxF -- "$found" <<<"$table"; then
 		missing="$missing $found"
 	fi
 done
