@@ -92,8 +92,8 @@ if [ -d /etc/apt/sources.list.d ] && [ -r /etc/os-release ]; then
 	done
 	if entry=$(idem_backports_entry "$T/e"); then
 		n=$((n + 1))
-		if printf '%s\n' "$entry" | grep -qE '^Suites: [a-z]+-backports$' &&
-			printf '%s\n' "$entry" | grep -q '^URIs: '; then
+		if grep -qE '^Suites: [a-z]+-backports$' <<<"$entry" &&
+			grep -q '^URIs: ' <<<"$entry"; then
 			echo "ok $n - this machine's Debian entry gives a backports entry"
 		else
 			echo "not ok $n - this machine's Debian entry gives a backports entry"
