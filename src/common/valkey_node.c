@@ -241,21 +241,20 @@ idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
 		 * in yet: wait first, which saves a recv that would only say EAGAIN
 		 * (one system call per round trip).  When several nodes were sent
 		 * to, the later ones' replies are usually in by the time they are
-		 * read: recv first.
+		 * read: recv first.  "Alone" also counts a node read after the
+		 * round's other nodes were given up, whose deadline a hung node
+		 * may have spent while this one's reply came in: waiting first is
+		 * only a saving, so its timeout is not this node's failure, and
+		 * the recv below tells (the wait of an EAGAIN is).
 		 */
 		if (n->sent)
 		{
 			int			alone = vc->nsent == 1;
 
 			idem_vc_node_unsent(vc, n);
-			if (alone)
-			{
-				int			rc = vc_wait(vc, n->fd, 0, deadline,
-										 "waiting for a reply");
-
-				if (rc != 0)
-					return rc;
-			}
+			if (alone &&
+				vc->io.wait(vc->io.arg, n->fd, 0, deadline) == -2)
+				return -2;
 		}
 		got = recv(n->fd, buf, sizeof(buf), 0);
 		if (got > 0)

@@ -122,12 +122,12 @@ is(count_where($runs, 'replayed', 'valkey'), 20, 'and replay from it');
 (my $owner_key = $keyspace) =~ s/\.[0-9]+:\z/:owner/;
 sub hang_master
 {
-	my ($hung, $what) = @_;
+	my ($hung, $what, $port, $seeds) = @_;
 	my @on_hung = grep { $vc->master_of_key(rkey('r', $_))->port == $hung->port } 1 .. 60;
 	@on_hung = (1 .. 60)
 	  if !$legacy && $vc->master_of_key($owner_key)->port == $hung->port;
 	$hung->pause;
-	my ($runs, $stats) = runs('r', 60);
+	my ($runs, $stats) = runs('r', 60, undef, $port, $seeds);
 	$hung->resume;
 	is(count_where($runs, 'replayed'), 60, "$what hangs: every run still replays");
 	is(scalar(grep { $runs->{$_}[1] eq 'postgres' } @on_hung), scalar(@on_hung),
@@ -140,6 +140,20 @@ my ($other_master) = grep { $_->port != $first->port } $vc->masters;
 hang_master($other_master, 'a master');
 die "the first node is not a master" unless grep { $_->port == $first->port } $vc->masters;
 hang_master($first, 'the first seed (a master)');
+
+# The router reads a round's replies node by node, in its node table's
+# order (the seeds' order, then the map's).  With the hung master before
+# the owner key's master, a round that sent to both gives up the hung one
+# at the deadline, then reads the owner key's reply, which came in long
+# before: that node must not be failed for the deadline the other spent
+# (it was, and every later lookup went to PostgreSQL while it rested).
+if (!$legacy)
+{
+	my $owner_master = $vc->master_of_key($owner_key);
+	my ($hung, $third) = grep { $_->port != $owner_master->port } $vc->masters;
+	hang_master($hung, 'a master read before the owner key\'s master', $third->port,
+		join(',', map { '127.0.0.1:' . $_->port } $hung, $owner_master));
+}
 
 $node->stop;
 done_testing();
