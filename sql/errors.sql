@@ -26,12 +26,14 @@ SELECT idem_claim(1, :k, :fp, interval '-1 second');
 SELECT idem_claim(1, :k, :fp, interval '1 month -40 days');
 -- Leases and retentions are added on the calendar, in the session's time
 -- zone, and must end after now as added: across a 23-hour day (a zone
--- whose daylight saving time starts at the next midnight, whatever the
--- date), '1 day -24 hours 1 second' ends an hour before the claim returns.
-SELECT set_config('TimeZone', format('XST0XDT,%s/0,%s/0', d, (d + 180) % 365), false)
-       IS NOT NULL AS dst_at_midnight
-  FROM (SELECT extract(doy FROM (clock_timestamp() AT TIME ZONE 'UTC')
-                                + interval '1 day')::int - 1 AS d) AS tomorrow;
+-- whose daylight saving time starts 11 to 12 hours from now, whatever the
+-- date and time: not at a fixed hour, which a day later could fall in
+-- the hour the change skips), '1 day -24 hours 1 second' ends an hour
+-- before the claim returns.
+SELECT set_config('TimeZone', format('XST0XDT,%s/%s,%s/0', d, h, (d + 180) % 365), false)
+       IS NOT NULL AS dst_in_half_a_day
+  FROM (SELECT extract(doy FROM t)::int - 1 AS d, extract(hour FROM t)::int AS h
+          FROM (SELECT (clock_timestamp() AT TIME ZONE 'UTC') + interval '12 hours' AS t) AS n) AS later;
 SELECT (now() + interval '1 day') - now() AS one_day;
 SELECT decision FROM idem_claim(1, :k, :fp, interval '1 day -24 hours 1 second');
 BEGIN;
