@@ -53,17 +53,27 @@ static VkResult vk_key_command(const char *key, int argc, const char **argv,
  * is VK_FAILED, with worker_errbuf saying it; on VK_OK *reply (if reply is
  * not NULL) is the caller's to free.
  */
+/* The owner key of epoch (timeline, epoch) into key; false (worker_errbuf
+ * says why) if the prefix leaves it no room. */
+static bool
+owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
+{
+	if (idem_cache_epoch_key_of(key, IDEM_CACHE_EPOCH_KEY_MAX, timeline, epoch) < 0)
+	{
+		snprintf(worker_errbuf, sizeof(worker_errbuf), "idem.valkey_prefix is too long");
+		return false;
+	}
+	return true;
+}
+
 static VkResult
 vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
 				 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 
-	if (idem_cache_epoch_key_of(key, sizeof(key), timeline, epoch) < 0)
-	{
-		snprintf(worker_errbuf, sizeof(worker_errbuf), "idem.valkey_prefix is too long");
+	if (!owner_key_of(key, timeline, epoch))
 		return VK_FAILED;
-	}
 	return vk_key_command(key, argc, argv, reply);
 }
 
@@ -165,6 +175,50 @@ worker_take_epoch(void)
 }
 
 /*
+ * An owner key that should hold token: GET it; if it does, push its expiry
+ * back; if Valkey lost it, set it again (SET NX).  *taken: it holds
+ * anything else (retired, or taken over elsewhere).
+ */
+static VkResult
+owner_keep(const char *key, const char *token, bool *taken)
+{
+	char		ttl[32];
+	const char *argv[6];
+	redisReply *reply = NULL;
+	VkResult	r;
+	bool		ours;
+	bool		lost;
+
+	*taken = false;
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "GET";
+	r = vk_key_command(key, 2, argv, &reply);
+	if (r != VK_OK)
+		return r;
+	ours = owner_reply_is(reply, token);
+	lost = reply->type == REDIS_REPLY_NIL;
+	freeReplyObject(reply);
+	if (lost)
+	{
+		/* a racing writer wins: the next check sees it */
+		argv[0] = "SET";
+		argv[2] = token;
+		argv[3] = "NX";
+		argv[4] = "PX";
+		argv[5] = ttl;
+		return vk_key_command(key, 6, argv, NULL);
+	}
+	if (!ours)
+	{
+		*taken = true;
+		return VK_OK;
+	}
+	argv[0] = "PEXPIRE";
+	argv[2] = ttl;
+	return vk_key_command(key, 3, argv, NULL);
+}
+
+/*
  * Every IDEM_OWNER_CHECK_MS, after each connect and before the first copy
  * after an idle wait (so that the copies runners read next are vouched
  * for): does the owner key of
@@ -181,49 +235,30 @@ worker_check_owner(void)
 {
 	IdemEpochTakeover t;
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
-	char		ttl[32];
-	const char *argv[6];
-	redisReply *reply = NULL;
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	VkResult	r;
-	bool		ours;
-	bool		lost;
+	bool		taken;
 
 	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
 		return VK_OK;
+	if (!owner_key_of(key, t.timeline, t.epoch))
+		return VK_FAILED;
 	OWNER_TOKEN_TEXT(token, t.new_token);
-	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
-	argv[0] = "GET";
-	r = vk_owner_command(t.timeline, t.epoch, 2, argv, &reply);
+	r = owner_keep(key, token, &taken);
 	if (r != VK_OK)
 		return r;
-	ours = owner_reply_is(reply, token);
-	lost = reply->type == REDIS_REPLY_NIL;
-	freeReplyObject(reply);
 	owner_checked_at = GetCurrentTimestamp();
-	if (lost)
-	{
-		/* a racing writer wins: the next check sees it */
-		argv[0] = "SET";
-		argv[2] = token;
-		argv[3] = "NX";
-		argv[4] = "PX";
-		argv[5] = ttl;
-		return vk_owner_command(t.timeline, t.epoch, 6, argv, NULL);
-	}
-	if (!ours)
+	if (taken)
 	{
 		ereport(LOG,
 				(errmsg("idem: cache epoch %016llx is no longer this server's in Valkey",
 						(unsigned long long) t.epoch),
 				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
-		return VK_OK;
 	}
-	argv[0] = "PEXPIRE";
-	argv[2] = ttl;
-	return vk_owner_command(t.timeline, t.epoch, 3, argv, NULL);
+	return VK_OK;
 }
 
 /*
@@ -275,36 +310,13 @@ worker_cluster_owners(bool check)
 	}
 	for (int i = 0; check && i < IDEM_CLUSTER_SLOTS; i++)
 	{
-		redisReply *reply = NULL;
-		bool		ours;
-		bool		lost;
+		bool		taken;
 
 		if (!idem_cache_cluster_owned(i, &d))
 			continue;
 		OWNER_TOKEN_TEXT(token, d.token);
-		argv[0] = "GET";
-		r = vk_key_command(d.key, 2, argv, &reply);
-		if (r != VK_OK)
-			return r;
-		ours = owner_reply_is(reply, token);
-		lost = reply->type == REDIS_REPLY_NIL;
-		freeReplyObject(reply);
-		if (lost)
-		{
-			argv[0] = "SET";
-			argv[2] = token;
-			argv[3] = "NX";
-			argv[4] = "PX";
-			argv[5] = ttl;
-			r = vk_key_command(d.key, 6, argv, NULL);
-		}
-		else if (ours)
-		{
-			argv[0] = "PEXPIRE";
-			argv[2] = ttl;
-			r = vk_key_command(d.key, 3, argv, NULL);
-		}
-		else
+		r = owner_keep(d.key, token, &taken);
+		if (r == VK_OK && taken)
 		{
 			ereport(LOG,
 					(errmsg("idem: the Citus cluster cache keyspace \"%s\" was retired",
