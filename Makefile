@@ -24,7 +24,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 # the client library (client/Makefile), as PostgreSQL's own src/common.
 COMMON_OBJS = src/common/cache_format.o src/common/sha256.o \
 	src/common/valkey_reply.o src/common/valkey_slots.o src/common/valkey_map.o src/common/valkey_endpoint.o \
-	src/common/valkey_node.o src/common/valkey_cluster.o src/common/valkey_pipeline.o src/common/valkey_single.o
+	src/common/valkey_node.o src/common/valkey_wire.o src/common/valkey_cluster.o src/common/valkey_pipeline.o src/common/valkey_single.o
 # Install and upgrade scripts, beside idem.control as in contrib.
 DATA = $(wildcard idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/common

@@ -183,7 +183,7 @@ idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 		{
 			const char *argv[2] = {"GET", i < n ? keys[i] : check_key};
 
-			ok = idemc_vk_append_cmd(&buf, &len, 2, argv) == 0;
+			ok = idem_vc_wire_append(&buf, &len, 2, argv) == 0;
 		}
 		if (ok)
 			ok = idemc_vk_send_all(g, buf, len, deadline) == 0;

@@ -73,6 +73,11 @@
 #define idem_vc_single_flush idemc_vc_single_flush
 #define idem_vc_single_read idemc_vc_single_read
 #define idem_vc_tcp_connect idemc_vc_tcp_connect
+#define idem_vc_wire_append idemc_vc_wire_append
+#define idem_vc_wire_read idemc_vc_wire_read
+#define idem_vc_wire_send idemc_vc_wire_send
+#define idem_vc_wire_set_blocking idemc_vc_wire_set_blocking
+#define idem_vc_wire_setup idemc_vc_wire_setup
 #define idem_vk_error_class idemc_vk_error_class
 #define idem_vk_error_code_is idemc_vk_error_code_is
 #define idem_vk_error_not_now idemc_vk_error_not_now

@@ -2,19 +2,19 @@
  * valkey_conn.c
  *	  The Valkey connection of a runner's gate: its options and counters,
  *	  connect (TCP with a short timeout, made as the router makes every
- *	  node's: ../src/common/valkey_node.c; then AUTH, INFO cluster, SELECT and
- *	  SCRIPT LOAD of the release script in one pipelined round trip within
- *	  the command timeout), reconnect on use, and the rest after a failure.
- *	  The bytes themselves go through valkey_io.c.
+ *	  node's: ../src/common/valkey_node.c; then the common setup of
+ *	  ../src/common/valkey_wire.c, AUTH and SELECT, with INFO cluster and
+ *	  SCRIPT LOAD of the release script in the same pipelined round trip
+ *	  within the command timeout), reconnect on use, and the rest after a
+ *	  failure.  The bytes themselves go through valkey_io.c.
  *
  *	  A failure never fails a run: the gate is skipped and PostgreSQL
  *	  decides.  After a failed connect the gate is left alone for retry_ms;
  *	  a broken established connection is dropped (valkey_io.c) and
  *	  reconnected on next use.
  *
- *	  hiredis writes a new connection's first commands itself, with write():
- *	  SIGPIPE is blocked while it connects, and a pending one discarded
- *	  (libpq's way).
+ *	  Every byte goes out with send(MSG_NOSIGNAL) (hiredis only wraps the
+ *	  socket and parses): no signal mask is needed, connecting or not.
  *
  *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless
  *	  the mode is forced); a cluster node hands the gate to the shared
@@ -31,59 +31,15 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <pthread.h>
 #include <unistd.h>
 
 #include <hiredis/hiredis.h>
 
 #include "valkey_cluster.h"
 #include "valkey_conn.h"
-
-/* ---- SIGPIPE while hiredis connects: blocked, a pending one discarded (libpq's way) */
-
-typedef struct pipe_guard
-{
-	sigset_t	old;
-	int			was_pending;
-} pipe_guard;
-
-static void
-pipe_block(pipe_guard *pg)
-{
-	sigset_t	set,
-				pend;
-
-	sigemptyset(&set);
-	sigaddset(&set, SIGPIPE);
-	pthread_sigmask(SIG_BLOCK, &set, &pg->old);
-	sigemptyset(&pend);
-	sigpending(&pend);
-	pg->was_pending = sigismember(&pend, SIGPIPE);
-}
-
-static void
-pipe_unblock(pipe_guard *pg)
-{
-	sigset_t	set,
-				pend;
-
-	sigemptyset(&set);
-	sigaddset(&set, SIGPIPE);
-	sigemptyset(&pend);
-	if (!pg->was_pending && sigpending(&pend) == 0 &&
-		sigismember(&pend, SIGPIPE))
-	{
-		struct timespec zero = {0, 0};
-
-		while (sigtimedwait(&set, NULL, &zero) < 0 && errno == EINTR)
-			;
-	}
-	pthread_sigmask(SIG_SETMASK, &pg->old, NULL);
-}
 
 static char *
 dup_or_null(const char *s)
@@ -278,21 +234,12 @@ idemc_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
 	*node_errors = s ? (long) s->node_errors : 0;
 }
 
-/* A connect pipeline's reply: OK, or (SCRIPT LOAD) the script's SHA-1, sha. */
-static int
-reply_ok(redisReply *r, int want_sha, const char *sha)
-{
-	if (r == NULL)
-		return 0;
-	if (want_sha)
-		return r->type == REDIS_REPLY_STRING && r->len == 40 &&
-			memcmp(sha, r->str, 40) == 0;
-	return r->type == REDIS_REPLY_STATUS;
-}
-
-/* Connect, authenticate, select, load the script: one round trip after the
- * TCP connect, within the command timeout (a deadline).  0 on success; on
- * failure the gate stays down for retry_ms. */
+/* Connect, then in one round trip within the command timeout (a deadline)
+ * the common setup (../src/common/valkey_wire.c: AUTH, the gate's own
+ * commands, SELECT): INFO cluster unless the mode is forced (before
+ * SELECT, which a cluster refuses: it must be recognised), and SCRIPT LOAD
+ * of the release script.  0 on success; on failure the gate stays down for
+ * retry_ms. */
 static int
 do_connect(idem_gate *g)
 {
@@ -300,16 +247,16 @@ do_connect(idem_gate *g)
 	char		err[256];
 	int			fd;
 	redisContext *c;
-	int			ok = 1;
-	int			n = 0,
-				i;
-	char		dbtxt[16];
-	char	   *buf = NULL;
-	size_t		len = 0;
-	int64_t		deadline;
-	int			info_at = -1;	/* index of INFO cluster's reply */
+	const char *info[2] = {"INFO", "cluster"};
+	const char *load[3] = {"SCRIPT", "LOAD", idemc_cad_script};
+	const char *const *argv[2];
+	int			argc[2];
+	redisReply *replies[2] = {NULL, NULL};
+	idem_vc_setup su;
+	int			rc;
+	int			ok;
 	int			cluster = 0;
-	int			io_failed = 0;	/* no reply (not an error reply) */
+	redisReply *sha;
 
 	g->connects++;
 	if (g->cluster_mode > 0 || g->vc != NULL)
@@ -332,61 +279,32 @@ do_connect(idem_gate *g)
 		return -1;
 	}
 	g->c = c;
-	ok = idemc_vk_socket_setup(g) == 0;
-	if (ok && g->password)
+	memset(&su, 0, sizeof(su));
+	su.password = g->password;
+	su.db = g->db;
+	su.extra_argc = argc;
+	su.extra_argv = argv;
+	su.extra_replies = replies;
+	if (g->cluster_mode == 0)
 	{
-		const char *argv[2] = {"AUTH", g->password};
-
-		ok = idemc_vk_append_cmd(&buf, &len, 2, argv) == 0;
-		n++;
+		argc[su.nextra] = 2;
+		argv[su.nextra++] = info;
 	}
-	/* before SELECT, which a cluster refuses: it must be recognised */
-	if (ok && g->cluster_mode == 0)
-	{
-		const char *argv[2] = {"INFO", "cluster"};
-
-		ok = idemc_vk_append_cmd(&buf, &len, 2, argv) == 0;
-		n++;
-		info_at = n - 1;
-	}
-	if (ok && g->db != 0)
-	{
-		const char *argv[2] = {"SELECT", dbtxt};
-
-		snprintf(dbtxt, sizeof(dbtxt), "%d", g->db);
-		ok = idemc_vk_append_cmd(&buf, &len, 2, argv) == 0;
-		n++;
-	}
-	if (ok)
-	{
-		const char *argv[3] = {"SCRIPT", "LOAD", idemc_cad_script};
-
-		ok = idemc_vk_append_cmd(&buf, &len, 3, argv) == 0;
-		n++;
-	}
-	deadline = idemc_now_ms() + g->command_timeout_ms;
-	if (ok)
-	{
-		g->round_trips++;
-		ok = idemc_vk_send_all(g, buf, len, deadline) == 0;
-		io_failed = !ok;
-	}
-	free(buf);
-	for (i = 0; ok && i < n; i++)
-	{
-		redisReply *rep = idemc_vk_read_reply(g, deadline);
-		int			is_sha = i == n - 1;
-
-		if (rep == NULL)
-			ok = 0, io_failed = 1;
-		else if (i == info_at)
-			cluster = ((redisReply *) rep)->type == REDIS_REPLY_STRING &&
-				strstr(((redisReply *) rep)->str, "cluster_enabled:1") != NULL;
-		else if (!reply_ok(rep, is_sha, idemc_cad_sha1))
-			ok = 0;
-		if (rep)
-			freeReplyObject(rep);
-	}
+	argc[su.nextra] = 3;
+	argv[su.nextra++] = load;
+	g->round_trips++;
+	rc = idem_vc_wire_setup(c->fd, &su, idemc_now_ms() + g->command_timeout_ms,
+							&io, err, sizeof(err));
+	if (g->cluster_mode == 0 && replies[0] != NULL)
+		cluster = replies[0]->type == REDIS_REPLY_STRING &&
+			strstr(replies[0]->str, "cluster_enabled:1") != NULL;
+	sha = replies[su.nextra - 1];
+	ok = rc == 0 && sha != NULL && sha->type == REDIS_REPLY_STRING &&
+		sha->len == 40 && memcmp(idemc_cad_sha1, sha->str, 40) == 0 &&
+		idemc_vk_socket_setup(g) == 0;
+	for (int i = 0; i < su.nextra; i++)
+		if (replies[i])
+			freeReplyObject(replies[i]);
 	if (cluster && g->db != 0)
 	{
 		/* a configuration error, not an outage: the gate stays off */
@@ -398,7 +316,7 @@ do_connect(idem_gate *g)
 	{
 		idemc_gate_drop(g);
 		/* the first node hangs: the others may be a cluster's */
-		if (io_failed && g->nodes != NULL && g->cluster_mode == 0)
+		if ((rc == -1 || rc == -2) && g->nodes != NULL && g->cluster_mode == 0)
 			return cluster_open(g);
 		g->down_until = idemc_now_ms() + g->retry_ms;
 		return -1;
@@ -421,26 +339,15 @@ idemc_gate_resting(const idem_gate *g)
 	return g->c == NULL && idemc_now_ms() < g->down_until;
 }
 
-/*
- * Connected, or connect now.  hiredis writes the connection's first
- * commands itself, with write(): a Valkey dying right then would raise
- * SIGPIPE, so connecting runs with it blocked.  Commands afterwards go
- * through exchange(), which sends with MSG_NOSIGNAL and needs no mask.
- */
+/* Connected, or connect now. */
 int
 idemc_gate_ensure(idem_gate *g)
 {
-	pipe_guard	pg;
-	int			rc;
-
 	if (g->c || (g->vc != NULL && idem_vc_is_open(g->vc)))
 		return 0;
 	if (idemc_gate_resting(g))
 		return -1;
-	pipe_block(&pg);
-	rc = do_connect(g);
-	pipe_unblock(&pg);
-	return rc;
+	return do_connect(g);
 }
 
 void

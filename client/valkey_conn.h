@@ -9,7 +9,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <sys/time.h>
 
 #include <hiredis/hiredis.h>
 
@@ -43,24 +42,12 @@ struct idem_gate
 									 * configured (valkey_db on a cluster) */
 };
 
-static inline struct timeval
-ms_tv(int ms)
-{
-	struct timeval tv;
-
-	tv.tv_sec = ms / 1000;
-	tv.tv_usec = (ms % 1000) * 1000;
-	return tv;
-}
-
 /* valkey_conn.c */
 void		idemc_gate_drop(idem_gate *g);
 int			idemc_gate_ensure(idem_gate *g);
 
 /* valkey_io.c */
 int			idemc_vk_socket_setup(idem_gate *g);
-int			idemc_vk_append_cmd(char **buf, size_t *len, int argc,
-								const char **argv);
 int			idemc_vk_send_all(idem_gate *g, const char *buf, size_t len,
 							  int64_t deadline);
 redisReply *idemc_vk_read_reply(idem_gate *g, int64_t deadline);

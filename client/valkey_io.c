@@ -2,14 +2,15 @@
  * valkey_io.c
  *	  The bytes of the gate's Valkey connection, and what a failure means.
  *
- *	  hiredis formats commands and parses replies; after the TCP connect
- *	  (valkey_conn.c), the bytes go through send(MSG_NOSIGNAL) and recv()
- *	  here, so a dead Valkey is an error, never SIGPIPE, without masking
- *	  signals on every call.  The command timeout is a deadline: a reply is
- *	  waited for by a blocking recv() whose SO_RCVTIMEO is what is left of
- *	  it (a send that finds the socket full waits with poll()), and a signal
- *	  (EINTR) never restarts the clock; an exchange is two system calls, as
- *	  hiredis's own GET.
+ *	  hiredis formats commands and parses replies; the bytes go through
+ *	  the same send and receive as every Valkey connection of idem
+ *	  (../src/common/valkey_wire.c): send(MSG_NOSIGNAL), so a dead Valkey
+ *	  is an error, never SIGPIPE, without masking signals on every call.
+ *	  The command timeout is a deadline: a reply is waited for by a
+ *	  blocking recv() whose SO_RCVTIMEO is what is left of it (a send that
+ *	  finds the socket full waits with poll()), and a signal (EINTR) never
+ *	  restarts the clock; an exchange is two system calls, as hiredis's own
+ *	  GET.
  *
  *	  Errors are classified by errno, never by message text: only a
  *	  connection that died (EOF, reset, broken pipe) is worth one immediate
@@ -24,11 +25,8 @@
 #include "internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 
 #include <hiredis/hiredis.h>
 
@@ -43,47 +41,6 @@ io_error(redisContext *c, int type, const char *what)
 }
 
 /*
- * Wait until fd is ready for events, or the deadline (monotonic ms) passes.
- * A signal does not extend the wait: what is left is recomputed.  Returns
- * 1 ready, 0 deadline passed, -1 error (errno set).
- */
-static int
-wait_fd(int fd, short events, int64_t deadline)
-{
-	for (;;)
-	{
-		struct pollfd pfd;
-		int64_t		left = deadline - idemc_now_ms();
-		int			rc;
-
-		if (left <= 0)
-			return 0;
-		pfd.fd = fd;
-		pfd.events = events;
-		pfd.revents = 0;
-		rc = poll(&pfd, 1, (int) left);
-		if (rc > 0)
-			return 1;
-		if (rc == 0)
-			return 0;
-		if (errno != EINTR)
-			return -1;
-	}
-}
-
-/* SO_RCVTIMEO of g->c's socket, in ms (> 0). */
-static int
-set_rcvtimeo(idem_gate *g, int64_t ms)
-{
-	struct timeval tv = ms_tv((int) ms);
-
-	if (setsockopt(g->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0)
-		return -1;
-	g->rcvtimeo_ms = (int) ms;
-	return 0;
-}
-
-/*
  * A new connection's socket: blocking, with the command timeout as
  * SO_RCVTIMEO, so that waiting for a reply is one recv() (no poll() before
  * it: a gate run costs two system calls, send and recv, as a GET does).
@@ -91,119 +48,56 @@ set_rcvtimeo(idem_gate *g, int64_t ms)
 int
 idemc_vk_socket_setup(idem_gate *g)
 {
-	int			fl = fcntl(g->c->fd, F_GETFL);
+	return idem_vc_wire_set_blocking(g->c->fd, g->command_timeout_ms,
+									 &g->rcvtimeo_ms);
+}
 
-	if (fl < 0 ||
-		((fl & O_NONBLOCK) && fcntl(g->c->fd, F_SETFL, fl & ~O_NONBLOCK) != 0))
-		return -1;
-	return set_rcvtimeo(g, g->command_timeout_ms);
+/* A failed exchange: errno into g->last_errno, the error into g->c. */
+static void
+io_failed(idem_gate *g, const char *what)
+{
+	int			e = errno;
+
+	g->last_errno = e;
+	io_error(g->c, e == ECONNRESET ? REDIS_ERR_EOF : REDIS_ERR_IO, what);
 }
 
 /*
- * Send len bytes before the deadline, with MSG_NOSIGNAL: at once, waiting
- * (poll) only when the socket's buffer is full.  0, or -1 with the error
- * left in g->c and g->last_errno (0 for the deadline).
+ * Send len bytes before the deadline (../src/common/valkey_wire.c: at once,
+ * waiting with poll() only when the socket's buffer is full).  0, or -1
+ * with the error left in g->c and g->last_errno (0 for the deadline).
  */
 int
 idemc_vk_send_all(idem_gate *g, const char *buf, size_t len, int64_t deadline)
 {
-	redisContext *c = g->c;
-	size_t		off = 0;
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
+	char		err[128];
 
-	while (off < len)
-	{
-		ssize_t		n = send(c->fd, buf + off, len - off,
-							 MSG_NOSIGNAL | MSG_DONTWAIT);
-
-		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-		{
-			int			w = wait_fd(c->fd, POLLOUT, deadline);
-
-			if (w <= 0)
-			{
-				g->last_errno = w < 0 ? errno : 0;
-				io_error(c, REDIS_ERR_IO, w < 0 ? strerror(errno) : "timeout");
-				return -1;
-			}
-			continue;
-		}
-		if (n <= 0)
-		{
-			g->last_errno = n < 0 ? errno : 0;
-			io_error(c, REDIS_ERR_IO, n < 0 ? strerror(errno) : "send");
-			return -1;
-		}
-		off += (size_t) n;
-	}
-	return 0;
+	if (idem_vc_wire_send(g->c->fd, buf, len, deadline, &io, err,
+						  sizeof(err)) == 0)
+		return 0;
+	io_failed(g, err);
+	return -1;
 }
 
 /*
- * Read one reply before the deadline.  Returns it (caller frees), or NULL
- * with the error left in g->c and g->last_errno (0: EOF, deadline,
- * protocol).
- *
- * A blocking recv() bounded by SO_RCVTIMEO: the socket's timeout is brought
- * down to what is left of the deadline whenever it exceeds it by more than
- * a millisecond (after a partial reply, or a signal: a recv() on a socket
- * with a timeout is never restarted, it fails with EINTR), and back up at
- * the next command; so a signal never extends the deadline.
+ * Read one reply before the deadline: a blocking recv() bounded by
+ * SO_RCVTIMEO, kept within what is left of the deadline
+ * (../src/common/valkey_wire.c).  Returns it (caller frees), or NULL with
+ * the error left in g->c and g->last_errno (ECONNRESET for EOF; 0: the
+ * deadline, a protocol error).
  */
 redisReply *
 idemc_vk_read_reply(idem_gate *g, int64_t deadline)
 {
-	redisContext *c = g->c;
+	redisReply *r = NULL;
+	char		err[128];
 
-	for (;;)
-	{
-		void	   *reply = NULL;
-		char		buf[16 * 1024];
-		ssize_t		n;
-		int64_t		left;
-
-		if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
-		{
-			g->last_errno = 0;
-			return NULL;
-		}
-		if (reply != NULL)
-			return reply;
-		left = deadline - idemc_now_ms();
-		if (left <= 0)
-		{
-			g->last_errno = 0;
-			io_error(c, REDIS_ERR_IO, "timeout");
-			return NULL;
-		}
-		if ((g->rcvtimeo_ms > left + 1 || g->rcvtimeo_ms < left - 1) &&
-			set_rcvtimeo(g, left) != 0)
-		{
-			g->last_errno = errno;
-			io_error(c, REDIS_ERR_IO, strerror(errno));
-			return NULL;
-		}
-		n = recv(c->fd, buf, sizeof(buf), 0);
-		if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-			continue;			/* the deadline is checked above */
-		if (n == 0)
-		{
-			g->last_errno = 0;
-			io_error(c, REDIS_ERR_EOF, "Server closed the connection");
-			return NULL;
-		}
-		if (n < 0)
-		{
-			g->last_errno = errno;
-			io_error(c, REDIS_ERR_IO, strerror(errno));
-			return NULL;
-		}
-		if (redisReaderFeed(c->reader, buf, (size_t) n) != REDIS_OK)
-		{
-			g->last_errno = 0;
-			io_error(c, REDIS_ERR_PROTOCOL, "Protocol error");
-			return NULL;
-		}
-	}
+	if (idem_vc_wire_read(g->c->fd, g->c->reader, deadline, 0,
+						  &g->rcvtimeo_ms, NULL, err, sizeof(err), &r) == 0)
+		return r;
+	io_failed(g, err);
+	return NULL;
 }
 
 /*
@@ -233,37 +127,13 @@ exchange(idem_gate *g, int argc, const char **argv, const size_t *argvlen)
 	return idemc_vk_read_reply(g, deadline);
 }
 
-/* Append one formatted command to *buf (a malloc'd string of *len bytes). */
-int
-idemc_vk_append_cmd(char **buf, size_t *len, int argc, const char **argv)
-{
-	char	   *cmd = NULL;
-	long long	n = redisFormatCommandArgv(&cmd, argc, argv, NULL);
-	char	   *grown;
-
-	if (n < 0)
-		return -1;
-	grown = realloc(*buf, *len + (size_t) n);
-	if (grown == NULL)
-	{
-		redisFreeCommand(cmd);
-		return -1;
-	}
-	memcpy(grown + *len, cmd, (size_t) n);
-	*buf = grown;
-	*len += (size_t) n;
-	redisFreeCommand(cmd);
-	return 0;
-}
-
 /* Did the established connection die (EOF, reset, broken pipe), as opposed
  * to a timeout?  Only then is one immediate retry on a new connection worth
  * it. */
 static int
 connection_died(const idem_gate *g)
 {
-	return g->c->err == REDIS_ERR_EOF ||
-		g->last_errno == ECONNRESET || g->last_errno == EPIPE ||
+	return g->last_errno == ECONNRESET || g->last_errno == EPIPE ||
 		g->last_errno == ECONNABORTED;
 }
 
@@ -358,7 +228,7 @@ exchange_pipeline(idem_gate *g, int n, const int *argc, const char *const *const
 	for (i = 0; ok && i < n; i++)
 		ok = (argc[i] == 2 && strcmp(argv[i][0], "GET") == 0 ?
 			  append_get(g, &buf, &len, argv[i][1]) :
-			  idemc_vk_append_cmd(&buf, &len, argc[i], (const char **) argv[i])) == 0;
+			  idem_vc_wire_append(&buf, &len, argc[i], (const char **) argv[i])) == 0;
 	if (!ok)
 		io_error(g->c, REDIS_ERR_OOM, "Out of memory");
 	else

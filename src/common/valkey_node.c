@@ -3,8 +3,9 @@
  * valkey_node.c
  *	  The router's node table and each node's I/O: one non-blocking socket,
  *	  one hiredis reader and one output buffer per node; connect (with AUTH
- *	  and SELECT), send, read, rest after a failure.  Waiting is the
- *	  caller's (idem_vc_io.wait); writes use send(MSG_NOSIGNAL).
+ *	  and SELECT in one round trip), send, read, rest after a failure.  The
+ *	  bytes go through valkey_wire.c; waiting is the caller's
+ *	  (idem_vc_io.wait).
  *
  *-------------------------------------------------------------------------
  */
@@ -167,45 +168,15 @@ idem_vc_node_expect(idem_vc *vc, vc_node *n, int what)
 	return 0;
 }
 
-/* Wait through io; 0 ready, -1 timeout (err set), -2 abandon. */
-static int
-vc_wait(idem_vc *vc, int fd, int for_write, int64_t deadline, const char *what)
-{
-	int			rc = vc->io.wait(vc->io.arg, fd, for_write, deadline);
-
-	if (rc == -1)
-		idem_vc_set_err(vc, "timed out %s", what);
-	return rc;
-}
-
 /* Send everything buffered.  0, -1 (err set), -2 abandon. */
 int
 idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
 {
-	size_t		off = 0;
+	int			rc = idem_vc_wire_send(n->fd, n->obuf, n->olen, deadline,
+									   &vc->io, vc->err, sizeof(vc->err));
 
-	while (off < n->olen)
-	{
-		ssize_t		w = send(n->fd, n->obuf + off, n->olen - off, MSG_NOSIGNAL);
-
-		if (w > 0)
-		{
-			off += (size_t) w;
-			continue;
-		}
-		if (w < 0 && errno == EINTR)
-			continue;
-		if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-		{
-			int			rc = vc_wait(vc, n->fd, 1, deadline, "sending");
-
-			if (rc != 0)
-				return rc;
-			continue;
-		}
-		idem_vc_set_err(vc, "could not send: %s", strerror(errno));
-		return -1;
-	}
+	if (rc != 0)
+		return rc;
 	if (n->olen > 0 && !n->sent)
 	{
 		n->sent = 1;
@@ -219,71 +190,21 @@ idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
 int
 idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
 {
-	for (;;)
-	{
-		void	   *reply = NULL;
-		char		buf[16 * 1024];
-		ssize_t		got;
+	/*
+	 * Right after a send to this node alone, its reply is almost never in
+	 * yet: wait first, which saves a recv that would only say EAGAIN (one
+	 * system call per round trip).  When several nodes were sent to, the
+	 * later ones' replies are usually in by the time they are read: recv
+	 * first.  "Alone" also counts a node read after the round's other nodes
+	 * were given up, whose deadline a hung node may have spent while this
+	 * one's reply came in: waiting first is only a saving, so its timeout is
+	 * not this node's failure (idem_vc_wire_read recvs all the same).
+	 */
+	int			wait_first = n->sent && vc->nsent == 1;
 
-		if (redisReaderGetReply(n->rd, &reply) != REDIS_OK)
-		{
-			idem_vc_set_err(vc, "protocol error");
-			return -1;
-		}
-		if (reply != NULL)
-		{
-			*out = reply;
-			return 0;
-		}
-
-		/*
-		 * Right after a send to this node alone, its reply is almost never
-		 * in yet: wait first, which saves a recv that would only say EAGAIN
-		 * (one system call per round trip).  When several nodes were sent
-		 * to, the later ones' replies are usually in by the time they are
-		 * read: recv first.  "Alone" also counts a node read after the
-		 * round's other nodes were given up, whose deadline a hung node
-		 * may have spent while this one's reply came in: waiting first is
-		 * only a saving, so its timeout is not this node's failure, and
-		 * the recv below tells (the wait of an EAGAIN is).
-		 */
-		if (n->sent)
-		{
-			int			alone = vc->nsent == 1;
-
-			idem_vc_node_unsent(vc, n);
-			if (alone &&
-				vc->io.wait(vc->io.arg, n->fd, 0, deadline) == -2)
-				return -2;
-		}
-		got = recv(n->fd, buf, sizeof(buf), 0);
-		if (got > 0)
-		{
-			if (redisReaderFeed(n->rd, buf, (size_t) got) != REDIS_OK)
-			{
-				idem_vc_set_err(vc, "protocol error");
-				return -1;
-			}
-			continue;
-		}
-		if (got == 0)
-		{
-			idem_vc_set_err(vc, "server closed the connection");
-			return -1;
-		}
-		if (errno == EINTR)
-			continue;
-		if (errno == EAGAIN || errno == EWOULDBLOCK)
-		{
-			int			rc = vc_wait(vc, n->fd, 0, deadline, "waiting for a reply");
-
-			if (rc != 0)
-				return rc;
-			continue;
-		}
-		idem_vc_set_err(vc, "could not receive: %s", strerror(errno));
-		return -1;
-	}
+	idem_vc_node_unsent(vc, n);
+	return idem_vc_wire_read(n->fd, n->rd, deadline, wait_first, NULL,
+							 &vc->io, vc->err, sizeof(vc->err), out);
 }
 
 /* One command and its reply, on a connected node (setup commands). */
@@ -384,7 +305,6 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 {
 	int			rc;
 	int64_t		cdeadline = idem_vc_now_ms() + vc->connect_timeout_ms;
-	redisReply *r;
 
 	if (cdeadline > deadline)
 		cdeadline = deadline;
@@ -404,39 +324,18 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 		idem_vc_set_err(vc, "out of memory");
 		return -1;
 	}
-	if (vc->password != NULL)
 	{
-		const char *argv[2] = {"AUTH", vc->password};
+		idem_vc_setup su;
 
-		rc = idem_vc_node_call(vc, n, 2, argv, cdeadline, &r);
-		if (rc != 0)
-			return rc;
-		if (r->type == REDIS_REPLY_ERROR)
-		{
-			idem_vc_set_err(vc, "AUTH refused: %.*s", (int) r->len, r->str);
-			freeReplyObject(r);
-			return -1;
-		}
-		freeReplyObject(r);
+		memset(&su, 0, sizeof(su));
+		su.password = vc->password;
+		su.db = vc->cluster ? 0 : vc->db;
+		rc = idem_vc_wire_setup(n->fd, &su, cdeadline, &vc->io,
+								vc->err, sizeof(vc->err));
+		if (su.password != NULL || su.db != 0)
+			vc->stats.round_trips++;
 	}
-	if (!vc->cluster && vc->db != 0)
-	{
-		char		dbtxt[16];
-		const char *argv[2] = {"SELECT", dbtxt};
-
-		snprintf(dbtxt, sizeof(dbtxt), "%d", vc->db);
-		rc = idem_vc_node_call(vc, n, 2, argv, cdeadline, &r);
-		if (rc != 0)
-			return rc;
-		if (r->type == REDIS_REPLY_ERROR)
-		{
-			idem_vc_set_err(vc, "SELECT refused: %.*s", (int) r->len, r->str);
-			freeReplyObject(r);
-			return -1;
-		}
-		freeReplyObject(r);
-	}
-	return 0;
+	return rc == -3 ? -1 : rc;
 }
 
 /* Connected, or connect now unless resting.  0, -1, -2. */
