@@ -6,6 +6,10 @@
  *	  - a round that runs out of memory while it splits its commands sends
  *		none of them: the next pipeline on the same connection gets its own
  *		replies, not the abandoned round's.
+ *	  - a new connection's setup (src/common/valkey_wire.c) with a password
+ *		and a database is one round trip, for a router's node and for the
+ *		runner's gate, and what it selects is used; a wrong password is a
+ *		failed connect.
  *
  * The itest binary is linked with --wrap=realloc (tests/Makefile), so that
  * a test can make the library's next realloc fail.
@@ -175,11 +179,121 @@ test_oom_round(void)
 	idem_vc_free(vc);
 }
 
+/* The router's single node, open with a password and a database.  NULL
+ * with err set if the open failed. */
+static idem_vc *
+open_single(const char *password, int db, char *err, size_t errlen)
+{
+	idem_vc_options opt;
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
+	idem_vc    *vc;
+	char		seeds[64];
+
+	snprintf(seeds, sizeof(seeds), "127.0.0.1:%d", E.valkey_port);
+	memset(&opt, 0, sizeof(opt));
+	opt.seeds = seeds;
+	opt.default_port = E.valkey_port;
+	opt.password = password;
+	opt.db = db;
+	opt.mode = IDEM_VC_MODE_SINGLE;
+	opt.connect_timeout_ms = 2000;
+	opt.retry_ms = 100;
+	vc = idem_vc_new(&opt, &io, err, errlen);
+	if (vc != NULL && idem_vc_open(vc, 2000, err, errlen) != 0)
+	{
+		idem_vc_free(vc);
+		vc = NULL;
+	}
+	return vc;
+}
+
+static void
+test_setup_round_trip(void)
+{
+	const char *pw = "itest-router-pw";
+	char		err[256],
+				key[64];
+	idem_vc    *vc;
+	idem_gate  *g;
+	redisReply *r;
+	idem_vc_cmd cmd;
+	const char *set[3];
+	size_t		ls[3];
+	int			got;
+
+	snprintf(key, sizeof(key), "router-setup%s", E.suffix);
+	r = rv(NULL, "CONFIG SET requirepass %s", pw);
+	tap_ok_ext(r != NULL && r->type == REDIS_REPLY_STATUS,
+			   "the RESP server takes a password");
+	if (r)
+		freeReplyObject(r);
+
+	vc = open_single(pw, 2, err, sizeof(err));
+	tap_ok_ext(vc != NULL, "the router opens with AUTH and SELECT (%s)",
+			   vc ? "" : err);
+	if (vc != NULL)
+	{
+		tap_ok_ext(idem_vc_get_stats(vc)->round_trips == 1,
+				   "AUTH and SELECT are one round trip (%lld)",
+				   idem_vc_get_stats(vc)->round_trips);
+		set[0] = "SET";
+		set[1] = key;
+		set[2] = "in-db-2";
+		set_cmd(&cmd, set, ls, 3);
+		got = idem_vc_pipeline(vc, &cmd, 1, idem_vc_now_ms() + 2000);
+		tap_ok_ext(got == 1 && cmd.reply && cmd.reply->type == REDIS_REPLY_STATUS,
+				   "a SET through it is answered");
+		free_replies(&cmd, 1);
+		idem_vc_free(vc);
+		r = rv(NULL, "EXISTS %s", key);
+		tap_ok_ext(r != NULL && r->type == REDIS_REPLY_INTEGER && r->integer == 0,
+				   "it went to the database selected, not database 0");
+		if (r)
+			freeReplyObject(r);
+	}
+	vc = open_single("wrong", 2, err, sizeof(err));
+	tap_ok_ext(vc == NULL && strstr(err, "AUTH refused") != NULL,
+			   "a wrong password fails the open (%s)", vc ? "opened" : err);
+	if (vc)
+		idem_vc_free(vc);
+
+	/* the runner's gate: the same setup with INFO cluster and SCRIPT LOAD */
+	g = idemc_gate_new("127.0.0.1", E.valkey_port, pw, 2, 2000, 2000, 100);
+	idemc_gate_connect(g);
+	tap_ok_ext(g != NULL && !idemc_gate_resting(g) &&
+			   idemc_gate_round_trips(g) == 1,
+			   "the gate connects with AUTH, INFO, SCRIPT LOAD and SELECT in one round trip (%ld)",
+			   idemc_gate_round_trips(g));
+	idemc_gate_free(g);
+	g = idemc_gate_new("127.0.0.1", E.valkey_port, "wrong", 2, 2000, 2000, 100);
+	idemc_gate_connect(g);
+	tap_ok_ext(g != NULL && idemc_gate_resting(g),
+			   "a wrong password leaves the gate resting");
+	idemc_gate_free(g);
+
+	r = rv(NULL, "CONFIG SET requirepass %s", "");
+	tap_ok_ext(r != NULL && r->type == REDIS_REPLY_STATUS,
+			   "the password is taken away again");
+	if (r)
+		freeReplyObject(r);
+	/* the key, in database 2 */
+	r = rv(NULL, "SELECT 2");
+	if (r)
+		freeReplyObject(r);
+	r = rv(NULL, "DEL %s", key);
+	if (r)
+		freeReplyObject(r);
+	r = rv(NULL, "SELECT 0");
+	if (r)
+		freeReplyObject(r);
+}
+
 int
 router_main(int argc, char **argv)
 {
 	(void) argc;
 	(void) argv;
 	test_oom_round();
+	test_setup_round_trip();
 	return tap_finish();
 }

@@ -10,6 +10,7 @@
  *	  valkey_map.c		the slot map, from CLUSTER SLOTS or CLUSTER SHARDS
  *	  valkey_endpoint.c	host:port, as settings and maps spell it
  *	  valkey_node.c		the node table and each node's socket I/O
+ *	  valkey_wire.c		a connection's bytes and setup (also the client's)
  *	  valkey_cluster.c	the router: open, map refresh, close, accessors
  *	  valkey_pipeline.c	a batch split per node, redirects followed
  *	  valkey_single.c	a single Valkey's one node, driven directly
