@@ -256,6 +256,7 @@ do_connect(idem_gate *g)
 	int			rc;
 	int			ok;
 	int			cluster = 0;
+	int			i;
 	redisReply *sha;
 
 	g->connects++;
@@ -302,7 +303,7 @@ do_connect(idem_gate *g)
 	ok = rc == 0 && sha != NULL && sha->type == REDIS_REPLY_STRING &&
 		sha->len == 40 && memcmp(idemc_cad_sha1, sha->str, 40) == 0 &&
 		idemc_vk_socket_setup(g) == 0;
-	for (int i = 0; i < su.nextra; i++)
+	for (i = 0; i < su.nextra; i++)
 		if (replies[i])
 			freeReplyObject(replies[i]);
 	if (cluster && g->db != 0)
