@@ -7,9 +7,9 @@
  *		none of them: the next pipeline on the same connection gets its own
  *		replies, not the abandoned round's.
  *	  - a new connection's setup (src/common/valkey_wire.c) with a password
- *		and a database is one round trip, for a router's node and for the
- *		runner's gate, and what it selects is used; a wrong password is a
- *		failed connect.
+ *		and a database is one round trip, for a router's node (with INFO
+ *		cluster in auto mode, on one connect) and for the runner's gate, and
+ *		what it selects is used; a wrong password is a failed connect.
  *
  * The itest binary is linked with --wrap=realloc (tests/Makefile), so that
  * a test can make the library's next realloc fail.
@@ -182,7 +182,8 @@ test_oom_round(void)
 /* The router's single node, open with a password and a database.  NULL
  * with err set if the open failed. */
 static idem_vc *
-open_single(const char *password, int db, char *err, size_t errlen)
+open_single(const char *password, int db, idem_vc_mode mode, char *err,
+			size_t errlen)
 {
 	idem_vc_options opt;
 	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
@@ -195,7 +196,7 @@ open_single(const char *password, int db, char *err, size_t errlen)
 	opt.default_port = E.valkey_port;
 	opt.password = password;
 	opt.db = db;
-	opt.mode = IDEM_VC_MODE_SINGLE;
+	opt.mode = mode;
 	opt.connect_timeout_ms = 2000;
 	opt.retry_ms = 100;
 	vc = idem_vc_new(&opt, &io, err, errlen);
@@ -228,7 +229,7 @@ test_setup_round_trip(void)
 	if (r)
 		freeReplyObject(r);
 
-	vc = open_single(pw, 2, err, sizeof(err));
+	vc = open_single(pw, 2, IDEM_VC_MODE_SINGLE, err, sizeof(err));
 	tap_ok_ext(vc != NULL, "the router opens with AUTH and SELECT (%s)",
 			   vc ? "" : err);
 	if (vc != NULL)
@@ -251,9 +252,20 @@ test_setup_round_trip(void)
 		if (r)
 			freeReplyObject(r);
 	}
-	vc = open_single("wrong", 2, err, sizeof(err));
+	vc = open_single("wrong", 2, IDEM_VC_MODE_SINGLE, err, sizeof(err));
 	tap_ok_ext(vc == NULL && strstr(err, "AUTH refused") != NULL,
 			   "a wrong password fails the open (%s)", vc ? "opened" : err);
+	if (vc)
+		idem_vc_free(vc);
+
+	/* auto mode (the worker's): INFO cluster in the same round trip */
+	vc = open_single(pw, 2, IDEM_VC_MODE_AUTO, err, sizeof(err));
+	tap_ok_ext(vc != NULL && !idem_vc_is_cluster(vc) &&
+			   idem_vc_get_stats(vc)->round_trips == 1 &&
+			   idem_vc_get_stats(vc)->connects == 1,
+			   "in auto mode one connect and one round trip ask INFO cluster, AUTH and SELECT (%lld connects, %lld round trips; %s)",
+			   vc ? idem_vc_get_stats(vc)->connects : 0,
+			   vc ? idem_vc_get_stats(vc)->round_trips : 0, vc ? "" : err);
 	if (vc)
 		idem_vc_free(vc);
 

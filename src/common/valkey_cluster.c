@@ -224,14 +224,6 @@ idem_vc_free(idem_vc *vc)
 	free(vc);
 }
 
-/* Is INFO cluster's text saying cluster_enabled:1? */
-static int
-info_says_cluster(const redisReply *r)
-{
-	return r->type == REDIS_REPLY_STRING &&
-		strstr(r->str, "cluster_enabled:1") != NULL;
-}
-
 int
 idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 {
@@ -246,32 +238,28 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 		int			rc;
 		int			cluster;
 
-		/* connect as a cluster node first: no SELECT before we know */
-		vc->cluster = vc->mode != IDEM_VC_MODE_SINGLE;
+		/*
+		 * In auto mode the connect's setup asks INFO cluster before its
+		 * SELECT, in the same round trip (a cluster refuses SELECT).
+		 */
+		vc->cluster = vc->mode == IDEM_VC_MODE_CLUSTER;
+		vc->ask_cluster = vc->mode == IDEM_VC_MODE_AUTO;
 		n->down_until = 0;
 		rc = idem_vc_node_ensure(vc, n, deadline_ms);
+		vc->ask_cluster = 0;
 		if (rc == -2)
 			return -3;
 		if (rc != 0)
 			continue;
 		if (vc->mode == IDEM_VC_MODE_AUTO)
 		{
-			const char *argv[2] = {"INFO", "cluster"};
-			redisReply *r;
-
-			rc = idem_vc_node_call(vc, n, 2, argv, deadline_ms, &r);
-			if (rc == -2)
+			if (vc->said_cluster < 0)
 			{
-				idem_vc_node_drop(vc, n);
-				return -3;
-			}
-			if (rc != 0)
-			{
+				idem_vc_set_err(vc, "no answer to INFO cluster");
 				idem_vc_node_failed(vc, n, "asking");
 				continue;
 			}
-			cluster = info_says_cluster(r);
-			freeReplyObject(r);
+			cluster = vc->said_cluster;
 		}
 		else
 			cluster = vc->mode == IDEM_VC_MODE_CLUSTER;
@@ -295,16 +283,6 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 		{
 			int			s;
 
-			/* the connection did not SELECT: make it again */
-			if (vc->mode != IDEM_VC_MODE_SINGLE)
-			{
-				idem_vc_node_drop(vc, n);
-				rc = idem_vc_node_ensure(vc, n, deadline_ms);
-				if (rc == -2)
-					return -3;
-				if (rc != 0)
-					continue;
-			}
 			for (s = 0; s < IDEM_VC_SLOTS; s++)
 				vc->slot_node[s] = (int16_t) vc->seeds[k];
 			n->in_map = 1;

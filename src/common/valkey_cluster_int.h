@@ -79,6 +79,8 @@ struct idem_vc
 	int			nsent;			/* nodes with sent set */
 	int			round_sent;		/* what idem_vc_send's round gave */
 	int			round_resting;
+	int			ask_cluster;	/* node connects ask INFO cluster (open, auto) */
+	int			said_cluster;	/* what it said: 1, 0, -1 no answer */
 	idem_vc_stats stats;
 	char		err[VC_ERR_LEN];
 };

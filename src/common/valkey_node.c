@@ -326,14 +326,39 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 	}
 	{
 		idem_vc_setup su;
+		const char *info[2] = {"INFO", "cluster"};
+		const char *const *argv[1] = {info};
+		int			argc[1] = {2};
+		redisReply *reply = NULL;
 
 		memset(&su, 0, sizeof(su));
 		su.password = vc->password;
 		su.db = vc->cluster ? 0 : vc->db;
+		if (vc->ask_cluster)
+		{
+			/* open, in auto mode: SELECT after INFO cluster, which says
+			 * whether its refusal is a cluster's */
+			su.db = vc->db;
+			su.nextra = 1;
+			su.extra_argc = argc;
+			su.extra_argv = argv;
+			su.extra_replies = &reply;
+			vc->said_cluster = -1;
+		}
 		rc = idem_vc_wire_setup(n->fd, &su, cdeadline, &vc->io,
 								vc->err, sizeof(vc->err));
-		if (su.password != NULL || su.db != 0)
+		if (su.password != NULL || su.db != 0 || su.nextra > 0)
 			vc->stats.round_trips++;
+		if (reply != NULL)
+		{
+			vc->said_cluster = reply->type == REDIS_REPLY_STRING &&
+				strstr(reply->str, "cluster_enabled:1") != NULL;
+			freeReplyObject(reply);
+			/* a cluster's SELECT refused: idem_vc_open says why */
+			if (rc == -3 && su.refused == IDEM_VC_SETUP_SELECT &&
+				vc->said_cluster == 1)
+				rc = 0;
+		}
 	}
 	return rc == -3 ? -1 : rc;
 }
