@@ -244,6 +244,7 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 		 */
 		vc->cluster = vc->mode == IDEM_VC_MODE_CLUSTER;
 		vc->ask_cluster = vc->mode == IDEM_VC_MODE_AUTO;
+		vc->said_cluster = -1;
 		n->down_until = 0;
 		rc = idem_vc_node_ensure(vc, n, deadline_ms);
 		vc->ask_cluster = 0;
@@ -251,16 +252,29 @@ idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err, size_t errlen)
 			return -3;
 		if (rc != 0)
 			continue;
-		if (vc->mode == IDEM_VC_MODE_AUTO)
+		if (vc->mode == IDEM_VC_MODE_AUTO && vc->said_cluster < 0)
 		{
-			if (vc->said_cluster < 0)
+			/* connected before this open: ask now */
+			const char *argv[2] = {"INFO", "cluster"};
+			redisReply *r;
+
+			rc = idem_vc_node_call(vc, n, 2, argv, deadline_ms, &r);
+			if (rc == -2)
 			{
-				idem_vc_set_err(vc, "no answer to INFO cluster");
+				idem_vc_node_drop(vc, n);
+				return -3;
+			}
+			if (rc != 0)
+			{
 				idem_vc_node_failed(vc, n, "asking");
 				continue;
 			}
-			cluster = vc->said_cluster;
+			vc->said_cluster = r->type == REDIS_REPLY_STRING &&
+				strstr(r->str, "cluster_enabled:1") != NULL;
+			freeReplyObject(r);
 		}
+		if (vc->mode == IDEM_VC_MODE_AUTO)
+			cluster = vc->said_cluster;
 		else
 			cluster = vc->mode == IDEM_VC_MODE_CLUSTER;
 		vc->cluster = cluster;
