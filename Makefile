@@ -53,7 +53,7 @@ TAP_TESTS = 1
 PROVE_TESTS = test/t/*.pl
 REGRESS_PREP = client-lib
 
-EXTRA_CLEAN = tmp_check tmp_check_iso output_iso results regression.diffs regression.out
+EXTRA_CLEAN = idem.objs tmp_check tmp_check_iso output_iso results regression.diffs regression.out
 
 PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
@@ -72,6 +72,17 @@ endif
 # PGXS tracks no header dependencies: rebuild every object when a header
 # (src/compat.h, say) changes.
 $(OBJS): $(wildcard $(srcdir)/src/*.h $(srcdir)/src/common/*.h)
+# PGXS declares every target .SECONDARY, and make does not build a missing
+# secondary object whose source is older than the library: a file added to
+# OBJS but older than idem.so (switching branches, a copy keeping its
+# mtime) was neither compiled nor linked.  idem.objs records OBJS and is
+# rewritten only when that list changes; the library depends on it, so a
+# changed list relinks it, building whatever object is missing.
+$(shlib): idem.objs
+idem.objs: idem-objs-force
+	@echo '$(OBJS)' | cmp -s - $@ || echo '$(OBJS)' >$@
+.PHONY: idem-objs-force
+idem-objs-force:
 # ddl drives its sessions through dblink: without that contrib module
 # (PostgreSQL 18 as make test builds it), it cannot run.
 ifeq ($(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/dblink.control),)

@@ -7,8 +7,9 @@
  *	  FLUSH, restart) or a cluster node that never saw it answers NOSCRIPT,
  *	  and EVAL runs it (and caches it there).
  *
- *	  The Python client (client/python/idem/runner.py) sends the same text,
- *	  so the same SHA-1.
+ *	  The Python client (client/python/idem/runner.py, CAD_SCRIPT) sends the
+ *	  same text, so the same SHA-1: its unit tests compare both constants
+ *	  here with it, byte for byte.
  */
 #include "internal.h"
 

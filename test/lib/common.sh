@@ -17,6 +17,8 @@
 #   idem_serialize LOCK   one run at a time per checkout
 #   idem_private_dir ROOT  the checkout's folder for what the test user must
 #                         read or run, outside the checkout
+#   idem_private_take ROOT  that folder, held while the calling shell lives
+#                         (IDEM_PRIVATE_DIR); removes those of deleted checkouts
 #   idem_private_remove ROOT  remove that folder (make clean-test)
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
 #   idem_pg_private_for ROOT   that copy, in the checkout's private folder
@@ -275,28 +277,103 @@ idem_pg_private() {
 # each checkout has its own (runs in one checkout wait for each other,
 # idem_serialize); mode 755, and it must be a real folder of the caller's
 # (/var/tmp is sticky: nobody else can swap it).  IDEM_PRIVATE_BASE
-# replaces /var/tmp.
+# replaces /var/tmp.  The folder records ROOT in .idem-checkout, which
+# marks it as one of these (idem_private_prune).
+_idem_private_path() {
+	echo "${IDEM_PRIVATE_BASE:-/var/tmp}/idem-$(id -u)-$(printf '%s' "$1" | sha256sum | cut -c1-12)"
+}
 idem_private_dir() {
-	local root=$1 base=${IDEM_PRIVATE_BASE:-/var/tmp} dir
-	dir=$base/idem-$(id -u)-$(printf '%s' "$root" | sha256sum | cut -c1-12)
+	local root=$1 dir
+	dir=$(_idem_private_path "$root")
 	[ -d "$dir" ] || mkdir -m 755 "$dir" 2>/dev/null || [ -d "$dir" ] ||
 		{ echo "idem: cannot make $dir" >&2; return 1; }
 	if [ -L "$dir" ] || [ ! -O "$dir" ]; then
 		echo "idem: $dir is not a folder of $(id -un)'s; remove it" >&2
 		return 1
 	fi
+	if [ "$(cat "$dir/.idem-checkout" 2>/dev/null)" != "$root" ]; then
+		printf '%s\n' "$root" >"$dir/.idem-checkout.$$" &&
+			mv -f "$dir/.idem-checkout.$$" "$dir/.idem-checkout" || return 1
+	fi
 	chmod 755 "$dir" && echo "$dir"
+}
+
+# idem_private_take ROOT: idem_private_dir, in IDEM_PRIVATE_DIR, held
+# until the calling shell and what it starts end: a shared lock on its
+# .idem-lock (fd 7; servers keep it, as they run from the folder), which
+# idem_private_prune and idem_private_remove need exclusively.  A folder
+# pruned between its making and the lock is made again.  Then removes the
+# folders of checkouts that no longer exist (idem_private_prune): each
+# clone of a CI run leaves one behind.
+idem_private_take() {
+	local root=$1 dir try
+	for try in 1 2 3 4 5; do
+		dir=$(idem_private_dir "$root") || return 1
+		command -v flock >/dev/null 2>&1 || break
+		exec 7>>"$dir/.idem-lock" || continue
+		flock -s 7
+		# still the folder's lock, not one a pruner moved away meanwhile
+		[ "$(stat -L -c %d:%i /dev/fd/7)" = "$(stat -c %d:%i "$dir/.idem-lock" 2>/dev/null)" ] && break
+		exec 7>&-
+		dir=""
+	done
+	[ -n "$dir" ] || { echo "idem: could not hold $(_idem_private_path "$root")" >&2; return 1; }
+	IDEM_PRIVATE_DIR=$dir
+	idem_private_prune
+}
+
+# _idem_gone PATH: PATH surely does not exist (not merely hidden: the
+# nearest folder above it that exists can be searched).
+_idem_gone() {
+	local p=$1
+	[ ! -e "$p" ] || return 1
+	while [ "$p" != / ] && [ "$p" != . ]; do
+		p=$(dirname "$p")
+		[ -e "$p" ] && { [ -x "$p" ]; return; }
+	done
+	return 1
+}
+
+# idem_private_prune: remove the caller's private folders (idem_private_dir,
+# under IDEM_PRIVATE_BASE or /var/tmp) whose checkout no longer exists.
+# Only folders of the caller's, not links, that bear .idem-checkout and
+# whose name is that checkout's; never one a run holds (idem_private_take):
+# the exclusive lock is taken without waiting, and the folder is moved
+# aside under it, then removed.  Folders made before the marker existed are
+# left alone (make clean-test in their checkout, or rm -rf).
+idem_private_prune() {
+	local base=${IDEM_PRIVATE_BASE:-/var/tmp} dir root gone
+	command -v flock >/dev/null 2>&1 || return 0
+	for dir in "$base/idem-$(id -u)-"*; do
+		[ -d "$dir" ] && [ ! -L "$dir" ] && [ -O "$dir" ] || continue
+		if [[ $dir == "$base/idem-$(id -u)-gone."* ]]; then
+			rm -rf "$dir" 2>/dev/null	# moved aside by a prune that did not finish
+			continue
+		fi
+		[ -f "$dir/.idem-checkout" ] && [ ! -L "$dir/.idem-checkout" ] || continue
+		root=$(cat "$dir/.idem-checkout" 2>/dev/null) && [ -n "$root" ] || continue
+		[ "$dir" = "$(_idem_private_path "$root")" ] && _idem_gone "$root" || continue
+		gone=$(mktemp -u "$base/idem-$(id -u)-gone.XXXXXX")
+		(
+			exec 6>>"$dir/.idem-lock" && flock -n -x 6 &&
+				[ "$(stat -L -c %d:%i /dev/fd/6)" = "$(stat -c %d:%i "$dir/.idem-lock" 2>/dev/null)" ] &&
+				_idem_gone "$root" && mv -T "$dir" "$gone"
+		) 2>/dev/null || continue
+		rm -rf "$gone" 2>/dev/null
+		echo "idem: removed $dir (the private copies of $root, which no longer exists)" >&2
+	done
 }
 
 # idem_private_remove ROOT: remove the checkout's private folder
 # (idem_private_dir) and the throwaway trees left by runs that were killed,
-# unless a run in that checkout holds its lock (idem_serialize).
-# make clean-test.
+# unless a run in that checkout holds its lock (idem_serialize) or the
+# folder's (idem_private_take).  make clean-test.
 idem_private_remove() {
-	local root=$1 base=${IDEM_PRIVATE_BASE:-/var/tmp} dir
-	dir=$base/idem-$(id -u)-$(printf '%s' "$root" | sha256sum | cut -c1-12)
-	if command -v flock >/dev/null 2>&1 && [ -e "$root/tmp_pgroot.lock" ] &&
-		! flock -n "$root/tmp_pgroot.lock" true; then
+	local root=$1 dir
+	dir=$(_idem_private_path "$root")
+	if command -v flock >/dev/null 2>&1 && { { [ -e "$root/tmp_pgroot.lock" ] &&
+		! flock -n "$root/tmp_pgroot.lock" true; } || { [ -f "$dir/.idem-lock" ] && [ ! -L "$dir" ] &&
+		! flock -n "$dir/.idem-lock" true; }; }; then
 		echo "idem: a run in this checkout is using $dir; try again when it ends" >&2
 		return 1
 	fi
@@ -315,9 +392,8 @@ idem_private_remove() {
 # folder (idem_private_dir), the copy make test, make demo and make bench
 # install idem into.
 idem_pg_private_for() {
-	local dir
-	dir=$(idem_private_dir "$1") || return 1
-	idem_pg_private "$dir/pgroot"
+	idem_private_take "$1" || return 1
+	idem_pg_private "$IDEM_PRIVATE_DIR/pgroot"
 }
 
 idem_pg_bindir() {

@@ -33,7 +33,8 @@ SOURCE_POSTGRES = "postgres"
 MARKER_CHEAP_MS = 1000
 
 # KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
-# The same text as client/release.c, so the same SHA-1 for EVALSHA.
+# The same text as client/release.c, so the same SHA-1 for EVALSHA
+# (tests/test_unit.py compares the two, and that SHA-1, byte for byte).
 CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
               "  return redis.call('DEL', KEYS[1])\n"
               "end\n"

@@ -1,6 +1,10 @@
-"""Unit tests: canonical JSON, key and fingerprint vectors, idem2 values, MAC."""
+"""Unit tests: canonical JSON, key and fingerprint vectors, idem2 values, MAC,
+and what the package shares with the C client's source."""
+import codecs
 import hashlib
 import hmac
+import os
+import re
 import unittest
 
 from idem import RequestError, canonical_json, fingerprint, idem_key
@@ -142,3 +146,35 @@ class Values(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+# The C client's source, beside the package in the checkout these tests
+# come from (client/release.c).
+C_CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def c_string(source, name):
+    """The bytes of the C string constant NAME (const char NAME[] = "..." "...";)."""
+    m = re.search(r"\bconst\s+char\s+" + re.escape(name) + r"\s*\[\s*\]\s*=\s*((?:\s*\"(?:[^\"\\\n]|\\.)*\")+)\s*;",
+                  source)
+    if m is None:
+        raise AssertionError("no string constant %s in the C source" % name)
+    parts = re.findall(r'"((?:[^"\\\n]|\\.)*)"', m.group(1))
+    return codecs.decode("".join(parts), "unicode_escape").encode("latin-1")
+
+
+class SharedWithC(unittest.TestCase):
+    def test_release_script(self):
+        """the marker's compare-and-delete script is client/release.c's to the byte, and so is its SHA-1 (EVALSHA)"""
+        import redis
+        from idem import runner
+        with open(os.path.join(C_CLIENT, "release.c"), encoding="utf-8") as f:
+            source = f.read()
+        script = c_string(source, "idemc_cad_script")
+        sha1 = c_string(source, "idemc_cad_sha1").decode()
+        self.assertEqual(runner.CAD_SCRIPT.encode(), script)
+        # the C constant is the script's SHA-1, and the runner's EVALSHA name
+        self.assertEqual(hashlib.sha1(script).hexdigest(), sha1)
+        # (port 1: refused, the runner then decides on PostgreSQL alone)
+        r = runner.Runner(valkey=redis.Redis(host="127.0.0.1", port=1))
+        self.assertEqual(r._cad.sha, sha1)
