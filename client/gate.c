@@ -3,8 +3,7 @@
  *	  The gate and the owner check: the Valkey commands a run and a lookup
  *	  send, and what their replies mean.  The client writes no terminal
  *	  value (the server's worker does, once the commit is durable).
- *	  Connections: valkey_conn.c and valkey_io.c; the release of a marker:
- *	  release.c.
+ *	  Connections: valkey_conn.c; the release of a marker: release.c.
  *
  *	  The gate is one native command, SET <key> <marker> NX PX <lease> GET:
  *	  atomically, an existing value is returned (and nothing is set), an
@@ -17,7 +16,8 @@
  *	  whether it still holds the token the server gave.  On one node the
  *	  two commands are pipelined; on a cluster the owner key usually lives
  *	  in another slot, and the router sends each node its share before
- *	  reading any reply, so the round trip is the slower node's.
+ *	  reading any reply, so the round trip is the slower node's.  Both go
+ *	  through idemc_gate_pipeline (valkey_conn.c).
  *
  *	  Every command touches one key (Valkey Cluster: one slot), and only
  *	  commands that both Redis >= 7.0 and Valkey have are used: GET,
@@ -63,6 +63,17 @@ take_value(gate_reply *out, const redisReply *r)
 	out->answer = GATE_VALUE;
 }
 
+/* One single-key command of a pipeline, its key argv[1]. */
+static void
+cmd_init(idem_vc_cmd *c, int argc, const char **argv)
+{
+	memset(c, 0, sizeof(*c));
+	c->key = argv[1];
+	c->keylen = strlen(argv[1]);
+	c->argc = argc;
+	c->argv = argv;
+}
+
 void
 idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 				const char *lease_ms, const char *check_key,
@@ -70,10 +81,8 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 {
 	const char *argv[7];
 	const char *get[2];
-	const char *const *argvs[2];
-	int			argc[2] = {7, 2};
+	idem_vc_cmd cmds[2];
 	size_t		marker_len = strlen(marker);
-	redisReply *replies[2];
 	redisReply *r;
 
 	memset(out, 0, sizeof(*out));
@@ -89,16 +98,17 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 	argv[6] = "GET";
 	get[0] = "GET";
 	get[1] = check_key;
-	argvs[0] = argv;
-	argvs[1] = get;
-	idemc_vk_commands(g, check_key ? 2 : 1, argc, argvs, replies);
+	cmd_init(&cmds[0], 7, argv);
+	if (check_key)
+		cmd_init(&cmds[1], 2, get);
+	idemc_gate_pipeline(g, cmds, check_key ? 2 : 1);
 	if (check_key)
 	{
-		out->checked = check_holds(replies[1], check_value);
-		if (replies[1])
-			freeReplyObject(replies[1]);
+		out->checked = check_holds(cmds[1].reply, check_value);
+		if (cmds[1].reply)
+			freeReplyObject(cmds[1].reply);
 	}
-	r = replies[0];
+	r = cmds[0].reply;
 	if (r == NULL)
 		return;
 	if (r->type == REDIS_REPLY_NIL)
@@ -106,7 +116,7 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 	else
 	{
 		take_value(out, r);
-		/* our own marker, from a command retried after a dead connection */
+		/* our own marker, from a command resent after a dead connection */
 		if (out->answer == GATE_VALUE && out->value_len == marker_len &&
 			memcmp(out->value, marker, out->value_len) == 0)
 		{
@@ -130,78 +140,37 @@ idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 				   const char *check_key, const char *check_value,
 				   gate_reply *out, int *checked)
 {
-	int64_t		deadline;
 	int			i;
 	int			ncmd = n + (check_key != NULL);
+	idem_vc_cmd *cmds;
+	const char **argv;
 
 	memset(out, 0, sizeof(*out) * (n > 0 ? n : 0));	/* GATE_SKIPPED */
 	*checked = 0;
-	if (g == NULL || n <= 0 || idemc_gate_resting(g) || idemc_gate_ensure(g) != 0)
+	if (g == NULL || n <= 0 || idemc_gate_resting(g))
 		return;
-	deadline = idemc_now_ms() + g->command_timeout_ms;
-	g->round_trips++;
-	if (g->vc != NULL)
+	/* split per node by the router; a node that fails skips its keys */
+	cmds = malloc(sizeof(idem_vc_cmd) * (size_t) ncmd);
+	argv = malloc(sizeof(char *) * 2 * (size_t) ncmd);
+	if (cmds != NULL && argv != NULL)
 	{
-		/* split per node by the router; a node that fails skips its keys */
-		idem_vc_cmd *cmds = calloc(ncmd, sizeof(idem_vc_cmd));
-		const char **argv = calloc(2 * (size_t) ncmd, sizeof(char *));
-
-		if (cmds != NULL && argv != NULL)
+		for (i = 0; i < ncmd; i++)
 		{
-			for (i = 0; i < ncmd; i++)
-			{
-				const char *k = i < n ? keys[i] : check_key;
-
-				argv[2 * i] = "GET";
-				argv[2 * i + 1] = k;
-				cmds[i].key = k;
-				cmds[i].keylen = strlen(k);
-				cmds[i].argc = 2;
-				cmds[i].argv = &argv[2 * i];
-			}
-			(void) idem_vc_pipeline(g->vc, cmds, ncmd, deadline);
-			for (i = 0; i < ncmd; i++)
-			{
-				if (i < n)
-					take_value(&out[i], cmds[i].reply);
-				else
-					*checked = check_holds(cmds[i].reply, check_value);
-				if (cmds[i].reply)
-					freeReplyObject(cmds[i].reply);
-			}
+			argv[2 * i] = "GET";
+			argv[2 * i + 1] = i < n ? keys[i] : check_key;
+			cmd_init(&cmds[i], 2, &argv[2 * i]);
 		}
-		free(cmds);
-		free(argv);
-		return;
-	}
-	{
-		char	   *buf = NULL;
-		size_t		len = 0;
-		int			ok = 1;
-
-		for (i = 0; ok && i < ncmd; i++)
+		idemc_gate_pipeline(g, cmds, ncmd);
+		for (i = 0; i < ncmd; i++)
 		{
-			const char *argv[2] = {"GET", i < n ? keys[i] : check_key};
-
-			ok = idem_vc_wire_append(&buf, &len, 2, argv) == 0;
-		}
-		if (ok)
-			ok = idemc_vk_send_all(g, buf, len, deadline) == 0;
-		free(buf);
-		for (i = 0; ok && i < ncmd; i++)
-		{
-			redisReply *r = idemc_vk_read_reply(g, deadline);
-
-			if (r == NULL)
-				ok = 0;
 			if (i < n)
-				take_value(&out[i], r);
+				take_value(&out[i], cmds[i].reply);
 			else
-				*checked = check_holds(r, check_value);
-			if (r)
-				freeReplyObject(r);
+				*checked = check_holds(cmds[i].reply, check_value);
+			if (cmds[i].reply)
+				freeReplyObject(cmds[i].reply);
 		}
-		if (!ok)
-			idemc_gate_drop(g);			/* replies may be pending: a fresh one next */
 	}
+	free(cmds);
+	free(argv);
 }

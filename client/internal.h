@@ -40,8 +40,8 @@ int64_t		idem_vc_now_ms(void);
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
 
-/* ---- the Valkey side: valkey_conn.c (connection), valkey_io.c (I/O),
- * gate.c (the gate, lookups), release.c (compare-and-delete) ---- */
+/* ---- the Valkey side: valkey_conn.c (the connections, on the shared
+ * router), gate.c (the gate, lookups), release.c (compare-and-delete) ---- */
 
 typedef struct idem_gate idem_gate;
 

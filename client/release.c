@@ -2,10 +2,10 @@
  * release.c
  *	  Compare-and-delete of our own marker: a run that leaves no result
  *	  deletes its marker only if it is still ours, with a Lua script named
- *	  by its SHA-1 (EVALSHA).  The connect loads it (SCRIPT LOAD, checked
- *	  against the SHA-1, valkey_conn.c); a server that lost it (SCRIPT
- *	  FLUSH, restart) or a cluster node that never saw it answers NOSCRIPT,
- *	  and EVAL runs it (and caches it there).
+ *	  by its SHA-1 (EVALSHA).  Every connection's setup loads it (SCRIPT
+ *	  LOAD, checked against the SHA-1, valkey_conn.c); a server that lost
+ *	  it since (SCRIPT FLUSH) answers NOSCRIPT, and EVAL runs it (and
+ *	  caches it there).
  *
  *	  The Python client (client/python/idem/runner.py, CAD_SCRIPT) sends the
  *	  same text, so the same SHA-1: its unit tests compare both constants
@@ -19,6 +19,7 @@
 #include <hiredis/hiredis.h>
 
 #include "valkey_conn.h"
+#include "valkey_reply.h"
 
 /* KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours. */
 const char idemc_cad_script[] =
@@ -33,34 +34,45 @@ const char idemc_cad_script[] =
  */
 const char idemc_cad_sha1[] = "c89cee65b7ab260d98c281f3c3eb6fa7c992cdd2";
 
-/* EVALSHA, and EVAL if the server lost the script (SCRIPT FLUSH, restart). */
+/* One EVALSHA or EVAL of the script on KEYS[1] = args[0]. */
 static redisReply *
-eval(idem_gate *g, const char *sha, const char *script, int nargs,
-	 const char **args)
+eval_one(idem_gate *g, const char *verb, const char *body, int nargs,
+		 const char **args)
 {
 	const char *argv[8];
 	size_t		argvlen[8];
-	redisReply *r;
+	idem_vc_cmd cmd;
 	int			i;
 
-	if (idemc_gate_ensure(g) != 0)
-		return NULL;
-	argv[0] = "EVALSHA";
-	argv[1] = sha;
+	argv[0] = verb;
+	argv[1] = body;
 	argv[2] = "1";
 	for (i = 0; i < nargs; i++)
 		argv[3 + i] = args[i];
 	for (i = 0; i < 3 + nargs; i++)
 		argvlen[i] = strlen(argv[i]);
-	r = idemc_vk_command(g, 3 + nargs, argv, argvlen);
-	if (r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOSCRIPT", 8) == 0)
+	memset(&cmd, 0, sizeof(cmd));
+	cmd.key = argv[3];
+	cmd.keylen = argvlen[3];
+	cmd.argc = 3 + nargs;
+	cmd.argv = argv;
+	cmd.argvlen = argvlen;
+	idemc_gate_pipeline(g, &cmd, 1);
+	return cmd.reply;
+}
+
+/* EVALSHA, and EVAL if the server lost the script (SCRIPT FLUSH). */
+static redisReply *
+eval(idem_gate *g, const char *sha, const char *script, int nargs,
+	 const char **args)
+{
+	redisReply *r = eval_one(g, "EVALSHA", sha, nargs, args);
+
+	if (r && r->type == REDIS_REPLY_ERROR &&
+		idem_vk_error_code_is(r->str, r->len, "NOSCRIPT"))
 	{
 		freeReplyObject(r);
-		argv[0] = "EVAL";
-		argv[1] = script;
-		argvlen[0] = 4;
-		argvlen[1] = strlen(script);
-		r = idemc_vk_command(g, 3 + nargs, argv, argvlen);
+		r = eval_one(g, "EVAL", script, nargs, args);
 	}
 	return r;
 }

@@ -33,6 +33,7 @@
 #define idem_sha256_final idemc_sha256_final
 #define idem_sha256_init idemc_sha256_init
 #define idem_sha256_update idemc_sha256_update
+#define idem_vc_all_resting idemc_vc_all_resting
 #define idem_vc_classify idemc_vc_classify
 #define idem_vc_close_all idemc_vc_close_all
 #define idem_vc_collect idemc_vc_collect
@@ -57,6 +58,7 @@
 #define idem_vc_node_flush idemc_vc_node_flush
 #define idem_vc_node_get idemc_vc_node_get
 #define idem_vc_node_in_map idemc_vc_node_in_map
+#define idem_vc_node_lost idemc_vc_node_lost
 #define idem_vc_node_name idemc_vc_node_name
 #define idem_vc_node_read idemc_vc_node_read
 #define idem_vc_node_unsent idemc_vc_node_unsent

@@ -1,28 +1,29 @@
 /*
  * valkey_conn.c
- *	  The Valkey connection of a runner's gate: its options and counters,
- *	  connect (TCP with a short timeout, made as the router makes every
- *	  node's: ../src/common/valkey_node.c; then the common setup of
- *	  ../src/common/valkey_wire.c, AUTH and SELECT, with INFO cluster and
- *	  SCRIPT LOAD of the release script in the same pipelined round trip
- *	  within the command timeout), reconnect on use, and the rest after a
- *	  failure.  The bytes themselves go through valkey_io.c.
+ *	  The Valkey connections of a runner's gate, and the commands sent on
+ *	  them.  They are the router's (../src/common/valkey_cluster.c), as
+ *	  the extension's worker's are: a single Valkey is a one-node map, a
+ *	  Valkey Cluster a map of its masters, told apart by INFO cluster in
+ *	  the connect's round trip (unless the mode is forced); connect, setup,
+ *	  the bytes and the classification of error replies are the shared
+ *	  code's.  What is the runner's own:
+ *	    - the options: reads are one blocking recv() bounded by what is
+ *	      left of the command timeout (an exchange is two system calls, as
+ *	      a GET with hiredis is); a connection that had answered and died
+ *	      (Valkey restarted, or closed an idle client) is connected again
+ *	      at once and its commands resent, since every command the gate
+ *	      sends may run twice (gate.c: a SET NX GET that finds our own
+ *	      marker is ours; the release compares before it deletes);
+ *	    - the setup: SCRIPT LOAD of the release script in every
+ *	      connection's setup round trip, its answer checked against the
+ *	      script's SHA-1 (release.c), so a script changed without it fails
+ *	      every connect;
+ *	    - the rest after a failed open (retry_ms), and valkey_db on a
+ *	      cluster, a configuration error that keeps the gate off.
  *
  *	  A failure never fails a run: the gate is skipped and PostgreSQL
- *	  decides.  After a failed connect the gate is left alone for retry_ms;
- *	  a broken established connection is dropped (valkey_io.c) and
- *	  reconnected on next use.
- *
- *	  Every byte goes out with send(MSG_NOSIGNAL) (hiredis only wraps the
- *	  socket and parses): no signal mask is needed, connecting or not.
- *
- *	  Valkey Cluster: the connect pipeline also asks INFO cluster (unless
- *	  the mode is forced); a cluster node hands the gate to the shared
- *	  router (../src/common/valkey_cluster.c), which sends every command to
- *	  the master of its key's slot, follows MOVED/ASK and retries
- *	  CLUSTERDOWN/TRYAGAIN.  A node that cannot be reached rests for
- *	  retry_ms: only its keys go without the gate meanwhile.  valkey_db on a
- *	  cluster is a configuration error: the gate stays off.
+ *	  decides.  A node that cannot be reached rests for retry_ms: only its
+ *	  keys go without the gate meanwhile.
  *
  *	  Locking: none; a gate belongs to its runner, used by one thread at a
  *	  time.
@@ -33,13 +34,16 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include <hiredis/hiredis.h>
 
 #include "valkey_cluster.h"
 #include "valkey_conn.h"
+
+/* The setup's own command: load the release script (release.c). */
+static const char *const load_argv[3] = {"SCRIPT", "LOAD", idemc_cad_script};
+static const char *const *const setup_argv[1] = {load_argv};
+static const int setup_argc[1] = {3};
 
 static char *
 dup_or_null(const char *s)
@@ -70,12 +74,22 @@ idemc_gate_new(const char *host, int port, const char *password, int db,
 	return g;
 }
 
-void
-idemc_gate_drop(idem_gate *g)
+/* Free the router, keeping its counters. */
+static void
+router_free(idem_gate *g)
 {
-	if (g->c)
-		redisFree(g->c);
-	g->c = NULL;
+	if (g->vc != NULL)
+	{
+		const idem_vc_stats *s = idem_vc_get_stats(g->vc);
+
+		g->freed_connects += (long) s->connects;
+		g->freed_setups += (long) s->setups;
+		g->freed_redirects += (long) (s->moved + s->ask);
+		g->freed_refreshes += (long) s->refreshes;
+		g->freed_node_errors += (long) s->node_errors;
+		idem_vc_free(g->vc);
+		g->vc = NULL;
+	}
 }
 
 void
@@ -83,10 +97,7 @@ idemc_gate_free(idem_gate *g)
 {
 	if (g == NULL)
 		return;
-	idemc_gate_drop(g);
-	idem_vc_free(g->vc);
-	free(g->get_cmd);
-	free(g->get_key);
+	router_free(g);
 	free(g->host);
 	free(g->password);
 	free(g->nodes);
@@ -98,6 +109,7 @@ idemc_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
 {
 	if (g == NULL)
 		return 0;
+	router_free(g);
 	free(g->nodes);
 	g->nodes = dup_or_null(nodes);
 	g->cluster_mode = mode;
@@ -128,6 +140,65 @@ idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 	}
 }
 
+/* SCRIPT LOAD's answer must be the release script's SHA-1. */
+static int
+check_setup(void *arg, redisReply *const *replies, char *err, size_t errlen)
+{
+	const redisReply *sha = replies[0];
+
+	(void) arg;
+	if (sha != NULL && sha->type == REDIS_REPLY_STRING && sha->len == 40 &&
+		memcmp(idemc_cad_sha1, sha->str, 40) == 0)
+		return 0;
+	if (sha != NULL && sha->type == REDIS_REPLY_ERROR)
+		snprintf(err, errlen, "SCRIPT LOAD refused: %.*s",
+				 (int) (sha->len > 100 ? 100 : sha->len), sha->str);
+	else
+		snprintf(err, errlen, "SCRIPT LOAD did not answer the release script's SHA-1");
+	return -1;
+}
+
+/* The router, made once (it connects nothing yet).  0 or -1. */
+static int
+router_make(idem_gate *g)
+{
+	idem_vc_options opt;
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
+	char		first[IDEM_VC_HOST_MAX + 8];
+	char		seeds[1024];
+	char		err[256];
+
+	if (g->vc != NULL)
+		return 0;
+	idem_vc_format_endpoint(first, sizeof(first), g->host, g->port);
+	snprintf(seeds, sizeof(seeds), "%s%s%s", first,
+			 g->nodes ? "," : "", g->nodes ? g->nodes : "");
+	memset(&opt, 0, sizeof(opt));
+	opt.seeds = seeds;
+	opt.default_port = g->port;
+	opt.password = g->password;
+	opt.db = g->db;
+
+	/*
+	 * A forced cluster with a database other than 0 is asked all the same:
+	 * idem_vc_open says -2 if the nodes are a cluster's.
+	 */
+	if (g->cluster_mode > 0)
+		opt.mode = g->db != 0 ? IDEM_VC_MODE_AUTO : IDEM_VC_MODE_CLUSTER;
+	else
+		opt.mode = g->cluster_mode < 0 ? IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
+	opt.connect_timeout_ms = g->connect_timeout_ms;
+	opt.retry_ms = g->retry_ms;
+	opt.blocking_reads = 1;
+	opt.reconnect_dead = 1;
+	opt.nsetup = 1;
+	opt.setup_argc = setup_argc;
+	opt.setup_argv = setup_argv;
+	opt.setup_check = check_setup;
+	g->vc = idem_vc_new(&opt, &io, err, sizeof(err));
+	return g->vc != NULL ? 0 : -1;
+}
+
 /* valkey_db on a cluster: a configuration error; the gate stays off. */
 static void
 db_on_cluster(idem_gate *g)
@@ -138,68 +209,37 @@ db_on_cluster(idem_gate *g)
 }
 
 /*
- * Open the cluster router (seeds: host:port, then the extra nodes; each
- * seed has the connect and command timeouts to answer, so a seed that hangs
- * costs its own time only).  The script is named by its SHA-1, computed
- * here: no SCRIPT LOAD, which would have to go to some node that may be the
- * one that hangs; each node loads it on its first NOSCRIPT (EVAL).
- * 0, or -1 with the gate resting.
+ * Open the router: the first seed that answers in its budget (the connect
+ * and command timeouts: a seed that hangs costs its own time only) says
+ * whether it is a cluster's.  0, or -1 with the gate resting for retry_ms.
  */
 static int
-cluster_open(idem_gate *g)
+gate_open(idem_gate *g)
 {
-	idem_vc_options opt;
-	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
-	char		seeds[1024];
 	char		err[256];
+	int			rc;
 
-	if (g->vc == NULL)
+	if (router_make(g) != 0)
 	{
-		char		first[IDEM_VC_HOST_MAX + 8];
-
-		idem_vc_format_endpoint(first, sizeof(first), g->host, g->port);
-		snprintf(seeds, sizeof(seeds), "%s%s%s", first,
-				 g->nodes ? "," : "", g->nodes ? g->nodes : "");
-		memset(&opt, 0, sizeof(opt));
-		opt.seeds = seeds;
-		opt.default_port = g->port;
-		opt.password = g->password;
-		opt.db = g->db;
-		/*
-		 * With a database other than 0 ask the nodes (they cannot be a
-		 * cluster's, and must not be taken for one): idem_vc_open says -2
-		 * if they are.
-		 */
-		opt.mode = g->db != 0 ? IDEM_VC_MODE_AUTO : IDEM_VC_MODE_CLUSTER;
-		opt.connect_timeout_ms = g->connect_timeout_ms;
-		opt.retry_ms = g->retry_ms;
-		g->vc = idem_vc_new(&opt, &io, err, sizeof(err));
-		if (g->vc == NULL)
-			goto fail;
+		g->down_until = idemc_now_ms() + g->retry_ms;
+		return -1;
 	}
-	if (!idem_vc_is_open(g->vc))
+	rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
+					  err, sizeof(err));
+	if (rc == -2)
+		db_on_cluster(g);		/* not an outage: the gate stays off */
+	if (rc == 0 && g->cluster_mode > 0 && !idem_vc_is_cluster(g->vc))
 	{
-		int			rc = idem_vc_open(g->vc,
-									  g->connect_timeout_ms + g->command_timeout_ms,
-									  err, sizeof(err));
-
-		/* a configuration error, not an outage: the gate stays off */
-		if (rc == -2)
-			db_on_cluster(g);
-		if (rc != 0 || !idem_vc_is_cluster(g->vc))
-			goto fail;
+		/* a cluster was asked for: a single Valkey is not used instead */
+		idem_vc_close_all(g->vc);
+		rc = -1;
+	}
+	if (rc != 0)
+	{
+		g->down_until = idemc_now_ms() + g->retry_ms;
+		return -1;
 	}
 	return 0;
-fail:
-	if (g->vc != NULL && !idem_vc_is_cluster(g->vc))
-	{
-		/* not a cluster after all, or none answered: ask again next time */
-		g->stat_connects += idem_vc_get_stats(g->vc)->connects;
-		idem_vc_free(g->vc);
-		g->vc = NULL;
-	}
-	g->down_until = idemc_now_ms() + g->retry_ms;
-	return -1;
 }
 
 const char *
@@ -208,10 +248,14 @@ idemc_gate_config_error(const idem_gate *g)
 	return (g && g->config_error[0]) ? g->config_error : NULL;
 }
 
+/* The exchanges of runs, and the connections' setups. */
 long
 idemc_gate_round_trips(const idem_gate *g)
 {
-	return g ? g->round_trips : 0;
+	if (g == NULL)
+		return 0;
+	return g->round_trips + g->freed_setups +
+		(g->vc ? (long) idem_vc_get_stats(g->vc)->setups : 0);
 }
 
 long
@@ -219,7 +263,7 @@ idemc_gate_connects(const idem_gate *g)
 {
 	if (g == NULL)
 		return 0;
-	return g->connects + g->stat_connects +
+	return g->freed_connects +
 		(g->vc ? (long) idem_vc_get_stats(g->vc)->connects : 0);
 }
 
@@ -229,105 +273,9 @@ idemc_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
 {
 	const idem_vc_stats *s = (g && g->vc) ? idem_vc_get_stats(g->vc) : NULL;
 
-	*redirects = s ? (long) (s->moved + s->ask) : 0;
-	*refreshes = s ? (long) s->refreshes : 0;
-	*node_errors = s ? (long) s->node_errors : 0;
-}
-
-/* Connect, then in one round trip within the command timeout (a deadline)
- * the common setup (../src/common/valkey_wire.c: AUTH, the gate's own
- * commands, SELECT): INFO cluster unless the mode is forced (before
- * SELECT, which a cluster refuses: it must be recognised), and SCRIPT LOAD
- * of the release script.  0 on success; on failure the gate stays down for
- * retry_ms. */
-static int
-do_connect(idem_gate *g)
-{
-	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
-	char		err[256];
-	int			fd;
-	redisContext *c;
-	const char *info[2] = {"INFO", "cluster"};
-	const char *load[3] = {"SCRIPT", "LOAD", idemc_cad_script};
-	const char *const *argv[2];
-	int			argc[2];
-	redisReply *replies[2] = {NULL, NULL};
-	idem_vc_setup su;
-	int			rc;
-	int			ok;
-	int			cluster = 0;
-	int			i;
-	redisReply *sha;
-
-	g->connects++;
-	if (g->cluster_mode > 0 || g->vc != NULL)
-		return cluster_open(g);
-	/* the TCP connect is the router's (as every node's), hiredis wraps it */
-	fd = idem_vc_tcp_connect(g->host, g->port,
-							 idemc_now_ms() + g->connect_timeout_ms, &io,
-							 err, sizeof(err));
-	c = fd >= 0 ? redisConnectFd(fd) : NULL;
-	if (c == NULL || c->err)
-	{
-		if (c)
-			redisFree(c);
-		else if (fd >= 0)
-			close(fd);
-		/* the first node is down: the others may be a cluster's */
-		if (g->nodes != NULL && g->cluster_mode == 0)
-			return cluster_open(g);
-		g->down_until = idemc_now_ms() + g->retry_ms;
-		return -1;
-	}
-	g->c = c;
-	memset(&su, 0, sizeof(su));
-	su.password = g->password;
-	su.db = g->db;
-	su.extra_argc = argc;
-	su.extra_argv = argv;
-	su.extra_replies = replies;
-	if (g->cluster_mode == 0)
-	{
-		argc[su.nextra] = 2;
-		argv[su.nextra++] = info;
-	}
-	argc[su.nextra] = 3;
-	argv[su.nextra++] = load;
-	g->round_trips++;
-	rc = idem_vc_wire_setup(c->fd, &su, idemc_now_ms() + g->command_timeout_ms,
-							&io, err, sizeof(err));
-	if (g->cluster_mode == 0 && replies[0] != NULL)
-		cluster = replies[0]->type == REDIS_REPLY_STRING &&
-			strstr(replies[0]->str, "cluster_enabled:1") != NULL;
-	sha = replies[su.nextra - 1];
-	ok = rc == 0 && sha != NULL && sha->type == REDIS_REPLY_STRING &&
-		sha->len == 40 && memcmp(idemc_cad_sha1, sha->str, 40) == 0 &&
-		idemc_vk_socket_setup(g) == 0;
-	for (i = 0; i < su.nextra; i++)
-		if (replies[i])
-			freeReplyObject(replies[i]);
-	if (cluster && g->db != 0)
-	{
-		/* a configuration error, not an outage: the gate stays off */
-		db_on_cluster(g);
-		idemc_gate_drop(g);
-		return -1;
-	}
-	if (!ok)
-	{
-		idemc_gate_drop(g);
-		/* the first node hangs: the others may be a cluster's */
-		if ((rc == -1 || rc == -2) && g->nodes != NULL && g->cluster_mode == 0)
-			return cluster_open(g);
-		g->down_until = idemc_now_ms() + g->retry_ms;
-		return -1;
-	}
-	if (cluster)
-	{
-		idemc_gate_drop(g);
-		return cluster_open(g);
-	}
-	return 0;
+	*redirects = (g ? g->freed_redirects : 0) + (s ? (long) (s->moved + s->ask) : 0);
+	*refreshes = (g ? g->freed_refreshes : 0) + (s ? (long) s->refreshes : 0);
+	*node_errors = (g ? g->freed_node_errors : 0) + (s ? (long) s->node_errors : 0);
 }
 
 int
@@ -335,20 +283,25 @@ idemc_gate_resting(const idem_gate *g)
 {
 	if (g->config_error[0])
 		return 1;
-	if (g->vc != NULL && idem_vc_is_open(g->vc))
-		return 0;				/* nodes rest one by one */
-	return g->c == NULL && idemc_now_ms() < g->down_until;
+	/*
+	 * Open: nodes rest one by one.  A single Valkey's one node resting is
+	 * the gate's; a cluster's masters all resting is not (the next
+	 * pipeline re-reads the map: a replica may have been promoted).
+	 */
+	if (idem_vc_is_open(g->vc))
+		return !idem_vc_is_cluster(g->vc) && idem_vc_all_resting(g->vc);
+	return idemc_now_ms() < g->down_until;
 }
 
-/* Connected, or connect now. */
+/* Open, or open now. */
 int
 idemc_gate_ensure(idem_gate *g)
 {
-	if (g->c || (g->vc != NULL && idem_vc_is_open(g->vc)))
+	if (idem_vc_is_open(g->vc))
 		return 0;
 	if (idemc_gate_resting(g))
 		return -1;
-	return do_connect(g);
+	return gate_open(g);
 }
 
 void
@@ -356,4 +309,25 @@ idemc_gate_connect(idem_gate *g)
 {
 	if (g != NULL)
 		(void) idemc_gate_ensure(g);
+}
+
+/*
+ * Single-key commands in one round trip (cmds[i].key routes command i):
+ * each node's share sent before any reply is read, one pipeline on a
+ * single Valkey, within the command timeout.  cmds[i].reply is command i's
+ * reply (the caller frees), or NULL if it has none (its node failed or
+ * rests, or the deadline passed).
+ */
+void
+idemc_gate_pipeline(idem_gate *g, idem_vc_cmd *cmds, int n)
+{
+	int			i;
+
+	for (i = 0; i < n; i++)
+		cmds[i].reply = NULL;
+	if (n <= 0 || idemc_gate_ensure(g) != 0)
+		return;
+	g->round_trips++;
+	(void) idem_vc_pipeline(g->vc, cmds, n,
+							idemc_now_ms() + g->command_timeout_ms);
 }

@@ -1801,6 +1801,31 @@ cmd_scenario(void)
 	rt_check("replay from Valkey", &d, 0, 1);
 
 	/*
+	 * --- the gate's connection closed by Valkey while idle (a restart, its
+	 * timeout setting, CLIENT KILL): the next run connects again at once
+	 * and is answered by Valkey, not sent to PostgreSQL for retry_ms.
+	 */
+	{
+		idem_runner_stats s0,
+					s1;
+
+		idem_runner_stats_init(&s0);
+		idem_runner_stats_init(&s1);
+		idem_runner_get_stats(R, &s0);
+		tap_ok(rv_cmd_ok("CLIENT KILL TYPE normal SKIPME yes"),
+			   "Valkey closes every client's connection (CLIENT KILL)");
+		sleep_ms(100);			/* the proxy sees the close and passes it on */
+		idem_run(R, 1, S, "a1", "{\"currency\":\"EUR\",\"amount\":5e0}", handler, &h, &res);
+		idem_runner_get_stats(R, &s1);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 1 &&
+			   s1.valkey_connects == s0.valkey_connects + 1 &&
+			   s1.valkey_skipped == s0.valkey_skipped,
+			   "a gate connection closed while idle: the next run connects again at once and replays from Valkey (%s; connects %ld -> %ld, skipped %ld -> %ld)",
+			   res_str(&res), s0.valkey_connects, s1.valkey_connects,
+			   s0.valkey_skipped, s1.valkey_skipped);
+	}
+
+	/*
 	 * --- a redelivery (delivery_count > 1): the gate alone -------------
 	 * Its SET NX GET answers a stored result as a GET would and, the key
 	 * being there, writes nothing: the value and its TTL stay the worker's.

@@ -144,6 +144,20 @@ idem_vc_new(const idem_vc_options *opt, const idem_vc_io *io, char *err,
 	vc->db = opt->db;
 	vc->connect_timeout_ms = opt->connect_timeout_ms;
 	vc->retry_ms = opt->retry_ms;
+	vc->blocking_reads = opt->blocking_reads;
+	vc->reconnect_dead = opt->reconnect_dead;
+	if (opt->nsetup < 0 || opt->nsetup > VC_MAX_SETUP)
+	{
+		snprintf(err, errlen, "at most %d setup commands", VC_MAX_SETUP);
+		free(vc);
+		return NULL;
+	}
+	vc->nsetup = opt->nsetup;
+	vc->setup_argc = opt->setup_argc;
+	for (s = 0; s < opt->nsetup; s++)
+		vc->setup_argv[s] = opt->setup_argv[s];
+	vc->setup_check = opt->setup_check;
+	vc->setup_arg = opt->setup_arg;
 	for (s = 0; s < IDEM_VC_SLOTS; s++)
 		vc->slot_node[s] = -1;
 	if (opt->password && opt->password[0])
@@ -318,6 +332,25 @@ int
 idem_vc_is_open(const idem_vc *vc)
 {
 	return vc != NULL && vc->is_open;
+}
+
+int
+idem_vc_all_resting(const idem_vc *vc)
+{
+	int64_t		now;
+	int			i;
+
+	if (!idem_vc_is_open(vc))
+		return 0;
+	now = idem_vc_now_ms();
+	for (i = 0; i < vc->nnodes; i++)
+	{
+		const vc_node *n = &vc->nodes[i];
+
+		if (n->in_map && (n->fd >= 0 || now >= n->down_until))
+			return 0;
+	}
+	return 1;
 }
 
 

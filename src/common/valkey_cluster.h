@@ -27,11 +27,16 @@
  * pipelines its batches to that node directly (idem_vc_single_*).
  * idem_vc_open() detects the mode with INFO cluster (unless forced).
  *
- * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.  All
- * sockets are non-blocking; waiting is the caller's (idem_vc_io.wait), so
- * the worker waits on its latch-aware WaitEventSet and the client on
- * poll().  Writes use send(MSG_NOSIGNAL): a dead node is an error, never
- * SIGPIPE.  hiredis is used only for its RESP writer and reader.
+ * Every Valkey connection of idem is a router's: the worker's and the
+ * runner's gate's, to a single Valkey or a cluster.
+ *
+ * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.
+ * Sockets are non-blocking and waiting is the caller's (idem_vc_io.wait),
+ * so the worker waits on its latch-aware WaitEventSet and the client on
+ * poll(); a caller may ask for blocking reads after the setup instead
+ * (idem_vc_options.blocking_reads: the runner).  Writes use
+ * send(MSG_NOSIGNAL): a dead node is an error, never SIGPIPE.  hiredis is
+ * used only for its RESP writer and reader.
  * An idem_vc is used by one thread at a time.
  *
  *-------------------------------------------------------------------------
@@ -145,6 +150,39 @@ typedef struct idem_vc_options
 	idem_vc_mode mode;
 	int			connect_timeout_ms;
 	int			retry_ms;		/* a node that failed rests this long */
+
+	/*
+	 * The runner's choices (the worker leaves them 0):
+	 *
+	 * blocking_reads: after its setup a node's socket is made blocking, and
+	 * a reply is read with one recv() whose SO_RCVTIMEO is what is left of
+	 * the deadline (no poll() before it): an exchange with one node is two
+	 * system calls.  io.wait is then used for connects, full send buffers
+	 * and backoffs only, so a caller whose wait must also watch something
+	 * else (the worker's latch) leaves it 0.
+	 *
+	 * reconnect_dead: a connection that had answered before and is found
+	 * dead (EOF, reset, broken pipe: Valkey restarted, or closed an idle
+	 * client) is connected again at once and the node's unanswered commands
+	 * are resent, instead of the node resting for retry_ms.  Only a
+	 * connection that dies before its first answer makes the node rest, so
+	 * a node that is down costs one connect per retry_ms.  Commands are
+	 * then sent twice when the first copy ran and its reply was lost: set
+	 * it only if every command the caller sends may run twice.
+	 *
+	 * nsetup commands (setup_argc, setup_argv; the arrays outlive the
+	 * router) are sent in every connection's setup round trip, after AUTH
+	 * and before SELECT; setup_check, if not NULL, judges their replies
+	 * (0, or -1 with err set: the connect fails and the node rests).
+	 */
+	int			blocking_reads;
+	int			reconnect_dead;
+	int			nsetup;
+	const int  *setup_argc;
+	const char *const *const *setup_argv;
+	int			(*setup_check) (void *arg, redisReply *const *replies,
+								char *err, size_t errlen);
+	void	   *setup_arg;
 } idem_vc_options;
 
 typedef struct idem_vc_stats
@@ -156,6 +194,9 @@ typedef struct idem_vc_stats
 	long long	node_errors;	/* connects or exchanges that failed */
 	long long	connects;
 	long long	round_trips;	/* rounds of a pipeline (per node sent) */
+	long long	reconnects;		/* dead connections connected again at once
+								 * (reconnect_dead) */
+	long long	setups;			/* connections' setup round trips */
 } idem_vc_stats;
 
 typedef struct idem_vc idem_vc;
@@ -197,6 +238,9 @@ int			idem_vc_open(idem_vc *vc, int seed_budget_ms, char *err,
 						 size_t errlen);
 int			idem_vc_is_cluster(const idem_vc *vc);
 int			idem_vc_is_open(const idem_vc *vc);
+/* Open, and every node of the map rests after a failure (not connected,
+ * its retry_ms not over): a pipeline now would send nothing. */
+int			idem_vc_all_resting(const idem_vc *vc);
 
 /*
  * Send the commands, pipelined per node, and collect their replies, following

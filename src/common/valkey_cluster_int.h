@@ -38,6 +38,8 @@
 #define VC_RESTING_REFRESH_MS	100
 /* vc_rounds: no first round was sent by the caller */
 #define VC_UNSENT			(-3)
+/* idem_vc_options.nsetup at most */
+#define VC_MAX_SETUP		4
 
 typedef struct vc_node
 {
@@ -56,6 +58,9 @@ typedef struct vc_node
 	long long	errors;
 	int			in_map;
 	int			sent;			/* sent to since its last read */
+	int			answered;		/* a reply read on this connection */
+	int			died;			/* the last failure: EOF, reset, broken pipe */
+	int			rcvtimeo_ms;	/* blocking_reads: the socket's SO_RCVTIMEO */
 } vc_node;
 
 struct idem_vc
@@ -66,6 +71,14 @@ struct idem_vc
 	int			db;
 	int			connect_timeout_ms;
 	int			retry_ms;
+	int			blocking_reads;
+	int			reconnect_dead;
+	int			nsetup;
+	const int  *setup_argc;
+	const char *const *setup_argv[VC_MAX_SETUP];
+	int			(*setup_check) (void *arg, redisReply *const *replies,
+								char *err, size_t errlen);
+	void	   *setup_arg;
 	int			nseeds;
 	int			seeds[IDEM_VC_MAX_NODES];	/* node indexes */
 	int			nnodes;
@@ -93,6 +106,7 @@ extern int	idem_vc_node_get(idem_vc *vc, const char *host, int port);
 extern void idem_vc_node_unsent(idem_vc *vc, vc_node *n);
 extern void idem_vc_node_drop(idem_vc *vc, vc_node *n);
 extern void idem_vc_node_failed(idem_vc *vc, vc_node *n, const char *what);
+extern void idem_vc_node_lost(idem_vc *vc, vc_node *n, const char *what);
 extern int	idem_vc_node_append(idem_vc *vc, vc_node *n, int argc, const char **argv, const size_t *argvlen);
 extern int	idem_vc_node_expect(idem_vc *vc, vc_node *n, int what);
 extern int	idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline);

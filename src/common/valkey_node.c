@@ -95,6 +95,8 @@ idem_vc_node_drop(idem_vc *vc, vc_node *n)
 	n->rd = NULL;
 	n->olen = 0;
 	n->nexpect = 0;
+	n->rcvtimeo_ms = 0;
+	n->answered = 0;
 }
 
 /* A failure on an established or new connection: drop it, let it rest. */
@@ -111,6 +113,24 @@ idem_vc_node_failed(idem_vc *vc, vc_node *n, const char *what)
 	n->down_until = idem_vc_now_ms() + vc->retry_ms;
 	if (vc->cluster)
 		vc->need_refresh = 1;
+}
+
+/*
+ * A failure of an exchange on n's connection: with reconnect_dead, a
+ * connection that had answered before and died is dropped without a rest
+ * (the next round connects again and resends what it left unanswered);
+ * anything else fails the node.
+ */
+void
+idem_vc_node_lost(idem_vc *vc, vc_node *n, const char *what)
+{
+	if (vc->reconnect_dead && n->answered && n->died)
+	{
+		vc->stats.reconnects++;
+		idem_vc_node_drop(vc, n);
+		return;
+	}
+	idem_vc_node_failed(vc, n, what);
 }
 
 int
@@ -168,6 +188,16 @@ idem_vc_node_expect(idem_vc *vc, vc_node *n, int what)
 	return 0;
 }
 
+/*
+ * Did the connection die (EOF, reset, broken pipe), rather than time out or
+ * say something unreadable?  errno as valkey_wire.c leaves it.
+ */
+static int
+node_died(void)
+{
+	return errno == ECONNRESET || errno == EPIPE || errno == ECONNABORTED;
+}
+
 /* Send everything buffered.  0, -1 (err set), -2 abandon. */
 int
 idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
@@ -175,6 +205,8 @@ idem_vc_node_flush(idem_vc *vc, vc_node *n, int64_t deadline)
 	int			rc = idem_vc_wire_send(n->fd, n->obuf, n->olen, deadline,
 									   &vc->io, vc->err, sizeof(vc->err));
 
+	if (rc == -1)
+		n->died = node_died();
 	if (rc != 0)
 		return rc;
 	if (n->olen > 0 && !n->sent)
@@ -201,10 +233,17 @@ idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
 	 * not this node's failure (idem_vc_wire_read recvs all the same).
 	 */
 	int			wait_first = n->sent && vc->nsent == 1;
+	int			rc;
 
 	idem_vc_node_unsent(vc, n);
-	return idem_vc_wire_read(n->fd, n->rd, deadline, wait_first, NULL,
-							 &vc->io, vc->err, sizeof(vc->err), out);
+	rc = idem_vc_wire_read(n->fd, n->rd, deadline, wait_first,
+						   n->rcvtimeo_ms > 0 ? &n->rcvtimeo_ms : NULL,
+						   &vc->io, vc->err, sizeof(vc->err), out);
+	if (rc == 0)
+		n->answered = 1;
+	else if (rc == -1)
+		n->died = node_died();
+	return rc;
 }
 
 /* One command and its reply, on a connected node (setup commands). */
@@ -327,39 +366,66 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 	{
 		idem_vc_setup su;
 		const char *info[2] = {"INFO", "cluster"};
-		const char *const *argv[1] = {info};
-		int			argc[1] = {2};
-		redisReply *reply = NULL;
+		const char *const *argv[1 + VC_MAX_SETUP];
+		int			argc[1 + VC_MAX_SETUP];
+		redisReply *replies[1 + VC_MAX_SETUP];
+		int			ask = vc->ask_cluster;
+		int			i;
 
 		memset(&su, 0, sizeof(su));
 		su.password = vc->password;
 		su.db = vc->cluster ? 0 : vc->db;
-		if (vc->ask_cluster)
+		if (ask)
 		{
 			/* open, in auto mode: SELECT after INFO cluster, which says
 			 * whether its refusal is a cluster's */
 			su.db = vc->db;
-			su.nextra = 1;
-			su.extra_argc = argc;
-			su.extra_argv = argv;
-			su.extra_replies = &reply;
+			argc[su.nextra] = 2;
+			argv[su.nextra++] = info;
 			vc->said_cluster = -1;
 		}
+		for (i = 0; i < vc->nsetup; i++)
+		{
+			argc[su.nextra] = vc->setup_argc[i];
+			argv[su.nextra++] = vc->setup_argv[i];
+		}
+		su.extra_argc = argc;
+		su.extra_argv = argv;
+		su.extra_replies = replies;
 		rc = idem_vc_wire_setup(n->fd, &su, cdeadline, &vc->io,
 								vc->err, sizeof(vc->err));
 		if (su.password != NULL || su.db != 0 || su.nextra > 0)
-			vc->stats.round_trips++;
-		if (reply != NULL)
 		{
-			vc->said_cluster = reply->type == REDIS_REPLY_STRING &&
-				strstr(reply->str, "cluster_enabled:1") != NULL;
-			freeReplyObject(reply);
+			vc->stats.round_trips++;
+			vc->stats.setups++;
+		}
+		if (ask && replies[0] != NULL)
+		{
+			vc->said_cluster = replies[0]->type == REDIS_REPLY_STRING &&
+				strstr(replies[0]->str, "cluster_enabled:1") != NULL;
 			/* a cluster's SELECT refused: idem_vc_open says why */
 			if (rc == -3 && su.refused == IDEM_VC_SETUP_SELECT &&
 				vc->said_cluster == 1)
 				rc = 0;
 		}
+		if (rc == 0 && vc->setup_check != NULL &&
+			vc->setup_check(vc->setup_arg, replies + ask, vc->err,
+							sizeof(vc->err)) != 0)
+			rc = -1;
+		for (i = 0; i < su.nextra; i++)
+			if (replies[i] != NULL)
+				freeReplyObject(replies[i]);
+		if (rc == 0 && vc->blocking_reads &&
+			idem_vc_wire_set_blocking(n->fd, vc->connect_timeout_ms,
+									  &n->rcvtimeo_ms) != 0)
+		{
+			idem_vc_set_err(vc, "could not make the socket blocking: %s",
+							strerror(errno));
+			rc = -1;
+		}
 	}
+	n->answered = 0;
+	n->died = 0;
 	return rc == -3 ? -1 : rc;
 }
 

@@ -4,7 +4,9 @@
  *	  The pipeline: a batch of single-key commands split per node by slot,
  *	  sent in rounds whose replies are matched back to the commands; MOVED
  *	  updates the map and resends, ASK sends ASKING and the command to the
- *	  node named, "not now" retries with a backoff until the deadline.  In
+ *	  node named, "not now" retries with a backoff until the deadline, and
+ *	  (reconnect_dead) a connection found dead is connected again and its
+ *	  unanswered commands resent in the next round.  In
  *	  one call (idem_vc_pipeline) or split after the first round's send
  *	  (idem_vc_send, then idem_vc_collect: the worker sleeps out its batch
  *	  delay in between).
@@ -118,7 +120,7 @@ vc_send_round(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
 		if (rc == -2)
 			return -2;
 		if (rc != 0)
-			idem_vc_node_failed(vc, nd, "sending to");
+			idem_vc_node_lost(vc, nd, "sending to");
 	}
 	return sent;
 }
@@ -155,7 +157,7 @@ vc_read_round(idem_vc *vc, idem_vc_cmd *cmds, int64_t deadline_ms,
 				return -2;
 			if (rc != 0)
 			{
-				idem_vc_node_failed(vc, nd, "reading from");
+				idem_vc_node_lost(vc, nd, "reading from");
 				break;
 			}
 			if (what < 0)
