@@ -10,6 +10,11 @@
  * option (default 0).  The handler does no effect besides its outcome
  * {"i": <id>}.  What the runner tells its notice hook is printed as
  * "notice <message>"; a run that fails prints its message on stderr.
+ *
+ * With IDEM_TEST_WARM set, the runs are made once first with nothing
+ * printed (every master's connection made and used), then "warm" is
+ * printed and a line is read from stdin before the runs that count: the
+ * test can make a node hang on an established connection.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +67,24 @@ main(int argc, char **argv)
 	r = idem_runner_open(argv[1], argv[2], atoi(argv[3]), &o);
 	if (r == NULL)
 		return 1;
+	if (getenv("IDEM_TEST_WARM") != NULL)
+	{
+		char		line[16];
+
+		for (i = first; i < first + n; i++)
+		{
+			char		id[32];
+			idem_result res;
+
+			idem_result_init(&res);
+			snprintf(id, sizeof(id), "%d", i);
+			idem_run(r, 1, argv[6], id, "{}", handler, NULL, &res);
+		}
+		printf("warm\n");
+		fflush(stdout);
+		if (fgets(line, sizeof(line), stdin) == NULL)
+			return 1;
+	}
 	for (i = first; i < first + n; i++)
 	{
 		char		id[32];

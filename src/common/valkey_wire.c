@@ -15,10 +15,11 @@
  *	      idem_vc_io.wait on EAGAIN, or before the first recv when the reply
  *	      cannot be in yet (saves a recv that would say EAGAIN; only the
  *	      wait after an EAGAIN can time the reply out);
- *	    - a blocking socket with SO_RCVTIMEO (the runner's single node): one
+ *	    - a blocking socket with SO_RCVTIMEO (the runner's router): one
  *	      blocking recv per reply, the timeout kept within what is left of
  *	      the deadline, so an exchange is two system calls, as hiredis's own
- *	      GET.  A signal never extends the deadline: a recv on a socket with
+ *	      GET; past the deadline, one recv that does not wait (what came
+ *	      in while another connection spent the deadline is still read).  A signal never extends the deadline: a recv on a socket with
  *	      a timeout is not restarted (EINTR), and what is left is
  *	      recomputed.
  *	  On failure errno is kept as the system call left it (ECONNRESET for
@@ -134,6 +135,7 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 		void	   *reply = NULL;
 		char		buf[16 * 1024];
 		ssize_t		got;
+		int			flags = 0;
 
 		if (redisReaderGetReply(rd, &reply) != REDIS_OK)
 		{
@@ -151,14 +153,15 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 			/* blocking: SO_RCVTIMEO within what is left of the deadline */
 			int64_t		left = deadline - idem_vc_now_ms();
 
+			/*
+			 * Past the deadline what is in is still read, without waiting:
+			 * the deadline may have been spent on another connection while
+			 * this one's reply came in.
+			 */
 			if (left <= 0)
-			{
-				wire_err(err, errlen, "timed out waiting for a reply");
-				errno = 0;
-				return -1;
-			}
-			if ((*rcvtimeo_ms > left + 1 || *rcvtimeo_ms < left - 1) &&
-				set_rcvtimeo(fd, left, rcvtimeo_ms) != 0)
+				flags = MSG_DONTWAIT;
+			else if ((*rcvtimeo_ms > left + 1 || *rcvtimeo_ms < left - 1) &&
+					 set_rcvtimeo(fd, left, rcvtimeo_ms) != 0)
 			{
 				sys_err(err, errlen, "could not set a timeout");
 				return -1;
@@ -176,7 +179,7 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 			if (io->wait(io->arg, fd, 0, deadline) == -2)
 				return -2;
 		}
-		got = recv(fd, buf, sizeof(buf), 0);
+		got = recv(fd, buf, sizeof(buf), flags);
 		if (got > 0)
 		{
 			if (redisReaderFeed(rd, buf, (size_t) got) != REDIS_OK)
@@ -199,9 +202,18 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 		{
 			int			rc;
 
-			/* blocking: SO_RCVTIMEO ran out; the deadline is checked above */
-			if (rcvtimeo_ms != NULL)
+			/*
+			 * blocking: SO_RCVTIMEO ran out (the deadline is checked above),
+			 * or nothing was in past the deadline
+			 */
+			if (rcvtimeo_ms != NULL && flags == 0)
 				continue;
+			if (rcvtimeo_ms != NULL)
+			{
+				wire_err(err, errlen, "timed out waiting for a reply");
+				errno = 0;
+				return -1;
+			}
 			rc = io->wait(io->arg, fd, 0, deadline);
 			if (rc == -1)
 			{

@@ -31,13 +31,29 @@ ok(IdemValkey::wait_connected($node, 1), 'worker connects');
 my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
 
 # Run ids first..first+n-1 of scope; returns ({id => [status, source]}, {stats}).
+# With $warm (a sub), the runs are made once first, every master connected,
+# then $warm is called before the runs that count.
 sub runs
 {
-	my ($scope, $n, $first_id, $port, $nodes) = @_;
-	my ($out, $err);
-	IPC::Run::run([ $bin, $conninfo, '127.0.0.1', $port // $first->port,
-			$nodes // $others, 0, $scope, $n, $first_id // 1 ],
-		'>', \$out, '2>', \$err);
+	my ($scope, $n, $first_id, $port, $nodes, $warm) = @_;
+	my ($in, $out, $err) = ('', '', '');
+	my @cmd = ($bin, $conninfo, '127.0.0.1', $port // $first->port,
+		$nodes // $others, 0, $scope, $n, $first_id // 1);
+	if ($warm)
+	{
+		local $ENV{IDEM_TEST_WARM} = 1;
+		my $h = IPC::Run::start(\@cmd, '<', \$in, '>', \$out, '2>', \$err,
+			IPC::Run::timeout(120));
+		$h->pump until $out =~ /^warm\n/m;
+		$out = '';
+		$warm->();
+		$in = "go\n";
+		$h->finish;
+	}
+	else
+	{
+		IPC::Run::run(\@cmd, '>', \$out, '2>', \$err);
+	}
 	diag($err) if $err;
 	my (%runs, %stats);
 	foreach (split /\n/, $out)
@@ -122,12 +138,20 @@ is(count_where($runs, 'replayed', 'valkey'), 20, 'and replay from it');
 (my $owner_key = $keyspace) =~ s/\.[0-9]+:\z/:owner/;
 sub hang_master
 {
-	my ($hung, $what, $port, $seeds) = @_;
+	my ($hung, $what, $port, $seeds, $warm) = @_;
 	my @on_hung = grep { $vc->master_of_key(rkey('r', $_))->port == $hung->port } 1 .. 60;
 	@on_hung = (1 .. 60)
 	  if !$legacy && $vc->master_of_key($owner_key)->port == $hung->port;
-	$hung->pause;
-	my ($runs, $stats) = runs('r', 60, undef, $port, $seeds);
+	my ($runs, $stats);
+	if ($warm)
+	{
+		($runs, $stats) = runs('r', 60, undef, $port, $seeds, sub { $hung->pause });
+	}
+	else
+	{
+		$hung->pause;
+		($runs, $stats) = runs('r', 60, undef, $port, $seeds);
+	}
 	$hung->resume;
 	is(count_where($runs, 'replayed'), 60, "$what hangs: every run still replays");
 	is(scalar(grep { $runs->{$_}[1] eq 'postgres' } @on_hung), scalar(@on_hung),
@@ -147,12 +171,14 @@ hang_master($first, 'the first seed (a master)');
 # at the deadline, then reads the owner key's reply, which came in long
 # before: that node must not be failed for the deadline the other spent
 # (it was, and every later lookup went to PostgreSQL while it rested).
+# Every master is connected before the hang: a connect to a hung node
+# fails in its setup round trip, before anything is sent to the others.
 if (!$legacy)
 {
 	my $owner_master = $vc->master_of_key($owner_key);
 	my ($hung, $third) = grep { $_->port != $owner_master->port } $vc->masters;
 	hang_master($hung, 'a master read before the owner key\'s master', $third->port,
-		join(',', map { '127.0.0.1:' . $_->port } $hung, $owner_master));
+		join(',', map { '127.0.0.1:' . $_->port } $hung, $owner_master), 1);
 }
 
 $node->stop;
