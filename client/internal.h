@@ -34,7 +34,7 @@ int			idemc_utf8_valid(const char *buf, size_t len);
 void		idemc_set_err(char *buf, size_t buflen, const char *fmt,...)
 			__attribute__((format(printf, 3, 4)));
 
-/* Monotonic milliseconds: the router's clock (src/common/valkey_node.c). */
+/* Monotonic milliseconds: the router's clock (src/common/valkey_wire.c). */
 int64_t		idem_vc_now_ms(void);
 #define idemc_now_ms idem_vc_now_ms
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */

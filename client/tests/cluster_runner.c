@@ -41,6 +41,19 @@ handler(PGconn *conn, idem_call *call, void *user_data)
 	return IDEM_HANDLER_OK;
 }
 
+/* Run id i of scope. */
+static idem_result
+run_one(idem_runner *r, const char *scope, int i)
+{
+	char		id[32];
+	idem_result res;
+
+	idem_result_init(&res);
+	snprintf(id, sizeof(id), "%d", i);
+	idem_run(r, 1, scope, id, "{}", handler, NULL, &res);
+	return res;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -72,14 +85,7 @@ main(int argc, char **argv)
 		char		line[16];
 
 		for (i = first; i < first + n; i++)
-		{
-			char		id[32];
-			idem_result res;
-
-			idem_result_init(&res);
-			snprintf(id, sizeof(id), "%d", i);
-			idem_run(r, 1, argv[6], id, "{}", handler, NULL, &res);
-		}
+			(void) run_one(r, argv[6], i);
 		printf("warm\n");
 		fflush(stdout);
 		if (fgets(line, sizeof(line), stdin) == NULL)
@@ -87,16 +93,12 @@ main(int argc, char **argv)
 	}
 	for (i = first; i < first + n; i++)
 	{
-		char		id[32];
-		idem_result res;
+		idem_result res = run_one(r, argv[6], i);
 
-		idem_result_init(&res);
-		snprintf(id, sizeof(id), "%d", i);
-		idem_run(r, 1, argv[6], id, "{}", handler, NULL, &res);
-		printf("run %s %s %s %d\n", id, idem_status_name(res.status),
+		printf("run %d %s %s %d\n", i, idem_status_name(res.status),
 			   idem_source_name(res.source), res.valkey_used);
 		if (res.status == IDEM_ERROR)
-			fprintf(stderr, "run %s: %s\n", id, res.error_message);
+			fprintf(stderr, "run %d: %s\n", i, res.error_message);
 	}
 	idem_runner_stats_init(&st);
 	idem_runner_get_stats(r, &st);

@@ -66,8 +66,13 @@ vc_send_round(idem_vc *vc, idem_vc_cmd *cmds, int n, int64_t deadline_ms,
 
 		if (c->reply != NULL || c->rounds >= VC_MAX_ROUNDS)
 			continue;
-		target = c->ask_node >= 0 ? c->ask_node :
-			vc->slot_node[idem_vc_key_slot(c->key, c->keylen)];
+		/* a single Valkey's one node serves every slot: no CRC16 needed */
+		if (c->ask_node >= 0)
+			target = c->ask_node;
+		else if (!vc->cluster)
+			target = vc->slot_node[0];
+		else
+			target = vc->slot_node[idem_vc_key_slot(c->key, c->keylen)];
 		if (target < 0)
 		{
 			idem_vc_set_err(vc, "no node serves the slot of a key");

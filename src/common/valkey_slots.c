@@ -13,18 +13,24 @@
 #include <errno.h>
 #include <stdlib.h>
 
+/*
+ * CRC16-CCITT (XMODEM: polynomial 0x1021, initial 0, not reflected), a
+ * byte at a time without a table: the byte's eight shifts of the
+ * polynomial folded into three (x, x << 5, x << 12), about ten operations
+ * a byte instead of eight conditional shifts.
+ */
 uint16_t
 idem_vc_crc16(const char *buf, size_t len)
 {
 	uint16_t	crc = 0;
 	size_t		i;
-	int			b;
 
 	for (i = 0; i < len; i++)
 	{
-		crc ^= (uint16_t) ((unsigned char) buf[i] << 8);
-		for (b = 0; b < 8; b++)
-			crc = (crc & 0x8000) ? (uint16_t) ((crc << 1) ^ 0x1021) : (uint16_t) (crc << 1);
+		unsigned int x = ((crc >> 8) ^ (unsigned char) buf[i]) & 0xff;
+
+		x ^= x >> 4;
+		crc = (uint16_t) ((crc << 8) ^ (x << 12) ^ (x << 5) ^ x);
 	}
 	return crc;
 }
