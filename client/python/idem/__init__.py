@@ -5,11 +5,11 @@ extension as the truth, the handler's effect in the application's own
 transaction on its own psycopg 3 connection.  See README.md.
 """
 from .canonical import RequestError, canonical_json, fingerprint, idem_key
-from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
-                     MISMATCH, REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES,
-                     SOURCE_VALKEY, Busy, CommitUnknown, Failure, IdemError,
-                     Mismatch, NotApplied, PermanentFailure, RetryableFailure,
-                     Run, Runner, ValkeyClusterNotSupported)
+from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
+                     PermanentFailure, RetryableFailure, ValkeyClusterNotSupported)
+from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
+from .runner import Runner
 from .lease import Lease, LeaseLost
 from .batch import Batch
 

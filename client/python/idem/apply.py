@@ -1,8 +1,8 @@
 """A run whose effect is a SQL function: the extension's idem_apply claims
 the key, calls the function as the effect in a subtransaction, and
 completes or fails the key, in one statement that commits by itself (the C
-runner's idem_run_options.sql_handler).  The gate in front is the runner's
-own (runner.py); this module owns only step 3b's one statement and the
+runner's idem_run_options.sql_handler).  The gate in front is the one
+run's (run.py); this module owns only step 3b's one statement and the
 rules for what its failures prove."""
 import json
 
@@ -10,8 +10,10 @@ import psycopg
 
 from .canonical import RequestError, canonical_json
 from . import cache
-from .runner import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER,
-                     CommitUnknown, IdemError, _RunContext, _session_ended)
+from .errors import CommitUnknown, IdemError
+from .pg import _session_ended
+from .result import APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER
+from .run import _RunContext
 
 # An ERROR (not FATAL) of these classes, received before the connection was
 # lost, proves that the statement's transaction rolled back: no pooler makes

@@ -6,7 +6,7 @@ replay.  The rest are claimed in one statement (idem_claim_many) in the
 caller's transaction, the effects follow, and one more round trip completes
 and fails them (idem_complete_many, idem_fail_many) and commits.  The
 claim is the only guard against a concurrent duplicate here (busy); this
-module sets no marker and leaves the gate (runner.py) alone."""
+module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
 
@@ -14,11 +14,12 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .runner import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE,
-                     MISMATCH, REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES,
-                     SOURCE_VALKEY, CommitUnknown, Failure, IdemError, Run,
-                     ValkeyClusterNotSupported, _failure_of, _make_run, _outcome_text,
-                     _raise_pg_error, _session_ended, _wall_ms)
+from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
+from .pg import _raise_pg_error, _session_ended
+from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
+                     _failure_of, _make_run, _outcome_text)
+from .trust import _wall_ms
 
 
 def from_cache(runner, st, runs):

@@ -3,16 +3,19 @@ API): the claim commits alone with a lease, the effect happens, and the
 completion, fenced by the claim's attempt, commits later in a transaction
 of its own.  At-least-once for the effect (a holder that dies after it and
 before completing cannot be told from one that died before it), exactly
-one recorded outcome.  The gate in front is the runner's own (runner.py);
+one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
 import json
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .runner import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE,
-                     SOURCE_HANDLER, CommitUnknown, IdemError, Run,
-                     _failure_of, _outcome_text, _RunContext, _session_ended)
+from .canonical import idem_key
+from .errors import CommitUnknown, IdemError
+from .pg import _session_ended
+from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, Run,
+                     _failure_of, _outcome_text)
+from .run import _RunContext
 
 
 class LeaseLost(IdemError):
@@ -185,7 +188,6 @@ def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failur
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
-    from .canonical import idem_key
     st = runner._state(conn)
     if tenant_id is not None:
         tenant_id = int(tenant_id)

@@ -1,12 +1,15 @@
 """The gated idempotency runner: the Valkey gate and replay cache in front,
 PostgreSQL with the idem extension as the truth, the handler's effect in the
 application's transaction.  The protocol is the C client's (client/README.md,
-"One run, and its round trips" and "What the client trusts")."""
+"One run, and its round trips" and "What the client trusts").
+
+The top of the package: the Runner owns the Valkey client and what it
+learnt of each PostgreSQL session, and offers the forms as its methods:
+one run (run.py), a SQL handler (apply.py), lease mode (lease.py) and
+batches (batch.py).  They stand on result.py, errors.py, pg.py and
+trust.py, which import nothing above them."""
 import functools
-import hashlib
 import inspect
-import json
-import os
 import threading
 import time
 import weakref
@@ -16,21 +19,18 @@ import psycopg.sql
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .canonical import RequestError, canonical_json, idem_key
-
-# Statuses (the C client's idem_status_name) and sources.
-APPLIED = "applied"
-REPLAYED = "replayed"
-BUSY = "busy"
-MISMATCH = "mismatch"
-FAILED_PERMANENT = "failed_permanent"
-FAILED_RETRYABLE = "failed_retryable"
-SOURCE_HANDLER = "handler"
-SOURCE_VALKEY = "valkey"
-SOURCE_POSTGRES = "postgres"
-# How long another run's marker answers its duplicates "busy" from Valkey
-# alone; after that the claim decides (a dead runner's marker).
-MARKER_CHEAP_MS = 1000
+from .apply import _ApplyContext
+from .batch import Batch, cached_many
+from .lease import _LeaseContext, settle
+from .run import _RunContext
+from .trust import _ConnState
+# Defined below this module and importable from here as before (idem.runner
+# was once the whole runner): the statuses, sources, Run and exceptions.
+from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
+                     PermanentFailure, RetryableFailure, ValkeyClusterNotSupported)
+from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
+from .run import MARKER_CHEAP_MS
 
 # KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
 # The same text as client/release.c, so the same SHA-1 for EVALSHA
@@ -39,151 +39,6 @@ CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
               "  return redis.call('DEL', KEYS[1])\n"
               "end\n"
               "return 0\n")
-
-
-class IdemError(Exception):
-    """The run could not be decided; redeliver.  ``code`` says why:
-    ``request`` (not JSON jsonb accepts), ``outcome`` (not a JSON object of
-    at most 4096 bytes: rolled back), ``connection`` (the PostgreSQL
-    connection was lost before COMMIT was sent: nothing committed),
-    ``server`` (an error from PostgreSQL, ``sqlstate``; rolled back),
-    ``handler`` (the block left the transaction in error), ``handler_ended_tx``
-    (the block committed or rolled back the runner's transaction), ``state``
-    (the connection was not idle when the run began)."""
-
-    def __init__(self, code, message, sqlstate=None):
-        super().__init__(message)
-        self.code = code
-        self.sqlstate = sqlstate
-
-
-class CommitUnknown(IdemError):
-    """The connection was lost after COMMIT was sent: the effect and its key
-    committed together or not at all, and which is unknown.  Redeliver: the
-    ledger decides (a replay if it committed)."""
-
-    def __init__(self, message):
-        super().__init__("commit_unknown", message)
-
-
-class ValkeyClusterNotSupported(IdemError):
-    def __init__(self, message):
-        super().__init__("valkey_cluster", message)
-
-
-# What a decorated function raises when it did not return an outcome.
-class NotApplied(Exception):
-    """Base of the decorator's answers other than an outcome; ``result``
-    is the Run."""
-
-    def __init__(self, result, message):
-        super().__init__(message)
-        self.result = result
-
-
-class Busy(NotApplied):
-    """Another delivery holds the key: retry after ``retry_after`` seconds."""
-
-    @property
-    def retry_after(self):
-        return self.result.retry_after
-
-
-class Mismatch(NotApplied):
-    """The key was used with another request."""
-
-
-class Failure(Exception):
-    """Raise from a handler to record a failure with ``detail`` (a JSON
-    object); the decorator raises its subclasses for recorded failures."""
-    retryable = False
-
-    def __init__(self, detail=None, result=None):
-        super().__init__(json.dumps(detail) if detail is not None else "")
-        self.detail = {} if detail is None else detail
-        self.result = result
-
-
-class PermanentFailure(Failure):
-    """Recorded as failed_permanent: replayed to every later delivery."""
-    retryable = False
-
-
-class RetryableFailure(Failure):
-    """Recorded as failed_retryable: the next delivery runs attempt + 1."""
-    retryable = True
-
-
-def _wall_ms():
-    return int(time.time() * 1000)
-
-
-class _ConnState:
-    """What a runner knows about one PostgreSQL session."""
-
-    def __init__(self, backend_pid):
-        self.backend_pid = backend_pid
-        self.schema = None
-        self.keyspace = None        # None: no cache on this connection
-        self.secrets = {}
-        self.current = None
-        self.learnt = None          # monotonic time of the last learning
-        self.refresh_wanted = False
-        # the history epoch's owner key and the token it holds while the
-        # server owns the epoch: read with every lookup, a value counts only
-        # if it still holds the token
-        self.owner_key = None
-        self.owner_token = None
-        self.owner_suspect = False  # it did not: no cache until learnt
-        self.owner_relearnt = False  # learnt at once after a mismatch, and
-        # no check passed since: the next learning waits the second
-
-
-class Run:
-    """One run: what the block sees (``claimed``, ``attempt``, ``request``)
-    and, once decided, the result (``status``, ``source``, ``outcome``,
-    ``retry_after``)."""
-
-    def __init__(self, tenant_id, scope, run_id, request_text, key, fp):
-        self.tenant_id = tenant_id
-        self.scope = scope
-        self.run_id = run_id
-        self.request = request_text         # canonical JSON text
-        self.key = key
-        self.fingerprint = fp
-        self.status = None
-        self.source = None
-        self.attempt = None
-        self.outcome = None
-        self.retry_after_ms = None
-        self.valkey_used = False
-        self.claimed = False
-        self.first = None                   # first_sql's rows, once claimed
-        self.first_error = None             # or its error (the transaction is in error)
-        self.error = None                   # the exception a batch step recorded
-        self._failure = None                # (detail, retryable) from fail()
-
-    @property
-    def retry_after(self):
-        """Seconds to wait before redelivering (busy), else None."""
-        return None if self.retry_after_ms is None else self.retry_after_ms / 1000.0
-
-    @property
-    def done(self):
-        """applied or replayed: the effect is in the ledger; ack."""
-        return self.status in (APPLIED, REPLAYED)
-
-    def fail(self, detail=None, retryable=False):
-        """Inside the block: record a failure instead of completing (the
-        block's statements are rolled back to the savepoint)."""
-        if not self.claimed:
-            raise IdemError("state", "fail() on a run that was not claimed")
-        self._failure = ({} if detail is None else detail, bool(retryable))
-
-    def __repr__(self):
-        return "Run(status=%r, source=%r, attempt=%r, outcome=%r, retry_after_ms=%r)" % (
-            self.status, self.source, self.attempt, self.outcome, self.retry_after_ms)
-
 
 class Runner:
     """A gated idempotency runner.
@@ -471,7 +326,6 @@ class Runner:
         Returns the Run; an error the function raises is recorded as a
         failure (failed_permanent or failed_retryable, its sqlstate and
         message as the detail)."""
-        from .apply import _ApplyContext
         with _ApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
                            args=args, delivery_count=delivery_count) as run:
             pass
@@ -487,7 +341,6 @@ class Runner:
         transaction of its own (LeaseLost if a later attempt took the key
         over).  ``lease.defer()`` leaves the completion to
         ``runner.complete``."""
-        from .lease import _LeaseContext
         return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
                              lease_ms=lease_ms, delivery_count=delivery_count)
 
@@ -496,12 +349,10 @@ class Runner:
         ``attempt``, in the connection's transaction (it commits by itself
         on an autocommit connection).  LeaseLost if a later attempt took
         the key over."""
-        from .lease import settle
         settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
 
     def fail(self, conn, tenant_id, scope, run_id, detail=None, *, attempt, retryable=False):
         """Fail a key claimed in lease mode, as ``complete``."""
-        from .lease import settle
         settle(self, conn, tenant_id, scope, run_id, attempt,
                failure=({} if detail is None else detail, retryable))
 
@@ -513,7 +364,6 @@ class Runner:
         status after the block.  Valkey answers what it can in one
         pipelined GET, one idem_claim_many claims the rest, one round trip
         completes, fails and commits."""
-        from .batch import Batch
         return Batch(self, conn, items)
 
     def cached(self, conn, tenant_id, scope, run_id, request):
@@ -527,451 +377,5 @@ class Runner:
         """``cached`` for many (tenant, scope, run_id, request) in one
         pipelined round trip (one per node on a cluster): a list of Run or
         None, in order."""
-        from .batch import cached_many
         return cached_many(self, conn, items)
 
-
-def _make_run(cls, tenant_id, scope, run_id, request):
-    """A Run (or subclass) for one delivery: its key, canonical request and
-    fingerprint."""
-    if tenant_id is not None:
-        tenant_id = int(tenant_id)
-    try:
-        text = canonical_json(request)
-    except RequestError as e:
-        raise IdemError("request", "request: %s" % e) from None
-    try:
-        key = idem_key(scope, run_id)
-    except (TypeError, ValueError) as e:
-        raise IdemError("argument", str(e)) from None
-    return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
-
-
-def _failure_of(run, et, ev):
-    """What a block that ended with exception type et (None: none) records:
-    (failure, suppress), failure (detail, retryable) or None (complete).
-    A Failure raised in the block is recorded and suppressed (as
-    run.fail(detail)); any other exception is recorded as retryable and
-    propagates."""
-    if et is not None and issubclass(et, Failure):
-        return (ev.detail, ev.retryable), True
-    if et is not None:
-        return ({"error": et.__name__, "message": str(ev)[:1000]}, True), False
-    return run._failure, False
-
-
-def _raise_pg_error(conn, e, what):
-    """A statement's error: nothing committed (the connection lost, or the
-    transaction rolled back here)."""
-    if conn.broken or conn.closed:
-        raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                        % (what, e)) from e
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
-    raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                    getattr(e.diag, "sqlstate", None)) from e
-
-
-def _session_ended(conn):
-    """Has the server ended this session (pg_terminate_backend, a restart)?
-    Reads, without blocking, what it sent meanwhile (libpq reads the
-    server's FATAL message, then its end of stream)."""
-    for _ in range(2):
-        try:
-            conn.pgconn.consume_input()
-        except psycopg.OperationalError:
-            break
-    return conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD
-
-
-def _outcome_text(outcome, what):
-    try:
-        text = canonical_json(outcome)
-    except RequestError as e:
-        raise IdemError("outcome", "%s is not valid JSON: %s" % (what, e)) from None
-    if not text.startswith("{") or len(text.encode("utf-8")) > cache.OUTCOME_MAX:
-        raise IdemError("outcome", "%s must be a JSON object of at most %d bytes as jsonb text"
-                        % (what, cache.OUTCOME_MAX))
-    return text
-
-
-class _RunContext:
-    run_class = Run
-
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, *,
-                 delivery_count=0, first_sql=None, first_params=None):
-        self.r = runner
-        self.conn = conn
-        if delivery_count is None or int(delivery_count) < 0:
-            raise IdemError("argument", "delivery_count must be 0 (unknown) or positive")
-        self.delivery_count = int(delivery_count)
-        if first_sql is not None and (not isinstance(first_sql, str) or not first_sql.strip()):
-            raise IdemError("argument", "first_sql must be a non-empty statement")
-        self.first_sql = first_sql
-        self.first_params = first_params
-        self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
-        self.ckey = None
-        self.marker = None
-        self.own_marker = False
-        self.tx_open = False
-        self.st = None
-
-    # -- SQL --
-    def _sql(self, name):
-        s = self.st.schema
-        plat = self.run.tenant_id is None
-        ms = "floor(extract(epoch FROM %s.expires_at - clock_timestamp()) * 1000)::bigint"
-        if name == "claim":
-            return ("SELECT c.decision, c.attempt, c.outcome::text, " + ms % "c" +
-                    (" FROM %s.idem_platform_claim(%%s, %%s, %%s::interval) AS c" if plat else
-                     " FROM %s.idem_claim(%%s, %%s, %%s, %%s::interval) AS c") % s)
-        if name == "lookup":
-            return ("SELECT l.status, l.attempt, l.outcome::text, l.fingerprint = %s, " + ms % "l" +
-                    (" FROM %s.idem_platform_lookup(%%s) AS l" if plat else
-                     " FROM %s.idem_lookup(%%s, %%s) AS l") % s)
-        if name == "complete":
-            return ("SELECT %s.idem_platform_complete(%%s, %%s::jsonb, %%s::interval)" if plat else
-                    "SELECT %s.idem_complete(%%s, %%s, %%s::jsonb, %%s::interval)") % s
-        if name == "fail":
-            return ("SELECT %s.idem_platform_fail(%%s, %%s::jsonb, %%s, %%s::interval)" if plat else
-                    "SELECT %s.idem_fail(%%s, %%s, %%s::jsonb, %%s, %%s::interval)") % s
-        raise KeyError(name)
-
-    def _key_params(self):
-        k = self.run.key
-        return [k] if self.run.tenant_id is None else [self.run.tenant_id, k]
-
-    def _decide(self, status, source, attempt=None, outcome_text=None):
-        run = self.run
-        run.status, run.source = status, source
-        if attempt is not None:
-            run.attempt = attempt
-        if outcome_text is not None:
-            run.outcome = json.loads(outcome_text)
-
-    def _broken(self):
-        return self.conn.broken or self.conn.closed
-
-    def _pg_error(self, e, what):
-        """An error from a statement: roll back what can be, release the marker."""
-        self._drop_marker()
-        _raise_pg_error(self.conn, e, what)
-
-    def _drop_marker(self):
-        if self.own_marker:
-            self.own_marker = False
-            self.r._release(self.ckey, self.marker)
-
-    # -- step 2: the gate --
-    def _gate(self):
-        """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
-        r, run = self.r, self.run
-        if not r._valkey_ok():
-            return False, r.valkey is not None, False, False
-        if self.st.keyspace is None or self.st.owner_suspect:
-            return False, False, False, False
-        self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
-        self.marker = cache.encode_marker(self.st.secrets[self.st.current], self.st.current,
-                                          self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
-        try:
-            r._check_cluster()
-            # one round trip: the gate, and the epoch's owner key (on a
-            # cluster each node's share is sent before any reply is read);
-            # get=True: redis-py then returns SET's reply as it is
-            pipe = r.valkey.pipeline(transaction=False)
-            pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX",
-                                 str(r.lease_ms), "GET", get=True)
-            pipe.execute_command("GET", self.st.owner_key)
-            value, owner = pipe.execute(raise_on_error=False)
-            if isinstance(value, Exception):
-                raise value
-        except ValkeyClusterNotSupported:
-            raise
-        except Exception as e:
-            # down, slow, or an error reply (WRONGTYPE, a server older than
-            # 7.0): nothing usable; PostgreSQL decides, lookup first
-            r._valkey_failed(e)
-            return False, True, False, False
-        run.valkey_used = True
-        checked = owner == self.st.owner_token
-        if checked:
-            self.st.owner_relearnt = False
-        else:
-            # the owner key did not hold the server's token: nothing read
-            # here is trusted, PostgreSQL decides (lookup first), and the
-            # runner learns again; if it held another value (a newer epoch
-            # retired it, or another server took it over) no cache until
-            # then; if nothing (Valkey lost it, the server's worker sets it
-            # again; or its node did not answer) later lookups check it
-            self.st.refresh_wanted = True
-            if isinstance(owner, bytes):
-                self.st.owner_suspect = True
-            r.stats["owner_mismatches"] += 1
-        if value is None or value == self.marker:
-            self.own_marker = True      # absent: our marker is set
-            return False, False, False, False
-        if not checked:
-            return False, True, False, False
-        e = cache.parse(value)
-        if e is None:
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        if e.key_id not in self.st.secrets:
-            self.st.refresh_wanted = True       # perhaps rotated: re-learn
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        if not cache.verify(self.st.secrets, self.ckey, value, e):
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        now = _wall_ms()
-        if e.kind == cache.MARKER:
-            # honoured until its MACed deadline, and no further than our own
-            # lease + 1 s; Valkey's TTL is never consulted
-            if e.expires_ms <= now or e.expires_ms > now + r.lease_ms + 1000:
-                if e.expires_ms > now:
-                    r.stats["cache_rejected"] += 1
-                return False, False, False, False
-            # busy from Valkey alone for the marker's first second only
-            # (its age: our lease minus what is left of it); after that the
-            # claim decides, so a runner killed mid-handler (PostgreSQL
-            # rolled its claim back) does not keep the key busy for the
-            # rest of its lease.  The C runner's IDEM_MARKER_CHEAP_MS.
-            if r.lease_ms - (e.expires_ms - now) >= MARKER_CHEAP_MS:
-                return False, False, False, False
-            self._decide(BUSY, SOURCE_VALKEY)
-            run.retry_after_ms = max(1, e.expires_ms - now)
-            return True, False, False, True
-        if e.expires_ms <= now:
-            return False, False, False, False
-        if e.fingerprint != run.fingerprint:
-            return False, False, True, False    # a hint: PostgreSQL confirms
-        try:
-            run.outcome = json.loads(e.outcome.decode("utf-8"))
-        except ValueError:
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        run.status = REPLAYED if e.kind == cache.COMPLETED else FAILED_PERMANENT
-        run.source = SOURCE_VALKEY
-        run.attempt = e.attempt
-        r.stats["replayed_from_valkey"] += 1
-        return True, False, False, False
-
-    # -- step 3a: a lookup outside any transaction --
-    def _lookup(self):
-        run = self.run
-        try:
-            row = self.conn.execute(self._sql("lookup"),
-                                    [run.fingerprint] + self._key_params()).fetchone()
-            self.r._end_tx(self.conn)
-        except psycopg.Error as e:
-            if not self._broken() and getattr(e.diag, "sqlstate", None) in ("42501", "42883"):
-                # not granted (or absent): the claim decides, from now on directly
-                self.conn.rollback()
-                self.r.lookup_first = False
-                return False
-            self._pg_error(e, "idem_lookup")
-        if row is None or row[0] is None or row[3] is None:
-            return False
-        status, attempt, outcome, same = row[0], row[1], row[2], row[3]
-        if status not in ("completed", "failed_permanent"):
-            return False
-        if not same:
-            self._decide(MISMATCH, SOURCE_POSTGRES, attempt)
-        else:
-            self._decide(REPLAYED if status == "completed" else FAILED_PERMANENT,
-                         SOURCE_POSTGRES, attempt, outcome)
-        return True
-
-    # -- step 3b: the claim --
-    def _set_max_attempts(self):
-        """In the claim's transaction (pipelined): the runner's max_attempts."""
-        if self.r.max_attempts is not None:
-            self.conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                              [str(self.r.max_attempts)])
-
-    def _claim(self):
-        run, conn = self.run, self.conn
-        first = None
-        try:
-            # one round trip: BEGIN, the claim, the handler's savepoint
-            # (harmless when the key is not ours: COMMIT follows), and the
-            # block's first statement if it gave one (rolled back to the
-            # savepoint when the key is not ours)
-            try:
-                with conn.pipeline():
-                    if conn.autocommit:
-                        conn.execute("BEGIN")
-                    self.tx_open = True
-                    self._set_max_attempts()
-                    cur = conn.execute(self._sql("claim"), self._key_params() +
-                                       [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
-                    conn.execute("SAVEPOINT idem_handler")
-                    if self.first_sql is not None:
-                        first = conn.execute(self.first_sql, self.first_params)
-            except psycopg.Error as e:
-                # the first statement's own error is the block's to handle
-                # when the key is ours (the transaction is then in error)
-                if first is None or self._broken() or cur.pgresult is None or \
-                        cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
-                    raise
-                run.first_error = e
-            decision, attempt, outcome, ms = cur.fetchone()
-            if decision == "claimed":
-                run.claimed = True
-                run.attempt = attempt
-                if first is not None and run.first_error is None:
-                    run.first = first.fetchall() if first.description is not None else []
-                return
-            if first is not None:
-                with conn.pipeline():
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute("COMMIT")
-            else:
-                conn.commit()
-            self.tx_open = False
-        except psycopg.Error as e:
-            self.tx_open = False
-            self._pg_error(e, "idem_claim")
-        self._claim_decided(decision, attempt, outcome, ms)
-
-    def _claim_decided(self, decision, attempt, outcome, ms):
-        """A decision of idem_claim other than claimed."""
-        run = self.run
-        if decision in ("completed", "failed_permanent"):
-            # a terminal row: the claim queued a copy that overwrites our marker
-            self.own_marker = False
-            self._decide(REPLAYED if decision == "completed" else FAILED_PERMANENT,
-                         SOURCE_POSTGRES, attempt, outcome)
-        elif decision == "busy":
-            self._decide(BUSY, SOURCE_POSTGRES, attempt)
-            run.retry_after_ms = max(1, ms or 1)
-        elif decision == "mismatch":
-            self._decide(MISMATCH, SOURCE_POSTGRES, attempt)
-        else:
-            raise IdemError("protocol", "unknown decision %r" % decision)
-
-    def __enter__(self):
-        r, conn, run = self.r, self.conn, self.run
-        r.stats["runs"] += 1
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): "
-                            "the run's transaction is the effect's, begun and committed by the runner")
-        try:
-            self.st = r._state(conn)
-        except psycopg.Error as e:
-            self._pg_error(e, "learning the schema")
-        try:
-            # a first delivery (delivery_count 1): no run can have committed
-            # this key, so the gate could only answer "absent"; the claim decides
-            skip_gate = self.delivery_count == 1 and r.valkey is not None
-            r.stats["gate_skipped_first"] += skip_gate
-            decided, silent, hint, marker_busy = (False,) * 4 if skip_gate else self._gate()
-            if decided:
-                if marker_busy and r.lookup_first:
-                    self._lookup()      # a committed run's marker: replay or mismatch now
-            elif (silent or hint) and r.lookup_first and self._lookup():
-                pass
-            else:
-                self._claim()
-        except BaseException:
-            self._drop_marker()
-            raise
-        if not run.claimed and run.status not in (REPLAYED, FAILED_PERMANENT):
-            self._drop_marker()     # no terminal row: our marker goes
-        return run
-
-    def __exit__(self, et, ev, tb):
-        run, conn = self.run, self.conn
-        if not run.claimed:
-            if conn.info.transaction_status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
-                # the block used the connection although nothing was claimed
-                conn.rollback()
-                if et is None:
-                    raise IdemError("state", "the block ran statements on a run that was not "
-                                    "claimed (check run.claimed): rolled back")
-            return False
-        try:
-            return self._finish(et, ev)
-        finally:
-            if self.own_marker:
-                self._drop_marker()
-
-    def _finish(self, et, ev):
-        run, conn = self.run, self.conn
-        ts = conn.info.transaction_status
-        if et is not None and not issubclass(et, Exception):
-            # KeyboardInterrupt, SystemExit...: nothing recorded
-            if not self._broken() and ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
-        if self._broken():
-            err = IdemError("connection", "connection lost during the run (nothing committed)")
-            if et is not None:
-                raise err from ev
-            raise err
-        if ts == TransactionStatus.IDLE:
-            self._drop_marker()
-            raise IdemError("handler_ended_tx",
-                            "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
-                            "effect may have committed without its idempotency key")
-        failure, suppress = _failure_of(run, et, ev)
-        if et is None and ts == TransactionStatus.INERROR and failure is None:
-            conn.rollback()
-            raise IdemError("handler", "the block left the transaction in error (a failed "
-                            "statement it caught): rolled back, nothing recorded")
-        # the outcome (or detail) is checked before anything is sent
-        if failure is None:
-            try:
-                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            except IdemError:
-                conn.rollback()
-                raise
-        else:
-            detail, retryable = failure
-            try:
-                text = _outcome_text(detail, "the failure detail")
-            except IdemError:
-                if et is None or suppress:
-                    conn.rollback()
-                    raise
-                text = _outcome_text({"error": et.__name__}, "the failure detail")
-        # A session the server ended while the block ran (pg_terminate_backend,
-        # a restart) is seen now, before COMMIT is sent: nothing committed.
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the run (nothing committed)")
-        # one round trip: end the savepoint, complete or fail, COMMIT (a
-        # statement of the pipeline: conn.commit() would sync once more)
-        try:
-            with conn.pipeline():
-                if failure is None:
-                    conn.execute("RELEASE SAVEPOINT idem_handler")
-                    conn.execute(self._sql("complete"), self._key_params() + [text, self.r.retention])
-                else:
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute(self._sql("fail"), self._key_params() + [text, retryable,
-                                                                          self.r.retention])
-                conn.execute("COMMIT")
-        except psycopg.Error as e:
-            if self._broken():
-                # COMMIT was handed to the connection with the rest
-                raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
-                                    "and its key committed together or not at all; redeliver, "
-                                    "the ledger decides (%s)" % str(e).strip()) from e
-            if e.diag.sqlstate == "3B001":
-                conn.rollback()
-                self._drop_marker()
-                raise IdemError("handler_ended_tx",
-                                "the block released the runner's savepoint") from e
-            self._pg_error(e, "completing the run")
-        run.source = SOURCE_HANDLER
-        if failure is None:
-            run.status = APPLIED
-            run.outcome = json.loads(text)
-        else:
-            run.status = FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
-            run.outcome = json.loads(text)
-        if run.status != FAILED_RETRYABLE:
-            self.own_marker = False     # left for the worker's copy of the row
-        return suppress
