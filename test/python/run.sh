@@ -110,4 +110,13 @@ IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
 	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
-	timeout 480 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
+	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
+rc=$?
+# A failure says what the servers saw: the end of each server's log.
+if [ "$rc" -ne 0 ]; then
+	[ "$rc" -ne 124 ] || echo "not ok $((n + 1)) - python: the tests ended within 900 s"
+	for log in "$dir/pg.log" "$dir/c/pg.log"; do
+		[ -f "$log" ] && tail -n 25 "$log" | sed "s|^|# ${log#"$dir"/}: |" >&2
+	done
+fi
+exit "$rc"

@@ -20,6 +20,10 @@ class TapResult(unittest.TestResult):
         self.bad = 0
 
     def _name(self, test):
+        # a module's or class's setUp/tearDown that fails is reported as an
+        # _ErrorHolder, which has a description but no test method
+        if not hasattr(test, "_testMethodName"):
+            return "python: %s" % test.id()
         doc = test.shortDescription() or test._testMethodName
         return "%s: %s" % (test.__class__.__module__.replace("test_", "python "), doc)
 
