@@ -210,6 +210,10 @@ bool ob_pending = false;    /* a terminal copy waits for the worker */
 byte ob_kind = V_NONE;
 byte ob_val = 0;
 byte ob_seq = 0;            /* the WAL position the copy waits for */
+/* The queue emptied (copied, or lost with the server): the entry's fields
+ * are read only while one is pending, so they are reset with it (one state
+ * for spin, not one per leftover entry). */
+#define OB_EMPTY ob_pending = false; ob_kind = V_NONE; ob_val = 0; ob_seq = 0
 
 /* When the worker may write a queued copy (src/worker.c): once the WAL is
  * flushed past it, and past it on the named standby. */

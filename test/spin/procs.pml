@@ -131,7 +131,7 @@ active proctype worker()
 {
 end:	do
 	:: atomic { ob_pending && vk_up && WORKER_MAY_COPY ->
-		VK_PUT(ob_kind, ob_val); ob_pending = false }
+		VK_PUT(ob_kind, ob_val); OB_EMPTY }
 	od
 }
 
@@ -151,7 +151,7 @@ end:	do
 	fi; \
 	row_st = pfx##_row_st; row_att = pfx##_row_att; row_out = pfx##_row_out; \
 	row_holder = pfx##_row_holder; effects = pfx##_effects; \
-	lock_owner = 0; ob_pending = false; pg_gen++
+	lock_owner = 0; OB_EMPTY; pg_gen++
 
 /* A new history epoch (a promotion, a rewound start): a new, empty
  * namespace.  The old one is kept, with its owner key retired, for the
