@@ -11,6 +11,8 @@
 #   SPIN_JOBS=1 test/spin/check.sh
 #   SPIN_TRAILS=1 ...             also print every counterexample's trail
 #   SPIN_ONLY=TEXT ...            only the checks whose line contains TEXT
+#   SPIN_CACHE=DIR ...            keep each pan binary in DIR, named for what
+#                                 built it, and reuse it (test/run sets it)
 #
 # Needs spin (Debian package `spin`) and gcc; no root, writes nothing in the
 # source tree.
@@ -107,6 +109,43 @@ cpu_of() {
 	return $st
 }
 
+# SPIN_CACHE: pan.c of an unchanged model and flags compiles to the same
+# program every run (7 s of gcc for a long search): keep each binary under
+# the SHA-256 of its sources (the pan.* files spin writes), the gcc flags and
+# gcc's version, and copy it back instead of compiling.  Written under a
+# temporary name, then renamed; entries unused for 30 days are removed.
+cache=${SPIN_CACHE:-}
+gcc_id=""
+if [ -n "$cache" ]; then
+	if mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ]; then
+		find "$cache" -maxdepth 1 -type f -mtime +30 -delete 2>/dev/null
+		gcc_id=$(gcc --version | head -n 1)
+	else
+		cache=""
+	fi
+fi
+
+# build_pan CFLAGS  -> ./pan, from the cache or gcc; gcc.cpu says which
+build_pan() {
+	local key=""
+	if [ -n "$cache" ]; then
+		key=$({ printf '%s\n%s\n' "$gcc_id" "$1"; cat pan.b pan.c pan.h pan.m pan.p pan.t; } |
+			sha256sum | cut -c1-40)
+		if [ -f "$cache/$key" ] && cp "$cache/$key" pan 2>/dev/null && chmod u+x pan; then
+			touch "$cache/$key"
+			echo "none, cached" >gcc.cpu
+			return 0
+		fi
+	fi
+	# shellcheck disable=SC2086
+	cpu_of gcc.cpu gcc $1 -o pan pan.c || return 1
+	echo " s" >>gcc.cpu
+	if [ -n "$key" ] && cp pan "$cache/$key.$BASHPID" 2>/dev/null; then
+		mv -f "$cache/$key.$BASHPID" "$cache/$key"
+	fi
+	return 0
+}
+
 # run_check N SPEC  -> writes $tmp/N.tap (TAP line + comments), $tmp/N.rc
 run_check() {
 	local n=$1 spec=$2
@@ -145,7 +184,7 @@ run_check() {
 		t0=$(date +%s.%N)
 		if ! spin -a $defs "$file" >spin.log 2>&1; then
 			ok=0; why="spin -a failed: $(grep -m3 -i error spin.log | tr '\n' ' ')"
-		elif ! cpu_of gcc.cpu gcc $cflags -o pan pan.c >gcc.log 2>&1; then
+		elif ! build_pan "$cflags" >gcc.log 2>&1; then
 			ok=0; why="gcc failed: $(grep -m3 error gcc.log | tr '\n' ' ')"
 		else
 			cpu_of pan.cpu ./pan $panflags >pan.log 2>&1
@@ -157,10 +196,10 @@ run_check() {
 			depth=$(sed -n 's/.*depth reached \([0-9]*\).*/\1/p' pan.log | head -1)
 			mem=$(sed -n 's/^ *\([0-9.]*\)[[:space:]]*total actual memory usage.*/\1/p' pan.log | head -1)
 			printf '# %s: spin -a %s; pan %s\n' "$file" "$defs" "$panflags" >>"$out.c"
-			printf '#   states stored %s, transitions %s, depth reached %s, memory %s MB, %.1f s (cpu: gcc %s s, pan %s s)\n' \
+			printf '#   states stored %s, transitions %s, depth reached %s, memory %s MB, %.1f s (cpu: gcc %s, pan %s s)\n' \
 				"${stored:-?}" "${trans:-?}" "${depth:-?}" "${mem:-?}" \
 				"$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" \
-				"$(cat gcc.cpu)" "$(cat pan.cpu)" >>"$out.c"
+				"$(tr -d '\n' <gcc.cpu)" "$(cat pan.cpu)" >>"$out.c"
 			if grep -q "max search depth too small" pan.log; then
 				ok=0; why="search depth truncated (-m too small)"
 			elif grep -qi "reached -DMEMLIM bound\|out of memory" pan.log; then
