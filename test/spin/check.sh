@@ -37,8 +37,8 @@ trap 'exit 130' INT TERM
 # The checks: expect | mode | model file | -D flags | description
 #   (fields are separated by '|', so a <text> must not contain one)
 #   expect  pass             no error, complete exhaustive search
-#           pass:long        the same, for a search of millions of states
-#                            (more than about 2 million, or a 3-runner
+#           pass:long        the same, for a search of more than about 6 s
+#                            of CPU at -O2 (millions of states, fewer in a
 #                            liveness search): pan.c built with -O2
 #           fail:<text>      a counterexample whose violated assertion (or
 #                            acceptance cycle) contains <text>
