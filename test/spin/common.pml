@@ -210,6 +210,10 @@ bool ob_pending = false;    /* a terminal copy waits for the worker */
 byte ob_kind = V_NONE;
 byte ob_val = 0;
 byte ob_seq = 0;            /* the WAL position the copy waits for */
+/* The queue emptied (copied, or lost with the server): the entry's fields
+ * are read only while one is pending, so they are reset with it (one state
+ * for spin, not one per leftover entry). */
+#define OB_EMPTY ob_pending = false; ob_kind = V_NONE; ob_val = 0; ob_seq = 0
 
 /* When the worker may write a queued copy (src/worker.c): once the WAL is
  * flushed past it, and past it on the named standby. */
@@ -277,6 +281,13 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
 #endif
 /* A marker set by this runner: young, its run alive. */
 #define SET_MARK(me) vk_kind = V_MARK; vk_val = me; vk_young = true; vk_orphan = false
+/* The key's value replaced by something that is not a marker (none, or a
+ * terminal value).  vk_young and vk_orphan describe a marker and are read
+ * only while there is one: reset them with it, so that states that differ
+ * only in a dead marker's leftovers are one state for spin (the same
+ * behaviours, fewer states to store).  Likewise for the old namespace. */
+#define VK_PUT(kind, val) vk_kind = kind; vk_val = val; vk_young = false; vk_orphan = false
+#define OVK_CLEAR ovk_kind = V_NONE; ovk_val = 0; ovk_young = false
 #ifndef STEP_GATE
 inline gate_step(me)
 {
@@ -372,7 +383,7 @@ inline cad_step(me)
 {
 	atomic {
 		if
-		:: marked && vk_up && vk_kind == V_MARK && vk_val == me -> vk_kind = V_NONE; vk_val = 0
+		:: marked && vk_up && vk_kind == V_MARK && vk_val == me -> VK_PUT(V_NONE, 0)
 		:: else -> skip
 		fi;
 		marked = false
@@ -609,7 +620,7 @@ inline client_set_terminal()
 {
 	atomic {
 		if
-		:: vk_up && !ns_old[me] -> vk_kind = got_kind; vk_val = got_val; marked = false
+		:: vk_up && !ns_old[me] -> VK_PUT(got_kind, got_val); marked = false
 		:: else -> skip
 		fi
 	}

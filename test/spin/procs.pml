@@ -131,7 +131,7 @@ active proctype worker()
 {
 end:	do
 	:: atomic { ob_pending && vk_up && WORKER_MAY_COPY ->
-		vk_kind = ob_kind; vk_val = ob_val; ob_pending = false }
+		VK_PUT(ob_kind, ob_val); OB_EMPTY }
 	od
 }
 
@@ -151,7 +151,25 @@ end:	do
 	fi; \
 	row_st = pfx##_row_st; row_att = pfx##_row_att; row_out = pfx##_row_out; \
 	row_holder = pfx##_row_holder; effects = pfx##_effects; \
-	lock_owner = 0; ob_pending = false; pg_gen++
+	lock_owner = 0; OB_EMPTY; pg_gen++
+
+/* A new history epoch (a promotion, a rewound start): a new, empty
+ * namespace.  The old one is kept, with its owner key retired, for the
+ * runners that still use the keyspace they learnt before (ns_old) -- but
+ * not under RELEARN_AT_GATE, where no gate reads it: keeping a copy nothing
+ * reads would only split each state by what the copy holds. */
+#ifndef RELEARN_AT_GATE
+#if NRUN >= 3
+#define NS_OLD_ALL ns_old[1] = true; ns_old[2] = true; ns_old[3] = true
+#else
+#define NS_OLD_ALL ns_old[1] = true; ns_old[2] = true
+#endif
+#define NEW_NAMESPACE \
+	ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; VK_PUT(V_NONE, 0); \
+	ovk_retired = true; NS_OLD_ALL
+#else
+#define NEW_NAMESPACE VK_PUT(V_NONE, 0)
+#endif
 
 active proctype pg_wal()
 {
@@ -177,12 +195,7 @@ end:	do
 		/* a new epoch: runners that learnt the old keyspace read it until
 		 * they learn again (at their next PostgreSQL round trip), and the
 		 * old epoch's owner key is retired (see REWIND in common.pml) */
-		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
-		ovk_retired = true;
-		ns_old[1] = true; ns_old[2] = true;
-#if NRUN >= 3
-		ns_old[3] = true;
-#endif
+		NEW_NAMESPACE;
 #endif
 		skip }
 #endif
@@ -195,12 +208,7 @@ end:	do
 #ifndef NS_WITHOUT_TIMELINE
 		/* a new timeline, a new epoch: the promoted standby retires the
 		 * epoch its copy of the secret file names (the old primary's) */
-		ovk_kind = vk_kind; ovk_val = vk_val; ovk_young = vk_young; vk_kind = V_NONE; vk_val = 0;
-		ovk_retired = true;
-		ns_old[1] = true; ns_old[2] = true;
-#if NRUN >= 3
-		ns_old[3] = true;
-#endif
+		NEW_NAMESPACE;
 #endif
 		skip }
 #endif
@@ -220,8 +228,8 @@ end:	do
 	:: atomic { vk_kind == V_MARK && vk_young -> vk_young = false }
 	:: atomic { ovk_kind == V_MARK && ovk_young -> ovk_young = false }
 #ifndef NO_MARKER_PX
-	:: atomic { vk_kind == V_MARK -> vk_kind = V_NONE; vk_val = 0 }
-	:: atomic { ovk_kind == V_MARK -> ovk_kind = V_NONE; ovk_val = 0 }
+	:: atomic { vk_kind == V_MARK -> VK_PUT(V_NONE, 0) }
+	:: atomic { ovk_kind == V_MARK -> OVK_CLEAR }
 #endif
 	od
 }
@@ -294,7 +302,7 @@ end:	do
 active proctype valkey_faults()
 {
 end:	do
-	:: atomic { VK_FAULT -> SPEND; vk_kind = V_NONE; vk_val = 0; ovk_kind = V_NONE; ovk_val = 0 }
+	:: atomic { VK_FAULT -> SPEND; VK_PUT(V_NONE, 0); OVK_CLEAR }
 	:: atomic { VK_FAULT && vk_up -> SPEND; vk_up = false }
 	:: atomic { !vk_up -> vk_up = true }
 	od
