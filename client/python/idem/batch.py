@@ -17,9 +17,8 @@ from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
 from .pg import _raise_pg_error, _session_ended
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
-                     _failure_of, _make_run, _outcome_text)
-from .trust import _wall_ms
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Run,
+                     _failure_of, _make_run, _outcome_text, _result_from_cache)
 
 
 def from_cache(runner, st, runs):
@@ -42,40 +41,22 @@ def from_cache(runner, st, runs):
     except Exception as e:
         runner._valkey_failed(e)
         return 0
-    owner = values.pop()
-    if owner != st.owner_token:
-        # as at the gate: nothing read here is trusted, PostgreSQL decides,
-        # and the runner learns again (no cache until then if the key held
-        # another value: a newer epoch retired it)
-        st.refresh_wanted = True
-        if isinstance(owner, bytes):
-            st.owner_suspect = True
-        runner.stats["owner_mismatches"] += 1
+    # as at the gate: the owner key read in the same round trip decides
+    # whether anything read here is trusted (trust.py)
+    held, entries = st.judge(values.pop(), list(zip(ckeys, values)),
+                             runner.lease_ms, runner.stats)
+    if not held:
         return 0
-    now = _wall_ms()
     decided = 0
-    for run, k, value in zip(runs, ckeys, values):
+    for run, value, e in zip(runs, values, entries):
         if isinstance(value, Exception):
             continue            # an error reply (WRONGTYPE...): PostgreSQL decides
         run.valkey_used = True
-        if value is None:
-            continue
-        e = cache.parse(value)
-        if e is None or e.key_id not in st.secrets or not cache.verify(st.secrets, k, value, e):
-            if e is not None and e.key_id not in st.secrets:
-                st.refresh_wanted = True        # perhaps rotated: re-learn
+        if e is None or e.kind == cache.MARKER or e.fingerprint != run.fingerprint:
+            continue            # absent, not trusted, a run in progress, or a hint: PostgreSQL decides
+        if not _result_from_cache(run, e):
             runner.stats["cache_rejected"] += 1
             continue
-        if e.kind == cache.MARKER or e.expires_ms <= now or e.fingerprint != run.fingerprint:
-            continue            # a run in progress, expired, or a hint: PostgreSQL decides
-        try:
-            run.outcome = json.loads(e.outcome.decode("utf-8"))
-        except ValueError:
-            runner.stats["cache_rejected"] += 1
-            continue
-        run.status = REPLAYED if e.kind == cache.COMPLETED else FAILED_PERMANENT
-        run.source = SOURCE_VALKEY
-        run.attempt = e.attempt
         runner.stats["replayed_from_valkey"] += 1
         decided += 1
     return decided
@@ -157,13 +138,8 @@ class Batch:
     def __enter__(self):
         r, conn = self.r, self.conn
         r.stats["runs"] += len(self.runs)
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): "
-                            "the batch's transaction is begun and committed by the runner")
-        try:
-            self.st = r._state(conn)
-        except psycopg.Error as e:
-            self._error(e, "learning the schema")
+        self.st = r._idle_state(conn, "the batch's transaction is begun and committed by "
+                                "the runner")
         from_cache(r, self.st, self.runs)
         pending = [run for run in self.runs if run.status is None]
         if not pending:

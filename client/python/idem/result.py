@@ -4,6 +4,7 @@ outcome as jsonb text, or its failure).  A leaf under the forms: it knows
 the request and outcome rules (canonical.py, cache.py's OUTCOME_MAX) and
 talks to no server."""
 import hashlib
+import json
 
 from . import cache
 from .canonical import RequestError, canonical_json, idem_key
@@ -81,6 +82,21 @@ def _make_run(cls, tenant_id, scope, run_id, request):
     except (TypeError, ValueError) as e:
         raise IdemError("argument", str(e)) from None
     return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
+
+
+def _result_from_cache(run, e):
+    """run replayed (or failed_permanent) from e, a trusted terminal value
+    read from Valkey (the C client's idemc_result_from_cache).  False, run
+    untouched, if its outcome is not JSON."""
+    try:
+        outcome = json.loads(e.outcome.decode("utf-8"))
+    except ValueError:
+        return False
+    run.outcome = outcome
+    run.status = REPLAYED if e.kind == cache.COMPLETED else FAILED_PERMANENT
+    run.source = SOURCE_VALKEY
+    run.attempt = e.attempt
+    return True
 
 
 def _failure_of(run, et, ev):

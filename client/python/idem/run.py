@@ -15,7 +15,7 @@ from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
 from .pg import _raise_pg_error, _session_ended
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
-                     _failure_of, _make_run, _outcome_text)
+                     _failure_of, _make_run, _outcome_text, _result_from_cache)
 from .trust import _wall_ms
 
 # How long another run's marker answers its duplicates "busy" from Valkey
@@ -121,66 +121,38 @@ class _RunContext:
             r._valkey_failed(e)
             return False, True, False, False
         run.valkey_used = True
-        checked = owner == self.st.owner_token
-        if checked:
-            self.st.owner_relearnt = False
-        else:
-            # the owner key did not hold the server's token: nothing read
-            # here is trusted, PostgreSQL decides (lookup first), and the
-            # runner learns again; if it held another value (a newer epoch
-            # retired it, or another server took it over) no cache until
-            # then; if nothing (Valkey lost it, the server's worker sets it
-            # again; or its node did not answer) later lookups check it
-            self.st.refresh_wanted = True
-            if isinstance(owner, bytes):
-                self.st.owner_suspect = True
-            r.stats["owner_mismatches"] += 1
-        if value is None or value == self.marker:
-            self.own_marker = True      # absent: our marker is set
+        own = value is None or value == self.marker     # absent: our marker is set
+        # the owner key did not hold the server's token: nothing read here
+        # is trusted, PostgreSQL decides (lookup first); our marker is ours
+        # all the same, and released as usual
+        held, (e,) = self.st.judge(owner, [(self.ckey, None if own else value)],
+                                   r.lease_ms, r.stats)
+        if own:
+            self.own_marker = True
             return False, False, False, False
-        if not checked:
+        if not held:
             return False, True, False, False
-        e = cache.parse(value)
         if e is None:
-            r.stats["cache_rejected"] += 1
             return False, False, False, False
-        if e.key_id not in self.st.secrets:
-            self.st.refresh_wanted = True       # perhaps rotated: re-learn
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        if not cache.verify(self.st.secrets, self.ckey, value, e):
-            r.stats["cache_rejected"] += 1
-            return False, False, False, False
-        now = _wall_ms()
         if e.kind == cache.MARKER:
-            # honoured until its MACed deadline, and no further than our own
-            # lease + 1 s; Valkey's TTL is never consulted
-            if e.expires_ms <= now or e.expires_ms > now + r.lease_ms + 1000:
-                if e.expires_ms > now:
-                    r.stats["cache_rejected"] += 1
-                return False, False, False, False
-            # busy from Valkey alone for the marker's first second only
-            # (its age: our lease minus what is left of it); after that the
-            # claim decides, so a runner killed mid-handler (PostgreSQL
-            # rolled its claim back) does not keep the key busy for the
-            # rest of its lease.  The C runner's IDEM_MARKER_CHEAP_MS.
-            if r.lease_ms - (e.expires_ms - now) >= MARKER_CHEAP_MS:
+            # honoured until its MACed deadline (judge bounded it by our
+            # own lease + 1 s); busy from Valkey alone for the marker's
+            # first second only (its age: our lease minus what is left of
+            # it); after that the claim decides, so a runner killed
+            # mid-handler (PostgreSQL rolled its claim back) does not keep
+            # the key busy for the rest of its lease.  The C runner's
+            # IDEM_MARKER_CHEAP_MS.
+            left = e.expires_ms - _wall_ms()
+            if r.lease_ms - left >= MARKER_CHEAP_MS:
                 return False, False, False, False
             self._decide(BUSY, SOURCE_VALKEY)
-            run.retry_after_ms = max(1, e.expires_ms - now)
+            run.retry_after_ms = max(1, left)
             return True, False, False, True
-        if e.expires_ms <= now:
-            return False, False, False, False
         if e.fingerprint != run.fingerprint:
             return False, False, True, False    # a hint: PostgreSQL confirms
-        try:
-            run.outcome = json.loads(e.outcome.decode("utf-8"))
-        except ValueError:
+        if not _result_from_cache(run, e):
             r.stats["cache_rejected"] += 1
             return False, False, False, False
-        run.status = REPLAYED if e.kind == cache.COMPLETED else FAILED_PERMANENT
-        run.source = SOURCE_VALKEY
-        run.attempt = e.attempt
         r.stats["replayed_from_valkey"] += 1
         return True, False, False, False
 
@@ -281,13 +253,8 @@ class _RunContext:
     def __enter__(self):
         r, conn, run = self.r, self.conn, self.run
         r.stats["runs"] += 1
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): "
-                            "the run's transaction is the effect's, begun and committed by the runner")
-        try:
-            self.st = r._state(conn)
-        except psycopg.Error as e:
-            self._pg_error(e, "learning the schema")
+        self.st = r._idle_state(conn, "the run's transaction is the effect's, begun and "
+                                "committed by the runner")
         try:
             # a first delivery (delivery_count 1): no run can have committed
             # this key, so the gate could only answer "absent"; the claim decides

@@ -22,6 +22,7 @@ from . import cache
 from .apply import _ApplyContext
 from .batch import Batch, cached_many
 from .lease import _LeaseContext, settle
+from .pg import _raise_pg_error
 from .run import _RunContext
 from .trust import _ConnState
 # Defined below this module and importable from here as before (idem.runner
@@ -193,6 +194,16 @@ class Runner:
                  age >= self.secrets_max_age_ms):
             self._learn(conn, st)
         return st
+
+    def _idle_state(self, conn, whose):
+        """The session's state for a form that begins and commits its own
+        transaction (whose, say which): conn must be idle."""
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+        try:
+            return self._state(conn)
+        except psycopg.Error as e:
+            _raise_pg_error(conn, e, "learning the schema")
 
     def _learn(self, conn, st):
         st.learnt = time.monotonic()

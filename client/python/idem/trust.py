@@ -1,8 +1,11 @@
 """What a runner trusts of Valkey, per PostgreSQL session: the keyspace,
 secrets and history epoch owner it learnt there (Runner._state learns
-them; the gate and a batch's cached read check each value against them),
-and the wall clock a value's deadline is read against."""
+them), what a value read from Valkey is worth (_ConnState.judge, for the
+gate and a batch's cached read alike: the C client's trust.c), and the
+wall clock a value's deadline is read against."""
 import time
+
+from . import cache
 
 
 def _wall_ms():
@@ -29,3 +32,51 @@ class _ConnState:
         self.owner_relearnt = False  # learnt at once after a mismatch, and
         # no check passed since: the next learning waits the second
 
+    def judge(self, owner, reads, lease_ms, stats):
+        """What one round trip read from Valkey is worth.  owner: the reply
+        to the GET of the epoch's owner key sent with it; reads: [(cache
+        key, value)], a value that is not bytes (absent, an error reply,
+        our own marker) having nothing to judge.  Returns (held, entries):
+        whether the owner key held the server's token, and for each read
+        its cache.Entry when trusted and current, else None (PostgreSQL
+        decides).
+
+        The owner key did not hold the token: nothing read is trusted and
+        the runner learns again (Runner._state); if the key held another
+        value (a newer epoch retired it, another server took it over), no
+        cache until then; if nothing (Valkey lost it and the server's
+        worker sets it again, or its node did not answer), later lookups
+        check it as usual.  It did: a learning made at once after a
+        mismatch is spent (owner_relearnt), so the next mismatch is learnt
+        at once too.
+
+        A value is trusted when it parses, its key id is known (an unknown
+        one: learn again, perhaps rotated) and its MAC verifies; else it is
+        counted in stats["cache_rejected"].  Current: a terminal value
+        before its deadline, a marker before its MACed deadline and no
+        further than our lease_ms + 1 s of skew (a farther one is counted
+        too); Valkey's TTL is never consulted."""
+        if owner != self.owner_token:
+            self.refresh_wanted = True
+            if isinstance(owner, bytes):
+                self.owner_suspect = True
+            stats["owner_mismatches"] += 1
+            return False, [None] * len(reads)
+        self.owner_relearnt = False
+        now = _wall_ms()
+        return True, [self._check(key, value, lease_ms, now, stats) for key, value in reads]
+
+    def _check(self, key, value, lease_ms, now, stats):
+        if not isinstance(value, bytes):
+            return None
+        e = cache.parse(value)
+        if e is not None and e.key_id not in self.secrets:
+            self.refresh_wanted = True      # perhaps rotated: re-learn
+            e = None
+        if e is None or not cache.verify(self.secrets, key, value, e):
+            stats["cache_rejected"] += 1
+            return None
+        if e.kind == cache.MARKER and e.expires_ms > now + lease_ms + 1000:
+            stats["cache_rejected"] += 1    # never busy past a lease: ours bounds it
+            return None
+        return e if e.expires_ms > now else None
