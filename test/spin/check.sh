@@ -121,6 +121,8 @@ if [ -n "$cache" ]; then
 		find "$cache" -maxdepth 1 -type f -mtime +30 -delete 2>/dev/null
 		gcc_id=$(gcc --version | head -n 1)
 	else
+		# (a cache folder under a private one, say IDEM_CACHE_DIR=/root/...)
+		echo "# SPIN_CACHE $cache is not a folder $(id -un) can write: every check is compiled"
 		cache=""
 	fi
 fi
