@@ -70,7 +70,7 @@ usage(FILE *f)
 			"                          --short 800); redelivery after lease + 200 ms\n"
 			"      --purges P          maintenance.purge tasks (default 6)\n"
 			"      --seed S            random seed (default: from the clock)\n"
-			"      --max-seconds S     give up after S seconds (default 300; --short 25)\n"
+			"      --max-seconds S     give up after S seconds (default 300; --short 120)\n"
 			"      --handler-sleep MS  handlers sleep up to MS after the effect, inside\n"
 			"                          the transaction (kills land mid-handler; above\n"
 			"                          --lease, runs outlive their lease)\n"
@@ -321,7 +321,7 @@ main(int argc, char **argv)
 		if (!explicit_lease)
 			cfg.lease_ms = 800;
 		if (!explicit_max)
-			cfg.max_seconds = 25;
+			cfg.max_seconds = 120;
 		if (!explicit_iv)
 			cfg.chaos_interval_ms = 300;
 		if (!explicit_p)
