@@ -34,61 +34,39 @@ const char idemc_cad_script[] =
  */
 const char idemc_cad_sha1[] = "c89cee65b7ab260d98c281f3c3eb6fa7c992cdd2";
 
-/* One EVALSHA or EVAL of the script on KEYS[1] = args[0]. */
+/* One EVALSHA or EVAL of the script (body: its SHA-1 or its text). */
 static redisReply *
-eval_one(idem_gate *g, const char *verb, const char *body, int nargs,
-		 const char **args)
+eval_one(idem_gate *g, const char *verb, const char *body, const char *key,
+		 const char *marker)
 {
-	const char *argv[8];
-	size_t		argvlen[8];
+	const char *argv[5] = {verb, body, "1", key, marker};
 	idem_vc_cmd cmd;
-	int			i;
 
-	argv[0] = verb;
-	argv[1] = body;
-	argv[2] = "1";
-	for (i = 0; i < nargs; i++)
-		argv[3 + i] = args[i];
-	for (i = 0; i < 3 + nargs; i++)
-		argvlen[i] = strlen(argv[i]);
 	memset(&cmd, 0, sizeof(cmd));
-	cmd.key = argv[3];
-	cmd.keylen = argvlen[3];
-	cmd.argc = 3 + nargs;
+	cmd.key = key;
+	cmd.keylen = strlen(key);
+	cmd.argc = 5;
 	cmd.argv = argv;
-	cmd.argvlen = argvlen;
 	idemc_gate_pipeline(g, &cmd, 1);
 	return cmd.reply;
-}
-
-/* EVALSHA, and EVAL if the server lost the script (SCRIPT FLUSH). */
-static redisReply *
-eval(idem_gate *g, const char *sha, const char *script, int nargs,
-	 const char **args)
-{
-	redisReply *r = eval_one(g, "EVALSHA", sha, nargs, args);
-
-	if (r && r->type == REDIS_REPLY_ERROR &&
-		idem_vk_error_code_is(r->str, r->len, "NOSCRIPT"))
-	{
-		freeReplyObject(r);
-		r = eval_one(g, "EVAL", script, nargs, args);
-	}
-	return r;
 }
 
 int
 idemc_gate_release(idem_gate *g, const char *key, const char *marker)
 {
-	const char *args[2];
 	redisReply *r;
 	int			rc = -1;
 
 	if (g == NULL || idemc_gate_resting(g))
 		return -1;
-	args[0] = key;
-	args[1] = marker;
-	r = eval(g, idemc_cad_sha1, idemc_cad_script, 2, args);
+	r = eval_one(g, "EVALSHA", idemc_cad_sha1, key, marker);
+	/* the server lost the script since the connect (SCRIPT FLUSH) */
+	if (r && r->type == REDIS_REPLY_ERROR &&
+		idem_vk_error_code_is(r->str, r->len, "NOSCRIPT"))
+	{
+		freeReplyObject(r);
+		r = eval_one(g, "EVAL", idemc_cad_script, key, marker);
+	}
 	if (r == NULL)
 		return -1;
 	if (r->type == REDIS_REPLY_INTEGER)

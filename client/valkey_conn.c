@@ -74,30 +74,12 @@ idemc_gate_new(const char *host, int port, const char *password, int db,
 	return g;
 }
 
-/* Free the router, keeping its counters. */
-static void
-router_free(idem_gate *g)
-{
-	if (g->vc != NULL)
-	{
-		const idem_vc_stats *s = idem_vc_get_stats(g->vc);
-
-		g->freed_connects += (long) s->connects;
-		g->freed_setups += (long) s->setups;
-		g->freed_redirects += (long) (s->moved + s->ask);
-		g->freed_refreshes += (long) s->refreshes;
-		g->freed_node_errors += (long) s->node_errors;
-		idem_vc_free(g->vc);
-		g->vc = NULL;
-	}
-}
-
 void
 idemc_gate_free(idem_gate *g)
 {
 	if (g == NULL)
 		return;
-	router_free(g);
+	idem_vc_free(g->vc);
 	free(g->host);
 	free(g->password);
 	free(g->nodes);
@@ -109,7 +91,9 @@ idemc_gate_set_cluster(idem_gate *g, const char *nodes, int mode)
 {
 	if (g == NULL)
 		return 0;
-	router_free(g);
+	/* before the first use: the router is made with these */
+	idem_vc_free(g->vc);
+	g->vc = NULL;
 	free(g->nodes);
 	g->nodes = dup_or_null(nodes);
 	g->cluster_mode = mode;
@@ -142,11 +126,10 @@ idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline)
 
 /* SCRIPT LOAD's answer must be the release script's SHA-1. */
 static int
-check_setup(void *arg, redisReply *const *replies, char *err, size_t errlen)
+check_setup(redisReply *const *replies, char *err, size_t errlen)
 {
 	const redisReply *sha = replies[0];
 
-	(void) arg;
 	if (sha != NULL && sha->type == REDIS_REPLY_STRING && sha->len == 40 &&
 		memcmp(idemc_cad_sha1, sha->str, 40) == 0)
 		return 0;
@@ -254,7 +237,7 @@ idemc_gate_round_trips(const idem_gate *g)
 {
 	if (g == NULL)
 		return 0;
-	return g->round_trips + g->freed_setups +
+	return g->round_trips +
 		(g->vc ? (long) idem_vc_get_stats(g->vc)->setups : 0);
 }
 
@@ -263,8 +246,7 @@ idemc_gate_connects(const idem_gate *g)
 {
 	if (g == NULL)
 		return 0;
-	return g->freed_connects +
-		(g->vc ? (long) idem_vc_get_stats(g->vc)->connects : 0);
+	return g->vc ? (long) idem_vc_get_stats(g->vc)->connects : 0;
 }
 
 void
@@ -273,9 +255,9 @@ idemc_gate_cluster_stats(const idem_gate *g, long *redirects, long *refreshes,
 {
 	const idem_vc_stats *s = (g && g->vc) ? idem_vc_get_stats(g->vc) : NULL;
 
-	*redirects = (g ? g->freed_redirects : 0) + (s ? (long) (s->moved + s->ask) : 0);
-	*refreshes = (g ? g->freed_refreshes : 0) + (s ? (long) s->refreshes : 0);
-	*node_errors = (g ? g->freed_node_errors : 0) + (s ? (long) s->node_errors : 0);
+	*redirects = s ? (long) (s->moved + s->ask) : 0;
+	*refreshes = s ? (long) s->refreshes : 0;
+	*node_errors = s ? (long) s->node_errors : 0;
 }
 
 int

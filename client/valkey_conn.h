@@ -29,12 +29,6 @@ struct idem_gate
 								 * masters; NULL until first used */
 	int64_t		down_until;		/* monotonic ms: no open before */
 	long		round_trips;	/* calls of idemc_gate_pipeline */
-	/* counters of routers freed (idemc_gate_set_cluster) */
-	long		freed_connects;
-	long		freed_setups;
-	long		freed_redirects;
-	long		freed_refreshes;
-	long		freed_node_errors;
 	char		config_error[160];	/* non-empty: Valkey is not usable as
 									 * configured (valkey_db on a cluster) */
 };

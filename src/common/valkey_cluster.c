@@ -157,7 +157,6 @@ idem_vc_new(const idem_vc_options *opt, const idem_vc_io *io, char *err,
 	for (s = 0; s < opt->nsetup; s++)
 		vc->setup_argv[s] = opt->setup_argv[s];
 	vc->setup_check = opt->setup_check;
-	vc->setup_arg = opt->setup_arg;
 	for (s = 0; s < IDEM_VC_SLOTS; s++)
 		vc->slot_node[s] = -1;
 	if (opt->password && opt->password[0])

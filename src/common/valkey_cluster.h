@@ -180,9 +180,8 @@ typedef struct idem_vc_options
 	int			nsetup;
 	const int  *setup_argc;
 	const char *const *const *setup_argv;
-	int			(*setup_check) (void *arg, redisReply *const *replies,
-								char *err, size_t errlen);
-	void	   *setup_arg;
+	int			(*setup_check) (redisReply *const *replies, char *err,
+								size_t errlen);
 } idem_vc_options;
 
 typedef struct idem_vc_stats
@@ -194,8 +193,6 @@ typedef struct idem_vc_stats
 	long long	node_errors;	/* connects or exchanges that failed */
 	long long	connects;
 	long long	round_trips;	/* rounds of a pipeline (per node sent) */
-	long long	reconnects;		/* dead connections connected again at once
-								 * (reconnect_dead) */
 	long long	setups;			/* connections' setup round trips */
 } idem_vc_stats;
 

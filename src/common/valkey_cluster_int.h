@@ -76,9 +76,8 @@ struct idem_vc
 	int			nsetup;
 	const int  *setup_argc;
 	const char *const *setup_argv[VC_MAX_SETUP];
-	int			(*setup_check) (void *arg, redisReply *const *replies,
-								char *err, size_t errlen);
-	void	   *setup_arg;
+	int			(*setup_check) (redisReply *const *replies, char *err,
+								size_t errlen);
 	int			nseeds;
 	int			seeds[IDEM_VC_MAX_NODES];	/* node indexes */
 	int			nnodes;

@@ -115,12 +115,9 @@ void
 idem_vc_node_lost(idem_vc *vc, vc_node *n, const char *what)
 {
 	if (vc->reconnect_dead && n->answered && n->died)
-	{
-		vc->stats.reconnects++;
 		idem_vc_node_drop(vc, n);
-		return;
-	}
-	idem_vc_node_failed(vc, n, what);
+	else
+		idem_vc_node_failed(vc, n, what);
 }
 
 int
@@ -217,10 +214,8 @@ idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisReply **out)
 	 * yet: wait first, which saves a recv that would only say EAGAIN (one
 	 * system call per round trip).  When several nodes were sent to, the
 	 * later ones' replies are usually in by the time they are read: recv
-	 * first.  "Alone" also counts a node read after the round's other nodes
-	 * were given up, whose deadline a hung node may have spent while this
-	 * one's reply came in: waiting first is only a saving, so its timeout is
-	 * not this node's failure (idem_vc_wire_read recvs all the same).
+	 * first.  (A node read after a hung one spent the deadline is still
+	 * read: idem_vc_wire_read times out only on a recv that finds nothing.)
 	 */
 	int			wait_first = n->sent && vc->nsent == 1;
 	int			rc;
@@ -399,7 +394,7 @@ node_connect(idem_vc *vc, vc_node *n, int64_t deadline)
 				rc = 0;
 		}
 		if (rc == 0 && vc->setup_check != NULL &&
-			vc->setup_check(vc->setup_arg, replies + ask, vc->err,
+			vc->setup_check(replies + ask, vc->err,
 							sizeof(vc->err)) != 0)
 			rc = -1;
 		for (i = 0; i < su.nextra; i++)
