@@ -13,15 +13,16 @@
  *	  ways, chosen by the caller:
  *	    - a non-blocking socket (the router's nodes): recv, and wait through
  *	      idem_vc_io.wait on EAGAIN, or before the first recv when the reply
- *	      cannot be in yet (saves a recv that would say EAGAIN; only the
- *	      wait after an EAGAIN can time the reply out);
+ *	      cannot be in yet (saves a recv that would say EAGAIN);
  *	    - a blocking socket with SO_RCVTIMEO (the runner's router): one
  *	      blocking recv per reply, the timeout kept within what is left of
  *	      the deadline, so an exchange is two system calls, as hiredis's own
- *	      GET; past the deadline, one recv that does not wait (what came
- *	      in while another connection spent the deadline is still read).  A signal never extends the deadline: a recv on a socket with
- *	      a timeout is not restarted (EINTR), and what is left is
- *	      recomputed.
+ *	      GET.
+ *	  Either way a read times out only when a recv made past the deadline
+ *	  finds nothing: what came in while another connection spent the
+ *	  deadline is still read.  A signal never extends the deadline: a recv
+ *	  on a socket with a timeout is not restarted (EINTR), and what is left
+ *	  is recomputed.
  *	  On failure errno is kept as the system call left it (ECONNRESET for
  *	  EOF, 0 for the deadline and a protocol error), so a caller can tell a
  *	  connection that died from one that timed out.
@@ -145,7 +146,7 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 		void	   *reply = NULL;
 		char		buf[16 * 1024];
 		ssize_t		got;
-		int			flags = 0;
+		int64_t		left;
 
 		if (redisReaderGetReply(rd, &reply) != REDIS_OK)
 		{
@@ -158,38 +159,31 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 			*out = reply;
 			return 0;
 		}
-		if (rcvtimeo_ms != NULL)
-		{
-			/* blocking: SO_RCVTIMEO within what is left of the deadline */
-			int64_t		left = deadline - idem_vc_now_ms();
 
-			/*
-			 * Past the deadline what is in is still read, without waiting:
-			 * the deadline may have been spent on another connection while
-			 * this one's reply came in.
-			 */
-			if (left <= 0)
-				flags = MSG_DONTWAIT;
-			else if ((*rcvtimeo_ms > left + 1 || *rcvtimeo_ms < left - 1) &&
-					 set_rcvtimeo(fd, left, rcvtimeo_ms) != 0)
-			{
-				sys_err(err, errlen, "could not set a timeout");
-				return -1;
-			}
-		}
-		else if (wait_first)
+		/*
+		 * A read times out only when a recv made past the deadline finds
+		 * nothing: the deadline may have been spent on another connection
+		 * (a hung node read first) while this one's reply came in.  Before
+		 * it, a blocking socket's recv waits at most what is left, and a
+		 * non-blocking one is waited for through io (first, when the reply
+		 * cannot be in yet: that saves a recv that would say EAGAIN).
+		 */
+		left = deadline - idem_vc_now_ms();
+		if (left > 0 && rcvtimeo_ms != NULL &&
+			(*rcvtimeo_ms > left + 1 || *rcvtimeo_ms < left - 1) &&
+			set_rcvtimeo(fd, left, rcvtimeo_ms) != 0)
 		{
-			/*
-			 * Waiting before the first recv only saves a recv that would say
-			 * EAGAIN: its timeout is not the connection's failure (the
-			 * deadline may have been spent on another connection while this
-			 * one's reply came in), the recv below tells.
-			 */
+			sys_err(err, errlen, "could not set a timeout");
+			return -1;
+		}
+		if (left > 0 && rcvtimeo_ms == NULL && wait_first)
+		{
 			wait_first = 0;
 			if (io->wait(io->arg, fd, 0, deadline) == -2)
 				return -2;
+			continue;
 		}
-		got = recv(fd, buf, sizeof(buf), flags);
+		got = recv(fd, buf, sizeof(buf), left > 0 ? 0 : MSG_DONTWAIT);
 		if (got > 0)
 		{
 			if (redisReaderFeed(rd, buf, (size_t) got) != REDIS_OK)
@@ -208,34 +202,20 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 		}
 		if (errno == EINTR)
 			continue;
-		if (errno == EAGAIN || errno == EWOULDBLOCK)
+		if (errno != EAGAIN && errno != EWOULDBLOCK)
 		{
-			int			rc;
-
-			/*
-			 * blocking: SO_RCVTIMEO ran out (the deadline is checked above),
-			 * or nothing was in past the deadline
-			 */
-			if (rcvtimeo_ms != NULL && flags == 0)
-				continue;
-			if (rcvtimeo_ms != NULL)
-			{
-				wire_err(err, errlen, "timed out waiting for a reply");
-				errno = 0;
-				return -1;
-			}
-			rc = io->wait(io->arg, fd, 0, deadline);
-			if (rc == -1)
-			{
-				wire_err(err, errlen, "timed out waiting for a reply");
-				errno = 0;
-			}
-			if (rc != 0)
-				return rc;
-			continue;
+			sys_err(err, errlen, "could not receive");
+			return -1;
 		}
-		sys_err(err, errlen, "could not receive");
-		return -1;
+		if (left <= 0)
+		{
+			wire_err(err, errlen, "timed out waiting for a reply");
+			errno = 0;
+			return -1;
+		}
+		/* a blocking socket's SO_RCVTIMEO ran out: the loop sees the deadline */
+		if (rcvtimeo_ms == NULL && io->wait(io->arg, fd, 0, deadline) == -2)
+			return -2;
 	}
 }
 
