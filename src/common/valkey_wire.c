@@ -140,12 +140,16 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 				  int *rcvtimeo_ms, const idem_vc_io *io,
 				  char *err, size_t errlen, redisReply **out)
 {
+	int			waited_out = 0;	/* io.wait said the time is up */
+
 	*out = NULL;
 	for (;;)
 	{
 		void	   *reply = NULL;
 		char		buf[16 * 1024];
 		ssize_t		got;
+		int			late;
+		int			rc;
 		int64_t		left;
 
 		if (redisReaderGetReply(rd, &reply) != REDIS_OK)
@@ -169,21 +173,23 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 		 * cannot be in yet: that saves a recv that would say EAGAIN).
 		 */
 		left = deadline - idem_vc_now_ms();
-		if (left > 0 && rcvtimeo_ms != NULL &&
+		late = left <= 0 || waited_out;
+		if (!late && rcvtimeo_ms != NULL &&
 			(*rcvtimeo_ms > left + 1 || *rcvtimeo_ms < left - 1) &&
 			set_rcvtimeo(fd, left, rcvtimeo_ms) != 0)
 		{
 			sys_err(err, errlen, "could not set a timeout");
 			return -1;
 		}
-		if (left > 0 && rcvtimeo_ms == NULL && wait_first)
+		if (!late && rcvtimeo_ms == NULL && wait_first)
 		{
 			wait_first = 0;
-			if (io->wait(io->arg, fd, 0, deadline) == -2)
+			if ((rc = io->wait(io->arg, fd, 0, deadline)) == -2)
 				return -2;
+			waited_out = rc != 0;
 			continue;
 		}
-		got = recv(fd, buf, sizeof(buf), left > 0 ? 0 : MSG_DONTWAIT);
+		got = recv(fd, buf, sizeof(buf), late ? MSG_DONTWAIT : 0);
 		if (got > 0)
 		{
 			if (redisReaderFeed(rd, buf, (size_t) got) != REDIS_OK)
@@ -207,15 +213,19 @@ idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline, int wait_first,
 			sys_err(err, errlen, "could not receive");
 			return -1;
 		}
-		if (left <= 0)
+		if (late)
 		{
 			wire_err(err, errlen, "timed out waiting for a reply");
 			errno = 0;
 			return -1;
 		}
 		/* a blocking socket's SO_RCVTIMEO ran out: the loop sees the deadline */
-		if (rcvtimeo_ms == NULL && io->wait(io->arg, fd, 0, deadline) == -2)
-			return -2;
+		if (rcvtimeo_ms == NULL)
+		{
+			if ((rc = io->wait(io->arg, fd, 0, deadline)) == -2)
+				return -2;
+			waited_out = rc != 0;
+		}
 	}
 }
 
