@@ -63,7 +63,9 @@
  *		over since this data directory last did (below): a copy of a
  *		stopped server, started here or there;
  *	  - when a transaction removed ledger rows outside idem_purge
- *		(ledger_guard.c).
+ *		(ledger_guard.c); the copies queued before it are never written
+ *		into the new epoch, and the commit waits until the old one is
+ *		retired (epoch_renewal.c).
  * A clean restart of the same server keeps its epoch, its secret and so its
  * warm cache.
  *
@@ -138,6 +140,7 @@
 #include "cache_secret.h"
 #include "cache_format.h"
 #include "compat.h"
+#include "epoch_renewal.h"
 #include "sha256.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
@@ -639,6 +642,8 @@ secret_shared_fit(void)
 {
 	if (secret_fit(&secret_shared->secrets, secret_shared->renew))
 	{
+		/* the removals it follows (epoch_renewal.c) */
+		secret_shared->secrets.generation = idem_renewal_generation();
 		secret_shared->confirmed = false;
 		secret_shared->renew = 0;
 	}
@@ -746,6 +751,7 @@ idem_cache_epoch_owned(IdemEpochTakeover *t)
 		t->epoch = secret_shared->secrets.epoch;
 		t->timeline = secret_shared->secrets.timeline;
 		t->new_token = secret_shared->secrets.token;
+		t->generation = secret_shared->secrets.generation;
 	}
 	LWLockRelease(secret_lock);
 	return ok;
@@ -782,13 +788,26 @@ idem_cache_epoch_taken(const IdemEpochTakeover *t)
  * by the caller or by its own loop), so that this never raises an ERROR:
  * it is called after a commit, too.  Nothing happens if the epoch changed
  * already.
+ *
+ * Ledger rows removed: a new renewal generation first, then the renewal,
+ * so that the epoch made for it counts the removal (epoch_renewal.c).
+ * Returns the generation to wait for until the worker has retired the
+ * epoch replaced (idem_renewal_wait), or 0 when no runner can trust it:
+ * neither it nor the one it is to retire was ever taken over.
  */
-void
+uint64
 idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 {
+	uint64		generation = 0;
+	bool		trusted;
+
 	if (secret_shared == NULL)
-		return;
+		return 0;
+	if (reason == IDEM_EPOCH_LEDGER_ROWS_REMOVED)
+		generation = idem_renewal_bump();
 	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	trusted = !secret_shared->loaded || secret_shared->secrets.token != 0 ||
+		secret_shared->secrets.retire_epoch != 0;
 	if (!secret_shared->loaded || secret_shared->secrets.epoch == epoch ||
 		epoch == 0)
 	{
@@ -797,6 +816,7 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 		secret_shared->confirmed = false;
 	}
 	LWLockRelease(secret_lock);
+	return trusted ? generation : 0;
 }
 
 /*
@@ -876,6 +896,7 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 	next.token = secret_shared->secrets.token;
 	next.retire_timeline = secret_shared->secrets.retire_timeline;
 	next.retire_epoch = secret_shared->secrets.retire_epoch;
+	next.generation = secret_shared->secrets.generation;
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;

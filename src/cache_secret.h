@@ -28,6 +28,9 @@ typedef struct IdemCacheSecrets
 								 * the epoch over in Valkey; 0: none */
 	TimeLineID	retire_timeline;	/* the epoch this one replaced, whose */
 	uint64		retire_epoch;	/* owner key the worker retires; 0: none */
+	uint64		generation;		/* the renewal generation the epoch was
+								 * made at (epoch_renewal.c); shared memory
+								 * only, not in the file */
 } IdemCacheSecrets;
 
 /*
@@ -43,6 +46,7 @@ typedef struct IdemEpochTakeover
 	uint64		new_token;
 	TimeLineID	retire_timeline;	/* retire this epoch's owner key first */
 	uint64		retire_epoch;	/* (0: none) */
+	uint64		generation;		/* the epoch's renewal generation */
 } IdemEpochTakeover;
 
 /* Why an epoch is replaced while the server runs (idem_cache_epoch_renew). */
@@ -67,7 +71,7 @@ extern bool idem_cache_sign(const idem_hmac *mac_key, const char *key,
 extern bool idem_cache_epoch_confirmed(uint64 *epoch);
 extern bool idem_cache_epoch_takeover(IdemEpochTakeover *t);
 extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
-extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
+extern uint64 idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
 extern bool idem_cache_epoch_owned(IdemEpochTakeover *t);
 
 #endif							/* IDEM_CACHE_SECRET_H */

@@ -36,7 +36,8 @@
  *	  and no locks of its own.  At COMMIT (after the commit record: no
  *	  allocation, no ERROR) and at PREPARE (the commit may come from another
  *	  session, so the epoch is renewed then, conservatively) it asks for
- *	  the renewal and wakes the worker.
+ *	  the renewal and wakes the worker; at COMMIT it then waits, bounded,
+ *	  until the worker has retired the epoch replaced (idem_renewal_wait).
  *
  *-------------------------------------------------------------------------
  */
@@ -50,6 +51,7 @@
 
 #include "ledger_guard.h"
 #include "cache_secret.h"
+#include "epoch_renewal.h"
 #include "ledger_row.h"
 #include "outbox_ring.h"
 
@@ -210,8 +212,13 @@ idem_ledger_guard_xact_event(XactEvent event)
 		case XACT_EVENT_PREPARE:
 			if (guard_rows_removed)
 			{
-				idem_cache_epoch_renew(0, IDEM_EPOCH_LEDGER_ROWS_REMOVED);
+				uint64		generation;
+
+				generation = idem_cache_epoch_renew(0, IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 				idem_outbox_wake();
+				/* the commit returns once runners no longer use the old epoch */
+				if (event == XACT_EVENT_COMMIT)
+					idem_renewal_wait(generation);
 			}
 			/* FALLTHROUGH */
 		case XACT_EVENT_ABORT:

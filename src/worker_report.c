@@ -4,7 +4,8 @@
  *	  What the worker says about Valkey: the problem of the last attempt
  *	  (worker_errbuf) in idem_stats() and, at most every
  *	  IDEM_LOG_INTERVAL_MS, in the server log; copies that wait for a
- *	  standby that cannot be used.  The password is never logged.
+ *	  standby that cannot be used; copies dropped for an older renewal
+ *	  generation.  The password is never logged.
  *
  *	  Locking: none of its own; idem_stats() is stats.c's.
  *
@@ -72,4 +73,32 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 		last_logged = now;
 	}
 	worker_failing = true;
+}
+
+/*
+ * Records just consumed that were read before ledger rows were removed
+ * and not written into the epoch that followed (epoch_renewal.c): count
+ * them and, at most every IDEM_LOG_INTERVAL_MS, say so in the log.
+ */
+void
+worker_report_skipped(uint64 skipped)
+{
+	static TimestampTz logged = 0;
+	static uint64 unlogged = 0;
+	TimestampTz now;
+
+	if (skipped == 0)
+		return;
+	idem_stats_add(IDEM_STAT_SKIPPED_EPOCH, skipped);
+	unlogged += skipped;
+	now = GetCurrentTimestamp();
+	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
+	{
+		ereport(LOG,
+				(errmsg("idem: dropped " UINT64_FORMAT " queued results read before ledger rows were removed",
+						unlogged),
+				 errdetail("The cache epoch was renewed since they were read; PostgreSQL still answers for them.")));
+		logged = now;
+		unlogged = 0;
+	}
 }
