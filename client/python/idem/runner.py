@@ -41,6 +41,25 @@ CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
               "end\n"
               "return 0\n")
 
+
+#: The longest secrets_max_age_ms a runner uses: 0 and more are capped
+#: (IDEM_SECRETS_MAX_AGE_MAX_MS in the C client).
+SECRETS_MAX_AGE_MAX_MS = 60000
+
+
+def relearn_bound_ms(secrets_max_age_ms):
+    """The re-learn bound a runner uses for secrets_max_age_ms: the maximum
+    for 0 or anything above it, as given from 1 to it.  It is the last
+    line of defence: while the server cannot reach Valkey to retire a cache
+    epoch it left, a runner that learnt that epoch trusts it until it
+    learns again."""
+    ms = int(secrets_max_age_ms)
+    if ms < 0:
+        raise ValueError("secrets_max_age_ms must not be negative")
+    if ms == 0 or ms > SECRETS_MAX_AGE_MAX_MS:
+        return SECRETS_MAX_AGE_MAX_MS
+    return ms
+
 class Runner:
     """A gated idempotency runner.
 
@@ -69,7 +88,7 @@ class Runner:
         self.max_attempts = None if max_attempts is None else int(max_attempts)
         self.retention = retention          # interval text, None: idem.retention
         self.lookup_first = lookup_first
-        self.secrets_max_age_ms = secrets_max_age_ms
+        self.secrets_max_age_ms = relearn_bound_ms(secrets_max_age_ms)
         self.valkey_retry_ms = valkey_retry_ms
         self.schema = schema
         self.notice = notice
@@ -190,8 +209,7 @@ class Runner:
         age = None if st.learnt is None else (now - st.learnt) * 1000
         if age is None or (st.refresh_wanted and (age >= 1000 or (
                 st.owner_suspect and not st.owner_relearnt))) or \
-                (st.keyspace is not None and self.secrets_max_age_ms and
-                 age >= self.secrets_max_age_ms):
+                (st.keyspace is not None and age >= self.secrets_max_age_ms):
             self._learn(conn, st)
         return st
 

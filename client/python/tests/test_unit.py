@@ -9,7 +9,7 @@ import unittest
 
 from idem import RequestError, canonical_json, fingerprint, idem_key
 from idem import cache
-
+import idem
 
 class CanonicalJson(unittest.TestCase):
     def test_vectors(self):
@@ -67,10 +67,8 @@ class CanonicalJson(unittest.TestCase):
                          "50847ac0916d0c687463688b99771fad7dfec7573b724374f6a2bcf7914f5358")
         self.assertNotEqual(idem_key("ab", "c"), idem_key("a", "bc"))
 
-
 SECRET = bytes(range(32))
 KEY = b"idem:1.1.00000000000000aa.5:t:42:" + b"ab" * 32
-
 
 class Values(unittest.TestCase):
     def test_round_trip(self):
@@ -143,15 +141,25 @@ class Values(unittest.TestCase):
             self.assertIsNone(cache.parse(v), v[:120])
         self.assertIsNotNone(cache.parse(head + b"1 p 0 " + b"03" * 16))   # expiry 0 is allowed
 
+class RelearnBound(unittest.TestCase):
+    def test_capped(self):
+        """secrets_max_age_ms: 0 and anything longer than a minute are capped, not never"""
+        from idem.runner import SECRETS_MAX_AGE_MAX_MS, relearn_bound_ms
+        self.assertEqual(SECRETS_MAX_AGE_MAX_MS, 60000)
+        self.assertEqual(relearn_bound_ms(5000), 5000)
+        self.assertEqual(relearn_bound_ms(1), 1)
+        self.assertEqual(relearn_bound_ms(0), 60000)
+        self.assertEqual(relearn_bound_ms(3600000), 60000)
+        self.assertEqual(idem.Runner(None, secrets_max_age_ms=0).secrets_max_age_ms, 60000)
+        with self.assertRaises(ValueError):
+            relearn_bound_ms(-1)
 
 if __name__ == "__main__":
     unittest.main()
 
-
 # The C client's source, beside the package in the checkout these tests
 # come from (client/release.c).
 C_CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-
 
 def c_string(source, name):
     """The bytes of the C string constant NAME (const char NAME[] = "..." "...";)."""
@@ -161,7 +169,6 @@ def c_string(source, name):
         raise AssertionError("no string constant %s in the C source" % name)
     parts = re.findall(r'"((?:[^"\\\n]|\\.)*)"', m.group(1))
     return codecs.decode("".join(parts), "unicode_escape").encode("latin-1")
-
 
 class SharedWithC(unittest.TestCase):
     def test_release_script(self):
