@@ -1,0 +1,177 @@
+# Nothing crosses a history epoch: a copy of a result read before ledger
+# rows were removed is never written into the epoch that follows the
+# removal, and a removal's commit returns only once runners connected
+# before it no longer trust the old epoch.
+#   1. a copy queued while Valkey is down, the row deleted meanwhile (and
+#      the commit's wait for the old epoch's retirement timing out);
+#   2. copies held for a stopped standby (idem.standby_slots = '*'), the
+#      ledger truncated meanwhile;
+#   3. a REPEATABLE READ transaction whose snapshot predates a DELETE
+#      reads the deleted row with idem_lookup();
+#   4. a runner connected before a DELETE, which re-learns its keyspace
+#      only once an hour, while the worker is slow: the DELETE returns
+#      once the worker has retired the old epoch, and the runner applies
+#      the message again at once.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IdemValkey;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use POSIX ();
+use Time::HiRes qw(time);
+
+$ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
+
+my $valkey = IdemValkey->new(name => 'valkey')->start;
+my $node = IdemValkey::streaming_node('node', $valkey);
+
+sub sql { $node->safe_psql('postgres', $_[0]) }
+sub run { IdemValkey::run_message($node, 'postgres', $valkey, 1, 'es', $_[0], '{"x": 1}') }
+sub effects { sql("SELECT count(*) FROM effects WHERE id = '$_[0]'") }
+sub key_of { IdemValkey::tenant_key($node, 1, 'es', $_[0]) }
+
+# The keyspace once the worker took an epoch other than $old over.
+sub new_keyspace
+{
+	my ($old) = @_;
+	my $ks;
+	IdemValkey::poll_until(30, sub {
+		$ks = IdemValkey::wait_keyspace($node, undef, 30);
+		return defined $ks && $ks ne $old;
+	});
+	return $ks;
+}
+
+# The queue is empty (the worker copied or dropped everything).
+sub drained
+{
+	return IdemValkey::poll_until(20, sub { IdemValkey::stats_col($node, 'queue_depth') eq '0' });
+}
+
+# $id applied, and its copy held in the commit ring (the worker cannot
+# copy it now).
+sub applied_and_held
+{
+	my ($id, $what) = @_;
+	my ($status, $source) = run($id);
+	is("$status $source", 'applied handler', "$what: $id is applied");
+	ok(IdemValkey::poll_until(10, sub { IdemValkey::stats_col($node, 'queue_depth') ne '0' }),
+		"$what: ... its copy waits in the commit ring");
+}
+
+# After the worker went on: nothing of $id in the new epoch, and a
+# redelivery applied again.
+sub not_replayed
+{
+	my ($id, $what, $old) = @_;
+	my $ks = new_keyspace($old);
+	isnt($ks, $old, "$what: a new epoch");
+	ok(drained(), "$what: the worker went through the commit ring");
+	is($valkey->command('GET', key_of($id)), undef,
+		"$what: the copy read before the removal is not written into the new epoch");
+	my ($status, $source) = run($id);
+	is("$status $source", 'applied handler', "$what: $id is applied again, not replayed");
+	is(effects($id), '2', "$what: ... its effect ran again, as the removed row asks");
+}
+
+# --- 1. a copy queued while Valkey is down, the row deleted ---
+my $ks = IdemValkey::keyspace($node);
+$valkey->stop;
+ok(IdemValkey::wait_connected($node, 0), 'Valkey down: the worker notices');
+applied_and_held('v1', 'Valkey down');
+my ($ret, $out, $err) = $node->psql('postgres',
+	q{SET idem.epoch_retire_timeout = '300ms';
+	  DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'v1')},
+	on_error_stop => 0);
+is($ret, 0, 'Valkey down: the DELETE commits');
+like($err, qr/WARNING:  the idem worker did not retire the replaced cache epoch in Valkey within 300 ms/,
+	'... and warns that its wait for the old epoch\'s retirement timed out');
+$valkey->start;
+not_replayed('v1', 'Valkey down', $ks);
+like(slurp_file($node->logfile), qr/dropped 1 queued results read before ledger rows were removed/,
+	'Valkey down: the log says a queued copy was dropped');
+
+# --- 2. copies held for a stopped standby, the ledger truncated ---
+$node->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('standby1')");
+$node->backup('b1');
+my $standby = PostgreSQL::Test::Cluster->new('standby');
+$standby->init_from_backup($node, 'b1', has_streaming => 1);
+$standby->append_conf('postgresql.conf', "primary_slot_name = 'standby1'\nidem.valkey_port = 1\n");
+$standby->start;
+$node->wait_for_catchup($standby);
+$standby->stop;
+$ks = IdemValkey::keyspace($node);
+applied_and_held('s1', 'standby stopped');
+sql('TRUNCATE idempotency_keys');
+$standby->start;
+not_replayed('s1', 'standby stopped', $ks);
+$standby->stop;
+$node->safe_psql('postgres', "SELECT pg_drop_replication_slot('standby1')");
+
+# --- 3. a REPEATABLE READ snapshot older than the DELETE ---
+my ($status, $source) = run('r1');
+is("$status $source", 'applied handler', 'repeatable read: r1 is applied');
+ok(defined $valkey->wait_for_key(key_of('r1'), 10), '... and copied');
+$ks = IdemValkey::keyspace($node);
+my $rr = $node->background_psql('postgres');
+$rr->query_safe('BEGIN ISOLATION LEVEL REPEATABLE READ');
+$rr->query_safe('SELECT count(*) FROM idempotency_keys');
+sql(q{DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'r1')});
+my $ks2 = new_keyspace($ks);
+isnt($ks2, $ks, 'repeatable read: the DELETE made a new epoch');
+is($rr->query_safe(q{SELECT status FROM idem_lookup(1, idem_key('es', 'r1'))}), 'completed',
+	'repeatable read: the older snapshot still reads the deleted row');
+$rr->query_safe('COMMIT');
+$rr->quit;
+ok(drained(), 'repeatable read: the worker went through the commit ring');
+is($valkey->command('GET', key_of('r1')), undef,
+	'repeatable read: the read does not repopulate the new epoch with the deleted row');
+($status, $source) = run('r1');
+is("$status $source", 'applied handler', 'repeatable read: r1 is applied again, not replayed');
+
+# A REPEATABLE READ transaction that began after the DELETE repopulates.
+($status, $source) = run('r2');
+is("$status $source", 'applied handler', 'r2 is applied');
+$valkey->command('DEL', key_of('r2')) if defined $valkey->wait_for_key(key_of('r2'), 10);
+sql(q{BEGIN ISOLATION LEVEL REPEATABLE READ;
+	SELECT status FROM idem_lookup(1, idem_key('es', 'r2')); COMMIT});
+ok(defined $valkey->wait_for_key(key_of('r2'), 10),
+	'a repeatable read transaction newer than every removal repopulates Valkey');
+
+# --- 4. a runner connected before the DELETE, the worker slow ---
+my $s = IdemValkey::runner_session($node, 'postgres', $valkey, 1, 'es', '{"x": 1}');
+is($s->run('w1'), 'applied handler', 'slow worker: w1 is applied');
+ok(defined $valkey->wait_for_key(key_of('w1'), 10), '... and copied');
+is($s->run('w1'), 'replayed valkey', '... and replayed from Valkey by the same runner');
+my $wpid = IdemValkey::worker_pid($node);
+ok($wpid, 'slow worker: the worker is found');
+kill 'STOP', $wpid;
+my $child = fork();
+die "fork: $!" unless defined $child;
+if ($child == 0)
+{
+	sleep(2);
+	kill 'CONT', $wpid;
+	POSIX::_exit(0);
+}
+my $t0 = time();
+sql(q{DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'w1')});
+my $took = time() - $t0;
+# at once, before the worker is sure to have gone on
+my $again = $s->run('w1');
+waitpid($child, 0);
+kill 'CONT', $wpid;
+cmp_ok($took, '>=', 1.5, 'slow worker: the DELETE returns only once the worker went on and retired the old epoch');
+is($again, 'applied handler',
+	'slow worker: the runner connected before the DELETE applies w1 again at once, not replays it');
+is(effects('w1'), '2', '... its effect ran again');
+$s->finish;
+
+unlike(slurp_file($node->logfile), qr/PANIC|TRAP/, 'no crash in the server log');
+$node->stop;
+done_testing();
