@@ -58,7 +58,13 @@
  * stop at their own bound, secrets_max_age_ms.  A query cancel or a
  * termination ends the wait early with a WARNING, as they end a wait for
  * synchronous replication.  Nothing waits when no epoch was ever taken
- * over (no runner can trust one), nor at PREPARE TRANSACTION.
+ * over (no runner can trust one), nor at PREPARE TRANSACTION.  Like a
+ * wait for synchronous replication it holds the transaction's locks (they
+ * are released after the commit callbacks).
+ *
+ * Not covered: PREPARE TRANSACTION renews (and bumps) before COMMIT
+ * PREPARED makes the removal visible, so a read in between may still copy
+ * the row into the new epoch.
  *
  * Locking: generation and retired are 64-bit atomics (the bump is a
  * fetch-add, a full barrier); retired only grows.  The condition variable
