@@ -61,8 +61,6 @@
  */
 #include "postgres.h"
 
-#include "postgres.h"
-
 #include "miscadmin.h"
 #include "postmaster/bgworker.h"
 #include "postmaster/interrupt.h"

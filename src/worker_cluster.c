@@ -13,7 +13,7 @@
  * to it (idem_wc_single_*) and sends its other commands through
  * idem_wc_command(), as on a cluster.  A cluster: idem_wc_send() writes the
  * batches worker.c takes from the queue (durable records, encoded and MACed
- * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
+ * by worker.c): up to IDEM_BATCH_MAX records, each SET routed to the master
  * of its key's slot, all nodes pipelined at once.  idem_wc_collect() reads
  * the replies, redirects followed by the router; worker.c sleeps out
  * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).
@@ -35,8 +35,6 @@
  */
 #include "postgres.h"
 
-#include "postgres.h"
-
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "pgstat.h"
@@ -53,8 +51,6 @@
 #include "stats.h"
 #include "valkey_cluster.h"
 #include "valkey_reply.h"
-
-#define IDEM_WC_BATCH		512
 
 typedef struct WcWait
 {
@@ -288,9 +284,9 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 		if (wc_slots == NULL)
 		{
 			wc_slots = MemoryContextAllocHuge(TopMemoryContext,
-											  sizeof(WcSlot) * IDEM_WC_BATCH);
+											  sizeof(WcSlot) * IDEM_BATCH_MAX);
 			wc_cmds = MemoryContextAlloc(TopMemoryContext,
-										 sizeof(idem_vc_cmd) * IDEM_WC_BATCH);
+										 sizeof(idem_vc_cmd) * IDEM_BATCH_MAX);
 		}
 		wc_publish_nodes();
 		wc_report_stats();
@@ -407,7 +403,7 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 	int			nc = 0;
 	int			i;
 
-	Assert(n <= IDEM_WC_BATCH);
+	Assert(n <= IDEM_BATCH_MAX);
 	*rejected = 0;
 	for (i = 0; i < n; i++)
 	{

@@ -10,6 +10,14 @@
 
 #include "outbox_ring.h"
 
+/*
+ * The most records one batch holds: the worker's drains take at most this
+ * many from the commit ring at a time, and idem_wc_send() and idem_wc_copy()
+ * size their per-batch arrays by it.  One constant, so that neither side can
+ * outgrow the other.
+ */
+#define IDEM_BATCH_MAX			512
+
 typedef enum IdemWcConnect
 {
 	IDEM_WC_SINGLE,				/* not a cluster: the router's one node */

@@ -33,8 +33,8 @@
 #include "cache_format.h"
 #include "outbox_ring.h"
 #include "sha256.h"
+#include "worker_cluster.h"	/* IDEM_BATCH_MAX */
 
-#define IDEM_BATCH_MAX			512
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
