@@ -2771,7 +2771,7 @@ cmd_scenario(void)
 		{
 			idem_run_options ro;
 			char		args[256];
-			char		id[8];
+			char		id[16];
 			int			j;
 
 			idem_run_options_init(&ro);
