@@ -2,7 +2,7 @@
  *
  * worker_cluster.c
  *	  The worker's Valkey Cluster mode: mode detection at connect, and the
- *	  copy of the commit queue's batches through the shared router
+ *	  copy of the commit ring's batches through the shared router
  *	  (valkey_cluster.c).
  *
  * worker.c calls idem_wc_connect() when it (re)connects.  The router opens
@@ -123,7 +123,7 @@ wc_wait_for(int fd)
 			free_slot = i;
 	}
 	if (free_slot < 0)
-		elog(ERROR, "idem: more Valkey sockets than nodes");
+		elog(ERROR, "more Valkey sockets than nodes");
 	w = &wc_waits[free_slot];
 	w->wes = idem_create_wait_event_set(3);
 	AddWaitEventToSet(w->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);

@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * worker_drain.c
- *	  The worker's two drains: the commit queue's durable records copied to
+ *	  The worker's two drains: the commit ring's durable records copied to
  *	  a single Valkey (vk_drain: batches pipelined ahead of their replies)
  *	  or to a Valkey Cluster (vk_cluster_drain: through worker_cluster.c,
  *	  a stuck batch's successors sent ahead to the nodes that answer).  A

@@ -17,7 +17,7 @@
  *
  *	  Locking: none; the worker is one single-threaded process, and the
  *	  state declared here is process-local.  What it shares with other
- *	  processes (the commit queue, the stats, the cache secrets) has its
+ *	  processes (the commit ring, the stats, the cache secrets) has its
  *	  own file and locking rules.
  *
  *-------------------------------------------------------------------------
