@@ -96,7 +96,7 @@
  * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
  * retired it or took it over) makes a new epoch: of two servers from one
  * backup, neither answers for the other's history, and each gets a cold
- * cache at worst.  A key Valkey lost is set again (worker.c).
+ * cache at worst.  A key Valkey lost is set again (worker_check_owner()).
  *
  * The secret is never shared by two servers: it is made at random here,
  * kept in this file and in shared memory only (never in a table, so

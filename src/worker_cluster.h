@@ -1,7 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * worker_cluster.h
- *	  The worker's Valkey Cluster mode (worker_cluster.c), as worker.c sees it.
+ *	  The worker's router (worker_cluster.c), as the worker's other files
+ *	  see it: a Valkey Cluster, or a single Valkey as its one node.
  *
  *-------------------------------------------------------------------------
  */
@@ -35,7 +36,8 @@ typedef enum IdemWcCopy
 } IdemWcCopy;
 
 /*
- * How worker.c encodes one queued record as SET key value PX ttl: 1 done,
+ * How the caller encodes one queued record as SET key value PX ttl
+ * (vk_encode_record()): 1 done,
  * 0 the record's retention is over (skip it), -1 it cannot be encoded.
  */
 typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
