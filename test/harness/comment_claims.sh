@@ -82,9 +82,9 @@ for my $from (@ARGV)
 	my $f = qr{(?:[\w.-]+/)*[\w-]+\.[ch]};
 	while ($text =~ /\b($id)\(\)\s*\(($f)[,;:)]/g) { push @claims, [$1, $2, $-[0]] }
 	while ($text =~ /\b($f)'s ($id)\(\)/g) { push @claims, [$2, $1, $-[0]] }
-	while ($text =~ /\b($id)\(\) in ($f)\b/g) { push @claims, [$1, $2, $-[0]] }
+	while ($text =~ /\b($id)\(\)\s+in\s+($f)\b/g) { push @claims, [$1, $2, $-[0]] }
 	while ($text =~ /`($f)` `($id)`/g) { push @claims, [$2, $1, $-[0]] }
-	while ($text =~ /`($id)(?:\(\))?` in `($f)`/g) { push @claims, [$1, $2, $-[0]] }
+	while ($text =~ /`($id)(?:\(\))?`\s+in\s+`($f)`/g) { push @claims, [$1, $2, $-[0]] }
 	while ($text =~ /`($id)\(\)` \(`($f)`\)/g) { push @claims, [$1, $2, $-[0]] }
 	for my $c (@claims)
 	{
