@@ -67,7 +67,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 				(errmsg("%s Valkey at %s:%d failed: %s",
 						doing, vk_host, vk_port, worker_errbuf),
 				 retry_ms > 0 ?
-				 errdetail("Queued results are kept while the queue has room; retrying in %d ms.",
+				 errdetail("Queued results are kept while the commit ring has room; retrying in %d ms.",
 						   retry_ms) : 0));
 		last_logged = now;
 	}

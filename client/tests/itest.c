@@ -359,7 +359,7 @@ cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
 	idem_cache_key(buf, n, test_keyspace(), platform, tenant, k);
 }
 
-/* The key of the same row before 0.3 (one namespace: "idem:"). */
+/* The key of the same row before 0.3 (one keyspace: "idem:"). */
 void
 old_cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
 				 const char *scope, const char *id)
