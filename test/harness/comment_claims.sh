@@ -4,6 +4,7 @@
 # (src/, src/common/, client/, test/spin/) and the documents (docs/,
 # READMEs), in four forms:
 #     name() (file.c)      name() (file.c, ...)     file.c's name()
+#     a_name (file.c)
 #     name() in file.c     `file.c` `name`     `name` in `file.c`
 #     `name()` (`file.c`)
 # and fails on each whose function file.c does not define: a definition
@@ -81,6 +82,7 @@ for my $from (@ARGV)
 	my $id = qr/[A-Za-z_]\w*/;
 	my $f = qr{(?:[\w.-]+/)*[\w-]+\.[ch]};
 	while ($text =~ /\b($id)\(\)\s*\(($f)[,;:)]/g) { push @claims, [$1, $2, $-[0]] }
+	while ($text =~ /\b([a-z][a-z0-9]*_[a-z0-9_]+) \(($f)\)/g) { push @claims, [$1, $2, $-[0]] }
 	while ($text =~ /\b($f)'s ($id)\(\)/g) { push @claims, [$2, $1, $-[0]] }
 	while ($text =~ /\b($id)\(\)\s+in\s+($f)\b/g) { push @claims, [$1, $2, $-[0]] }
 	while ($text =~ /`($f)` `($id)`/g) { push @claims, [$2, $1, $-[0]] }
