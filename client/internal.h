@@ -373,7 +373,8 @@ struct idem_runner
  * cluster): tell the notice hook, once. */
 void		idemc_runner_gate_notice(idem_runner *r);
 
-/* A handler's view of its run (filled by runner.c, read through call.c). */
+/* A handler's view of its run (filled by pg_step(), read through the
+ * idem_call_* accessors). */
 struct idem_call
 {
 	int			attempt;
@@ -393,16 +394,16 @@ struct idem_call
 int			idemc_runner_trust_ready(idem_runner *r);
 
 /* A caller's result: 0 if its struct_size is one we accept, else -1 and the
- * runner's message says why (runner.c). */
+ * runner's message says why. */
 int			idemc_result_size_ok(idem_runner *r, const idem_result *out);
 /* Copy a result of our size into the caller's, within its struct_size. */
 void		idemc_result_copy_out(idem_result *out, const idem_result *full);
 
-/* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
+/* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result. */
 void		idemc_result_set_outcome(idem_result *out, const char *text, size_t len);
 
 /* A trusted terminal value from Valkey as the result: a replay, or the
- * permanent failure (runner.c). */
+ * permanent failure. */
 void		idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e);
 
 #endif
