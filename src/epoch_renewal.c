@@ -190,7 +190,7 @@ idem_renewal_wait(uint64 generation)
 		{
 			/* interrupts are held here: answer them once the commit is done */
 			ereport(WARNING,
-					(errmsg("canceling the wait for the cache epoch's retirement"),
+					(errmsg("canceling the wait for the history epoch's retirement"),
 					 errdetail("The transaction has already committed.  Runners connected before it may replay results of the removed ledger rows from Valkey until they learn the cache keyspace again.")));
 			QueryCancelPending = false;
 			break;
@@ -208,7 +208,7 @@ idem_renewal_wait(uint64 generation)
 	ConditionVariableCancelSleep();
 	if (timed_out)
 		ereport(WARNING,
-				(errmsg("the idem worker did not retire the replaced cache epoch in Valkey within %d ms",
+				(errmsg("the idem worker did not retire the replaced history epoch in Valkey within %d ms",
 						idem_epoch_retire_timeout_ms),
 				 errdetail("The transaction has committed.  Runners connected before it may replay results of the removed ledger rows from Valkey until they learn the cache keyspace again, at the latest after their secrets_max_age_ms."),
 				 errhint("Check that the worker reaches Valkey: see last_error in idem_stats().")));

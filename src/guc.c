@@ -211,7 +211,7 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idem.epoch_retire_timeout",
-							"How long a commit that removed ledger rows waits for the worker to retire the cache epoch it replaced.",
+							"How long a commit that removed ledger rows waits for the worker to retire the history epoch it replaced.",
 							"Until then runners connected before the commit may replay the removed rows' results from Valkey.  On timeout the commit returns with a WARNING.  0 does not wait.",
 							&idem_epoch_retire_timeout_ms,
 							5000, 0, INT_MAX,
@@ -344,8 +344,8 @@ idem_define_gucs(void)
 	 */
 	if (process_shared_preload_libraries_in_progress)
 		DefineCustomIntVariable("idem.queue_size",
-								"Number of results the shared commit queue holds before it drops copies.",
-								"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.  The queue reserves " CppAsString2(IDEM_OUTBOX_BYTES_PER_RECORD) " bytes of shared memory per result.",
+								"Number of results the commit ring holds before it drops copies.",
+								"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.  The ring reserves " CppAsString2(IDEM_OUTBOX_BYTES_PER_RECORD) " bytes of shared memory per result.",
 								&idem_queue_size,
 								65536, 16, 1024 * 1024,
 								PGC_POSTMASTER, 0,

@@ -39,7 +39,7 @@ worker_report_standby(void)
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: results wait before they are copied to Valkey: %s",
+				(errmsg("results wait before they are copied to Valkey: %s",
 						worker_errbuf),
 				 errhint("Check idem.standby_slots: each slot must be a physical slot in use by a standby.")));
 		logged = now;
@@ -65,10 +65,10 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: %s Valkey at %s:%d failed: %s",
+				(errmsg("%s Valkey at %s:%d failed: %s",
 						doing, vk_host, vk_port, worker_errbuf),
 				 retry_ms > 0 ?
-				 errdetail("Queued results are kept while the queue has room; retrying in %d ms.",
+				 errdetail("Queued results are kept while the commit ring has room; retrying in %d ms.",
 						   retry_ms) : 0));
 		last_logged = now;
 	}
@@ -95,9 +95,9 @@ worker_report_skipped(uint64 skipped)
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: dropped " UINT64_FORMAT " queued results read before ledger rows were removed",
+				(errmsg("dropped " UINT64_FORMAT " queued results read before ledger rows were removed",
 						unlogged),
-				 errdetail("The cache epoch was renewed since they were read; PostgreSQL still answers for them.")));
+				 errdetail("The history epoch was renewed since they were read; PostgreSQL still answers for them.")));
 		logged = now;
 		unlogged = 0;
 	}

@@ -89,7 +89,7 @@ my ($ret, $out, $err) = $node->psql('postgres',
 	  DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'v1')},
 	on_error_stop => 0);
 is($ret, 0, 'Valkey down: the DELETE commits');
-like($err, qr/WARNING:  the idem worker did not retire the replaced cache epoch in Valkey within 300 ms/,
+like($err, qr/WARNING:  the idem worker did not retire the replaced history epoch in Valkey within 300 ms/,
 	'... and warns that its wait for the old epoch\'s retirement timed out');
 $valkey->start;
 not_replayed('v1', 'Valkey down', $ks);
