@@ -95,8 +95,10 @@ worker_report_skipped(uint64 skipped)
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("dropped " UINT64_FORMAT " queued results read before ledger rows were removed",
-						unlogged),
+				(errmsg_plural("dropped %llu copy read before ledger rows were removed",
+							   "dropped %llu copies read before ledger rows were removed",
+							   (unsigned long) unlogged,
+							   (unsigned long long) unlogged),
 				 errdetail("The history epoch was renewed since they were read; PostgreSQL still answers for them.")));
 		logged = now;
 		unlogged = 0;

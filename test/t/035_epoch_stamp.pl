@@ -94,7 +94,7 @@ like($err, qr/WARNING:  the idem worker did not retire the replaced history epoc
 	'... and warns that its wait for the old epoch\'s retirement timed out');
 $valkey->start;
 not_replayed('v1', 'Valkey down', $ks);
-like(slurp_file($node->logfile), qr/dropped 1 queued results read before ledger rows were removed/,
+like(slurp_file($node->logfile), qr/LOG:  dropped 1 copy read before ledger rows were removed/,
 	'Valkey down: the log says a queued copy was dropped');
 
 # --- 2. copies held for a stopped standby, the ledger truncated ---
