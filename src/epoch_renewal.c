@@ -81,6 +81,7 @@
 #include "pgstat.h"
 #include "port/atomics.h"
 #include "storage/condition_variable.h"
+#include "storage/latch.h"
 #include "storage/shmem.h"
 #include "utils/timestamp.h"
 
@@ -180,16 +181,22 @@ idem_renewal_wait(uint64 generation)
 		pg_atomic_read_u64(&renewal->retired) >= generation)
 		return;
 	start = GetCurrentTimestamp();
-	ConditionVariablePrepareToSleep(&renewal->retired_cv);
 	for (;;)
 	{
 		long		left;
 
+		/*
+		 * On the waiters' list before the check, so that no wakeup is lost
+		 * (a wakeup takes a waiter off the list: put it back each time).
+		 * Not ConditionVariableTimedSleep: interrupts are held here, and it
+		 * would sleep through a cancel until its timeout.
+		 */
+		ConditionVariablePrepareToSleep(&renewal->retired_cv);
 		if (pg_atomic_read_u64(&renewal->retired) >= generation)
 			break;
 		if (ProcDiePending || QueryCancelPending)
 		{
-			/* interrupts are held here: answer them once the commit is done */
+			/* answered once the commit is done and interrupts resume */
 			ereport(WARNING,
 					(errmsg("canceling the wait for the history epoch's retirement"),
 					 errdetail("The transaction has already committed.  Runners connected before it may replay results of the removed ledger rows from Valkey until they learn the cache keyspace again.")));
@@ -203,8 +210,9 @@ idem_renewal_wait(uint64 generation)
 			timed_out = true;
 			break;
 		}
-		(void) ConditionVariableTimedSleep(&renewal->retired_cv, left,
-										   PG_WAIT_EXTENSION);
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 left, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
 	}
 	ConditionVariableCancelSleep();
 	if (timed_out)

@@ -92,6 +92,28 @@ my ($ret, $out, $err) = $node->psql('postgres',
 is($ret, 0, 'Valkey down: the DELETE commits');
 like($err, qr/WARNING:  the idem worker did not retire the replaced history epoch in Valkey within 300 ms/,
 	'... and warns that its wait for the old epoch\'s retirement timed out');
+
+# A cancel ends a long wait at once; the DELETE stays committed.
+my $bg = $node->background_psql('postgres', on_error_stop => 0);
+$bg->query_safe(q{SET idem.epoch_retire_timeout = '1h'});
+my $bpid = $bg->query_safe('SELECT pg_backend_pid()');
+$bg->query_until(qr/deleting/, q{\echo deleting
+	DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'none');
+	\echo deleted
+});
+ok($node->poll_query_until('postgres',
+		"SELECT wait_event_type = 'Extension' FROM pg_stat_activity WHERE pid = $bpid"),
+	'Valkey down: a DELETE waits for the old epoch\'s retirement');
+$node->safe_psql('postgres', "SELECT pg_cancel_backend($bpid)");
+my $t_cancel = time();
+$bg->{run}->pump until $bg->{stdout} =~ /deleted/ || time() - $t_cancel > 20;
+like($bg->{stdout}, qr/deleted/, '... a cancel ends the wait');
+like($bg->{stderr}, qr/WARNING:  canceling the wait for the history epoch's retirement/,
+	'... with a WARNING, not an error: the DELETE is committed');
+$bg->{stdout} = '';
+$bg->{stderr} = '';
+is($bg->query_safe('SELECT 1'), '1', '... and the session goes on');
+$bg->quit;
 $valkey->start;
 not_replayed('v1', 'Valkey down', $ks);
 like(slurp_file($node->logfile), qr/LOG:  dropped 1 copy read before ledger rows were removed/,
