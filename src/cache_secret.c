@@ -528,6 +528,8 @@ secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
 	next.timeline = secret_timeline();
 	next.epoch = secret_random64();
 	next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
+	/* the removals it follows: read after their renewal (epoch_renewal.c) */
+	next.generation = idem_renewal_generation();
 
 	/*
 	 * Retire the epoch being replaced if runners may use it (it was taken
@@ -642,8 +644,6 @@ secret_shared_fit(void)
 {
 	if (secret_fit(&secret_shared->secrets, secret_shared->renew))
 	{
-		/* the removals it follows (epoch_renewal.c) */
-		secret_shared->secrets.generation = idem_renewal_generation();
 		secret_shared->confirmed = false;
 		secret_shared->renew = 0;
 	}
