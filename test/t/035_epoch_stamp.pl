@@ -114,6 +114,24 @@ $bg->{stdout} = '';
 $bg->{stderr} = '';
 is($bg->query_safe('SELECT 1'), '1', '... and the session goes on');
 $bg->quit;
+
+# So does a termination, which then ends the session.
+$bg = $node->background_psql('postgres', on_error_stop => 0);
+$bg->query_safe(q{SET idem.epoch_retire_timeout = '1h'});
+$bpid = $bg->query_safe('SELECT pg_backend_pid()');
+$bg->query_until(qr/deleting/, q{\echo deleting
+	DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 'none');
+});
+ok($node->poll_query_until('postgres',
+		"SELECT wait_event_type = 'Extension' FROM pg_stat_activity WHERE pid = $bpid"),
+	'Valkey down: another DELETE waits');
+$node->safe_psql('postgres', "SELECT pg_terminate_backend($bpid)");
+ok($node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = $bpid"),
+	'... a termination ends the wait and the session');
+$bg->{run}->kill_kill;
+like(slurp_file($node->logfile), qr/\[$bpid\] .*WARNING:  canceling the wait for the history epoch's retirement/,
+	'... with a WARNING');
 $valkey->start;
 not_replayed('v1', 'Valkey down', $ks);
 like(slurp_file($node->logfile), qr/LOG:  dropped 1 copy read before ledger rows were removed/,
