@@ -1,15 +1,16 @@
 /*-------------------------------------------------------------------------
  *
  * ledger_guard.c
- *	  Rows that leave a ledger outside idem: a DELETE, UPDATE or MERGE that
- *	  idem did not issue, a TRUNCATE, a ledger dropped (as pg_restore
- *	  --clean does before it restores an older copy), altered or renamed
- *	  into place.  Valkey may hold copies of those rows' results, which a
- *	  runner would replay although this database no longer holds them: a
- *	  lost effect if the message is delivered again to be applied again.
- *	  So a transaction that did any of that starts a new cache epoch when
- *	  it commits (cache_secret.c): the old copies are never read again (and
- *	  expire), the cache starts cold.
+ *	  Rows that leave a ledger outside idem: a DELETE, UPDATE, MERGE or
+ *	  INSERT ... ON CONFLICT DO UPDATE that idem did not issue, a TRUNCATE,
+ *	  a ledger dropped (as pg_restore --clean does before it restores an
+ *	  older copy), altered or renamed into place.  Valkey may hold copies
+ *	  of those rows' results, which a runner would replay although this
+ *	  database no longer holds them: a lost effect if the message is
+ *	  delivered again to be applied again.  So a transaction that did any
+ *	  of that starts a new cache epoch when it commits (cache_secret.c):
+ *	  the old copies are never read again (and expire), the cache starts
+ *	  cold.
  *
  *	  Found by two hooks that _PG_init installs once per process: the
  *	  executor's start (DML on a ledger, by any path: SQL, PL/pgSQL, SPI,
@@ -104,7 +105,8 @@ guard_is_ledger(Oid relid)
 
 /*
  * Does plan (a statement's top plan, or a data-modifying CTE's) delete or
- * update rows of a ledger?  MERGE counts, whatever its actions.
+ * update rows of a ledger?  MERGE counts, whatever its actions, and so does
+ * INSERT ... ON CONFLICT DO UPDATE (whether or not a row conflicts).
  */
 static bool
 guard_plan_removes(PlannedStmt *stmt, Plan *plan)
@@ -116,7 +118,9 @@ guard_plan_removes(PlannedStmt *stmt, Plan *plan)
 		return false;
 	mt = (ModifyTable *) plan;
 	if (mt->operation != CMD_DELETE && mt->operation != CMD_UPDATE &&
-		mt->operation != CMD_MERGE)
+		mt->operation != CMD_MERGE &&
+		!(mt->operation == CMD_INSERT &&
+		  mt->onConflictAction == ONCONFLICT_UPDATE))
 		return false;
 	foreach(lc, mt->resultRelations)
 	{

@@ -76,6 +76,36 @@ sql(q{UPDATE idempotency_keys SET status = 'failed_retryable'
 	WHERE idempotency_key = idem_key('lr', 'm2')});
 applied_again('m2', 'UPDATE', $ks);
 
+# --- INSERT ... ON CONFLICT DO UPDATE (an operator resetting a key so
+# that its message runs again), also in a CTE; one that only inserts
+# keeps the epoch ---
+applied_and_cached('m7');
+$ks = IdemValkey::keyspace($node);
+sql(q{INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'fresh'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO NOTHING});
+is(IdemValkey::keyspace($node), $ks, 'INSERT ... ON CONFLICT DO NOTHING keeps the epoch');
+sql(q{INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'm7'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET status = 'failed_retryable'});
+applied_again('m7', 'INSERT ... ON CONFLICT DO UPDATE', $ks);
+
+applied_and_cached('m8');
+$ks = IdemValkey::keyspace($node);
+sql(q{WITH u AS (INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'm8'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET status = 'failed_retryable' RETURNING 1)
+	SELECT count(*) FROM u});
+applied_again('m8', 'INSERT ... ON CONFLICT DO UPDATE in a CTE', $ks);
+
+# --- MERGE ---
+applied_and_cached('m9');
+$ks = IdemValkey::keyspace($node);
+sql(q{MERGE INTO idempotency_keys k USING (SELECT idem_key('lr', 'm9') AS key) s
+	ON k.tenant_id = 1 AND k.idempotency_key = s.key
+	WHEN MATCHED THEN DELETE});
+applied_again('m9', 'MERGE', $ks);
+
 # --- DELETE from a PL/pgSQL function through a CTE ---
 applied_and_cached('m3');
 $ks = IdemValkey::keyspace($node);
