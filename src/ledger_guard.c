@@ -43,19 +43,40 @@
  */
 #include "postgres.h"
 
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/xlog.h"
+#include "catalog/indexing.h"
 #include "catalog/objectaccess.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_extension.h"
 #include "executor/executor.h"
+#include "miscadmin.h"
 #include "parser/parsetree.h"
+#include "replication/origin.h"
+#include "storage/lock.h"
+#include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
 
 #include "ledger_guard.h"
 #include "cache_secret.h"
+#include "compat.h"
 #include "ledger_row.h"
 #include "outbox_ring.h"
 
 static bool guard_rows_removed = false;	/* this transaction */
+static IdemEpochReason guard_reason = 0;	/* why, when it did */
 static int	guard_own_depth = 0;	/* inside idem's own ledger writes */
+
+/* The renewal at commit is due, for why (the first reason found wins). */
+static void
+guard_mark(IdemEpochReason why)
+{
+	if (!guard_rows_removed)
+		guard_reason = why;
+	guard_rows_removed = true;
+}
 
 static ExecutorStart_hook_type prev_executor_start = NULL;
 static object_access_hook_type prev_object_access = NULL;
@@ -143,13 +164,13 @@ guard_executor_start(QueryDesc *queryDesc, int eflags)
 		ListCell   *lc;
 
 		if (guard_plan_removes(stmt, stmt->planTree))
-			guard_rows_removed = true;
+			guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 		/* data-modifying CTEs: each is a subplan topped by its ModifyTable */
 		foreach(lc, stmt->subplans)
 		{
 			if (!guard_rows_removed &&
 				guard_plan_removes(stmt, (Plan *) lfirst(lc)))
-				guard_rows_removed = true;
+				guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 		}
 	}
 	if (prev_executor_start)
@@ -175,7 +196,7 @@ guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 		/* Citus drops, creates and alters shards as it moves them */
 		if (guard_is_ledger_or_shard(objectId, &shard) &&
 			(!shard || access == OAT_TRUNCATE))
-			guard_rows_removed = true;
+			guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 	}
 }
 
@@ -203,27 +224,125 @@ ledger_guard_own_end(void)
 		guard_own_depth--;
 }
 
+/*
+ * The schema of the extension idem in this database, or InvalidOid.  (15
+ * does not export get_extension_schema.)
+ */
+static Oid
+guard_extension_schema(void)
+{
+	Relation	rel;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	Oid			nsp = InvalidOid;
+
+	rel = table_open(ExtensionRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_extension_extname, BTEqualStrategyNumber,
+				F_NAMEEQ, CStringGetDatum("idem"));
+	scan = systable_beginscan(rel, ExtensionNameIndexId, true, NULL, 1, &key);
+	tup = systable_getnext(scan);
+	if (HeapTupleIsValid(tup))
+		nsp = ((Form_pg_extension) GETSTRUCT(tup))->extnamespace;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return nsp;
+}
+
+/*
+ * Did this transaction, which replays changes made elsewhere, write a
+ * ledger?  Logical replication's apply worker (and its table
+ * synchronisation and parallel apply workers) writes rows below the
+ * executor, as ExecSimpleRelationDelete and ExecSimpleRelationUpdate do,
+ * and truncates through ExecuteTruncateGuts: neither hook above sees it.
+ * But it runs with a replication origin set up, and holds RowExclusiveLock
+ * (AccessExclusiveLock for a TRUNCATE) on every table it wrote until the
+ * transaction ends.  An applied INSERT cannot be told from a DELETE or an
+ * UPDATE that way, so any write counts: a subscriber that applies changes
+ * to a ledger starts a new epoch with each such transaction.
+ */
+static bool
+guard_replayed_into_ledger(void)
+{
+	Oid			nsp;
+	int			kind;
+
+	if (replorigin_session_origin == InvalidRepOriginId ||
+		!IsTransactionState())
+		return false;
+	nsp = guard_extension_schema();
+	if (!OidIsValid(nsp))
+		return false;
+	for (kind = 0; kind < LEDGER_KINDS; kind++)
+	{
+		Oid			relid = get_relname_relid(ledger_table_name((LedgerKind) kind), nsp);
+		LOCKTAG		tag;
+
+		if (!OidIsValid(relid))
+			continue;
+		SET_LOCKTAG_RELATION(tag, MyDatabaseId, relid);
+		if (idem_lock_held_by_me(&tag, RowExclusiveLock) ||
+			idem_lock_held_by_me(&tag, AccessExclusiveLock))
+			return true;
+	}
+	return false;
+}
+
 /* From the transaction callback (xact.c). */
 void
 idem_ledger_guard_xact_event(XactEvent event)
 {
 	switch (event)
 	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			if (!guard_rows_removed && guard_replayed_into_ledger())
+				guard_mark(IDEM_EPOCH_LEDGER_ROWS_REPLICATED);
+			break;
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PREPARE:
 			if (guard_rows_removed)
 			{
-				idem_cache_epoch_renew(0, IDEM_EPOCH_LEDGER_ROWS_REMOVED);
+				idem_cache_epoch_renew(0, guard_reason);
 				idem_outbox_wake();
 			}
 			/* FALLTHROUGH */
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
 			guard_rows_removed = false;
+			guard_reason = 0;
 			guard_own_depth = 0;
 			break;
 		default:
 			break;
 	}
+}
+
+PG_FUNCTION_INFO_V1(idem_renew_epoch);
+
+/*
+ * idem_renew_epoch() RETURNS void: start a new history epoch when this
+ * transaction commits, as a removal the hooks see would.  For changes to
+ * a ledger that nothing in PostgreSQL reports: pg_surgery's
+ * heap_force_kill, a file put back by hand.  Transactional: a rollback
+ * renews nothing.
+ */
+Datum
+idem_renew_epoch(PG_FUNCTION_ARGS)
+{
+	if (RecoveryInProgress())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("recovery is in progress"),
+				 errdetail("A standby copies nothing to Valkey; it starts a new epoch of its own when it is promoted."),
+				 errhint("Renew the epoch on the primary.")));
+	if (!idem_outbox_available())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem is not in shared_preload_libraries"),
+				 errdetail("The history epoch lives in the shared memory of idem's worker."),
+				 errhint("Preload idem; without it nothing is copied to Valkey.")));
+	guard_mark(IDEM_EPOCH_RENEW_REQUESTED);
+	PG_RETURN_VOID();
 }

@@ -1,0 +1,106 @@
+# Rows that logical replication removes from, or changes in, a subscriber's
+# ledger (a DELETE, an UPDATE, a TRUNCATE made on the publisher) are no
+# longer answered from the subscriber's Valkey cache: the apply worker
+# writes rows below the executor, so idem sees the transaction's lock on
+# the ledger instead, and the subscriber starts a new cache epoch when the
+# applied transaction commits.  A runner that stays connected to the
+# subscriber (and would not learn the keyspace again for an hour) replays
+# the row from Valkey before, and runs the message again after.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IdemValkey;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+# The connected runner must be stopped by the subscriber's retirement of
+# its old epoch, not by re-learning the keyspace on a timer.
+$ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
+
+my $valkey = IdemValkey->new(name => 'valkey')->start;
+my $pub = IdemValkey::streaming_node('pub', $valkey, wal_level => 'logical');
+my $sub = IdemValkey::streaming_node('sub', $valkey);
+
+# The subscriber's own ledger rows take ids far from the publisher's.
+$sub->safe_psql('postgres', q{SELECT setval(pg_get_serial_sequence('idempotency_keys', 'id'), 1000000)});
+$pub->safe_psql('postgres', 'CREATE PUBLICATION ledger FOR TABLE idempotency_keys');
+$sub->safe_psql('postgres',
+	"CREATE SUBSCRIPTION ledger CONNECTION 'host=" . $pub->host . ' port=' . $pub->port
+	  . " dbname=postgres' PUBLICATION ledger");
+$sub->poll_query_until('postgres',
+	q{SELECT count(*) = 0 FROM pg_subscription_rel WHERE srsubstate NOT IN ('r', 's')})
+  or die 'the subscription did not synchronise';
+
+sub on_pub { $pub->safe_psql('postgres', $_[0]) }
+sub on_sub { $sub->safe_psql('postgres', $_[0]) }
+sub run_on { IdemValkey::run_message($_[0], 'postgres', $valkey, 1, 'rp', $_[1], '{"x": 1}') }
+
+my $runner = IdemValkey::runner_session($sub, 'postgres', $valkey, 1, 'rp', '{"x": 1}');
+
+# $id applied on the publisher, replicated, and answered on the subscriber
+# from its Valkey cache (a lookup there copies the replicated result).
+sub replicated_and_cached
+{
+	my ($id) = @_;
+	my ($status, $source) = run_on($pub, $id);
+	is("$status $source", 'applied handler', "$id is applied on the publisher");
+	$pub->wait_for_catchup('ledger');
+	is(on_sub(qq{SELECT status FROM idempotency_keys WHERE idempotency_key = idem_key('rp', '$id')}),
+		'completed', '... and its row replicated to the subscriber');
+	my $ks = IdemValkey::keyspace($sub);
+	on_sub(qq{SELECT idem_lookup(1, idem_key('rp', '$id'))});
+	ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($sub, 1, 'rp', $id), 10),
+		'... a lookup on the subscriber copies it to Valkey');
+	# (its first lookup may find its keyspace gone: the replicated insert
+	# started a new epoch, which the runner then learns)
+	my $answer;
+	for (1 .. 3)
+	{
+		$answer = $runner->run($id);
+		last if $answer eq 'replayed valkey';
+	}
+	is($answer, 'replayed valkey', '... and the connected runner replays it from Valkey');
+	return $ks;
+}
+
+# After $what, applied on the subscriber, left $id's row removed or
+# changed: a new epoch there, and $id runs again on the subscriber.
+sub applied_again
+{
+	my ($id, $what, $ks_before) = @_;
+	$pub->wait_for_catchup('ledger');
+	my $ks = IdemValkey::keyspace($sub);
+	isnt($ks, $ks_before, "$what applied by the subscription: a new cache epoch on the subscriber");
+	is($runner->run($id), 'applied handler',
+		"$what: the connected runner runs $id again, not replayed from Valkey");
+	like(slurp_file($sub->logfile), qr/Logical replication applied a transaction that wrote a ledger/,
+		"$what: the subscriber's log says why the epoch changed");
+}
+
+my $ks = replicated_and_cached('d1');
+on_pub(q{DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('rp', 'd1')});
+applied_again('d1', 'DELETE', $ks);
+
+$ks = replicated_and_cached('u1');
+on_pub(q{UPDATE idempotency_keys SET status = 'failed_retryable'
+	WHERE idempotency_key = idem_key('rp', 'u1')});
+applied_again('u1', 'UPDATE', $ks);
+
+$ks = replicated_and_cached('t1');
+on_pub('TRUNCATE idempotency_keys');
+applied_again('t1', 'TRUNCATE', $ks);
+
+# The subscriber's own claims are idem's own writes: they keep its epoch.
+$ks = IdemValkey::keyspace($sub);
+my ($status, $source) = run_on($sub, 'own');
+is("$status $source", 'applied handler', 'a message applied on the subscriber itself');
+is(IdemValkey::keyspace($sub), $ks, '... keeps its epoch');
+
+$runner->finish;
+$sub->stop;
+$pub->stop;
+done_testing();
