@@ -51,6 +51,7 @@
 #include "catalog/objectaccess.h"
 #include "catalog/pg_class.h"
 #include "catalog/pg_extension.h"
+#include "catalog/pg_inherits.h"
 #include "executor/executor.h"
 #include "miscadmin.h"
 #include "parser/parsetree.h"
@@ -58,6 +59,7 @@
 #include "storage/lock.h"
 #include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
 
 #include "ledger_guard.h"
 #include "cache_secret.h"
@@ -179,12 +181,53 @@ guard_executor_start(QueryDesc *queryDesc, int eflags)
 		standard_ExecutorStart(queryDesc, eflags);
 }
 
+/*
+ * A ledger must not become a partition: an INSERT ... ON CONFLICT DO UPDATE
+ * on its partitioned table would change its rows through tuple routing,
+ * which no plan shows (guard_plan_removes).  Called when relid joined or
+ * left parent (the object access hook's post-alter of pg_inherits, before
+ * the command counter moves on: only SnapshotSelf sees the row it added).
+ */
+static void
+guard_check_partition(Oid relid, Oid parent)
+{
+	Relation	rel;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	bool		joined = false;
+	bool		shard;
+
+	if (get_rel_relkind(parent) != RELKIND_PARTITIONED_TABLE ||
+		!guard_is_ledger_or_shard(relid, &shard) || shard)
+		return;
+	rel = table_open(InheritsRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_inherits_inhrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(rel, InheritsRelidSeqnoIndexId, true,
+							  SnapshotSelf, 1, &key);
+	while (!joined && HeapTupleIsValid(tup = systable_getnext(scan)))
+		joined = ((Form_pg_inherits) GETSTRUCT(tup))->inhparent == parent;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	if (joined)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("ledger \"%s\" cannot be a partition", get_rel_name(relid)),
+				 errdetail("Rows routed into it through its partitioned table would be changed without idem knowing."),
+				 errhint("Keep the ledger a table of its own.")));
+}
+
 static void
 guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 					int subId, void *arg)
 {
 	if (prev_object_access)
 		prev_object_access(access, classId, objectId, subId, arg);
+	if (access == OAT_POST_ALTER && classId == InheritsRelationId &&
+		guard_own_depth == 0)
+		guard_check_partition(objectId,
+							  ((ObjectAccessPostAlter *) arg)->auxiliary_id);
 	if (guard_rows_removed || guard_own_depth > 0 ||
 		classId != RelationRelationId || subId != 0)
 		return;
