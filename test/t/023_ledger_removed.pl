@@ -140,5 +140,36 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '0',
 applied_again('m6', 'pg_restore --clean', $ks);
 is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is applied once');
 
+# --- what nothing reports (pg_surgery's heap_force_kill, a data file put
+# back by hand): the operator calls idem_renew_epoch(), which a connected
+# runner obeys without waiting to learn the keyspace again ---
+{
+	local $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
+	my $runner = IdemValkey::runner_session($node, 'postgres', $valkey, 1, 'lr', '{"x": 1}');
+	applied_and_cached('m10');
+	$ks = IdemValkey::keyspace($node);
+	is($runner->run('m10'), 'replayed valkey', 'a connected runner replays m10 from Valkey');
+	sql(q{BEGIN; SELECT idem_renew_epoch(); ROLLBACK;});
+	is(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch() rolled back keeps the epoch');
+	sql(q{SELECT idem_renew_epoch()});
+	isnt(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch(): a new cache epoch');
+	is($runner->run('m10'), 'replayed postgres',
+		'... the connected runner no longer replays from Valkey: PostgreSQL answers');
+	like(slurp_file($node->logfile), qr/idem_renew_epoch\(\) was called/,
+		'... and the log says why the epoch changed');
+	$runner->finish;
+
+	# A standby refuses it: it copies nothing, and starts an epoch of its
+	# own when promoted.
+	$node->backup('b1');
+	my $standby = PostgreSQL::Test::Cluster->new('standby');
+	$standby->init_from_backup($node, 'b1', has_streaming => 1);
+	$standby->start;
+	my ($ret, $out, $err) = $standby->psql('postgres', 'SELECT idem_renew_epoch()',
+		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
+	like($err, qr/55000: recovery is in progress/, 'idem_renew_epoch() on a standby: 55000');
+	$standby->stop;
+}
+
 $node->stop;
 done_testing();
