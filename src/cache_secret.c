@@ -62,7 +62,8 @@
  *	  - when the worker finds in Valkey that another start took the epoch
  *		over since this data directory last did (below): a copy of a
  *		stopped server, started here or there;
- *	  - when a transaction removed ledger rows outside idem_purge
+ *	  - when a transaction removed ledger rows outside idem_purge, logical
+ *		replication wrote a ledger, or idem_renew_epoch() was called
  *		(ledger_guard.c).
  * A clean restart of the same server keeps its epoch, its secret and so its
  * warm cache.

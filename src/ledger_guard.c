@@ -18,6 +18,12 @@
  *	  OAT_POST_ALTER of a ledger).  idem's own writes (its prepared
  *	  statements, the purge of expired rows, whose copies have expired
  *	  too) are let through by ledger_guard_own_begin/_end around them.
+ *	  Logical replication's apply worker writes below the executor; its
+ *	  transactions are caught at pre-commit by the ledger locks they hold
+ *	  (guard_replayed_into_ledger).  A ledger may not become a partition
+ *	  (guard_check_partition), where an upsert routed through its parent
+ *	  would change it unseen.  What no hook sees (pg_surgery, files edited
+ *	  by hand) the operator reports with idem_renew_epoch().
  *
  *	  A ledger is recognised by its name (idempotency_keys or
  *	  platform_idempotency_keys) in the schema that holds idem's registry
@@ -32,8 +38,8 @@
  *	  purge of the shards runs through idem_shard_purge(), bracketed like
  *	  idem's own writes.
  *
- *	  State: one process-local flag per transaction (and the depth of
- *	  idem's own writes), reset at every transaction end; no shared memory
+ *	  State: one process-local flag per transaction, with its reason (and
+ *	  the depth of idem's own writes), reset at every transaction end; no shared memory
  *	  and no locks of its own.  At COMMIT (after the commit record: no
  *	  allocation, no ERROR) and at PREPARE (the commit may come from another
  *	  session, so the epoch is renewed then, conservatively) it asks for

@@ -106,6 +106,15 @@ sql(q{MERGE INTO idempotency_keys k USING (SELECT idem_key('lr', 'm9') AS key) s
 	WHEN MATCHED THEN DELETE});
 applied_again('m9', 'MERGE', $ks);
 
+# --- DELETE through a table the ledger inherits from ---
+applied_and_cached('m11');
+$ks = IdemValkey::keyspace($node);
+sql(q{CREATE TABLE ledger_parent (LIKE idempotency_keys);
+	ALTER TABLE idempotency_keys INHERIT ledger_parent});
+sql(q{DELETE FROM ledger_parent WHERE idempotency_key = idem_key('lr', 'm11')});
+sql(q{ALTER TABLE idempotency_keys NO INHERIT ledger_parent; DROP TABLE ledger_parent});
+applied_again('m11', 'DELETE through an inheritance parent', $ks);
+
 # --- DELETE from a PL/pgSQL function through a CTE ---
 applied_and_cached('m3');
 $ks = IdemValkey::keyspace($node);
