@@ -39,11 +39,11 @@
  *	  idem's own writes.
  *
  *	  State: one process-local flag per transaction, with its reason (and
- *	  the depth of idem's own writes), reset at every transaction end; no shared memory
- *	  and no locks of its own.  At COMMIT (after the commit record: no
- *	  allocation, no ERROR) and at PREPARE (the commit may come from another
- *	  session, so the epoch is renewed then, conservatively) it asks for
- *	  the renewal and wakes the worker.
+ *	  the depth of idem's own writes), reset at every transaction end; no
+ *	  shared memory and no locks of its own.  At COMMIT (after the commit
+ *	  record: no allocation, no ERROR) and at PREPARE (the commit may come
+ *	  from another session, so the epoch is renewed then, conservatively)
+ *	  it asks for the renewal and wakes the worker.
  *
  *-------------------------------------------------------------------------
  */
@@ -231,7 +231,7 @@ guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 	if (prev_object_access)
 		prev_object_access(access, classId, objectId, subId, arg);
 	if (access == OAT_POST_ALTER && classId == InheritsRelationId &&
-		guard_own_depth == 0)
+		arg != NULL && guard_own_depth == 0)
 		guard_check_partition(objectId,
 							  ((ObjectAccessPostAlter *) arg)->auxiliary_id);
 	if (guard_rows_removed || guard_own_depth > 0 ||
