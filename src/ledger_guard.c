@@ -324,7 +324,8 @@ guard_replayed_into_ledger(void)
 		return false;
 	for (kind = 0; kind < LEDGER_KINDS; kind++)
 	{
-		Oid			relid = get_relname_relid(ledger_table_name((LedgerKind) kind), nsp);
+		const char *name = ledger_table_name((LedgerKind) kind);
+		Oid			relid = get_relname_relid(name, nsp);
 		LOCKTAG		tag;
 
 		if (!OidIsValid(relid))
