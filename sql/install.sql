@@ -103,19 +103,6 @@ SELECT conname, pg_get_constraintdef(oid) AS definition FROM pg_constraint
 SELECT decision FROM idem_claim(1, idem_key('t', 'fk'), idem_fingerprint('{}'));
 SELECT idem_install('tenants');
 
--- A ledger cannot become a partition (an upsert routed through the
--- partitioned table would change its rows unseen); another partition, or
--- the ledger as a plain inheritance child, is left alone.
-CREATE TABLE ledger_parts (LIKE idempotency_keys) PARTITION BY LIST (tenant_id);
-ALTER TABLE ledger_parts ATTACH PARTITION idempotency_keys FOR VALUES IN (1);
-CREATE TABLE ledger_parts_2 PARTITION OF ledger_parts FOR VALUES IN (2);
-ALTER TABLE ledger_parts DETACH PARTITION ledger_parts_2;
-ALTER TABLE ledger_parts ATTACH PARTITION ledger_parts_2 FOR VALUES IN (2);
-CREATE TABLE ledger_parent (LIKE idempotency_keys);
-ALTER TABLE idempotency_keys INHERIT ledger_parent;
-ALTER TABLE idempotency_keys NO INHERIT ledger_parent;
-DROP TABLE ledger_parts, ledger_parent;
-
 -- Leave the database as we found it for the next test.
 DROP VIEW a_view;
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants, no_id, int_id, not_unique, wide_key, other_tenants;
