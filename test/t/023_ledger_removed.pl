@@ -115,6 +115,14 @@ sql(q{DELETE FROM ledger_parent WHERE idempotency_key = idem_key('lr', 'm11')});
 sql(q{ALTER TABLE idempotency_keys NO INHERIT ledger_parent; DROP TABLE ledger_parent});
 applied_again('m11', 'DELETE through an inheritance parent', $ks);
 
+# --- ALTER TABLE ... ALTER COLUMN ... TYPE ... USING: a rewrite that
+# changes every row's value ---
+applied_and_cached('m12');
+$ks = IdemValkey::keyspace($node);
+sql(q{ALTER TABLE idempotency_keys ALTER COLUMN status TYPE text
+	USING CASE WHEN status = 'completed' THEN 'failed_retryable' ELSE status END});
+applied_again('m12', 'ALTER COLUMN TYPE USING', $ks);
+
 # --- DELETE from a PL/pgSQL function through a CTE ---
 applied_and_cached('m3');
 $ks = IdemValkey::keyspace($node);
