@@ -3,9 +3,10 @@
 # longer answered from the subscriber's Valkey cache: the apply worker
 # writes rows below the executor, so idem sees the transaction's lock on
 # the ledger instead, and the subscriber starts a new cache epoch when the
-# applied transaction commits.  A runner that stays connected to the
-# subscriber (and would not learn the keyspace again for an hour) replays
-# the row from Valkey before, and runs the message again after.
+# applied transaction commits (or is prepared, for a two-phase
+# subscription).  A runner that stays connected to the subscriber (and
+# would not learn the keyspace again for an hour) replays the row from
+# Valkey before, and runs the message again after.
 use strict;
 use warnings;
 
@@ -22,18 +23,22 @@ use Test::More;
 $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
-my $pub = IdemValkey::streaming_node('pub', $valkey, wal_level => 'logical');
-my $sub = IdemValkey::streaming_node('sub', $valkey);
+my $pub = IdemValkey::streaming_node('pub', $valkey, wal_level => 'logical',
+	max_prepared_transactions => 4);
+my $sub = IdemValkey::streaming_node('sub', $valkey, max_prepared_transactions => 4);
 
 # The subscriber's own ledger rows take ids far from the publisher's.
 $sub->safe_psql('postgres', q{SELECT setval(pg_get_serial_sequence('idempotency_keys', 'id'), 1000000)});
 $pub->safe_psql('postgres', 'CREATE PUBLICATION ledger FOR TABLE idempotency_keys');
 $sub->safe_psql('postgres',
 	"CREATE SUBSCRIPTION ledger CONNECTION 'host=" . $pub->host . ' port=' . $pub->port
-	  . " dbname=postgres' PUBLICATION ledger");
+	  . " dbname=postgres' PUBLICATION ledger WITH (two_phase = true)");
 $sub->poll_query_until('postgres',
 	q{SELECT count(*) = 0 FROM pg_subscription_rel WHERE srsubstate NOT IN ('r', 's')})
   or die 'the subscription did not synchronise';
+# (two-phase transactions are applied as such once the tables are ready)
+$sub->poll_query_until('postgres', q{SELECT subtwophasestate = 'e' FROM pg_subscription})
+  or die 'the subscription did not enable two-phase';
 
 sub on_pub { $pub->safe_psql('postgres', $_[0]) }
 sub on_sub { $sub->safe_psql('postgres', $_[0]) }
@@ -93,6 +98,16 @@ applied_again('u1', 'UPDATE', $ks);
 $ks = replicated_and_cached('t1');
 on_pub('TRUNCATE idempotency_keys');
 applied_again('t1', 'TRUNCATE', $ks);
+
+# A prepared transaction is applied as one on the subscriber (two_phase):
+# the epoch is renewed at its PREPARE, as the commit comes later, apart.
+$ks = replicated_and_cached('p1');
+on_pub(q{BEGIN; DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('rp', 'p1');
+	PREPARE TRANSACTION 'delete_p1'});
+$pub->wait_for_catchup('ledger');
+is(on_sub('SELECT count(*) FROM pg_prepared_xacts'), '1', 'the subscriber applied the PREPARE');
+on_pub(q{COMMIT PREPARED 'delete_p1'});
+applied_again('p1', 'DELETE in a prepared transaction', $ks);
 
 # The subscriber's own claims are idem's own writes: they keep its epoch.
 $ks = IdemValkey::keyspace($sub);
