@@ -169,7 +169,7 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is app
 	sql(q{BEGIN; SELECT idem_renew_epoch(); ROLLBACK;});
 	is(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch() rolled back keeps the epoch');
 	sql(q{SELECT idem_renew_epoch()});
-	isnt(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch(): a new cache epoch');
+	isnt(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch(): a new history epoch');
 	is($runner->run('m10'), 'replayed postgres',
 		'... the connected runner no longer replays from Valkey: PostgreSQL answers');
 	like(slurp_file($node->logfile), qr/idem_renew_epoch\(\) was called/,

@@ -2,7 +2,7 @@
 # ledger (a DELETE, an UPDATE, a TRUNCATE made on the publisher) are no
 # longer answered from the subscriber's Valkey cache: the apply worker
 # writes rows below the executor, so idem sees the transaction's lock on
-# the ledger instead, and the subscriber starts a new cache epoch when the
+# the ledger instead, and the subscriber starts a new history epoch when the
 # applied transaction commits (or is prepared, for a two-phase
 # subscription).  A runner that stays connected to the subscriber (and
 # would not learn the keyspace again for an hour) replays the row from
@@ -79,7 +79,7 @@ sub applied_again
 	my ($id, $what, $ks_before) = @_;
 	$pub->wait_for_catchup('ledger');
 	my $ks = IdemValkey::keyspace($sub);
-	isnt($ks, $ks_before, "$what applied by the subscription: a new cache epoch on the subscriber");
+	isnt($ks, $ks_before, "$what applied by the subscription: a new history epoch on the subscriber");
 	is($runner->run($id), 'applied handler',
 		"$what: the connected runner runs $id again, not replayed from Valkey");
 	like(slurp_file($sub->logfile), qr/Logical replication applied a transaction that wrote a ledger/,
