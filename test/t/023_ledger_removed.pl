@@ -186,6 +186,17 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is app
 		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
 	like($err, qr/55000: recovery is in progress/, 'idem_renew_epoch() on a standby: 55000');
 	$standby->stop;
+
+	# Without preloading there is no epoch to renew (nothing is copied).
+	my $plain = PostgreSQL::Test::Cluster->new('plain');
+	$plain->init;
+	$plain->start;
+	($ret, $out, $err) = $plain->psql('postgres',
+		'CREATE EXTENSION idem; SELECT idem_renew_epoch()',
+		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
+	like($err, qr/55000: idem is not in shared_preload_libraries/,
+		'idem_renew_epoch() without preloading: 55000');
+	$plain->stop;
 }
 
 $node->stop;
