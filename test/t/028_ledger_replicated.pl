@@ -24,15 +24,19 @@ $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $pub = IdemValkey::streaming_node('pub', $valkey, wal_level => 'logical',
-	max_prepared_transactions => 4);
+	max_prepared_transactions => 4, logical_decoding_work_mem => "'64kB'");
 my $sub = IdemValkey::streaming_node('sub', $valkey, max_prepared_transactions => 4);
+# Large transactions are streamed before they commit (past the publisher's
+# 64kB of logical_decoding_work_mem): from 16 on, a parallel apply worker
+# applies them and commits them itself.
+my $streaming = $sub->safe_psql('postgres', 'SHOW server_version_num') >= 160000 ? 'parallel' : 'on';
 
 # The subscriber's own ledger rows take ids far from the publisher's.
 $sub->safe_psql('postgres', q{SELECT setval(pg_get_serial_sequence('idempotency_keys', 'id'), 1000000)});
 $pub->safe_psql('postgres', 'CREATE PUBLICATION ledger FOR TABLE idempotency_keys');
 $sub->safe_psql('postgres',
 	"CREATE SUBSCRIPTION ledger CONNECTION 'host=" . $pub->host . ' port=' . $pub->port
-	  . " dbname=postgres' PUBLICATION ledger WITH (two_phase = true)");
+	  . " dbname=postgres' PUBLICATION ledger WITH (two_phase = true, streaming = $streaming)");
 $sub->poll_query_until('postgres',
 	q{SELECT count(*) = 0 FROM pg_subscription_rel WHERE srsubstate NOT IN ('r', 's')})
   or die 'the subscription did not synchronise';
@@ -109,6 +113,18 @@ is(on_sub('SELECT count(*) FROM pg_prepared_xacts'), '1', 'the subscriber applie
 on_pub(q{COMMIT PREPARED 'delete_p1'});
 applied_again('p1', 'DELETE in a prepared transaction', $ks);
 
+# A large DELETE, streamed while it runs (and, from 16 on, applied by a
+# parallel apply worker).
+on_pub(q{INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, status, expires_at)
+	SELECT 1, idem_key('bulk', i::text), idem_fingerprint('{}'), 'completed', now() + interval '1 hour'
+	FROM generate_series(1, 5000) i});
+$ks = replicated_and_cached('s1');
+on_pub(q{DELETE FROM idempotency_keys WHERE tenant_id = 1 AND idempotency_key IN
+	(SELECT idem_key('bulk', i::text) FROM generate_series(1, 5000) i UNION ALL SELECT idem_key('rp', 's1'))});
+applied_again('s1', 'a large DELETE, streamed', $ks);
+ok($pub->poll_query_until('postgres',
+	q{SELECT stream_txns > 0 FROM pg_stat_replication_slots WHERE slot_name = 'ledger'}),
+	'... which the publisher streamed');
 # The subscriber's own claims are idem's own writes: they keep its epoch.
 $ks = IdemValkey::keyspace($sub);
 my ($status, $source) = run_on($sub, 'own');
@@ -117,5 +133,10 @@ is(IdemValkey::keyspace($sub), $ks, '... keeps its epoch');
 
 $runner->finish;
 $sub->stop;
+# (a parallel apply worker logs nothing when it starts; its exit is logged,
+# at the latest when the server stops)
+like(slurp_file($sub->logfile), qr/background worker "logical replication parallel worker"/,
+	'the large DELETE went to a parallel apply worker')
+  if $streaming eq 'parallel';
 $pub->stop;
 done_testing();
