@@ -62,7 +62,8 @@
  *	  - when the worker finds in Valkey that another start took the epoch
  *		over since this data directory last did (below): a copy of a
  *		stopped server, started here or there;
- *	  - when a transaction removed ledger rows outside idem_purge
+ *	  - when a transaction removed ledger rows outside idem_purge, logical
+ *		replication wrote a ledger, or idem_renew_epoch() was called
  *		(ledger_guard.c); the copies queued before it are never written
  *		into the new epoch, and the commit waits until the old one is
  *		retired (epoch_renewal.c).
@@ -503,7 +504,11 @@ secret_renew_why(const IdemCacheSecrets *s, IdemEpochReason renew)
 		case IDEM_EPOCH_TAKEN_ELSEWHERE:
 			return "Another server started with a copy of this data directory took the epoch over in Valkey, or Valkey lost its owner key.";
 		case IDEM_EPOCH_LEDGER_ROWS_REMOVED:
-			return "A transaction removed ledger rows outside idem_purge() (DELETE, TRUNCATE, or a ledger dropped or replaced).";
+			return "A transaction removed ledger rows outside idem_purge() (DELETE, UPDATE, MERGE, INSERT ... ON CONFLICT DO UPDATE, TRUNCATE, or a ledger dropped or replaced).";
+		case IDEM_EPOCH_LEDGER_ROWS_REPLICATED:
+			return "Logical replication applied a transaction that wrote a ledger: it may have removed or changed rows whose results Valkey holds.";
+		case IDEM_EPOCH_RENEW_REQUESTED:
+			return "idem_renew_epoch() was called.";
 	}
 	if (s->epoch == 0)
 		return "The file was made by an older idem, without an epoch.";
@@ -789,8 +794,10 @@ idem_cache_epoch_taken(const IdemEpochTakeover *t)
  * it is called after a commit, too.  Nothing happens if the epoch changed
  * already.
  *
- * Ledger rows removed: a new renewal generation first, then the renewal,
- * so that the epoch made for it counts the removal (epoch_renewal.c).
+ * Ledger rows removed or changed (by SQL, by logical replication, or as
+ * idem_renew_epoch() reports): a new renewal generation first, then the
+ * renewal, so that the epoch made for it counts the change
+ * (epoch_renewal.c).
  * Returns the generation to wait for until the worker has retired the
  * epoch replaced (idem_renewal_wait), or 0 when no runner can trust it:
  * neither it nor the one it is to retire was ever taken over.
@@ -803,7 +810,8 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 
 	if (secret_shared == NULL)
 		return 0;
-	if (reason == IDEM_EPOCH_LEDGER_ROWS_REMOVED)
+	if (reason != IDEM_EPOCH_RECOVERED_START &&
+		reason != IDEM_EPOCH_TAKEN_ELSEWHERE)
 		generation = idem_renewal_bump();
 	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
 	trusted = !secret_shared->loaded || secret_shared->secrets.token != 0 ||

@@ -2,8 +2,10 @@
  *
  * epoch_renewal.c
  *	  The renewal generation: a counter in shared memory that every commit
- *	  removing ledger rows outside idem bumps (ledger_guard.c asks for the
- *	  new history epoch, cache_secret.c's idem_cache_epoch_renew bumps).
+ *	  removing or changing ledger rows outside idem bumps (ledger_guard.c
+ *	  asks for the new history epoch, for a DELETE, TRUNCATE, logical
+ *	  replication's apply or idem_renew_epoch(); cache_secret.c's
+ *	  idem_cache_epoch_renew bumps).  "A removal" below is any of those.
  *	  It orders such a removal against the copies of results waiting in the
  *	  commit ring and against the reads that repopulate Valkey, and it lets
  *	  the removing commit wait, bounded, until the worker has retired the
