@@ -94,7 +94,7 @@ else
 # No PostgreSQL server headers yet: only the entry points that install them work.
 all install installcheck:
 	@echo "idem: PostgreSQL 15 server headers (pg_config --pgxs) not found." >&2
-	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev; valkey-server valkey-tools from bookworm-backports" >&2
+	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev libssl-dev; valkey-server valkey-tools from bookworm-backports" >&2
 	@exit 1
 endif
 
