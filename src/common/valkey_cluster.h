@@ -1,8 +1,13 @@
 /*-------------------------------------------------------------------------
  *
  * valkey_cluster.h
- *	  Valkey Cluster routing on hiredis: one definition, compiled into both
- *	  the extension's background worker and the client library.
+ *	  The Valkey router on hiredis, for a Valkey Cluster and a single Valkey
+ *	  alike (a one-node map): one definition, compiled into both the
+ *	  extension's background worker and the client library.  The layers
+ *	  below it have headers of their own: valkey_wire.h (one connection's
+ *	  bytes), valkey_slots.h, valkey_map.h, valkey_endpoint.h (pure
+ *	  functions); this one includes them, so a caller of the router needs
+ *	  no other.
  *
  * Debian 12's hiredis (0.14.1) has no cluster support, so the routing is
  * here: the slot of a key (CRC16 with hash tags), the slot map (from
