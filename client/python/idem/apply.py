@@ -5,15 +5,19 @@ runner's idem_run_options.sql_handler).  The gate in front is the one
 run's (run.py); this module owns only step 3b's one statement and the
 rules for what its failures prove."""
 import json
+from typing import TYPE_CHECKING, Any, Optional
 
 import psycopg
 
 from .canonical import RequestError, canonical_json
 from . import cache
 from .errors import CommitUnknown, IdemError
-from .pg import _session_ended
+from .pg import Conn, _exec, _one, _pipeline, _session_ended, sqlstate_of
 from .result import APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER
 from .run import _RunContext
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 # An ERROR (not FATAL) of these classes, received before the connection was
 # lost, proves that the statement's transaction rolled back: no pooler makes
@@ -22,7 +26,7 @@ _ROLLBACK_CLASSES = ("22", "23", "40", "42", "54", "55", "P0")
 _ROLLBACK_STATES = ("25P02", "26000", "3B001")
 
 
-def proves_rollback(e):
+def proves_rollback(e: BaseException) -> bool:
     """Does this psycopg error prove that its transaction rolled back?"""
     diag = getattr(e, "diag", None)
     state = getattr(diag, "sqlstate", None) or ""
@@ -36,8 +40,9 @@ class _ApplyContext(_RunContext):
     """A run with a SQL handler: the gate, then (unless it decided) one
     idem_apply statement instead of the claim and a block."""
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, sql_handler,
-                 args=None, delivery_count=0):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, sql_handler: str, args: Any = None,
+                 delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
                          delivery_count=delivery_count)
         if not isinstance(sql_handler, str) or not sql_handler.strip():
@@ -52,7 +57,7 @@ class _ApplyContext(_RunContext):
             except RequestError as e:
                 raise IdemError("argument", "args: %s" % e) from None
 
-    def _apply_sql(self):
+    def _apply_sql(self) -> str:
         s = self.st.schema
         cols = ("SELECT a.decision, a.attempt, a.outcome::text, "
                 "floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran ")
@@ -63,7 +68,7 @@ class _ApplyContext(_RunContext):
                        "%%s::interval) AS a" % s)
 
     # step 3b: instead of the claim, the whole run in one statement
-    def _claim(self):
+    def _claim(self) -> None:
         run, conn, r = self.run, self.conn, self.r
         if _session_ended(conn):
             self._drop_marker()
@@ -75,28 +80,28 @@ class _ApplyContext(_RunContext):
         single = conn.autocommit and r.max_attempts is None
         try:
             if single:
-                cur = conn.execute(self._apply_sql(), self._key_params() + [
+                cur = _exec(conn, self._apply_sql(), self._key_params() + [
                     run.fingerprint, self.sql_handler, self.args_text, r.retention])
             else:
-                with conn.pipeline():
+                with _pipeline(conn):
                     if conn.autocommit:
-                        conn.execute("BEGIN")
+                        _exec(conn, "BEGIN")
                     self._set_max_attempts()
-                    cur = conn.execute(self._apply_sql(), self._key_params() + [
+                    cur = _exec(conn, self._apply_sql(), self._key_params() + [
                         run.fingerprint, self.sql_handler, self.args_text, r.retention])
-                    conn.execute("COMMIT")
+                    _exec(conn, "COMMIT")
         except psycopg.Error as e:
             if self._broken():
                 if proves_rollback(e):
                     self._drop_marker()
                     raise IdemError("server", "idem_apply failed (rolled back, nothing "
                                     "committed), then the connection was lost: %s"
-                                    % str(e).strip(), e.diag.sqlstate) from e
+                                    % str(e).strip(), sqlstate_of(e)) from e
                 raise CommitUnknown("connection lost after idem_apply was sent: whether it "
                                     "committed is unknown; redeliver, the ledger decides (%s)"
                                     % str(e).strip()) from e
             self._pg_error(e, "idem_apply")
-        decision, attempt, outcome, ms, ran = cur.fetchone()
+        decision, attempt, outcome, ms, ran = _one(cur)
         run.attempt = attempt
         if decision in ("applied", "failed_retryable") or \
                 (decision == "failed_permanent" and ran):

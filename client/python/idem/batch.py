@@ -9,19 +9,27 @@ claim is the only guard against a concurrent duplicate here (busy); this
 module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
+from types import TracebackType
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NoReturn, Optional,
+                    Tuple, Type)
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import _raise_pg_error, _session_ended
+from .pg import (Conn, _exec, _pipeline, _raise_pg_error, _session_ended, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Run,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
+from .trust import _ConnState
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 
-def from_cache(runner, st, runs):
+def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     """Decide from Valkey what it can: one pipelined GET for all of runs
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
@@ -48,13 +56,13 @@ def from_cache(runner, st, runs):
     if not held:
         return 0
     decided = 0
-    for run, value, e in zip(runs, values, entries):
+    for run, value, entry in zip(runs, values, entries):
         if isinstance(value, Exception):
             continue            # an error reply (WRONGTYPE...): PostgreSQL decides
         run.valkey_used = True
-        if e is None or e.kind == cache.MARKER or e.fingerprint != run.fingerprint:
+        if entry is None or entry.kind == cache.MARKER or entry.fingerprint != run.fingerprint:
             continue            # absent, not trusted, a run in progress, or a hint: PostgreSQL decides
-        if not _result_from_cache(run, e):
+        if not _result_from_cache(run, entry):
             runner.stats["cache_rejected"] += 1
             continue
         runner.stats["replayed_from_valkey"] += 1
@@ -62,7 +70,7 @@ def from_cache(runner, st, runs):
     return decided
 
 
-def cached_many(runner, conn, items):
+def cached_many(runner: "Runner", conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
     runs = [_make_run(Run, *item) for item in items]
@@ -72,8 +80,7 @@ def cached_many(runner, conn, items):
     try:
         st = runner._state(conn)
     except psycopg.Error as e:
-        raise IdemError("server", "learning the schema: %s" % str(e).strip(),
-                        getattr(e.diag, "sqlstate", None)) from e
+        _raise_pg_error(conn, e, "learning the schema")
     from_cache(runner, st, runs)
     return [run if run.status is not None else None for run in runs]
 
@@ -84,25 +91,25 @@ class Batch:
     (or ``run.fail(detail)``); ``with batch.step(run):`` gives one run a
     savepoint of its own.  ``batch.runs``: every item's Run, in order."""
 
-    _failure = None     # the batch's own (none): each run records its own
+    _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
 
-    def __init__(self, runner, conn, items):
+    def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
         self.r = runner
         self.conn = conn
         self.runs = [_make_run(Run, *item) for item in items]
-        self.st = None
+        self.st = _ConnState(0)     # the session's, once entered
         self.tx_open = False
 
     @property
-    def claimed(self):
+    def claimed(self) -> List[Run]:
         """The runs whose effect is the block's to do, in order."""
         return [run for run in self.runs if run.claimed]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Run]:
         return iter(self.claimed)
 
     # -- SQL --
-    def _sql(self, name, platform):
+    def _sql(self, name: str, platform: bool) -> str:
         s = self.st.schema
         if name == "claim":
             cols = ("SELECT c.ord, c.decision, c.attempt, c.outcome::text, "
@@ -122,20 +129,20 @@ class Batch:
                 "%%s::boolean[], %%s::interval)") % s
 
     @staticmethod
-    def _keys(runs, platform):
+    def _keys(runs: List[Run], platform: bool) -> List[Any]:
         keys = [run.key for run in runs]
         return [keys] if platform else [[run.tenant_id for run in runs], keys]
 
-    def _groups(self, runs):
+    def _groups(self, runs: List[Run]) -> List[Tuple[bool, List[Run]]]:
         """(platform, runs) for each ledger that has runs."""
         ten = [run for run in runs if run.tenant_id is not None]
         plat = [run for run in runs if run.tenant_id is None]
         return [(p, g) for p, g in ((False, ten), (True, plat)) if g]
 
-    def _error(self, e, what):
+    def _error(self, e: psycopg.Error, what: str) -> NoReturn:
         _raise_pg_error(self.conn, e, what)
 
-    def __enter__(self):
+    def __enter__(self) -> "Batch":
         r, conn = self.r, self.conn
         r.stats["runs"] += len(self.runs)
         self.st = r._idle_state(conn, "the batch's transaction is begun and committed by "
@@ -147,17 +154,17 @@ class Batch:
         lease = "%d milliseconds" % r.lease_ms
         try:
             # one round trip: BEGIN, the claims of each ledger, the savepoint
-            with conn.pipeline():
+            with _pipeline(conn):
                 if conn.autocommit:
-                    conn.execute("BEGIN")
+                    _exec(conn, "BEGIN")
                 self.tx_open = True
                 if r.max_attempts is not None:
-                    conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                                 [str(r.max_attempts)])
-                curs = [(g, conn.execute(self._sql("claim", p), self._keys(g, p) +
-                                         [[run.fingerprint for run in g], lease]))
+                    _exec(conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
+                          [str(r.max_attempts)])
+                curs = [(g, _exec(conn, self._sql("claim", p), self._keys(g, p) +
+                                  [[run.fingerprint for run in g], lease]))
                         for p, g in self._groups(pending)]
-                conn.execute("SAVEPOINT idem_batch")
+                _exec(conn, "SAVEPOINT idem_batch")
             for group, cur in curs:
                 for ordinal, decision, attempt, outcome, ms in cur.fetchall():
                     self._decided(group[ordinal - 1], decision, attempt, outcome, ms)
@@ -172,7 +179,8 @@ class Batch:
         return self
 
     @staticmethod
-    def _decided(run, decision, attempt, outcome, ms):
+    def _decided(run: Run, decision: str, attempt: Optional[int], outcome: Optional[str],
+                 ms: Optional[int]) -> None:
         run.attempt = attempt
         if decision == "claimed":
             run.claimed = True
@@ -180,17 +188,17 @@ class Batch:
         run.source = SOURCE_POSTGRES
         if decision in ("completed", "failed_permanent"):
             run.status = REPLAYED if decision == "completed" else FAILED_PERMANENT
-            run.outcome = json.loads(outcome)
+            run.outcome = None if outcome is None else json.loads(outcome)
         elif decision == "busy":
             run.status = BUSY
-            run.retry_after_ms = max(1, ms or 1)
+            run._busy_for(ms)
         elif decision == "mismatch":
             run.status = MISMATCH
         else:
             raise IdemError("protocol", "unknown decision %r" % decision)
 
     @contextlib.contextmanager
-    def step(self, run):
+    def step(self, run: Run) -> Iterator[Run]:
         """One run's effect in a savepoint of its own: an exception rolls
         back only this run's statements and records its failure (a
         Failure's kind and detail, else retryable with the exception's
@@ -199,25 +207,26 @@ class Batch:
         conn = self.conn
         if not run.claimed:
             raise IdemError("state", "step() on a run that was not claimed")
-        conn.execute("SAVEPOINT idem_step")
+        _exec(conn, "SAVEPOINT idem_step")
         try:
             yield run
         except Failure as f:
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step")
+            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step")
             run.fail(f.detail, retryable=f.retryable)
         except Exception as e:
-            if conn.broken or conn.closed:
-                raise
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step")
+            if conn.broken or conn.closed or server_state_error(e) is not None:
+                raise       # the server's state (a serialization failure...): the batch's
+            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step")
             run.error = e
             run.fail({"error": type(e).__name__, "message": str(e)[:1000]}, retryable=True)
         else:
             if conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
                 run.fail({"error": "the step left the transaction in error"}, retryable=True)
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
-                         else "RELEASE SAVEPOINT idem_step")
+            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
+                  else "RELEASE SAVEPOINT idem_step")
 
-    def __exit__(self, et, ev, tb):
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
         conn = self.conn
         claimed = self.claimed
         if not claimed:
@@ -238,6 +247,12 @@ class Batch:
             if et is not None:
                 raise err from ev
             raise err
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # a serialization failure, a deadlock, a cancelled statement...:
+            # the server's state, not an answer; nothing recorded, raised again
+            if ts != TransactionStatus.IDLE:
+                conn.rollback()
+            return False
         if ts == TransactionStatus.IDLE:
             raise IdemError("handler_ended_tx",
                             "the block ended the batch's transaction (COMMIT or ROLLBACK): its "
@@ -249,7 +264,8 @@ class Batch:
                             "statement it caught): rolled back, nothing recorded")
         # what each claimed run records; the block's failure (its statements
         # rolled back) fails every run that did not fail by itself
-        done, failed = [], []
+        done: List[Tuple[Run, str]] = []
+        failed: List[Tuple[Run, str, bool]] = []
         try:
             for run in claimed:
                 failure = run._failure or block_failure
@@ -266,25 +282,25 @@ class Batch:
             raise IdemError("connection", "connection lost during the batch (nothing committed)")
         retention = self.r.retention
         try:
-            with conn.pipeline():
-                conn.execute("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
-                             else "RELEASE SAVEPOINT idem_batch")
+            with _pipeline(conn):
+                _exec(conn, "ROLLBACK TO SAVEPOINT idem_batch" if block_failure
+                      else "RELEASE SAVEPOINT idem_batch")
                 for p, g in self._groups([run for run, _ in done]):
                     texts = dict((id(run), t) for run, t in done)
-                    conn.execute(self._sql("complete", p), self._keys(g, p) +
-                                 [[texts[id(run)] for run in g], retention])
+                    _exec(conn, self._sql("complete", p), self._keys(g, p) +
+                          [[texts[id(run)] for run in g], retention])
                 for p, g in self._groups([run for run, _, _ in failed]):
                     info = dict((id(run), (t, rt)) for run, t, rt in failed)
-                    conn.execute(self._sql("fail", p), self._keys(g, p) +
-                                 [[info[id(run)][0] for run in g],
-                                  [info[id(run)][1] for run in g], retention])
-                conn.execute("COMMIT")
+                    _exec(conn, self._sql("fail", p), self._keys(g, p) +
+                          [[info[id(run)][0] for run in g],
+                           [info[id(run)][1] for run in g], retention])
+                _exec(conn, "COMMIT")
         except psycopg.Error as e:
             if conn.broken or conn.closed:
                 raise CommitUnknown("connection lost while the batch's COMMIT was in flight: "
                                     "its effects and keys committed together or not at all; "
                                     "redeliver, the ledger decides (%s)" % str(e).strip()) from e
-            if e.diag.sqlstate == "3B001":
+            if sqlstate_of(e) == "3B001":
                 conn.rollback()
                 raise IdemError("handler_ended_tx",
                                 "the block released the batch's savepoint") from e

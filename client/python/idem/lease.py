@@ -6,16 +6,22 @@ before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
 import json
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, Optional, Type, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
-from .errors import CommitUnknown, IdemError
-from .pg import _session_ended
-from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, Run,
-                     _failure_of, _outcome_text)
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (Conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
+                 server_state_error, sqlstate_of)
+from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, FailureSpec,
+                     Run, _failure_of, _outcome_text)
 from .run import _RunContext
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 
 class LeaseLost(IdemError):
@@ -23,20 +29,21 @@ class LeaseLost(IdemError):
     the key over (or has already finished it).  The effect may have run
     twice; the ledger keeps the later attempt's outcome."""
 
-    def __init__(self, message, sqlstate="55000"):
+    def __init__(self, message: str, sqlstate: Optional[str] = "55000") -> None:
         super().__init__("lease_lost", message, sqlstate)
 
 
 class Lease(Run):
     """A run in lease mode: ``claimed``, ``attempt`` (the fence),
-    ``lease_ms`` (the lease it holds), and after the block the result."""
+    ``duration`` (the lease it holds, in seconds), and after the block the
+    result."""
 
-    def __init__(self, *a):
+    def __init__(self, *a: Any) -> None:
         super().__init__(*a)
-        self.lease_ms = None
+        self.duration: Optional[float] = None
         self.deferred = False
 
-    def defer(self):
+    def defer(self) -> None:
         """Inside the block: record nothing now; the key is completed later
         (``runner.complete(..., attempt=lease.attempt)``), from any process,
         before the lease ends."""
@@ -45,7 +52,7 @@ class Lease(Run):
         self.deferred = True
 
 
-def _fenced_sql(schema, tenant_id, failure):
+def _fenced_sql(schema: str, tenant_id: Optional[int], failure: Optional[FailureSpec]) -> str:
     if tenant_id is None:
         return ("SELECT %s.idem_platform_fail(%%s, %%s::jsonb, %%s, %%s::interval, %%s)" if failure
                 else "SELECT %s.idem_platform_complete(%%s, %%s::jsonb, %%s::interval, %%s)") % schema
@@ -53,8 +60,9 @@ def _fenced_sql(schema, tenant_id, failure):
             else "SELECT %s.idem_complete(%%s, %%s, %%s::jsonb, %%s::interval, %%s)") % schema
 
 
-def fenced_params(tenant_id, key, text, failure, retention, attempt):
-    p = [key] if tenant_id is None else [tenant_id, key]
+def fenced_params(tenant_id: Optional[int], key: bytes, text: str,
+                  failure: Optional[FailureSpec], retention: Any, attempt: Any) -> List[Any]:
+    p: List[Any] = [key] if tenant_id is None else [tenant_id, key]
     p.append(text)
     if failure is not None:
         p.append(bool(failure[1]))
@@ -64,32 +72,34 @@ def fenced_params(tenant_id, key, text, failure, retention, attempt):
 class _LeaseContext(_RunContext):
     """The gate, then a claim that commits alone with a lease; after the
     block, the fenced completion (or failure) in a transaction of its own."""
-    run_class = Lease
+    run_class: Type[Run] = Lease
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, lease_ms=None,
-                 delivery_count=0):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, lease_ms: Optional[int] = None,
+                 delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
                          delivery_count=delivery_count)
         lease_ms = runner.lease_ms if lease_ms is None else int(lease_ms)
         if not (0 < lease_ms <= 2147483647):
-            raise IdemError("argument", "lease_ms must be positive")
+            raise IdemError("argument", "the lease must be positive")
         self.lease_ms = lease_ms
-        self.run.lease_ms = lease_ms
+        self.lease = cast(Lease, self.run)
+        self.lease.duration = lease_ms / 1000.0
 
     # step 3b: the claim, committed alone, with its lease given explicitly
-    def _claim(self):
+    def _claim(self) -> None:
         run, conn = self.run, self.conn
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the claim was sent "
                             "(nothing committed)")
         try:
-            with conn.pipeline():
+            with _pipeline(conn):
                 if conn.autocommit:
-                    conn.execute("BEGIN")
+                    _exec(conn, "BEGIN")
                 self._set_max_attempts()
-                cur = conn.execute(self._sql("claim"), self._key_params() +
-                                   [run.fingerprint, "%d milliseconds" % self.lease_ms])
-                conn.execute("COMMIT")
+                cur = _exec(conn, self._sql("claim"), self._key_params() +
+                            [run.fingerprint, "%d milliseconds" % self.lease_ms])
+                _exec(conn, "COMMIT")
         except psycopg.Error as e:
             if self._broken():
                 # the claim may have committed: the key then answers busy
@@ -98,14 +108,19 @@ class _LeaseContext(_RunContext):
                                 "was in flight (if it committed, the key is busy until its "
                                 "lease ends): %s" % str(e).strip()) from e
             self._pg_error(e, "idem_claim")
-        decision, attempt, outcome, ms = cur.fetchone()
+        decision, attempt, outcome, ms = _one(cur)
         if decision == "claimed":
             run.claimed = True
             run.attempt = attempt
             return
         self._claim_decided(decision, attempt, outcome, ms)
 
-    def __exit__(self, et, ev, tb):
+    def __enter__(self) -> Lease:
+        super().__enter__()
+        return self.lease
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
         run = self.run
         if not run.claimed:
             return super().__exit__(et, ev, tb)
@@ -115,10 +130,16 @@ class _LeaseContext(_RunContext):
             if self.own_marker and run.status in (None, FAILED_RETRYABLE):
                 self._drop_marker()
 
-    def _settle(self, et, ev):
-        run, conn = self.run, self.conn
+    def _settle(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+        run, conn = self.lease, self.conn
         if et is not None and not issubclass(et, Exception):
             return False        # KeyboardInterrupt...: the lease ends it
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # the server's state (a serialization failure...), not the
+            # block's answer: nothing recorded (the lease ends it), raised again
+            if not self._broken() and conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()
+            return False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and run.deferred:
             return False        # completed later, by attempt
@@ -148,13 +169,13 @@ class _LeaseContext(_RunContext):
         # one round trip: the fenced completion and COMMIT (with whatever the
         # block left open on this connection)
         try:
-            with conn.pipeline():
+            with _pipeline(conn):
                 if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
-                    conn.execute("BEGIN")
-                conn.execute(_fenced_sql(self.st.schema, run.tenant_id, failure),
-                             fenced_params(run.tenant_id, run.key, text, failure,
-                                           self.r.retention, run.attempt))
-                conn.execute("COMMIT")
+                    _exec(conn, "BEGIN")
+                _exec(conn, _fenced_sql(self.st.schema, run.tenant_id, failure),
+                      fenced_params(run.tenant_id, run.key, text, failure,
+                                    self.r.retention, run.attempt))
+                _exec(conn, "COMMIT")
         except psycopg.Error as e:
             if self._broken():
                 raise CommitUnknown("connection lost while the completion's COMMIT was in "
@@ -172,23 +193,27 @@ class _LeaseContext(_RunContext):
         return suppress
 
 
-def _completion_error(conn, e):
+def _completion_error(conn: Conn, e: psycopg.Error) -> IdemError:
     """A refused completion: roll back, and say why."""
     try:
         conn.rollback()
     except psycopg.Error:
         pass
-    state = getattr(e.diag, "sqlstate", None)
+    state = sqlstate_of(e)
     if state == "55000":
         return LeaseLost(str(e).strip())
     return IdemError("server", "completing the lease: %s" % str(e).strip(), state)
 
 
-def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failure=None):
+def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+           attempt: int, outcome: Any = None, failure: Optional[FailureSpec] = None) -> None:
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
-    st = runner._state(conn)
+    try:
+        st = runner._state(conn)
+    except psycopg.Error as e:
+        _raise_pg_error(conn, e, "learning the schema")
     if tenant_id is not None:
         tenant_id = int(tenant_id)
     try:
@@ -200,8 +225,8 @@ def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failur
     else:
         text = _outcome_text(failure[0], "the failure detail")
     try:
-        conn.execute(_fenced_sql(st.schema, tenant_id, failure),
-                     fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
+        _exec(conn, _fenced_sql(st.schema, tenant_id, failure),
+              fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
     except psycopg.Error as e:
         if conn.broken or conn.closed:
             if conn.autocommit:
@@ -209,7 +234,7 @@ def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failur
                                     "look the key up (%s)" % str(e).strip()) from e
             raise IdemError("connection", "connection lost (the transaction with the "
                             "completion did not commit): %s" % str(e).strip()) from e
-        state = getattr(e.diag, "sqlstate", None)
+        state = sqlstate_of(e)
         if state == "55000":
             raise LeaseLost(str(e).strip()) from e
         raise IdemError("server", str(e).strip(), state) from e

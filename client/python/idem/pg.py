@@ -1,12 +1,91 @@
-"""The PostgreSQL connection as every form sees it: a statement's error
-(nothing committed: the connection was lost, or the transaction is rolled
-back here), and whether the server ended the session meanwhile."""
+"""The PostgreSQL connection as every form sees it: how the runner sends
+its own statements (_exec, _pipeline), a statement's error (nothing
+committed: the connection was lost, or the transaction is rolled back
+here), an error that is the server's state rather than the block's answer,
+and whether the server ended the session meanwhile.
+
+The runner's statements are never named prepared statements, whatever the
+connection's prepare_threshold, so they are safe behind a transaction
+pooler (pgbouncer in transaction mode), where a named statement prepared
+on one server connection meets another client's on the next; and their
+rows are tuples, whatever the connection's row_factory."""
+import contextlib
+from typing import Any, Iterator, NoReturn, Optional, Sequence, Tuple
+
 import psycopg
+from psycopg.rows import tuple_row
 
 from .errors import IdemError
 
+# SQLSTATE classes that are the server's state, not the block's answer
+# (idem_apply's apply_error_is_servers): serialization failure and
+# deadlock (40), insufficient resources (53), operator intervention, a
+# cancelled statement among them (57), system errors (58), internal
+# errors (XX).  Raised again, nothing recorded.
+SERVER_STATE_CLASSES = ("40", "53", "57", "58", "XX")
 
-def _raise_pg_error(conn, e, what):
+# The connection every form is given (any row factory).
+Conn = psycopg.Connection[Any]
+
+def _exec(conn: "psycopg.Connection[Any]", query: str,
+          params: Optional[Sequence[Any]] = None) -> "psycopg.Cursor[Tuple[Any, ...]]":
+    """One of the runner's statements: unnamed (prepare=False, one parse
+    per execution, no extra round trip), rows as tuples."""
+    cur = conn.cursor(row_factory=tuple_row)
+    cur.execute(query, params, prepare=False)
+    return cur
+
+
+def _one(cur: "psycopg.Cursor[Tuple[Any, ...]]") -> Tuple[Any, ...]:
+    """The one row a statement of the runner returns."""
+    row = cur.fetchone()
+    if row is None:
+        raise IdemError("protocol", "a statement of the runner returned no row")
+    return row
+
+
+@contextlib.contextmanager
+def _pipeline(conn: "psycopg.Connection[Any]") -> Iterator[None]:
+    """conn.pipeline() whose end, after an error, stays quiet: psycopg
+    would log "error ignored terminating ...: pipeline aborted" (a WARNING
+    on stderr without a logging setup) for the statements after the first
+    error, which is the one raised here."""
+    cm = conn.pipeline()
+    cm.__enter__()
+    try:
+        yield
+    except BaseException:
+        try:
+            cm.__exit__(None, None, None)
+        except Exception:
+            pass            # what follows the first error: "pipeline aborted"
+        raise
+    cm.__exit__(None, None, None)
+
+
+def sqlstate_of(e: BaseException) -> Optional[str]:
+    """The SQLSTATE of a psycopg error, else None."""
+    diag = getattr(e, "diag", None)
+    state = getattr(diag, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
+    """The psycopg error of a server-state class (SERVER_STATE_CLASSES) that
+    e is, or that e was raised from (its __cause__ or __context__ chain),
+    else None."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, psycopg.Error):
+            state = sqlstate_of(e)
+            if state is not None and state[:2] in SERVER_STATE_CLASSES:
+                return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def _raise_pg_error(conn: "psycopg.Connection[Any]", e: psycopg.Error, what: str) -> NoReturn:
     """A statement's error: nothing committed (the connection lost, or the
     transaction rolled back here)."""
     if conn.broken or conn.closed:
@@ -16,11 +95,10 @@ def _raise_pg_error(conn, e, what):
         conn.rollback()
     except psycopg.Error:
         pass
-    raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                    getattr(e.diag, "sqlstate", None)) from e
+    raise IdemError("server", "%s: %s" % (what, str(e).strip()), sqlstate_of(e)) from e
 
 
-def _session_ended(conn):
+def _session_ended(conn: "psycopg.Connection[Any]") -> bool:
     """Has the server ended this session (pg_terminate_backend, a restart)?
     Reads, without blocking, what it sent meanwhile (libpq reads the
     server's FATAL message, then its end of stream)."""

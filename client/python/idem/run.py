@@ -6,17 +6,23 @@ own step 3b; the Runner (runner.py) hands it its Valkey client and the
 session's state."""
 import json
 import os
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple, Type
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
-from .pg import _raise_pg_error, _session_ended
+from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
+from .pg import (Conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
+                 server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
-from .trust import _wall_ms
+from .trust import _ConnState, _wall_ms
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
@@ -24,10 +30,14 @@ MARKER_CHEAP_MS = 1000
 
 
 class _RunContext:
-    run_class = Run
+    """``with runner.run(...) as run:`` (Runner.run): the gate and the
+    claim on entry, the completion or failure, and COMMIT, on exit."""
+    run_class: Type[Run] = Run
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, *,
-                 delivery_count=0, first_sql=None, first_params=None):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, *, delivery_count: int = 0,
+                 first_sql: Optional[str] = None,
+                 first_params: Optional[Sequence[Any]] = None) -> None:
         self.r = runner
         self.conn = conn
         if delivery_count is None or int(delivery_count) < 0:
@@ -38,14 +48,14 @@ class _RunContext:
         self.first_sql = first_sql
         self.first_params = first_params
         self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
-        self.ckey = None
-        self.marker = None
+        self.ckey = b""
+        self.marker = b""
         self.own_marker = False
         self.tx_open = False
-        self.st = None
+        self.st = _ConnState(0)     # the session's, once entered
 
     # -- SQL --
-    def _sql(self, name):
+    def _sql(self, name: str) -> str:
         s = self.st.schema
         plat = self.run.tenant_id is None
         ms = "floor(extract(epoch FROM %s.expires_at - clock_timestamp()) * 1000)::bigint"
@@ -65,11 +75,12 @@ class _RunContext:
                     "SELECT %s.idem_fail(%%s, %%s, %%s::jsonb, %%s, %%s::interval)") % s
         raise KeyError(name)
 
-    def _key_params(self):
+    def _key_params(self) -> List[Any]:
         k = self.run.key
         return [k] if self.run.tenant_id is None else [self.run.tenant_id, k]
 
-    def _decide(self, status, source, attempt=None, outcome_text=None):
+    def _decide(self, status: str, source: str, attempt: Optional[int] = None,
+                outcome_text: Optional[str] = None) -> None:
         run = self.run
         run.status, run.source = status, source
         if attempt is not None:
@@ -77,29 +88,30 @@ class _RunContext:
         if outcome_text is not None:
             run.outcome = json.loads(outcome_text)
 
-    def _broken(self):
+    def _broken(self) -> bool:
         return self.conn.broken or self.conn.closed
 
-    def _pg_error(self, e, what):
+    def _pg_error(self, e: psycopg.Error, what: str) -> NoReturn:
         """An error from a statement: roll back what can be, release the marker."""
         self._drop_marker()
         _raise_pg_error(self.conn, e, what)
 
-    def _drop_marker(self):
+    def _drop_marker(self) -> None:
         if self.own_marker:
             self.own_marker = False
             self.r._release(self.ckey, self.marker)
 
     # -- step 2: the gate --
-    def _gate(self):
+    def _gate(self) -> Tuple[bool, bool, bool, bool]:
         """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
         r, run = self.r, self.run
         if not r._valkey_ok():
             return False, r.valkey is not None, False, False
-        if self.st.keyspace is None or self.st.owner_suspect:
+        current = self.st.current
+        if self.st.keyspace is None or current is None or self.st.owner_suspect:
             return False, False, False, False
         self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
-        self.marker = cache.encode_marker(self.st.secrets[self.st.current], self.st.current,
+        self.marker = cache.encode_marker(self.st.secrets[current], current,
                                           self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
         try:
             r._check_cluster()
@@ -125,16 +137,16 @@ class _RunContext:
         # the owner key did not hold the server's token: nothing read here
         # is trusted, PostgreSQL decides (lookup first); our marker is ours
         # all the same, and released as usual
-        held, (e,) = self.st.judge(owner, [(self.ckey, None if own else value)],
-                                   r.lease_ms, r.stats)
+        held, (entry,) = self.st.judge(owner, [(self.ckey, None if own else value)],
+                                       r.lease_ms, r.stats)
         if own:
             self.own_marker = True
             return False, False, False, False
         if not held:
             return False, True, False, False
-        if e is None:
+        if entry is None:
             return False, False, False, False
-        if e.kind == cache.MARKER:
+        if entry.kind == cache.MARKER:
             # honoured until its MACed deadline (judge bounded it by our
             # own lease + 1 s); busy from Valkey alone for the marker's
             # first second only (its age: our lease minus what is left of
@@ -142,26 +154,26 @@ class _RunContext:
             # mid-handler (PostgreSQL rolled its claim back) does not keep
             # the key busy for the rest of its lease.  The C runner's
             # IDEM_MARKER_CHEAP_MS.
-            left = e.expires_ms - _wall_ms()
+            left = entry.expires_ms - _wall_ms()
             if r.lease_ms - left >= MARKER_CHEAP_MS:
                 return False, False, False, False
             self._decide(BUSY, SOURCE_VALKEY)
-            run.retry_after_ms = max(1, left)
+            run._busy_for(left)
             return True, False, False, True
-        if e.fingerprint != run.fingerprint:
+        if entry.fingerprint != run.fingerprint:
             return False, False, True, False    # a hint: PostgreSQL confirms
-        if not _result_from_cache(run, e):
+        if not _result_from_cache(run, entry):
             r.stats["cache_rejected"] += 1
             return False, False, False, False
         r.stats["replayed_from_valkey"] += 1
         return True, False, False, False
 
     # -- step 3a: a lookup outside any transaction --
-    def _lookup(self):
+    def _lookup(self) -> bool:
         run = self.run
         try:
-            row = self.conn.execute(self._sql("lookup"),
-                                    [run.fingerprint] + self._key_params()).fetchone()
+            row = _exec(self.conn, self._sql("lookup"),
+                        [run.fingerprint] + self._key_params()).fetchone()
             self.r._end_tx(self.conn)
         except psycopg.Error as e:
             if not self._broken() and getattr(e.diag, "sqlstate", None) in ("42501", "42883"):
@@ -183,39 +195,43 @@ class _RunContext:
         return True
 
     # -- step 3b: the claim --
-    def _set_max_attempts(self):
+    def _set_max_attempts(self) -> None:
         """In the claim's transaction (pipelined): the runner's max_attempts."""
         if self.r.max_attempts is not None:
-            self.conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
+            _exec(self.conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
                               [str(self.r.max_attempts)])
 
-    def _claim(self):
+    def _claim(self) -> None:
         run, conn = self.run, self.conn
-        first = None
+        first: "Optional[psycopg.Cursor[Any]]" = None
+        cur: "Optional[psycopg.Cursor[Tuple[Any, ...]]]" = None
         try:
             # one round trip: BEGIN, the claim, the handler's savepoint
             # (harmless when the key is not ours: COMMIT follows), and the
             # block's first statement if it gave one (rolled back to the
             # savepoint when the key is not ours)
             try:
-                with conn.pipeline():
+                with _pipeline(conn):
                     if conn.autocommit:
-                        conn.execute("BEGIN")
+                        _exec(conn, "BEGIN")
                     self.tx_open = True
                     self._set_max_attempts()
-                    cur = conn.execute(self._sql("claim"), self._key_params() +
-                                       [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
-                    conn.execute("SAVEPOINT idem_handler")
+                    cur = _exec(conn, self._sql("claim"), self._key_params() +
+                                [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
+                    _exec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
-                        first = conn.execute(self.first_sql, self.first_params)
+                        # the caller's statement, in the caller's row factory;
+                        # unprepared too (safe behind a transaction pooler)
+                        first = conn.cursor()
+                        first.execute(self.first_sql, self.first_params, prepare=False)
             except psycopg.Error as e:
                 # the first statement's own error is the block's to handle
                 # when the key is ours (the transaction is then in error)
-                if first is None or self._broken() or cur.pgresult is None or \
+                if first is None or self._broken() or cur is None or cur.pgresult is None or \
                         cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
                     raise
                 run.first_error = e
-            decision, attempt, outcome, ms = cur.fetchone()
+            decision, attempt, outcome, ms = _one(cur)
             if decision == "claimed":
                 run.claimed = True
                 run.attempt = attempt
@@ -223,9 +239,9 @@ class _RunContext:
                     run.first = first.fetchall() if first.description is not None else []
                 return
             if first is not None:
-                with conn.pipeline():
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute("COMMIT")
+                with _pipeline(conn):
+                    _exec(conn, "ROLLBACK TO SAVEPOINT idem_handler")
+                    _exec(conn, "COMMIT")
             else:
                 conn.commit()
             self.tx_open = False
@@ -234,7 +250,8 @@ class _RunContext:
             self._pg_error(e, "idem_claim")
         self._claim_decided(decision, attempt, outcome, ms)
 
-    def _claim_decided(self, decision, attempt, outcome, ms):
+    def _claim_decided(self, decision: str, attempt: Optional[int], outcome: Optional[str],
+                       ms: Optional[int]) -> None:
         """A decision of idem_claim other than claimed."""
         run = self.run
         if decision in ("completed", "failed_permanent"):
@@ -244,13 +261,13 @@ class _RunContext:
                          SOURCE_POSTGRES, attempt, outcome)
         elif decision == "busy":
             self._decide(BUSY, SOURCE_POSTGRES, attempt)
-            run.retry_after_ms = max(1, ms or 1)
+            run._busy_for(ms)
         elif decision == "mismatch":
             self._decide(MISMATCH, SOURCE_POSTGRES, attempt)
         else:
             raise IdemError("protocol", "unknown decision %r" % decision)
 
-    def __enter__(self):
+    def __enter__(self) -> Run:
         r, conn, run = self.r, self.conn, self.run
         r.stats["runs"] += 1
         self.st = r._idle_state(conn, "the run's transaction is the effect's, begun and "
@@ -275,7 +292,8 @@ class _RunContext:
             self._drop_marker()     # no terminal row: our marker goes
         return run
 
-    def __exit__(self, et, ev, tb):
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
         run, conn = self.run, self.conn
         if not run.claimed:
             if conn.info.transaction_status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
@@ -291,7 +309,7 @@ class _RunContext:
             if self.own_marker:
                 self._drop_marker()
 
-    def _finish(self, et, ev):
+    def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
         run, conn = self.run, self.conn
         ts = conn.info.transaction_status
         if et is not None and not issubclass(et, Exception):
@@ -304,6 +322,14 @@ class _RunContext:
             if et is not None:
                 raise err from ev
             raise err
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # a serialization failure, a deadlock, a cancelled statement...:
+            # the server's state, not the block's answer (idem_apply's rule).
+            # Not an attempt: rolled back, nothing recorded, raised again.
+            if ts != TransactionStatus.IDLE:
+                conn.rollback()
+            self._drop_marker()
+            return False
         if ts == TransactionStatus.IDLE:
             self._drop_marker()
             raise IdemError("handler_ended_tx",
@@ -337,22 +363,22 @@ class _RunContext:
         # one round trip: end the savepoint, complete or fail, COMMIT (a
         # statement of the pipeline: conn.commit() would sync once more)
         try:
-            with conn.pipeline():
+            with _pipeline(conn):
                 if failure is None:
-                    conn.execute("RELEASE SAVEPOINT idem_handler")
-                    conn.execute(self._sql("complete"), self._key_params() + [text, self.r.retention])
+                    _exec(conn, "RELEASE SAVEPOINT idem_handler")
+                    _exec(conn, self._sql("complete"), self._key_params() + [text, self.r.retention])
                 else:
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute(self._sql("fail"), self._key_params() + [text, retryable,
-                                                                          self.r.retention])
-                conn.execute("COMMIT")
+                    _exec(conn, "ROLLBACK TO SAVEPOINT idem_handler")
+                    _exec(conn, self._sql("fail"), self._key_params() + [text, retryable,
+                                                                         self.r.retention])
+                _exec(conn, "COMMIT")
         except psycopg.Error as e:
             if self._broken():
                 # COMMIT was handed to the connection with the rest
                 raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
                                     "and its key committed together or not at all; redeliver, "
                                     "the ledger decides (%s)" % str(e).strip()) from e
-            if e.diag.sqlstate == "3B001":
+            if sqlstate_of(e) == "3B001":
                 conn.rollback()
                 self._drop_marker()
                 raise IdemError("handler_ended_tx",

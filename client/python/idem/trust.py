@@ -4,35 +4,37 @@ them), what a value read from Valkey is worth (_ConnState.judge, for the
 gate and a batch's cached read alike: the C client's trust.c), and the
 wall clock a value's deadline is read against."""
 import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import cache
 
 
-def _wall_ms():
+def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
 class _ConnState:
     """What a runner knows about one PostgreSQL session."""
 
-    def __init__(self, backend_pid):
+    def __init__(self, backend_pid: int) -> None:
         self.backend_pid = backend_pid
-        self.schema = None
-        self.keyspace = None        # None: no cache on this connection
-        self.secrets = {}
-        self.current = None
-        self.learnt = None          # monotonic time of the last learning
+        self.schema = ""             # quoted; "" until learnt
+        self.keyspace: Optional[str] = None    # None: no cache on this connection
+        self.secrets: Dict[int, bytes] = {}
+        self.current: Optional[int] = None
+        self.learnt: Optional[float] = None    # monotonic time of the last learning
         self.refresh_wanted = False
         # the history epoch's owner key and the token it holds while the
         # server owns the epoch: read with every lookup, a value counts only
         # if it still holds the token
-        self.owner_key = None
-        self.owner_token = None
+        self.owner_key: Optional[bytes] = None
+        self.owner_token: Optional[bytes] = None
         self.owner_suspect = False  # it did not: no cache until learnt
         self.owner_relearnt = False  # learnt at once after a mismatch, and
         # no check passed since: the next learning waits the second
 
-    def judge(self, owner, reads, lease_ms, stats):
+    def judge(self, owner: Any, reads: List[Tuple[bytes, Any]], lease_ms: int,
+              stats: Dict[str, int]) -> Tuple[bool, List[Optional[cache.Entry]]]:
         """What one round trip read from Valkey is worth.  owner: the reply
         to the GET of the epoch's owner key sent with it; reads: [(cache
         key, value)], a value that is not bytes (absent, an error reply,
@@ -66,7 +68,8 @@ class _ConnState:
         now = _wall_ms()
         return True, [self._check(key, value, lease_ms, now, stats) for key, value in reads]
 
-    def _check(self, key, value, lease_ms, now, stats):
+    def _check(self, key: bytes, value: Any, lease_ms: int, now: int,
+               stats: Dict[str, int]) -> Optional[cache.Entry]:
         if not isinstance(value, bytes):
             return None
         e = cache.parse(value)

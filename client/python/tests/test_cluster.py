@@ -36,7 +36,7 @@ class Cluster(unittest.TestCase):
         cls.vc = RedisCluster(host="127.0.0.1", port=int(PORT), socket_timeout=2)
 
     def setUp(self):
-        self.runner = idem.Runner(("127.0.0.1", int(PORT)), lease_ms=5000)
+        self.runner = idem.Runner(("127.0.0.1", int(PORT)), lease=5)
         self.conn = psycopg.connect(DSN)
         self.scope = "cl-%d-%s" % (os.getpid(), self._testMethodName)
 
