@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# test/python/run.sh WORK: the Python package (client/python) against real
-# servers.  Runs as the unprivileged test user (test/suites).  Starts a
-# throwaway PostgreSQL 15 with idem preloaded and its worker pointed at a
-# throwaway Valkey on loopback, builds the C runner's one-shot program
-# (test/t/idem_run_once.c, for the mixed fleet), installs the package with
-# pip from the checkout without network, and runs the unit and integration
-# tests (client/python/tests) printing TAP lines.
+# test/python/run.sh WORK [MODULE...]: the Python package (client/python)
+# against real servers.  Runs as the unprivileged test user (test/suites).
+# Checks the package with mypy --strict, starts a throwaway PostgreSQL 15
+# with idem preloaded and its worker pointed at a throwaway Valkey on
+# loopback, and pgbouncer in transaction mode in front of it, builds the C
+# runner's one-shot program (test/t/idem_run_once.c, for the mixed fleet),
+# installs the package with pip from the checkout without network, and
+# runs the unit and integration tests (client/python/tests; MODULE...:
+# only those, as tests/tap.py takes them) printing TAP lines.
 set -uo pipefail
 WORK=$1
+shift
 TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$TREE/test/lib/common.sh"
 . "$TREE/test/python/rabbitmq.sh"
@@ -21,6 +24,7 @@ cleanup() {
 	idem_valkey_stop "$dir"
 	idem_pg_stop "$dir/c"
 	idem_valkey_cluster_stop "$dir/vcluster"
+	[ -f "$dir/pgbouncer.pid" ] && kill "$(cat "$dir/pgbouncer.pid")" 2>/dev/null
 }
 trap cleanup EXIT
 
@@ -42,6 +46,18 @@ if "$PY" -m venv --system-site-packages --without-pip "$dir/venv" >"$dir/pip.log
 else
 	tap notok "pip install --no-build-isolation --no-index ./client/python works offline"
 	sed 's/^/# /' "$dir/pip.log" | tail -n 20 >&2
+fi
+
+# ... and type-checked as its users' checkers see it (py.typed): Debian's
+# mypy, strict, on the package alone
+if "$PY" -m mypy --version >/dev/null 2>&1; then
+	if (cd "$dir/pkg" && "$PY" -m mypy --strict --cache-dir "$dir/mypy-cache" idem) \
+		>"$dir/mypy.log" 2>&1; then
+		tap ok "mypy --strict on the package: $(tail -n 1 "$dir/mypy.log")"
+	else
+		tap notok "mypy --strict on the package"
+		sed 's/^/# /' "$dir/mypy.log" | tail -n 30 >&2
+	fi
 fi
 
 # 2. the servers
@@ -73,6 +89,41 @@ if idem_valkey_cluster_start "$dir/vcluster" 3 &&
 	tap ok "a Valkey Cluster and a server whose worker copies into it start"
 else
 	tap notok "a Valkey Cluster and a server whose worker copies into it start"
+fi
+
+# ... and pgbouncer in transaction mode in front of it, 2 server
+# connections for more clients: each transaction may land on another
+# server connection than the last (tests/test_pooler.py)
+if [ -x /usr/sbin/pgbouncer ]; then
+	bport=$(idem_free_port)
+	printf '"%s" ""\n' postgres >"$dir/userlist.txt"
+	cat >"$dir/pgbouncer.ini" <<EOT
+[databases]
+* = host=127.0.0.1 port=$pgport
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $bport
+unix_socket_dir =
+auth_type = trust
+auth_file = $dir/userlist.txt
+pool_mode = transaction
+default_pool_size = 2
+max_client_conn = 50
+logfile = $dir/pgbouncer.log
+pidfile = $dir/pgbouncer.pid
+EOT
+	if /usr/sbin/pgbouncer -d "$dir/pgbouncer.ini" >/dev/null 2>&1; then
+		for _ in $(seq 1 50); do
+			"$(idem_pg_bindir)/psql" -X -At -h 127.0.0.1 -p "$bport" -U postgres -c 'SELECT 1' \
+				postgres >/dev/null 2>&1 && break
+			sleep 0.2
+		done
+		export IDEM_PGBOUNCER_DSN="host=127.0.0.1 port=$bport user=postgres dbname=postgres"
+		export IDEM_PGBOUNCER_LOG="$dir/pgbouncer.log"
+		tap ok "pgbouncer $(/usr/sbin/pgbouncer --version | head -n 1 | awk '{print $2}') in transaction mode in front of it"
+	else
+		tap notok "pgbouncer starts in transaction mode"
+	fi
 fi
 
 # 3. the C runner for the mixed fleet
@@ -110,7 +161,7 @@ IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
 	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
-	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
+	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1)) "$@"
 rc=$?
 # A failure says what the servers saw: the end of each server's log.
 if [ "$rc" -ne 0 ]; then
