@@ -13,7 +13,7 @@ from .runner import Runner
 from .lease import Lease, LeaseLost
 from .batch import Batch
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "Runner", "Run", "Lease", "Batch", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",

@@ -18,7 +18,7 @@ from psycopg.pq import TransactionStatus
 
 from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (Conn, _exec, _pipeline, _raise_pg_error, _session_ended, server_state_error,
+from .pg import (Conn, _check_conn, _exec, _pipeline, _raise_pg_error, _session_ended, server_state_error,
                  sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
@@ -73,6 +73,7 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
 def cached_many(runner: "Runner", conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
+    _check_conn(conn)
     runs = [_make_run(Run, *item) for item in items]
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise IdemError("state", "the connection must be idle (the runner reads the "
@@ -94,6 +95,7 @@ class Batch:
     _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
 
     def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
+        _check_conn(conn)
         self.r = runner
         self.conn = conn
         self.runs = [_make_run(Run, *item) for item in items]

@@ -14,7 +14,7 @@ from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
 from .errors import CommitUnknown, Failure, IdemError
-from .pg import (Conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
+from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
 from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, FailureSpec,
                      Run, _failure_of, _outcome_text)
@@ -210,6 +210,7 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
+    _check_conn(conn)
     try:
         st = runner._state(conn)
     except psycopg.Error as e:

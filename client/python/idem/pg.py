@@ -27,6 +27,16 @@ SERVER_STATE_CLASSES = ("40", "53", "57", "58", "XX")
 # The connection every form is given (any row factory).
 Conn = psycopg.Connection[Any]
 
+def _check_conn(conn: Any) -> None:
+    """The runner is synchronous: a psycopg Connection, not an
+    AsyncConnection (nor anything else)."""
+    if not isinstance(conn, psycopg.Connection):
+        raise IdemError("argument", "conn must be a psycopg.Connection, not %s%s"
+                        % (type(conn).__name__,
+                           " (the runner is synchronous)"
+                           if isinstance(conn, psycopg.AsyncConnection) else ""))
+
+
 def _exec(conn: "psycopg.Connection[Any]", query: str,
           params: Optional[Sequence[Any]] = None) -> "psycopg.Cursor[Tuple[Any, ...]]":
     """One of the runner's statements: unnamed (prepare=False, one parse

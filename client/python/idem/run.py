@@ -14,7 +14,7 @@ from psycopg.pq import TransactionStatus
 
 from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (Conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
+from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
@@ -38,6 +38,7 @@ class _RunContext:
                  run_id: str, request: Any, *, delivery_count: int = 0,
                  first_sql: Optional[str] = None,
                  first_params: Optional[Sequence[Any]] = None) -> None:
+        _check_conn(conn)
         self.r = runner
         self.conn = conn
         if delivery_count is None or int(delivery_count) < 0:
