@@ -4,6 +4,7 @@ state inside a block (a serialization failure, a deadlock, a cancelled
 statement) are not attempts; the decorator refuses a message without an
 id; any row factory works; every error says whether to redeliver;
 nothing on stderr after a server error."""
+import asyncio
 import dataclasses
 import os
 import subprocess
@@ -211,7 +212,7 @@ class RowFactories(unittest.TestCase):
 
 class Errors(unittest.TestCase):
     def test_codes_say_whether_to_retry(self):
-        """IdemError.retryable: an unknown tenant (23503) and an extension not installed (not_installed) are not retryable; a lost connection is; Busy is, Mismatch is not"""
+        """IdemError.retryable: an unknown tenant (23503) and an extension not installed (not_installed) are not retryable; a lost connection is; Busy is, Mismatch is not; an AsyncConnection is refused (argument)"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
         scope = uid("codes")
         conn = connect()
@@ -244,6 +245,17 @@ class Errors(unittest.TestCase):
                 self.assertIn("CREATE EXTENSION idem", str(cm.exception))
         finally:
             bare.close()
+        # the runner is synchronous: an AsyncConnection is refused, clearly
+        async def with_async_connection():
+            aconn = await psycopg.AsyncConnection.connect(DSN)
+            try:
+                with self.assertRaises(idem.IdemError) as cm:
+                    runner.run(aconn, 1, scope, "x1", {})
+                self.assertEqual(cm.exception.code, "argument")
+                self.assertIn("synchronous", str(cm.exception))
+            finally:
+                await aconn.close()
+        asyncio.run(with_async_connection())
         self.assertTrue(idem.Busy.retryable)
         self.assertFalse(idem.Mismatch.retryable)
         self.assertTrue(idem.CommitUnknown("x").retryable)

@@ -1,5 +1,5 @@
 """The runner behind a transaction pooler, with psycopg's defaults: Debian's
-pgbouncer in transaction mode with 2 server connections for 4 clients
+pgbouncer in transaction mode with 2 server connections for 5 clients
 (test/python/run.sh starts it in front of the test server), so that each
 transaction may land on another server connection than the last.  The
 runner's own statements must not depend on the connection's prepare
@@ -23,7 +23,7 @@ BOUNCER_DSN = os.environ.get("IDEM_PGBOUNCER_DSN", "")
 BOUNCER_LOG = os.environ.get("IDEM_PGBOUNCER_LOG", "")
 PG_LOG = os.environ.get("IDEM_PG_LOG", "")
 
-CLIENTS = 4
+CLIENTS = 5             # the fifth's Valkey is down: idem_lookup first
 KEYS = 60
 FORMS = ("run", "call", "apply", "lease", "batch")
 
@@ -55,16 +55,17 @@ def log_lines_since(path, offset, words):
 
 class TransactionPooler(unittest.TestCase):
     def test_runner_through_pgbouncer_with_psycopg_defaults(self):
-        """through pgbouncer in transaction mode (2 server connections, 4 clients) with psycopg's default prepare_threshold: run, call, apply, lease and batch, each key's effect once, no error in PostgreSQL's or pgbouncer's log"""
+        """through pgbouncer in transaction mode (2 server connections, 5 clients, one with Valkey down) with psycopg's default prepare_threshold: run, call, apply, lease and batch, each key's effect once, no error in PostgreSQL's or pgbouncer's log"""
         scope = uid("pooled")
         runner = idem.Runner(("127.0.0.1", VPORT), lease=10)
+        down = idem.Runner(("127.0.0.1", test_server.free_port()), lease=10)
         pg_at, bouncer_at = log_size(PG_LOG), log_size(BOUNCER_LOG)
         lease_effects = {}
         lock = threading.Lock()
         errors = []
         counts = {"busy": 0, "replayed": 0}
 
-        def deliver(conn, form, ids):
+        def deliver(runner, conn, form, ids):
             """One delivery of ids (one, or three for a batch); the ids not
             yet decided (busy): redelivered."""
             req = {"n": 1}
@@ -126,7 +127,7 @@ class TransactionPooler(unittest.TestCase):
                 for form, ids in work:
                     for _ in range(200):
                         try:
-                            ids = deliver(conn, form, ids)
+                            ids = deliver(down if k == 4 else runner, conn, form, ids)
                         except Exception as e:      # noqa: BLE001 -- counted below
                             with lock:
                                 errors.append("%s %s: %r" % (form, ids, e))
