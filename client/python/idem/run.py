@@ -17,9 +17,15 @@ from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
 from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
 from .trust import _ConnState, _wall_ms
+
+# The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
+Gate = Tuple[bool, bool, bool, bool]
+# What a block's end does (_RunContext._ending): (rollback, error,
+# failure, text, suppress).
+Ending = Tuple[bool, Optional[IdemError], Optional[FailureSpec], Optional[str], bool]
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -103,8 +109,9 @@ class _RunContext:
             self.r._release(self.ckey, self.marker)
 
     # -- step 2: the gate --
-    def _gate(self) -> Tuple[bool, bool, bool, bool]:
-        """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
+    def _gate_marker(self) -> Optional[Gate]:
+        """Before the gate: its answer if there is no asking Valkey, else
+        None, our marker made (ckey, marker)."""
         r, run = self.r, self.run
         if not r._valkey_ok():
             return False, r.valkey is not None, False, False
@@ -114,6 +121,14 @@ class _RunContext:
         self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
         self.marker = cache.encode_marker(self.st.secrets[current], current,
                                           self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
+        return None
+
+    def _gate(self) -> Gate:
+        """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
+        r = self.r
+        early = self._gate_marker()
+        if early is not None:
+            return early
         try:
             r._check_cluster()
             # one round trip: the gate, and the epoch's owner key (on a
@@ -133,6 +148,12 @@ class _RunContext:
             # 7.0): nothing usable; PostgreSQL decides, lookup first
             r._valkey_failed(e)
             return False, True, False, False
+        return self._gate_answer(value, owner)
+
+    def _gate_answer(self, value: Any, owner: Any) -> Gate:
+        """The gate's answer from what SET ... GET and the owner key's GET
+        read."""
+        r, run = self.r, self.run
         run.valkey_used = True
         own = value is None or value == self.marker     # absent: our marker is set
         # the owner key did not hold the server's token: nothing read here
@@ -177,12 +198,22 @@ class _RunContext:
                         [run.fingerprint] + self._key_params()).fetchone()
             self.r._end_tx(self.conn)
         except psycopg.Error as e:
-            if not self._broken() and getattr(e.diag, "sqlstate", None) in ("42501", "42883"):
-                # not granted (or absent): the claim decides, from now on directly
+            if self._lookup_refused(e):
                 self.conn.rollback()
-                self.r.lookup_first = False
                 return False
             self._pg_error(e, "idem_lookup")
+        return self._lookup_answer(row)
+
+    def _lookup_refused(self, e: psycopg.Error) -> bool:
+        """idem_lookup not granted (or absent): the claim decides, from now
+        on directly (the caller rolls back); else an error."""
+        if not self._broken() and sqlstate_of(e) in ("42501", "42883"):
+            self.r.lookup_first = False
+            return True
+        return False
+
+    def _lookup_answer(self, row: Optional[Tuple[Any, ...]]) -> bool:
+        """Decided by idem_lookup's row?"""
         if row is None or row[0] is None or row[3] is None:
             return False
         status, attempt, outcome, same = row[0], row[1], row[2], row[3]
@@ -202,6 +233,31 @@ class _RunContext:
             _exec(self.conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
                               [str(self.r.max_attempts)])
 
+    def _claim_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]
+
+    def _first_failed(self, e: psycopg.Error, first: Any, cur: Any) -> bool:
+        """Is e the block's first statement's own error, the claim having
+        answered?  Then it is the block's to handle when the key is ours
+        (the transaction is in error)."""
+        if first is None or self._broken() or cur is None or cur.pgresult is None or \
+                cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+            return False
+        self.run.first_error = e
+        return True
+
+    def _claimed(self, row: Tuple[Any, ...], first_rows: Optional[List[Any]]) -> bool:
+        """The claim's answer: ours (claimed), or decided otherwise."""
+        decision, attempt, outcome, ms = row
+        if decision == "claimed":
+            self.run.claimed = True
+            self.run.attempt = attempt
+            if self.run.first_error is None:
+                self.run.first = first_rows
+            return True
+        self._claim_decided(decision, attempt, outcome, ms)
+        return False
+
     def _claim(self) -> None:
         run, conn = self.run, self.conn
         first: "Optional[psycopg.Cursor[Any]]" = None
@@ -217,8 +273,7 @@ class _RunContext:
                         _exec(conn, "BEGIN")
                     self.tx_open = True
                     self._set_max_attempts()
-                    cur = _exec(conn, self._sql("claim"), self._key_params() +
-                                [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
+                    cur = _exec(conn, self._sql("claim"), self._claim_params())
                     _exec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
                         # the caller's statement, in the caller's row factory;
@@ -226,18 +281,14 @@ class _RunContext:
                         first = conn.cursor()
                         first.execute(self.first_sql, self.first_params, prepare=False)
             except psycopg.Error as e:
-                # the first statement's own error is the block's to handle
-                # when the key is ours (the transaction is then in error)
-                if first is None or self._broken() or cur is None or cur.pgresult is None or \
-                        cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                if not self._first_failed(e, first, cur):
                     raise
-                run.first_error = e
-            decision, attempt, outcome, ms = _one(cur)
-            if decision == "claimed":
-                run.claimed = True
-                run.attempt = attempt
-                if first is not None and run.first_error is None:
-                    run.first = first.fetchall() if first.description is not None else []
+            assert cur is not None
+            row = _one(cur)
+            first_rows = None
+            if first is not None and run.first_error is None and row[0] == "claimed":
+                first_rows = first.fetchall() if first.description is not None else []
+            if self._claimed(row, first_rows):
                 return
             if first is not None:
                 with _pipeline(conn):
@@ -249,7 +300,6 @@ class _RunContext:
         except psycopg.Error as e:
             self.tx_open = False
             self._pg_error(e, "idem_claim")
-        self._claim_decided(decision, attempt, outcome, ms)
 
     def _claim_decided(self, decision: str, attempt: Optional[int], outcome: Optional[str],
                        ms: Optional[int]) -> None:
@@ -268,41 +318,66 @@ class _RunContext:
         else:
             raise IdemError("protocol", "unknown decision %r" % decision)
 
-    def __enter__(self) -> Run:
-        r, conn, run = self.r, self.conn, self.run
+    def _entering(self) -> bool:
+        """Counted; skip the gate?  A first delivery (delivery_count 1): no
+        run can have committed this key, so the gate could only answer
+        "absent"; the claim decides."""
+        r = self.r
         r.stats["runs"] += 1
+        skip_gate = self.delivery_count == 1 and r.valkey is not None
+        r.stats["gate_skipped_first"] += skip_gate
+        return skip_gate
+
+    def _after_gate(self, gate: Gate) -> str:
+        """What follows the gate: "done", "lookup" (a committed run's
+        marker: replay or mismatch now), "lookup_or_claim" or "claim"."""
+        decided, silent, hint, marker_busy = gate
+        lookup = self.r.lookup_first
+        if decided:
+            return "lookup" if marker_busy and lookup else "done"
+        return "lookup_or_claim" if (silent or hint) and lookup else "claim"
+
+    def _keeps_marker(self) -> bool:
+        """Our marker stays for a claimed run, and for a terminal row whose
+        copy will overwrite it; otherwise it goes."""
+        run = self.run
+        return run.claimed or run.status in (REPLAYED, FAILED_PERMANENT)
+
+    def __enter__(self) -> Run:
+        r, conn = self.r, self.conn
+        skip_gate = self._entering()
         self.st = r._idle_state(conn, "the run's transaction is the effect's, begun and "
                                 "committed by the runner")
         try:
-            # a first delivery (delivery_count 1): no run can have committed
-            # this key, so the gate could only answer "absent"; the claim decides
-            skip_gate = self.delivery_count == 1 and r.valkey is not None
-            r.stats["gate_skipped_first"] += skip_gate
-            decided, silent, hint, marker_busy = (False,) * 4 if skip_gate else self._gate()
-            if decided:
-                if marker_busy and r.lookup_first:
-                    self._lookup()      # a committed run's marker: replay or mismatch now
-            elif (silent or hint) and r.lookup_first and self._lookup():
-                pass
-            else:
+            step = self._after_gate((False,) * 4 if skip_gate else self._gate())
+            if step == "lookup":
+                self._lookup()
+            elif step == "claim" or (step == "lookup_or_claim" and not self._lookup()):
                 self._claim()
         except BaseException:
             self._drop_marker()
             raise
-        if not run.claimed and run.status not in (REPLAYED, FAILED_PERMANENT):
+        if not self._keeps_marker():
             self._drop_marker()     # no terminal row: our marker goes
-        return run
+        return self.run
+
+    def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
+        """The end of a block whose run was not claimed: (rollback, error).
+        A block that used the connection anyway is rolled back."""
+        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+            return False, None
+        return True, None if et is not None else IdemError(
+            "state", "the block ran statements on a run that was not claimed (check "
+            "run.claimed): rolled back")
 
     def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
                  tb: Optional[TracebackType]) -> bool:
-        run, conn = self.run, self.conn
-        if not run.claimed:
-            if conn.info.transaction_status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
-                # the block used the connection although nothing was claimed
-                conn.rollback()
-                if et is None:
-                    raise IdemError("state", "the block ran statements on a run that was not "
-                                    "claimed (check run.claimed): rolled back")
+        if not self.run.claimed:
+            rollback, err = self._unclaimed_exit(et)
+            if rollback:
+                self.conn.rollback()
+            if err is not None:
+                raise err
             return False
         try:
             return self._finish(et, ev)
@@ -310,88 +385,109 @@ class _RunContext:
             if self.own_marker:
                 self._drop_marker()
 
-    def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+    def _ending(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
+        """What the end of a claimed run's block does, decided before any
+        I/O: (rollback, error, failure, text, suppress).  With an error:
+        roll back if asked, raise it.  Without, and text None: roll back if
+        asked, let the block's exception propagate.  Else complete (failure
+        None) or fail with text, commit, and return suppress."""
         run, conn = self.run, self.conn
         ts = conn.info.transaction_status
         if et is not None and not issubclass(et, Exception):
             # KeyboardInterrupt, SystemExit...: nothing recorded
-            if not self._broken() and ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
+            return not self._broken() and ts != TransactionStatus.IDLE, None, None, None, False
         if self._broken():
-            err = IdemError("connection", "connection lost during the run (nothing committed)")
-            if et is not None:
-                raise err from ev
-            raise err
+            return False, IdemError("connection", "connection lost during the run (nothing "
+                                    "committed)"), None, None, False
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
             # a serialization failure, a deadlock, a cancelled statement...:
             # the server's state, not the block's answer (idem_apply's rule).
             # Not an attempt: rolled back, nothing recorded, raised again.
-            if ts != TransactionStatus.IDLE:
-                conn.rollback()
-            self._drop_marker()
-            return False
+            return ts != TransactionStatus.IDLE, None, None, None, False
         if ts == TransactionStatus.IDLE:
-            self._drop_marker()
-            raise IdemError("handler_ended_tx",
-                            "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
-                            "effect may have committed without its idempotency key")
+            return False, IdemError(
+                "handler_ended_tx", "the block ended the runner's transaction (COMMIT or "
+                "ROLLBACK): its effect may have committed without its idempotency key"), \
+                None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and ts == TransactionStatus.INERROR and failure is None:
-            conn.rollback()
-            raise IdemError("handler", "the block left the transaction in error (a failed "
-                            "statement it caught): rolled back, nothing recorded")
+            return True, IdemError("handler", "the block left the transaction in error (a "
+                                   "failed statement it caught): rolled back, nothing "
+                                   "recorded"), None, None, False
         # the outcome (or detail) is checked before anything is sent
-        if failure is None:
-            try:
+        try:
+            if failure is None:
                 text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            except IdemError:
+            else:
+                text = _outcome_text(failure[0], "the failure detail")
+        except IdemError as e:
+            if failure is None or et is None or suppress:
+                return True, e, None, None, False
+            assert et is not None
+            text = _outcome_text({"error": et.__name__}, "the failure detail")
+        return False, None, failure, text, suppress
+
+    def _ending_statements(self, failure: Optional[FailureSpec],
+                           text: str) -> List[Tuple[str, Optional[List[Any]]]]:
+        """The last round trip: end the savepoint, complete or fail, COMMIT
+        (a statement of the pipeline: conn.commit() would sync once more)."""
+        retention = self.r.retention
+        if failure is None:
+            return [("RELEASE SAVEPOINT idem_handler", None),
+                    (self._sql("complete"), self._key_params() + [text, retention]),
+                    ("COMMIT", None)]
+        return [("ROLLBACK TO SAVEPOINT idem_handler", None),
+                (self._sql("fail"), self._key_params() + [text, failure[1], retention]),
+                ("COMMIT", None)]
+
+    def _ending_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The last round trip failed: (rollback, what to raise)."""
+        if self._broken():
+            # COMMIT was handed to the connection with the rest
+            return False, CommitUnknown(
+                "connection lost while COMMIT was in flight: the effect and its key committed "
+                "together or not at all; redeliver, the ledger decides (%s)" % str(e).strip())
+        if sqlstate_of(e) == "3B001":
+            return True, IdemError("handler_ended_tx", "the block released the runner's savepoint")
+        return True, IdemError("server", "completing the run: %s" % str(e).strip(),
+                               sqlstate_of(e))
+
+    def _ended(self, failure: Optional[FailureSpec], text: str) -> None:
+        """Committed: the run's result."""
+        run = self.run
+        run.source = SOURCE_HANDLER
+        run.status = APPLIED if failure is None else \
+            FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
+        run.outcome = json.loads(text)
+        if run.status != FAILED_RETRYABLE:
+            self.own_marker = False     # left for the worker's copy of the row
+
+    def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+        conn = self.conn
+        rollback, err, failure, text, suppress = self._ending(et, ev)
+        if err is not None or text is None:
+            if rollback:
                 conn.rollback()
-                raise
-        else:
-            detail, retryable = failure
-            try:
-                text = _outcome_text(detail, "the failure detail")
-            except IdemError:
-                if et is None or suppress:
-                    conn.rollback()
-                    raise
-                text = _outcome_text({"error": et.__name__}, "the failure detail")
+            if err is None:
+                return False
+            if ev is not None and err.code == "connection":
+                raise err from ev
+            raise err
         # A session the server ended while the block ran (pg_terminate_backend,
         # a restart) is seen now, before COMMIT is sent: nothing committed.
         if _session_ended(conn):
             raise IdemError("connection", "connection lost during the run (nothing committed)")
-        # one round trip: end the savepoint, complete or fail, COMMIT (a
-        # statement of the pipeline: conn.commit() would sync once more)
         try:
             with _pipeline(conn):
-                if failure is None:
-                    _exec(conn, "RELEASE SAVEPOINT idem_handler")
-                    _exec(conn, self._sql("complete"), self._key_params() + [text, self.r.retention])
-                else:
-                    _exec(conn, "ROLLBACK TO SAVEPOINT idem_handler")
-                    _exec(conn, self._sql("fail"), self._key_params() + [text, retryable,
-                                                                         self.r.retention])
-                _exec(conn, "COMMIT")
+                for sql, params in self._ending_statements(failure, text):
+                    _exec(conn, sql, params)
         except psycopg.Error as e:
-            if self._broken():
-                # COMMIT was handed to the connection with the rest
-                raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
-                                    "and its key committed together or not at all; redeliver, "
-                                    "the ledger decides (%s)" % str(e).strip()) from e
-            if sqlstate_of(e) == "3B001":
-                conn.rollback()
-                self._drop_marker()
-                raise IdemError("handler_ended_tx",
-                                "the block released the runner's savepoint") from e
-            self._pg_error(e, "completing the run")
-        run.source = SOURCE_HANDLER
-        if failure is None:
-            run.status = APPLIED
-            run.outcome = json.loads(text)
-        else:
-            run.status = FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
-            run.outcome = json.loads(text)
-        if run.status != FAILED_RETRYABLE:
-            self.own_marker = False     # left for the worker's copy of the row
+            rollback, err = self._ending_failed(e)
+            if rollback:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    pass
+            raise err from e
+        self._ended(failure, text)
         return suppress

@@ -26,7 +26,7 @@ from . import cache
 from .apply import _ApplyContext
 from .batch import Batch, cached_many
 from .lease import _LeaseContext, settle
-from .pg import Conn, _exec, _raise_pg_error
+from .pg import Conn, _exec, _raise_pg_error, sqlstate_of
 from .run import _RunContext
 from .trust import _ConnState
 # Defined below this module and importable from here as before (idem.runner
@@ -47,6 +47,16 @@ CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
               "  return redis.call('DEL', KEYS[1])\n"
               "end\n"
               "return 0\n")
+
+
+# What a runner learns of a session: the extension's schema, and the
+# cache's keyspace and secrets (the epoch's owner key and token with them).
+SCHEMA_SQL = ("SELECT quote_ident(n.nspname) FROM pg_catalog.pg_extension e "
+              "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
+              "WHERE e.extname = 'idem'")
+KEYSPACE_SQL = "SELECT %s.idem_cache_keyspace()"
+SECRETS_SQL = ("SELECT s.key_id, s.secret, s.is_current, s.owner_key, s.owner_token "
+               "FROM %s.idem_cache_secrets() AS s")
 
 
 def _ms(seconds: float, what: str, zero: bool = False) -> int:
@@ -209,39 +219,60 @@ class Runner:
             else:
                 conn.rollback()
 
-    def _state(self, conn: Conn) -> _ConnState:
-        """The session's state, learning the schema and (with Valkey) the
-        keyspace and secrets when the session is new, a second after an
-        unknown key id, a 55000 or an owner key that did not hold the
-        server's token, and at least every secrets_max_age_ms."""
+    def _conn_state(self, conn: Any) -> _ConnState:
+        """What the runner knows of conn's session (new if the session is)."""
         pid = conn.info.backend_pid
         with self._lock:
             st = self._conns.get(conn)
-        if st is None or st.backend_pid != pid:
-            st = _ConnState(pid)
-            with self._lock:
+            if st is None or st.backend_pid != pid:
+                st = _ConnState(pid)
                 self._conns[conn] = st
-        if not st.schema:
-            if self.schema is not None:
-                st.schema = psycopg.sql.Identifier(self.schema).as_string(conn)
-            else:
-                row = _exec(conn,
-                            "SELECT quote_ident(n.nspname) FROM pg_catalog.pg_extension e "
-                            "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
-                            "WHERE e.extname = 'idem'").fetchone()
-                self._end_tx(conn)
-                if row is None:
-                    raise IdemError("not_installed", "the idem extension is not installed in "
-                                    "database %r: CREATE EXTENSION idem" % conn.info.dbname)
-                st.schema = row[0]
+        return st
+
+    def _schema_of(self, conn: Any, row: Optional[Tuple[Any, ...]]) -> str:
+        """The extension's schema, quoted: the runner's, or SCHEMA_SQL's row."""
+        if self.schema is not None:
+            return psycopg.sql.Identifier(self.schema).as_string(conn)
+        if row is None:
+            raise IdemError("not_installed", "the idem extension is not installed in "
+                            "database %r: CREATE EXTENSION idem" % conn.info.dbname)
+        return str(row[0])
+
+    def _wants_learning(self, st: _ConnState) -> bool:
+        """Learn the keyspace and secrets now?  When the session is new, a
+        second after an unknown key id, a 55000 or an owner key that did
+        not hold the server's token, and at least every secrets_max_age."""
         if self.valkey is None:
-            return st
-        now = time.monotonic()
-        age = None if st.learnt is None else (now - st.learnt) * 1000
-        if age is None or (st.refresh_wanted and (age >= 1000 or (
-                st.owner_suspect and not st.owner_relearnt))) or \
-                (st.keyspace is not None and self.secrets_max_age_ms and
-                 age >= self.secrets_max_age_ms):
+            return False
+        if st.learnt is None:
+            return True
+        age = (time.monotonic() - st.learnt) * 1000
+        return (st.refresh_wanted and (age >= 1000 or (st.owner_suspect and
+                                                       not st.owner_relearnt))) or \
+            (st.keyspace is not None and self.secrets_max_age_ms > 0 and
+             age >= self.secrets_max_age_ms)
+
+    def _learning_refused(self, st: _ConnState, e: psycopg.Error) -> None:
+        """The server would not say (55000: not ready, recovery, or the
+        worker has not yet taken its cache epoch over in Valkey, or no
+        preloading: ask again in a second)."""
+        sqlstate = sqlstate_of(e)
+        st.forget(retry_soon=sqlstate == "55000")
+        if self.notice:
+            self.notice("no Valkey cache on this connection (%s %s): PostgreSQL decides"
+                        % (sqlstate, str(e).strip()))
+
+    def _state(self, conn: Conn) -> _ConnState:
+        """The session's state, learning the schema and (with Valkey) the
+        keyspace and secrets when _wants_learning says."""
+        st = self._conn_state(conn)
+        if not st.schema:
+            row = None
+            if self.schema is None:
+                row = _exec(conn, SCHEMA_SQL).fetchone()
+                self._end_tx(conn)
+            st.schema = self._schema_of(conn, row)
+        if self._wants_learning(st):
             self._learn(conn, st)
         return st
 
@@ -256,49 +287,18 @@ class Runner:
             _raise_pg_error(conn, e, "learning the schema")
 
     def _learn(self, conn: Conn, st: _ConnState) -> None:
-        st.learnt = time.monotonic()
-        st.refresh_wanted = False
-        st.owner_relearnt = st.owner_suspect
-        st.owner_suspect = False
+        st.start_learning()
         try:
-            row = _exec(conn, "SELECT %s.idem_cache_keyspace()" % st.schema).fetchone()
-            ks = None if row is None else row[0]
-            rows = _exec(conn, "SELECT s.key_id, s.secret, s.is_current, s.owner_key, "
-                         "s.owner_token FROM %s.idem_cache_secrets() AS s" % st.schema).fetchall()
+            row = _exec(conn, KEYSPACE_SQL % st.schema).fetchone()
+            rows = _exec(conn, SECRETS_SQL % st.schema).fetchall()
             self._end_tx(conn)
-        except psycopg.errors.Error as e:
+        except psycopg.Error as e:
             if conn.broken or conn.closed:
                 raise IdemError("connection", "connection lost: %s" % e) from e
             self._end_tx(conn)
-            sqlstate = getattr(e.diag, "sqlstate", None)
-            st.keyspace, st.secrets, st.current = None, {}, None
-            # 55000: not ready (recovery, or the worker has not yet taken its
-            # cache epoch over in Valkey, or no preloading): ask again in a second
-            st.refresh_wanted = sqlstate == "55000"
-            if self.notice:
-                self.notice("no Valkey cache on this connection (%s %s): PostgreSQL decides"
-                            % (sqlstate, str(e).strip()))
+            self._learning_refused(st, e)
             return
-        secrets: Dict[int, bytes] = {}
-        current: Optional[int] = None
-        owner: Tuple[Optional[str], Optional[str]] = (None, None)
-        for key_id, secret, is_current, owner_key, owner_token in rows:
-            if key_id is None or secret is None or not (0 < key_id <= cache.KEY_ID_MAX) \
-                    or len(secret) != cache.MAC_LEN:
-                continue
-            secrets[key_id] = bytes(secret)
-            if is_current:
-                current, owner = key_id, (owner_key, owner_token)
-        if ks is None or current is None:
-            st.keyspace, st.secrets, st.current = None, {}, None
-            return
-        if not cache.owner_ok(ks, owner[0], owner[1]) or owner[0] is None or owner[1] is None:
-            # not taken over yet, or the keyspace is of another epoch: soon
-            st.keyspace, st.secrets, st.current = None, {}, None
-            st.refresh_wanted = True
-            return
-        st.keyspace, st.secrets, st.current = ks, secrets, current
-        st.owner_key, st.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+        st.adopt(None if row is None else row[0], rows)
 
     # ---- the run ----
     def run(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,

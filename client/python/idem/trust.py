@@ -33,6 +33,43 @@ class _ConnState:
         self.owner_relearnt = False  # learnt at once after a mismatch, and
         # no check passed since: the next learning waits the second
 
+    def start_learning(self) -> None:
+        """A learning begins (Runner._learn): it is the last one from now."""
+        self.learnt = time.monotonic()
+        self.refresh_wanted = False
+        self.owner_relearnt = self.owner_suspect
+        self.owner_suspect = False
+
+    def forget(self, retry_soon: bool) -> None:
+        """No cache on this session (until learnt again, in a second if
+        retry_soon)."""
+        self.keyspace, self.secrets, self.current = None, {}, None
+        self.refresh_wanted = retry_soon
+
+    def adopt(self, keyspace: Optional[str], rows: List[Tuple[Any, ...]]) -> None:
+        """What idem_cache_keyspace() and idem_cache_secrets() answered:
+        the secrets that are well formed, the current one's owner key and
+        token, usable only with the keyspace of the same epoch."""
+        secrets: Dict[int, bytes] = {}
+        current: Optional[int] = None
+        owner: Tuple[Optional[str], Optional[str]] = (None, None)
+        for key_id, secret, is_current, owner_key, owner_token in rows:
+            if key_id is None or secret is None or not (0 < key_id <= cache.KEY_ID_MAX) \
+                    or len(secret) != cache.MAC_LEN:
+                continue
+            secrets[key_id] = bytes(secret)
+            if is_current:
+                current, owner = key_id, (owner_key, owner_token)
+        if keyspace is None or current is None:
+            self.forget(retry_soon=False)
+            return
+        if owner[0] is None or owner[1] is None or not cache.owner_ok(keyspace, owner[0], owner[1]):
+            # not taken over yet, or the keyspace is of another epoch: soon
+            self.forget(retry_soon=True)
+            return
+        self.keyspace, self.secrets, self.current = keyspace, secrets, current
+        self.owner_key, self.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+
     def judge(self, owner: Any, reads: List[Tuple[bytes, Any]], lease_ms: int,
               stats: Dict[str, int]) -> Tuple[bool, List[Optional[cache.Entry]]]:
         """What one round trip read from Valkey is worth.  owner: the reply
