@@ -5,7 +5,7 @@ runner's idem_run_options.sql_handler).  The gate in front is the one
 run's (run.py); this module owns only step 3b's one statement and the
 rules for what its failures prove."""
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import psycopg
 
@@ -67,41 +67,25 @@ class _ApplyContext(_RunContext):
         return cols + ("FROM %s.idem_apply(%%s, %%s, %%s, %%s::regprocedure, %%s::jsonb, "
                        "%%s::interval) AS a" % s)
 
-    # step 3b: instead of the claim, the whole run in one statement
-    def _claim(self) -> None:
-        run, conn, r = self.run, self.conn, self.r
-        if _session_ended(conn):
-            self._drop_marker()
-            raise IdemError("connection", "connection lost before idem_apply was sent "
-                            "(nothing committed)")
-        # one statement, one round trip; with max_attempts (SET LOCAL) or
-        # autocommit off, BEGIN, the setting, idem_apply and COMMIT are
-        # still one round trip (pipelined)
-        single = conn.autocommit and r.max_attempts is None
-        try:
-            if single:
-                cur = _exec(conn, self._apply_sql(), self._key_params() + [
-                    run.fingerprint, self.sql_handler, self.args_text, r.retention])
-            else:
-                with _pipeline(conn):
-                    if conn.autocommit:
-                        _exec(conn, "BEGIN")
-                    self._set_max_attempts()
-                    cur = _exec(conn, self._apply_sql(), self._key_params() + [
-                        run.fingerprint, self.sql_handler, self.args_text, r.retention])
-                    _exec(conn, "COMMIT")
-        except psycopg.Error as e:
-            if self._broken():
-                if proves_rollback(e):
-                    self._drop_marker()
-                    raise IdemError("server", "idem_apply failed (rolled back, nothing "
-                                    "committed), then the connection was lost: %s"
-                                    % str(e).strip(), sqlstate_of(e)) from e
-                raise CommitUnknown("connection lost after idem_apply was sent: whether it "
-                                    "committed is unknown; redeliver, the ledger decides (%s)"
-                                    % str(e).strip()) from e
-            self._pg_error(e, "idem_apply")
-        decision, attempt, outcome, ms, ran = _one(cur)
+    def _apply_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, self.sql_handler, self.args_text,
+                                     self.r.retention]
+
+    def _apply_failed(self, e: psycopg.Error) -> Optional[IdemError]:
+        """idem_apply's statement failed and the connection is lost: what
+        to raise (None: not lost, a statement error)."""
+        if not self._broken():
+            return None
+        if proves_rollback(e):
+            return IdemError("server", "idem_apply failed (rolled back, nothing committed), "
+                             "then the connection was lost: %s" % str(e).strip(), sqlstate_of(e))
+        return CommitUnknown("connection lost after idem_apply was sent: whether it committed "
+                             "is unknown; redeliver, the ledger decides (%s)" % str(e).strip())
+
+    def _applied(self, row: Tuple[Any, ...]) -> None:
+        """idem_apply's answer."""
+        run = self.run
+        decision, attempt, outcome, ms, ran = row
         run.attempt = attempt
         if decision in ("applied", "failed_retryable") or \
                 (decision == "failed_permanent" and ran):
@@ -117,3 +101,32 @@ class _ApplyContext(_RunContext):
                 self.own_marker = False     # a terminal row: the worker's copy follows
             return
         self._claim_decided(decision, attempt, outcome, ms)
+
+    # step 3b: instead of the claim, the whole run in one statement
+    def _claim(self) -> None:
+        conn, r = self.conn, self.r
+        if _session_ended(conn):
+            self._drop_marker()
+            raise IdemError("connection", "connection lost before idem_apply was sent "
+                            "(nothing committed)")
+        # one statement, one round trip; with max_attempts (SET LOCAL) or
+        # autocommit off, BEGIN, the setting, idem_apply and COMMIT are
+        # still one round trip (pipelined)
+        try:
+            if conn.autocommit and r.max_attempts is None:
+                cur = _exec(conn, self._apply_sql(), self._apply_params())
+            else:
+                with _pipeline(conn):
+                    if conn.autocommit:
+                        _exec(conn, "BEGIN")
+                    self._set_max_attempts()
+                    cur = _exec(conn, self._apply_sql(), self._apply_params())
+                    _exec(conn, "COMMIT")
+        except psycopg.Error as e:
+            err = self._apply_failed(e)
+            if err is None:
+                self._pg_error(e, "idem_apply")
+            if not isinstance(err, CommitUnknown):
+                self._drop_marker()
+            raise err from e
+        self._applied(_one(cur))

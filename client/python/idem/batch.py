@@ -28,15 +28,20 @@ from .trust import _ConnState
 if TYPE_CHECKING:
     from .runner import Runner
 
+# What a batch's end records (Batch._closing): the block's failure, the
+# completed runs and their outcomes, the failed runs with their details
+# and kinds, and whether the block's exception is suppressed.
+Closing = Tuple[Optional[FailureSpec], List[Tuple[Run, str]], List[Tuple[Run, str, bool]], bool]
+
 
 def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     """Decide from Valkey what it can: one pipelined GET for all of runs
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
     alone.  Returns how many were decided."""
-    if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
+    ckeys = cache_keys(runner, st, runs)
+    if not ckeys:
         return 0
-    ckeys = [cache.cache_key(st.keyspace, run.tenant_id, run.key) for run in runs]
     try:
         runner._check_cluster()
         pipe = runner.valkey.pipeline(transaction=False)
@@ -49,6 +54,21 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     except Exception as e:
         runner._valkey_failed(e)
         return 0
+    return cache_answers(runner, st, runs, ckeys, values)
+
+
+def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]:
+    """The cache keys from_cache reads (none: Valkey is not asked)."""
+    if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
+        return []
+    keyspace = st.keyspace
+    return [cache.cache_key(keyspace, run.tenant_id, run.key) for run in runs]
+
+
+def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List[bytes],
+                  values: List[Any]) -> int:
+    """What from_cache read (the keys' values, then the owner key's):
+    the runs it decides.  Returns how many."""
     # as at the gate: the owner key read in the same round trip decides
     # whether anything read here is trusted (trust.py)
     held, entries = st.judge(values.pop(), list(zip(ckeys, values)),
@@ -153,7 +173,6 @@ class Batch:
         pending = [run for run in self.runs if run.status is None]
         if not pending:
             return self
-        lease = "%d milliseconds" % r.lease_ms
         try:
             # one round trip: BEGIN, the claims of each ledger, the savepoint
             with _pipeline(conn):
@@ -163,13 +182,11 @@ class Batch:
                 if r.max_attempts is not None:
                     _exec(conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
                           [str(r.max_attempts)])
-                curs = [(g, _exec(conn, self._sql("claim", p), self._keys(g, p) +
-                                  [[run.fingerprint for run in g], lease]))
-                        for p, g in self._groups(pending)]
+                curs = [(g, _exec(conn, sql, params))
+                        for g, sql, params in self._claim_statements(pending)]
                 _exec(conn, "SAVEPOINT idem_batch")
             for group, cur in curs:
-                for ordinal, decision, attempt, outcome, ms in cur.fetchall():
-                    self._decided(group[ordinal - 1], decision, attempt, outcome, ms)
+                self._claims_answered(group, cur.fetchall())
             if not any(run.claimed for run in pending):
                 conn.commit()
                 self.tx_open = False
@@ -179,6 +196,17 @@ class Batch:
                 run.claimed = False
             self._error(e, "idem_claim_many")
         return self
+
+    def _claim_statements(self, pending: List[Run]) -> List[Tuple[List[Run], str, List[Any]]]:
+        """One idem_claim_many per ledger: (its runs, statement, parameters)."""
+        lease = "%d milliseconds" % self.r.lease_ms
+        return [(g, self._sql("claim", p), self._keys(g, p) + [[run.fingerprint for run in g],
+                                                                 lease])
+                for p, g in self._groups(pending)]
+
+    def _claims_answered(self, group: List[Run], rows: List[Tuple[Any, ...]]) -> None:
+        for ordinal, decision, attempt, outcome, ms in rows:
+            self._decided(group[ordinal - 1], decision, attempt, outcome, ms)
 
     @staticmethod
     def _decided(run: Run, decision: str, attempt: Optional[int], outcome: Optional[str],
@@ -212,64 +240,76 @@ class Batch:
         _exec(conn, "SAVEPOINT idem_step")
         try:
             yield run
-        except Failure as f:
-            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step")
-            run.fail(f.detail, retryable=f.retryable)
         except Exception as e:
-            if conn.broken or conn.closed or server_state_error(e) is not None:
-                raise       # the server's state (a serialization failure...): the batch's
+            if not self._step_failed(run, e):
+                raise
             _exec(conn, "ROLLBACK TO SAVEPOINT idem_step")
-            run.error = e
-            run.fail({"error": type(e).__name__, "message": str(e)[:1000]}, retryable=True)
         else:
-            if conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
-                run.fail({"error": "the step left the transaction in error"}, retryable=True)
-            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
-                  else "RELEASE SAVEPOINT idem_step")
+            _exec(conn, self._step_ended(run))
 
-    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> bool:
+    def _step_failed(self, run: Run, e: Exception) -> bool:
+        """A step's exception: recorded as its run's failure (then rolled
+        back to the step's savepoint), or False: the batch's to handle
+        (the connection lost, or the server's state: a serialization
+        failure...)."""
+        if isinstance(e, Failure):
+            run.fail(e.detail, retryable=e.retryable)
+            return True
+        if self.conn.broken or self.conn.closed or server_state_error(e) is not None:
+            return False
+        run.error = e
+        run.fail({"error": type(e).__name__, "message": str(e)[:1000]}, retryable=True)
+        return True
+
+    def _step_ended(self, run: Run) -> str:
+        """A step that raised nothing: the statement that ends it."""
+        if self.conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
+            run.fail({"error": "the step left the transaction in error"}, retryable=True)
+        return ("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
+                else "RELEASE SAVEPOINT idem_step")
+
+    def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
+        """The end of a block whose batch claimed nothing: (rollback, error)."""
+        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+            return False, None
+        return True, None if et is not None else IdemError(
+            "state", "the block ran statements in a batch that claimed nothing (check "
+            "batch.claimed): rolled back")
+
+    def _closing(self, et: Optional[Type[BaseException]],
+                 ev: Optional[BaseException]) -> Tuple[bool, Optional[IdemError], Optional[Closing]]:
+        """What the end of a batch with claimed runs does, decided before
+        any I/O: (rollback, error, closing); closing None and no error:
+        let the block's exception propagate.  closing: (the block's
+        failure, the completed runs and outcomes, the failed runs, details
+        and kinds, suppress)."""
         conn = self.conn
-        claimed = self.claimed
-        if not claimed:
-            if conn.info.transaction_status not in (TransactionStatus.IDLE,
-                                                    TransactionStatus.UNKNOWN):
-                conn.rollback()
-                if et is None:
-                    raise IdemError("state", "the block ran statements in a batch that claimed "
-                                    "nothing (check batch.claimed): rolled back")
-            return False
         ts = conn.info.transaction_status
+        broken = conn.broken or conn.closed
         if et is not None and not issubclass(et, Exception):
-            if not (conn.broken or conn.closed) and ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
-        if conn.broken or conn.closed:
-            err = IdemError("connection", "connection lost during the batch (nothing committed)")
-            if et is not None:
-                raise err from ev
-            raise err
+            return not broken and ts != TransactionStatus.IDLE, None, None
+        if broken:
+            return False, IdemError("connection", "connection lost during the batch (nothing "
+                                    "committed)"), None
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
             # a serialization failure, a deadlock, a cancelled statement...:
             # the server's state, not an answer; nothing recorded, raised again
-            if ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
+            return ts != TransactionStatus.IDLE, None, None
         if ts == TransactionStatus.IDLE:
-            raise IdemError("handler_ended_tx",
-                            "the block ended the batch's transaction (COMMIT or ROLLBACK): its "
-                            "effects may have committed without their idempotency keys")
+            return False, IdemError("handler_ended_tx", "the block ended the batch's transaction "
+                                    "(COMMIT or ROLLBACK): its effects may have committed "
+                                    "without their idempotency keys"), None
         block_failure, suppress = _failure_of(self, et, ev)
         if et is None and ts == TransactionStatus.INERROR:
-            conn.rollback()
-            raise IdemError("handler", "the block left the transaction in error (a failed "
-                            "statement it caught): rolled back, nothing recorded")
+            return True, IdemError("handler", "the block left the transaction in error (a "
+                                   "failed statement it caught): rolled back, nothing "
+                                   "recorded"), None
         # what each claimed run records; the block's failure (its statements
         # rolled back) fails every run that did not fail by itself
         done: List[Tuple[Run, str]] = []
         failed: List[Tuple[Run, str, bool]] = []
         try:
-            for run in claimed:
+            for run in self.claimed:
                 failure = run._failure or block_failure
                 if failure is None:
                     done.append((run, _outcome_text({} if run.outcome is None else run.outcome,
@@ -277,39 +317,81 @@ class Batch:
                 else:
                     failed.append((run, _outcome_text(failure[0], "the failure detail"),
                                    bool(failure[1])))
-        except IdemError:
-            conn.rollback()
-            raise
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the batch (nothing committed)")
+        except IdemError as e:
+            return True, e, None
+        return False, None, (block_failure, done, failed, suppress)
+
+    def _closing_statements(self, closing: "Closing") -> List[Tuple[str, Optional[List[Any]]]]:
+        """The last round trip: the savepoint ended, the completions and
+        failures of each ledger, COMMIT."""
+        block_failure, done, failed, _ = closing
         retention = self.r.retention
-        try:
-            with _pipeline(conn):
-                _exec(conn, "ROLLBACK TO SAVEPOINT idem_batch" if block_failure
-                      else "RELEASE SAVEPOINT idem_batch")
-                for p, g in self._groups([run for run, _ in done]):
-                    texts = dict((id(run), t) for run, t in done)
-                    _exec(conn, self._sql("complete", p), self._keys(g, p) +
-                          [[texts[id(run)] for run in g], retention])
-                for p, g in self._groups([run for run, _, _ in failed]):
-                    info = dict((id(run), (t, rt)) for run, t, rt in failed)
-                    _exec(conn, self._sql("fail", p), self._keys(g, p) +
+        stmts: List[Tuple[str, Optional[List[Any]]]] = [
+            ("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
+             else "RELEASE SAVEPOINT idem_batch", None)]
+        texts = dict((id(run), t) for run, t in done)
+        for p, g in self._groups([run for run, _ in done]):
+            stmts.append((self._sql("complete", p), self._keys(g, p) +
+                          [[texts[id(run)] for run in g], retention]))
+        info = dict((id(run), (t, rt)) for run, t, rt in failed)
+        for p, g in self._groups([run for run, _, _ in failed]):
+            stmts.append((self._sql("fail", p), self._keys(g, p) +
                           [[info[id(run)][0] for run in g],
-                           [info[id(run)][1] for run in g], retention])
-                _exec(conn, "COMMIT")
-        except psycopg.Error as e:
-            if conn.broken or conn.closed:
-                raise CommitUnknown("connection lost while the batch's COMMIT was in flight: "
-                                    "its effects and keys committed together or not at all; "
-                                    "redeliver, the ledger decides (%s)" % str(e).strip()) from e
-            if sqlstate_of(e) == "3B001":
-                conn.rollback()
-                raise IdemError("handler_ended_tx",
-                                "the block released the batch's savepoint") from e
-            self._error(e, "completing the batch")
+                           [info[id(run)][1] for run in g], retention]))
+        stmts.append(("COMMIT", None))
+        return stmts
+
+    def _closing_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The last round trip failed: (rollback, what to raise)."""
+        if self.conn.broken or self.conn.closed:
+            return False, CommitUnknown(
+                "connection lost while the batch's COMMIT was in flight: its effects and keys "
+                "committed together or not at all; redeliver, the ledger decides (%s)"
+                % str(e).strip())
+        if sqlstate_of(e) == "3B001":
+            return True, IdemError("handler_ended_tx", "the block released the batch's savepoint")
+        return True, IdemError("server", "completing the batch: %s" % str(e).strip(),
+                               sqlstate_of(e))
+
+    @staticmethod
+    def _closed(closing: "Closing") -> None:
+        """Committed: each run's result."""
+        _, done, failed, _ = closing
         for run, text in done:
             run.status, run.source, run.outcome = APPLIED, SOURCE_HANDLER, json.loads(text)
         for run, text, retryable in failed:
             run.status = FAILED_RETRYABLE if retryable else FAILED_PERMANENT
             run.source, run.outcome = SOURCE_HANDLER, json.loads(text)
-        return suppress
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
+        conn = self.conn
+        if not self.claimed:
+            rollback, err = self._unclaimed_exit(et)
+            closing = None
+        else:
+            rollback, err, closing = self._closing(et, ev)
+        if rollback:
+            conn.rollback()
+        if err is not None:
+            if ev is not None and err.code == "connection":
+                raise err from ev
+            raise err
+        if closing is None:
+            return False
+        if _session_ended(conn):
+            raise IdemError("connection", "connection lost during the batch (nothing committed)")
+        try:
+            with _pipeline(conn):
+                for sql, params in self._closing_statements(closing):
+                    _exec(conn, sql, params)
+        except psycopg.Error as e:
+            rollback, err = self._closing_failed(e)
+            if rollback:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    pass
+            raise err from e
+        self._closed(closing)
+        return closing[3]

@@ -7,7 +7,7 @@ one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
 import json
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, List, Optional, Type, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -18,7 +18,7 @@ from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _se
                  server_state_error, sqlstate_of)
 from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, FailureSpec,
                      Run, _failure_of, _outcome_text)
-from .run import _RunContext
+from .run import Ending, _RunContext
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -86,9 +86,23 @@ class _LeaseContext(_RunContext):
         self.lease = cast(Lease, self.run)
         self.lease.duration = lease_ms / 1000.0
 
+    def _lease_claim_failed(self, e: psycopg.Error) -> Optional[IdemError]:
+        """The committed claim's round trip failed: what to raise if the
+        connection is lost (None: a statement error)."""
+        if not self._broken():
+            return None
+        # the claim may have committed: the key then answers busy until its
+        # lease ends, and a redelivery takes it over
+        return IdemError("connection", "connection lost while the lease-mode claim was in "
+                         "flight (if it committed, the key is busy until its lease ends): %s"
+                         % str(e).strip())
+
+    def _claim_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.lease_ms]
+
     # step 3b: the claim, committed alone, with its lease given explicitly
     def _claim(self) -> None:
-        run, conn = self.run, self.conn
+        conn = self.conn
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the claim was sent "
                             "(nothing committed)")
@@ -97,23 +111,14 @@ class _LeaseContext(_RunContext):
                 if conn.autocommit:
                     _exec(conn, "BEGIN")
                 self._set_max_attempts()
-                cur = _exec(conn, self._sql("claim"), self._key_params() +
-                            [run.fingerprint, "%d milliseconds" % self.lease_ms])
+                cur = _exec(conn, self._sql("claim"), self._claim_params())
                 _exec(conn, "COMMIT")
         except psycopg.Error as e:
-            if self._broken():
-                # the claim may have committed: the key then answers busy
-                # until its lease ends, and a redelivery takes it over
-                raise IdemError("connection", "connection lost while the lease-mode claim "
-                                "was in flight (if it committed, the key is busy until its "
-                                "lease ends): %s" % str(e).strip()) from e
+            err = self._lease_claim_failed(e)
+            if err is not None:
+                raise err from e
             self._pg_error(e, "idem_claim")
-        decision, attempt, outcome, ms = _one(cur)
-        if decision == "claimed":
-            run.claimed = True
-            run.attempt = attempt
-            return
-        self._claim_decided(decision, attempt, outcome, ms)
+        self._claimed(_one(cur), None)
 
     def __enter__(self) -> Lease:
         super().__enter__()
@@ -127,42 +132,72 @@ class _LeaseContext(_RunContext):
         try:
             return self._settle(et, ev)
         finally:
-            if self.own_marker and run.status in (None, FAILED_RETRYABLE):
+            if self._drops_marker():
                 self._drop_marker()
 
-    def _settle(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+    def _drops_marker(self) -> bool:
+        """After the block: our marker goes unless a terminal row's copy
+        will overwrite it."""
+        return self.own_marker and self.run.status in (None, FAILED_RETRYABLE)
+
+    def _settling(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
+        """What the end of a claimed lease's block does, decided before any
+        I/O, as _RunContext._ending: (rollback, error, failure, text,
+        suppress); text None and no error: nothing recorded (the lease ends
+        it, or the completion is deferred)."""
         run, conn = self.lease, self.conn
+        ts = conn.info.transaction_status
         if et is not None and not issubclass(et, Exception):
-            return False        # KeyboardInterrupt...: the lease ends it
+            return False, None, None, None, False   # KeyboardInterrupt...: the lease ends it
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
             # the server's state (a serialization failure...), not the
             # block's answer: nothing recorded (the lease ends it), raised again
-            if not self._broken() and conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
+            return not self._broken() and ts != TransactionStatus.IDLE, None, None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and run.deferred:
-            return False        # completed later, by attempt
-        ts = conn.info.transaction_status
-        if ts == TransactionStatus.INERROR:
-            conn.rollback()
-            if et is None:
-                raise IdemError("handler", "the block left the connection's transaction in "
-                                "error: rolled back, nothing recorded (the lease ends it)")
-        if failure is None:
-            try:
+            return False, None, None, None, False   # completed later, by attempt
+        if ts == TransactionStatus.INERROR and et is None:
+            return True, IdemError("handler", "the block left the connection's transaction in "
+                                   "error: rolled back, nothing recorded (the lease ends it)"), \
+                None, None, False
+        rollback = ts == TransactionStatus.INERROR      # then the failure is recorded
+        try:
+            if failure is None:
                 text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            except IdemError:
-                if ts == TransactionStatus.INTRANS:
-                    conn.rollback()
-                raise
-        else:
-            try:
+            else:
                 text = _outcome_text(failure[0], "the failure detail")
-            except IdemError:
-                if et is None or suppress:
-                    raise
-                text = _outcome_text({"error": et.__name__}, "the failure detail")
+        except IdemError as e:
+            if failure is None or et is None or suppress:
+                return rollback or (failure is None and ts == TransactionStatus.INTRANS), e, \
+                    None, None, False
+            assert et is not None
+            text = _outcome_text({"error": et.__name__}, "the failure detail")
+        return rollback, None, failure, text, suppress
+
+    def _fence(self, failure: Optional[FailureSpec], text: str) -> Tuple[str, List[Any]]:
+        """The fenced completion (or failure): its statement and parameters."""
+        run = self.lease
+        return (_fenced_sql(self.st.schema, run.tenant_id, failure),
+                fenced_params(run.tenant_id, run.key, text, failure, self.r.retention,
+                              run.attempt))
+
+    def _settle_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The completion's round trip failed: (rollback, what to raise)."""
+        if self._broken():
+            return False, CommitUnknown("connection lost while the completion's COMMIT was in "
+                                        "flight: redeliver, the ledger decides (%s)"
+                                        % str(e).strip())
+        return True, _refused(e)
+
+    def _settle(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+        conn = self.conn
+        rollback, err, failure, text, suppress = self._settling(et, ev)
+        if rollback:
+            conn.rollback()
+        if err is not None:
+            raise err
+        if text is None:
+            return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the completion was sent "
                             "(nothing recorded; the lease ends it)")
@@ -172,33 +207,22 @@ class _LeaseContext(_RunContext):
             with _pipeline(conn):
                 if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
                     _exec(conn, "BEGIN")
-                _exec(conn, _fenced_sql(self.st.schema, run.tenant_id, failure),
-                      fenced_params(run.tenant_id, run.key, text, failure,
-                                    self.r.retention, run.attempt))
+                _exec(conn, *self._fence(failure, text))
                 _exec(conn, "COMMIT")
         except psycopg.Error as e:
-            if self._broken():
-                raise CommitUnknown("connection lost while the completion's COMMIT was in "
-                                    "flight: redeliver, the ledger decides (%s)"
-                                    % str(e).strip()) from e
-            raise _completion_error(conn, e) from e
-        run.source = SOURCE_HANDLER
-        run.outcome = json.loads(text)
-        if failure is None:
-            run.status = APPLIED
-        else:
-            run.status = FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
-        if run.status != FAILED_RETRYABLE:
-            self.own_marker = False     # left for the worker's copy
+            rollback, err = self._settle_failed(e)
+            if rollback:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    pass
+            raise err from e
+        self._ended(failure, text)
         return suppress
 
 
-def _completion_error(conn: Conn, e: psycopg.Error) -> IdemError:
-    """A refused completion: roll back, and say why."""
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
+def _refused(e: psycopg.Error) -> IdemError:
+    """A refused completion: why."""
     state = sqlstate_of(e)
     if state == "55000":
         return LeaseLost(str(e).strip())
