@@ -18,8 +18,8 @@ from psycopg.pq import TransactionStatus
 
 from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (Conn, _check_conn, _exec, _pipeline, _raise_pg_error, _session_ended, server_state_error,
-                 sqlstate_of)
+from .pg import (MAX_ATTEMPTS_SQL, Conn, _check_conn, _exec, _pipeline, _raise_pg_error,
+                 _session_ended, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
@@ -44,11 +44,8 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
         return 0
     try:
         runner._check_cluster()
-        pipe = runner.valkey.pipeline(transaction=False)
-        for k in ckeys:
-            pipe.get(k)
-        pipe.get(st.owner_key)      # the epoch's owner, in the same round trip
-        values = pipe.execute(raise_on_error=False)
+        values = cache_reads(runner.valkey.pipeline(transaction=False), st, ckeys).execute(
+            raise_on_error=False)
     except ValkeyClusterNotSupported:
         raise
     except Exception as e:
@@ -63,6 +60,15 @@ def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]
         return []
     keyspace = st.keyspace
     return [cache.cache_key(keyspace, run.tenant_id, run.key) for run in runs]
+
+
+def cache_reads(pipe: Any, st: _ConnState, ckeys: List[bytes]) -> Any:
+    """from_cache's one round trip: each key's GET, and the epoch's owner
+    key's in the same round trip."""
+    for k in ckeys:
+        pipe.get(k)
+    pipe.get(st.owner_key)
+    return pipe
 
 
 def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List[bytes],
@@ -113,9 +119,10 @@ class Batch:
     savepoint of its own.  ``batch.runs``: every item's Run, in order."""
 
     _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
+    asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
     def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
-        _check_conn(conn)
+        _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
         self.runs = [_make_run(Run, *item) for item in items]
@@ -180,8 +187,7 @@ class Batch:
                     _exec(conn, "BEGIN")
                 self.tx_open = True
                 if r.max_attempts is not None:
-                    _exec(conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                          [str(r.max_attempts)])
+                    _exec(conn, MAX_ATTEMPTS_SQL, [str(r.max_attempts)])
                 curs = [(g, _exec(conn, sql, params))
                         for g, sql, params in self._claim_statements(pending)]
                 _exec(conn, "SAVEPOINT idem_batch")

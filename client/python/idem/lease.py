@@ -239,6 +239,17 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
         st = runner._state(conn)
     except psycopg.Error as e:
         _raise_pg_error(conn, e, "learning the schema")
+    try:
+        _exec(conn, *settle_statement(runner, st, tenant_id, scope, run_id, attempt, outcome,
+                                      failure))
+    except psycopg.Error as e:
+        raise settle_failed(conn, e) from e
+
+
+def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope: str,
+                     run_id: str, attempt: int, outcome: Any,
+                     failure: Optional[FailureSpec]) -> Tuple[str, List[Any]]:
+    """runner.complete's (or fail's) fenced statement and parameters."""
     if tenant_id is not None:
         tenant_id = int(tenant_id)
     try:
@@ -249,17 +260,19 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
         text = _outcome_text({} if outcome is None else outcome, "the outcome")
     else:
         text = _outcome_text(failure[0], "the failure detail")
-    try:
-        _exec(conn, _fenced_sql(st.schema, tenant_id, failure),
-              fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
-    except psycopg.Error as e:
-        if conn.broken or conn.closed:
-            if conn.autocommit:
-                raise CommitUnknown("connection lost while the completion was in flight: "
-                                    "look the key up (%s)" % str(e).strip()) from e
-            raise IdemError("connection", "connection lost (the transaction with the "
-                            "completion did not commit): %s" % str(e).strip()) from e
-        state = sqlstate_of(e)
-        if state == "55000":
-            raise LeaseLost(str(e).strip()) from e
-        raise IdemError("server", str(e).strip(), state) from e
+    return (_fenced_sql(st.schema, tenant_id, failure),
+            fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
+
+
+def settle_failed(conn: Any, e: psycopg.Error) -> IdemError:
+    """runner.complete's statement failed: why."""
+    if conn.broken or conn.closed:
+        if conn.autocommit:
+            return CommitUnknown("connection lost while the completion was in flight: look "
+                                 "the key up (%s)" % str(e).strip())
+        return IdemError("connection", "connection lost (the transaction with the completion "
+                         "did not commit): %s" % str(e).strip())
+    state = sqlstate_of(e)
+    if state == "55000":
+        return LeaseLost(str(e).strip())
+    return IdemError("server", str(e).strip(), state)

@@ -24,17 +24,25 @@ from .errors import IdemError
 # errors (XX).  Raised again, nothing recorded.
 SERVER_STATE_CLASSES = ("40", "53", "57", "58", "XX")
 
+# The runner's idem.max_attempts, for its claims' transactions.
+MAX_ATTEMPTS_SQL = "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)"
+
 # The connection every form is given (any row factory).
 Conn = psycopg.Connection[Any]
 
-def _check_conn(conn: Any) -> None:
-    """The runner is synchronous: a psycopg Connection, not an
-    AsyncConnection (nor anything else)."""
-    if not isinstance(conn, psycopg.Connection):
+def _check_conn(conn: Any, asynchronous: bool = False) -> None:
+    """idem.Runner takes a psycopg Connection, idem.aio.AsyncRunner an
+    AsyncConnection."""
+    if asynchronous:
+        if not isinstance(conn, psycopg.AsyncConnection):
+            raise IdemError("argument", "conn must be a psycopg.AsyncConnection, not %s "
+                            "(idem.Runner is the synchronous runner)" % type(conn).__name__)
+    elif not isinstance(conn, psycopg.Connection):
         raise IdemError("argument", "conn must be a psycopg.Connection, not %s%s"
                         % (type(conn).__name__,
-                           " (the runner is synchronous)"
-                           if isinstance(conn, psycopg.AsyncConnection) else ""))
+                           " (the runner is synchronous: idem.aio.AsyncRunner takes an "
+                           "AsyncConnection)" if isinstance(conn, psycopg.AsyncConnection)
+                           else ""))
 
 
 def _exec(conn: "psycopg.Connection[Any]", query: str,
@@ -95,20 +103,27 @@ def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
     return None
 
 
+def _pg_error_of(conn: Any, e: psycopg.Error, what: str) -> IdemError:
+    """What a statement's error is: the connection lost, or an error of
+    the server (the caller rolls back); nothing committed either way."""
+    if conn.broken or conn.closed:
+        return IdemError("connection", "%s: connection lost (nothing committed): %s" % (what, e))
+    return IdemError("server", "%s: %s" % (what, str(e).strip()), sqlstate_of(e))
+
+
 def _raise_pg_error(conn: "psycopg.Connection[Any]", e: psycopg.Error, what: str) -> NoReturn:
     """A statement's error: nothing committed (the connection lost, or the
     transaction rolled back here)."""
-    if conn.broken or conn.closed:
-        raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                        % (what, e)) from e
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
-    raise IdemError("server", "%s: %s" % (what, str(e).strip()), sqlstate_of(e)) from e
+    err = _pg_error_of(conn, e, what)
+    if err.code == "server":
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            pass
+    raise err from e
 
 
-def _session_ended(conn: "psycopg.Connection[Any]") -> bool:
+def _session_ended(conn: Any) -> bool:
     """Has the server ended this session (pg_terminate_backend, a restart)?
     Reads, without blocking, what it sent meanwhile (libpq reads the
     server's FATAL message, then its end of stream)."""
@@ -117,4 +132,4 @@ def _session_ended(conn: "psycopg.Connection[Any]") -> bool:
             conn.pgconn.consume_input()
         except psycopg.OperationalError:
             break
-    return conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD
+    return bool(conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD)

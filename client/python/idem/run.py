@@ -14,8 +14,8 @@ from psycopg.pq import TransactionStatus
 
 from . import cache
 from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
-                 server_state_error, sqlstate_of)
+from .pg import (MAX_ATTEMPTS_SQL, Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error,
+                 _session_ended, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
@@ -39,12 +39,13 @@ class _RunContext:
     """``with runner.run(...) as run:`` (Runner.run): the gate and the
     claim on entry, the completion or failure, and COMMIT, on exit."""
     run_class: Type[Run] = Run
+    asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
     def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, *, delivery_count: int = 0,
                  first_sql: Optional[str] = None,
                  first_params: Optional[Sequence[Any]] = None) -> None:
-        _check_conn(conn)
+        _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
         if delivery_count is None or int(delivery_count) < 0:
@@ -134,11 +135,8 @@ class _RunContext:
             # one round trip: the gate, and the epoch's owner key (on a
             # cluster each node's share is sent before any reply is read);
             # get=True: redis-py then returns SET's reply as it is
-            pipe = r.valkey.pipeline(transaction=False)
-            pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX",
-                                 str(r.lease_ms), "GET", get=True)
-            pipe.execute_command("GET", self.st.owner_key)
-            value, owner = pipe.execute(raise_on_error=False)
+            value, owner = self._gate_commands(r.valkey.pipeline(transaction=False)).execute(
+                raise_on_error=False)
             if isinstance(value, Exception):
                 raise value
         except ValkeyClusterNotSupported:
@@ -149,6 +147,16 @@ class _RunContext:
             r._valkey_failed(e)
             return False, True, False, False
         return self._gate_answer(value, owner)
+
+    def _gate_commands(self, pipe: Any) -> Any:
+        """The gate's one round trip: our marker, set unless the key holds
+        a value (which it answers), and the epoch's owner key (on a cluster
+        each node's share is sent before any reply is read).  get=True:
+        redis-py then returns SET's reply as it is."""
+        pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX", str(self.r.lease_ms),
+                             "GET", get=True)
+        pipe.execute_command("GET", self.st.owner_key)
+        return pipe
 
     def _gate_answer(self, value: Any, owner: Any) -> Gate:
         """The gate's answer from what SET ... GET and the owner key's GET
@@ -230,8 +238,7 @@ class _RunContext:
     def _set_max_attempts(self) -> None:
         """In the claim's transaction (pipelined): the runner's max_attempts."""
         if self.r.max_attempts is not None:
-            _exec(self.conn, "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                              [str(self.r.max_attempts)])
+            _exec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
 
     def _claim_params(self) -> List[Any]:
         return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]

@@ -93,6 +93,58 @@ def _id_text(value: Any, what: str) -> str:
     return text
 
 
+class _KeyOf:
+    """The decorator's reading of a call: (tenant, run id as text,
+    request, delivery count) from the arguments after conn, each spec a
+    parameter name of fn, a callable of those arguments, or (tenant) a
+    value."""
+
+    def __init__(self, fn: Callable[..., Any], run_id: Any, request: Any, tenant: Any,
+                 delivery_count: Any) -> None:
+        self.sig = inspect.signature(fn)
+        self.run_id, self.request, self.tenant = run_id, request, tenant
+        self.delivery_count = delivery_count
+        self.what = "the run id (%s)" % (run_id if isinstance(run_id, str) else "run_id=")
+
+    def _pick(self, spec: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+              default: Any = None) -> Any:
+        if callable(spec):
+            return spec(*args, **kwargs)
+        if isinstance(spec, str):
+            bound = self.sig.bind(None, *args, **kwargs)
+            bound.apply_defaults()
+            return bound.arguments[spec]
+        return spec if spec is not None else default
+
+    def __call__(self, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Any, str, Any, int]:
+        rid = _id_text(self._pick(self.run_id, args, kwargs), self.what)
+        req = self._pick(self.request, args, kwargs, default=args[0] if args else None)
+        dc = self._pick(self.delivery_count, args, kwargs, default=0) \
+            if self.delivery_count else 0
+        return self._pick(self.tenant, args, kwargs), rid, req, dc or 0
+
+
+def _outcome_or_raise(run: Run) -> Any:
+    """What a decorated function answers: the outcome (applied or
+    replayed), else an exception saying why not."""
+    if run.status in (APPLIED, REPLAYED):
+        return run.outcome
+    if run.status == BUSY:
+        raise Busy(run, "busy: retry after %.3f s" % (run.retry_after or 0.0))
+    if run.status == MISMATCH:
+        raise Mismatch(run, "the key was used with another request")
+    if run.status == FAILED_PERMANENT:
+        raise PermanentFailure(run.outcome, result=run)
+    raise RetryableFailure(run.outcome, result=run)
+
+
+# A plain client of one node of a Valkey Cluster.
+CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
+                   "speaks to one node: pass (host, port) or a cluster client, so that each "
+                   "key goes to its slot's master")
+
+
 class Runner:
     """A gated idempotency runner.
 
@@ -173,10 +225,7 @@ class Runner:
         info = self.valkey.info("cluster")
         if int(info.get("cluster_enabled", 0)) == 1:
             if self._seed is None:
-                raise ValkeyClusterNotSupported(
-                    "this Valkey is a cluster node (cluster_enabled:1) and the client given "
-                    "speaks to one node: pass (host, port) or a redis.cluster.RedisCluster, "
-                    "so that each key goes to its slot's master")
+                raise ValkeyClusterNotSupported(CLUSTER_REFUSED)
             with self._lock:
                 if not isinstance(self.valkey, RedisCluster):
                     # every command touches one key: no hash tags, no cross-slot
@@ -359,36 +408,14 @@ class Runner:
         ``delivery_count``, a parameter name or callable too, is the
         queue's delivery count (see ``run``)."""
         def deco(fn: F) -> F:
-            sig = inspect.signature(fn)
-
-            def pick(spec: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                     default: Any = None) -> Any:
-                if callable(spec):
-                    return spec(*args, **kwargs)
-                if isinstance(spec, str):
-                    bound = sig.bind(None, *args, **kwargs)
-                    bound.apply_defaults()
-                    return bound.arguments[spec]
-                return spec if spec is not None else default
+            key_of = _KeyOf(fn, run_id, request, tenant, delivery_count)
 
             @functools.wraps(fn)
             def wrapper(conn: Conn, *args: Any, **kwargs: Any) -> Any:
-                rid = _id_text(pick(run_id, args, kwargs), "the run id (%s)" % (
-                    run_id if isinstance(run_id, str) else "run_id="))
-                req = pick(request, args, kwargs, default=args[0] if args else None)
-                ten = pick(tenant, args, kwargs)
-                dc = pick(delivery_count, args, kwargs, default=0) if delivery_count else 0
-                run = self.call(conn, ten, scope, rid, req,
-                                lambda c, r: fn(c, *args, **kwargs), delivery_count=dc or 0)
-                if run.status in (APPLIED, REPLAYED):
-                    return run.outcome
-                if run.status == BUSY:
-                    raise Busy(run, "busy: retry after %.3f s" % (run.retry_after or 0.0))
-                if run.status == MISMATCH:
-                    raise Mismatch(run, "the key was used with another request")
-                if run.status == FAILED_PERMANENT:
-                    raise PermanentFailure(run.outcome, result=run)
-                raise RetryableFailure(run.outcome, result=run)
+                ten, rid, req, dc = key_of(args, kwargs)
+                return _outcome_or_raise(self.call(conn, ten, scope, rid, req,
+                                                   lambda c, r: fn(c, *args, **kwargs),
+                                                   delivery_count=dc))
             return cast(F, wrapper)
         return deco
 

@@ -7,6 +7,7 @@ settings (psycopg prepares a statement run 5 times, prepare_threshold's
 default): a named statement prepared on one server connection is missing
 on the next (26000) or meets another client's (42P05), and the run's
 transaction is then cut in two."""
+import asyncio
 import os
 import random
 import threading
@@ -16,6 +17,7 @@ import unittest
 import psycopg
 
 import idem
+from idem.aio import AsyncRunner
 import test_server
 from test_server import VPORT, admin, effects, uid
 
@@ -164,3 +166,57 @@ class TransactionPooler(unittest.TestCase):
         self.assertEqual(pg_errors, [], "PostgreSQL's log")
         bouncer_errors = log_lines_since(BOUNCER_LOG, bouncer_at, (" ERROR ", " WARNING "))
         self.assertEqual(bouncer_errors, [], "pgbouncer's log")
+
+    def test_async_runner_through_pgbouncer(self):
+        """the asyncio runner through the same pgbouncer with psycopg's defaults: 3 AsyncConnections deliver the same 30 keys (run, apply, batch), each effect once, no error in PostgreSQL's or pgbouncer's log"""
+        scope = uid("apooled")
+        pg_at, bouncer_at = log_size(PG_LOG), log_size(BOUNCER_LOG)
+
+        async def client(runner, k):
+            conn = await psycopg.AsyncConnection.connect(BOUNCER_DSN, autocommit=k == 1)
+            try:
+                for _ in range(2):
+                    for n in range(0, 30, 3):
+                        ids = ["%d" % (n + j) for j in range(3)]
+                        for _ in range(200):
+                            runs = []
+                            if n % 9 == 0:
+                                for i in ids:
+                                    async with runner.run(conn, 1, scope, i, {}) as run:
+                                        if run.claimed:
+                                            await conn.execute(
+                                                "INSERT INTO effects (scope, id) VALUES (%s, %s)",
+                                                [scope, i], prepare=False)
+                                    runs.append(run)
+                            elif n % 9 == 3:
+                                for i in ids:
+                                    runs.append(await runner.apply(
+                                        conn, 1, scope, i, {}, "pooled_effect(jsonb)",
+                                        args={"scope": scope, "id": i}))
+                            else:
+                                async with runner.batch(conn, [(1, scope, i, {}) for i in ids]) as b:
+                                    for run in b:
+                                        await conn.execute(
+                                            "INSERT INTO effects (scope, id) VALUES (%s, %s)",
+                                            [scope, run.run_id], prepare=False)
+                                runs = b.runs
+                            ids = [r.run_id for r in runs if r.status == idem.BUSY]
+                            if not ids:
+                                break
+                            await asyncio.sleep(0.01)
+            finally:
+                await conn.close()
+
+        async def main():
+            runner = AsyncRunner(("127.0.0.1", VPORT), lease=10)
+            await asyncio.gather(*(client(runner, k) for k in range(3)))
+        asyncio.run(main())
+        time.sleep(0.5)
+        with admin() as a:
+            counts = dict(a.execute("SELECT id, count(*) FROM effects WHERE scope = %s GROUP BY id",
+                                    [scope]).fetchall())
+        self.assertEqual(counts, {"%d" % i: 1 for i in range(30)})
+        self.assertEqual(log_lines_since(PG_LOG, pg_at, ("ERROR:", "FATAL:")), [],
+                         "PostgreSQL's log")
+        self.assertEqual(log_lines_since(BOUNCER_LOG, bouncer_at, (" ERROR ", " WARNING ")), [],
+                         "pgbouncer's log")
