@@ -6,6 +6,8 @@ with every effect exactly once."""
 import asyncio
 import os
 import random
+import subprocess
+import sys
 import unittest
 
 import psycopg
@@ -241,6 +243,24 @@ class AsyncConsumer(unittest.TestCase):
         self.assertEqual(len(statuses), 60 + statuses.count("busy"))
         print("# asyncio consumer: %d deliveries, %d busy, %d replayed"
               % (len(statuses), statuses.count("busy"), statuses.count("replayed")))
+
+
+class Readme(unittest.TestCase):
+    def test_readme_asyncio_example(self):
+        """the package README's asyncio example runs as written"""
+        path = os.environ.get("IDEM_PACKAGE_README")
+        if not path or not os.path.exists(path):
+            self.skipTest("no README")
+        blocks = [b.split("```", 1)[0] for b in open(path).read().split("```python\n")[1:]]
+        code = [b for b in blocks if "from idem.aio import AsyncRunner" in b][0]
+        with test_server.admin() as a:
+            a.execute("CREATE TABLE IF NOT EXISTS payments (run_id text, amount numeric)")
+        env = dict(os.environ, IDEM_DSN=DSN, VALKEY_PORT=str(VPORT))
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual((p.returncode, p.stderr), (0, ""), p.stdout)
+        self.assertEqual([line.split()[0] for line in p.stdout.splitlines()],
+                         ["applied", "replayed"])
 
 
 if __name__ == "__main__":
