@@ -22,7 +22,8 @@ from .apply import _ApplyContext
 from .batch import Batch, cache_answers, cache_keys, cache_reads
 from .errors import Failure, IdemError, ValkeyClusterNotSupported
 from .lease import Lease, _LeaseContext, settle_failed, settle_statement
-from .pg import MAX_ATTEMPTS_SQL, _check_conn, _pg_error_of, _session_ended
+from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of, _raise_ending,
+                 _session_ended)
 from .result import FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
 from .runner import (CAD_SCRIPT, CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
@@ -71,6 +72,19 @@ async def _arollback(conn: AConn) -> None:
         pass
 
 
+async def _asend(conn: AConn, statements: List[Statement],
+                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> List[ACursor]:
+    """statements in one round trip (pg._send): their cursors."""
+    try:
+        async with _apipeline(conn):
+            return [await _aexec(conn, sql, params) for sql, params in statements]
+    except psycopg.Error as e:
+        rollback, err = failed(e)
+        if rollback:
+            await _arollback(conn)
+        raise err from e
+
+
 class AsyncRunner(Runner):
     """The runner for asyncio: ``valkey`` is ``(host, port)`` (a Valkey,
     or any node of a Valkey Cluster), a ``redis.asyncio`` client, or None;
@@ -110,6 +124,18 @@ class AsyncRunner(Runner):
                 self._cad = cluster.register_script(CAD_SCRIPT)
                 self.valkey = cluster
         self._cluster_checked = True
+
+    async def _around_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
+        """Runner._round_trip."""
+        try:
+            await self._acheck_cluster()
+            return list(await fill(self.valkey.pipeline(transaction=False)).execute(
+                raise_on_error=False))
+        except ValkeyClusterNotSupported:
+            raise
+        except Exception as e:
+            self._valkey_failed(e)
+            return None
 
     async def _arelease(self, ckey: bytes, marker: bytes) -> None:
         """Compare-and-delete our marker (Runner._release)."""
@@ -280,16 +306,8 @@ class AsyncRunner(Runner):
         ckeys = cache_keys(self, st, runs)
         if not ckeys:
             return 0
-        try:
-            await self._acheck_cluster()
-            values = await cache_reads(self.valkey.pipeline(transaction=False), st,
-                                       ckeys).execute(raise_on_error=False)
-        except ValkeyClusterNotSupported:
-            raise
-        except Exception as e:
-            self._valkey_failed(e)
-            return 0
-        return cache_answers(self, st, runs, ckeys, list(values))
+        values = await self._around_trip(lambda pipe: cache_reads(pipe, st, ckeys))
+        return 0 if values is None else cache_answers(self, st, runs, ckeys, values)
 
 
 class _AsyncRunContext(_RunContext):
@@ -315,19 +333,7 @@ class _AsyncRunContext(_RunContext):
         early = self._gate_marker()
         if early is not None:
             return early
-        r = self.r
-        try:
-            await r._acheck_cluster()
-            value, owner = await self._gate_commands(
-                r.valkey.pipeline(transaction=False)).execute(raise_on_error=False)
-            if isinstance(value, Exception):
-                raise value
-        except ValkeyClusterNotSupported:
-            raise
-        except Exception as e:
-            r._valkey_failed(e)
-            return False, True, False, False
-        return self._gate_answer(value, owner)
+        return self._gate_answer(await self.r._around_trip(self._gate_commands))
 
     async def _alookup(self) -> bool:
         row = None
@@ -346,6 +352,10 @@ class _AsyncRunContext(_RunContext):
     async def _aset_max_attempts(self) -> None:
         if self.r.max_attempts is not None:
             await _aexec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
+
+    async def _acommitted_alone(self, sql: str, params: List[Any]) -> ACursor:
+        """_RunContext._committed_alone."""
+        return (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
 
     async def _aclaim(self) -> None:
         run, conn = self.run, self.conn
@@ -419,25 +429,14 @@ class _AsyncRunContext(_RunContext):
                        ev: Optional[BaseException]) -> bool:
         conn = self.conn
         rollback, err, failure, text, suppress = self._ending(et, ev)
-        if err is not None or text is None:
-            if rollback:
-                await conn.rollback()
-            if err is None:
-                return False
-            if ev is not None and err.code == "connection":
-                raise err from ev
-            raise err
+        if rollback:
+            await conn.rollback()
+        if text is None:
+            _raise_ending(err, ev)
+            return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost during the run (nothing committed)")
-        try:
-            async with _apipeline(conn):
-                for sql, params in self._ending_statements(failure, text):
-                    await _aexec(conn, sql, params)
-        except psycopg.Error as e:
-            rollback, err = self._ending_failed(e)
-            if rollback:
-                await _arollback(conn)
-            raise err from e
+        await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress
 
@@ -455,12 +454,7 @@ class _AsyncApplyContext(_AsyncRunContext, _ApplyContext):
             if conn.autocommit and r.max_attempts is None:
                 cur = await _aexec(conn, self._apply_sql(), self._apply_params())
             else:
-                async with _apipeline(conn):
-                    if conn.autocommit:
-                        await _aexec(conn, "BEGIN")
-                    await self._aset_max_attempts()
-                    cur = await _aexec(conn, self._apply_sql(), self._apply_params())
-                    await _aexec(conn, "COMMIT")
+                cur = await self._acommitted_alone(self._apply_sql(), self._apply_params())
         except psycopg.Error as e:
             err = self._apply_failed(e)
             if err is None:
@@ -482,12 +476,7 @@ class _AsyncLeaseContext(_AsyncRunContext, _LeaseContext):
             raise IdemError("connection", "connection lost before the claim was sent "
                             "(nothing committed)")
         try:
-            async with _apipeline(conn):
-                if conn.autocommit:
-                    await _aexec(conn, "BEGIN")
-                await self._aset_max_attempts()
-                cur = await _aexec(conn, self._sql("claim"), self._claim_params())
-                await _aexec(conn, "COMMIT")
+            cur = await self._acommitted_alone(self._sql("claim"), self._claim_params())
         except psycopg.Error as e:
             err = self._lease_claim_failed(e)
             if err is not None:
@@ -515,24 +504,13 @@ class _AsyncLeaseContext(_AsyncRunContext, _LeaseContext):
         rollback, err, failure, text, suppress = self._settling(et, ev)
         if rollback:
             await conn.rollback()
-        if err is not None:
-            raise err
         if text is None:
+            _raise_ending(err, ev)
             return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the completion was sent "
                             "(nothing recorded; the lease ends it)")
-        try:
-            async with _apipeline(conn):
-                if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
-                    await _aexec(conn, "BEGIN")
-                await _aexec(conn, *self._fence(failure, text))
-                await _aexec(conn, "COMMIT")
-        except psycopg.Error as e:
-            rollback, err = self._settle_failed(e)
-            if rollback:
-                await _arollback(conn)
-            raise err from e
+        await _asend(conn, self._fenced(failure, text), self._settle_failed)
         self._ended(failure, text)
         return suppress
 
@@ -597,30 +575,15 @@ class AsyncBatch(Batch):
     async def __aexit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
                         tb: Optional[TracebackType]) -> bool:
         conn = self.conn
-        if not self.claimed:
-            rollback, err = self._unclaimed_exit(et)
-            closing = None
-        else:
-            rollback, err, closing = self._closing(et, ev)
+        rollback, err, closing = self._exiting(et, ev)
         if rollback:
             await conn.rollback()
-        if err is not None:
-            if ev is not None and err.code == "connection":
-                raise err from ev
-            raise err
         if closing is None:
+            _raise_ending(err, ev)
             return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost during the batch (nothing committed)")
-        try:
-            async with _apipeline(conn):
-                for sql, params in self._closing_statements(closing):
-                    await _aexec(conn, sql, params)
-        except psycopg.Error as e:
-            rollback, err = self._closing_failed(e)
-            if rollback:
-                await _arollback(conn)
-            raise err from e
+        await _asend(conn, self._closing_statements(closing), self._closing_failed)
         self._closed(closing)
         return closing[3]
 

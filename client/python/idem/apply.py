@@ -12,7 +12,7 @@ import psycopg
 from .canonical import RequestError, canonical_json
 from . import cache
 from .errors import CommitUnknown, IdemError
-from .pg import Conn, _exec, _one, _pipeline, _session_ended, sqlstate_of
+from .pg import Conn, _exec, _one, _session_ended, sqlstate_of
 from .result import APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER
 from .run import _RunContext
 
@@ -116,12 +116,7 @@ class _ApplyContext(_RunContext):
             if conn.autocommit and r.max_attempts is None:
                 cur = _exec(conn, self._apply_sql(), self._apply_params())
             else:
-                with _pipeline(conn):
-                    if conn.autocommit:
-                        _exec(conn, "BEGIN")
-                    self._set_max_attempts()
-                    cur = _exec(conn, self._apply_sql(), self._apply_params())
-                    _exec(conn, "COMMIT")
+                cur = self._committed_alone(self._apply_sql(), self._apply_params())
         except psycopg.Error as e:
             err = self._apply_failed(e)
             if err is None:

@@ -10,16 +10,17 @@ module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
 from types import TracebackType
-from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NoReturn, Optional,
+from typing import (TYPE_CHECKING, Any, Iterable, Iterator, List, NoReturn, Optional,
                     Tuple, Type)
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (MAX_ATTEMPTS_SQL, Conn, _check_conn, _exec, _pipeline, _raise_pg_error,
-                 _session_ended, server_state_error, sqlstate_of)
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipeline,
+                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
@@ -42,16 +43,8 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     ckeys = cache_keys(runner, st, runs)
     if not ckeys:
         return 0
-    try:
-        runner._check_cluster()
-        values = cache_reads(runner.valkey.pipeline(transaction=False), st, ckeys).execute(
-            raise_on_error=False)
-    except ValkeyClusterNotSupported:
-        raise
-    except Exception as e:
-        runner._valkey_failed(e)
-        return 0
-    return cache_answers(runner, st, runs, ckeys, values)
+    values = runner._round_trip(lambda pipe: cache_reads(pipe, st, ckeys))
+    return 0 if values is None else cache_answers(runner, st, runs, ckeys, values)
 
 
 def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]:
@@ -327,12 +320,20 @@ class Batch:
             return True, e, None
         return False, None, (block_failure, done, failed, suppress)
 
-    def _closing_statements(self, closing: "Closing") -> List[Tuple[str, Optional[List[Any]]]]:
+    def _exiting(self, et: Optional[Type[BaseException]],
+                 ev: Optional[BaseException]) -> Tuple[bool, Optional[IdemError], Optional[Closing]]:
+        """_closing, or _unclaimed_exit when the batch claimed nothing."""
+        if self.claimed:
+            return self._closing(et, ev)
+        rollback, err = self._unclaimed_exit(et)
+        return rollback, err, None
+
+    def _closing_statements(self, closing: "Closing") -> List[Statement]:
         """The last round trip: the savepoint ended, the completions and
         failures of each ledger, COMMIT."""
         block_failure, done, failed, _ = closing
         retention = self.r.retention
-        stmts: List[Tuple[str, Optional[List[Any]]]] = [
+        stmts: List[Statement] = [
             ("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
              else "RELEASE SAVEPOINT idem_batch", None)]
         texts = dict((id(run), t) for run, t in done)
@@ -372,32 +373,14 @@ class Batch:
     def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
                  tb: Optional[TracebackType]) -> bool:
         conn = self.conn
-        if not self.claimed:
-            rollback, err = self._unclaimed_exit(et)
-            closing = None
-        else:
-            rollback, err, closing = self._closing(et, ev)
+        rollback, err, closing = self._exiting(et, ev)
         if rollback:
             conn.rollback()
-        if err is not None:
-            if ev is not None and err.code == "connection":
-                raise err from ev
-            raise err
         if closing is None:
+            _raise_ending(err, ev)
             return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost during the batch (nothing committed)")
-        try:
-            with _pipeline(conn):
-                for sql, params in self._closing_statements(closing):
-                    _exec(conn, sql, params)
-        except psycopg.Error as e:
-            rollback, err = self._closing_failed(e)
-            if rollback:
-                try:
-                    conn.rollback()
-                except psycopg.Error:
-                    pass
-            raise err from e
+        _send(conn, self._closing_statements(closing), self._closing_failed)
         self._closed(closing)
         return closing[3]

@@ -5,7 +5,6 @@ of its own.  At-least-once for the effect (a holder that dies after it and
 before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
-import json
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
 
@@ -14,10 +13,9 @@ from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
 from .errors import CommitUnknown, Failure, IdemError
-from .pg import (Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error, _session_ended,
-                 server_state_error, sqlstate_of)
-from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, FailureSpec,
-                     Run, _failure_of, _outcome_text)
+from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_ending, _raise_pg_error,
+                 _send, _session_ended, server_state_error, sqlstate_of)
+from .result import FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text
 from .run import Ending, _RunContext
 
 if TYPE_CHECKING:
@@ -107,12 +105,7 @@ class _LeaseContext(_RunContext):
             raise IdemError("connection", "connection lost before the claim was sent "
                             "(nothing committed)")
         try:
-            with _pipeline(conn):
-                if conn.autocommit:
-                    _exec(conn, "BEGIN")
-                self._set_max_attempts()
-                cur = _exec(conn, self._sql("claim"), self._claim_params())
-                _exec(conn, "COMMIT")
+            cur = self._committed_alone(self._sql("claim"), self._claim_params())
         except psycopg.Error as e:
             err = self._lease_claim_failed(e)
             if err is not None:
@@ -174,12 +167,17 @@ class _LeaseContext(_RunContext):
             text = _outcome_text({"error": et.__name__}, "the failure detail")
         return rollback, None, failure, text, suppress
 
-    def _fence(self, failure: Optional[FailureSpec], text: str) -> Tuple[str, List[Any]]:
-        """The fenced completion (or failure): its statement and parameters."""
+    def _fenced(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
+        """One round trip: the fenced completion (or failure) and COMMIT,
+        with whatever the block left open on this connection."""
         run = self.lease
-        return (_fenced_sql(self.st.schema, run.tenant_id, failure),
-                fenced_params(run.tenant_id, run.key, text, failure, self.r.retention,
-                              run.attempt))
+        begin: List[Statement] = [("BEGIN", None)] if (
+            self.conn.info.transaction_status == TransactionStatus.IDLE and
+            self.conn.autocommit) else []
+        return begin + [(_fenced_sql(self.st.schema, run.tenant_id, failure),
+                         fenced_params(run.tenant_id, run.key, text, failure, self.r.retention,
+                                       run.attempt)),
+                        ("COMMIT", None)]
 
     def _settle_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
         """The completion's round trip failed: (rollback, what to raise)."""
@@ -194,29 +192,13 @@ class _LeaseContext(_RunContext):
         rollback, err, failure, text, suppress = self._settling(et, ev)
         if rollback:
             conn.rollback()
-        if err is not None:
-            raise err
         if text is None:
+            _raise_ending(err, ev)
             return False
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the completion was sent "
                             "(nothing recorded; the lease ends it)")
-        # one round trip: the fenced completion and COMMIT (with whatever the
-        # block left open on this connection)
-        try:
-            with _pipeline(conn):
-                if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
-                    _exec(conn, "BEGIN")
-                _exec(conn, *self._fence(failure, text))
-                _exec(conn, "COMMIT")
-        except psycopg.Error as e:
-            rollback, err = self._settle_failed(e)
-            if rollback:
-                try:
-                    conn.rollback()
-                except psycopg.Error:
-                    pass
-            raise err from e
+        _send(conn, self._fenced(failure, text), self._settle_failed)
         self._ended(failure, text)
         return suppress
 

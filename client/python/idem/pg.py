@@ -10,7 +10,7 @@ pooler (pgbouncer in transaction mode), where a named statement prepared
 on one server connection meets another client's on the next; and their
 rows are tuples, whatever the connection's row_factory."""
 import contextlib
-from typing import Any, Iterator, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -101,6 +101,44 @@ def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
         e = e.__cause__ or e.__context__
         seen += 1
     return None
+
+
+# A statement and its parameters.
+Statement = Tuple[str, Optional[List[Any]]]
+
+
+def _send(conn: "psycopg.Connection[Any]", statements: List[Statement],
+          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]
+          ) -> "List[psycopg.Cursor[Tuple[Any, ...]]]":
+    """statements in one round trip (pipelined): their cursors.  After an
+    error, failed(e) says whether to roll back, and what to raise."""
+    try:
+        with _pipeline(conn):
+            curs = [_exec(conn, sql, params) for sql, params in statements]
+        return curs
+    except psycopg.Error as e:
+        rollback, err = failed(e)
+        if rollback:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                pass
+        raise err from e
+
+
+def _as_is(e: psycopg.Error) -> Tuple[bool, IdemError]:
+    """For _send: the statement's error itself, for the caller to judge."""
+    raise e
+
+
+def _raise_ending(err: Optional[IdemError], ev: Optional[BaseException]) -> None:
+    """A block's end that records nothing: raise its error, if any (from
+    the block's exception when the connection was lost under it)."""
+    if err is None:
+        return
+    if ev is not None and err.code == "connection":
+        raise err from ev
+    raise err
 
 
 def _pg_error_of(conn: Any, e: psycopg.Error, what: str) -> IdemError:

@@ -5,7 +5,7 @@ the request and outcome rules (canonical.py, cache.py's OUTCOME_MAX) and
 talks to no server."""
 import hashlib
 import json
-from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
+from typing import Any, List, Optional, Tuple, Type, TypeVar
 
 from . import cache
 from .canonical import RequestError, canonical_json, idem_key

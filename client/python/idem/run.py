@@ -13,9 +13,10 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import (MAX_ATTEMPTS_SQL, Conn, _check_conn, _exec, _one, _pipeline, _raise_pg_error,
-                 _session_ended, server_state_error, sqlstate_of)
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one, _pipeline,
+                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
@@ -126,27 +127,10 @@ class _RunContext:
 
     def _gate(self) -> Gate:
         """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
-        r = self.r
         early = self._gate_marker()
         if early is not None:
             return early
-        try:
-            r._check_cluster()
-            # one round trip: the gate, and the epoch's owner key (on a
-            # cluster each node's share is sent before any reply is read);
-            # get=True: redis-py then returns SET's reply as it is
-            value, owner = self._gate_commands(r.valkey.pipeline(transaction=False)).execute(
-                raise_on_error=False)
-            if isinstance(value, Exception):
-                raise value
-        except ValkeyClusterNotSupported:
-            raise
-        except Exception as e:
-            # down, slow, or an error reply (WRONGTYPE, a server older than
-            # 7.0): nothing usable; PostgreSQL decides, lookup first
-            r._valkey_failed(e)
-            return False, True, False, False
-        return self._gate_answer(value, owner)
+        return self._gate_answer(self.r._round_trip(self._gate_commands))
 
     def _gate_commands(self, pipe: Any) -> Any:
         """The gate's one round trip: our marker, set unless the key holds
@@ -158,10 +142,18 @@ class _RunContext:
         pipe.execute_command("GET", self.st.owner_key)
         return pipe
 
-    def _gate_answer(self, value: Any, owner: Any) -> Gate:
+    def _gate_answer(self, replies: Optional[List[Any]]) -> Gate:
         """The gate's answer from what SET ... GET and the owner key's GET
-        read."""
+        read (None: Valkey failed)."""
         r, run = self.r, self.run
+        if replies is not None and isinstance(replies[0], Exception):
+            r._valkey_failed(replies[0])
+            replies = None
+        if replies is None:
+            # down, slow, or an error reply (WRONGTYPE, a server older than
+            # 7.0): nothing usable; PostgreSQL decides, lookup first
+            return False, True, False, False
+        value, owner = replies
         run.valkey_used = True
         own = value is None or value == self.marker     # absent: our marker is set
         # the owner key did not hold the server's token: nothing read here
@@ -239,6 +231,18 @@ class _RunContext:
         """In the claim's transaction (pipelined): the runner's max_attempts."""
         if self.r.max_attempts is not None:
             _exec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
+
+    def _alone(self, sql: str, params: List[Any]) -> List[Statement]:
+        """One statement in a transaction of its own, with the runner's
+        max_attempts: one round trip (the statement is the last but one)."""
+        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+        if self.r.max_attempts is not None:
+            stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
+        return stmts + [(sql, params), ("COMMIT", None)]
+
+    def _committed_alone(self, sql: str, params: List[Any]) -> "psycopg.Cursor[Tuple[Any, ...]]":
+        """_alone's round trip: the statement's cursor."""
+        return _send(self.conn, self._alone(sql, params), _as_is)[-2]
 
     def _claim_params(self) -> List[Any]:
         return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]
@@ -434,8 +438,7 @@ class _RunContext:
             text = _outcome_text({"error": et.__name__}, "the failure detail")
         return False, None, failure, text, suppress
 
-    def _ending_statements(self, failure: Optional[FailureSpec],
-                           text: str) -> List[Tuple[str, Optional[List[Any]]]]:
+    def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """The last round trip: end the savepoint, complete or fail, COMMIT
         (a statement of the pipeline: conn.commit() would sync once more)."""
         retention = self.r.retention
@@ -472,29 +475,15 @@ class _RunContext:
     def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
         conn = self.conn
         rollback, err, failure, text, suppress = self._ending(et, ev)
-        if err is not None or text is None:
-            if rollback:
-                conn.rollback()
-            if err is None:
-                return False
-            if ev is not None and err.code == "connection":
-                raise err from ev
-            raise err
+        if rollback:
+            conn.rollback()
+        if text is None:
+            _raise_ending(err, ev)
+            return False
         # A session the server ended while the block ran (pg_terminate_backend,
         # a restart) is seen now, before COMMIT is sent: nothing committed.
         if _session_ended(conn):
             raise IdemError("connection", "connection lost during the run (nothing committed)")
-        try:
-            with _pipeline(conn):
-                for sql, params in self._ending_statements(failure, text):
-                    _exec(conn, sql, params)
-        except psycopg.Error as e:
-            rollback, err = self._ending_failed(e)
-            if rollback:
-                try:
-                    conn.rollback()
-                except psycopg.Error:
-                    pass
-            raise err from e
+        _send(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress

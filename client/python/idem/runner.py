@@ -22,7 +22,6 @@ import psycopg
 import psycopg.sql
 from psycopg.pq import TransactionStatus
 
-from . import cache
 from .apply import _ApplyContext
 from .batch import Batch, cached_many
 from .lease import _LeaseContext, settle
@@ -250,6 +249,21 @@ class Runner:
             if self.notice:
                 self.notice("Valkey unavailable (%s): running on PostgreSQL only for %d ms"
                             % (e, self.valkey_retry_ms))
+
+    def _round_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
+        """One pipelined round trip to Valkey, fill(pipe) queueing its
+        commands: the replies (an error reply among them as an exception),
+        or None when Valkey failed (counted, and rested: PostgreSQL
+        decides)."""
+        try:
+            self._check_cluster()
+            return list(fill(self.valkey.pipeline(transaction=False)).execute(
+                raise_on_error=False))
+        except ValkeyClusterNotSupported:
+            raise
+        except Exception as e:
+            self._valkey_failed(e)
+            return None
 
     def _release(self, ckey: bytes, marker: bytes) -> None:
         """Compare-and-delete our marker (never GET then DEL)."""
