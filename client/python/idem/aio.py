@@ -131,10 +131,8 @@ class AsyncRunner(Runner):
             await self._acheck_cluster()
             return list(await fill(self.valkey.pipeline(transaction=False)).execute(
                 raise_on_error=False))
-        except ValkeyClusterNotSupported:
-            raise
         except Exception as e:
-            self._valkey_failed(e)
+            self._round_trip_failed(e)
             return None
 
     async def _arelease(self, ckey: bytes, marker: bytes) -> None:
@@ -435,7 +433,7 @@ class _AsyncRunContext(_RunContext):
             _raise_ending(err, ev)
             return False
         if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the run (nothing committed)")
+            raise IdemError("connection", self.lost_before_end)
         await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress
@@ -493,26 +491,10 @@ class _AsyncLeaseContext(_AsyncRunContext, _LeaseContext):
         if not self.run.claimed:
             return await super().__aexit__(et, ev, tb)
         try:
-            return await self._asettle(et, ev)
+            return await self._afinish(et, ev)
         finally:
             if self._drops_marker():
                 await self._adrop_marker()
-
-    async def _asettle(self, et: Optional[Type[BaseException]],
-                       ev: Optional[BaseException]) -> bool:
-        conn = self.conn
-        rollback, err, failure, text, suppress = self._settling(et, ev)
-        if rollback:
-            await conn.rollback()
-        if text is None:
-            _raise_ending(err, ev)
-            return False
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost before the completion was sent "
-                            "(nothing recorded; the lease ends it)")
-        await _asend(conn, self._fenced(failure, text), self._settle_failed)
-        self._ended(failure, text)
-        return suppress
 
 
 class AsyncBatch(Batch):

@@ -13,9 +13,10 @@ from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
 from .errors import CommitUnknown, Failure, IdemError
-from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_ending, _raise_pg_error,
-                 _send, _session_ended, server_state_error, sqlstate_of)
-from .result import FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text
+from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
+                 server_state_error, sqlstate_of)
+from .result import (FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text,
+                     _recorded_text)
 from .run import Ending, _RunContext
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class _LeaseContext(_RunContext):
         if not run.claimed:
             return super().__exit__(et, ev, tb)
         try:
-            return self._settle(et, ev)
+            return self._finish(et, ev)
         finally:
             if self._drops_marker():
                 self._drop_marker()
@@ -133,7 +134,10 @@ class _LeaseContext(_RunContext):
         will overwrite it."""
         return self.own_marker and self.run.status in (None, FAILED_RETRYABLE)
 
-    def _settling(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
+    lost_before_end = ("connection lost before the completion was sent (nothing recorded; "
+                       "the lease ends it)")
+
+    def _ending(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
         """What the end of a claimed lease's block does, decided before any
         I/O, as _RunContext._ending: (rollback, error, failure, text,
         suppress); text None and no error: nothing recorded (the lease ends
@@ -154,20 +158,13 @@ class _LeaseContext(_RunContext):
                                    "error: rolled back, nothing recorded (the lease ends it)"), \
                 None, None, False
         rollback = ts == TransactionStatus.INERROR      # then the failure is recorded
-        try:
-            if failure is None:
-                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            else:
-                text = _outcome_text(failure[0], "the failure detail")
-        except IdemError as e:
-            if failure is None or et is None or suppress:
-                return rollback or (failure is None and ts == TransactionStatus.INTRANS), e, \
-                    None, None, False
-            assert et is not None
-            text = _outcome_text({"error": et.__name__}, "the failure detail")
+        text, err = _recorded_text(run, failure, et, suppress)
+        if err is not None:
+            return rollback or (failure is None and ts == TransactionStatus.INTRANS), err, \
+                None, None, False
         return rollback, None, failure, text, suppress
 
-    def _fenced(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
+    def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """One round trip: the fenced completion (or failure) and COMMIT,
         with whatever the block left open on this connection."""
         run = self.lease
@@ -179,28 +176,13 @@ class _LeaseContext(_RunContext):
                                        run.attempt)),
                         ("COMMIT", None)]
 
-    def _settle_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+    def _ending_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
         """The completion's round trip failed: (rollback, what to raise)."""
         if self._broken():
             return False, CommitUnknown("connection lost while the completion's COMMIT was in "
                                         "flight: redeliver, the ledger decides (%s)"
                                         % str(e).strip())
         return True, _refused(e)
-
-    def _settle(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
-        conn = self.conn
-        rollback, err, failure, text, suppress = self._settling(et, ev)
-        if rollback:
-            conn.rollback()
-        if text is None:
-            _raise_ending(err, ev)
-            return False
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost before the completion was sent "
-                            "(nothing recorded; the lease ends it)")
-        _send(conn, self._fenced(failure, text), self._settle_failed)
-        self._ended(failure, text)
-        return suppress
 
 
 def _refused(e: psycopg.Error) -> IdemError:

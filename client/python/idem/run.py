@@ -19,7 +19,7 @@ from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, 
                  sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
-                     _failure_of, _make_run, _outcome_text, _result_from_cache)
+                     _failure_of, _make_run, _recorded_text, _result_from_cache)
 from .trust import _ConnState, _wall_ms
 
 # The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
@@ -425,17 +425,9 @@ class _RunContext:
             return True, IdemError("handler", "the block left the transaction in error (a "
                                    "failed statement it caught): rolled back, nothing "
                                    "recorded"), None, None, False
-        # the outcome (or detail) is checked before anything is sent
-        try:
-            if failure is None:
-                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            else:
-                text = _outcome_text(failure[0], "the failure detail")
-        except IdemError as e:
-            if failure is None or et is None or suppress:
-                return True, e, None, None, False
-            assert et is not None
-            text = _outcome_text({"error": et.__name__}, "the failure detail")
+        text, err = _recorded_text(run, failure, et, suppress)
+        if err is not None:
+            return True, err, None, None, False
         return False, None, failure, text, suppress
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
@@ -472,7 +464,12 @@ class _RunContext:
         if run.status != FAILED_RETRYABLE:
             self.own_marker = False     # left for the worker's copy of the row
 
+    # A session the server ended while the block ran (pg_terminate_backend, a
+    # restart) is seen before the last round trip is sent: nothing committed.
+    lost_before_end = "connection lost during the run (nothing committed)"
+
     def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+        """The end of a claimed run's block: _ending's plan carried out."""
         conn = self.conn
         rollback, err, failure, text, suppress = self._ending(et, ev)
         if rollback:
@@ -480,10 +477,8 @@ class _RunContext:
         if text is None:
             _raise_ending(err, ev)
             return False
-        # A session the server ended while the block ran (pg_terminate_backend,
-        # a restart) is seen now, before COMMIT is sent: nothing committed.
         if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the run (nothing committed)")
+            raise IdemError("connection", self.lost_before_end)
         _send(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress

@@ -259,11 +259,16 @@ class Runner:
             self._check_cluster()
             return list(fill(self.valkey.pipeline(transaction=False)).execute(
                 raise_on_error=False))
-        except ValkeyClusterNotSupported:
-            raise
         except Exception as e:
-            self._valkey_failed(e)
+            self._round_trip_failed(e)
             return None
+
+    def _round_trip_failed(self, e: Exception) -> None:
+        """Valkey failed (down, slow, an error): counted and rested; a
+        refused cluster client is raised."""
+        if isinstance(e, ValkeyClusterNotSupported):
+            raise e
+        self._valkey_failed(e)
 
     def _release(self, ckey: bytes, marker: bytes) -> None:
         """Compare-and-delete our marker (never GET then DEL)."""
