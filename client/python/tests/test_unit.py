@@ -178,6 +178,8 @@ class SharedWithC(unittest.TestCase):
         # (port 1: refused, the runner then decides on PostgreSQL alone)
         r = runner.Runner(valkey=redis.Redis(host="127.0.0.1", port=1))
         self.assertEqual(r._cad.sha, sha1)
+        from idem import aio            # the asyncio runner's EVALSHA name too
+        self.assertEqual(aio.AsyncRunner(("127.0.0.1", 1))._cad.sha, sha1)
 
 
 class Durations(unittest.TestCase):
