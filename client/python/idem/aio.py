@@ -2,9 +2,9 @@
 the synchronous runner's forms (run, call, the decorator, apply, lease,
 complete and fail, batch, cached) and its protocol, byte for byte.
 
-What each step decides is the synchronous forms' own code (run.py,
-apply.py, lease.py, batch.py, trust.py, runner.py: their methods that
-send nothing); this module only awaits what they send.  The runner's
+What each step decides is the synchronous forms' own code (the methods
+of _RunContext, _ApplyContext, _LeaseContext, Batch, _ConnState and
+Runner that send nothing); this module only awaits what they send.  The runner's
 state (the sessions it learnt, its Valkey rest, its counters) is one
 event loop's: share an AsyncRunner between tasks of that loop, and a
 connection between runs one at a time."""
