@@ -109,8 +109,16 @@ class AsyncRunner(Runner):
     the options are the synchronous Runner's.  Each form takes a
     ``psycopg.AsyncConnection``."""
 
-    def __init__(self, valkey: Any = None, **options: Any) -> None:
-        super().__init__(None, **options)
+    def __init__(self, valkey: Any = None, *, lease: float = 30.0,
+                 retention: Optional[float] = None, lookup_first: bool = True,
+                 secrets_max_age: float = 5.0, valkey_timeout: float = 0.2,
+                 valkey_retry: float = 1.0, schema: Optional[str] = None,
+                 notice: Optional[Callable[[str], None]] = None,
+                 max_attempts: Optional[int] = None) -> None:
+        super().__init__(None, lease=lease, retention=retention, lookup_first=lookup_first,
+                         secrets_max_age=secrets_max_age, valkey_timeout=valkey_timeout,
+                         valkey_retry=valkey_retry, schema=schema, notice=notice,
+                         max_attempts=max_attempts)
         if isinstance(valkey, tuple):
             import redis.asyncio
             host, port = valkey

@@ -168,7 +168,7 @@ class AsyncForms(unittest.TestCase):
         asyncio.run(main())
 
     def test_server_state_and_valkey_down(self):
-        """async: a serialization failure in the block is raised and not recorded; with Valkey down PostgreSQL decides (applied, then replayed)"""
+        """async: a serialization failure in the block is raised and not recorded, its marker deleted (EVALSHA); with Valkey down PostgreSQL decides (applied, then replayed)"""
         scope = uid("aio-state")
 
         async def main():
@@ -185,6 +185,7 @@ class AsyncForms(unittest.TestCase):
                             a.execute("UPDATE contended SET v = v + 1 WHERE id = 1")
                         await conn.execute("UPDATE contended SET v = v + 1 WHERE id = 1")
                 self.assertIsNone(ledger(1, scope, "s1"))
+                self.assertIsNone(valkey().get(ckey(1, scope, "s1")))   # our marker deleted
                 for want in ("applied", "replayed"):
                     async with down.run(conn, 1, scope, "s1", {}) as run:
                         if run.claimed:
