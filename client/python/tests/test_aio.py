@@ -246,6 +246,66 @@ class AsyncConsumer(unittest.TestCase):
               % (len(statuses), statuses.count("busy"), statuses.count("replayed")))
 
 
+class AioPika(unittest.TestCase):
+    def test_aio_pika_consumers(self):
+        """RabbitMQ and aio-pika: 3 asyncio consumers take 120 messages (30 published twice), ack what the ledger decided and requeue busy ones: every effect exactly once"""
+        port = os.environ.get("IDEM_RABBITMQ_PORT")
+        try:
+            import aio_pika
+        except ImportError:
+            self.skipTest("no aio-pika (python3-aio-pika)")
+        if not port:
+            self.skipTest("no RabbitMQ (IDEM_RABBITMQ_PORT)")
+        queue = scope = uid("aio-pika")
+        ids = ["p%d" % i for i in range(120)]
+        sends = ids + random.Random(11).sample(ids, 30)
+        random.Random(12).shuffle(sends)
+        url = "amqp://guest:guest@127.0.0.1:%s/" % port
+
+        async def main():
+            mq = await aio_pika.connect(url)
+            ch = await mq.channel()
+            await ch.declare_queue(queue, durable=True)
+            for i in sends:
+                await ch.default_exchange.publish(
+                    aio_pika.Message(b'{"amount": 1}', message_id=i), routing_key=queue)
+            await mq.close()
+            runner = AsyncRunner(("127.0.0.1", VPORT), lease=5)
+            acked = []
+
+            async def consumer(k):
+                mq = await aio_pika.connect(url)
+                conn = await aconnect(autocommit=k == 0)
+                try:
+                    ch = await mq.channel()
+                    q = await ch.declare_queue(queue, durable=True)
+                    while len(acked) < len(sends):
+                        msg = await q.get(no_ack=False, fail=False)
+                        if msg is None:
+                            await asyncio.sleep(0.02)
+                            continue
+                        async with runner.run(conn, 1, scope, msg.message_id, msg.body,
+                                              delivery_count=0 if msg.redelivered else 1) as run:
+                            if run.claimed:
+                                await aeffect(conn, run)
+                        if run.status == "busy":
+                            await asyncio.sleep(min(run.retry_after, 0.05))
+                            await msg.nack(requeue=True)
+                        else:
+                            await msg.ack()
+                            acked.append(run.status)
+                finally:
+                    await conn.close()
+                    await mq.close()
+            await asyncio.wait_for(asyncio.gather(*(consumer(k) for k in range(3))), 120)
+            return acked
+        acked = asyncio.run(main())
+        self.assertEqual(sorted(set(acked)), ["applied", "replayed"])
+        self.assertEqual(acked.count("applied"), len(ids))
+        for i in ids:
+            self.assertEqual(effects(scope, i), 1, i)
+
+
 class Readme(unittest.TestCase):
     def test_readme_asyncio_example(self):
         """the package README's asyncio example runs as written"""
