@@ -9,7 +9,7 @@ import unittest
 
 from idem import RequestError, canonical_json, fingerprint, idem_key
 from idem import cache
-import idem
+
 
 class CanonicalJson(unittest.TestCase):
     def test_vectors(self):
@@ -67,8 +67,10 @@ class CanonicalJson(unittest.TestCase):
                          "50847ac0916d0c687463688b99771fad7dfec7573b724374f6a2bcf7914f5358")
         self.assertNotEqual(idem_key("ab", "c"), idem_key("a", "bc"))
 
+
 SECRET = bytes(range(32))
 KEY = b"idem:1.1.00000000000000aa.5:t:42:" + b"ab" * 32
+
 
 class Values(unittest.TestCase):
     def test_round_trip(self):
@@ -141,25 +143,15 @@ class Values(unittest.TestCase):
             self.assertIsNone(cache.parse(v), v[:120])
         self.assertIsNotNone(cache.parse(head + b"1 p 0 " + b"03" * 16))   # expiry 0 is allowed
 
-class RelearnBound(unittest.TestCase):
-    def test_capped(self):
-        """secrets_max_age_ms: 0 and anything longer than a minute are capped, not never"""
-        from idem.runner import SECRETS_MAX_AGE_MAX_MS, relearn_bound_ms
-        self.assertEqual(SECRETS_MAX_AGE_MAX_MS, 60000)
-        self.assertEqual(relearn_bound_ms(5000), 5000)
-        self.assertEqual(relearn_bound_ms(1), 1)
-        self.assertEqual(relearn_bound_ms(0), 60000)
-        self.assertEqual(relearn_bound_ms(3600000), 60000)
-        self.assertEqual(idem.Runner(None, secrets_max_age_ms=0).secrets_max_age_ms, 60000)
-        with self.assertRaises(ValueError):
-            relearn_bound_ms(-1)
 
 if __name__ == "__main__":
     unittest.main()
 
+
 # The C client's source, beside the package in the checkout these tests
 # come from (client/release.c).
 C_CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
 
 def c_string(source, name):
     """The bytes of the C string constant NAME (const char NAME[] = "..." "...";)."""
@@ -169,6 +161,7 @@ def c_string(source, name):
         raise AssertionError("no string constant %s in the C source" % name)
     parts = re.findall(r'"((?:[^"\\\n]|\\.)*)"', m.group(1))
     return codecs.decode("".join(parts), "unicode_escape").encode("latin-1")
+
 
 class SharedWithC(unittest.TestCase):
     def test_release_script(self):
@@ -185,3 +178,42 @@ class SharedWithC(unittest.TestCase):
         # (port 1: refused, the runner then decides on PostgreSQL alone)
         r = runner.Runner(valkey=redis.Redis(host="127.0.0.1", port=1))
         self.assertEqual(r._cad.sha, sha1)
+        from idem import aio            # the asyncio runner's EVALSHA name too
+        self.assertEqual(aio.AsyncRunner(("127.0.0.1", 1))._cad.sha, sha1)
+
+
+class Durations(unittest.TestCase):
+    def test_seconds_everywhere(self):
+        """every duration of the API is in seconds (int or float): lease, retention, valkey_timeout, valkey_retry, secrets_max_age; the old *_ms options are refused"""
+        import datetime
+        import idem
+        r = idem.Runner(None, lease=1.5, retention=7 * 86400, valkey_retry=0.25,
+                        valkey_timeout=0.05, secrets_max_age=0)
+        self.assertEqual((r.lease_ms, r.valkey_retry_ms, r.secrets_max_age_ms), (1500, 250, 60000))
+        self.assertEqual(r.retention, datetime.timedelta(days=7))
+        self.assertEqual(idem.Runner(None).lease_ms, 30000)
+        for bad in ({"lease": 0}, {"lease": "30s"}, {"retention": "7 days"}, {"lease": True},
+                    {"valkey_timeout": -1}):
+            with self.assertRaises(idem.IdemError, msg=repr(bad)) as cm:
+                idem.Runner(None, **bad)
+            self.assertEqual(cm.exception.code, "argument")
+        for old in ("lease_ms", "valkey_retry_ms", "valkey_timeout_ms", "secrets_max_age_ms"):
+            with self.assertRaises(TypeError, msg=old):
+                idem.Runner(None, **{old: 1000})
+        run = idem.Run(1, "s", "i", "{}", b"k" * 32, b"f" * 32)
+        run._busy_for(1250)
+        self.assertEqual(run.retry_after, 1.25)
+        self.assertFalse(hasattr(run, "retry_after_ms"))
+
+
+class RelearnBound(unittest.TestCase):
+    def test_capped(self):
+        """secrets_max_age: 0 and anything longer than a minute mean a minute, not never"""
+        import idem
+        from idem.runner import SECRETS_MAX_AGE_MAX_MS
+        self.assertEqual(SECRETS_MAX_AGE_MAX_MS, 60000)
+        for given, used in ((5, 5000), (0.001, 1), (60, 60000), (0, 60000), (3600, 60000)):
+            self.assertEqual(idem.Runner(None, secrets_max_age=given).secrets_max_age_ms, used,
+                             given)
+        with self.assertRaises(idem.IdemError):
+            idem.Runner(None, secrets_max_age=-1)
