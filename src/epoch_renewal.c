@@ -65,25 +65,37 @@
  * wait for synchronous replication it holds the transaction's locks (they
  * are released after the commit callbacks).
  *
- * Not covered: PREPARE TRANSACTION renews (and bumps) before COMMIT
- * PREPARED makes the removal visible, so a read in between may still copy
- * the row into the new epoch.
+ * Two-phase commit.  A transaction that removed ledger rows renews at
+ * PREPARE TRANSACTION (the commit may come from another session), before
+ * COMMIT PREPARED makes the removal visible: a read in between still finds
+ * the rows, under a generation that counts the removal.  So PREPARE first
+ * registers the transaction (idem_renewal_prepared), then bumps; a reader
+ * that finds one still in progress, after reading the generation and
+ * before its probe, copies nothing (idem_renewal_stamp).  Once it has
+ * ended, a later probe sees its outcome.  The registry is lost with shared
+ * memory: a transaction prepared before a clean restart and committed after
+ * it is not covered.
  *
  * Locking: generation and retired are 64-bit atomics (the bump is a
  * fetch-add, a full barrier); retired only grows.  The condition variable
- * wakes the waiters whenever retired grows.  No lock of its own; the
- * generation is read by every copy and every repopulation, and written
- * only by removals.
+ * wakes the waiters whenever retired grows.  The prepared registry is an
+ * array of max_prepared_transactions xids (0: free), each slot taken and
+ * freed by compare-and-swap, with a count of the slots in use that readers
+ * check first (0 nearly always).  No lock of its own; the generation is
+ * read by every copy and every repopulation, and written only by
+ * removals.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "access/twophase.h"
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "port/atomics.h"
 #include "storage/condition_variable.h"
 #include "storage/latch.h"
+#include "storage/procarray.h"
 #include "storage/shmem.h"
 #include "utils/timestamp.h"
 
@@ -96,14 +108,24 @@ typedef struct IdemRenewalShared
 	pg_atomic_uint64 retired;	/* the newest epoch's generation the
 								 * worker took over (older epochs retired) */
 	ConditionVariable retired_cv;	/* retired grew */
+	pg_atomic_uint32 nprepared;	/* slots of prepared in use */
+	int			nslots;			/* max_prepared_transactions */
+	pg_atomic_uint32 prepared[FLEXIBLE_ARRAY_MEMBER];	/* xids; 0: free */
 } IdemRenewalShared;
 
 static IdemRenewalShared *renewal = NULL;
 
+static Size
+renewal_size(void)
+{
+	return add_size(offsetof(IdemRenewalShared, prepared),
+					mul_size(max_prepared_xacts, sizeof(pg_atomic_uint32)));
+}
+
 Size
 idem_renewal_shmem_size(void)
 {
-	return MAXALIGN(sizeof(IdemRenewalShared));
+	return MAXALIGN(renewal_size());
 }
 
 /* From shmem.c's startup hook, with AddinShmemInitLock held. */
@@ -112,13 +134,17 @@ idem_renewal_shmem_init(void)
 {
 	bool		found;
 
-	renewal = ShmemInitStruct("idem renewal generation",
-							  sizeof(IdemRenewalShared), &found);
+	renewal = ShmemInitStruct("idem renewal generation", renewal_size(),
+							  &found);
 	if (!found)
 	{
 		pg_atomic_init_u64(&renewal->generation, 0);
 		pg_atomic_init_u64(&renewal->retired, 0);
 		ConditionVariableInit(&renewal->retired_cv);
+		pg_atomic_init_u32(&renewal->nprepared, 0);
+		renewal->nslots = max_prepared_xacts;
+		for (int i = 0; i < renewal->nslots; i++)
+			pg_atomic_init_u32(&renewal->prepared[i], InvalidTransactionId);
 	}
 }
 
@@ -129,6 +155,80 @@ idem_renewal_generation(void)
 	if (renewal == NULL)
 		return 0;
 	return pg_atomic_read_u64(&renewal->generation);
+}
+
+/*
+ * Is a transaction that removed ledger rows prepared and not yet committed
+ * or rolled back?  Frees the slots of those that ended.
+ */
+static bool
+renewal_prepared_pending(void)
+{
+	if (pg_atomic_read_u32(&renewal->nprepared) == 0)
+		return false;
+	for (int i = 0; i < renewal->nslots; i++)
+	{
+		uint32		xid = pg_atomic_read_u32(&renewal->prepared[i]);
+
+		if (xid == InvalidTransactionId)
+			continue;
+		if (TransactionIdIsInProgress(xid))
+			return true;
+		if (pg_atomic_compare_exchange_u32(&renewal->prepared[i], &xid,
+										   InvalidTransactionId))
+			pg_atomic_fetch_sub_u32(&renewal->nprepared, 1);
+	}
+	return false;
+}
+
+/*
+ * What a read's copy is stamped with: the generation now, read before the
+ * probe that finds the row (see the file header), or IDEM_RENEWAL_NO_COPY
+ * while a transaction that removed ledger rows is prepared: the row read
+ * may be one it removes, under a generation that already counts it.
+ */
+uint64
+idem_renewal_stamp(void)
+{
+	uint64		generation;
+
+	if (renewal == NULL)
+		return 0;
+	generation = pg_atomic_read_u64(&renewal->generation);
+	pg_read_barrier();
+	if (renewal_prepared_pending())
+		return IDEM_RENEWAL_NO_COPY;
+	return generation;
+}
+
+/*
+ * At PREPARE TRANSACTION of a transaction that removed ledger rows, before
+ * its renewal bumps the generation: register it, so that reads copy nothing
+ * until it ends (idem_renewal_stamp).  Safe after the prepare record: no
+ * allocation, no error.
+ */
+void
+idem_renewal_prepared(TransactionId xid)
+{
+	if (renewal == NULL || !TransactionIdIsValid(xid))
+		return;
+	/* a slot is always free: at most max_prepared_transactions are prepared */
+	for (int i = 0; i < renewal->nslots; i++)
+	{
+		uint32		old = pg_atomic_read_u32(&renewal->prepared[i]);
+		bool		was_free = (old == InvalidTransactionId);
+
+		/* a free slot, or one whose transaction ended */
+		if (!was_free && TransactionIdIsInProgress(old))
+			continue;
+		/* counted before it can be seen */
+		if (was_free)
+			pg_atomic_fetch_add_u32(&renewal->nprepared, 1);
+		if (pg_atomic_compare_exchange_u32(&renewal->prepared[i], &old, xid))
+			return;
+		if (was_free)
+			pg_atomic_fetch_sub_u32(&renewal->nprepared, 1);
+	}
 }
 
 /*

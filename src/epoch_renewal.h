@@ -18,6 +18,11 @@ extern void idem_renewal_shmem_init(void);
 /* Everyone: the generation now (0 without preloading). */
 extern uint64 idem_renewal_generation(void);
 
+/* A read's copy: its stamp, or this while a removal is prepared. */
+#define IDEM_RENEWAL_NO_COPY	PG_UINT64_MAX
+extern uint64 idem_renewal_stamp(void);
+extern void idem_renewal_prepared(TransactionId xid);
+
 /* A commit that removed ledger rows (cache_secret.c's renewal). */
 extern uint64 idem_renewal_bump(void);
 extern void idem_renewal_wait(uint64 generation);

@@ -502,7 +502,8 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
  * is durable.  Rows of this transaction are left to the commit hook.
  *
  * generation is the renewal generation read before the probe that found
- * the row (idem_renewal_generation).  Under READ COMMITTED that probe took
+ * the row (idem_renewal_stamp; IDEM_RENEWAL_NO_COPY: nothing is copied
+ * while a removal is prepared).  Under READ COMMITTED that probe took
  * a snapshot after the read, which sees every removal of ledger rows the
  * generation counts.  Under REPEATABLE READ and SERIALIZABLE the
  * transaction's snapshot may predate one (a transaction that began before
@@ -524,6 +525,8 @@ repopulate(LedgerStore *store, const LedgerKey *lk, uint64 generation,
 		kind = IDEM_CACHE_FAILED_PERMANENT;
 	else
 		return;
+	if (generation == IDEM_RENEWAL_NO_COPY)
+		return;					/* a removal is prepared, not committed */
 	if (generation > 0 && IsolationUsesXactSnapshot())
 	{
 		LedgerRow	now;
@@ -593,7 +596,7 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
 	/* before any probe: what a copy of the row read is stamped with */
-	uint64		generation = idem_renewal_generation();
+	uint64		generation = idem_renewal_stamp();
 
 	ans->wrote_row = false;
 	key_locktag(&tag, lk);
@@ -811,7 +814,7 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		TupleDesc	tupdesc;
 		bool		found;
 		/* before the probe: what a copy of the row read is stamped with */
-		uint64		generation = idem_renewal_generation();
+		uint64		generation = idem_renewal_stamp();
 
 		funcctx = SRF_FIRSTCALL_INIT();
 		oldcxt = MemoryContextSwitchTo(funcctx->multi_call_memory_ctx);

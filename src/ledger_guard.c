@@ -359,6 +359,9 @@ idem_ledger_guard_xact_event(XactEvent event)
 			{
 				uint64		generation;
 
+				/* reads copy nothing until COMMIT PREPARED (epoch_renewal.c) */
+				if (event == XACT_EVENT_PREPARE)
+					idem_renewal_prepared(GetTopTransactionIdIfAny());
 				generation = idem_cache_epoch_renew(0, guard_reason);
 				idem_outbox_wake();
 				/* the commit returns once runners no longer use the old epoch */

@@ -8,7 +8,9 @@
 #      ledger truncated meanwhile, or an older dump restored with
 #      pg_restore --clean;
 #   3. a REPEATABLE READ transaction whose snapshot predates a DELETE
-#      reads the deleted row with idem_lookup();
+#      reads the deleted row with idem_lookup(), and so does a READ
+#      COMMITTED one between a DELETE's PREPARE TRANSACTION and its
+#      COMMIT PREPARED;
 #   4. a runner connected before a DELETE, which re-learns its keyspace
 #      only once an hour, while the worker is slow: the DELETE returns
 #      once the worker has retired the old epoch, and the runner applies
@@ -29,7 +31,7 @@ use Time::HiRes qw(time);
 $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
-my $node = IdemValkey::streaming_node('node', $valkey);
+my $node = IdemValkey::streaming_node('node', $valkey, max_prepared_transactions => 4);
 
 sub sql { $node->safe_psql('postgres', $_[0]) }
 sub run { IdemValkey::run_message($node, 'postgres', $valkey, 1, 'es', $_[0], '{"x": 1}') }
@@ -197,6 +199,29 @@ sql(q{BEGIN ISOLATION LEVEL REPEATABLE READ;
 	SELECT status FROM idem_lookup(1, idem_key('es', 'r2')); COMMIT});
 ok(defined $valkey->wait_for_key(key_of('r2'), 10),
 	'a repeatable read transaction newer than every removal repopulates Valkey');
+
+# --- a DELETE prepared (two-phase), read before COMMIT PREPARED ---
+($status, $source) = run('t1');
+is("$status $source", 'applied handler', 'prepared DELETE: t1 is applied');
+ok(defined $valkey->wait_for_key(key_of('t1'), 10), '... and copied');
+$ks = IdemValkey::keyspace($node);
+sql(q{BEGIN; DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('es', 't1');
+	PREPARE TRANSACTION 'del_t1'});
+$ks2 = new_keyspace($ks);
+isnt($ks2, $ks, 'prepared DELETE: PREPARE TRANSACTION made a new epoch');
+is(sql(q{SELECT status FROM idem_lookup(1, idem_key('es', 't1'))}), 'completed',
+	'prepared DELETE: a read before COMMIT PREPARED still finds the row');
+ok(drained(), 'prepared DELETE: the worker went through the commit ring');
+is($valkey->command('GET', key_of('t1')), undef,
+	'prepared DELETE: that read does not repopulate the new epoch');
+sql(q{COMMIT PREPARED 'del_t1'});
+($status, $source) = run('t1');
+is("$status $source", 'applied handler', 'prepared DELETE: once committed, t1 is applied again, not replayed');
+($status, $source) = run('t2');
+$valkey->command('DEL', key_of('t2')) if defined $valkey->wait_for_key(key_of('t2'), 10);
+sql(q{SELECT status FROM idem_lookup(1, idem_key('es', 't2'))});
+ok(defined $valkey->wait_for_key(key_of('t2'), 10),
+	'prepared DELETE: once it is committed, reads repopulate Valkey again');
 
 # --- 4. a runner connected before the DELETE, the worker slow ---
 my $s = IdemValkey::runner_session($node, 'postgres', $valkey, 1, 'es', '{"x": 1}');
