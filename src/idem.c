@@ -27,6 +27,7 @@
 #include "compat.h"
 #include "guc.h"
 #include "ledger_guard.h"
+#include "cache_secret.h"
 #include "ledger_insert.h"
 #include "ledger_store.h"
 #include "shmem.h"
@@ -55,5 +56,6 @@ _PG_init(void)
 	{
 		idem_shmem_register();
 		idem_worker_register();
+		idem_cache_secret_register_stop();
 	}
 }

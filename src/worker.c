@@ -223,6 +223,8 @@ idem_worker_main(Datum main_arg)
 
 			r = worker_check_owner();
 			if (r == VK_OK)
+				r = worker_check_pointer();
+			if (r == VK_OK)
 				r = worker_cluster_owners(check);
 
 			/*

@@ -3,9 +3,14 @@
  * worker_epoch.c
  *	  The worker's part of the history epoch (cache_secret.c's file
  *	  header): taking this start's epoch over in Valkey (its owner key),
- *	  checking every IDEM_OWNER_CHECK_MS that the owner key still holds
- *	  this server's token, and the owner keys of Citus cluster keyspaces
- *	  (cache_cluster.c).  Until the epoch is taken over nothing is copied.
+ *	  with the epoch pointer that names the last epoch taken over and the
+ *	  epochs this history knows are dead; checking every
+ *	  IDEM_OWNER_CHECK_MS that the owner key still holds this server's
+ *	  token and that the dead epochs stay retired; on a standby, retiring
+ *	  the epoch the pointer names if it was taken over on a branch of
+ *	  history this server's timeline left (pg_rewind); and the owner keys
+ *	  of Citus cluster keyspaces (cache_cluster.c).  Until the epoch is
+ *	  taken over nothing is copied.
  *
  *	  Locking: none of its own; the epoch's shared state is
  *	  cache_secret.c's and cache_cluster.c's, behind their locks.
@@ -14,6 +19,9 @@
  */
 #include "postgres.h"
 
+#include "access/timeline.h"
+#include "access/xlog.h"
+#include "access/xlogrecovery.h"
 #include "utils/timestamp.h"
 
 #include "cache_cluster.h"
@@ -30,6 +38,23 @@
 
 /* When the owner key was last checked (worker_check_owner). */
 TimestampTz owner_checked_at = 0;
+
+/* When a standby last read the epoch pointer (worker_check_pointer). */
+static TimestampTz pointer_checked_at = 0;
+
+/*
+ * What the epoch pointer holds: "<timeline>.<epoch: 16 hex> <LSN: 16 hex>",
+ * the epoch the last takeover of this cluster took over and the WAL
+ * position of that server then.
+ */
+typedef struct EpochPointer
+{
+	bool		valid;			/* false: no pointer, or not one of ours */
+	IdemEpochName name;
+	XLogRecPtr	lsn;
+} EpochPointer;
+
+#define POINTER_TEXT_MAX	(10 + 1 + 16 + 1 + 16 + 1)
 
 /* The token an epoch's owner key holds (16 lower-case hex digits). */
 #define OWNER_TOKEN_TEXT(buf, token) \
@@ -105,15 +130,191 @@ vk_key_command(const char *key, int argc, const char **argv,
 	return r;
 }
 
+/* Is that the same epoch? */
+static bool
+epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
+{
+	return a->timeline == timeline && a->epoch == epoch;
+}
+
+/*
+ * Retire epoch *dead: its owner key gets a retired marker naming (timeline,
+ * epoch), the epoch that replaces it, whatever it held: the runners still
+ * on it stop trusting it at their next lookup.
+ */
+static VkResult
+epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
+{
+	char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
+	char		ttl[32];
+	const char *argv[5];
+
+	snprintf(retired, sizeof(retired), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
+			 timeline, (unsigned long long) epoch);
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "SET";
+	argv[2] = retired;
+	argv[3] = "PX";
+	argv[4] = ttl;
+	return vk_owner_command(dead->timeline, dead->epoch, 5, argv, NULL);
+}
+
+/*
+ * The same for an epoch some other history (the pointer) named: retired,
+ * logged, and remembered as dead in the secret file.
+ */
+static VkResult
+epoch_retire_other(const EpochPointer *p, TimeLineID timeline, uint64 epoch,
+				   const char *why)
+{
+	VkResult	r = epoch_retire(&p->name, timeline, epoch);
+
+	if (r != VK_OK)
+		return r;
+	idem_cache_epoch_note_dead(&p->name);
+	ereport(LOG,
+			(errmsg("idem: retired cache epoch %016llx of timeline %u",
+					(unsigned long long) p->name.epoch, p->name.timeline),
+			 errdetail_internal("%s", why)));
+	return VK_OK;
+}
+
+/* Parse a reply from the epoch pointer into *p (p->valid: it was one). */
+static void
+pointer_parse(const redisReply *reply, EpochPointer *p)
+{
+	char		text[POINTER_TEXT_MAX + 1];
+	unsigned int tli;
+	unsigned long long epoch;
+	unsigned long long lsn;
+	int			used = -1;
+
+	memset(p, 0, sizeof(*p));
+	if (reply->type != REDIS_REPLY_STRING || reply->len > POINTER_TEXT_MAX)
+		return;
+	memcpy(text, reply->str, reply->len);
+	text[reply->len] = '\0';
+	if (sscanf(text, "%u.%16llx %16llx%n", &tli, &epoch, &lsn, &used) != 3 ||
+		used != (int) reply->len || tli == 0 || epoch == 0)
+		return;
+	p->valid = true;
+	p->name.timeline = tli;
+	p->name.epoch = epoch;
+	p->lsn = (XLogRecPtr) lsn;
+}
+
+/*
+ * GET the epoch pointer, or (with set, the epoch this server takes over)
+ * SET it with GET; *p is what it held.
+ */
+static VkResult
+pointer_command(const IdemEpochTakeover *set, EpochPointer *p)
+{
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+	char		value[POINTER_TEXT_MAX + 1];
+	char		ttl[32];
+	const char *argv[6];
+	redisReply *reply = NULL;
+	VkResult	r;
+
+	memset(p, 0, sizeof(*p));
+	if (idem_cache_epoch_pointer_of(key, sizeof(key)) < 0)
+	{
+		snprintf(worker_errbuf, sizeof(worker_errbuf), "idem.valkey_prefix is too long");
+		return VK_FAILED;
+	}
+	if (set == NULL)
+	{
+		argv[0] = "GET";
+		r = vk_key_command(key, 2, argv, &reply);
+	}
+	else
+	{
+		snprintf(value, sizeof(value), "%u.%016llx %016llx", set->timeline,
+				 (unsigned long long) set->epoch,
+				 (unsigned long long) GetXLogInsertRecPtr());
+		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+		argv[0] = "SET";
+		argv[2] = value;
+		argv[3] = "PX";
+		argv[4] = ttl;
+		argv[5] = "GET";
+		r = vk_key_command(key, 6, argv, &reply);
+	}
+	if (r != VK_OK)
+		return r;
+	pointer_parse(reply, p);
+	freeReplyObject(reply);
+	return VK_OK;
+}
+
+/*
+ * Was epoch *p taken over on a branch of history that timeline tli left, or
+ * never had?  Its timeline is an ancestor of tli (in tli's history) that
+ * ended before the takeover's WAL position: that server went on, on the old
+ * timeline, after the one that made tli took over (an old primary after a
+ * failover, then rewound).  Epochs of tli itself or of a later timeline are
+ * never judged: they may be a live server's.
+ */
+static bool
+pointer_diverged(const EpochPointer *p, TimeLineID tli)
+{
+	List	   *history;
+	ListCell   *lc;
+	bool		diverged = true;
+
+	if (p->name.timeline >= tli)
+		return false;
+	history = readTimeLineHistory(tli);
+	foreach(lc, history)
+	{
+		TimeLineHistoryEntry *e = (TimeLineHistoryEntry *) lfirst(lc);
+
+		if (e->tli == p->name.timeline)
+		{
+			diverged = !XLogRecPtrIsInvalid(e->end) && p->lsn >= e->end;
+			break;
+		}
+	}
+	list_free_deep(history);
+	return diverged;
+}
+
+/*
+ * Must the takeover t retire epoch *p, which the pointer named?  Yes at the
+ * first takeover since the start of a new epoch: this start cannot show
+ * that it continues the history Valkey saw last (it ran recovery, was
+ * restored, cloned, promoted, rewound or reset, or another start took its
+ * epoch over), so the newest epoch of its system goes, whichever copy's it
+ * is; and whenever *p was taken over on a branch this timeline left.  Not
+ * otherwise: a renewal of a running server retires its own epoch, and a
+ * server that lost its epoch to a copy must not retire the copy's in turn.
+ */
+static bool
+pointer_must_retire(const EpochPointer *p, const IdemEpochTakeover *t)
+{
+	if (!p->valid || epoch_is(&p->name, t->timeline, t->epoch))
+		return false;
+	for (int i = 0; i < t->ndead; i++)
+		if (epoch_is(&t->dead[i], p->name.timeline, p->name.epoch))
+			return false;		/* retired already */
+	return (t->first && t->expect_token == 0) ||
+		pointer_diverged(p, t->timeline);
+}
+
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet: retire the epoch it replaced, if any (its owner key gets a retired
- * marker naming this epoch, whatever it held: the runners still on it stop
- * trusting it at their next lookup); then SET <epoch owner key> <new
- * token> GET, and keep the epoch only if the value replaced is the token
- * this data directory recorded (none, for a new epoch); otherwise make a
- * new epoch and take that one over.  Until this succeeds nothing is copied
- * and runners get no keyspace.
+ * yet.  First retire the epochs this history knows are dead, and the one
+ * the epoch pointer names if this takeover must (pointer_must_retire):
+ * their owner keys get a retired marker naming this epoch, whatever they
+ * held, so the runners still on them stop trusting them at their next
+ * lookup.  Then SET <epoch owner key> <new token> GET, and keep the epoch
+ * only if the value replaced is the token this data directory recorded
+ * (none, for a new epoch); otherwise make a new epoch and take that one
+ * over.  Last, point the epoch pointer at this epoch (SET ... GET: an epoch
+ * another start pointed it at meanwhile is judged as above).  Until this
+ * succeeds nothing is copied and runners get no keyspace.  Every step can
+ * be repeated: a worker that stops half-way does it again.
  */
 VkResult
 worker_take_epoch(void)
@@ -125,28 +326,29 @@ worker_take_epoch(void)
 	{
 		char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 		char		expect[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
-		char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
 		char		ttl[32];
 		const char *argv[6];
 		redisReply *reply = NULL;
 		VkResult	r;
 		bool		won;
+		EpochPointer prev;
+		EpochPointer now;
 
 		OWNER_TOKEN_TEXT(token, t.new_token);
 		OWNER_TOKEN_TEXT(expect, t.expect_token);
 		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
-		if (t.retire_epoch != 0)
+		for (int i = 0; i < t.ndead; i++)
 		{
-			snprintf(retired, sizeof(retired), IDEM_CACHE_EPOCH_RETIRED "%u.%016llx",
-					 t.timeline, (unsigned long long) t.epoch);
-			argv[0] = "SET";
-			argv[2] = retired;
-			argv[3] = "PX";
-			argv[4] = ttl;
-			r = vk_owner_command(t.retire_timeline, t.retire_epoch, 5, argv, NULL);
+			r = epoch_retire(&t.dead[i], t.timeline, t.epoch);
 			if (r != VK_OK)
 				return r;
 		}
+		r = pointer_command(NULL, &prev);
+		if (r == VK_OK && pointer_must_retire(&prev, &t))
+			r = epoch_retire_other(&prev, t.timeline, t.epoch,
+								   "Valkey's epoch pointer named it: the newest epoch of this system, which this start's history may lack.");
+		if (r != VK_OK)
+			return r;
 		argv[0] = "SET";
 		argv[2] = token;
 		argv[3] = "PX";
@@ -162,6 +364,14 @@ worker_take_epoch(void)
 		freeReplyObject(reply);
 		if (won)
 		{
+			r = pointer_command(&t, &now);
+			if (r == VK_OK && !(now.valid && prev.valid &&
+								epoch_is(&now.name, prev.name.timeline, prev.name.epoch)) &&
+				pointer_must_retire(&now, &t))
+				r = epoch_retire_other(&now, t.timeline, t.epoch,
+									   "Valkey's epoch pointer named it: another start took it over while this one did.");
+			if (r != VK_OK)
+				return r;
 			idem_cache_epoch_taken(&t);
 			owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
@@ -180,7 +390,7 @@ worker_take_epoch(void)
  * anything else (retired, or taken over elsewhere).
  */
 static VkResult
-owner_keep(const char *key, const char *token, bool *taken)
+owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 {
 	char		ttl[32];
 	const char *argv[6];
@@ -198,6 +408,8 @@ owner_keep(const char *key, const char *token, bool *taken)
 	ours = owner_reply_is(reply, token);
 	lost = reply->type == REDIS_REPLY_NIL;
 	freeReplyObject(reply);
+	if (lost_out != NULL)
+		*lost_out = lost;
 	if (lost)
 	{
 		/* a racing writer wins: the next check sees it */
@@ -219,6 +431,92 @@ owner_keep(const char *key, const char *token, bool *taken)
 }
 
 /*
+ * The epochs this history knows are dead stay retired: a Valkey restored
+ * from a snapshot taken before they were retired brings their owner keys
+ * back with a live token, which runners still on them would trust again.
+ * One GET each; a SET only for one that holds something else than a
+ * retired marker (a key Valkey lost stays lost: no runner trusts that).
+ * (timeline, epoch) is the epoch this server owns, which the marker names.
+ */
+static VkResult
+dead_keep_retired(TimeLineID timeline, uint64 epoch)
+{
+	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
+	int			n = idem_cache_epoch_dead(dead);
+
+	for (int i = 0; i < n; i++)
+	{
+		const char *argv[2];
+		redisReply *reply = NULL;
+		VkResult	r;
+		bool		live;
+
+		argv[0] = "GET";
+		r = vk_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
+		if (r != VK_OK)
+			return r;
+		live = reply->type == REDIS_REPLY_STRING &&
+			(reply->len < sizeof(IDEM_CACHE_EPOCH_RETIRED) - 1 ||
+			 memcmp(reply->str, IDEM_CACHE_EPOCH_RETIRED,
+					sizeof(IDEM_CACHE_EPOCH_RETIRED) - 1) != 0);
+		freeReplyObject(reply);
+		if (!live)
+			continue;
+		r = epoch_retire(&dead[i], timeline, epoch);
+		if (r != VK_OK)
+			return r;
+		ereport(LOG,
+				(errmsg("idem: retired cache epoch %016llx of timeline %u again",
+						(unsigned long long) dead[i].epoch, dead[i].timeline),
+				 errdetail("Its owner key held a token again although this server's history retired it: Valkey was restored from an older snapshot, perhaps.")));
+	}
+	return VK_OK;
+}
+
+/*
+ * On a standby, every IDEM_OWNER_CHECK_MS: does the epoch pointer name an
+ * epoch taken over on a branch of history that the timeline this server
+ * replays left (pointer_diverged)?  That is an old primary's after a
+ * failover, this server itself perhaps before pg_rewind replaced its
+ * secret file with its new primary's: retire it, so that the runners still
+ * on it stop replaying what this history lacks.  Nothing is copied during
+ * recovery, so this is all a standby's worker does in Valkey.
+ */
+VkResult
+worker_check_pointer(void)
+{
+	EpochPointer p;
+	TimeLineID	tli = 0;
+	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
+	int			ndead;
+	IdemCacheSecrets s;
+	VkResult	r;
+
+	if (!RecoveryInProgress() ||
+		!TimestampDifferenceExceeds(pointer_checked_at, GetCurrentTimestamp(),
+									IDEM_OWNER_CHECK_MS))
+		return VK_OK;
+	(void) GetXLogReplayRecPtr(&tli);
+	if (tli == 0)
+		return VK_OK;
+	r = pointer_command(NULL, &p);
+	if (r != VK_OK)
+		return r;
+	pointer_checked_at = GetCurrentTimestamp();
+	if (!p.valid || !pointer_diverged(&p, tli))
+		return VK_OK;
+	ndead = idem_cache_epoch_dead(dead);
+	for (int i = 0; i < ndead; i++)
+		if (epoch_is(&dead[i], p.name.timeline, p.name.epoch))
+			return VK_OK;
+	idem_cache_secrets_get(&s);
+	explicit_bzero(s.current, sizeof(s.current));
+	explicit_bzero(s.previous, sizeof(s.previous));
+	return epoch_retire_other(&p, tli, s.epoch,
+							  "It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
+}
+
+/*
  * Every IDEM_OWNER_CHECK_MS, after each connect and before the first copy
  * after an idle wait (so that the copies runners read next are vouched
  * for): does the owner key of
@@ -228,7 +526,8 @@ owner_keep(const char *key, const char *token, bool *taken)
  * epoch's keyspace was written by this server, and runners trust nothing
  * there meanwhile.  If it holds anything else (another server started
  * from a copy of this one retired it or took it over), a new epoch is due,
- * which the main loop takes over next.
+ * which the main loop takes over next.  The epochs this history knows are
+ * dead are checked too (dead_keep_retired).
  */
 VkResult
 worker_check_owner(void)
@@ -238,6 +537,7 @@ worker_check_owner(void)
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	VkResult	r;
 	bool		taken;
+	bool		lost;
 
 	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
@@ -246,7 +546,16 @@ worker_check_owner(void)
 	if (!owner_key_of(key, t.timeline, t.epoch))
 		return VK_FAILED;
 	OWNER_TOKEN_TEXT(token, t.new_token);
-	r = owner_keep(key, token, &taken);
+	r = owner_keep(key, token, &taken, &lost);
+	if (r == VK_OK && lost)
+	{
+		/* Valkey lost its state: the pointer too, perhaps */
+		EpochPointer ignored;
+
+		r = pointer_command(&t, &ignored);
+	}
+	if (r == VK_OK && !taken)
+		r = dead_keep_retired(t.timeline, t.epoch);
 	if (r != VK_OK)
 		return r;
 	owner_checked_at = GetCurrentTimestamp();
@@ -315,7 +624,7 @@ worker_cluster_owners(bool check)
 		if (!idem_cache_cluster_owned(i, &d))
 			continue;
 		OWNER_TOKEN_TEXT(token, d.token);
-		r = owner_keep(d.key, token, &taken);
+		r = owner_keep(d.key, token, &taken, NULL);
 		if (r == VK_OK && taken)
 		{
 			ereport(LOG,
