@@ -57,12 +57,12 @@ idem_cache_epoch_key_of(char *buf, size_t buflen, TimeLineID timeline,
 
 
 /*
- * The epoch pointer of this cluster into buf (IDEM_CACHE_EPOCH_KEY_MAX
- * bytes): <prefix><system identifier>:epoch, which names the epoch the
- * last takeover took over (cache_secret.c).  Returns its length, or -1.
+ * The key of this cluster's epoch list into buf (IDEM_CACHE_EPOCH_KEY_MAX
+ * bytes): <prefix><system identifier>:epochs, a Valkey list of the epochs
+ * the last takeovers took over (cache_secret.c).  Returns its length, or -1.
  */
 int
-idem_cache_epoch_pointer_of(char *buf, size_t buflen)
+idem_cache_epoch_list_of(char *buf, size_t buflen)
 {
 	const char *prefix = idem_valkey_prefix ? idem_valkey_prefix : "";
 	int			n;
@@ -70,7 +70,7 @@ idem_cache_epoch_pointer_of(char *buf, size_t buflen)
 	if (strlen(prefix) > IDEM_CACHE_PREFIX_MAX ||
 		buflen < IDEM_CACHE_EPOCH_KEY_MAX)
 		return -1;
-	n = snprintf(buf, buflen, "%s" UINT64_FORMAT ":epoch", prefix,
+	n = snprintf(buf, buflen, "%s" UINT64_FORMAT ":epochs", prefix,
 				 GetSystemIdentifier());
 	return (n < 0 || (size_t) n >= buflen) ? -1 : n;
 }

@@ -942,7 +942,7 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 
 /*
  * The worker retired epoch *dead (not this data directory's own: one that
- * Valkey's epoch pointer named, cache_secret.c's file header): remember it
+ * Valkey's epoch list named, cache_secret.c's file header): remember it
  * in the file, so that it is retired again if Valkey brings it back, and
  * so that a backup taken from now on knows it.
  */

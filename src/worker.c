@@ -223,7 +223,7 @@ idem_worker_main(Datum main_arg)
 
 			r = worker_check_owner();
 			if (r == VK_OK)
-				r = worker_check_pointer();
+				r = worker_check_list();
 			if (r == VK_OK)
 				r = worker_cluster_owners(check);
 

@@ -3,12 +3,12 @@
  * worker_epoch.c
  *	  The worker's part of the history epoch (cache_secret.c's file
  *	  header): taking this start's epoch over in Valkey (its owner key),
- *	  with the epoch pointer that names the last epoch taken over and the
+ *	  with the epoch list that names the last epochs taken over and the
  *	  epochs this history knows are dead; checking every
  *	  IDEM_OWNER_CHECK_MS that the owner key still holds this server's
  *	  token and that the dead epochs stay retired; on a standby, retiring
- *	  the epoch the pointer names if it was taken over on a branch of
- *	  history this server's timeline left (pg_rewind); and the owner keys
+ *	  the listed epochs taken over on a branch of history this server's
+ *	  timeline left (pg_rewind); and the owner keys
  *	  of Citus cluster keyspaces (cache_cluster.c).  Until the epoch is
  *	  taken over nothing is copied.
  *
@@ -39,22 +39,22 @@
 /* When the owner key was last checked (worker_check_owner). */
 TimestampTz owner_checked_at = 0;
 
-/* When a standby last read the epoch pointer (worker_check_pointer). */
-static TimestampTz pointer_checked_at = 0;
+/* When a standby last read the epoch list (worker_check_list). */
+static TimestampTz list_checked_at = 0;
 
 /*
- * What the epoch pointer holds: "<timeline>.<epoch: 16 hex> <LSN: 16 hex>",
- * the epoch the last takeover of this cluster took over and the WAL
- * position of that server then.
+ * An entry of the epoch list: "<timeline>.<epoch: 16 hex> <LSN: 16 hex>",
+ * an epoch a takeover of this cluster took over and the WAL position of
+ * that server then.  The list holds the last IDEM_EPOCH_DEAD_MAX, newest
+ * first.
  */
-typedef struct EpochPointer
+typedef struct EpochListed
 {
-	bool		valid;			/* false: no pointer, or not one of ours */
 	IdemEpochName name;
 	XLogRecPtr	lsn;
-} EpochPointer;
+} EpochListed;
 
-#define POINTER_TEXT_MAX	(10 + 1 + 16 + 1 + 16 + 1)
+#define LISTED_TEXT_MAX	(10 + 1 + 16 + 1 + 16)
 
 /* The token an epoch's owner key holds (16 lower-case hex digits). */
 #define OWNER_TOKEN_TEXT(buf, token) \
@@ -160,119 +160,155 @@ epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 }
 
 /*
- * The same for an epoch some other history (the pointer) named: retired,
- * logged, and remembered as dead in the secret file.
+ * The same for an epoch some other history listed: retired, logged, and
+ * remembered as dead in the secret file.
  */
 static VkResult
-epoch_retire_other(const EpochPointer *p, TimeLineID timeline, uint64 epoch,
-				   const char *why)
+epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
+					const char *why)
 {
-	VkResult	r = epoch_retire(&p->name, timeline, epoch);
+	VkResult	r = epoch_retire(&e->name, timeline, epoch);
 
 	if (r != VK_OK)
 		return r;
-	idem_cache_epoch_note_dead(&p->name);
+	idem_cache_epoch_note_dead(&e->name);
 	ereport(LOG,
 			(errmsg("idem: retired cache epoch %016llx of timeline %u",
-					(unsigned long long) p->name.epoch, p->name.timeline),
+					(unsigned long long) e->name.epoch, e->name.timeline),
 			 errdetail_internal("%s", why)));
 	return VK_OK;
 }
 
-/* Parse a reply from the epoch pointer into *p (p->valid: it was one). */
-static void
-pointer_parse(const redisReply *reply, EpochPointer *p)
+/* Parse one element of the epoch list into *e; false if it is not one. */
+static bool
+listed_parse(const redisReply *reply, EpochListed *e)
 {
-	char		text[POINTER_TEXT_MAX + 1];
+	char		text[LISTED_TEXT_MAX + 1];
 	unsigned int tli;
 	unsigned long long epoch;
 	unsigned long long lsn;
 	int			used = -1;
 
-	memset(p, 0, sizeof(*p));
-	if (reply->type != REDIS_REPLY_STRING || reply->len > POINTER_TEXT_MAX)
-		return;
+	if (reply->type != REDIS_REPLY_STRING || reply->len > LISTED_TEXT_MAX)
+		return false;
 	memcpy(text, reply->str, reply->len);
 	text[reply->len] = '\0';
 	if (sscanf(text, "%u.%16llx %16llx%n", &tli, &epoch, &lsn, &used) != 3 ||
 		used != (int) reply->len || tli == 0 || epoch == 0)
-		return;
-	p->valid = true;
-	p->name.timeline = tli;
-	p->name.epoch = epoch;
-	p->lsn = (XLogRecPtr) lsn;
+		return false;
+	e->name.timeline = tli;
+	e->name.epoch = epoch;
+	e->lsn = (XLogRecPtr) lsn;
+	return true;
+}
+
+/* The epoch list's key into key; false (worker_errbuf says why) if none. */
+static bool
+list_key(char *key)
+{
+	if (idem_cache_epoch_list_of(key, IDEM_CACHE_EPOCH_KEY_MAX) < 0)
+	{
+		snprintf(worker_errbuf, sizeof(worker_errbuf), "idem.valkey_prefix is too long");
+		return false;
+	}
+	return true;
 }
 
 /*
- * GET the epoch pointer, or (with set, the epoch this server takes over)
- * SET it with GET; *p is what it held.
+ * Read the epoch list (LRANGE): its entries into list (at most
+ * IDEM_EPOCH_DEAD_MAX), their number into *n.  What is not an entry is
+ * skipped.
  */
 static VkResult
-pointer_command(const IdemEpochTakeover *set, EpochPointer *p)
+list_read(EpochListed *list, int *n)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
-	char		value[POINTER_TEXT_MAX + 1];
-	char		ttl[32];
-	const char *argv[6];
+	char		last[12];
+	const char *argv[4];
 	redisReply *reply = NULL;
 	VkResult	r;
 
-	memset(p, 0, sizeof(*p));
-	if (idem_cache_epoch_pointer_of(key, sizeof(key)) < 0)
-	{
-		snprintf(worker_errbuf, sizeof(worker_errbuf), "idem.valkey_prefix is too long");
+	*n = 0;
+	if (!list_key(key))
 		return VK_FAILED;
-	}
-	if (set == NULL)
-	{
-		argv[0] = "GET";
-		r = vk_key_command(key, 2, argv, &reply);
-	}
-	else
-	{
-		snprintf(value, sizeof(value), "%u.%016llx %016llx", set->timeline,
-				 (unsigned long long) set->epoch,
-				 (unsigned long long) GetXLogInsertRecPtr());
-		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
-		argv[0] = "SET";
-		argv[2] = value;
-		argv[3] = "PX";
-		argv[4] = ttl;
-		argv[5] = "GET";
-		r = vk_key_command(key, 6, argv, &reply);
-	}
+	snprintf(last, sizeof(last), "%d", IDEM_EPOCH_DEAD_MAX - 1);
+	argv[0] = "LRANGE";
+	argv[2] = "0";
+	argv[3] = last;
+	r = vk_key_command(key, 4, argv, &reply);
 	if (r != VK_OK)
 		return r;
-	pointer_parse(reply, p);
+	if (reply->type == REDIS_REPLY_ARRAY)
+		for (size_t i = 0; i < reply->elements && *n < IDEM_EPOCH_DEAD_MAX; i++)
+			if (listed_parse(reply->element[i], &list[*n]))
+				(*n)++;
 	freeReplyObject(reply);
 	return VK_OK;
 }
 
 /*
- * Was epoch *p taken over on a branch of history that timeline tli left, or
- * never had?  Its timeline is an ancestor of tli (in tli's history) that
- * ended before the takeover's WAL position: that server went on, on the old
- * timeline, after the one that made tli took over (an old primary after a
- * failover, then rewound).  Epochs of tli itself or of a later timeline are
- * never judged: they may be a live server's.
+ * Put epoch (timeline, epoch), which this server took over, at the head of
+ * the epoch list (LPUSH), keep the last IDEM_EPOCH_DEAD_MAX (LTRIM), and
+ * push the list's expiry back.
+ */
+static VkResult
+list_push(TimeLineID timeline, uint64 epoch)
+{
+	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
+	char		value[LISTED_TEXT_MAX + 1];
+	char		last[12];
+	char		ttl[32];
+	const char *argv[4];
+	VkResult	r;
+
+	if (!list_key(key))
+		return VK_FAILED;
+	snprintf(value, sizeof(value), "%u.%016llx %016llx", timeline,
+			 (unsigned long long) epoch,
+			 (unsigned long long) GetXLogInsertRecPtr());
+	snprintf(last, sizeof(last), "%d", IDEM_EPOCH_DEAD_MAX - 1);
+	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
+	argv[0] = "LPUSH";
+	argv[2] = value;
+	r = vk_key_command(key, 3, argv, NULL);
+	if (r != VK_OK)
+		return r;
+	argv[0] = "LTRIM";
+	argv[2] = "0";
+	argv[3] = last;
+	r = vk_key_command(key, 4, argv, NULL);
+	if (r != VK_OK)
+		return r;
+	argv[0] = "PEXPIRE";
+	argv[2] = ttl;
+	return vk_key_command(key, 3, argv, NULL);
+}
+
+/*
+ * Was listed epoch *e taken over on a branch of history that timeline tli
+ * left, or never had?  Its timeline is not in tli's history, or is an
+ * ancestor that ended before the takeover's WAL position: that server went
+ * on, on the old timeline, after the one that made tli took over (an old
+ * primary after a failover, then rewound).  Epochs of tli itself or of a
+ * later timeline are never judged: they may be a live server's.
  */
 static bool
-pointer_diverged(const EpochPointer *p, TimeLineID tli)
+listed_diverged(const EpochListed *e, TimeLineID tli)
 {
 	List	   *history;
 	ListCell   *lc;
 	bool		diverged = true;
 
-	if (p->name.timeline >= tli)
+	if (e->name.timeline >= tli)
 		return false;
 	history = readTimeLineHistory(tli);
 	foreach(lc, history)
 	{
-		TimeLineHistoryEntry *e = (TimeLineHistoryEntry *) lfirst(lc);
+		TimeLineHistoryEntry *h = (TimeLineHistoryEntry *) lfirst(lc);
 
-		if (e->tli == p->name.timeline)
+		if (h->tli == e->name.timeline)
 		{
-			diverged = !XLogRecPtrIsInvalid(e->end) && p->lsn >= e->end;
+			diverged = !XLogRecPtrIsInvalid(h->end) && e->lsn >= h->end;
 			break;
 		}
 	}
@@ -280,41 +316,58 @@ pointer_diverged(const EpochPointer *p, TimeLineID tli)
 	return diverged;
 }
 
+/* Is epoch *e one of the n in dead? */
+static bool
+epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
+{
+	for (int i = 0; i < n; i++)
+		if (epoch_is(&dead[i], e->timeline, e->epoch))
+			return true;
+	return false;
+}
+
 /*
- * Must the takeover t retire epoch *p, which the pointer named?  Yes at the
- * first takeover since the start of a new epoch: this start cannot show
- * that it continues the history Valkey saw last (it ran recovery, was
- * restored, cloned, promoted, rewound or reset, or another start took its
- * epoch over), so the newest epoch of its system goes, whichever copy's it
- * is; and whenever *p was taken over on a branch this timeline left.  Not
+ * Must the takeover t retire listed epoch *e?  Yes at the first takeover
+ * since the start of a new epoch: this start cannot show that it continues
+ * the history Valkey saw last (it ran recovery, was restored, cloned,
+ * promoted, rewound or reset, or another start took its epoch over), so
+ * every epoch its system took over lately goes, whichever copy's it is;
+ * and whenever *e was taken over on a branch this timeline left.  Not
  * otherwise: a renewal of a running server retires its own epoch, and a
  * server that lost its epoch to a copy must not retire the copy's in turn.
  */
 static bool
-pointer_must_retire(const EpochPointer *p, const IdemEpochTakeover *t)
+listed_must_retire(const EpochListed *e, const IdemEpochTakeover *t)
 {
-	if (!p->valid || epoch_is(&p->name, t->timeline, t->epoch))
+	if (epoch_is(&e->name, t->timeline, t->epoch) ||
+		epoch_in(&e->name, t->dead, t->ndead))
 		return false;
-	for (int i = 0; i < t->ndead; i++)
-		if (epoch_is(&t->dead[i], p->name.timeline, p->name.epoch))
-			return false;		/* retired already */
 	return (t->first && t->expect_token == 0) ||
-		pointer_diverged(p, t->timeline);
+		listed_diverged(e, t->timeline);
+}
+
+/* Is epoch *e among the n entries of list? */
+static bool
+listed_in(const EpochListed *e, const EpochListed *list, int n)
+{
+	for (int i = 0; i < n; i++)
+		if (epoch_is(&list[i].name, e->name.timeline, e->name.epoch))
+			return true;
+	return false;
 }
 
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet.  First retire the epochs this history knows are dead, and the one
- * the epoch pointer names if this takeover must (pointer_must_retire):
- * their owner keys get a retired marker naming this epoch, whatever they
- * held, so the runners still on them stop trusting them at their next
- * lookup.  Then SET <epoch owner key> <new token> GET, and keep the epoch
- * only if the value replaced is the token this data directory recorded
- * (none, for a new epoch); otherwise make a new epoch and take that one
- * over.  Last, point the epoch pointer at this epoch (SET ... GET: an epoch
- * another start pointed it at meanwhile is judged as above).  Until this
- * succeeds nothing is copied and runners get no keyspace.  Every step can
- * be repeated: a worker that stops half-way does it again.
+ * yet.  First retire the epochs this history knows are dead, and those
+ * the epoch list names that this takeover must (listed_must_retire): their
+ * owner keys get a retired marker naming this epoch, whatever they held,
+ * so the runners still on them stop trusting them at their next lookup.
+ * Then SET <epoch owner key> <new token> GET, and keep the epoch only if
+ * the value replaced is the token this data directory recorded (none, for
+ * a new epoch); otherwise make a new epoch and take that one over.  Last,
+ * list this epoch, and judge as above what another start listed meanwhile.
+ * Until this succeeds nothing is copied and runners get no keyspace.
+ * Every step can be repeated: a worker that stops half-way does it again.
  */
 VkResult
 worker_take_epoch(void)
@@ -331,8 +384,10 @@ worker_take_epoch(void)
 		redisReply *reply = NULL;
 		VkResult	r;
 		bool		won;
-		EpochPointer prev;
-		EpochPointer now;
+		EpochListed before[IDEM_EPOCH_DEAD_MAX];
+		EpochListed after[IDEM_EPOCH_DEAD_MAX];
+		int			nbefore;
+		int			nafter;
 
 		OWNER_TOKEN_TEXT(token, t.new_token);
 		OWNER_TOKEN_TEXT(expect, t.expect_token);
@@ -343,10 +398,11 @@ worker_take_epoch(void)
 			if (r != VK_OK)
 				return r;
 		}
-		r = pointer_command(NULL, &prev);
-		if (r == VK_OK && pointer_must_retire(&prev, &t))
-			r = epoch_retire_other(&prev, t.timeline, t.epoch,
-								   "Valkey's epoch pointer named it: the newest epoch of this system, which this start's history may lack.");
+		r = list_read(before, &nbefore);
+		for (int i = 0; r == VK_OK && i < nbefore; i++)
+			if (listed_must_retire(&before[i], &t))
+				r = epoch_retire_listed(&before[i], t.timeline, t.epoch,
+										"Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
 		if (r != VK_OK)
 			return r;
 		argv[0] = "SET";
@@ -364,12 +420,14 @@ worker_take_epoch(void)
 		freeReplyObject(reply);
 		if (won)
 		{
-			r = pointer_command(&t, &now);
-			if (r == VK_OK && !(now.valid && prev.valid &&
-								epoch_is(&now.name, prev.name.timeline, prev.name.epoch)) &&
-				pointer_must_retire(&now, &t))
-				r = epoch_retire_other(&now, t.timeline, t.epoch,
-									   "Valkey's epoch pointer named it: another start took it over while this one did.");
+			r = list_push(t.timeline, t.epoch);
+			if (r == VK_OK)
+				r = list_read(after, &nafter);
+			for (int i = 0; r == VK_OK && i < nafter; i++)
+				if (!listed_in(&after[i], before, nbefore) &&
+					listed_must_retire(&after[i], &t))
+					r = epoch_retire_listed(&after[i], t.timeline, t.epoch,
+											"Valkey's epoch list named it: another start took it over while this one did.");
 			if (r != VK_OK)
 				return r;
 			idem_cache_epoch_taken(&t);
@@ -474,46 +532,50 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 }
 
 /*
- * On a standby, every IDEM_OWNER_CHECK_MS: does the epoch pointer name an
+ * On a standby, every IDEM_OWNER_CHECK_MS: does the epoch list name an
  * epoch taken over on a branch of history that the timeline this server
- * replays left (pointer_diverged)?  That is an old primary's after a
- * failover, this server itself perhaps before pg_rewind replaced its
+ * replays left (listed_diverged)?  That is an old primary's after a
+ * failover, this server itself perhaps, before pg_rewind replaced its
  * secret file with its new primary's: retire it, so that the runners still
  * on it stop replaying what this history lacks.  Nothing is copied during
  * recovery, so this is all a standby's worker does in Valkey.
  */
 VkResult
-worker_check_pointer(void)
+worker_check_list(void)
 {
-	EpochPointer p;
+	EpochListed list[IDEM_EPOCH_DEAD_MAX];
+	int			n;
 	TimeLineID	tli = 0;
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 	int			ndead;
-	IdemCacheSecrets s;
 	VkResult	r;
 
 	if (!RecoveryInProgress() ||
-		!TimestampDifferenceExceeds(pointer_checked_at, GetCurrentTimestamp(),
+		!TimestampDifferenceExceeds(list_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS))
 		return VK_OK;
 	(void) GetXLogReplayRecPtr(&tli);
 	if (tli == 0)
 		return VK_OK;
-	r = pointer_command(NULL, &p);
+	r = list_read(list, &n);
 	if (r != VK_OK)
 		return r;
-	pointer_checked_at = GetCurrentTimestamp();
-	if (!p.valid || !pointer_diverged(&p, tli))
-		return VK_OK;
+	list_checked_at = GetCurrentTimestamp();
 	ndead = idem_cache_epoch_dead(dead);
-	for (int i = 0; i < ndead; i++)
-		if (epoch_is(&dead[i], p.name.timeline, p.name.epoch))
-			return VK_OK;
-	idem_cache_secrets_get(&s);
-	explicit_bzero(s.current, sizeof(s.current));
-	explicit_bzero(s.previous, sizeof(s.previous));
-	return epoch_retire_other(&p, tli, s.epoch,
-							  "It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
+	for (int i = 0; r == VK_OK && i < n; i++)
+	{
+		IdemCacheSecrets s;
+
+		if (epoch_in(&list[i].name, dead, ndead) ||
+			!listed_diverged(&list[i], tli))
+			continue;
+		idem_cache_secrets_get(&s);
+		explicit_bzero(s.current, sizeof(s.current));
+		explicit_bzero(s.previous, sizeof(s.previous));
+		r = epoch_retire_listed(&list[i], tli, s.epoch,
+								"It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
+	}
+	return r;
 }
 
 /*
@@ -548,12 +610,7 @@ worker_check_owner(void)
 	OWNER_TOKEN_TEXT(token, t.new_token);
 	r = owner_keep(key, token, &taken, &lost);
 	if (r == VK_OK && lost)
-	{
-		/* Valkey lost its state: the pointer too, perhaps */
-		EpochPointer ignored;
-
-		r = pointer_command(&t, &ignored);
-	}
+		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
 	if (r == VK_OK && !taken)
 		r = dead_keep_retired(t.timeline, t.epoch);
 	if (r != VK_OK)

@@ -108,7 +108,7 @@ extern VkResult vk_command(const char *key, size_t keylen, int argc,
 extern TimestampTz owner_checked_at;
 extern VkResult worker_take_epoch(void);
 extern VkResult worker_check_owner(void);
-extern VkResult worker_check_pointer(void);
+extern VkResult worker_check_list(void);
 extern VkResult worker_cluster_owners(bool check);
 extern bool worker_epoch_ready(void);
 
