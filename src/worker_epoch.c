@@ -22,12 +22,16 @@
 #include "access/timeline.h"
 #include "access/xlog.h"
 #include "access/xlogrecovery.h"
+#include "miscadmin.h"
+#include "postmaster/interrupt.h"
+#include "utils/guc.h"
 #include "utils/timestamp.h"
 
 #include "cache_cluster.h"
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
+#include "stats.h"
 #include "worker_int.h"
 
 /*
@@ -576,6 +580,52 @@ worker_check_list(void)
 								"It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
 	}
 	return r;
+}
+
+/*
+ * The worker's loop while the server is a standby (it starts once recovery
+ * reached a consistent state): connect to Valkey and check the epoch list
+ * every IDEM_OWNER_CHECK_MS (worker_check_list), until recovery ends or a
+ * shutdown is asked for.  Nothing else: nothing is copied during recovery.
+ */
+void
+worker_standby_wait(void)
+{
+	while (!ShutdownRequestPending && RecoveryInProgress())
+	{
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+			if (vk_connected() && vk_settings_changed())
+				vk_disconnect();
+		}
+		if (!vk_connected())
+		{
+			VkResult	r = vk_connect();
+
+			if (r == VK_SHUTDOWN)
+				return;
+			if (r != VK_OK)
+			{
+				vk_disconnect();
+				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, true);
+				worker_nap(IDEM_OWNER_CHECK_MS);
+				continue;
+			}
+			idem_stats_set_valkey(true, NULL);
+			list_checked_at = 0;
+		}
+		if (worker_check_list() != VK_OK)
+		{
+			vk_disconnect();
+			idem_stats_set_valkey(false, NULL);
+			worker_report_problem("checking the cache epoch list at",
+								  IDEM_OWNER_CHECK_MS, true);
+		}
+		worker_nap(IDEM_OWNER_CHECK_MS);
+	}
 }
 
 /*

@@ -125,7 +125,8 @@ restore_after('a crash after the backup', 'c1', sub {
 	isnt($ks1, $ks0, 'PITR: the original takes its new epoch over once Valkey is back');
 	my $s = IdemValkey::runner_session($node, 'postgres', $valkey, 1, 'rs', '{"x": 1}');
 	applied_and_cached($s, 'p1', 'PITR, on the original');
-	restore('pitr', "recovery_target = 'immediate'\nrecovery_target_action = 'promote'\n", 1);
+	restore('pitr', "restore_command = 'false'\nrecovery_target = 'immediate'\n"
+		  . "recovery_target_action = 'promote'\n", 1);
 	ok(IdemValkey::poll_until(30,
 			sub { $node->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' }),
 		'PITR: the restored server is promoted');

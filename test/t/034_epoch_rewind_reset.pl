@@ -148,12 +148,15 @@ $node = IdemValkey::streaming_node('old', $valkey, wal_log_hints => 'on',
 
 	# The old primary is rewound and follows the new one.
 	$node->stop;
+	# pg_rewind copies the source's configuration, its port included: keep ours
+	copy($node->data_dir . '/postgresql.conf', $node->basedir . '/postgresql.conf.keep') or die;
 	command_ok([ 'pg_rewind', '--target-pgdata=' . $node->data_dir,
 			'--source-server=' . $standby->connstr('postgres') ],
 		'rewind: pg_rewind of the old primary');
 	my ($file_epoch) = slurp_file($node->data_dir . '/idem_cache_secret') =~ /^epoch ([0-9a-f]{16})$/m;
 	my ($new_epoch) = $ks_new =~ /\.([0-9a-f]{16})\.[0-9]+:\z/;
 	is($file_epoch, $new_epoch, "rewind: pg_rewind replaced its secret file with the new primary's");
+	copy($node->basedir . '/postgresql.conf.keep', $node->data_dir . '/postgresql.conf') or die;
 	$node->enable_streaming($standby);
 	$node->start;
 	ok(retired(owner_key_of($ks_old)),
