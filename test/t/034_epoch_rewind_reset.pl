@@ -30,35 +30,17 @@ $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $node = IdemValkey::streaming_node('node', $valkey, wal_log_hints => 'on');
 
-sub owner_key_of { (my $k = $_[0]) =~ s/\.[0-9]+:\z/:owner/; return $k; }
+sub owner_key_of { IdemValkey::owner_key_of(@_) }
+sub new_keyspace { IdemValkey::new_keyspace(@_) }
 sub effects
 {
 	my ($n, $id) = @_;
 	return $n->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = '$id'");
 }
-
-# The keyspace of $n once its worker took an epoch other than $old over.
-sub new_keyspace
-{
-	my ($n, $old) = @_;
-	my $ks;
-	for (1 .. 300)
-	{
-		$ks = IdemValkey::wait_keyspace($n, undef, 30);
-		return $ks if defined $ks && $ks ne $old;
-		select(undef, undef, undef, 0.1);
-	}
-	return $ks;
-}
-
-# $id applied by runner $s on $n, copied, then replayed from Valkey.
 sub applied_and_cached
 {
 	my ($s, $n, $id, $what) = @_;
-	is($s->run($id), 'applied handler', "$what: $id is applied");
-	ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($n, 1, 'rw', $id), 10),
-		"$what: ... its result copied to Valkey");
-	is($s->run($id), 'replayed valkey', "$what: ... and replayed from Valkey by the same runner");
+	IdemValkey::applied_and_cached($s, $n, $valkey, 'rw', $id, $what);
 }
 
 # Wait until $key holds a retired marker; true if it does.
