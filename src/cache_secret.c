@@ -167,6 +167,12 @@ static bool secret_read_file(IdemCacheSecrets *out);
 static void secret_install(const IdemCacheSecrets *s);
 
 /*
+ * In the postmaster: pg_control's checkpoint when this server first made
+ * shared memory (InvalidXLogRecPtr: it never did), for secret_record_stop.
+ */
+static XLogRecPtr secret_start_checkpoint = InvalidXLogRecPtr;
+
+/*
  * Does the secret file record the clean stop pg_control describes?  True
  * if there is no file yet (no epoch to keep).  Asked by the postmaster, so
  * a file it cannot read counts as a no (the worker reports it later).
@@ -213,6 +219,8 @@ secret_start_renews(void)
 	struct stat st;
 
 	control = get_controlfile(DataDir, &crc_ok);
+	if (XLogRecPtrIsInvalid(secret_start_checkpoint))
+		secret_start_checkpoint = crc_ok ? control->checkPoint : 1;
 	if (!crc_ok || control->state != DB_SHUTDOWNED ||
 		stat(BACKUP_LABEL_FILE, &st) == 0 ||
 		stat(RECOVERY_SIGNAL_FILE, &st) == 0 ||
@@ -228,9 +236,12 @@ secret_start_renews(void)
  * At the postmaster's exit (on_proc_exit, registered by _PG_init): if the
  * server was shut down cleanly, record in the secret file the system
  * identifier and the shutdown checkpoint pg_control names, which the next
- * start compares (secret_start_renews).  Every child has exited, so nothing
- * else writes the file.  Never raises an ERROR: a failure is logged and the
- * next start makes a new epoch.
+ * start compares (secret_start_renews).  Only a shutdown checkpoint this
+ * server wrote counts: a start that failed before (the port in use, a bad
+ * setting) must not bless what it found, say a pg_control pg_resetwal
+ * marked shut down.  Every child has exited, so nothing else writes the
+ * file.  Never raises an ERROR: a failure is logged and the next start
+ * makes a new epoch.
  */
 static void
 secret_record_stop(int code, Datum arg)
@@ -244,7 +255,10 @@ secret_record_stop(int code, Datum arg)
 		IdemCacheSecrets s;
 
 		control = get_controlfile(DataDir, &crc_ok);
-		if (crc_ok && control->state == DB_SHUTDOWNED && secret_read_file(&s))
+		if (crc_ok && control->state == DB_SHUTDOWNED &&
+			!XLogRecPtrIsInvalid(secret_start_checkpoint) &&
+			control->checkPoint != secret_start_checkpoint &&
+			secret_read_file(&s))
 		{
 			s.stop_sysid = control->system_identifier;
 			s.stop_checkpoint = control->checkPoint;
