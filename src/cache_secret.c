@@ -15,9 +15,11 @@
  * <N>" (the timeline its secrets were made on; absent if made during
  * recovery, by a standby that had no file), a line "epoch <16 hex>" (the
  * history epoch, below), perhaps a line "token <16 hex>" (the last start
- * that took the epoch over), perhaps a line "retire <timeline> <16 hex>"
- * (the epoch this one replaced, below), then at most two lines "<key id>
- * <secret as 64 hex>", the previous secret first, the current one last.
+ * that took the epoch over), perhaps a line "stop <system identifier> <16
+ * hex>" (the last clean stop, below), up to IDEM_EPOCH_DEAD_MAX lines
+ * "retire <timeline> <16 hex>" (the dead epochs, below, newest first), then
+ * at most two lines "<key id> <secret as 64 hex>", the previous secret
+ * first, the current one last.
  * It is created the first time a process needs it (the worker at its start,
  * so a primary has it before any base backup is taken, and pg_basebackup
  * copies it to standbys), written to a temporary file, synced and renamed
@@ -58,6 +60,11 @@
  *		(a crash, a snapshot or copy of a running server), or a
  *		backup_label, recovery.signal or standby.signal file (read when
  *		shared memory is made, before the startup process runs);
+ *	  - after a start whose pg_control says shut down, but not at the last
+ *		clean stop: the postmaster records the system identifier and the
+ *		shutdown checkpoint in this file as it exits (secret_record_stop),
+ *		and a start compares them with pg_control (pg_resetwal after a
+ *		crash marks pg_control shut down although the database went back);
  *	  - on a new timeline (a promotion, a point-in-time restore);
  *	  - when the worker finds in Valkey that another start took the epoch
  *		over since this data directory last did (below): a copy of a
@@ -81,17 +88,32 @@
  * Retiring.  Runners that learnt an epoch before it was replaced may still
  * hold it (behind a pooler that keeps their connection), so they check, in
  * the round trip of every lookup, that the epoch owner key still holds the
- * token idem_cache_secrets() told them.  When a new epoch replaces one that
- * was taken over because this server's history may have diverged (a start
- * that ran recovery, a new timeline, ledger rows removed), the file records
- * the old epoch ("retire"), and the worker overwrites its owner key with a
- * retired marker (cache_format.h) before it takes the new epoch over: every
- * runner still on the old epoch stops trusting it at its next lookup.  The
- * marker is written whatever the key held: a restored backup or a promoted
- * standby holds the token of the start it was copied from, which may have
- * restarted since.  An epoch replaced because another start took it over,
- * or was never taken over, is not retired (it is not ours, or was never
- * used); an unused epoch passes its retire line on to the next one.
+ * token idem_cache_secrets() told them.  When a new epoch replaces one
+ * because this server's history may have diverged (a start that ran
+ * recovery or did not match the last clean stop, a new timeline, ledger
+ * rows removed), the file adds the old epoch to its dead epochs ("retire"),
+ * also one never taken over here (a copy of this file may have), and the
+ * worker overwrites their owner keys with a retired marker (cache_format.h)
+ * before it takes the new epoch over: every runner still on them stops
+ * trusting them at its next lookup.  The marker is written whatever the key
+ * held: a restored backup or a promoted standby holds the token of the
+ * start it was copied from, which may have restarted since.  An epoch
+ * replaced because another start took it over is not retired (it is not
+ * ours).  The worker checks the dead epochs again at each owner check: a
+ * Valkey restored from an older snapshot brings them back (worker_epoch.c).
+ *
+ * The epoch list.  This file names the epoch of the moment it was copied;
+ * the original may have made newer ones since (a crash, a DELETE).  So
+ * every takeover also lists its epoch in Valkey (the last
+ * IDEM_EPOCH_DEAD_MAX, <prefix><system identifier>:epochs), and the first
+ * takeover after a start that cannot show it continues Valkey's history
+ * (a new epoch) retires every listed epoch and adds it to the dead ones;
+ * so does any takeover, and a standby's worker, for a listed epoch taken
+ * over on a branch of history its timeline left (an old primary after a
+ * failover, then rewound by pg_rewind, which overwrites this file).  A
+ * running server's renewal retires only its own epoch, so a server whose
+ * epoch a copy took over does not retire the copy's in turn
+ * (worker_epoch.c).
  * A worker whose owner key holds something else than its token (checked
  * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
  * retired it or took it over) makes a new epoch: of two servers from one
