@@ -65,6 +65,14 @@ sub retired
 		'resetwal, before the crash: ... its result copied to Valkey');
 	$node->stop('immediate');
 	command_ok([ 'pg_resetwal', '-f', $node->data_dir ], 'resetwal: pg_resetwal -f after the crash');
+	# A first start fails (its socket's lock file is held): that postmaster
+	# must not record the reset pg_control as a clean stop of its own.
+	my $lock = $node->host . '/.s.PGSQL.' . $node->port . '.lock';
+	open(my $lf, '>', $lock) or die "$lock: $!";
+	print $lf "$valkey->{pid}\n";	# a live process, not the server's ancestor
+	close $lf;
+	ok(!$node->start(fail_ok => 1), 'resetwal: a start that fails (the socket is taken)');
+	unlink($lock) or die "$lock: $!";
 	$node->start;
 	is(effects($node, 'w1') . effects($node, 'w2'), '00', 'resetwal: w1 and w2 are lost with the WAL');
 	# pg_resetwal hands out again the transaction ids of the lost commits,
