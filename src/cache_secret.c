@@ -100,7 +100,8 @@
  * start it was copied from, which may have restarted since.  An epoch
  * replaced because another start took it over is not retired (it is not
  * ours).  The worker checks the dead epochs again at each owner check: a
- * Valkey restored from an older snapshot brings them back (worker_epoch.c).
+ * Valkey restored from an older snapshot brings them back
+ * (dead_keep_retired).
  *
  * The epoch list.  This file names the epoch of the moment it was copied;
  * the original may have made newer ones since (a crash, a DELETE).  So
@@ -113,7 +114,7 @@
  * failover, then rewound by pg_rewind, which overwrites this file).  A
  * running server's renewal retires only its own epoch, so a server whose
  * epoch a copy took over does not retire the copy's in turn
- * (worker_epoch.c).
+ * (worker_take_epoch, worker_check_list).
  * A worker whose owner key holds something else than its token (checked
  * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
  * retired it or took it over) makes a new epoch: of two servers from one
@@ -978,7 +979,7 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 
 /*
  * The worker retired epoch *dead (not this data directory's own: one that
- * Valkey's epoch list named, cache_secret.c's file header): remember it
+ * Valkey's epoch list named, see the file header): remember it
  * in the file, so that it is retired again if Valkey brings it back, and
  * so that a backup taken from now on knows it.
  */

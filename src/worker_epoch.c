@@ -177,7 +177,7 @@ epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
 		return r;
 	idem_cache_epoch_note_dead(&e->name);
 	ereport(LOG,
-			(errmsg("idem: retired cache epoch %016llx of timeline %u",
+			(errmsg("retired history epoch %016llx of timeline %u",
 					(unsigned long long) e->name.epoch, e->name.timeline),
 			 errdetail_internal("%s", why)));
 	return VK_OK;
@@ -528,7 +528,7 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 		if (r != VK_OK)
 			return r;
 		ereport(LOG,
-				(errmsg("idem: retired cache epoch %016llx of timeline %u again",
+				(errmsg("retired history epoch %016llx of timeline %u again",
 						(unsigned long long) dead[i].epoch, dead[i].timeline),
 				 errdetail("Its owner key held a token again although this server's history retired it: Valkey was restored from an older snapshot, perhaps.")));
 	}
@@ -621,7 +621,7 @@ worker_standby_wait(void)
 		{
 			vk_disconnect();
 			idem_stats_set_valkey(false, NULL);
-			worker_report_problem("checking the cache epoch list at",
+			worker_report_problem("checking the epoch list at",
 								  IDEM_OWNER_CHECK_MS, true);
 		}
 		worker_nap(IDEM_OWNER_CHECK_MS);
@@ -661,8 +661,6 @@ worker_check_owner(void)
 	r = owner_keep(key, token, &taken, &lost);
 	if (r == VK_OK && lost)
 		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
-	if (r == VK_OK && !taken)
-		r = dead_keep_retired(t.timeline, t.epoch);
 	if (r != VK_OK)
 		return r;
 	owner_checked_at = GetCurrentTimestamp();
@@ -673,8 +671,14 @@ worker_check_owner(void)
 						(unsigned long long) t.epoch),
 				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
+		return VK_OK;
 	}
-	return VK_OK;
+
+	/*
+	 * After owner_checked_at: a failure here (a dead epoch's node down, on a
+	 * cluster) is reported and tried again at the next check.
+	 */
+	return dead_keep_retired(t.timeline, t.epoch);
 }
 
 /*
