@@ -24,10 +24,10 @@
 #include "utils/inval.h"
 #include "utils/syscache.h"
 
+#include "cache_secret.h"
 #include "compat.h"
 #include "guc.h"
 #include "ledger_guard.h"
-#include "cache_secret.h"
 #include "ledger_insert.h"
 #include "ledger_store.h"
 #include "shmem.h"

@@ -610,7 +610,7 @@ worker_standby_wait(void)
 			if (r != VK_OK)
 			{
 				vk_disconnect();
-				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, true);
+				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, false);
 				worker_nap(IDEM_OWNER_CHECK_MS);
 				continue;
 			}
@@ -622,7 +622,7 @@ worker_standby_wait(void)
 			vk_disconnect();
 			idem_stats_set_valkey(false, NULL);
 			worker_report_problem("checking the epoch list at",
-								  IDEM_OWNER_CHECK_MS, true);
+								  IDEM_OWNER_CHECK_MS, false);
 		}
 		worker_nap(IDEM_OWNER_CHECK_MS);
 	}
