@@ -9,7 +9,9 @@
  * One worker runs when idem is preloaded; the postmaster restarts it
  * IDEM_WORKER_RESTART_S seconds after it exits (it always exits with code 1,
  * also on SIGTERM, so that a killed worker comes back).  It needs no
- * database connection, only shared memory.
+ * database connection, only shared memory.  It starts on a standby too,
+ * once recovery is consistent, but there it only watches the epoch list
+ * (worker_standby_wait) until the promotion.
  *
  * It takes the oldest queued records in batches of up to IDEM_BATCH_MAX,
  * writes each as
@@ -98,7 +100,8 @@ idem_worker_register(void)
 
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
-	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	/* on a standby too: it watches the epoch list (worker_standby_wait) */
+	worker.bgw_start_time = BgWorkerStart_ConsistentState;
 	worker.bgw_restart_time = IDEM_WORKER_RESTART_S;
 	strlcpy(worker.bgw_library_name, "idem", BGW_MAXLEN);
 	strlcpy(worker.bgw_function_name, "idem_worker_main", BGW_MAXLEN);
@@ -152,6 +155,8 @@ idem_worker_main(Datum main_arg)
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
 	idem_outbox_attach_worker();
+
+	worker_standby_wait();
 
 	/*
 	 * Create the cache secret now if there is none, so that a primary has it

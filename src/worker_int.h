@@ -111,6 +111,8 @@ extern VkResult vk_command(const char *key, size_t keylen, int argc,
 extern TimestampTz owner_checked_at;
 extern VkResult worker_take_epoch(void);
 extern VkResult worker_check_owner(void);
+extern VkResult worker_check_list(void);
+extern void worker_standby_wait(void);
 extern VkResult worker_cluster_owners(bool check);
 extern bool worker_epoch_ready(void);
 

@@ -344,6 +344,41 @@ sub wait_keyspace
 	return $ks;
 }
 
+# idem_cache_keyspace() of $node once its worker took an epoch other than
+# the one of keyspace $old over (up to 30 s); the last keyspace seen if not.
+sub new_keyspace
+{
+	my ($node, $old) = @_;
+	my $ks;
+	for (1 .. 300)
+	{
+		$ks = wait_keyspace($node, undef, 30);
+		return $ks if defined $ks && $ks ne $old;
+		usleep(100_000);
+	}
+	return $ks;
+}
+
+# The epoch owner key of a keyspace.
+sub owner_key_of
+{
+	(my $k = $_[0]) =~ s/\.[0-9]+:\z/:owner/;
+	return $k;
+}
+
+# Message $id of tenant 1's $scope applied by runner session $s on $node,
+# its result copied to $valkey, then replayed from Valkey by $s: three
+# checks, named after $what.
+sub applied_and_cached
+{
+	my ($s, $node, $valkey, $scope, $id, $what) = @_;
+	Test::More::is($s->run($id), 'applied handler', "$what: $id is applied");
+	Test::More::ok(defined $valkey->wait_for_key(tenant_key($node, 1, $scope, $id), 10),
+		"$what: ... its result copied to Valkey");
+	Test::More::is($s->run($id), 'replayed valkey',
+		"$what: ... and replayed from Valkey by the same runner");
+}
+
 # The keyspace the worker uses for database $db (default postgres) of
 # $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
 # were $prefix.
