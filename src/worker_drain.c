@@ -38,7 +38,9 @@ typedef struct VkBatch
 {
 	uint64		end_pos;		/* queue position after its records */
 	int			nrecords;
-	int			nsent;			/* SETs sent (expired records are not) */
+	int			nsent;			/* SETs sent (skipped records are not) */
+	uint64		unencodable;	/* records that could not be encoded */
+	VkSkips		skips;			/* records skipped, by reason */
 } VkBatch;
 
 /* At most this many batches in flight (vk_drain, a backlog). */
@@ -124,12 +126,13 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			vk_encoder_done(&enc);
 			if (nsent < 0)
 				return VK_FAILED;
-			idem_stats_add(IDEM_STAT_REJECTED, nrej);
-			*rejected += nrej;
+			/* all counted once the batch leaves the ring, not if resent */
 			b = &inflight[(first + nin) % IDEM_INFLIGHT];
 			b->end_pos = pos;
 			b->nrecords = n;
 			b->nsent = nsent;
+			b->unencodable = nrej;
+			b->skips = enc.skips;
 			nin++;
 			batch_delay_start(now);
 			if (n > 0)
@@ -191,8 +194,10 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				ok++;
 		}
 		idem_outbox_consume(b->end_pos, b->nrecords);
+		nrej += b->unencodable;
 		idem_stats_add(IDEM_STAT_COPIED, ok);
 		idem_stats_add(IDEM_STAT_REJECTED, nrej);
+		worker_count_skips(&b->skips);
 		*copied += ok;
 		*rejected += nrej;
 		first = (first + 1) % IDEM_INFLIGHT;
@@ -286,6 +291,9 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 	TimeLineID	head_timeline = 0;
 	uint64		head_ok = 0;
 	uint64		head_rej = 0;
+	VkSkips		head_skips;
+
+	memset(&head_skips, 0, sizeof(head_skips));
 
 	*copied = 0;
 	*rejected = 0;
@@ -355,6 +363,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		{
 			head_n = 0;			/* a new head batch: nothing settled */
 			head_ok = head_rej = 0;
+			memset(&head_skips, 0, sizeof(head_skips));
 			head_timeline = timeline;
 		}
 		memcpy(head + head_n, records + head_n,
@@ -365,6 +374,8 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
 							&unencodable);
 		vk_encoder_done(&enc);
+		/* a skipped record is settled (head_done): not encoded again */
+		worker_skips_add(&head_skips, &enc.skips);
 		if (sent < 0)
 			return VK_SHUTDOWN;
 		/*
@@ -414,6 +425,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		idem_outbox_consume(pos, n);
 		idem_stats_add(IDEM_STAT_COPIED, head_ok);
 		idem_stats_add(IDEM_STAT_REJECTED, head_rej);
+		worker_count_skips(&head_skips);
 		*copied += head_ok;
 		*rejected += head_rej;
 	}

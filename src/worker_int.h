@@ -33,6 +33,7 @@
 #include "cache_format.h"
 #include "outbox_ring.h"
 #include "sha256.h"
+#include "stats.h"
 
 #define IDEM_BATCH_MAX			512
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
@@ -69,6 +70,17 @@ typedef enum VkReplyClass
 } VkReplyClass;
 
 /*
+ * Records not copied, by reason (IDEM_STAT_SKIPPED_* from
+ * IDEM_STAT_SKIPPED_EXPIRED on): counted in idem_stats() and logged once
+ * the records leave the commit ring (worker_count_skips).
+ */
+#define VK_SKIP_REASONS (IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED)
+typedef struct VkSkips
+{
+	uint64		n[VK_SKIP_REASONS];
+} VkSkips;
+
+/*
  * What one batch's records are encoded with: the time, the timeline that
  * names the keyspace, the current secret's key id and its prepared HMAC key,
  * and the last database's keyspace.
@@ -85,6 +97,7 @@ typedef struct VkEncoder
 	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
 	int32		own_key_id;		/* this server's own secret */
 	idem_hmac	own_mac_key;
+	VkSkips		skips;			/* records it skipped, by reason */
 } VkEncoder;
 
 /* worker_valkey.c */
@@ -140,5 +153,8 @@ extern bool worker_failing;
 extern void worker_report_standby(void);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
+extern void worker_skip(VkSkips *skips, IdemStat reason);
+extern void worker_skips_add(VkSkips *into, const VkSkips *from);
+extern void worker_count_skips(const VkSkips *skips);
 
 #endif							/* IDEM_WORKER_INT_H */

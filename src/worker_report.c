@@ -73,3 +73,64 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 	}
 	worker_failing = true;
 }
+
+/* One record skipped for reason (an IDEM_STAT_SKIPPED_* counter). */
+void
+worker_skip(VkSkips *skips, IdemStat reason)
+{
+	Assert(reason >= IDEM_STAT_SKIPPED_EXPIRED && reason < IDEM_STAT_COUNT);
+	skips->n[reason - IDEM_STAT_SKIPPED_EXPIRED]++;
+}
+
+void
+worker_skips_add(VkSkips *into, const VkSkips *from)
+{
+	for (int i = 0; i < VK_SKIP_REASONS; i++)
+		into->n[i] += from->n[i];
+}
+
+/* Why records of each IDEM_STAT_SKIPPED_* reason were not copied. */
+static const char *const skip_reasons[] = {
+	"their retention ended while they waited in the commit ring",
+	"their database is in a Citus cluster whose cache keyspace this node has not joined",
+	"they were read or committed under an older history epoch",
+};
+
+StaticAssertDecl(lengthof(skip_reasons) == VK_SKIP_REASONS,
+				 "one text per IDEM_STAT_SKIPPED_* counter");
+
+/*
+ * Records skipped (skips) left the commit ring: count them in idem_stats(),
+ * and say why in last_error and, at most every IDEM_LOG_INTERVAL_MS for
+ * each reason, in the server log (with how many since the last line).
+ */
+void
+worker_count_skips(const VkSkips *skips)
+{
+	static TimestampTz logged[VK_SKIP_REASONS];
+	static uint64 unlogged[VK_SKIP_REASONS];
+	TimestampTz now = 0;
+
+	for (int i = 0; i < VK_SKIP_REASONS; i++)
+	{
+		char		text[IDEM_LAST_ERROR_LEN];
+
+		if (skips->n[i] == 0)
+			continue;
+		idem_stats_add((IdemStat) (IDEM_STAT_SKIPPED_EXPIRED + i), skips->n[i]);
+		unlogged[i] += skips->n[i];
+		if (now == 0)
+			now = GetCurrentTimestamp();
+		snprintf(text, sizeof(text), "%s: results not copied: %s",
+				 timestamptz_to_str(now), skip_reasons[i]);
+		idem_stats_set_valkey(vk_connected(), text);
+		if (!TimestampDifferenceExceeds(logged[i], now, IDEM_LOG_INTERVAL_MS))
+			continue;
+		ereport(LOG,
+				(errmsg("idem: %llu results were not copied to Valkey: %s",
+						(unsigned long long) unlogged[i], skip_reasons[i]),
+				 errdetail("PostgreSQL still answers for them; idem_stats() counts them by reason.")));
+		logged[i] = now;
+		unlogged[i] = 0;
+	}
+}
