@@ -157,6 +157,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				if (held_since == 0)
 					held_since = now;
 				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
+				worker_report_held(durable);
 			}
 			worker_nap(wait_ms);
 			if (ShutdownRequestPending)
@@ -336,6 +337,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			}
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
+			worker_report_held(durable);
 			worker_nap(durable_poll_ms(held_since, GetCurrentTimestamp()));
 			continue;
 		}

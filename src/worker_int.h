@@ -39,6 +39,8 @@
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
+/* copies held back this long for durability are reported (worker_report_held) */
+#define IDEM_HELD_REPORT_MS		1000
 #define IDEM_ERRBUF_LEN			200
 /*
  * How often the worker checks that its epoch owner key still holds its
@@ -151,6 +153,7 @@ extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
 /* worker_report.c */
 extern bool worker_failing;
 extern void worker_report_standby(void);
+extern void worker_report_held(XLogRecPtr durable);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
 extern void worker_skip(VkSkips *skips, IdemStat reason);
