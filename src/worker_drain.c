@@ -40,11 +40,38 @@ typedef struct VkBatch
 	int			nrecords;
 	int			nsent;			/* SETs sent (skipped records are not) */
 	uint64		unencodable;	/* records that could not be encoded */
+	int64		sent_at;		/* when it was appended (and then written) */
 	VkSkips		skips;			/* records skipped, by reason */
 } VkBatch;
 
 /* At most this many batches in flight (vk_drain, a backlog). */
 #define IDEM_INFLIGHT 4
+
+/*
+ * The send window (vk_drain): at most this many records in flight, whose
+ * SETs must be written and answered within idem.valkey_command_timeout.
+ * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches
+ * of IDEM_BATCH_MAX) may take longer than that to write; resent whole
+ * after each timeout it would never go through.  So a window that fails
+ * (a timeout, or the connection lost) halves it, down to one record, and
+ * each batch answered within half the timeout doubles it again, up to the
+ * full window: it settles where a window is written and answered in time.
+ */
+#define IDEM_WINDOW_MAX (IDEM_INFLIGHT * IDEM_BATCH_MAX)
+static int	send_window = IDEM_WINDOW_MAX;
+
+/* The window in flight failed: send half as many records next time. */
+static VkResult
+window_failed(VkResult r)
+{
+	if (r == VK_FAILED && send_window > 1)
+	{
+		send_window = Max(1, send_window / 2);
+		ereport(DEBUG1,
+				(errmsg_internal("idem: send window now %d copies", send_window)));
+	}
+	return r;
+}
 
 /*
  * Copy queued records until the queue is empty, batched as the file header
@@ -68,6 +95,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	VkBatch		inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
+	int			nrecords_in = 0;	/* records of the batches in flight */
 	uint64		pos = 0;		/* from the oldest record */
 	bool		standby_reported = false;
 	TimestampTz held_since = 0; /* when the wait for durability began */
@@ -100,12 +128,14 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		 * Fill the window with what is queued and durable beyond the
 		 * batches in flight (see the file header).
 		 */
-		while (nin < IDEM_INFLIGHT && !ConfigReloadPending &&
-			   worker_epoch_ready())
+		while (nin < IDEM_INFLIGHT && nrecords_in < send_window &&
+			   !ConfigReloadPending && worker_epoch_ready())
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
-			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX,
+			int			n = idem_outbox_peek(&pos, records,
+											 Min(IDEM_BATCH_MAX,
+												 send_window - nrecords_in),
 											 durable, &held, &flush_to);
 			int			nsent;
 			VkEncoder	enc;
@@ -133,7 +163,9 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->nsent = nsent;
 			b->unencodable = nrej;
 			b->skips = enc.skips;
+			b->sent_at = idem_vc_now_ms();
 			nin++;
+			nrecords_in += n;
 			batch_delay_start(now);
 			if (n > 0)
 				held_since = 0;
@@ -171,7 +203,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		r = vk_flush(deadline);
 		if (r != VK_OK)
-			return r;
+			return window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
 		slept = nin == 1 && batch_delay_sleep();
@@ -186,7 +218,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 
 			r = vk_read_reply(deadline, slept && i == 0, &class);
 			if (r != VK_OK)
-				return r;
+				return window_failed(r);
 			if (class == VK_REPLY_RETRY)
 				return VK_FAILED;	/* worker_errbuf has the reply; batches kept */
 			if (class == VK_REPLY_REJECT)
@@ -203,6 +235,11 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		*rejected += nrej;
 		first = (first + 1) % IDEM_INFLIGHT;
 		nin--;
+		nrecords_in -= b->nrecords;
+		/* answered well in time: let the window grow back */
+		if (send_window < IDEM_WINDOW_MAX &&
+			idem_vc_now_ms() - b->sent_at < idem_valkey_command_timeout_ms / 2)
+			send_window = Min(IDEM_WINDOW_MAX, send_window * 2);
 	}
 }
 
