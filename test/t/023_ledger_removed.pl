@@ -110,5 +110,6 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '0',
 applied_again('m6', 'pg_restore --clean', $ks);
 is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is applied once');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

@@ -8,8 +8,8 @@
 #    and the held copy is queued once it goes on, not dropped as if the
 #    queue were full (the head it read is older than tail); and the worker
 #    stays wakeable meanwhile: commits made one at a time behind the held
-#    one are copied within milliseconds (a worker that naps marked awake,
-#    1, 2, 4 ... 128 ms, copied them 64 ms late on average);
+#    one are copied as fast as with nothing held (a worker that naps marked
+#    awake, 1, 2, 4 ... 128 ms, copied them about 60 ms later);
 #  - a committer held between reserving and publishing its record over a
 #    second is counted in idem_stats().queue_stalls, once.
 # The holds use injection points (src/outbox_ring.c), so those parts need
@@ -125,7 +125,7 @@ if ($node->safe_psql('postgres',
 	exit 0;
 }
 $node->safe_psql('postgres', 'CREATE EXTENSION injection_points');
-copy_lag('free');
+my $free_lag = copy_lag('free');
 
 # --- a committer held after counting its record, before reserving -------
 $d0 = dropped();
@@ -159,11 +159,13 @@ cmp_ok($spent, '<', 10,
 	'the worker sleeps meanwhile (under 0.1 s of CPU in 2 s, with no batch delay; spinning it took 0.46 s on a loaded 2-core machine)');
 cmp_ok($sleeps2 - $sleeps, '<', 100, '... waking up fewer than 50 times a second');
 
-# Still held: commits one at a time, each waited for in Valkey (polled
-# every 0.5 ms) before the next, the worker idle in between.
-my $median = copy_lag('held');
-cmp_ok($median, '<', 0.025,
-	'behind a held committer, a commit still wakes the worker: median copy lag under 25 ms');
+# Still held: commits one at a time, as before A was held.  A worker
+# napping marked awake copies them when its nap ends (measured: a median of
+# 89 ms against 35 ms with nothing held, on a loaded 2-core machine with
+# assertions); a wakeable one as fast as with nothing held.
+my $held_lag = copy_lag('held');
+cmp_ok($held_lag, '<', $free_lag + 0.030,
+	'behind a held committer, a commit still wakes the worker: the median copy lag is within 30 ms of that with nothing held');
 
 $node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-outbox-counted')");
 $a->quit;
@@ -195,6 +197,7 @@ $node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-outbox-reserv
 $c->quit;
 ok(defined $valkey->wait_for_key(key_of($_), 10), "then $_\'s copy arrives") foreach ('c', 'd');
 
+IdemValkey::check_counters($node);
 $node->stop;
 $valkey->stop;
 done_testing();
