@@ -6,7 +6,8 @@
 # group, which is all that timeout signals), a child of its own, and
 # hangs: after its limit nothing of it is left.  The same suite under a
 # bare timeout leaves its Valkey answering (what make test used to leave
-# behind for hours).  A suite that fails at once leaves nothing either.
+# behind for hours).  A suite that fails at once leaves nothing either;
+# a sibling folder's process is not touched.
 # TAP.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -48,10 +49,18 @@ idem_stop_leftovers "$T/bare" 2>/dev/null
 ok $? "... until what runs from under its folder is stopped"
 
 # What test/suites does: the suite hits its limit, and nothing is left.
+# A process of a sibling folder (as 18's two streams run from tree and
+# tree-b side by side) is not its leftover.
 port=$(idem_free_port)
 fake_suite "$T/hung" "$port" hang
+mkdir -p "$T/hung-b"
+(cd "$T/hung-b" && exec sleep 600) &
+sibling=$!
 idem_limited 3 "$T/hung" bash "$T/hung/suite.sh" >/dev/null 2>&1
 st=$?
+kill -0 "$sibling" 2>/dev/null
+ok $? "a process running from a sibling folder ($T/hung-b) is left alone"
+kill "$sibling" 2>/dev/null
 [ "$st" -eq 124 ] && [ -f "$T/hung/started" ]
 ok $? "a suite that hangs after starting its servers hits its time limit (status $st)"
 ! answers "$port"

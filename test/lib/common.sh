@@ -532,16 +532,20 @@ idem_free_port() {
 		die "no free port that is not reserved in $dir\n";' "${PG_TEST_PORT_DIR:-}" "$$"
 }
 
-# idem_leftover_pids DIR: the processes still running from under DIR:
+# idem_leftover_pids DIR...: the processes still running from under a DIR:
 # their working directory is there (a server started with its data or
 # --dir there: PostgreSQL, Valkey, which rewrites its title and so no
-# longer shows its arguments), or DIR is in their command line.  The
-# caller and its ancestors are left out (they may run from under DIR).
+# longer shows its arguments), or a path under DIR is in their command
+# line.  The caller and its ancestors are left out (they may run from
+# under DIR).
 idem_leftover_pids() {
-	local dir
-	dir=$(cd "$1" 2>/dev/null && pwd -P) || return 0
+	local dir dirs=()
+	for dir in "$@"; do
+		dir=$(cd "$dir" 2>/dev/null && pwd -P) && dirs+=("$dir")
+	done
+	[ "${#dirs[@]}" -gt 0 ] || return 0
 	perl -e '
-		my $dir = shift;
+		my @dirs = @ARGV;
 		my %mine;	# this scan and its ancestors
 		for (my $p = $$; $p > 1;) {
 			$mine{$p} = 1;
@@ -550,30 +554,35 @@ idem_leftover_pids() {
 			($p) = $line =~ /\) \S+ (\d+)/ or last;
 		}
 		opendir(my $proc, "/proc") or exit 0;
-		foreach my $pid (grep { /^\d+$/ && !$mine{$_} } readdir($proc)) {
+		PID: foreach my $pid (grep { /^\d+$/ && !$mine{$_} } readdir($proc)) {
 			my $cwd = readlink("/proc/$pid/cwd");
-			if (defined $cwd && index("$cwd/", "$dir/") == 0) { print "$pid\n"; next; }
-			open(my $f, "<", "/proc/$pid/cmdline") or next;
-			local $/;
-			my $cmd = <$f> // "";
-			print "$pid\n" if index($cmd, $dir) >= 0;
-		}' "$dir"
+			my $cmd = "";
+			if (open(my $f, "<", "/proc/$pid/cmdline")) { local $/; $cmd = <$f> // ""; }
+			foreach my $dir (@dirs) {
+				# a path boundary after DIR: not a sibling DIR-b
+				if ((defined $cwd && index("$cwd/", "$dir/") == 0) ||
+					$cmd =~ m{\Q$dir\E(?:/|\0|\z)}) {
+					print "$pid\n";
+					next PID;
+				}
+			}
+		}' "${dirs[@]}"
 }
 
-# idem_stop_leftovers DIR: stop what a suite left running from under DIR
-# (idem_leftover_pids): the servers of a suite that failed, or that hit
+# idem_stop_leftovers DIR...: stop what a suite left running from under a
+# DIR (idem_leftover_pids): the servers of a suite that failed, or that hit
 # its time limit (timeout signals the suite's process group, which a
 # daemonized server has left).  SIGTERM, then SIGKILL to what remains
 # after 3 s.  Prints how many it stopped, if any, on stderr.
 idem_stop_leftovers() {
-	local dir=$1 pids i
-	pids=$(idem_leftover_pids "$dir")
+	local pids i
+	pids=$(idem_leftover_pids "$@")
 	[ -n "$pids" ] || return 0
-	echo "idem: stopping $(wc -w <<<"$pids") processes left running under $dir" >&2
+	echo "idem: stopping $(wc -w <<<"$pids") processes left running under $*" >&2
 	# shellcheck disable=SC2086
 	kill -TERM $pids 2>/dev/null
 	for i in $(seq 1 30); do
-		pids=$(idem_leftover_pids "$dir")
+		pids=$(idem_leftover_pids "$@")
 		[ -n "$pids" ] || return 0
 		sleep 0.1
 	done
