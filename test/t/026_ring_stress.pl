@@ -27,6 +27,7 @@ use IdemValkey;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IO::Socket::INET;
 use Time::HiRes ();
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
@@ -44,27 +45,50 @@ sub commit_sql
 sub key_of { return IdemValkey::tenant_key($node, 1, 'ring', $_[0]); }
 sub dropped { return IdemValkey::stats_col($node, 'dropped'); }
 
-# The median time from a commit's return to its copy in Valkey, over 25
-# commits made one at a time (Valkey polled every 0.5 ms), the worker idle
-# before each.
+# The median time from just before a commit to its copy's SET in Valkey,
+# over 25 commits made one at a time, the worker idle before each: both
+# times on this machine's clock, the SET's from Valkey's MONITOR, so that
+# neither psql nor polling adds to it.
 sub copy_lag
 {
 	my ($scope) = @_;
 	my $session = $node->background_psql('postgres');
+	my $mon = IO::Socket::INET->new(
+		PeerAddr => '127.0.0.1',
+		PeerPort => $valkey->port,
+		Proto => 'tcp') or die "connect: $!";
+	print $mon "MONITOR\r\n";
+	my $okline = <$mon>;
 	my @lags;
 	foreach my $i (1 .. 25)
 	{
-		$session->query_safe(commit_sql("$scope$i"));
-		my $t0 = Time::HiRes::time();
-		my $key = key_of("$scope$i");
-		my $deadline = $t0 + 10;
-		until (defined $valkey->command('GET', $key) || Time::HiRes::time() > $deadline)
-		{
-			Time::HiRes::usleep(500);
-		}
-		push @lags, Time::HiRes::time() - $t0;
+		my $id = "$scope$i";
+		my $key = key_of($id);
+		my $out = $session->query_safe(
+			    "BEGIN; DO \$\$ BEGIN "
+			  . "PERFORM idem_claim(1, idem_key('ring', '$id'), idem_fingerprint('{}')); "
+			  . "PERFORM idem_complete(1, idem_key('ring', '$id'), '{}'::jsonb); END \$\$; "
+			  . "SELECT extract(epoch FROM clock_timestamp()); COMMIT;");
+		my ($t0) = $out =~ /(\d+\.\d+)/ or die "no time in: $out";
+		my $t1;
+		eval {
+			local $SIG{ALRM} = sub { die "no SET of $key within 10 s\n" };
+			alarm(10);
+			while (defined(my $line = <$mon>))
+			{
+				if ($line =~ /^\+(\d+\.\d+) .*"SET" "\Q$key\E"/)
+				{
+					$t1 = $1;
+					last;
+				}
+			}
+			alarm(0);
+		};
+		die $@ if $@;
+		push @lags, $t1 - $t0;
 		Time::HiRes::usleep(20_000 + int(rand(20_000)));	# the worker goes idle
 	}
+	close($mon);
 	$session->quit;
 	@lags = sort { $::a <=> $::b } @lags;
 	diag(sprintf('copy lag (%s): median %.1f ms, max %.1f ms',
