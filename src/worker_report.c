@@ -40,7 +40,7 @@ worker_report_standby(void)
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: results wait before they are copied to Valkey: %s",
+				(errmsg("results wait before they are copied to Valkey: %s",
 						worker_errbuf),
 				 errhint("Check idem.standby_slots: each slot must be a physical slot in use by a standby.")));
 		logged = now;
@@ -83,7 +83,7 @@ worker_report_held(XLogRecPtr durable)
 		TimestampDifferenceExceeds(logged_oldest, oldest, IDEM_HELD_REPORT_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: results have waited %lld s to be copied to Valkey: %s",
+				(errmsg("results have waited %lld s to be copied to Valkey: %s",
 						(long long) (age_ms / 1000), what),
 				 errdetail("%llu copies wait in the commit ring; once it is full, new ones are dropped.",
 						   (unsigned long long) idem_outbox_depth()),
@@ -112,10 +112,10 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: %s Valkey at %s:%d failed: %s",
+				(errmsg("%s Valkey at %s:%d failed: %s",
 						doing, vk_host, vk_port, worker_errbuf),
 				 retry_ms > 0 ?
-				 errdetail("Queued results are kept while the queue has room (%llu wait); retrying in %d ms.",
+				 errdetail("Queued results are kept while the commit ring has room (%llu wait); retrying in %d ms.",
 						   (unsigned long long) idem_outbox_depth(), retry_ms) : 0));
 		last_logged = now;
 	}
@@ -175,7 +175,7 @@ worker_count_skips(const VkSkips *skips)
 		if (!TimestampDifferenceExceeds(logged[i], now, IDEM_LOG_INTERVAL_MS))
 			continue;
 		ereport(LOG,
-				(errmsg("idem: %llu results were not copied to Valkey: %s",
+				(errmsg("%llu results were not copied to Valkey: %s",
 						(unsigned long long) unlogged[i], skip_reasons[i]),
 				 errdetail("PostgreSQL still answers for them; idem_stats() counts them by reason.")));
 		logged[i] = now;
