@@ -91,13 +91,15 @@ DROP VIEW copy_stats;
 -- through each update that re-creates idem_stats() (0.2 -> 0.3 -> 0.4, and
 -- 0.3 -> 0.4), so that the role's own REVOKE still takes it back.
 CREATE ROLE regress_idem_delegate;
+-- (The function is looked up at each call: PostgreSQL 18 keeps a SQL
+-- function's plan, and the extension is created again between calls.)
 CREATE FUNCTION stats_grants() RETURNS TABLE (grantee text, grantor text, grantable boolean)
 LANGUAGE sql AS $$
   SELECT CASE WHEN e.grantee = 0 THEN 'PUBLIC' ELSE e.grantee::regrole::text END,
          CASE WHEN e.grantor = p.proowner THEN 'the owner' ELSE e.grantor::regrole::text END,
          e.is_grantable
     FROM pg_proc p, aclexplode(p.proacl) e
-   WHERE p.oid = 'idem_stats()'::regprocedure AND e.grantee <> p.proowner
+   WHERE p.oid = to_regprocedure('idem_stats()') AND e.grantee <> p.proowner
    ORDER BY 1
 $$;
 DROP EXTENSION idem;
