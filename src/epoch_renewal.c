@@ -18,7 +18,7 @@
  * secrets per batch (vk_encoder_init) and writes a copy into the epoch
  * only if its generation is not older than the epoch's; older copies are
  * dropped, counted (IDEM_STAT_SKIPPED_EPOCH) and logged
- * (worker_report_skipped).  So a copy read before
+ * (worker_count_skips; idem_stats().skipped_epoch).  So a copy read before
  * a removal is never written into the epoch that follows it, however long
  * it waited in the ring (Valkey down, a standby of idem.standby_slots
  * stopped).

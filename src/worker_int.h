@@ -33,11 +33,14 @@
 #include "cache_format.h"
 #include "outbox_ring.h"
 #include "sha256.h"
+#include "stats.h"
 #include "worker_cluster.h"	/* IDEM_BATCH_MAX */
 
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
+/* copies held back this long for durability are reported (worker_report_held) */
+#define IDEM_HELD_REPORT_MS		1000
 #define IDEM_ERRBUF_LEN			200
 /*
  * How often the worker checks that its epoch owner key still holds its
@@ -69,6 +72,17 @@ typedef enum VkReplyClass
 } VkReplyClass;
 
 /*
+ * Records not copied, by reason (IDEM_STAT_SKIPPED_* from
+ * IDEM_STAT_SKIPPED_EXPIRED on): counted in idem_stats() and logged once
+ * the records leave the commit ring (worker_count_skips).
+ */
+#define VK_SKIP_REASONS (IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED)
+typedef struct VkSkips
+{
+	uint64		n[VK_SKIP_REASONS];
+} VkSkips;
+
+/*
  * What one batch's records are encoded with: the time, the timeline that
  * names the keyspace, the current secret's key id and its prepared HMAC key,
  * and the last database's keyspace.
@@ -87,7 +101,7 @@ typedef struct VkEncoder
 	idem_hmac	own_mac_key;
 	uint64		generation;		/* the epoch's renewal generation: older
 								 * records are not written into it */
-	uint64		skipped_epoch;	/* records skipped for that */
+	VkSkips		skips;			/* records it skipped, by reason */
 } VkEncoder;
 
 /* worker_valkey.c */
@@ -143,8 +157,11 @@ extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
 /* worker_report.c */
 extern bool worker_failing;
 extern void worker_report_standby(void);
+extern void worker_report_held(XLogRecPtr durable);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
-extern void worker_report_skipped(uint64 skipped);
+extern void worker_skip(VkSkips *skips, IdemStat reason);
+extern void worker_skips_add(VkSkips *into, const VkSkips *from);
+extern void worker_count_skips(const VkSkips *skips);
 
 #endif							/* IDEM_WORKER_INT_H */

@@ -131,6 +131,8 @@ ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'er', 'c1'), 1
 is("$status $source", 'applied handler', 'the clone applies c1 too, not replays the other server\'s result');
 ($status, $source) = IdemValkey::run_message($node, 'postgres', $valkey, 1, 'er', 'c1', '{"x": 1}');
 is("$status $source", 'replayed valkey', 'the running server keeps a working cache');
+IdemValkey::check_counters($node);
+IdemValkey::check_counters($clone);
 $clone->stop;
 
 unlike(slurp_file($node->logfile), qr/PANIC|TRAP/, 'no crash in the server log');

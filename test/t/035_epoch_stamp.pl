@@ -136,8 +136,10 @@ like(slurp_file($node->logfile), qr/\[$bpid\] .*WARNING:  canceling the wait for
 	'... with a WARNING');
 $valkey->start;
 not_replayed('v1', 'Valkey down', $ks);
-like(slurp_file($node->logfile), qr/LOG:  dropped 1 copy read before ledger rows were removed/,
+like(slurp_file($node->logfile),
+	qr/LOG:  1 results were not copied to Valkey: they were read or committed under an older history epoch/,
 	'Valkey down: the log says a queued copy was dropped');
+is(IdemValkey::stats_col($node, 'skipped_epoch'), '1', '... and idem_stats().skipped_epoch counts it');
 
 # --- 2. copies held for a stopped standby, the ledger truncated ---
 $node->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('standby1')");

@@ -589,6 +589,30 @@ sub complete_sql
 	  . " SELECT idem_complete(1, idem_key('$scope', '$id'), '$outcome'$ret);";
 }
 
+# Every copy handed to $node's commit ring is accounted for: queued =
+# copied + dropped + rejected + skipped + queue_depth, and skipped is the
+# sum of its reasons.  Counters move one after another, so this polls
+# until a reading balances (up to $timeout s, 20 by default): a copy
+# counted nowhere never does.  For the end of each test that injects
+# faults.
+sub check_counters
+{
+	my ($node, $timeout) = @_;
+	my $last = '';
+	my $ok = poll_until(
+		$timeout // 20,
+		sub {
+			$last = $node->safe_psql('postgres',
+				'SELECT queued, copied, dropped, rejected, skipped, queue_depth, '
+				  . 'skipped_expired + skipped_unjoined + skipped_epoch FROM idem_stats()');
+			my ($q, $c, $d, $r, $s, $depth, $reasons) = split /\|/, $last;
+			return $q == $c + $d + $r + $s + $depth && $s == $reasons;
+		});
+	return Test::More::ok($ok,
+		'every copy is counted: queued = copied + dropped + rejected + skipped + queue_depth')
+	  || Test::More::diag("queued|copied|dropped|rejected|skipped|queue_depth|reasons: $last");
+}
+
 END
 {
 	my $rc = $?;
