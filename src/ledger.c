@@ -37,6 +37,7 @@
 #include "utils/memutils.h"
 #include "utils/resowner.h"
 #include "utils/snapmgr.h"
+#include "utils/timestamp.h"
 
 #include "ledger.h"
 #include "cache_format.h"
@@ -183,14 +184,26 @@ deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
  * The end of a result's retention: now + iv, or + idem.retention when iv
  * is NULL, never shorter than the retention floor (idem.min_retention): a
  * key purged before the queue stops redelivering its message lets a
- * redelivery run the effect again.
+ * redelivery run the effect again.  Nor later than a Valkey copy can say
+ * (IDEM_CACHE_EXPIRES_MAX, in year 287396): the worker could not copy the
+ * result, and every replay would be answered by PostgreSQL.
  */
 TimestampTz
 ledger_retention_end(Interval *iv, TimestampTz now)
 {
 	TimestampTz end = ledger_deadline(iv, "retention",
 									  (int64) idem_retention_s * 1000, now);
+	TimestampTz last = (TimestampTz) (IDEM_CACHE_EXPIRES_MAX -
+									  (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) *
+									  SECS_PER_DAY * 1000) * 1000;
 
+	if (end > last)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention ends after the last time a result can be kept"),
+				 errdetail("The retention given ends after %s; the Valkey copy of a result cannot say a later end.",
+						   timestamptz_to_str(last)),
+				 errhint("Give a shorter retention.")));
 	if (end - now >= (int64) idem_min_retention_s * USECS_PER_SEC)
 		return end;
 	ereport(ERROR,
