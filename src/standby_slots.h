@@ -20,5 +20,6 @@ extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 /* A replay from another transaction's row. */
 extern XLogRecPtr idem_commit_lsn(TransactionId writer);
 extern void idem_replay_durable(XLogRecPtr commit_lsn);
+extern void idem_standby_slots_register(void);
 
 #endif							/* IDEM_STANDBY_SLOTS_H */
