@@ -19,3 +19,47 @@ BEGIN
                   HINT = 'Create the database with ENCODING ''UTF8'' (CREATE DATABASE ... TEMPLATE template0 ENCODING ''UTF8'').';
     END IF;
 END $$;
+
+-- The lease-mode fence that survives purges.  A claim answers its fence:
+-- the id of the key's row for this claim, drawn from the ledger's identity
+-- sequence and never used again (a takeover gives the row a new id, a row
+-- purged and claimed again is a new row).  NULL unless claimed.
+ALTER TYPE @extschema@.idem_claim_result ADD ATTRIBUTE fence bigint;
+
+-- Complete or fail a lease-mode claim, fenced by the fence its claim
+-- answered: refused (55000) when another claim holds the key now, even
+-- after the claim's row was purged and the key claimed again (which the
+-- attempt of idem_complete(..., attempt => n) cannot tell).
+CREATE FUNCTION @extschema@.idem_complete_fenced(tenant_id bigint, key bytea, fence bigint,
+                                                 outcome jsonb,
+                                                 retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_complete_fenced'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_fail_fenced(tenant_id bigint, key bytea, fence bigint,
+                                             detail jsonb, retryable boolean,
+                                             retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_fail_fenced'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_platform_complete_fenced(key bytea, fence bigint, outcome jsonb,
+                                                          retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_platform_complete_fenced'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_platform_fail_fenced(key bytea, fence bigint, detail jsonb,
+                                                      retryable boolean,
+                                                      retention interval DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_platform_fail_fenced'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION
+    @extschema@.idem_complete_fenced(bigint, bytea, bigint, jsonb, interval),
+    @extschema@.idem_fail_fenced(bigint, bytea, bigint, jsonb, boolean, interval),
+    @extschema@.idem_platform_complete_fenced(bytea, bigint, jsonb, interval),
+    @extschema@.idem_platform_fail_fenced(bytea, bigint, jsonb, boolean, interval)
+FROM PUBLIC;

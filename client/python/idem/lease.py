@@ -1,7 +1,8 @@
 """Lease mode, for an effect outside PostgreSQL (an e-mail, a payment
 API): the claim commits alone with a lease, the effect happens, and the
-completion, fenced by the claim's attempt, commits later in a transaction
-of its own.  At-least-once for the effect (a holder that dies after it and
+completion, fenced by the claim's fence (the id of the claim's row, which
+no later claim has, even after the row was purged and the key claimed
+again), commits later in a transaction of its own.  At-least-once for the effect (a holder that dies after it and
 before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
@@ -19,7 +20,7 @@ from .run import _RunContext
 
 
 class LeaseLost(IdemError):
-    """The completion was refused: the lease ended and a later attempt took
+    """The completion was refused: the lease ended and another claim took
     the key over (or has already finished it).  The effect may have run
     twice; the ledger keeps the later attempt's outcome."""
 
@@ -28,24 +29,44 @@ class LeaseLost(IdemError):
 
 
 class Lease(Run):
-    """A run in lease mode: ``claimed``, ``attempt`` (the fence),
-    ``lease_ms`` (the lease it holds), and after the block the result."""
+    """A run in lease mode: ``claimed``, ``attempt``, ``fence`` (what the
+    completion is fenced by), ``lease_ms`` (the lease it holds), and after
+    the block the result."""
 
     def __init__(self, *a):
         super().__init__(*a)
         self.lease_ms = None
+        self.fence = None
         self.deferred = False
 
     def defer(self):
         """Inside the block: record nothing now; the key is completed later
-        (``runner.complete(..., attempt=lease.attempt)``), from any process,
+        (``runner.complete(..., fence=lease.fence)``), from any process,
         before the lease ends."""
         if not self.claimed:
             raise IdemError("state", "defer() on a lease that was not claimed")
         self.deferred = True
 
 
-def _fenced_sql(schema, tenant_id, failure):
+def _claim_sql(schema, tenant_id):
+    """The lease-mode claim: the decision and the claim's fence."""
+    ms = "floor(extract(epoch FROM c.expires_at - clock_timestamp()) * 1000)::bigint"
+    return ("SELECT c.decision, c.attempt, c.outcome::text, " + ms + ", c.fence" +
+            (" FROM %s.idem_platform_claim(%%s, %%s, %%s::interval) AS c" if tenant_id is None else
+             " FROM %s.idem_claim(%%s, %%s, %%s, %%s::interval) AS c") % schema)
+
+
+def _fenced_sql(schema, tenant_id, failure, fence):
+    """The fenced completion: by the claim's fence (idem_complete_fenced), or
+    by its attempt (idem_complete(..., attempt), for callers that kept only
+    the attempt: a row purged and claimed again is attempt 1 again)."""
+    if fence is not None:
+        if tenant_id is None:
+            return ("SELECT %s.idem_platform_fail_fenced(%%s, %%s, %%s::jsonb, %%s, %%s::interval)"
+                    if failure else
+                    "SELECT %s.idem_platform_complete_fenced(%%s, %%s, %%s::jsonb, %%s::interval)") % schema
+        return ("SELECT %s.idem_fail_fenced(%%s, %%s, %%s, %%s::jsonb, %%s, %%s::interval)" if failure
+                else "SELECT %s.idem_complete_fenced(%%s, %%s, %%s, %%s::jsonb, %%s::interval)") % schema
     if tenant_id is None:
         return ("SELECT %s.idem_platform_fail(%%s, %%s::jsonb, %%s, %%s::interval, %%s)" if failure
                 else "SELECT %s.idem_platform_complete(%%s, %%s::jsonb, %%s::interval, %%s)") % schema
@@ -53,12 +74,15 @@ def _fenced_sql(schema, tenant_id, failure):
             else "SELECT %s.idem_complete(%%s, %%s, %%s::jsonb, %%s::interval, %%s)") % schema
 
 
-def fenced_params(tenant_id, key, text, failure, retention, attempt):
+def fenced_params(tenant_id, key, text, failure, retention, attempt, fence):
     p = [key] if tenant_id is None else [tenant_id, key]
+    if fence is not None:
+        p.append(int(fence))
     p.append(text)
     if failure is not None:
         p.append(bool(failure[1]))
-    return p + [retention, int(attempt)]
+    p.append(retention)
+    return p if fence is not None else p + [int(attempt)]
 
 
 class _LeaseContext(_RunContext):
@@ -87,7 +111,8 @@ class _LeaseContext(_RunContext):
                 if conn.autocommit:
                     conn.execute("BEGIN")
                 self._set_max_attempts()
-                cur = conn.execute(self._sql("claim"), self._key_params() +
+                cur = conn.execute(_claim_sql(self.st.schema, run.tenant_id),
+                                   self._key_params() +
                                    [run.fingerprint, "%d milliseconds" % self.lease_ms])
                 conn.execute("COMMIT")
         except psycopg.Error as e:
@@ -98,10 +123,11 @@ class _LeaseContext(_RunContext):
                                 "was in flight (if it committed, the key is busy until its "
                                 "lease ends): %s" % str(e).strip()) from e
             self._pg_error(e, "idem_claim")
-        decision, attempt, outcome, ms = cur.fetchone()
+        decision, attempt, outcome, ms, fence = cur.fetchone()
         if decision == "claimed":
             run.claimed = True
             run.attempt = attempt
+            run.fence = fence
             return
         self._claim_decided(decision, attempt, outcome, ms)
 
@@ -121,7 +147,7 @@ class _LeaseContext(_RunContext):
             return False        # KeyboardInterrupt...: the lease ends it
         failure, suppress = _failure_of(run, et, ev)
         if et is None and run.deferred:
-            return False        # completed later, by attempt
+            return False        # completed later, by its fence
         ts = conn.info.transaction_status
         if ts == TransactionStatus.INERROR:
             conn.rollback()
@@ -151,9 +177,9 @@ class _LeaseContext(_RunContext):
             with conn.pipeline():
                 if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
                     conn.execute("BEGIN")
-                conn.execute(_fenced_sql(self.st.schema, run.tenant_id, failure),
+                conn.execute(_fenced_sql(self.st.schema, run.tenant_id, failure, run.fence),
                              fenced_params(run.tenant_id, run.key, text, failure,
-                                           self.r.retention, run.attempt))
+                                           self.r.retention, run.attempt, run.fence))
                 conn.execute("COMMIT")
         except psycopg.Error as e:
             if self._broken():
@@ -184,10 +210,13 @@ def _completion_error(conn, e):
     return IdemError("server", "completing the lease: %s" % str(e).strip(), state)
 
 
-def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failure=None):
+def settle(runner, conn, tenant_id, scope, run_id, attempt, fence, outcome=None, failure=None):
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
+    if (attempt is None) == (fence is None):
+        raise IdemError("argument", "give the claim's fence (or, for callers that kept "
+                        "only its attempt, attempt), not both")
     st = runner._state(conn)
     if tenant_id is not None:
         tenant_id = int(tenant_id)
@@ -200,8 +229,9 @@ def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failur
     else:
         text = _outcome_text(failure[0], "the failure detail")
     try:
-        conn.execute(_fenced_sql(st.schema, tenant_id, failure),
-                     fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
+        conn.execute(_fenced_sql(st.schema, tenant_id, failure, fence),
+                     fenced_params(tenant_id, key, text, failure, runner.retention, attempt,
+                                   fence))
     except psycopg.Error as e:
         if conn.broken or conn.closed:
             if conn.autocommit:

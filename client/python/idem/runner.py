@@ -348,23 +348,27 @@ class Runner:
         runner.lease(conn, ...) as lease:`` then ``if lease.claimed:`` do
         the effect and set ``lease.outcome``.  The claim commits alone
         with a lease of ``lease_ms`` (default: the runner's); after the
-        block the completion, fenced by ``lease.attempt``, commits in a
-        transaction of its own (LeaseLost if a later attempt took the key
+        block the completion, fenced by ``lease.fence``, commits in a
+        transaction of its own (LeaseLost if another claim took the key
         over).  ``lease.defer()`` leaves the completion to
         ``runner.complete``."""
         return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
                              lease_ms=lease_ms, delivery_count=delivery_count)
 
-    def complete(self, conn, tenant_id, scope, run_id, outcome=None, *, attempt):
+    def complete(self, conn, tenant_id, scope, run_id, outcome=None, *, fence=None,
+                 attempt=None):
         """Complete a key claimed in lease mode, fenced by the claim's
-        ``attempt``, in the connection's transaction (it commits by itself
-        on an autocommit connection).  LeaseLost if a later attempt took
-        the key over."""
-        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
+        ``fence`` (``lease.fence``), in the connection's transaction (it
+        commits by itself on an autocommit connection).  LeaseLost if
+        another claim took the key over.  ``attempt`` instead of ``fence``
+        is the older, weaker fence: once the claim's row is purged, the
+        key's next claim is attempt 1 again."""
+        settle(self, conn, tenant_id, scope, run_id, attempt, fence, outcome=outcome)
 
-    def fail(self, conn, tenant_id, scope, run_id, detail=None, *, attempt, retryable=False):
+    def fail(self, conn, tenant_id, scope, run_id, detail=None, *, fence=None, attempt=None,
+             retryable=False):
         """Fail a key claimed in lease mode, as ``complete``."""
-        settle(self, conn, tenant_id, scope, run_id, attempt,
+        settle(self, conn, tenant_id, scope, run_id, attempt, fence,
                failure=({} if detail is None else detail, retryable))
 
     def batch(self, conn, items):
