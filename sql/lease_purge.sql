@@ -128,6 +128,22 @@ SELECT idem_complete(1, k('t'), '{}');
 ROLLBACK;
 SELECT decision FROM idem_claim(1, k('t2'), f(), interval '1 hour');
 SELECT idem_complete(1, k('t2'), '{}');
+-- ... also through a chain: completing c1 completes c2, whose row's
+-- trigger completes c1 again.
+CREATE OR REPLACE FUNCTION settle_again() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.status <> 'processing' AND NEW.idempotency_key IN (k('c1'), k('c2')) THEN
+    PERFORM idem_complete(NEW.tenant_id,
+                          CASE WHEN NEW.idempotency_key = k('c1') THEN k('c2') ELSE k('c1') END,
+                          '{"by": "trigger"}');
+  END IF;
+  RETURN NEW;
+END $$;
+BEGIN;
+SELECT decision FROM idem_claim(1, k('c1'), f());
+SELECT decision FROM idem_claim(1, k('c2'), f());
+SELECT idem_complete(1, k('c1'), '{}');
+ROLLBACK;
 \set VERBOSITY default
 DROP TRIGGER settle_again ON idempotency_keys;
 DROP FUNCTION settle_again();

@@ -748,8 +748,17 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 					  outcome, outcome_text, retention_end, fence_attempt, fence);
 }
 
-/* The key whose claimed row ledger_settle_key is writing now, or NULL. */
-static const LedgerKey *settling = NULL;
+/*
+ * The keys whose rows ledger_settle_key is writing now, innermost first (a
+ * trigger fired by a write may settle other keys), or NULL.
+ */
+typedef struct SettlingKey
+{
+	const LedgerKey *lk;
+	const struct SettlingKey *outer;
+} SettlingKey;
+
+static const SettlingKey *settling = NULL;
 
 /* A completion refused because another claim holds the key now. */
 static void
@@ -786,20 +795,22 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 	int32		attempt;
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	bool		is_fail = status != IDEM_STATUS_COMPLETED;
+	SettlingKey this_key;
+	const SettlingKey *s;
 
 	/*
 	 * A trigger on the ledger that settles the key whose row this backend
 	 * is writing now: that write is not done, and it is the key's one
 	 * settlement (another would fail on the unique key, 23505).
 	 */
-	if (settling != NULL && settling->kind == lk->kind &&
-		settling->tenant_id == lk->tenant_id &&
-		memcmp(settling->key, lk->key, IDEM_DIGEST_LEN) == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot %s idempotency key: this transaction is settling it now", what),
-				 errdetail("A trigger fired by the key's own ledger row called idem for the same key."),
-				 errhint("Do not complete or fail a key in a trigger on the ledger.")));
+	for (s = settling; s != NULL; s = s->outer)
+		if (s->lk->kind == lk->kind && s->lk->tenant_id == lk->tenant_id &&
+			memcmp(s->lk->key, lk->key, IDEM_DIGEST_LEN) == 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("cannot %s idempotency key: this transaction is settling it now", what),
+					 errdetail("A trigger fired by the key's ledger row called idem for the same key."),
+					 errhint("Do not complete or fail a key in a trigger on the ledger.")));
 
 	mine = pending_find(lk);
 	if (mine && fence_attempt > 1)
@@ -813,7 +824,9 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 				 errmsg("cannot %s idempotency key with fence %lld: this transaction's claim of it has another",
 						what, (long long) fence)));
 
-	settling = lk;
+	this_key.lk = lk;
+	this_key.outer = settling;
+	settling = &this_key;
 	PG_TRY();
 	{
 		if (mine)
@@ -861,7 +874,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 	}
 	PG_FINALLY();
 	{
-		settling = NULL;
+		settling = this_key.outer;
 	}
 	PG_END_TRY();
 
