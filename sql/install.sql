@@ -116,6 +116,7 @@ SELECT current_database() AS regress_db \gset
 CREATE DATABASE regress_idem_latin1 TEMPLATE template0 ENCODING 'LATIN1'
   LC_COLLATE 'C' LC_CTYPE 'C';
 \c regress_idem_latin1
+\set SHOW_CONTEXT never
 CREATE EXTENSION idem;
 CREATE EXTENSION idem VERSION '0.3';
 CREATE TABLE tenants (id bigint PRIMARY KEY);
@@ -123,5 +124,6 @@ SELECT idem_install('tenants');
 SELECT idem_key('payments', 'caf' || chr(233));
 SELECT idem_fingerprint('{"who": "caf\u00e9"}');
 ALTER EXTENSION idem UPDATE;
+\set SHOW_CONTEXT errors
 \c :regress_db
 DROP DATABASE regress_idem_latin1;
