@@ -84,6 +84,28 @@ like(slurp_file($w1->logfile), qr/idem_cache_node_join/, 'worker 1 logged the jo
 unlike(slurp_file($w1->logfile) . slurp_file($c->logfile), qr/$secret/,
 	'the secret travels in no statement text (log_statement = all)');
 
+# ---------- the seal: a node opens a seal once, made for it ----------
+# The coordinator's last join statement, as worker 1 logged it.
+my @joins = slurp_file($w1->logfile) =~
+  /idem_cache_node_join\('([^']*)', '([^']*)', '([0-9a-f]*)'\)/g;
+my ($jks, $jid, $jseal) = @joins[-3 .. -1];
+is(length($jseal // ''), 202, 'the secrets travel sealed: 101 bytes (AES-256-GCM)');
+# A new one-time key replaces the one the seal was made with.
+my ($w1id) = split / /, $w1->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w1id, $jid, 'worker 1\'s identity is the one the coordinator sealed for');
+is($w1->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$jid', '$jseal')"), 'f',
+	'a replayed seal does not join (its one-time key was consumed)');
+my ($w2id) = split / /, $w2->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w2->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$w2id', '$jseal')"), 'f',
+	'worker 1\'s seal, given to worker 2 for its own identity, does not join');
+$w1->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w1->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$jid', '" . ('ab' x 120) . "')"), 'f',
+	'a seal of idem 0.3 (120 bytes) does not join ...');
+like(slurp_file($w1->logfile), qr/cache secrets sealed by an older version of idem were refused/,
+	'... and the node\'s log says why');
+is(IdemValkey::wait_keyspace($w1) . ' ' . IdemValkey::wait_keyspace($w2), "$ks $ks",
+	'the refused seals left both nodes\' joins as they were');
+
 complete($t1, 'a');
 complete($t2, 'b');
 my $k1 = "${ks}t:$t1:" . hexkey('a');
@@ -102,7 +124,7 @@ $c->safe_psql('postgres', "SELECT idem_claim($t1, idem_key('s', 'a'), idem_finge
 $v1 = $valkey->wait_for_key($k1, 10);
 ok(defined $v1 && coord_mac_ok($k1, $v1), 'a PostgreSQL replay on the worker repopulates the cluster keyspace');
 my $all = $valkey->command('KEYS', '*');
-my @keys = grep { !/:owner$/ } (ref $all ? @$all : split /\n/, $all);
+my @keys = grep { !/:(owner|epochs)$/ } (ref $all ? @$all : split /\n/, $all);
 is(join(' ', grep { index($_, $ks) != 0 } @keys), '',
 	'no node copies anything outside the cluster keyspace');
 
@@ -154,6 +176,11 @@ like(owner_is($ksr, qr/^[0-9a-f]{16}\z/), qr/^[0-9a-f]{16}\z/, '... with its own
 my $r;
 IdemValkey::poll_until(20, sub { $r = $s->run('r1'); $r eq 'replayed valkey' });
 is($r, 'replayed valkey', '... which the runner, having learnt again, replays from Valkey');
+cmp_ok(IdemValkey::stats_col($w1, 'skipped_unjoined'), '>=', 1,
+	'... its copy made before worker 1 joined was counted in skipped_unjoined');
+like(slurp_file($w1->logfile),
+	qr/results were not copied to Valkey: their database is in a Citus cluster whose cache keyspace this node has not joined/,
+	'... and logged with that reason');
 $s->finish;
 $ks = $ksr;
 
@@ -226,6 +253,7 @@ is(IdemValkey::wait_keyspace($w1), $ks5, '... which worker 1 joins');
 $w2->start;
 is(ks(), $ks4, 'worker 2 back with its history unchanged: the keyspace is the one before');
 
+IdemValkey::check_counters($_) foreach ($c, $w1, $w2);
 $w1->stop;
 $w2->stop;
 $c->stop;
