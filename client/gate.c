@@ -34,7 +34,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_conn.h"
 
 /* What the check key's reply says (gate_reply.checked). */

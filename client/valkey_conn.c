@@ -1,7 +1,7 @@
 /*
  * valkey_conn.c
  *	  The Valkey connections of a runner's gate, and the commands sent on
- *	  them.  They are the router's (../src/common/valkey_cluster.c), as
+ *	  them.  They are the router's (../src/common/valkey_router.c), as
  *	  the extension's worker's are: a single Valkey is a one-node map, a
  *	  Valkey Cluster a map of its masters, told apart by INFO cluster in
  *	  the connect's round trip (unless the mode is forced); connect, setup,
@@ -37,7 +37,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_conn.h"
 
 /* The setup's own command: load the release script (release.c). */

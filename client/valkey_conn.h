@@ -12,7 +12,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 
 struct idem_gate
 {

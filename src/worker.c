@@ -48,7 +48,7 @@
  * delay that doubles from IDEM_BACKOFF_MIN_MS to IDEM_BACKOFF_MAX_MS and
  * returns to the minimum after a batch goes through.
  *
- * All socket I/O is non-blocking (the router's, worker_cluster.c) and
+ * All socket I/O is non-blocking (the router's, worker_router.c) and
  * waited for on a WaitEventSet that includes the process latch, so SIGTERM
  * and SIGHUP are answered at once even while Valkey hangs.  On SIGHUP the
  * configuration is reloaded; a change of host, port, password or database
@@ -76,7 +76,7 @@
 #include "cache_secret.h"
 #include "outbox_ring.h"
 #include "stats.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 #define IDEM_WORKER_RESTART_S	2

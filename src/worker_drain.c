@@ -23,8 +23,8 @@
 #include "guc.h"
 #include "outbox_ring.h"
 #include "stats.h"
-#include "valkey_cluster.h"
-#include "worker_cluster.h"
+#include "valkey_router.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 /* batches sent ahead of a stuck one, to the nodes that answer */
@@ -296,7 +296,7 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 
 /*
  * vk_drain() for a Valkey Cluster: the same durable records, one batch at a
- * time through worker_cluster.c (every node's share is sent before any
+ * time through worker_router.c (every node's share is sent before any
  * reply is read); a batch leaves the queue only when every node answered.
  * A batch that is not acknowledged stays queued, and the batches behind it
  * are sent ahead to the nodes that answer (vk_cluster_send_ahead).  While

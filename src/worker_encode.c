@@ -23,7 +23,7 @@
 #include "cache_keyspace.h"
 #include "cache_secret.h"
 #include "outbox_ring.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 /* Unix epoch milliseconds of a timestamp. */

@@ -13,7 +13,7 @@
  *	  worker_durable.c	durability waits, naps and the batch delay
  *	  worker_drain.c	the drains: single Valkey and Valkey Cluster
  *	  worker_report.c	problems in idem_stats() and the log
- *	  worker_cluster.c	the router (worker_cluster.h)
+ *	  worker_router.c	the router (worker_router.h)
  *
  *	  Locking: none; the worker is one single-threaded process, and the
  *	  state declared here is process-local.  What it shares with other
@@ -34,7 +34,7 @@
 #include "outbox_ring.h"
 #include "sha256.h"
 #include "stats.h"
-#include "worker_cluster.h"	/* IDEM_BATCH_MAX */
+#include "worker_router.h"	/* IDEM_BATCH_MAX */
 
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256

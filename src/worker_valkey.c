@@ -3,7 +3,7 @@
  * worker_valkey.c
  *	  The worker's Valkey connection: the settings it was made with (and
  *	  whether a reload changed them), the password, connect and disconnect
- *	  (through worker_cluster.c's router: a cluster, or a single Valkey as
+ *	  (through worker_router.c's router: a cluster, or a single Valkey as
  *	  its one node, whose connect, AUTH and SELECT are the router's), one
  *	  command outside a batch, and the single Valkey's pipelined I/O that
  *	  vk_drain() writes its batches with.  Every reply is freed before
@@ -22,10 +22,10 @@
 #include "guc.h"
 #include "stats.h"
 #include "valkey_reply.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
-/* The settings the connection (worker_cluster.c's router) was made with. */
+/* The settings the connection (worker_router.c's router) was made with. */
 char	   *vk_host = NULL;
 int			vk_port = 0;
 static char *vk_password = NULL;
@@ -86,7 +86,7 @@ vk_read_reply(int64 deadline_ms, bool read_first, VkReplyClass *class)
 	return VK_OK;
 }
 
-/* Connected: to one Valkey or to a cluster (worker_cluster.c). */
+/* Connected: to one Valkey or to a cluster (worker_router.c). */
 bool
 vk_connected(void)
 {
@@ -178,7 +178,7 @@ vk_settings_changed(void)
 }
 
 /*
- * Connect: the router (worker_cluster.c) opens a cluster, or a single
+ * Connect: the router (worker_router.c) opens a cluster, or a single
  * Valkey as its one node (connect, AUTH, SELECT are the router's).
  */
 VkResult

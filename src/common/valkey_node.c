@@ -9,7 +9,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_router_int.h"
 
 #include <errno.h>
 #include <netdb.h>

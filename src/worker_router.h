@@ -1,13 +1,13 @@
 /*-------------------------------------------------------------------------
  *
- * worker_cluster.h
- *	  The worker's router (worker_cluster.c), as the worker's other files
+ * worker_router.h
+ *	  The worker's router (worker_router.c), as the worker's other files
  *	  see it: a Valkey Cluster, or a single Valkey as its one node.
  *
  *-------------------------------------------------------------------------
  */
-#ifndef IDEM_WORKER_CLUSTER_H
-#define IDEM_WORKER_CLUSTER_H
+#ifndef IDEM_WORKER_ROUTER_H
+#define IDEM_WORKER_ROUTER_H
 
 #include "outbox_ring.h"
 
@@ -75,4 +75,4 @@ extern int	idem_wc_single_read(int64 deadline_ms, bool read_first,
 extern void idem_wc_report_stats(void);
 extern const char *idem_wc_describe(void);
 
-#endif							/* IDEM_WORKER_CLUSTER_H */
+#endif							/* IDEM_WORKER_ROUTER_H */

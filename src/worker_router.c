@@ -1,9 +1,9 @@
 /*-------------------------------------------------------------------------
  *
- * worker_cluster.c
- *	  The worker's Valkey Cluster mode: mode detection at connect, and the
- *	  copy of the commit ring's batches through the shared router
- *	  (valkey_cluster.c).
+ * worker_router.c
+ *	  The worker's router, for a Valkey Cluster and a single Valkey alike:
+ *	  mode detection at connect, and the copy of the commit ring's batches
+ *	  through the shared router (valkey_router.c).
  *
  * vk_connect() calls idem_wc_connect() when the worker (re)connects.  The
  * router opens the first node of idem.valkey_host:idem.valkey_port then
@@ -45,13 +45,13 @@
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "cache_format.h"
 #include "compat.h"
 #include "guc.h"
 #include "outbox_ring.h"
 #include "stats.h"
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_reply.h"
 
 typedef struct WcWait
