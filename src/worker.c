@@ -36,7 +36,7 @@
  * so that a batch costs it one wakeup (with its write and read, tens of
  * microseconds of CPU), not one for the replies and one for the delay
  * (worker_durable.c).  The same holds on a Valkey Cluster
- * (vk_cluster_drain), where a batch is one write to each master it has
+ * (worker_drain_cluster), where a batch is one write to each master it has
  * copies for and their replies are read after the sleep.
  * While the worker is awake, committing backends do not set its latch
  * (outbox_ring.c).  An error reply that says the server cannot take
@@ -123,7 +123,7 @@ idem_worker_register(void)
 static void
 worker_backoff(const char *doing, int *backoff_ms, TimestampTz *retry_at)
 {
-	vk_disconnect();
+	worker_disconnect();
 	worker_report_problem(doing, *backoff_ms, true);
 	*retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), *backoff_ms);
 	*backoff_ms = Min(*backoff_ms * 2, IDEM_BACKOFF_MAX_MS);
@@ -133,7 +133,7 @@ static void
 worker_on_exit(int code, Datum arg)
 {
 	idem_outbox_detach_worker();
-	vk_disconnect();
+	worker_disconnect();
 }
 
 void
@@ -183,17 +183,17 @@ idem_worker_main(Datum main_arg)
 		{
 			ConfigReloadPending = false;
 			ProcessConfigFile(PGC_SIGHUP);
-			if (!vk_connected() || vk_settings_changed())
+			if (!worker_connected() || worker_settings_changed())
 			{
 				/* Reconnect now, to new settings or for a new try. */
-				if (vk_connected())
-					vk_disconnect();
+				if (worker_connected())
+					worker_disconnect();
 				retry_at = 0;
 				backoff_ms = IDEM_BACKOFF_MIN_MS;
 			}
 		}
 
-		if (!vk_connected())
+		if (!worker_connected())
 		{
 			long		wait_ms = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
 																  retry_at);
@@ -203,7 +203,7 @@ idem_worker_main(Datum main_arg)
 				worker_nap(wait_ms);
 				continue;
 			}
-			r = vk_connect();
+			r = worker_connect();
 			if (r == VK_SHUTDOWN)
 				break;
 			if (r != VK_OK)
@@ -212,18 +212,20 @@ idem_worker_main(Datum main_arg)
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
-			owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
-			if (idem_wc_active())
+			worker_owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
+			if (worker_router_active())
 				ereport(LOG,
 						(errmsg("connected to Valkey Cluster at %s:%d (%s)",
-								vk_host, vk_port, idem_wc_describe())));
+								worker_valkey_host, worker_valkey_port,
+								worker_router_describe())));
 			else
 				ereport(LOG,
-						(errmsg("connected to Valkey at %s:%d", vk_host, vk_port)));
+						(errmsg("connected to Valkey at %s:%d",
+								worker_valkey_host, worker_valkey_port)));
 		}
 
 		{
-			bool		check = TimestampDifferenceExceeds(owner_checked_at,
+			bool		check = TimestampDifferenceExceeds(worker_owner_checked_at,
 														   GetCurrentTimestamp(),
 														   IDEM_OWNER_CHECK_MS);
 
@@ -238,7 +240,7 @@ idem_worker_main(Datum main_arg)
 			 * the masters that are up still go out, so that the cache is
 			 * warm when it is back; the check is tried again next time.
 			 */
-			if (r == VK_FAILED && idem_wc_active())
+			if (r == VK_FAILED && worker_router_active())
 			{
 				worker_report_problem("checking the history epoch's owner key at",
 									  0, false);
@@ -248,13 +250,13 @@ idem_worker_main(Datum main_arg)
 		if (r == VK_OK)
 			r = worker_take_epoch();
 		if (r == VK_OK)
-			r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
-				vk_drain(&copied, &rejected);
+			r = worker_router_active() ? worker_drain_cluster(&copied, &rejected) :
+				worker_drain_single(&copied, &rejected);
 		if (r == VK_SHUTDOWN)
 			break;
 		if (r != VK_OK)
 		{
-			bool		cluster = idem_wc_active();
+			bool		cluster = worker_router_active();
 
 			worker_backoff("copying results to", &backoff_ms, &retry_at);
 			/*
@@ -274,17 +276,17 @@ idem_worker_main(Datum main_arg)
 			if (worker_failing)
 				ereport(LOG,
 						(errmsg("copying results to Valkey at %s:%d again",
-								vk_host, vk_port)));
+								worker_valkey_host, worker_valkey_port)));
 			worker_failing = false;
 			backoff_ms = IDEM_BACKOFF_MIN_MS;
 		}
 
 		/*
-		 * The queue was empty when vk_drain() last looked.  Sleep, and let
-		 * commits wake us, unless a commit came in meanwhile.  A copy
-		 * counted in but not reserved yet (its committer between the two)
-		 * does not keep us awake: its committer, and every commit that
-		 * passes it, wakes us (idem_outbox_worker_sleepy).
+		 * The queue was empty when worker_drain_single() last looked.  Sleep,
+		 * and let commits wake us, unless a commit came in meanwhile.  A copy
+		 * counted in but not reserved yet (its committer between the two) does
+		 * not keep us awake: its committer, and every commit that passes it,
+		 * wakes us (idem_outbox_worker_sleepy).
 		 */
 		if (!ConfigReloadPending)
 		{
@@ -295,7 +297,7 @@ idem_worker_main(Datum main_arg)
 				worker_nap(coming ? IDEM_COMING_WAIT_MS : IDEM_IDLE_WAIT_MS);
 				idem_outbox_worker_awake();
 				/* Valkey may have lost it while we slept (a flush) */
-				owner_checked_at = 0;
+				worker_owner_checked_at = 0;
 			}
 		}
 	}

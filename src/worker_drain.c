@@ -1,13 +1,13 @@
 /*-------------------------------------------------------------------------
  *
  * worker_drain.c
- *	  The worker's two drains: the commit ring's durable records copied to
- *	  a single Valkey (vk_drain: batches pipelined ahead of their replies)
- *	  or to a Valkey Cluster (vk_cluster_drain: through idem_wc_send() and
- *	  idem_wc_collect(), a stuck batch's successors sent ahead to the nodes
- *	  that answer).  A batch leaves the ring only when all its replies are
- *	  read.  The batching: the comment above idem_worker_main(), and
- *	  docs/worker.md.
+ *	  The worker's two drains: the commit ring's durable records copied to a
+ *	  single Valkey (worker_drain_single: batches pipelined ahead of their
+ *	  replies) or to a Valkey Cluster (worker_drain_cluster: through
+ *	  worker_router_send() and worker_router_collect(), a stuck batch's
+ *	  successors sent ahead to the nodes that answer).  A batch leaves the ring
+ *	  only when all its replies are read.  The batching: the comment above
+ *	  idem_worker_main(), and docs/worker.md.
  *
  *	  Locking: only this file consumes the queue (outbox_ring.c's rules);
  *	  the rest is the worker's own state.
@@ -45,18 +45,18 @@ typedef struct VkBatch
 	VkSkips		skips;			/* records skipped, by reason */
 } VkBatch;
 
-/* At most this many batches in flight (vk_drain, a backlog). */
+/* At most this many batches in flight (worker_drain_single, a backlog). */
 #define IDEM_INFLIGHT 4
 
 /*
- * The send window (vk_drain): at most this many records in flight, whose
- * SETs must be written and answered within idem.valkey_command_timeout.
- * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches
- * of IDEM_BATCH_MAX) may take longer than that to write; resent whole
- * after each timeout it would never go through.  So a window that fails
- * (a timeout, or the connection lost) halves it, down to one record, and
- * each batch answered within half the timeout doubles it again, up to the
- * full window: it settles where a window is written and answered in time.
+ * The send window (worker_drain_single): at most this many records in flight,
+ * whose SETs must be written and answered within idem.valkey_command_timeout.
+ * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches of
+ * IDEM_BATCH_MAX) may take longer than that to write; resent whole after each
+ * timeout it would never go through.  So a window that fails (a timeout, or
+ * the connection lost) halves it, down to one record, and each batch answered
+ * within half the timeout doubles it again, up to the full window: it settles
+ * where a window is written and answered in time.
  */
 #define IDEM_WINDOW_MAX (IDEM_INFLIGHT * IDEM_BATCH_MAX)
 static int	send_window = IDEM_WINDOW_MAX;
@@ -80,7 +80,7 @@ window_failed(VkResult r)
  * replies only when IDEM_BATCH_EAGER records wait (up to IDEM_INFLIGHT
  * batches, so Valkey and the worker work at the same time on a backlog).  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
- * next one is not, the worker looks again shortly (durable_poll_ms),
+ * next one is not, the worker looks again shortly (worker_durable_poll_ms),
  * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
  * batch leaves the queue once all its replies are read.  A reply that says
  * the server cannot take writes now (valkey_reply.c) fails the drain with
@@ -90,7 +90,7 @@ window_failed(VkResult r)
  * unencodable); idem_stats() counts them batch by batch.
  */
 VkResult
-vk_drain(uint64 *copied, uint64 *rejected)
+worker_drain_single(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	VkBatch		inflight[IDEM_INFLIGHT];
@@ -144,17 +144,17 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			worker_flush_wal(flush_to);
 			if (pos == start)
 				break;
-			if ((nin > 0 && n < IDEM_BATCH_EAGER) || batch_delay_holds(n, now))
+			if ((nin > 0 && n < IDEM_BATCH_EAGER) || worker_batch_delay_holds(n, now))
 			{
 				/* Let them gather behind the batch in flight, or the delay. */
 				pos = start;
 				waiting = (nin == 0);
 				break;
 			}
-			vk_encoder_init(&enc, timeline);
+			worker_encoder_init(&enc, timeline);
 			nrej = 0;
-			nsent = vk_append_batch(records, n, &enc, &nrej);
-			vk_encoder_done(&enc);
+			nsent = worker_append_batch(records, n, &enc, &nrej);
+			worker_encoder_done(&enc);
 			if (nsent < 0)
 				return VK_FAILED;
 			/* all counted once the batch leaves the ring, not if resent */
@@ -167,7 +167,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->sent_at = idem_vc_now_ms();
 			nin++;
 			nrecords_in += n;
-			batch_delay_start(now);
+			worker_batch_delay_start(now);
 			if (n > 0)
 				held_since = 0;
 			if (held)
@@ -184,12 +184,12 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			 * passes; look at the durable position again meanwhile.
 			 */
 			if (waiting)
-				wait_ms = batch_delay_left_ms(now);
+				wait_ms = worker_batch_delay_left_ms(now);
 			if (held)
 			{
 				if (held_since == 0)
 					held_since = now;
-				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
+				wait_ms = Min(wait_ms, worker_durable_poll_ms(held_since, now));
 				worker_report_held(durable);
 			}
 			worker_nap(wait_ms);
@@ -202,12 +202,12 @@ vk_drain(uint64 *copied, uint64 *rejected)
 
 		/* Send what is appended; read the oldest batch's replies. */
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
-		r = vk_flush(deadline);
+		r = worker_flush(deadline);
 		if (r != VK_OK)
 			return window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
-		slept = nin == 1 && batch_delay_sleep();
+		slept = nin == 1 && worker_batch_delay_sleep();
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
 		if (slept)
@@ -217,7 +217,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		{
 			VkReplyClass class;
 
-			r = vk_read_reply(deadline, slept && i == 0, &class);
+			r = worker_read_reply(deadline, slept && i == 0, &class);
 			if (r != VK_OK)
 				return window_failed(r);
 			if (class == VK_REPLY_RETRY)
@@ -248,20 +248,20 @@ vk_drain(uint64 *copied, uint64 *rejected)
  * Records up to here were sent ahead of a stuck batch (positions only grow;
  * one before the ring's tail means nothing is ahead).
  */
-static uint64 wc_ahead_pos = 0;
+static uint64 worker_ahead_pos = 0;
 
 /*
- * The head batch is stuck on a node that does not answer (down, failing
- * over): send the records behind it, up to IDEM_AHEAD_BATCHES batches, to
- * the nodes that do answer, so that one node's outage does not hold back
- * every other node's copies.  Nothing is consumed or counted here: each
- * record still leaves the queue only through vk_cluster_drain(), which sends
- * it again (a SET is idempotent) once the batches before it are acknowledged.
- * Each retry sends only what was not sent ahead yet.
+ * The head batch is stuck on a node that does not answer (down, failing over):
+ * send the records behind it, up to IDEM_AHEAD_BATCHES batches, to the nodes
+ * that do answer, so that one node's outage does not hold back every other
+ * node's copies.  Nothing is consumed or counted here: each record still
+ * leaves the queue only through worker_drain_cluster(), which sends it again
+ * (a SET is idempotent) once the batches before it are acknowledged.  Each
+ * retry sends only what was not sent ahead yet.
  */
 static VkResult
-vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
-					  uint64 *acked)
+worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
+						  uint64 *acked)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	char		scratch[256];
@@ -269,7 +269,7 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 	VkResult	result = VK_OK;
 	int			b;
 
-	pos = Max(pos, wc_ahead_pos);
+	pos = Max(pos, worker_ahead_pos);
 	for (b = 0; b < IDEM_AHEAD_BATCHES; b++)
 	{
 		bool		held;
@@ -281,36 +281,36 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 
 		if (n == 0)
 			break;
-		vk_encoder_init(&enc, timeline);
-		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc,
-						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
+		worker_encoder_init(&enc, timeline);
+		if (worker_router_copy(records, n, NULL, worker_encode_record, &enc,
+							   &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
 			result = VK_SHUTDOWN;
-		vk_encoder_done(&enc);
+		worker_encoder_done(&enc);
 		if (result != VK_OK)
 			break;
 		*acked += ok;
-		wc_ahead_pos = pos;
+		worker_ahead_pos = pos;
 	}
 	return result;
 }
 
 /*
- * vk_drain() for a Valkey Cluster: the same durable records, one batch at a
- * time through worker_router.c (every node's share is sent before any
- * reply is read); a batch leaves the queue only when every node answered.
- * A batch that is not acknowledged stays queued, and the batches behind it
- * are sent ahead to the nodes that answer (vk_cluster_send_ahead).  While
- * it is stuck, each try sends only its records not settled yet (head_done):
- * a node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS
- * for as long as another node is down.  Batches keep
- * idem.valkey_batch_delay as in vk_drain() (batch_delay_holds,
- * batch_delay_sleep): the worker sends a batch to every master it has
- * copies for (idem_wc_send), sleeps out the delay, then reads every
- * master's replies (idem_wc_collect) and sends the next batch in the same
- * wakeup; a stuck batch's retries keep their own pace.
+ * worker_drain_single() for a Valkey Cluster: the same durable records, one
+ * batch at a time through worker_router.c (every node's share is sent before
+ * any reply is read); a batch leaves the queue only when every node answered.
+ * A batch that is not acknowledged stays queued, and the batches behind it are
+ * sent ahead to the nodes that answer (worker_cluster_send_ahead).  While it
+ * is stuck, each try sends only its records not settled yet (head_done): a
+ * node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS for
+ * as long as another node is down.  Batches keep idem.valkey_batch_delay as in
+ * worker_drain_single() (worker_batch_delay_holds, worker_batch_delay_sleep):
+ * the worker sends a batch to every master it has copies for
+ * (worker_router_send), sleeps out the delay, then reads every master's
+ * replies (worker_router_collect) and sends the next batch in the same wakeup;
+ * a stuck batch's retries keep their own pace.
  */
 VkResult
-vk_cluster_drain(uint64 *copied, uint64 *rejected)
+worker_drain_cluster(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	bool		standby_reported = false;
@@ -376,7 +376,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
 			worker_report_held(durable);
-			worker_nap(durable_poll_ms(held_since, GetCurrentTimestamp()));
+			worker_nap(worker_durable_poll_ms(held_since, GetCurrentTimestamp()));
 			continue;
 		}
 		held_since = 0;
@@ -386,16 +386,16 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			/* between tries of the stuck batch: only what came in since */
 			uint64		acked = 0;
 
-			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
 				return VK_SHUTDOWN;
 			worker_nap(IDEM_STUCK_POLL_MS);
 			continue;
 		}
 		now = GetCurrentTimestamp();
-		if (!stuck && batch_delay_holds(n, now))
+		if (!stuck && worker_batch_delay_holds(n, now))
 		{
 			/* Let them gather until the delay lets them go. */
-			worker_nap(batch_delay_left_ms(now));
+			worker_nap(worker_batch_delay_left_ms(now));
 			continue;
 		}
 		if (!stuck || timeline != head_timeline || n < head_n ||
@@ -410,10 +410,10 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			   (n - head_n) * sizeof(records[0]));
 		memset(head_done + head_n, 0, (n - head_n) * sizeof(bool));
 		head_n = n;
-		vk_encoder_init(&enc, timeline);
-		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
-							&unencodable);
-		vk_encoder_done(&enc);
+		worker_encoder_init(&enc, timeline);
+		sent = worker_router_send(records, n, head_done, worker_encode_record, &enc,
+								  &unencodable);
+		worker_encoder_done(&enc);
 		/* a skipped record is settled (head_done): not encoded again */
 		worker_skips_add(&head_skips, &enc.skips);
 		if (sent < 0)
@@ -426,13 +426,13 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		slept = false;
 		if (sent > 0)
 		{
-			batch_delay_start(now);
-			slept = !stuck && n < IDEM_BATCH_EAGER && batch_delay_sleep();
+			worker_batch_delay_start(now);
+			slept = !stuck && n < IDEM_BATCH_EAGER && worker_batch_delay_sleep();
 		}
 		if (ShutdownRequestPending)
 			return VK_SHUTDOWN;
-		rc = idem_wc_collect(slept, &ok, &nrej,
-							 worker_errbuf, sizeof(worker_errbuf));
+		rc = worker_router_collect(slept, &ok, &nrej,
+								   worker_errbuf, sizeof(worker_errbuf));
 		if (rc == IDEM_WC_STOPPING)
 			return VK_SHUTDOWN;
 		head_ok += ok;
@@ -442,7 +442,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			/* worker_errbuf says why; the batch is kept */
 			uint64		acked = ok;
 
-			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
 				return VK_SHUTDOWN;
 			if (acked == 0 && !stuck)
 				return VK_FAILED;	/* no node answered: back off */

@@ -42,7 +42,7 @@
 #define IDEM_EPOCH_OWNER_TTL_MS		(INT64CONST(30) * 24 * 3600 * 1000)
 
 /* When the owner key was last checked (worker_check_owner). */
-TimestampTz owner_checked_at = 0;
+TimestampTz worker_owner_checked_at = 0;
 
 /* When a standby last read the epoch list (worker_check_list). */
 static TimestampTz list_checked_at = 0;
@@ -74,8 +74,8 @@ owner_reply_is(const redisReply *reply, const char *token)
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
 }
 
-static VkResult vk_key_command(const char *key, int argc, const char **argv,
-								redisReply **reply);
+static VkResult worker_key_command(const char *key, int argc, const char **argv,
+								   redisReply **reply);
 
 /*
  * One command on the owner key of epoch (timeline, epoch): argv[1] is set
@@ -97,20 +97,20 @@ owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
 }
 
 static VkResult
-vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
-				 const char **argv, redisReply **reply)
+worker_owner_command(TimeLineID timeline, uint64 epoch, int argc,
+					 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 
 	if (!owner_key_of(key, timeline, epoch))
 		return VK_FAILED;
-	return vk_key_command(key, argc, argv, reply);
+	return worker_key_command(key, argc, argv, reply);
 }
 
 /* The same on any key: argv[1] is set to key here. */
 static VkResult
-vk_key_command(const char *key, int argc, const char **argv,
-			   redisReply **reply)
+worker_key_command(const char *key, int argc, const char **argv,
+				   redisReply **reply)
 {
 	size_t		argvlen[6];
 	int			keylen = strlen(key);
@@ -121,7 +121,7 @@ vk_key_command(const char *key, int argc, const char **argv,
 	argv[1] = key;
 	for (int i = 0; i < argc; i++)
 		argvlen[i] = strlen(argv[i]);
-	r = vk_command(key, keylen, argc, argv, argvlen, &rep);
+	r = worker_command(key, keylen, argc, argv, argvlen, &rep);
 	if (r == VK_OK && rep->type == REDIS_REPLY_ERROR)
 	{
 		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
@@ -161,7 +161,7 @@ epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 	argv[2] = retired;
 	argv[3] = "PX";
 	argv[4] = ttl;
-	return vk_owner_command(dead->timeline, dead->epoch, 5, argv, NULL);
+	return worker_owner_command(dead->timeline, dead->epoch, 5, argv, NULL);
 }
 
 /*
@@ -240,7 +240,7 @@ list_read(EpochListed *list, int *n)
 	argv[0] = "LRANGE";
 	argv[2] = "0";
 	argv[3] = last;
-	r = vk_key_command(key, 4, argv, &reply);
+	r = worker_key_command(key, 4, argv, &reply);
 	if (r != VK_OK)
 		return r;
 	if (reply->type == REDIS_REPLY_ARRAY)
@@ -275,18 +275,18 @@ list_push(TimeLineID timeline, uint64 epoch)
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "LPUSH";
 	argv[2] = value;
-	r = vk_key_command(key, 3, argv, NULL);
+	r = worker_key_command(key, 3, argv, NULL);
 	if (r != VK_OK)
 		return r;
 	argv[0] = "LTRIM";
 	argv[2] = "0";
 	argv[3] = last;
-	r = vk_key_command(key, 4, argv, NULL);
+	r = worker_key_command(key, 4, argv, NULL);
 	if (r != VK_OK)
 		return r;
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
-	return vk_key_command(key, 3, argv, NULL);
+	return worker_key_command(key, 3, argv, NULL);
 }
 
 /*
@@ -417,7 +417,7 @@ worker_take_epoch(void)
 		argv[3] = "PX";
 		argv[4] = ttl;
 		argv[5] = "GET";
-		r = vk_owner_command(t.timeline, t.epoch, 6, argv, &reply);
+		r = worker_owner_command(t.timeline, t.epoch, 6, argv, &reply);
 		if (r != VK_OK)
 			return r;
 		if (t.expect_token == 0)
@@ -438,7 +438,7 @@ worker_take_epoch(void)
 			if (r != VK_OK)
 				return r;
 			idem_cache_epoch_taken(&t);
-			owner_checked_at = GetCurrentTimestamp();
+			worker_owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
 					(errmsg("took history epoch %016llx over in Valkey",
 							(unsigned long long) t.epoch)));
@@ -470,7 +470,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 	*taken = false;
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "GET";
-	r = vk_key_command(key, 2, argv, &reply);
+	r = worker_key_command(key, 2, argv, &reply);
 	if (r != VK_OK)
 		return r;
 	ours = owner_reply_is(reply, token);
@@ -486,7 +486,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 		argv[3] = "NX";
 		argv[4] = "PX";
 		argv[5] = ttl;
-		return vk_key_command(key, 6, argv, NULL);
+		return worker_key_command(key, 6, argv, NULL);
 	}
 	if (!ours)
 	{
@@ -495,7 +495,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 	}
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
-	return vk_key_command(key, 3, argv, NULL);
+	return worker_key_command(key, 3, argv, NULL);
 }
 
 /*
@@ -520,7 +520,7 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 		bool		live;
 
 		argv[0] = "GET";
-		r = vk_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
+		r = worker_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
 		if (r != VK_OK)
 			return r;
 		live = reply->type == REDIS_REPLY_STRING &&
@@ -604,18 +604,18 @@ worker_standby_wait(void)
 		{
 			ConfigReloadPending = false;
 			ProcessConfigFile(PGC_SIGHUP);
-			if (vk_connected() && vk_settings_changed())
-				vk_disconnect();
+			if (worker_connected() && worker_settings_changed())
+				worker_disconnect();
 		}
-		if (!vk_connected())
+		if (!worker_connected())
 		{
-			VkResult	r = vk_connect();
+			VkResult	r = worker_connect();
 
 			if (r == VK_SHUTDOWN)
 				return;
 			if (r != VK_OK)
 			{
-				vk_disconnect();
+				worker_disconnect();
 				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, false);
 				worker_nap(IDEM_OWNER_CHECK_MS);
 				continue;
@@ -625,7 +625,7 @@ worker_standby_wait(void)
 		}
 		if (worker_check_list() != VK_OK)
 		{
-			vk_disconnect();
+			worker_disconnect();
 			idem_stats_set_valkey(false, NULL);
 			worker_report_problem("checking the epoch list at",
 								  IDEM_OWNER_CHECK_MS, false);
@@ -657,7 +657,7 @@ worker_check_owner(void)
 	bool		taken;
 	bool		lost;
 
-	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
+	if (!TimestampDifferenceExceeds(worker_owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
 		return VK_OK;
@@ -669,7 +669,7 @@ worker_check_owner(void)
 		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
 	if (r != VK_OK)
 		return r;
-	owner_checked_at = GetCurrentTimestamp();
+	worker_owner_checked_at = GetCurrentTimestamp();
 	if (taken)
 	{
 		ereport(LOG,
@@ -681,8 +681,8 @@ worker_check_owner(void)
 	}
 
 	/*
-	 * After owner_checked_at: a failure here (a dead epoch's node down, on a
-	 * cluster) is reported and tried again at the next check.
+	 * After worker_owner_checked_at: a failure here (a dead epoch's node down,
+	 * on a cluster) is reported and tried again at the next check.
 	 */
 	return dead_keep_retired(t.timeline, t.epoch);
 }
@@ -722,7 +722,7 @@ worker_cluster_owners(bool check)
 		}
 		else
 			argv[2] = IDEM_CACHE_EPOCH_RETIRED "cluster";
-		r = vk_key_command(d.key, 5, argv, NULL);
+		r = worker_key_command(d.key, 5, argv, NULL);
 		if (r != VK_OK)
 			return r;
 		if (d.kind != IDEM_CLUSTER_SET)

@@ -106,23 +106,23 @@ typedef struct VkEncoder
 
 /* worker_valkey.c */
 extern char worker_errbuf[IDEM_ERRBUF_LEN];	/* the last problem */
-extern char *vk_host;
-extern int	vk_port;
-extern VkResult vk_flush(int64 deadline_ms);
-extern VkResult vk_next_reply(int64 deadline_ms, bool read_first,
-							  redisReply **reply);
-extern VkResult vk_read_reply(int64 deadline_ms, bool read_first,
-							  VkReplyClass *class);
-extern bool vk_connected(void);
-extern void vk_disconnect(void);
-extern bool vk_settings_changed(void);
-extern VkResult vk_connect(void);
-extern VkResult vk_command(const char *key, size_t keylen, int argc,
-						   const char **argv, const size_t *argvlen,
-						   redisReply **reply);
+extern char *worker_valkey_host;
+extern int	worker_valkey_port;
+extern VkResult worker_flush(int64 deadline_ms);
+extern VkResult worker_next_reply(int64 deadline_ms, bool read_first,
+								  redisReply **reply);
+extern VkResult worker_read_reply(int64 deadline_ms, bool read_first,
+								  VkReplyClass *class);
+extern bool worker_connected(void);
+extern void worker_disconnect(void);
+extern bool worker_settings_changed(void);
+extern VkResult worker_connect(void);
+extern VkResult worker_command(const char *key, size_t keylen, int argc,
+							   const char **argv, const size_t *argvlen,
+							   redisReply **reply);
 
 /* worker_epoch.c */
-extern TimestampTz owner_checked_at;
+extern TimestampTz worker_owner_checked_at;
 extern VkResult worker_take_epoch(void);
 extern VkResult worker_check_owner(void);
 extern VkResult worker_check_list(void);
@@ -131,28 +131,28 @@ extern VkResult worker_cluster_owners(bool check);
 extern bool worker_epoch_ready(void);
 
 /* worker_encode.c */
-extern void vk_encoder_init(VkEncoder *enc, TimeLineID timeline);
-extern void vk_encoder_done(VkEncoder *enc);
-extern int	vk_encode_record(void *arg, const IdemOutboxRecord *rec,
-							 char *key, int *keylen, char *value,
-							 int *valuelen, char *ttl, size_t ttllen);
-extern int	vk_append_batch(const IdemOutboxRecord **records, int n,
-							VkEncoder *enc, uint64 *errors);
+extern void worker_encoder_init(VkEncoder *enc, TimeLineID timeline);
+extern void worker_encoder_done(VkEncoder *enc);
+extern int	worker_encode_record(void *arg, const IdemOutboxRecord *rec,
+								 char *key, int *keylen, char *value,
+								 int *valuelen, char *ttl, size_t ttllen);
+extern int	worker_append_batch(const IdemOutboxRecord **records, int n,
+								VkEncoder *enc, uint64 *errors);
 
 /* worker_durable.c */
 extern XLogRecPtr worker_durable_lsn(TimeLineID *timeline,
 									 bool *standby_problem);
 extern void worker_flush_wal(XLogRecPtr lsn);
-extern long durable_poll_ms(TimestampTz held_since, TimestampTz now);
+extern long worker_durable_poll_ms(TimestampTz held_since, TimestampTz now);
 extern void worker_nap(long ms);
-extern void batch_delay_start(TimestampTz now);
-extern long batch_delay_left_ms(TimestampTz now);
-extern bool batch_delay_holds(int n, TimestampTz now);
-extern bool batch_delay_sleep(void);
+extern void worker_batch_delay_start(TimestampTz now);
+extern long worker_batch_delay_left_ms(TimestampTz now);
+extern bool worker_batch_delay_holds(int n, TimestampTz now);
+extern bool worker_batch_delay_sleep(void);
 
 /* worker_drain.c */
-extern VkResult vk_drain(uint64 *copied, uint64 *rejected);
-extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
+extern VkResult worker_drain_single(uint64 *copied, uint64 *rejected);
+extern VkResult worker_drain_cluster(uint64 *copied, uint64 *rejected);
 
 /* worker_report.c */
 extern bool worker_failing;

@@ -36,7 +36,7 @@ worker_report_standby(void)
 
 	snprintf(text, sizeof(text), "%s: copies wait: %s",
 			 timestamptz_to_str(now), worker_errbuf);
-	idem_stats_set_valkey(vk_connected(), text);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
@@ -78,7 +78,7 @@ worker_report_held(XLogRecPtr durable)
 	idem_standby_slots_holder(durable, what, sizeof(what));
 	snprintf(text, sizeof(text), "%s: copies held back for %lld s: %s",
 			 timestamptz_to_str(now), (long long) (age_ms / 1000), what);
-	idem_stats_set_valkey(vk_connected(), text);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS) ||
 		TimestampDifferenceExceeds(logged_oldest, oldest, IDEM_HELD_REPORT_MS))
 	{
@@ -104,8 +104,8 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 	char		text[IDEM_ERRBUF_LEN + 128];
 
 	snprintf(text, sizeof(text), "%s: %s %s:%d: %s",
-			 timestamptz_to_str(now), doing, vk_host, vk_port, worker_errbuf);
-	idem_stats_set_valkey(vk_connected(), text);
+			 timestamptz_to_str(now), doing, worker_valkey_host, worker_valkey_port, worker_errbuf);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (is_error)
 		idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
 	if (!worker_failing ||
@@ -113,7 +113,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 	{
 		ereport(LOG,
 				(errmsg("%s Valkey at %s:%d failed: %s",
-						doing, vk_host, vk_port, worker_errbuf),
+						doing, worker_valkey_host, worker_valkey_port, worker_errbuf),
 				 retry_ms > 0 ?
 				 errdetail("Queued results are kept while the commit ring has room (%llu wait); retrying in %d ms.",
 						   (unsigned long long) idem_outbox_depth(), retry_ms) : 0));
@@ -171,7 +171,7 @@ worker_count_skips(const VkSkips *skips)
 			now = GetCurrentTimestamp();
 		snprintf(text, sizeof(text), "%s: results not copied: %s",
 				 timestamptz_to_str(now), skip_reasons[i]);
-		idem_stats_set_valkey(vk_connected(), text);
+		idem_stats_set_valkey(worker_connected(), text);
 		if (!TimestampDifferenceExceeds(logged[i], now, IDEM_LOG_INTERVAL_MS))
 			continue;
 		ereport(LOG,

@@ -5,28 +5,28 @@
  *	  mode detection at connect, and the copy of the commit ring's batches
  *	  through the shared router (valkey_router.c).
  *
- * vk_connect() calls idem_wc_connect() when the worker (re)connects.  The
- * router opens the first node of idem.valkey_host:idem.valkey_port then
- * idem.valkey_nodes that answers and asks it INFO cluster
- * (idem.valkey_cluster = on or off skips the question).  A node that is
- * not a cluster is the router's one node: vk_drain() pipelines its batches
- * to it (idem_wc_single_*), and vk_command() sends the worker's other
- * commands through idem_wc_command(), as on a cluster.  A cluster:
- * idem_wc_send() writes the batches vk_cluster_drain() takes from the
- * commit ring (durable records, encoded and MACed by vk_encode_record()):
- * up to IDEM_BATCH_MAX records, each SET routed to the master of its key's
- * slot, all nodes pipelined at once.  idem_wc_collect() reads the replies,
- * redirects followed by the router; vk_cluster_drain() sleeps out
- * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).
- * A batch leaves the ring only when every SET in it has a reply from the
- * node that owns its key; otherwise (node down, failover in
- * progress, deadline, a "not now" reply) the whole batch stays queued and
- * its unanswered SETs are sent again (vk_cluster_drain(): every 100 ms
- * while other nodes answer, sending the batches behind it ahead to them
- * meanwhile with vk_cluster_send_ahead(); after the worker's backoff when
- * none does, then the whole batch): a SET is idempotent, and the copies are
- * counted only when the batch leaves the ring, so none is lost or counted
- * twice.
+ * worker_connect() calls worker_router_connect() when the worker (re)connects.
+ * The router opens the first node of idem.valkey_host:idem.valkey_port then
+ * idem.valkey_nodes that answers and asks it INFO cluster (idem.valkey_cluster
+ * = on or off skips the question).  A node that is not a cluster is the
+ * router's one node: worker_drain_single() pipelines its batches to it
+ * (worker_router_single_*), and worker_command() sends the worker's other
+ * commands through worker_router_command(), as on a cluster.  A cluster:
+ * worker_router_send() writes the batches worker_drain_cluster() takes from
+ * the commit ring (durable records, encoded and MACed by
+ * worker_encode_record()): up to IDEM_BATCH_MAX records, each SET routed to
+ * the master of its key's slot, all nodes pipelined at once.
+ * worker_router_collect() reads the replies, redirects followed by the router;
+ * worker_drain_cluster() sleeps out idem.valkey_batch_delay in between
+ * (worker_router_copy() does both at once).  A batch leaves the ring only when
+ * every SET in it has a reply from the node that owns its key; otherwise (node
+ * down, failover in progress, deadline, a "not now" reply) the whole batch
+ * stays queued and its unanswered SETs are sent again (worker_drain_cluster():
+ * every 100 ms while other nodes answer, sending the batches behind it ahead
+ * to them meanwhile with worker_cluster_send_ahead(); after the worker's
+ * backoff when none does, then the whole batch): a SET is idempotent, and the
+ * copies are counted only when the batch leaves the ring, so none is lost or
+ * counted twice.
  *
  * Waits go through a WaitEventSet per socket that also holds the latch and
  * postmaster death, so SIGTERM is answered at once.  The sets are cached
@@ -61,9 +61,9 @@ typedef struct WcWait
 	int			pos;
 } WcWait;
 
-static idem_vc *wc = NULL;
-static WcWait wc_waits[IDEM_VC_MAX_NODES];
-static idem_vc_stats wc_reported;	/* what idem_stats() has seen */
+static idem_vc *worker_vc = NULL;
+static WcWait worker_router_waits[IDEM_VC_MAX_NODES];
+static idem_vc_stats worker_router_reported;	/* what idem_stats() has seen */
 
 /*
  * Each node's errors under the routers closed before this one (the worker
@@ -76,8 +76,8 @@ typedef struct WcPastErrors
 	long long	errors;
 } WcPastErrors;
 
-static WcPastErrors wc_past[IDEM_VC_MAX_NODES];
-static int	wc_npast = 0;
+static WcPastErrors worker_router_past[IDEM_VC_MAX_NODES];
+static int	worker_router_npast = 0;
 
 /* Per batch: the encoded commands (allocated once). */
 typedef struct WcSlot
@@ -90,28 +90,28 @@ typedef struct WcSlot
 	int			record;			/* index of its record in the batch */
 } WcSlot;
 
-static WcSlot *wc_slots = NULL;
-static idem_vc_cmd *wc_cmds = NULL;
+static WcSlot *worker_router_slots = NULL;
+static idem_vc_cmd *worker_router_cmds = NULL;
 
-static void wc_publish_nodes(void);
-static void wc_report_stats(void);
+static void worker_router_publish_nodes(void);
+static void worker_router_publish_stats(void);
 
 static void
-wc_forget_fd(void *arg, int fd)
+worker_router_forget_fd(void *arg, int fd)
 {
 	int			i;
 
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
-		if (wc_waits[i].fd == fd)
+		if (worker_router_waits[i].fd == fd)
 		{
-			FreeWaitEventSet(wc_waits[i].wes);
-			wc_waits[i].fd = -1;
-			wc_waits[i].wes = NULL;
+			FreeWaitEventSet(worker_router_waits[i].wes);
+			worker_router_waits[i].fd = -1;
+			worker_router_waits[i].wes = NULL;
 		}
 }
 
 static WcWait *
-wc_wait_for(int fd)
+worker_router_wait_for(int fd)
 {
 	int			i;
 	int			free_slot = -1;
@@ -119,14 +119,14 @@ wc_wait_for(int fd)
 
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
 	{
-		if (wc_waits[i].fd == fd)
-			return &wc_waits[i];
-		if (wc_waits[i].fd < 0 && free_slot < 0)
+		if (worker_router_waits[i].fd == fd)
+			return &worker_router_waits[i];
+		if (worker_router_waits[i].fd < 0 && free_slot < 0)
 			free_slot = i;
 	}
 	if (free_slot < 0)
 		elog(ERROR, "more Valkey sockets than nodes");
-	w = &wc_waits[free_slot];
+	w = &worker_router_waits[free_slot];
 	w->wes = idem_create_wait_event_set(3);
 	AddWaitEventToSet(w->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
 	AddWaitEventToSet(w->wes, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
@@ -137,7 +137,7 @@ wc_wait_for(int fd)
 
 /* idem_vc_io.wait: latch wakeups are absorbed, SIGTERM abandons. */
 static int
-wc_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
+worker_router_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
 {
 	for (;;)
 	{
@@ -156,7 +156,7 @@ wc_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
 		}
 		else
 		{
-			WcWait	   *w = wc_wait_for(fd);
+			WcWait	   *w = worker_router_wait_for(fd);
 			WaitEvent	ev;
 			int			rc;
 
@@ -174,66 +174,70 @@ wc_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
 }
 
 bool
-idem_wc_active(void)
+worker_router_active(void)
 {
-	return wc != NULL && idem_vc_is_cluster(wc);
+	return worker_vc != NULL && idem_vc_is_cluster(worker_vc);
 }
 
 bool
-idem_wc_connected(void)
+worker_router_connected(void)
 {
-	return wc != NULL && idem_vc_is_open(wc);
+	return worker_vc != NULL && idem_vc_is_open(worker_vc);
 }
 
-/* The entry of a node name in wc_past, added if room; NULL if full. */
+/*
+ * The entry of a node name in worker_router_past, added if room; NULL if
+ * full.
+ */
 static WcPastErrors *
-wc_past_entry(const char *name)
+worker_router_past_entry(const char *name)
 {
 	int			i;
 
-	for (i = 0; i < wc_npast; i++)
-		if (strcmp(wc_past[i].name, name) == 0)
-			return &wc_past[i];
-	if (wc_npast == IDEM_VC_MAX_NODES)
+	for (i = 0; i < worker_router_npast; i++)
+		if (strcmp(worker_router_past[i].name, name) == 0)
+			return &worker_router_past[i];
+	if (worker_router_npast == IDEM_VC_MAX_NODES)
 		return NULL;
-	strlcpy(wc_past[wc_npast].name, name, sizeof(wc_past[wc_npast].name));
-	wc_past[wc_npast].errors = 0;
-	return &wc_past[wc_npast++];
+	strlcpy(worker_router_past[worker_router_npast].name, name, sizeof(worker_router_past[worker_router_npast].name));
+	worker_router_past[worker_router_npast].errors = 0;
+	return &worker_router_past[worker_router_npast++];
 }
 
 /* A node's errors since the worker started: past routers' and this one's. */
 static long long
-wc_node_errors(int i)
+worker_router_node_errors(int i)
 {
-	WcPastErrors *p = wc_past_entry(idem_vc_node_name(wc, i));
+	WcPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
 
-	return idem_vc_node_errors(wc, i) + (p ? p->errors : 0);
+	return idem_vc_node_errors(worker_vc, i) + (p ? p->errors : 0);
 }
 
 void
-idem_wc_disconnect(void)
+worker_router_disconnect(void)
 {
-	if (wc != NULL)
+	if (worker_vc != NULL)
 	{
 		int			i;
 
-		for (i = 0; i < idem_vc_nnodes(wc); i++)
+		for (i = 0; i < idem_vc_nnodes(worker_vc); i++)
 		{
-			WcPastErrors *p = wc_past_entry(idem_vc_node_name(wc, i));
+			WcPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
 
 			if (p)
-				p->errors += idem_vc_node_errors(wc, i);
+				p->errors += idem_vc_node_errors(worker_vc, i);
 		}
-		idem_wc_report_stats();
-		idem_vc_free(wc);		/* closes the sockets through wc_forget_fd */
-		wc = NULL;
+		worker_router_report_stats();
+		/* closes the sockets through worker_router_forget_fd */
+		idem_vc_free(worker_vc);
+		worker_vc = NULL;
 	}
 }
 
 /* The nodes to try: idem.valkey_host:idem.valkey_port ([host]:port for an
  * IPv6 address), then idem.valkey_nodes. */
 static char *
-wc_seeds(void)
+worker_router_seeds(void)
 {
 	StringInfoData s;
 	char		first[IDEM_VC_HOST_MAX + 8];
@@ -247,7 +251,7 @@ wc_seeds(void)
 }
 
 IdemWcConnect
-idem_wc_connect(const char *password, char *errbuf, size_t errlen)
+worker_router_connect(const char *password, char *errbuf, size_t errlen)
 {
 	idem_vc_options opt;
 	idem_vc_io	io;
@@ -255,11 +259,11 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 	int			rc;
 	int			i;
 
-	idem_wc_disconnect();
+	worker_router_disconnect();
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
-		if (wc_waits[i].wes == NULL)
-			wc_waits[i].fd = -1;
-	seeds = wc_seeds();
+		if (worker_router_waits[i].wes == NULL)
+			worker_router_waits[i].fd = -1;
+	seeds = worker_router_seeds();
 	memset(&opt, 0, sizeof(opt));
 	opt.seeds = seeds;
 	opt.default_port = idem_valkey_port;
@@ -271,35 +275,35 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 		IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 	opt.connect_timeout_ms = idem_valkey_connect_timeout_ms;
 	opt.retry_ms = 100;
-	io.wait = wc_wait;
-	io.closing = wc_forget_fd;
+	io.wait = worker_router_wait;
+	io.closing = worker_router_forget_fd;
 	io.arg = NULL;
-	wc = idem_vc_new(&opt, &io, errbuf, errlen);
+	worker_vc = idem_vc_new(&opt, &io, errbuf, errlen);
 	pfree(seeds);
-	if (wc == NULL)
+	if (worker_vc == NULL)
 		return IDEM_WC_FAILED;
-	memset(&wc_reported, 0, sizeof(wc_reported));
-	rc = idem_vc_open(wc, idem_valkey_connect_timeout_ms +
+	memset(&worker_router_reported, 0, sizeof(worker_router_reported));
+	rc = idem_vc_open(worker_vc, idem_valkey_connect_timeout_ms +
 					  idem_valkey_command_timeout_ms, errbuf, errlen);
-	if (rc == 0 && idem_vc_is_cluster(wc))
+	if (rc == 0 && idem_vc_is_cluster(worker_vc))
 	{
-		if (wc_slots == NULL)
+		if (worker_router_slots == NULL)
 		{
-			wc_slots = MemoryContextAllocHuge(TopMemoryContext,
+			worker_router_slots = MemoryContextAllocHuge(TopMemoryContext,
 											  sizeof(WcSlot) * IDEM_BATCH_MAX);
-			wc_cmds = MemoryContextAlloc(TopMemoryContext,
+			worker_router_cmds = MemoryContextAlloc(TopMemoryContext,
 										 sizeof(idem_vc_cmd) * IDEM_BATCH_MAX);
 		}
-		wc_publish_nodes();
-		wc_report_stats();
+		worker_router_publish_nodes();
+		worker_router_publish_stats();
 		return IDEM_WC_CLUSTER;
 	}
-	wc_report_stats();
+	worker_router_publish_stats();
 	idem_stats_set_cluster(false, "");
 	if (rc == 0)
-		return IDEM_WC_SINGLE;	/* the router's one node: wc stays */
-	idem_vc_free(wc);
-	wc = NULL;
+		return IDEM_WC_SINGLE;	/* the router's one node: worker_vc stays */
+	idem_vc_free(worker_vc);
+	worker_vc = NULL;
 	if (rc == -3)
 		return IDEM_WC_SHUTDOWN;
 	if (rc == -2)
@@ -318,17 +322,17 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
  * started (across its reconnects).
  */
 static void
-wc_publish_nodes(void)
+worker_router_publish_nodes(void)
 {
 	StringInfoData s;
 	int			i;
 
 	initStringInfo(&s);
-	for (i = 0; i < idem_vc_nnodes(wc); i++)
+	for (i = 0; i < idem_vc_nnodes(worker_vc); i++)
 		appendStringInfo(&s, "%s%s %s errors=%lld", i ? ", " : "",
-						 idem_vc_node_name(wc, i),
-						 idem_vc_node_in_map(wc, i) ? "master" : "other",
-						 wc_node_errors(i));
+						 idem_vc_node_name(worker_vc, i),
+						 idem_vc_node_in_map(worker_vc, i) ? "master" : "other",
+						 worker_router_node_errors(i));
 	idem_stats_set_cluster(true, s.data);
 	pfree(s.data);
 }
@@ -338,69 +342,70 @@ wc_publish_nodes(void)
  * cluster, and at connect (a failed seed is a node error either way).
  */
 void
-idem_wc_report_stats(void)
+worker_router_report_stats(void)
 {
-	if (idem_wc_active())
-		wc_report_stats();
+	if (worker_router_active())
+		worker_router_publish_stats();
 }
 
 static void
-wc_report_stats(void)
+worker_router_publish_stats(void)
 {
 	const idem_vc_stats *s;
 
-	if (wc == NULL)
+	if (worker_vc == NULL)
 		return;
-	s = idem_vc_get_stats(wc);
-	if (s->refreshes != wc_reported.refreshes ||
-		s->node_errors != wc_reported.node_errors)
-		wc_publish_nodes();
+	s = idem_vc_get_stats(worker_vc);
+	if (s->refreshes != worker_router_reported.refreshes ||
+		s->node_errors != worker_router_reported.node_errors)
+		worker_router_publish_nodes();
 	idem_stats_add_cluster(IDEM_STAT_REDIRECTS,
-				   (s->moved + s->ask) - (wc_reported.moved + wc_reported.ask));
-	idem_stats_add_cluster(IDEM_STAT_MAP_REFRESHES, s->refreshes - wc_reported.refreshes);
-	idem_stats_add_cluster(IDEM_STAT_NODE_ERRORS, s->node_errors - wc_reported.node_errors);
-	idem_stats_add_cluster(IDEM_STAT_CLUSTER_RETRIES, s->retries - wc_reported.retries);
-	wc_reported = *s;
+				   (s->moved + s->ask) - (worker_router_reported.moved + worker_router_reported.ask));
+	idem_stats_add_cluster(IDEM_STAT_MAP_REFRESHES, s->refreshes - worker_router_reported.refreshes);
+	idem_stats_add_cluster(IDEM_STAT_NODE_ERRORS, s->node_errors - worker_router_reported.node_errors);
+	idem_stats_add_cluster(IDEM_STAT_CLUSTER_RETRIES, s->retries - worker_router_reported.retries);
+	worker_router_reported = *s;
 }
 
 /* "N masters, through host:port" for the log. */
 const char *
-idem_wc_describe(void)
+worker_router_describe(void)
 {
 	static char text[64];
 	int			i,
 				masters = 0;
 
-	if (wc == NULL)
+	if (worker_vc == NULL)
 		return "";
-	for (i = 0; i < idem_vc_nnodes(wc); i++)
-		masters += idem_vc_node_in_map(wc, i);
+	for (i = 0; i < idem_vc_nnodes(worker_vc); i++)
+		masters += idem_vc_node_in_map(worker_vc, i);
 	snprintf(text, sizeof(text), "%d masters", masters);
 	return text;
 }
 
 /*
- * The batch idem_wc_send sent and idem_wc_collect answers: its commands
- * (wc_cmds, wc_slots) and its records' settled flags.
+ * The batch worker_router_send sent and worker_router_collect answers: its
+ * commands (worker_router_cmds, worker_router_slots) and its records' settled
+ * flags.
  */
-static int	wc_nc = 0;
-static bool *wc_done = NULL;
+static int	worker_router_nc = 0;
+static bool *worker_router_done = NULL;
 
 /*
  * Send one batch: each record's SET to the master of its key's slot, every
- * node's share written before any reply is read.  idem_wc_collect() then
+ * node's share written before any reply is read.  worker_router_collect() then
  * reads the replies (following redirects).  Returns the SETs sent (0 when
  * every record is settled or unencodable), or -1 if abandoned (shutdown).
  *
- * done (NULL, or one flag per record): a record whose flag is set is
- * skipped, and each record settled (copied, refused, past its retention or
- * unencodable) gets its flag set, here or in idem_wc_collect(), so that a
- * batch tried again after IDEM_WC_NOT_ACKED sends only what is still owed.
- * *rejected counts the records this call could not encode.
+ * done (NULL, or one flag per record): a record whose flag is set is skipped,
+ * and each record settled (copied, refused, past its retention or unencodable)
+ * gets its flag set, here or in worker_router_collect(), so that a batch tried
+ * again after IDEM_WC_NOT_ACKED sends only what is still owed.  *rejected
+ * counts the records this call could not encode.
  */
 int
-idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
-			 IdemWcEncode encode, void *encode_arg, uint64 *rejected)
+worker_router_send(const IdemOutboxRecord **records, int n, bool *done,
+				   IdemWcEncode encode, void *encode_arg, uint64 *rejected)
 {
 	int			nc = 0;
 	int			i;
@@ -409,8 +414,8 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 	*rejected = 0;
 	for (i = 0; i < n; i++)
 	{
-		WcSlot	   *s = &wc_slots[nc];
-		idem_vc_cmd *c = &wc_cmds[nc];
+		WcSlot	   *s = &worker_router_slots[nc];
+		idem_vc_cmd *c = &worker_router_cmds[nc];
 		int			keylen,
 					valuelen;
 		int			rc;
@@ -447,11 +452,11 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 		c->argvlen = s->argvlen;
 		nc++;
 	}
-	wc_nc = nc;
-	wc_done = done;
+	worker_router_nc = nc;
+	worker_router_done = done;
 	if (nc == 0)
 		return 0;
-	if (idem_vc_send(wc, wc_cmds, nc,
+	if (idem_vc_send(worker_vc, worker_router_cmds, nc,
 					 idem_vc_now_ms() + idem_valkey_command_timeout_ms) == -2)
 		return -1;
 	return nc;
@@ -463,9 +468,9 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
  * (*shutdown if the worker is stopping).
  */
 redisReply *
-idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
-				const size_t *argvlen, bool *shutdown, char *errbuf,
-				size_t errlen)
+worker_router_command(const char *key, size_t keylen, int argc, const char **argv,
+					  const size_t *argvlen, bool *shutdown, char *errbuf,
+					  size_t errlen)
 {
 	idem_vc_cmd c;
 	int			n;
@@ -476,58 +481,58 @@ idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
 	c.argc = argc;
 	c.argv = argv;
 	c.argvlen = argvlen;
-	n = idem_vc_pipeline(wc, &c, 1,
+	n = idem_vc_pipeline(worker_vc, &c, 1,
 						 idem_vc_now_ms() + idem_valkey_command_timeout_ms);
-	idem_wc_report_stats();
+	worker_router_report_stats();
 	*shutdown = n == -2;
 	if (n == 1 && c.reply != NULL)
 		return c.reply;
 	if (c.reply != NULL)
 		freeReplyObject(c.reply);
 	snprintf(errbuf, errlen, "no reply from %s: %s",
-			 idem_vc_is_cluster(wc) ? "the cluster" : "Valkey",
-			 idem_vc_last_error(wc));
+			 idem_vc_is_cluster(worker_vc) ? "the cluster" : "Valkey",
+			 idem_vc_last_error(worker_vc));
 	return NULL;
 }
 
 /*
- * A single Valkey: the router's one node, driven by vk_drain()'s pipelined
- * batches (idem_vc_single_*).  0, -1 (errbuf says why), -2 shutdown.
+ * A single Valkey: the router's one node, driven by worker_drain_single()'s
+ * pipelined batches (idem_vc_single_*).  0, -1 (errbuf says why), -2 shutdown.
  */
 static int
-wc_single_result(int rc, char *errbuf, size_t errlen)
+worker_router_single_result(int rc, char *errbuf, size_t errlen)
 {
 	if (rc == -1)
-		snprintf(errbuf, errlen, "%s", idem_vc_last_error(wc));
+		snprintf(errbuf, errlen, "%s", idem_vc_last_error(worker_vc));
 	return rc;
 }
 
 int
-idem_wc_single_append(int argc, const char **argv, const size_t *argvlen,
-					  char *errbuf, size_t errlen)
+worker_router_single_append(int argc, const char **argv, const size_t *argvlen,
+							char *errbuf, size_t errlen)
 {
-	return wc_single_result(idem_vc_single_append(wc, argc, argv, argvlen),
-							errbuf, errlen);
+	return worker_router_single_result(idem_vc_single_append(worker_vc, argc, argv, argvlen),
+									   errbuf, errlen);
 }
 
 int
-idem_wc_single_flush(int64 deadline_ms, char *errbuf, size_t errlen)
+worker_router_single_flush(int64 deadline_ms, char *errbuf, size_t errlen)
 {
-	return wc_single_result(idem_vc_single_flush(wc, deadline_ms),
-							errbuf, errlen);
+	return worker_router_single_result(idem_vc_single_flush(worker_vc, deadline_ms),
+									   errbuf, errlen);
 }
 
 int
-idem_wc_single_read(int64 deadline_ms, bool read_first,
-					struct redisReply **reply, char *errbuf, size_t errlen)
+worker_router_single_read(int64 deadline_ms, bool read_first,
+						  struct redisReply **reply, char *errbuf, size_t errlen)
 {
-	return wc_single_result(idem_vc_single_read(wc, deadline_ms, read_first,
+	return worker_router_single_result(idem_vc_single_read(worker_vc, deadline_ms, read_first,
 												reply),
 							errbuf, errlen);
 }
 
 /*
- * Read the replies to the batch idem_wc_send() sent, within
+ * Read the replies to the batch worker_router_send() sent, within
  * idem.valkey_command_timeout from now; waited: the worker slept since the
  * send (its batch delay), so they are most likely in.  IDEM_WC_ACKED when
  * every SET has a reply from the node that owns its key (*copied OK,
@@ -535,10 +540,10 @@ idem_wc_single_read(int64 deadline_ms, bool read_first,
  * *rejected count this batch's records only.
  */
 IdemWcCopy
-idem_wc_collect(bool waited, uint64 *copied,
-				uint64 *rejected, char *errbuf, size_t errlen)
+worker_router_collect(bool waited, uint64 *copied,
+					  uint64 *rejected, char *errbuf, size_t errlen)
 {
-	int			nc = wc_nc;
+	int			nc = worker_router_nc;
 	int			answered;
 	int			i;
 	bool		keep = false;
@@ -547,25 +552,25 @@ idem_wc_collect(bool waited, uint64 *copied,
 	*rejected = 0;
 	if (nc == 0)
 		return IDEM_WC_ACKED;
-	wc_nc = 0;
-	answered = idem_vc_collect(wc, wc_cmds, nc,
+	worker_router_nc = 0;
+	answered = idem_vc_collect(worker_vc, worker_router_cmds, nc,
 							   idem_vc_now_ms() + idem_valkey_command_timeout_ms,
 							   waited);
-	idem_wc_report_stats();
+	worker_router_report_stats();
 	if (answered == -2)
 	{
 		/* the worker exits; still, free what came */
 		for (i = 0; i < nc; i++)
 		{
-			if (wc_cmds[i].reply)
-				freeReplyObject(wc_cmds[i].reply);
-			wc_cmds[i].reply = NULL;
+			if (worker_router_cmds[i].reply)
+				freeReplyObject(worker_router_cmds[i].reply);
+			worker_router_cmds[i].reply = NULL;
 		}
 		return IDEM_WC_STOPPING;
 	}
 	for (i = 0; i < nc; i++)
 	{
-		redisReply *r = wc_cmds[i].reply;
+		redisReply *r = worker_router_cmds[i].reply;
 		bool		settled = true;
 
 		if (r == NULL)
@@ -573,7 +578,7 @@ idem_wc_collect(bool waited, uint64 *copied,
 		if (r->type == REDIS_REPLY_ERROR)
 		{
 			snprintf(errbuf, errlen, "%s replied: %.*s",
-					 idem_vc_node_name(wc, wc_cmds[i].node),
+					 idem_vc_node_name(worker_vc, worker_router_cmds[i].node),
 					 (int) Min(r->len, 120), r->str);
 			if (idem_vk_error_not_now(r->str, r->len))
 				keep = settled = false;
@@ -582,35 +587,35 @@ idem_wc_collect(bool waited, uint64 *copied,
 		}
 		else
 			(*copied)++;
-		if (settled && wc_done != NULL)
-			wc_done[wc_slots[i].record] = true;
+		if (settled && worker_router_done != NULL)
+			worker_router_done[worker_router_slots[i].record] = true;
 		freeReplyObject(r);
-		wc_cmds[i].reply = NULL;
+		worker_router_cmds[i].reply = NULL;
 	}
 	if (answered < nc)
 	{
 		/* some node did not answer: keep the whole batch queued */
 		snprintf(errbuf, errlen, "%d of %d copies not acknowledged: %s",
-				 nc - answered, nc, idem_vc_last_error(wc));
+				 nc - answered, nc, idem_vc_last_error(worker_vc));
 		return IDEM_WC_NOT_ACKED;
 	}
 	return keep ? IDEM_WC_NOT_ACKED : IDEM_WC_ACKED;
 }
 
 /*
- * Copy one batch: idem_wc_send() then idem_wc_collect() at once, with their
- * counts added.
+ * Copy one batch: worker_router_send() then worker_router_collect() at once,
+ * with their counts added.
  */
 IdemWcCopy
-idem_wc_copy(const IdemOutboxRecord **records, int n, bool *done,
-			 IdemWcEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+worker_router_copy(const IdemOutboxRecord **records, int n, bool *done,
+				   IdemWcEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	uint64		unencodable;
 	IdemWcCopy	rc;
 
-	if (idem_wc_send(records, n, done, encode, encode_arg, &unencodable) < 0)
+	if (worker_router_send(records, n, done, encode, encode_arg, &unencodable) < 0)
 		return IDEM_WC_STOPPING;
-	rc = idem_wc_collect(false, copied, rejected, errbuf, errlen);
+	rc = worker_router_collect(false, copied, rejected, errbuf, errlen);
 	*rejected += unencodable;
 	return rc;
 }

@@ -12,10 +12,10 @@
 #include "outbox_ring.h"
 
 /*
- * The most records one batch holds: the worker's drains take at most this
- * many from the commit ring at a time, and idem_wc_send() and idem_wc_copy()
- * size their per-batch arrays by it.  One constant, so that neither side can
- * outgrow the other.
+ * The most records one batch holds: the worker's drains take at most this many
+ * from the commit ring at a time, and worker_router_send() and
+ * worker_router_copy() size their per-batch arrays by it.  One constant, so
+ * that neither side can outgrow the other.
  */
 #define IDEM_BATCH_MAX			512
 
@@ -37,42 +37,42 @@ typedef enum IdemWcCopy
 
 /*
  * How the caller encodes one queued record as SET key value PX ttl
- * (vk_encode_record()): 1 done,
+ * (worker_encode_record()): 1 done,
  * 0 the record's retention is over (skip it), -1 it cannot be encoded.
  */
 typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
 							 char *key, int *keylen, char *value,
 							 int *valuelen, char *ttl, size_t ttllen);
 
-extern IdemWcConnect idem_wc_connect(const char *password, char *errbuf,
-									 size_t errlen);
-extern bool idem_wc_active(void);	/* on a cluster */
-extern bool idem_wc_connected(void);	/* on a cluster or a single Valkey */
-extern void idem_wc_disconnect(void);
-extern int	idem_wc_send(const IdemOutboxRecord **records, int n,
-						 bool *done, IdemWcEncode encode, void *encode_arg,
-						 uint64 *rejected);
-extern IdemWcCopy idem_wc_collect(bool waited,
-								  uint64 *copied, uint64 *rejected,
-								  char *errbuf, size_t errlen);
-extern IdemWcCopy idem_wc_copy(const IdemOutboxRecord **records, int n,
-							   bool *done,
-							   IdemWcEncode encode, void *encode_arg,
-							   uint64 *copied,
-							   uint64 *rejected, char *errbuf, size_t errlen);
-extern struct redisReply *idem_wc_command(const char *key, size_t keylen, int argc,
-								   const char **argv, const size_t *argvlen,
-								   bool *shutdown, char *errbuf,
-								   size_t errlen);
-extern int	idem_wc_single_append(int argc, const char **argv,
-								  const size_t *argvlen, char *errbuf,
-								  size_t errlen);
-extern int	idem_wc_single_flush(int64 deadline_ms, char *errbuf,
-								 size_t errlen);
-extern int	idem_wc_single_read(int64 deadline_ms, bool read_first,
-								struct redisReply **reply, char *errbuf,
-								size_t errlen);
-extern void idem_wc_report_stats(void);
-extern const char *idem_wc_describe(void);
+extern IdemWcConnect worker_router_connect(const char *password, char *errbuf,
+										   size_t errlen);
+extern bool worker_router_active(void);	/* on a cluster */
+extern bool worker_router_connected(void);	/* on a cluster or a single Valkey */
+extern void worker_router_disconnect(void);
+extern int	worker_router_send(const IdemOutboxRecord **records, int n,
+							   bool *done, IdemWcEncode encode, void *encode_arg,
+							   uint64 *rejected);
+extern IdemWcCopy worker_router_collect(bool waited,
+										uint64 *copied, uint64 *rejected,
+										char *errbuf, size_t errlen);
+extern IdemWcCopy worker_router_copy(const IdemOutboxRecord **records, int n,
+									 bool *done,
+									 IdemWcEncode encode, void *encode_arg,
+									 uint64 *copied,
+									 uint64 *rejected, char *errbuf, size_t errlen);
+extern struct redisReply *worker_router_command(const char *key, size_t keylen, int argc,
+												const char **argv, const size_t *argvlen,
+												bool *shutdown, char *errbuf,
+												size_t errlen);
+extern int	worker_router_single_append(int argc, const char **argv,
+										const size_t *argvlen, char *errbuf,
+										size_t errlen);
+extern int	worker_router_single_flush(int64 deadline_ms, char *errbuf,
+									   size_t errlen);
+extern int	worker_router_single_read(int64 deadline_ms, bool read_first,
+									  struct redisReply **reply, char *errbuf,
+									  size_t errlen);
+extern void worker_router_report_stats(void);
+extern const char *worker_router_describe(void);
 
 #endif							/* IDEM_WORKER_ROUTER_H */
