@@ -176,7 +176,7 @@ idem_worker_main(Datum main_arg)
 	{
 		uint64		copied;
 		uint64		rejected;
-		VkResult	r;
+		WorkerResult r;
 
 		CHECK_FOR_INTERRUPTS();
 		if (ConfigReloadPending)
@@ -204,9 +204,9 @@ idem_worker_main(Datum main_arg)
 				continue;
 			}
 			r = worker_connect();
-			if (r == VK_SHUTDOWN)
+			if (r == WORKER_SHUTDOWN)
 				break;
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 			{
 				worker_backoff("connecting to", &backoff_ms, &retry_at);
 				continue;
@@ -230,7 +230,7 @@ idem_worker_main(Datum main_arg)
 														   IDEM_OWNER_CHECK_MS);
 
 			r = worker_check_owner();
-			if (r == VK_OK)
+			if (r == WORKER_OK)
 				r = worker_cluster_owners(check);
 
 			/*
@@ -240,21 +240,21 @@ idem_worker_main(Datum main_arg)
 			 * the masters that are up still go out, so that the cache is
 			 * warm when it is back; the check is tried again next time.
 			 */
-			if (r == VK_FAILED && worker_router_active())
+			if (r == WORKER_FAILED && worker_router_active())
 			{
 				worker_report_problem("checking the history epoch's owner key at",
 									  0, false);
-				r = VK_OK;
+				r = WORKER_OK;
 			}
 		}
-		if (r == VK_OK)
+		if (r == WORKER_OK)
 			r = worker_take_epoch();
-		if (r == VK_OK)
+		if (r == WORKER_OK)
 			r = worker_router_active() ? worker_drain_cluster(&copied, &rejected) :
 				worker_drain_single(&copied, &rejected);
-		if (r == VK_SHUTDOWN)
+		if (r == WORKER_SHUTDOWN)
 			break;
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 		{
 			bool		cluster = worker_router_active();
 

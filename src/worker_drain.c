@@ -35,15 +35,15 @@
 #define IDEM_STUCK_RETRY_MS		100
 
 /* A batch written to Valkey whose replies are not read yet. */
-typedef struct VkBatch
+typedef struct WorkerBatch
 {
 	uint64		end_pos;		/* queue position after its records */
 	int			nrecords;
 	int			nsent;			/* SETs sent (skipped records are not) */
 	uint64		unencodable;	/* records that could not be encoded */
 	int64		sent_at;		/* when it was appended (and then written) */
-	VkSkips		skips;			/* records skipped, by reason */
-} VkBatch;
+	WorkerSkips	skips;			/* records skipped, by reason */
+} WorkerBatch;
 
 /* At most this many batches in flight (worker_drain_single, a backlog). */
 #define IDEM_INFLIGHT 4
@@ -62,10 +62,10 @@ typedef struct VkBatch
 static int	send_window = IDEM_WINDOW_MAX;
 
 /* The window in flight failed: send half as many records next time. */
-static VkResult
-window_failed(VkResult r)
+static WorkerResult
+window_failed(WorkerResult r)
 {
-	if (r == VK_FAILED && send_window > 1)
+	if (r == WORKER_FAILED && send_window > 1)
 	{
 		send_window = Max(1, send_window / 2);
 		ereport(DEBUG1,
@@ -89,11 +89,11 @@ window_failed(VkResult r)
  * *copied and *rejected count OK replies and dropped records (refused or
  * unencodable); idem_stats() counts them batch by batch.
  */
-VkResult
+WorkerResult
 worker_drain_single(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
-	VkBatch		inflight[IDEM_INFLIGHT];
+	WorkerBatch	inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
 	int			nrecords_in = 0;	/* records of the batches in flight */
@@ -107,8 +107,8 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 	{
 		int64		deadline;
 		TimestampTz now = GetCurrentTimestamp();
-		VkBatch    *b;
-		VkResult	r;
+		WorkerBatch *b;
+		WorkerResult r;
 		int			i;
 		uint64		ok;
 		uint64		nrej;
@@ -139,7 +139,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 												 send_window - nrecords_in),
 											 durable, &held, &flush_to);
 			int			nsent;
-			VkEncoder	enc;
+			WorkerEncoder enc;
 
 			worker_flush_wal(flush_to);
 			if (pos == start)
@@ -156,7 +156,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 			nsent = worker_append_batch(records, n, &enc, &nrej);
 			worker_encoder_done(&enc);
 			if (nsent < 0)
-				return VK_FAILED;
+				return WORKER_FAILED;
 			/* all counted once the batch leaves the ring, not if resent */
 			b = &inflight[(first + nin) % IDEM_INFLIGHT];
 			b->end_pos = pos;
@@ -178,7 +178,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 			long		wait_ms = PG_INT32_MAX;
 
 			if (!waiting && !held)
-				return VK_OK;
+				return WORKER_OK;
 			/*
 			 * Let the records held back by the delay gather until the delay
 			 * passes; look at the durable position again meanwhile.
@@ -194,35 +194,35 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 			}
 			worker_nap(wait_ms);
 			if (ShutdownRequestPending)
-				return VK_SHUTDOWN;
+				return WORKER_SHUTDOWN;
 			if (ConfigReloadPending)
-				return VK_OK;
+				return WORKER_OK;
 			continue;
 		}
 
 		/* Send what is appended; read the oldest batch's replies. */
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		r = worker_flush(deadline);
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
 		slept = nin == 1 && worker_batch_delay_sleep();
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		if (slept)
 			deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		b = &inflight[first];
 		for (i = 0, ok = 0, nrej = 0; i < b->nsent; i++)
 		{
-			VkReplyClass class;
+			WorkerReplyClass class;
 
 			r = worker_read_reply(deadline, slept && i == 0, &class);
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 				return window_failed(r);
-			if (class == VK_REPLY_RETRY)
-				return VK_FAILED;	/* worker_errbuf has the reply; batches kept */
-			if (class == VK_REPLY_REJECT)
+			if (class == WORKER_REPLY_RETRY)
+				return WORKER_FAILED;	/* worker_errbuf has the reply; batches kept */
+			if (class == WORKER_REPLY_REJECT)
 				nrej++;
 			else
 				ok++;
@@ -259,14 +259,14 @@ static uint64 worker_ahead_pos = 0;
  * (a SET is idempotent) once the batches before it are acknowledged.  Each
  * retry sends only what was not sent ahead yet.
  */
-static VkResult
+static WorkerResult
 worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 						  uint64 *acked)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	char		scratch[256];
-	VkEncoder	enc;
-	VkResult	result = VK_OK;
+	WorkerEncoder enc;
+	WorkerResult result = WORKER_OK;
 	int			b;
 
 	pos = Max(pos, worker_ahead_pos);
@@ -283,10 +283,10 @@ worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 			break;
 		worker_encoder_init(&enc, timeline);
 		if (worker_router_copy(records, n, NULL, worker_encode_record, &enc,
-							   &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
-			result = VK_SHUTDOWN;
+							   &ok, &nrej, scratch, sizeof(scratch)) == WORKER_ROUTER_STOPPING)
+			result = WORKER_SHUTDOWN;
 		worker_encoder_done(&enc);
-		if (result != VK_OK)
+		if (result != WORKER_OK)
 			break;
 		*acked += ok;
 		worker_ahead_pos = pos;
@@ -309,7 +309,7 @@ worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
  * replies (worker_router_collect) and sends the next batch in the same wakeup;
  * a stuck batch's retries keep their own pace.
  */
-VkResult
+WorkerResult
 worker_drain_cluster(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
@@ -330,7 +330,7 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 	TimeLineID	head_timeline = 0;
 	uint64		head_ok = 0;
 	uint64		head_rej = 0;
-	VkSkips		head_skips;
+	WorkerSkips	head_skips;
 
 	memset(&head_skips, 0, sizeof(head_skips));
 
@@ -344,13 +344,13 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 		TimeLineID	timeline;
 		XLogRecPtr	durable = worker_durable_lsn(&timeline, &standby_problem);
 		TimestampTz now;
-		VkEncoder	enc;
+		WorkerEncoder enc;
 		uint64		ok = 0;
 		uint64		nrej = 0;
 		uint64		unencodable = 0;
 		int			sent;
 		bool		slept;
-		IdemWcCopy	rc;
+		WorkerRouterCopy rc;
 		XLogRecPtr	flush_to;
 		int			n;
 
@@ -360,9 +360,9 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			standby_reported = true;
 		}
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		if (ConfigReloadPending || !worker_epoch_ready())
-			return VK_OK;
+			return WORKER_OK;
 		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
 							 &flush_to);
 		worker_flush_wal(flush_to);
@@ -371,7 +371,7 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			if (!held)
 			{
 				idem_outbox_consume(pos, 0);	/* past any padding */
-				return VK_OK;
+				return WORKER_OK;
 			}
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
@@ -386,8 +386,8 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			/* between tries of the stuck batch: only what came in since */
 			uint64		acked = 0;
 
-			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
-				return VK_SHUTDOWN;
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == WORKER_SHUTDOWN)
+				return WORKER_SHUTDOWN;
 			worker_nap(IDEM_STUCK_POLL_MS);
 			continue;
 		}
@@ -417,7 +417,7 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 		/* a skipped record is settled (head_done): not encoded again */
 		worker_skips_add(&head_skips, &enc.skips);
 		if (sent < 0)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		/*
 		 * Pace what was sent (nothing, when every record is unencodable or
 		 * settled); with no backlog, sleep out the delay before reading the
@@ -430,22 +430,22 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			slept = !stuck && n < IDEM_BATCH_EAGER && worker_batch_delay_sleep();
 		}
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		rc = worker_router_collect(slept, &ok, &nrej,
 								   worker_errbuf, sizeof(worker_errbuf));
-		if (rc == IDEM_WC_STOPPING)
-			return VK_SHUTDOWN;
+		if (rc == WORKER_ROUTER_STOPPING)
+			return WORKER_SHUTDOWN;
 		head_ok += ok;
 		head_rej += nrej + unencodable;
-		if (rc == IDEM_WC_NOT_ACKED)
+		if (rc == WORKER_ROUTER_NOT_ACKED)
 		{
 			/* worker_errbuf says why; the batch is kept */
 			uint64		acked = ok;
 
-			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
-				return VK_SHUTDOWN;
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == WORKER_SHUTDOWN)
+				return WORKER_SHUTDOWN;
 			if (acked == 0 && !stuck)
-				return VK_FAILED;	/* no node answered: back off */
+				return WORKER_FAILED;	/* no node answered: back off */
 
 			/*
 			 * Some nodes answer, one does not (a failover): stay, so that

@@ -35,7 +35,7 @@ epoch_ms(TimestampTz t)
 }
 
 void
-worker_encoder_init(VkEncoder *enc, TimeLineID timeline)
+worker_encoder_init(WorkerEncoder *enc, TimeLineID timeline)
 {
 	IdemCacheSecrets secrets;
 
@@ -53,7 +53,7 @@ worker_encoder_init(VkEncoder *enc, TimeLineID timeline)
 
 /* The batch is encoded: wipe the key. */
 void
-worker_encoder_done(VkEncoder *enc)
+worker_encoder_done(WorkerEncoder *enc)
 {
 	explicit_bzero(&enc->mac_key, sizeof(enc->mac_key));
 	explicit_bzero(&enc->own_mac_key, sizeof(enc->own_mac_key));
@@ -72,7 +72,7 @@ worker_encode_record(void *arg, const IdemOutboxRecord *rec,
 					 char *key, int *keylen, char *value, int *valuelen,
 					 char *ttl, size_t ttllen)
 {
-	VkEncoder  *enc = (VkEncoder *) arg;
+	WorkerEncoder *enc = (WorkerEncoder *) arg;
 	int64		ttl_ms = (rec->expires_at - enc->now) / 1000;	/* rounds down */
 	const char *why = "could not encode a queued result";
 
@@ -138,7 +138,7 @@ worker_encode_record(void *arg, const IdemOutboxRecord *rec,
  * of commands appended, or -1.
  */
 int
-worker_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
+worker_append_batch(const IdemOutboxRecord **records, int n, WorkerEncoder *enc,
 					uint64 *errors)
 {
 	char		key[IDEM_CACHE_KEY_MAX];

@@ -74,13 +74,13 @@ owner_reply_is(const redisReply *reply, const char *token)
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
 }
 
-static VkResult worker_key_command(const char *key, int argc, const char **argv,
-								   redisReply **reply);
+static WorkerResult worker_key_command(const char *key, int argc, const char **argv,
+									   redisReply **reply);
 
 /*
  * One command on the owner key of epoch (timeline, epoch): argv[1] is set
  * to that key here, the other arguments are the caller's.  An error reply
- * is VK_FAILED, with worker_errbuf saying it; on VK_OK *reply (if reply is
+ * is WORKER_FAILED, with worker_errbuf saying it; on WORKER_OK *reply (if reply is
  * not NULL) is the caller's to free.
  */
 /* The owner key of epoch (timeline, epoch) into key; false (worker_errbuf
@@ -96,39 +96,39 @@ owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
 	return true;
 }
 
-static VkResult
+static WorkerResult
 worker_owner_command(TimeLineID timeline, uint64 epoch, int argc,
 					 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 
 	if (!owner_key_of(key, timeline, epoch))
-		return VK_FAILED;
+		return WORKER_FAILED;
 	return worker_key_command(key, argc, argv, reply);
 }
 
 /* The same on any key: argv[1] is set to key here. */
-static VkResult
+static WorkerResult
 worker_key_command(const char *key, int argc, const char **argv,
 				   redisReply **reply)
 {
 	size_t		argvlen[6];
 	int			keylen = strlen(key);
 	redisReply *rep = NULL;
-	VkResult	r;
+	WorkerResult r;
 
 	Assert(argc <= lengthof(argvlen));
 	argv[1] = key;
 	for (int i = 0; i < argc; i++)
 		argvlen[i] = strlen(argv[i]);
 	r = worker_command(key, keylen, argc, argv, argvlen, &rep);
-	if (r == VK_OK && rep->type == REDIS_REPLY_ERROR)
+	if (r == WORKER_OK && rep->type == REDIS_REPLY_ERROR)
 	{
 		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
 				 (int) rep->len, rep->str);
-		r = VK_FAILED;
+		r = WORKER_FAILED;
 	}
-	if (r == VK_OK && reply != NULL)
+	if (r == WORKER_OK && reply != NULL)
 		*reply = rep;
 	else if (rep != NULL)
 		freeReplyObject(rep);
@@ -147,7 +147,7 @@ epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
  * epoch), the epoch that replaces it, whatever it held: the runners still
  * on it stop trusting it at their next lookup.
  */
-static VkResult
+static WorkerResult
 epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 {
 	char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
@@ -168,20 +168,20 @@ epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
  * The same for an epoch some other history listed: retired, logged, and
  * remembered as dead in the secret file.
  */
-static VkResult
+static WorkerResult
 epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
 					const char *why)
 {
-	VkResult	r = epoch_retire(&e->name, timeline, epoch);
+	WorkerResult r = epoch_retire(&e->name, timeline, epoch);
 
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	idem_cache_epoch_note_dead(&e->name);
 	ereport(LOG,
 			(errmsg("retired history epoch %016llx of timeline %u",
 					(unsigned long long) e->name.epoch, e->name.timeline),
 			 errdetail_internal("%s", why)));
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /* Parse one element of the epoch list into *e; false if it is not one. */
@@ -224,31 +224,31 @@ list_key(char *key)
  * IDEM_EPOCH_DEAD_MAX), their number into *n.  What is not an entry is
  * skipped.
  */
-static VkResult
+static WorkerResult
 list_read(EpochListed *list, int *n)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		last[12];
 	const char *argv[4];
 	redisReply *reply = NULL;
-	VkResult	r;
+	WorkerResult r;
 
 	*n = 0;
 	if (!list_key(key))
-		return VK_FAILED;
+		return WORKER_FAILED;
 	snprintf(last, sizeof(last), "%d", IDEM_EPOCH_DEAD_MAX - 1);
 	argv[0] = "LRANGE";
 	argv[2] = "0";
 	argv[3] = last;
 	r = worker_key_command(key, 4, argv, &reply);
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	if (reply->type == REDIS_REPLY_ARRAY)
 		for (size_t i = 0; i < reply->elements && *n < IDEM_EPOCH_DEAD_MAX; i++)
 			if (listed_parse(reply->element[i], &list[*n]))
 				(*n)++;
 	freeReplyObject(reply);
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
@@ -256,7 +256,7 @@ list_read(EpochListed *list, int *n)
  * the epoch list (LPUSH), keep the last IDEM_EPOCH_DEAD_MAX (LTRIM), and
  * push the list's expiry back.
  */
-static VkResult
+static WorkerResult
 list_push(TimeLineID timeline, uint64 epoch)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
@@ -264,10 +264,10 @@ list_push(TimeLineID timeline, uint64 epoch)
 	char		last[12];
 	char		ttl[32];
 	const char *argv[4];
-	VkResult	r;
+	WorkerResult r;
 
 	if (!list_key(key))
-		return VK_FAILED;
+		return WORKER_FAILED;
 	snprintf(value, sizeof(value), "%u.%016llx %016llx", timeline,
 			 (unsigned long long) epoch,
 			 (unsigned long long) GetXLogInsertRecPtr());
@@ -276,13 +276,13 @@ list_push(TimeLineID timeline, uint64 epoch)
 	argv[0] = "LPUSH";
 	argv[2] = value;
 	r = worker_key_command(key, 3, argv, NULL);
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	argv[0] = "LTRIM";
 	argv[2] = "0";
 	argv[3] = last;
 	r = worker_key_command(key, 4, argv, NULL);
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
@@ -376,7 +376,7 @@ listed_in(const EpochListed *e, const EpochListed *list, int n)
  * Once the epoch is owned, the commits that removed ledger rows before it
  * was made stop waiting (idem_renewal_taken).
  */
-VkResult
+WorkerResult
 worker_take_epoch(void)
 {
 	IdemEpochTakeover t;
@@ -389,7 +389,7 @@ worker_take_epoch(void)
 		char		ttl[32];
 		const char *argv[6];
 		redisReply *reply = NULL;
-		VkResult	r;
+		WorkerResult r;
 		bool		won;
 		EpochListed before[IDEM_EPOCH_DEAD_MAX];
 		EpochListed after[IDEM_EPOCH_DEAD_MAX];
@@ -402,15 +402,15 @@ worker_take_epoch(void)
 		for (int i = 0; i < t.ndead; i++)
 		{
 			r = epoch_retire(&t.dead[i], t.timeline, t.epoch);
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 				return r;
 		}
 		r = list_read(before, &nbefore);
-		for (int i = 0; r == VK_OK && i < nbefore; i++)
+		for (int i = 0; r == WORKER_OK && i < nbefore; i++)
 			if (listed_must_retire(&before[i], &t))
 				r = epoch_retire_listed(&before[i], t.timeline, t.epoch,
 										"Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 		argv[0] = "SET";
 		argv[2] = token;
@@ -418,7 +418,7 @@ worker_take_epoch(void)
 		argv[4] = ttl;
 		argv[5] = "GET";
 		r = worker_owner_command(t.timeline, t.epoch, 6, argv, &reply);
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 		if (t.expect_token == 0)
 			won = reply->type == REDIS_REPLY_NIL;
@@ -428,14 +428,14 @@ worker_take_epoch(void)
 		if (won)
 		{
 			r = list_push(t.timeline, t.epoch);
-			if (r == VK_OK)
+			if (r == WORKER_OK)
 				r = list_read(after, &nafter);
-			for (int i = 0; r == VK_OK && i < nafter; i++)
+			for (int i = 0; r == WORKER_OK && i < nafter; i++)
 				if (!listed_in(&after[i], before, nbefore) &&
 					listed_must_retire(&after[i], &t))
 					r = epoch_retire_listed(&after[i], t.timeline, t.epoch,
 											"Valkey's epoch list named it: another start took it over while this one did.");
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 				return r;
 			idem_cache_epoch_taken(&t);
 			worker_owner_checked_at = GetCurrentTimestamp();
@@ -449,7 +449,7 @@ worker_take_epoch(void)
 	/* the epochs before the one owned are retired: wake their removals */
 	if (idem_cache_epoch_owned(&t))
 		idem_renewal_taken(t.generation);
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
@@ -457,13 +457,13 @@ worker_take_epoch(void)
  * back; if Valkey lost it, set it again (SET NX).  *taken: it holds
  * anything else (retired, or taken over elsewhere).
  */
-static VkResult
+static WorkerResult
 owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 {
 	char		ttl[32];
 	const char *argv[6];
 	redisReply *reply = NULL;
-	VkResult	r;
+	WorkerResult r;
 	bool		ours;
 	bool		lost;
 
@@ -471,7 +471,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "GET";
 	r = worker_key_command(key, 2, argv, &reply);
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	ours = owner_reply_is(reply, token);
 	lost = reply->type == REDIS_REPLY_NIL;
@@ -491,7 +491,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 	if (!ours)
 	{
 		*taken = true;
-		return VK_OK;
+		return WORKER_OK;
 	}
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
@@ -506,7 +506,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
  * retired marker (a key Valkey lost stays lost: no runner trusts that).
  * (timeline, epoch) is the epoch this server owns, which the marker names.
  */
-static VkResult
+static WorkerResult
 dead_keep_retired(TimeLineID timeline, uint64 epoch)
 {
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
@@ -516,12 +516,12 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 	{
 		const char *argv[2];
 		redisReply *reply = NULL;
-		VkResult	r;
+		WorkerResult r;
 		bool		live;
 
 		argv[0] = "GET";
 		r = worker_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 		live = reply->type == REDIS_REPLY_STRING &&
 			(reply->len < sizeof(IDEM_CACHE_EPOCH_RETIRED) - 1 ||
@@ -531,14 +531,14 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 		if (!live)
 			continue;
 		r = epoch_retire(&dead[i], timeline, epoch);
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 		ereport(LOG,
 				(errmsg("retired history epoch %016llx of timeline %u again",
 						(unsigned long long) dead[i].epoch, dead[i].timeline),
 				 errdetail("Its owner key held a token again although this server's history retired it: Valkey was restored from an older snapshot, perhaps.")));
 	}
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
@@ -550,7 +550,7 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
  * on it stop replaying what this history lacks.  Nothing is copied during
  * recovery, so this is all a standby's worker does in Valkey.
  */
-VkResult
+WorkerResult
 worker_check_list(void)
 {
 	EpochListed list[IDEM_EPOCH_DEAD_MAX];
@@ -558,21 +558,21 @@ worker_check_list(void)
 	TimeLineID	tli = 0;
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 	int			ndead;
-	VkResult	r;
+	WorkerResult r;
 
 	if (!RecoveryInProgress() ||
 		!TimestampDifferenceExceeds(list_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS))
-		return VK_OK;
+		return WORKER_OK;
 	(void) GetXLogReplayRecPtr(&tli);
 	if (tli == 0)
-		return VK_OK;
+		return WORKER_OK;
 	r = list_read(list, &n);
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	list_checked_at = GetCurrentTimestamp();
 	ndead = idem_cache_epoch_dead(dead);
-	for (int i = 0; r == VK_OK && i < n; i++)
+	for (int i = 0; r == WORKER_OK && i < n; i++)
 	{
 		IdemCacheSecrets s;
 
@@ -609,11 +609,11 @@ worker_standby_wait(void)
 		}
 		if (!worker_connected())
 		{
-			VkResult	r = worker_connect();
+			WorkerResult r = worker_connect();
 
-			if (r == VK_SHUTDOWN)
+			if (r == WORKER_SHUTDOWN)
 				return;
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 			{
 				worker_disconnect();
 				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, false);
@@ -623,7 +623,7 @@ worker_standby_wait(void)
 			idem_stats_set_valkey(true, NULL);
 			list_checked_at = 0;
 		}
-		if (worker_check_list() != VK_OK)
+		if (worker_check_list() != WORKER_OK)
 		{
 			worker_disconnect();
 			idem_stats_set_valkey(false, NULL);
@@ -647,27 +647,27 @@ worker_standby_wait(void)
  * which the main loop takes over next.  The epochs this history knows are
  * dead are checked too (dead_keep_retired).
  */
-VkResult
+WorkerResult
 worker_check_owner(void)
 {
 	IdemEpochTakeover t;
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
-	VkResult	r;
+	WorkerResult r;
 	bool		taken;
 	bool		lost;
 
 	if (!TimestampDifferenceExceeds(worker_owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
-		return VK_OK;
+		return WORKER_OK;
 	if (!owner_key_of(key, t.timeline, t.epoch))
-		return VK_FAILED;
+		return WORKER_FAILED;
 	OWNER_TOKEN_TEXT(token, t.new_token);
 	r = owner_keep(key, token, &taken, &lost);
-	if (r == VK_OK && lost)
+	if (r == WORKER_OK && lost)
 		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	worker_owner_checked_at = GetCurrentTimestamp();
 	if (taken)
@@ -677,7 +677,7 @@ worker_check_owner(void)
 						(unsigned long long) t.epoch),
 				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
-		return VK_OK;
+		return WORKER_OK;
 	}
 
 	/*
@@ -697,7 +697,7 @@ worker_check_owner(void)
  * hold its token, set again if Valkey lost them, and given up if a node
  * retired them.
  */
-VkResult
+WorkerResult
 worker_cluster_owners(bool check)
 {
 	IdemEpochTakeover t;
@@ -706,7 +706,7 @@ worker_cluster_owners(bool check)
 	char		ttl[32];
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 	const char *argv[6];
-	VkResult	r;
+	WorkerResult r;
 
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	for (int n = 0; n < 3 * IDEM_CLUSTER_SLOTS &&
@@ -723,7 +723,7 @@ worker_cluster_owners(bool check)
 		else
 			argv[2] = IDEM_CACHE_EPOCH_RETIRED "cluster";
 		r = worker_key_command(d.key, 5, argv, NULL);
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 		if (d.kind != IDEM_CLUSTER_SET)
 			ereport(LOG,
@@ -742,7 +742,7 @@ worker_cluster_owners(bool check)
 			continue;
 		OWNER_TOKEN_TEXT(token, d.token);
 		r = owner_keep(d.key, token, &taken, NULL);
-		if (r == VK_OK && taken)
+		if (r == WORKER_OK && taken)
 		{
 			ereport(LOG,
 					(errmsg("the Citus cluster cache keyspace \"%s\" was retired",
@@ -750,10 +750,10 @@ worker_cluster_owners(bool check)
 					 errdetail("The history epoch of a node of the cluster changed; the next time a runner asks, the coordinator names a new keyspace.")));
 			idem_cache_cluster_disown(&d);
 		}
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 	}
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*

@@ -124,16 +124,16 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 
 /* One record skipped for reason (an IDEM_STAT_SKIPPED_* counter). */
 void
-worker_skip(VkSkips *skips, IdemStat reason)
+worker_skip(WorkerSkips *skips, IdemStat reason)
 {
 	Assert(reason >= IDEM_STAT_SKIPPED_EXPIRED && reason < IDEM_STAT_COUNT);
 	skips->n[reason - IDEM_STAT_SKIPPED_EXPIRED]++;
 }
 
 void
-worker_skips_add(VkSkips *into, const VkSkips *from)
+worker_skips_add(WorkerSkips *into, const WorkerSkips *from)
 {
-	for (int i = 0; i < VK_SKIP_REASONS; i++)
+	for (int i = 0; i < WORKER_SKIP_REASONS; i++)
 		into->n[i] += from->n[i];
 }
 
@@ -144,7 +144,7 @@ static const char *const skip_reasons[] = {
 	"they were read or committed under an older history epoch",
 };
 
-StaticAssertDecl(lengthof(skip_reasons) == VK_SKIP_REASONS,
+StaticAssertDecl(lengthof(skip_reasons) == WORKER_SKIP_REASONS,
 				 "one text per IDEM_STAT_SKIPPED_* counter");
 
 /*
@@ -153,13 +153,13 @@ StaticAssertDecl(lengthof(skip_reasons) == VK_SKIP_REASONS,
  * each reason, in the server log (with how many since the last line).
  */
 void
-worker_count_skips(const VkSkips *skips)
+worker_count_skips(const WorkerSkips *skips)
 {
-	static TimestampTz logged[VK_SKIP_REASONS];
-	static uint64 unlogged[VK_SKIP_REASONS];
+	static TimestampTz logged[WORKER_SKIP_REASONS];
+	static uint64 unlogged[WORKER_SKIP_REASONS];
 	TimestampTz now = 0;
 
-	for (int i = 0; i < VK_SKIP_REASONS; i++)
+	for (int i = 0; i < WORKER_SKIP_REASONS; i++)
 	{
 		char		text[IDEM_LAST_ERROR_LEN];
 

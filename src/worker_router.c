@@ -54,15 +54,15 @@
 #include "valkey_router.h"
 #include "valkey_reply.h"
 
-typedef struct WcWait
+typedef struct WorkerRouterWait
 {
 	int			fd;				/* -1: free slot */
 	WaitEventSet *wes;
 	int			pos;
-} WcWait;
+} WorkerRouterWait;
 
 static idem_vc *worker_vc = NULL;
-static WcWait worker_router_waits[IDEM_VC_MAX_NODES];
+static WorkerRouterWait worker_router_waits[IDEM_VC_MAX_NODES];
 static idem_vc_stats worker_router_reported;	/* what idem_stats() has seen */
 
 /*
@@ -70,17 +70,17 @@ static idem_vc_stats worker_router_reported;	/* what idem_stats() has seen */
  * makes a new one at each reconnect, as after a failed batch during a
  * failover), so that idem_stats() still names the node that failed.
  */
-typedef struct WcPastErrors
+typedef struct WorkerRouterPastErrors
 {
 	char		name[IDEM_VC_HOST_MAX + 8];
 	long long	errors;
-} WcPastErrors;
+} WorkerRouterPastErrors;
 
-static WcPastErrors worker_router_past[IDEM_VC_MAX_NODES];
+static WorkerRouterPastErrors worker_router_past[IDEM_VC_MAX_NODES];
 static int	worker_router_npast = 0;
 
 /* Per batch: the encoded commands (allocated once). */
-typedef struct WcSlot
+typedef struct WorkerRouterSlot
 {
 	char		key[IDEM_CACHE_KEY_MAX];
 	char		value[IDEM_CACHE_VALUE_MAX];
@@ -88,9 +88,9 @@ typedef struct WcSlot
 	const char *argv[5];
 	size_t		argvlen[5];
 	int			record;			/* index of its record in the batch */
-} WcSlot;
+} WorkerRouterSlot;
 
-static WcSlot *worker_router_slots = NULL;
+static WorkerRouterSlot *worker_router_slots = NULL;
 static idem_vc_cmd *worker_router_cmds = NULL;
 
 static void worker_router_publish_nodes(void);
@@ -110,12 +110,12 @@ worker_router_forget_fd(void *arg, int fd)
 		}
 }
 
-static WcWait *
+static WorkerRouterWait *
 worker_router_wait_for(int fd)
 {
 	int			i;
 	int			free_slot = -1;
-	WcWait	   *w;
+	WorkerRouterWait *w;
 
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
 	{
@@ -156,7 +156,7 @@ worker_router_wait(void *arg, int fd, int for_write, int64_t deadline_ms)
 		}
 		else
 		{
-			WcWait	   *w = worker_router_wait_for(fd);
+			WorkerRouterWait *w = worker_router_wait_for(fd);
 			WaitEvent	ev;
 			int			rc;
 
@@ -189,7 +189,7 @@ worker_router_connected(void)
  * The entry of a node name in worker_router_past, added if room; NULL if
  * full.
  */
-static WcPastErrors *
+static WorkerRouterPastErrors *
 worker_router_past_entry(const char *name)
 {
 	int			i;
@@ -208,7 +208,7 @@ worker_router_past_entry(const char *name)
 static long long
 worker_router_node_errors(int i)
 {
-	WcPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
+	WorkerRouterPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
 
 	return idem_vc_node_errors(worker_vc, i) + (p ? p->errors : 0);
 }
@@ -222,7 +222,7 @@ worker_router_disconnect(void)
 
 		for (i = 0; i < idem_vc_nnodes(worker_vc); i++)
 		{
-			WcPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
+			WorkerRouterPastErrors *p = worker_router_past_entry(idem_vc_node_name(worker_vc, i));
 
 			if (p)
 				p->errors += idem_vc_node_errors(worker_vc, i);
@@ -250,7 +250,7 @@ worker_router_seeds(void)
 	return s.data;
 }
 
-IdemWcConnect
+WorkerRouterConnect
 worker_router_connect(const char *password, char *errbuf, size_t errlen)
 {
 	idem_vc_options opt;
@@ -281,7 +281,7 @@ worker_router_connect(const char *password, char *errbuf, size_t errlen)
 	worker_vc = idem_vc_new(&opt, &io, errbuf, errlen);
 	pfree(seeds);
 	if (worker_vc == NULL)
-		return IDEM_WC_FAILED;
+		return WORKER_ROUTER_FAILED;
 	memset(&worker_router_reported, 0, sizeof(worker_router_reported));
 	rc = idem_vc_open(worker_vc, idem_valkey_connect_timeout_ms +
 					  idem_valkey_command_timeout_ms, errbuf, errlen);
@@ -290,30 +290,30 @@ worker_router_connect(const char *password, char *errbuf, size_t errlen)
 		if (worker_router_slots == NULL)
 		{
 			worker_router_slots = MemoryContextAllocHuge(TopMemoryContext,
-											  sizeof(WcSlot) * IDEM_BATCH_MAX);
+											  sizeof(WorkerRouterSlot) * IDEM_BATCH_MAX);
 			worker_router_cmds = MemoryContextAlloc(TopMemoryContext,
 										 sizeof(idem_vc_cmd) * IDEM_BATCH_MAX);
 		}
 		worker_router_publish_nodes();
 		worker_router_publish_stats();
-		return IDEM_WC_CLUSTER;
+		return WORKER_ROUTER_CLUSTER;
 	}
 	worker_router_publish_stats();
 	idem_stats_set_cluster(false, "");
 	if (rc == 0)
-		return IDEM_WC_SINGLE;	/* the router's one node: worker_vc stays */
+		return WORKER_ROUTER_SINGLE;	/* the router's one node: worker_vc stays */
 	idem_vc_free(worker_vc);
 	worker_vc = NULL;
 	if (rc == -3)
-		return IDEM_WC_SHUTDOWN;
+		return WORKER_ROUTER_SHUTDOWN;
 	if (rc == -2)
 	{
 		snprintf(errbuf, errlen,
 				 "idem.valkey_db is %d, but a Valkey Cluster has only database 0: set idem.valkey_db = 0",
 				 idem_valkey_db);
-		return IDEM_WC_MISCONFIGURED;
+		return WORKER_ROUTER_MISCONFIGURED;
 	}
-	return IDEM_WC_FAILED;
+	return WORKER_ROUTER_FAILED;
 }
 
 /*
@@ -400,12 +400,12 @@ static bool *worker_router_done = NULL;
  * done (NULL, or one flag per record): a record whose flag is set is skipped,
  * and each record settled (copied, refused, past its retention or unencodable)
  * gets its flag set, here or in worker_router_collect(), so that a batch tried
- * again after IDEM_WC_NOT_ACKED sends only what is still owed.  *rejected
+ * again after WORKER_ROUTER_NOT_ACKED sends only what is still owed.  *rejected
  * counts the records this call could not encode.
  */
 int
 worker_router_send(const IdemOutboxRecord **records, int n, bool *done,
-				   IdemWcEncode encode, void *encode_arg, uint64 *rejected)
+				   WorkerRouterEncode encode, void *encode_arg, uint64 *rejected)
 {
 	int			nc = 0;
 	int			i;
@@ -414,7 +414,7 @@ worker_router_send(const IdemOutboxRecord **records, int n, bool *done,
 	*rejected = 0;
 	for (i = 0; i < n; i++)
 	{
-		WcSlot	   *s = &worker_router_slots[nc];
+		WorkerRouterSlot *s = &worker_router_slots[nc];
 		idem_vc_cmd *c = &worker_router_cmds[nc];
 		int			keylen,
 					valuelen;
@@ -534,12 +534,12 @@ worker_router_single_read(int64 deadline_ms, bool read_first,
 /*
  * Read the replies to the batch worker_router_send() sent, within
  * idem.valkey_command_timeout from now; waited: the worker slept since the
- * send (its batch delay), so they are most likely in.  IDEM_WC_ACKED when
+ * send (its batch delay), so they are most likely in.  WORKER_ROUTER_ACKED when
  * every SET has a reply from the node that owns its key (*copied OK,
  * *rejected refused); otherwise the batch must stay queued.  *copied and
  * *rejected count this batch's records only.
  */
-IdemWcCopy
+WorkerRouterCopy
 worker_router_collect(bool waited, uint64 *copied,
 					  uint64 *rejected, char *errbuf, size_t errlen)
 {
@@ -551,7 +551,7 @@ worker_router_collect(bool waited, uint64 *copied,
 	*copied = 0;
 	*rejected = 0;
 	if (nc == 0)
-		return IDEM_WC_ACKED;
+		return WORKER_ROUTER_ACKED;
 	worker_router_nc = 0;
 	answered = idem_vc_collect(worker_vc, worker_router_cmds, nc,
 							   idem_vc_now_ms() + idem_valkey_command_timeout_ms,
@@ -566,7 +566,7 @@ worker_router_collect(bool waited, uint64 *copied,
 				freeReplyObject(worker_router_cmds[i].reply);
 			worker_router_cmds[i].reply = NULL;
 		}
-		return IDEM_WC_STOPPING;
+		return WORKER_ROUTER_STOPPING;
 	}
 	for (i = 0; i < nc; i++)
 	{
@@ -597,24 +597,24 @@ worker_router_collect(bool waited, uint64 *copied,
 		/* some node did not answer: keep the whole batch queued */
 		snprintf(errbuf, errlen, "%d of %d copies not acknowledged: %s",
 				 nc - answered, nc, idem_vc_last_error(worker_vc));
-		return IDEM_WC_NOT_ACKED;
+		return WORKER_ROUTER_NOT_ACKED;
 	}
-	return keep ? IDEM_WC_NOT_ACKED : IDEM_WC_ACKED;
+	return keep ? WORKER_ROUTER_NOT_ACKED : WORKER_ROUTER_ACKED;
 }
 
 /*
  * Copy one batch: worker_router_send() then worker_router_collect() at once,
  * with their counts added.
  */
-IdemWcCopy
+WorkerRouterCopy
 worker_router_copy(const IdemOutboxRecord **records, int n, bool *done,
-				   IdemWcEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
+				   WorkerRouterEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	uint64		unencodable;
-	IdemWcCopy	rc;
+	WorkerRouterCopy rc;
 
 	if (worker_router_send(records, n, done, encode, encode_arg, &unencodable) < 0)
-		return IDEM_WC_STOPPING;
+		return WORKER_ROUTER_STOPPING;
 	rc = worker_router_collect(false, copied, rejected, errbuf, errlen);
 	*rejected += unencodable;
 	return rc;

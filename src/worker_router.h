@@ -19,47 +19,47 @@
  */
 #define IDEM_BATCH_MAX			512
 
-typedef enum IdemWcConnect
+typedef enum WorkerRouterConnect
 {
-	IDEM_WC_SINGLE,				/* not a cluster: the router's one node */
-	IDEM_WC_CLUSTER,			/* routing through the cluster */
-	IDEM_WC_FAILED,				/* no node answered; errbuf says why */
-	IDEM_WC_MISCONFIGURED,		/* a cluster, but idem.valkey_db is not 0 */
-	IDEM_WC_SHUTDOWN
-} IdemWcConnect;
+	WORKER_ROUTER_SINGLE,		/* not a cluster: the router's one node */
+	WORKER_ROUTER_CLUSTER,		/* routing through the cluster */
+	WORKER_ROUTER_FAILED,		/* no node answered; errbuf says why */
+	WORKER_ROUTER_MISCONFIGURED,	/* a cluster, but idem.valkey_db is not 0 */
+	WORKER_ROUTER_SHUTDOWN
+} WorkerRouterConnect;
 
-typedef enum IdemWcCopy
+typedef enum WorkerRouterCopy
 {
-	IDEM_WC_ACKED,				/* every record answered: consume the batch */
-	IDEM_WC_NOT_ACKED,			/* keep the batch queued; errbuf says why */
-	IDEM_WC_STOPPING
-} IdemWcCopy;
+	WORKER_ROUTER_ACKED,		/* every record answered: consume the batch */
+	WORKER_ROUTER_NOT_ACKED,	/* keep the batch queued; errbuf says why */
+	WORKER_ROUTER_STOPPING
+} WorkerRouterCopy;
 
 /*
  * How the caller encodes one queued record as SET key value PX ttl
  * (worker_encode_record()): 1 done,
  * 0 the record's retention is over (skip it), -1 it cannot be encoded.
  */
-typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,
-							 char *key, int *keylen, char *value,
-							 int *valuelen, char *ttl, size_t ttllen);
+typedef int (*WorkerRouterEncode) (void *arg, const IdemOutboxRecord *rec,
+								   char *key, int *keylen, char *value,
+								   int *valuelen, char *ttl, size_t ttllen);
 
-extern IdemWcConnect worker_router_connect(const char *password, char *errbuf,
-										   size_t errlen);
+extern WorkerRouterConnect worker_router_connect(const char *password, char *errbuf,
+												 size_t errlen);
 extern bool worker_router_active(void);	/* on a cluster */
 extern bool worker_router_connected(void);	/* on a cluster or a single Valkey */
 extern void worker_router_disconnect(void);
 extern int	worker_router_send(const IdemOutboxRecord **records, int n,
-							   bool *done, IdemWcEncode encode, void *encode_arg,
+							   bool *done, WorkerRouterEncode encode, void *encode_arg,
 							   uint64 *rejected);
-extern IdemWcCopy worker_router_collect(bool waited,
-										uint64 *copied, uint64 *rejected,
-										char *errbuf, size_t errlen);
-extern IdemWcCopy worker_router_copy(const IdemOutboxRecord **records, int n,
-									 bool *done,
-									 IdemWcEncode encode, void *encode_arg,
-									 uint64 *copied,
-									 uint64 *rejected, char *errbuf, size_t errlen);
+extern WorkerRouterCopy worker_router_collect(bool waited,
+											  uint64 *copied, uint64 *rejected,
+											  char *errbuf, size_t errlen);
+extern WorkerRouterCopy worker_router_copy(const IdemOutboxRecord **records, int n,
+										   bool *done,
+										   WorkerRouterEncode encode, void *encode_arg,
+										   uint64 *copied,
+										   uint64 *rejected, char *errbuf, size_t errlen);
 extern struct redisReply *worker_router_command(const char *key, size_t keylen, int argc,
 												const char **argv, const size_t *argvlen,
 												bool *shutdown, char *errbuf,

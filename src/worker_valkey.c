@@ -36,14 +36,14 @@ static int	worker_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
 char		worker_errbuf[IDEM_ERRBUF_LEN];
 
 /* A router's result (0, -1, -2) as the worker's. */
-static VkResult
+static WorkerResult
 worker_result(int rc)
 {
-	return rc == 0 ? VK_OK : rc == -2 ? VK_SHUTDOWN : VK_FAILED;
+	return rc == 0 ? WORKER_OK : rc == -2 ? WORKER_SHUTDOWN : WORKER_FAILED;
 }
 
 /* Write everything appended (a single Valkey), before deadline_ms. */
-VkResult
+WorkerResult
 worker_flush(int64 deadline_ms)
 {
 	return worker_result(worker_router_single_flush(deadline_ms, worker_errbuf, sizeof(worker_errbuf)));
@@ -54,7 +54,7 @@ worker_flush(int64 deadline_ms)
  * read_first: the replies are most likely in already (the worker slept
  * since it sent): read before waiting for the socket.
  */
-VkResult
+WorkerResult
 worker_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
 {
 	return worker_result(worker_router_single_read(deadline_ms, read_first, reply,
@@ -62,28 +62,28 @@ worker_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
 }
 
 /*
- * Read the next reply.  On VK_OK, *class says what it means (for an error
+ * Read the next reply.  On WORKER_OK, *class says what it means (for an error
  * reply its text is then in worker_errbuf); the reply itself is already
  * freed.
  */
-VkResult
-worker_read_reply(int64 deadline_ms, bool read_first, VkReplyClass *class)
+WorkerResult
+worker_read_reply(int64 deadline_ms, bool read_first, WorkerReplyClass *class)
 {
 	redisReply *rr;
-	VkResult	r = worker_next_reply(deadline_ms, read_first, &rr);
+	WorkerResult r = worker_next_reply(deadline_ms, read_first, &rr);
 
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
-	*class = VK_REPLY_OK;
+	*class = WORKER_REPLY_OK;
 	if (rr->type == REDIS_REPLY_ERROR)
 	{
 		*class = idem_vk_error_not_now(rr->str, rr->len) ?
-			VK_REPLY_RETRY : VK_REPLY_REJECT;
+			WORKER_REPLY_RETRY : WORKER_REPLY_REJECT;
 		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
 				 (int) rr->len, rr->str);
 	}
 	freeReplyObject(rr);
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /* Connected: to one Valkey or to a cluster (worker_router.c). */
@@ -181,32 +181,32 @@ worker_settings_changed(void)
  * Connect: the router (worker_router.c) opens a cluster, or a single
  * Valkey as its one node (connect, AUTH, SELECT are the router's).
  */
-VkResult
+WorkerResult
 worker_connect(void)
 {
 	if (!worker_remember_settings())
-		return VK_FAILED;		/* worker_errbuf says why */
+		return WORKER_FAILED;	/* worker_errbuf says why */
 
 	switch (worker_router_connect(worker_valkey_password, worker_errbuf, sizeof(worker_errbuf)))
 	{
-		case IDEM_WC_SINGLE:
-		case IDEM_WC_CLUSTER:
-			return VK_OK;
-		case IDEM_WC_SHUTDOWN:
-			return VK_SHUTDOWN;
-		case IDEM_WC_MISCONFIGURED:
-		case IDEM_WC_FAILED:
+		case WORKER_ROUTER_SINGLE:
+		case WORKER_ROUTER_CLUSTER:
+			return WORKER_OK;
+		case WORKER_ROUTER_SHUTDOWN:
+			return WORKER_SHUTDOWN;
+		case WORKER_ROUTER_MISCONFIGURED:
+		case WORKER_ROUTER_FAILED:
 			break;
 	}
-	return VK_FAILED;
+	return WORKER_FAILED;
 }
 
 /*
  * One command outside any batch: its reply in *reply (the caller frees
- * it), or VK_FAILED with worker_errbuf saying why.  key routes it on a
+ * it), or WORKER_FAILED with worker_errbuf saying why.  key routes it on a
  * cluster.
  */
-VkResult
+WorkerResult
 worker_command(const char *key, size_t keylen, int argc, const char **argv,
 			   const size_t *argvlen, redisReply **reply)
 {
@@ -215,6 +215,6 @@ worker_command(const char *key, size_t keylen, int argc, const char **argv,
 	*reply = worker_router_command(key, keylen, argc, argv, argvlen,
 							 &shutdown, worker_errbuf, sizeof(worker_errbuf));
 	if (shutdown)
-		return VK_SHUTDOWN;
-	return *reply != NULL ? VK_OK : VK_FAILED;
+		return WORKER_SHUTDOWN;
+	return *reply != NULL ? WORKER_OK : WORKER_FAILED;
 }
