@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import cache
+from . import cache, resp
 from .errors import CommitUnknown, Failure, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one, _pipeline,
                  _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
@@ -130,7 +130,9 @@ class _RunContext:
         early = self._gate_marker()
         if early is not None:
             return early
-        return self._gate_answer(self.r._round_trip(self._gate_commands))
+        r = self.r
+        packed = resp.gate(self.ckey, self.marker, r.lease_ms, self.st.owner_key or b"")
+        return self._gate_answer(r._round_trip(self._gate_commands, (packed, 2)))
 
     def _gate_commands(self, pipe: Any) -> Any:
         """The gate's one round trip: our marker, set unless the key holds
@@ -375,7 +377,8 @@ class _RunContext:
     def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
         """The end of a block whose run was not claimed: (rollback, error).
         A block that used the connection anyway is rolled back."""
-        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+        if self.conn.pgconn.transaction_status in (TransactionStatus.IDLE,
+                                                   TransactionStatus.UNKNOWN):
             return False, None
         return True, None if et is not None else IdemError(
             "state", "the block ran statements on a run that was not claimed (check "
