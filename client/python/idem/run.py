@@ -14,9 +14,9 @@ from psycopg.pq import TransactionStatus
 
 from . import cache, resp
 from .errors import CommitUnknown, Failure, IdemError
-from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one, _pipeline,
-                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
-                 sqlstate_of)
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
+                 _pipeline, _raise_ending, _raise_pg_error, _send, _send_simple,
+                 _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
                      _failure_of, _make_run, _recorded_text, _result_from_cache)
@@ -271,7 +271,39 @@ class _RunContext:
         self._claim_decided(decision, attempt, outcome, ms)
         return False
 
+    def _claim_statements(self) -> List[Statement]:
+        """BEGIN (psycopg's, autocommit off: _simple), the runner's
+        max_attempts, the claim, the handler's savepoint (harmless when
+        the key is not ours: COMMIT follows)."""
+        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+        if self.r.max_attempts is not None:
+            stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
+        return stmts + [(self._sql("claim"), self._claim_params()),
+                        ("SAVEPOINT idem_handler", None)]
+
+    def _claim_row(self, values: List[Optional[str]]) -> Tuple[Any, ...]:
+        """The claim's row from its text (_values)."""
+        decision, attempt, outcome, ms = values
+        return (decision, None if attempt is None else int(attempt), outcome,
+                None if ms is None else int(ms))
+
     def _claim(self) -> None:
+        if self.first_sql is not None:
+            return self._claim_with_first()
+        # one round trip, one simple query: _claim_statements
+        conn = self.conn
+        try:
+            self.tx_open = True
+            res = _simple(conn, self._claim_statements())[-2]
+            if self._claimed(self._claim_row(_values(conn, res)), None):
+                return
+            conn.commit()
+            self.tx_open = False
+        except psycopg.Error as e:
+            self.tx_open = False
+            self._pg_error(e, "idem_claim")
+
+    def _claim_with_first(self) -> None:
         run, conn = self.run, self.conn
         first: "Optional[psycopg.Cursor[Any]]" = None
         cur: "Optional[psycopg.Cursor[Tuple[Any, ...]]]" = None
@@ -435,7 +467,7 @@ class _RunContext:
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """The last round trip: end the savepoint, complete or fail, COMMIT
-        (a statement of the pipeline: conn.commit() would sync once more)."""
+        (in the same query: conn.commit() would be a round trip more)."""
         retention = self.r.retention
         if failure is None:
             return [("RELEASE SAVEPOINT idem_handler", None),
@@ -482,6 +514,6 @@ class _RunContext:
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        _send(conn, self._ending_statements(failure, text), self._ending_failed)
+        _send_simple(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress
