@@ -15,6 +15,7 @@ Values (one line of ASCII)::
 ``parse`` accepts exactly what the C parser accepts and returns None for
 anything else; it does not verify the MAC (``verify`` does).
 """
+import hashlib
 import hmac
 import re
 from typing import Any, Dict, Optional, Tuple
@@ -54,9 +55,33 @@ def owner_ok(keyspace: str, owner_key: Optional[str], owner_token: Optional[str]
             len(owner_token) == 16 and set(owner_token) <= set("0123456789abcdef"))
 
 
+# HMAC-SHA-256's inner and outer hashes after the key block, per secret
+# (RFC 2104): a MAC then costs two copies and two short hashes, not the
+# key's setup each time.  Secrets are few (the current one, the previous).
+_PADS: Dict[bytes, Tuple["hashlib._Hash", "hashlib._Hash"]] = {}
+
+
+def _pads(secret: bytes) -> Tuple["hashlib._Hash", "hashlib._Hash"]:
+    pads = _PADS.get(secret)
+    if pads is None:
+        block = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\0")
+        pads = (hashlib.sha256(bytes(b ^ 0x36 for b in block)),
+                hashlib.sha256(bytes(b ^ 0x5c for b in block)))
+        if len(_PADS) >= 64:
+            _PADS.clear()
+        _PADS[secret] = pads
+    return pads
+
+
 def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
     """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
-    return hmac.digest(secret, full_key + b"\x00" + value[REST_OFFSET:], "sha256")
+    inner, outer = _pads(secret)
+    h = inner.copy()
+    h.update(full_key + b"\x00" + value[REST_OFFSET:])
+    o = outer.copy()
+    o.update(h.digest())
+    mac: bytes = o.digest()
+    return mac
 
 
 def _with_mac(secret: bytes, full_key: bytes, unsigned: bytes) -> bytes:
