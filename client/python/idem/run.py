@@ -288,7 +288,8 @@ class _RunContext:
                 None if ms is None else int(ms))
 
     def _claim(self) -> None:
-        if self.first_sql is not None:
+        if self.first_sql is not None or self.conn.pgconn.pipeline_status:
+            # the caller's statement, or the caller's pipeline: pipelined
             return self._claim_with_first()
         # one round trip, one simple query: _claim_statements
         conn = self.conn
@@ -514,6 +515,7 @@ class _RunContext:
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        _send_simple(conn, self._ending_statements(failure, text), self._ending_failed)
+        (_send if conn.pgconn.pipeline_status else _send_simple)(
+            conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress
