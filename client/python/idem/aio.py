@@ -16,6 +16,7 @@ from typing import (Any, AsyncIterator, Awaitable, Callable, Iterable, List, Opt
                     Type, TypeVar, cast)
 
 import psycopg
+from psycopg import generators
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -24,7 +25,7 @@ from .batch import Batch, cache_answers, cache_keys, cache_reads
 from .errors import Failure, IdemError, ValkeyClusterNotSupported
 from .lease import Lease, _LeaseContext, settle_failed, settle_statement
 from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of, _raise_ending,
-                 _session_ended)
+                 _session_ended, _simple_results, _simple_text, _values)
 from .result import FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
 from .runner import (CAD_SCRIPT, CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
@@ -64,6 +65,28 @@ async def _apipeline(conn: AConn) -> AsyncIterator[None]:
             pass            # what follows the first error: "pipeline aborted"
         raise
     await cm.__aexit__(None, None, None)
+
+
+async def _asimple(conn: AConn, statements: List[Statement]) -> List[Any]:
+    """statements in one simple-protocol query (pg._simple)."""
+    query = _simple_text(conn, statements)
+    pgconn = conn.pgconn
+    async with conn.lock:
+        pgconn.send_query(query)
+        results: List[Any] = await conn.wait(generators.execute(pgconn))
+    return _simple_results(conn, results)
+
+
+async def _asend_simple(conn: AConn, statements: List[Statement],
+                        failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> None:
+    """statements in one simple query (pg._send_simple)."""
+    try:
+        await _asimple(conn, statements)
+    except psycopg.Error as e:
+        rollback, err = failed(e)
+        if rollback:
+            await _arollback(conn)
+        raise err from e
 
 
 async def _arollback(conn: AConn) -> None:
@@ -382,6 +405,22 @@ class _AsyncRunContext(_RunContext):
         return (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
 
     async def _aclaim(self) -> None:
+        """_RunContext._claim."""
+        conn = self.conn
+        if self.first_sql is not None or conn.pgconn.pipeline_status:
+            return await self._aclaim_with_first()
+        try:
+            self.tx_open = True
+            res = (await _asimple(conn, self._claim_statements()))[-2]
+            if self._claimed(self._claim_row(_values(conn, res)), None):
+                return
+            await conn.commit()
+            self.tx_open = False
+        except psycopg.Error as e:
+            self.tx_open = False
+            await self._apg_error(e, "idem_claim")
+
+    async def _aclaim_with_first(self) -> None:
         run, conn = self.run, self.conn
         first: Any = None
         cur: Optional[ACursor] = None
@@ -460,7 +499,10 @@ class _AsyncRunContext(_RunContext):
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
+        if conn.pgconn.pipeline_status:
+            await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
+        else:
+            await _asend_simple(conn, self._ending_statements(failure, text), self._ending_failed)
         self._ended(failure, text)
         return suppress
 

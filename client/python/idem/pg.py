@@ -196,6 +196,11 @@ def _simple(conn: "psycopg.Connection[Any]", statements: List[Statement]) -> Lis
     with conn.lock:
         pgconn.send_query(query)
         results: List[Any] = conn.wait(generators.execute(pgconn))
+    return _simple_results(conn, results)
+
+
+def _simple_results(conn: Any, results: List[Any]) -> List[Any]:
+    """A simple query's results (_simple), its first error raised."""
     for res in results:
         if res.status == ExecStatus.FATAL_ERROR:
             raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
