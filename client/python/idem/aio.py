@@ -77,18 +77,6 @@ async def _asimple(conn: AConn, statements: List[Statement]) -> List[Any]:
     return _simple_results(conn, results)
 
 
-async def _asend_simple(conn: AConn, statements: List[Statement],
-                        failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> None:
-    """statements in one simple query (pg._send_simple)."""
-    try:
-        await _asimple(conn, statements)
-    except psycopg.Error as e:
-        rollback, err = failed(e)
-        if rollback:
-            await _arollback(conn)
-        raise err from e
-
-
 async def _arollback(conn: AConn) -> None:
     try:
         await conn.rollback()
@@ -97,9 +85,13 @@ async def _arollback(conn: AConn) -> None:
 
 
 async def _asend(conn: AConn, statements: List[Statement],
-                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> List[ACursor]:
-    """statements in one round trip (pg._send): their cursors."""
+                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]],
+                 simple: bool = False) -> List[Any]:
+    """statements in one round trip (pg._send): their cursors, or simple,
+    their results."""
     try:
+        if simple:
+            return await _asimple(conn, statements)
         async with _apipeline(conn):
             return [await _aexec(conn, sql, params) for sql, params in statements]
     except psycopg.Error as e:
@@ -402,7 +394,8 @@ class _AsyncRunContext(_RunContext):
 
     async def _acommitted_alone(self, sql: str, params: List[Any]) -> ACursor:
         """_RunContext._committed_alone."""
-        return (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
+        cur: ACursor = (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
+        return cur
 
     async def _aclaim(self) -> None:
         """_RunContext._claim."""
@@ -499,10 +492,8 @@ class _AsyncRunContext(_RunContext):
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        if conn.pgconn.pipeline_status:
-            await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
-        else:
-            await _asend_simple(conn, self._ending_statements(failure, text), self._ending_failed)
+        await _asend(conn, self._ending_statements(failure, text), self._ending_failed,
+                     simple=not conn.pgconn.pipeline_status)
         self._ended(failure, text)
         return suppress
 

@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 import struct
-from typing import Any, Dict, List, NoReturn, Tuple, cast
+from typing import Any, Dict, List, NoReturn, Tuple
 
 MAX_DEPTH = 512                 # as the C client: deeper nesting is refused
 NUMERIC_DSCALE_MAX = 16383
@@ -158,8 +158,8 @@ def _direct(v: Any, depth: int) -> str:
     what _object and _emit print for json.loads(json.dumps(v)).  Anything
     else (a tuple, a subclass, a key that is not a str...) raises _Other."""
     t = type(v)
-    if t is str:
-        return _string(v)
+    if t is str or t is bool or v is None or t is _Canon:
+        return _emit(v)
     if t is dict:
         if depth >= MAX_DEPTH:
             raise _Other
@@ -173,14 +173,7 @@ def _direct(v: Any, depth: int) -> str:
         return "{" + ", ".join(_string(e[2]) + ": " + _direct(e[3], depth + 1)
                                for e in enc) + "}"
     if t is int:
-        s = str(v)          # ValueError past Python's digit limit: the long way
-        return s
-    if v is True:
-        return "true"
-    if v is False:
-        return "false"
-    if v is None:
-        return "null"
+        return str(v)       # ValueError past Python's digit limit: the long way
     if t is list:
         if depth >= MAX_DEPTH:
             raise _Other
@@ -189,8 +182,6 @@ def _direct(v: Any, depth: int) -> str:
         if v != v or v in (float("inf"), float("-inf")):
             raise _Other
         return canonical_number(repr(v))
-    if t is _Canon:
-        return cast(_Canon, v).text
     raise _Other
 
 

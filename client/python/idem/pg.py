@@ -111,11 +111,14 @@ Statement = Tuple[str, Optional[List[Any]]]
 
 
 def _send(conn: "psycopg.Connection[Any]", statements: List[Statement],
-          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]
-          ) -> "List[psycopg.Cursor[Tuple[Any, ...]]]":
-    """statements in one round trip (pipelined): their cursors.  After an
-    error, failed(e) says whether to roll back, and what to raise."""
+          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]], simple: bool = False
+          ) -> List[Any]:
+    """statements in one round trip, pipelined (their cursors) or, simple,
+    as one simple query (_simple: their results).  After an error,
+    failed(e) says whether to roll back, and what to raise."""
     try:
+        if simple:
+            return _simple(conn, statements)
         with _pipeline(conn):
             curs = [_exec(conn, sql, params) for sql, params in statements]
         return curs
@@ -217,21 +220,6 @@ def _values(conn: Any, res: Any) -> List[Optional[str]]:
         v = res.get_value(0, i)
         out.append(None if v is None else v.decode(encoding))
     return out
-
-
-def _send_simple(conn: "psycopg.Connection[Any]", statements: List[Statement],
-                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> List[Any]:
-    """_send's round trip as one simple query (_simple): the results."""
-    try:
-        return _simple(conn, statements)
-    except psycopg.Error as e:
-        rollback, err = failed(e)
-        if rollback:
-            try:
-                conn.rollback()
-            except psycopg.Error:
-                pass
-        raise err from e
 
 
 def _as_is(e: psycopg.Error) -> Tuple[bool, IdemError]:

@@ -15,7 +15,7 @@ from psycopg.pq import TransactionStatus
 from . import cache, resp
 from .errors import CommitUnknown, Failure, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
-                 _pipeline, _raise_ending, _raise_pg_error, _send, _send_simple,
+                 _pipeline, _raise_ending, _raise_pg_error, _send,
                  _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
@@ -244,7 +244,9 @@ class _RunContext:
 
     def _committed_alone(self, sql: str, params: List[Any]) -> "psycopg.Cursor[Tuple[Any, ...]]":
         """_alone's round trip: the statement's cursor."""
-        return _send(self.conn, self._alone(sql, params), _as_is)[-2]
+        cur: "psycopg.Cursor[Tuple[Any, ...]]" = _send(self.conn, self._alone(sql, params),
+                                                       _as_is)[-2]
+        return cur
 
     def _claim_params(self) -> List[Any]:
         return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]
@@ -515,7 +517,7 @@ class _RunContext:
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        (_send if conn.pgconn.pipeline_status else _send_simple)(
-            conn, self._ending_statements(failure, text), self._ending_failed)
+        _send(conn, self._ending_statements(failure, text), self._ending_failed,
+              simple=not conn.pgconn.pipeline_status)
         self._ended(failure, text)
         return suppress
