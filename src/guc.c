@@ -216,14 +216,16 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	/*
-	 * The lease-mode fence lives in the processing row: purged, the key's
-	 * next claim is attempt 1 again and a stale holder's
-	 * idem_complete(..., attempt => 1) would complete it.  idem.purge_grace
-	 * is any user's, so the floor under it is the administrator's.
+	 * The attempt fence of idem_complete(..., attempt => n) lives in the
+	 * processing row: purged, the key's next claim is attempt 1 again and a
+	 * stale holder's attempt => 1 would complete it (the claim's fence of
+	 * idem_complete_fenced is never reused and needs no floor).
+	 * idem.purge_grace is any user's, so the floor under it is the
+	 * administrator's.
 	 */
 	DefineCustomIntVariable("idem.min_purge_grace",
 							"Shortest time after its lease ended that idem_purge() keeps a processing row, whatever idem.purge_grace says.",
-							"Set it above the longest time a lease-mode holder may still complete after its lease ended: a holder that completes after its key's processing row was purged and claimed again completes the new claim.",
+							"Set it above the longest time a lease-mode holder may still complete after its lease ended with idem_complete(..., attempt => n): such a holder that completes after its key's processing row was purged and claimed again completes the new claim (idem_complete_fenced does not).",
 							&idem_min_purge_grace_s,
 							60 * 60, 0, INT_MAX,
 							PGC_SUSET, GUC_UNIT_S,

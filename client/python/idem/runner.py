@@ -467,8 +467,8 @@ class Runner:
         runner.lease(conn, ...) as lease:`` then ``if lease.claimed:`` do
         the effect and set ``lease.outcome``.  The claim commits alone
         with a lease of ``lease`` seconds (default: the runner's); after
-        the block the completion, fenced by ``lease.attempt``, commits in
-        a transaction of its own (LeaseLost if a later attempt took the
+        the block the completion, fenced by ``lease.fence``, commits in
+        a transaction of its own (LeaseLost if another claim took the
         key over).  ``lease.defer()`` leaves the completion to
         ``runner.complete``."""
         return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
@@ -476,18 +476,22 @@ class Runner:
                              delivery_count=delivery_count)
 
     def complete(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
-                 outcome: Any = None, *, attempt: int) -> None:
+                 outcome: Any = None, *, fence: Optional[int] = None,
+                 attempt: Optional[int] = None) -> None:
         """Complete a key claimed in lease mode, fenced by the claim's
-        ``attempt``, in the connection's transaction (it commits by itself
-        on an autocommit connection).  LeaseLost if a later attempt took
-        the key over."""
-        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
+        ``fence`` (``lease.fence``), in the connection's transaction (it
+        commits by itself on an autocommit connection).  LeaseLost if
+        another claim took the key over.  ``attempt`` instead of ``fence``
+        is the older, weaker fence: once the claim's row is purged, the
+        key's next claim is attempt 1 again."""
+        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
 
     def fail(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
-             detail: Any = None, *, attempt: int, retryable: bool = False) -> None:
+             detail: Any = None, *, fence: Optional[int] = None,
+             attempt: Optional[int] = None, retryable: bool = False) -> None:
         """Fail a key claimed in lease mode, as ``complete``."""
         settle(self, conn, tenant_id, scope, run_id, attempt,
-               failure=({} if detail is None else detail, retryable))
+               failure=({} if detail is None else detail, retryable), fence=fence)
 
     def batch(self, conn: Conn, items: Iterable[Item]) -> Batch:
         """Many deliveries at once: ``items`` are (tenant, scope, run_id,
