@@ -6,6 +6,8 @@
  *
  *	  Ledger settings (any user, per session or transaction):
  *		idem.lease, idem.retention, idem.purge_grace, idem.max_attempts
+ *	  Commit settings (any user, per session or transaction):
+ *		idem.epoch_retire_timeout
  *	  Ledger settings (superuser, or GRANT SET):
  *		idem.min_retention, idem.min_purge_grace
  *	  Worker settings (postgresql.conf, applied on reload):
@@ -39,6 +41,7 @@ int			idem_purge_grace_s = 60 * 60;
 int			idem_min_retention_s = 60 * 60;
 int			idem_min_purge_grace_s = 60 * 60;
 int			idem_max_attempts = 0;
+int			idem_epoch_retire_timeout_ms = 5000;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
 char	   *idem_valkey_password = NULL;
@@ -205,6 +208,14 @@ idem_define_gucs(void)
 							&idem_max_attempts,
 							0, 0, INT_MAX,
 							PGC_USERSET, 0,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.epoch_retire_timeout",
+							"How long a commit that removed ledger rows waits for the worker to retire the history epoch it replaced.",
+							"Until then runners connected before the commit may replay the removed rows' results from Valkey.  On timeout the commit returns with a WARNING.  0 does not wait.",
+							&idem_epoch_retire_timeout_ms,
+							5000, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idem.min_retention",

@@ -44,6 +44,7 @@
 #include "compat.h"
 #include "decision.h"
 #include "digest.h"
+#include "epoch_renewal.h"
 #include "guc.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
@@ -522,10 +523,20 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
  * A terminal row read from PostgreSQL (after a cache miss, typically):
  * queue its copy for Valkey, which the worker writes once the row's commit
  * is durable.  Rows of this transaction are left to the commit hook.
+ *
+ * generation is the renewal generation read before the probe that found
+ * the row (idem_renewal_stamp; IDEM_RENEWAL_NO_COPY: nothing is copied
+ * while a removal is prepared).  Under READ COMMITTED that probe took
+ * a snapshot after the read, which sees every removal of ledger rows the
+ * generation counts.  Under REPEATABLE READ and SERIALIZABLE the
+ * transaction's snapshot may predate one (a transaction that began before
+ * a DELETE): the row is copied only if a probe under a snapshot taken now
+ * finds it still there, the same (epoch_renewal.c says why).
  */
 static void
-repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
-		   const uint8 *fingerprint, Datum outcome, TimestampTz expires_at)
+repopulate(LedgerStore *store, const LedgerKey *lk, uint64 generation,
+		   IdemStatus status, int32 attempt, const uint8 *fingerprint,
+		   Datum outcome, TimestampTz expires_at)
 {
 	IdemCacheKind kind;
 	char	   *text;
@@ -537,10 +548,27 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 		kind = IDEM_CACHE_FAILED_PERMANENT;
 	else
 		return;
+	if (generation == IDEM_RENEWAL_NO_COPY)
+		return;					/* a removal is prepared, not committed */
+	if (generation > 0 && IsolationUsesXactSnapshot())
+	{
+		LedgerRow	now;
+		Jsonb	   *now_jb;
+
+		if (!ledger_probe(store, lk, GetLatestSnapshot(), &now))
+			return;
+		now_jb = DatumGetJsonbP(now.outcome);
+		if (now.status != status || now.attempt != attempt ||
+			now.expires_at != expires_at ||
+			memcmp(now.fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0 ||
+			VARSIZE(now_jb) != VARSIZE(jb) ||
+			memcmp(now_jb, jb, VARSIZE(jb)) != 0)
+			return;
+	}
 	text = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
 	idem_outbox_repopulate(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						   kind, attempt, fingerprint, text,
-						   (int) strlen(text), expires_at);
+						   (int) strlen(text), expires_at, generation);
 	pfree(text);
 }
 
@@ -590,6 +618,8 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
+	/* before any probe: what a copy of the row read is stamped with */
+	uint64		generation = idem_renewal_stamp();
 
 	ans->wrote_row = false;
 	key_locktag(&tag, lk);
@@ -621,7 +651,8 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	idem_stats_count_claim(ans->decision);
 	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
 							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
-		repopulate(lk, ans->decision == IDEM_DECISION_COMPLETED ?
+		repopulate(store, lk, generation,
+				   ans->decision == IDEM_DECISION_COMPLETED ?
 				   IDEM_STATUS_COMPLETED : IDEM_STATUS_FAILED_PERMANENT,
 				   ans->attempt, fingerprint, ans->outcome, ans->expires_at);
 }
@@ -900,6 +931,8 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		MemoryContext oldcxt;
 		TupleDesc	tupdesc;
 		bool		found;
+		/* before the probe: what a copy of the row read is stamped with */
+		uint64		generation = idem_renewal_stamp();
 
 		funcctx = SRF_FIRSTCALL_INIT();
 		oldcxt = MemoryContextSwitchTo(funcctx->multi_call_memory_ctx);
@@ -920,8 +953,8 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 			found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
 		if (found && !row.ours)
 		{
-			repopulate(&lk, row.status, row.attempt, row.fingerprint,
-					   row.outcome, row.expires_at);
+			repopulate(store, &lk, generation, row.status, row.attempt,
+					   row.fingerprint, row.outcome, row.expires_at);
 			/* a final status the caller may act on: see ledger_claim_key */
 			if (row.status == IDEM_STATUS_COMPLETED ||
 				row.status == IDEM_STATUS_FAILED_PERMANENT)

@@ -139,6 +139,22 @@ def _outcome_or_raise(run: Run) -> Any:
     raise RetryableFailure(run.outcome, result=run)
 
 
+#: The longest re-learn bound a runner uses, in ms: secrets_max_age 0 and
+#: anything longer are capped (IDEM_SECRETS_MAX_AGE_MAX_MS in the C client).
+SECRETS_MAX_AGE_MAX_MS = 60000
+
+
+def relearn_bound_ms(ms: int) -> int:
+    """The re-learn bound a runner uses for secrets_max_age (in ms): the
+    maximum for 0 or anything above it, as given from 1 ms to it.  It is the
+    last line of defence: while the server cannot reach Valkey to retire a
+    history epoch it left, a runner that learnt that epoch trusts it until
+    it learns again."""
+    if ms == 0 or ms > SECRETS_MAX_AGE_MAX_MS:
+        return SECRETS_MAX_AGE_MAX_MS
+    return ms
+
+
 # A plain client of one node of a Valkey Cluster.
 CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
                    "speaks to one node: pass (host, port) or a cluster client, so that each "
@@ -176,7 +192,8 @@ class Runner:
         self.retention = None if retention is None else \
             datetime.timedelta(milliseconds=_ms(retention, "retention"))
         self.lookup_first = lookup_first
-        self.secrets_max_age_ms = _ms(secrets_max_age, "secrets_max_age", zero=True)
+        self.secrets_max_age_ms = relearn_bound_ms(
+            _ms(secrets_max_age, "secrets_max_age", zero=True))
         valkey_timeout_ms = _ms(valkey_timeout, "valkey_timeout")
         self.valkey_retry_ms = _ms(valkey_retry, "valkey_retry", zero=True)
         self.schema = schema
@@ -322,8 +339,7 @@ class Runner:
         age = (time.monotonic() - st.learnt) * 1000
         return (st.refresh_wanted and (age >= 1000 or (st.owner_suspect and
                                                        not st.owner_relearnt))) or \
-            (st.keyspace is not None and self.secrets_max_age_ms > 0 and
-             age >= self.secrets_max_age_ms)
+            (st.keyspace is not None and age >= self.secrets_max_age_ms)
 
     def _learning_refused(self, st: _ConnState, e: psycopg.Error) -> None:
         """The server would not say (55000: not ready, recovery, or the
