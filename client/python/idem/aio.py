@@ -16,6 +16,7 @@ from typing import (Any, AsyncIterator, Awaitable, Callable, Iterable, List, Opt
                     Type, TypeVar, cast)
 
 import psycopg
+from psycopg import generators
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -24,7 +25,7 @@ from .batch import Batch, cache_answers, cache_keys, cache_reads
 from .errors import Failure, IdemError, ValkeyClusterNotSupported
 from .lease import Lease, _LeaseContext, settle_failed, settle_statement
 from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of, _raise_ending,
-                 _session_ended)
+                 _session_ended, _simple_results, _simple_text, _values)
 from .result import FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
 from .runner import (CAD_SCRIPT, CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
@@ -66,6 +67,16 @@ async def _apipeline(conn: AConn) -> AsyncIterator[None]:
     await cm.__aexit__(None, None, None)
 
 
+async def _asimple(conn: AConn, statements: List[Statement]) -> List[Any]:
+    """statements in one simple-protocol query (pg._simple)."""
+    query = _simple_text(conn, statements)
+    pgconn = conn.pgconn
+    async with conn.lock:
+        pgconn.send_query(query)
+        results: List[Any] = await conn.wait(generators.execute(pgconn))
+    return _simple_results(conn, results)
+
+
 async def _arollback(conn: AConn) -> None:
     try:
         await conn.rollback()
@@ -74,9 +85,13 @@ async def _arollback(conn: AConn) -> None:
 
 
 async def _asend(conn: AConn, statements: List[Statement],
-                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]) -> List[ACursor]:
-    """statements in one round trip (pg._send): their cursors."""
+                 failed: Callable[[psycopg.Error], Tuple[bool, IdemError]],
+                 simple: bool = False) -> List[Any]:
+    """statements in one round trip (pg._send): their cursors, or simple,
+    their results."""
     try:
+        if simple:
+            return await _asimple(conn, statements)
         async with _apipeline(conn):
             return [await _aexec(conn, sql, params) for sql, params in statements]
     except psycopg.Error as e:
@@ -381,9 +396,26 @@ class _AsyncRunContext(_RunContext):
 
     async def _acommitted_alone(self, sql: str, params: List[Any]) -> ACursor:
         """_RunContext._committed_alone."""
-        return (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
+        cur: ACursor = (await _asend(self.conn, self._alone(sql, params), _as_is))[-2]
+        return cur
 
     async def _aclaim(self) -> None:
+        """_RunContext._claim."""
+        conn = self.conn
+        if self.first_sql is not None or conn.pgconn.pipeline_status:
+            return await self._aclaim_with_first()
+        try:
+            self.tx_open = True
+            res = (await _asimple(conn, self._claim_statements()))[-2]
+            if self._claimed(self._claim_row(_values(conn, res)), None):
+                return
+            await conn.commit()
+            self.tx_open = False
+        except psycopg.Error as e:
+            self.tx_open = False
+            await self._apg_error(e, "idem_claim")
+
+    async def _aclaim_with_first(self) -> None:
         run, conn = self.run, self.conn
         first: Any = None
         cur: Optional[ACursor] = None
@@ -462,7 +494,8 @@ class _AsyncRunContext(_RunContext):
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        await _asend(conn, self._ending_statements(failure, text), self._ending_failed)
+        await _asend(conn, self._ending_statements(failure, text), self._ending_failed,
+                     simple=not conn.pgconn.pipeline_status)
         self._ended(failure, text)
         return suppress
 

@@ -17,6 +17,7 @@ anything else; it does not verify the MAC (``verify`` does).
 """
 import hashlib
 import hmac
+import re
 from typing import Any, Dict, Optional, Tuple
 
 VERSION_TAG = b"idem2"
@@ -32,9 +33,6 @@ REST_OFFSET = 5 + 1 + 2 * MAC_LEN + 1   # after "idem2 " + 64 hex + " "
 COMPLETED = "c"
 FAILED_PERMANENT = "f"
 MARKER = "p"
-
-_HEX = frozenset(b"0123456789abcdef")
-
 
 def cache_key(keyspace: str, tenant_id: Optional[int], key: bytes) -> bytes:
     """The Valkey key of a ledger row (bytes); tenant_id None: platform."""
@@ -57,10 +55,33 @@ def owner_ok(keyspace: str, owner_key: Optional[str], owner_token: Optional[str]
             len(owner_token) == 16 and set(owner_token) <= set("0123456789abcdef"))
 
 
+# HMAC-SHA-256's inner and outer hashes after the key block, per secret
+# (RFC 2104): a MAC then costs two copies and two short hashes, not the
+# key's setup each time.  Secrets are few (the current one, the previous).
+_PADS: Dict[bytes, Tuple["hashlib._Hash", "hashlib._Hash"]] = {}
+
+
+def _pads(secret: bytes) -> Tuple["hashlib._Hash", "hashlib._Hash"]:
+    pads = _PADS.get(secret)
+    if pads is None:
+        block = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\0")
+        pads = (hashlib.sha256(bytes(b ^ 0x36 for b in block)),
+                hashlib.sha256(bytes(b ^ 0x5c for b in block)))
+        if len(_PADS) >= 64:
+            _PADS.clear()
+        _PADS[secret] = pads
+    return pads
+
+
 def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
     """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
-    return hmac.new(secret, full_key + b"\x00" + value[REST_OFFSET:],
-                    hashlib.sha256).digest()
+    inner, outer = _pads(secret)
+    h = inner.copy()
+    h.update(full_key + b"\x00" + value[REST_OFFSET:])
+    o = outer.copy()
+    o.update(h.digest())
+    mac: bytes = o.digest()
+    return mac
 
 
 def _with_mac(secret: bytes, full_key: bytes, unsigned: bytes) -> bytes:
@@ -111,79 +132,49 @@ class Entry:
     outcome: Optional[bytes]
     token: Optional[bytes]
 
-    def __init__(self, **kw: Any) -> None:
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k))
+    def __init__(self, kind: str, key_id: int, mac: bytes, expires_ms: int,
+                 attempt: Optional[int] = None, fingerprint: Optional[bytes] = None,
+                 outcome: Optional[bytes] = None, token: Optional[bytes] = None) -> None:
+        self.kind, self.key_id, self.mac, self.expires_ms = kind, key_id, mac, expires_ms
+        self.attempt, self.fingerprint, self.outcome, self.token = \
+            attempt, fingerprint, outcome, token
 
     def __repr__(self) -> str:
         return "Entry(%s)" % ", ".join("%s=%r" % (k, getattr(self, k)) for k in self.__slots__)
 
 
-def _unhex(b: bytes) -> Optional[bytes]:
-    if not all(c in _HEX for c in b):
-        return None
-    return bytes.fromhex(b.decode("ascii"))
-
-
-def _decimal(buf: bytes, pos: int, maxdigits: int, allow_zero: bool) -> Optional[Tuple[int, int]]:
-    """(value, next pos) of a decimal field ending at a blank, or None."""
-    p = pos
-    while p < len(buf) and 48 <= buf[p] <= 57 and p - pos < maxdigits:
-        p += 1
-    digits = p - pos
-    if digits == 0 or p >= len(buf) or buf[p] != 32 or \
-            (buf[pos] == 48 and not (allow_zero and digits == 1)):
-        return None
-    return int(buf[pos:p]), p + 1
+# The whole grammar of a value, as the C parser reads it: decimals without
+# leading zeros (an expiry may be 0) and of at most 10 (key id, attempt) or
+# 16 (expiry) digits, lower-case hex, a marker's token ending the value.
+# One match instead of a scan per field; the limits are checked after it.
+_VALUE = re.compile(
+    rb"idem2 ([0-9a-f]{64}) ([1-9][0-9]{0,9}) (?:"
+    rb"p (0|[1-9][0-9]{0,15}) ([0-9a-f]{32})"
+    rb"|([cf]) ([1-9][0-9]{0,9}) (0|[1-9][0-9]{0,15}) ([0-9a-f]{64}) (\{.*\}))\Z", re.S)
 
 
 def parse(value: bytes) -> Optional[Entry]:
     """Decode an idem2 value (bytes); None when malformed or another version."""
-    buf = bytes(value)
-    n = len(buf)
-    if n < REST_OFFSET + 4 or buf[:6] != VERSION_TAG + b" " or buf[REST_OFFSET - 1] != 32:
+    m = _VALUE.match(value)
+    if m is None:
         return None
-    mac = _unhex(buf[6:6 + 2 * MAC_LEN])
-    if mac is None:
+    mac, key_id, expires, token, kind, attempt, t_expires, fp, outcome = m.groups()
+    key_id = int(key_id)
+    if key_id > KEY_ID_MAX:
         return None
-    r = _decimal(buf, REST_OFFSET, 10, False)
-    if r is None or r[0] > KEY_ID_MAX:
-        return None
-    key_id, pos = r
-    if pos + 2 > n or buf[pos + 1] != 32:
-        return None
-    kind = chr(buf[pos])
-    if kind == MARKER:
-        r = _decimal(buf, pos + 2, 16, True)
-        if r is None or r[0] > EXPIRES_MAX:
+    if token is not None:
+        expires = int(expires)
+        if expires > EXPIRES_MAX:
             return None
-        expires, pos = r
-        if n != pos + 2 * TOKEN_LEN:
-            return None
-        token = _unhex(buf[pos:])
-        if token is None:
-            return None
-        return Entry(kind=MARKER, key_id=key_id, mac=mac, expires_ms=expires, token=token)
-    if kind not in (COMPLETED, FAILED_PERMANENT):
+        return Entry(kind=MARKER, key_id=key_id, mac=bytes.fromhex(mac.decode("ascii")),
+                     expires_ms=expires, token=bytes.fromhex(token.decode("ascii")))
+    attempt, expires = int(attempt), int(t_expires)
+    if attempt > INT32_MAX or expires > EXPIRES_MAX or len(outcome) > OUTCOME_MAX:
         return None
-    r = _decimal(buf, pos + 2, 10, False)
-    if r is None or r[0] > INT32_MAX:
-        return None
-    attempt, pos = r
-    r = _decimal(buf, pos, 16, True)
-    if r is None or r[0] > EXPIRES_MAX:
-        return None
-    expires, pos = r
-    if n < pos + 2 * DIGEST_LEN + 3:
-        return None
-    fp = _unhex(buf[pos:pos + 2 * DIGEST_LEN])
-    if fp is None:
-        return None
-    pos += 2 * DIGEST_LEN
-    if buf[pos] != 32 or buf[pos + 1] != 123 or buf[-1] != 125 or n - pos - 1 > OUTCOME_MAX:
-        return None
-    return Entry(kind=kind, key_id=key_id, mac=mac, expires_ms=expires,
-                 attempt=attempt, fingerprint=fp, outcome=buf[pos + 1:])
+    return Entry(kind=kind.decode("ascii"), key_id=key_id,
+                 mac=bytes.fromhex(mac.decode("ascii")), expires_ms=expires,
+                 attempt=attempt, fingerprint=bytes.fromhex(fp.decode("ascii")),
+                 outcome=bytes(outcome))
 
 
 def verify(secrets: Dict[int, bytes], full_key: bytes, value: bytes, entry: Entry) -> bool:

@@ -148,6 +148,43 @@ def _check_depth(text: str) -> None:
             depth -= 1
 
 
+class _Other(Exception):
+    """_direct met what only json.dumps knows how to serialise."""
+
+
+def _direct(v: Any, depth: int) -> str:
+    """The canonical text of a value json.loads could have made (dict with
+    str keys, list, str, int, float, bool, None, _Canon), straight from it:
+    what _object and _emit print for json.loads(json.dumps(v)).  Anything
+    else (a tuple, a subclass, a key that is not a str...) raises _Other."""
+    t = type(v)
+    if t is str or t is bool or v is None or t is _Canon:
+        return _emit(v)
+    if t is dict:
+        if depth >= MAX_DEPTH:
+            raise _Other
+        enc = []
+        for k, x in v.items():
+            if type(k) is not str:
+                raise _Other
+            kb = k.encode("utf-8", "surrogatepass")
+            enc.append((len(kb), kb, k, x))
+        enc.sort(key=lambda e: (e[0], e[1]))
+        return "{" + ", ".join(_string(e[2]) + ": " + _direct(e[3], depth + 1)
+                               for e in enc) + "}"
+    if t is int:
+        return str(v)       # ValueError past Python's digit limit: the long way
+    if t is list:
+        if depth >= MAX_DEPTH:
+            raise _Other
+        return "[" + ", ".join([_direct(x, depth + 1) for x in v]) + "]"
+    if t is float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise _Other
+        return canonical_number(repr(v))
+    raise _Other
+
+
 def canonical_json(request: Any) -> str:
     """The canonical jsonb text of ``request`` (str).
 
@@ -164,26 +201,39 @@ def canonical_json(request: Any) -> str:
     elif isinstance(request, str):
         text = request
     else:
+        # the common request, a dict of plain values: printed directly, as
+        # the long way below would print it; anything else the long way
+        try:
+            return _direct(request, 1)
+        except (_Other, RequestError, ValueError, RecursionError):
+            pass
         try:
             text = json.dumps(request, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise RequestError("request cannot be serialised as JSON: %s" % e) from None
     if "\x00" in text:
         raise RequestError("request contains a NUL character")
-    _check_depth(text)
+    if text.count("[") + text.count("{") > MAX_DEPTH:
+        _check_depth(text)
+    try:
+        # objects as dicts (the last duplicate wins, as in jsonb), integers
+        # as ints (their text is canonical), other numbers canonical here
+        return _direct(json.loads(text, parse_float=lambda s: _Canon(canonical_number(s)),
+                                  parse_constant=_constant), 1)
+    except RequestError:
+        raise
+    except (_Other, ValueError, RecursionError):
+        pass        # not JSON, nested deep, or an integer past Python's digit limit
     try:
         value = json.loads(text, object_pairs_hook=_object,
                            parse_float=lambda s: _Canon(canonical_number(s)),
                            parse_int=lambda s: _Canon(canonical_number(s)),
                            parse_constant=_constant)
+        return _emit(value)
     except RequestError:
         raise
     except (ValueError, RecursionError) as e:
         raise RequestError("request is not valid JSON: %s" % e) from None
-    try:
-        return _emit(value)
-    except RecursionError:
-        raise RequestError("request nested too deep") from None
 
 
 def fingerprint(request: Any) -> bytes:

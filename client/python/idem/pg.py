@@ -10,9 +10,12 @@ pooler (pgbouncer in transaction mode), where a named statement prepared
 on one server connection meets another client's on the next; and their
 rows are tuples, whatever the connection's row_factory."""
 import contextlib
+import datetime
 from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import psycopg
+from psycopg import generators
+from psycopg.pq import Escaping, ExecStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from .errors import IdemError
@@ -108,11 +111,14 @@ Statement = Tuple[str, Optional[List[Any]]]
 
 
 def _send(conn: "psycopg.Connection[Any]", statements: List[Statement],
-          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]
-          ) -> "List[psycopg.Cursor[Tuple[Any, ...]]]":
-    """statements in one round trip (pipelined): their cursors.  After an
-    error, failed(e) says whether to roll back, and what to raise."""
+          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]], simple: bool = False
+          ) -> List[Any]:
+    """statements in one round trip, pipelined (their cursors) or, simple,
+    as one simple query (_simple: their results).  After an error,
+    failed(e) says whether to roll back, and what to raise."""
     try:
+        if simple:
+            return _simple(conn, statements)
         with _pipeline(conn):
             curs = [_exec(conn, sql, params) for sql, params in statements]
         return curs
@@ -124,6 +130,96 @@ def _send(conn: "psycopg.Connection[Any]", statements: List[Statement],
             except psycopg.Error:
                 pass
         raise err from e
+
+
+def _literal(pgconn: Any, encoding: str, value: Any) -> str:
+    """A parameter of the runner's own statements as SQL text: an int, a
+    bool, None, a digest (bytes: hex, no backslash whatever
+    standard_conforming_strings says), an interval (a timedelta of whole
+    milliseconds) or a text, quoted by libpq for the connection's
+    encoding (PQescapeLiteral)."""
+    if value is None:
+        return "NULL"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return "%d" % value
+    if isinstance(value, bytes):
+        return "decode('%s', 'hex')" % value.hex()
+    if isinstance(value, datetime.timedelta):
+        return "'%d milliseconds'" % (value // _MS)
+    if isinstance(value, str):
+        return Escaping(pgconn).escape_literal(value.encode(encoding)).decode(encoding)
+    raise TypeError("no SQL literal for %s" % type(value).__name__)
+
+
+_MS = datetime.timedelta(milliseconds=1)
+
+
+def _begin(conn: Any) -> str:
+    """The BEGIN psycopg sends before a statement on an idle connection
+    with autocommit off: the connection's isolation level, read only and
+    deferrable."""
+    parts = ["BEGIN"]
+    if conn.isolation_level is not None:
+        parts.append("ISOLATION LEVEL " +
+                     psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " "))
+    if conn.read_only is not None:
+        parts.append("READ ONLY" if conn.read_only else "READ WRITE")
+    if conn.deferrable is not None:
+        parts.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+def _simple_text(conn: Any, statements: List[Statement]) -> bytes:
+    """statements as one simple-protocol query string, parameters as
+    literals (_literal), in the connection's encoding; after psycopg's
+    BEGIN (_begin) when it would send one (autocommit off, idle)."""
+    pgconn = conn.pgconn
+    encoding = conn.info.encoding
+    texts = [sql if params is None else sql % tuple([_literal(pgconn, encoding, v) for v in params])
+             for sql, params in statements]
+    if not conn.autocommit and pgconn.transaction_status == TransactionStatus.IDLE:
+        texts.insert(0, _begin(conn))
+    return "; ".join(texts).encode(encoding)
+
+
+def _simple(conn: "psycopg.Connection[Any]", statements: List[Statement]) -> List[Any]:
+    """statements in one round trip as one simple-protocol query: no
+    statement named or prepared (safe behind a transaction pooler) and no
+    pipeline (psycopg's pipeline mode flushes and waits per statement).
+    The statements run in a transaction block: begun by their first
+    (BEGIN, or psycopg's BEGIN added here as psycopg adds it), or open
+    already; never one implicit transaction of the query alone.  Those
+    after an error do not run, and the error leaves the transaction
+    aborted, for the caller to roll back.  Returns the results (psycopg's PGresult);
+    the first error is raised as psycopg raises it."""
+    query = _simple_text(conn, statements)
+    pgconn = conn.pgconn
+    with conn.lock:
+        pgconn.send_query(query)
+        results: List[Any] = conn.wait(generators.execute(pgconn))
+    return _simple_results(conn, results)
+
+
+def _simple_results(conn: Any, results: List[Any]) -> List[Any]:
+    """A simple query's results (_simple), its first error raised."""
+    for res in results:
+        if res.status == ExecStatus.FATAL_ERROR:
+            raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    return results
+
+
+def _values(conn: Any, res: Any) -> List[Optional[str]]:
+    """The one row of a simple query's result, as text (None for NULL)."""
+    if res.ntuples != 1:
+        raise IdemError("protocol", "a statement of the runner returned %d rows" % res.ntuples)
+    encoding = conn.info.encoding
+    out: List[Optional[str]] = []
+    for i in range(res.nfields):
+        v = res.get_value(0, i)
+        out.append(None if v is None else v.decode(encoding))
+    return out
 
 
 def _as_is(e: psycopg.Error) -> Tuple[bool, IdemError]:

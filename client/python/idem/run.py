@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import cache
+from . import cache, resp
 from .errors import CommitUnknown, Failure, IdemError
-from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one, _pipeline,
-                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
-                 sqlstate_of)
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
+                 _pipeline, _raise_ending, _raise_pg_error, _send,
+                 _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
                      _failure_of, _make_run, _recorded_text, _result_from_cache)
@@ -130,7 +130,9 @@ class _RunContext:
         early = self._gate_marker()
         if early is not None:
             return early
-        return self._gate_answer(self.r._round_trip(self._gate_commands))
+        r = self.r
+        packed = resp.gate(self.ckey, self.marker, r.lease_ms, self.st.owner_key or b"")
+        return self._gate_answer(r._round_trip(self._gate_commands, (packed, 2)))
 
     def _gate_commands(self, pipe: Any) -> Any:
         """The gate's one round trip: our marker, set unless the key holds
@@ -242,7 +244,9 @@ class _RunContext:
 
     def _committed_alone(self, sql: str, params: List[Any]) -> "psycopg.Cursor[Tuple[Any, ...]]":
         """_alone's round trip: the statement's cursor."""
-        return _send(self.conn, self._alone(sql, params), _as_is)[-2]
+        cur: "psycopg.Cursor[Tuple[Any, ...]]" = _send(self.conn, self._alone(sql, params),
+                                                       _as_is)[-2]
+        return cur
 
     def _claim_params(self) -> List[Any]:
         return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]
@@ -269,7 +273,40 @@ class _RunContext:
         self._claim_decided(decision, attempt, outcome, ms)
         return False
 
+    def _claim_statements(self) -> List[Statement]:
+        """BEGIN (psycopg's, autocommit off: _simple), the runner's
+        max_attempts, the claim, the handler's savepoint (harmless when
+        the key is not ours: COMMIT follows)."""
+        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+        if self.r.max_attempts is not None:
+            stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
+        return stmts + [(self._sql("claim"), self._claim_params()),
+                        ("SAVEPOINT idem_handler", None)]
+
+    def _claim_row(self, values: List[Optional[str]]) -> Tuple[Any, ...]:
+        """The claim's row from its text (_values)."""
+        decision, attempt, outcome, ms = values
+        return (decision, None if attempt is None else int(attempt), outcome,
+                None if ms is None else int(ms))
+
     def _claim(self) -> None:
+        if self.first_sql is not None or self.conn.pgconn.pipeline_status:
+            # the caller's statement, or the caller's pipeline: pipelined
+            return self._claim_with_first()
+        # one round trip, one simple query: _claim_statements
+        conn = self.conn
+        try:
+            self.tx_open = True
+            res = _simple(conn, self._claim_statements())[-2]
+            if self._claimed(self._claim_row(_values(conn, res)), None):
+                return
+            conn.commit()
+            self.tx_open = False
+        except psycopg.Error as e:
+            self.tx_open = False
+            self._pg_error(e, "idem_claim")
+
+    def _claim_with_first(self) -> None:
         run, conn = self.run, self.conn
         first: "Optional[psycopg.Cursor[Any]]" = None
         cur: "Optional[psycopg.Cursor[Tuple[Any, ...]]]" = None
@@ -375,7 +412,8 @@ class _RunContext:
     def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
         """The end of a block whose run was not claimed: (rollback, error).
         A block that used the connection anyway is rolled back."""
-        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+        if self.conn.pgconn.transaction_status in (TransactionStatus.IDLE,
+                                                   TransactionStatus.UNKNOWN):
             return False, None
         return True, None if et is not None else IdemError(
             "state", "the block ran statements on a run that was not claimed (check "
@@ -432,7 +470,7 @@ class _RunContext:
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """The last round trip: end the savepoint, complete or fail, COMMIT
-        (a statement of the pipeline: conn.commit() would sync once more)."""
+        (in the same query: conn.commit() would be a round trip more)."""
         retention = self.r.retention
         if failure is None:
             return [("RELEASE SAVEPOINT idem_handler", None),
@@ -479,6 +517,7 @@ class _RunContext:
             return False
         if _session_ended(conn):
             raise IdemError("connection", self.lost_before_end)
-        _send(conn, self._ending_statements(failure, text), self._ending_failed)
+        _send(conn, self._ending_statements(failure, text), self._ending_failed,
+              simple=not conn.pgconn.pipeline_status)
         self._ended(failure, text)
         return suppress

@@ -22,6 +22,7 @@ import psycopg
 import psycopg.sql
 from psycopg.pq import TransactionStatus
 
+from . import resp
 from .apply import _ApplyContext
 from .batch import Batch, cached_many
 from .lease import _LeaseContext, settle
@@ -267,13 +268,17 @@ class Runner:
                 self.notice("Valkey unavailable (%s): running on PostgreSQL only for %d ms"
                             % (e, self.valkey_retry_ms))
 
-    def _round_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
+    def _round_trip(self, fill: Callable[[Any], Any],
+                    packed: Optional[Tuple[bytes, int]] = None) -> Optional[List[Any]]:
         """One pipelined round trip to Valkey, fill(pipe) queueing its
         commands: the replies (an error reply among them as an exception),
         or None when Valkey failed (counted, and rested: PostgreSQL
-        decides)."""
+        decides).  packed: the same commands in RESP and their count, sent
+        as they are on a plain client (resp.exchange)."""
         try:
             self._check_cluster()
+            if packed is not None and resp.plain(self.valkey):
+                return resp.exchange(self.valkey, packed[0], packed[1])
             return list(fill(self.valkey.pipeline(transaction=False)).execute(
                 raise_on_error=False))
         except Exception as e:
@@ -306,7 +311,7 @@ class Runner:
 
     def _conn_state(self, conn: Any) -> _ConnState:
         """What the runner knows of conn's session (new if the session is)."""
-        pid = conn.info.backend_pid
+        pid = conn.pgconn.backend_pid
         with self._lock:
             st = self._conns.get(conn)
             if st is None or st.backend_pid != pid:
@@ -363,7 +368,7 @@ class Runner:
     def _idle_state(self, conn: Conn, whose: str) -> _ConnState:
         """The session's state for a form that begins and commits its own
         transaction (whose, say which): conn must be idle."""
-        if conn.info.transaction_status != TransactionStatus.IDLE:
+        if conn.pgconn.transaction_status != TransactionStatus.IDLE:
             raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
         try:
             return self._state(conn)
