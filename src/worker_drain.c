@@ -59,17 +59,17 @@ typedef struct WorkerBatch
  * where a window is written and answered in time.
  */
 #define IDEM_WINDOW_MAX (IDEM_INFLIGHT * IDEM_BATCH_MAX)
-static int	send_window = IDEM_WINDOW_MAX;
+static int	worker_send_window = IDEM_WINDOW_MAX;
 
 /* The window in flight failed: send half as many records next time. */
 static WorkerResult
-window_failed(WorkerResult r)
+worker_window_failed(WorkerResult r)
 {
-	if (r == WORKER_FAILED && send_window > 1)
+	if (r == WORKER_FAILED && worker_send_window > 1)
 	{
-		send_window = Max(1, send_window / 2);
+		worker_send_window = Max(1, worker_send_window / 2);
 		ereport(DEBUG1,
-				(errmsg_internal("send window now %d copies", send_window)));
+				(errmsg_internal("send window now %d copies", worker_send_window)));
 	}
 	return r;
 }
@@ -129,14 +129,14 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 		 * Fill the window with what is queued and durable beyond the
 		 * batches in flight (see the file header).
 		 */
-		while (nin < IDEM_INFLIGHT && nrecords_in < send_window &&
+		while (nin < IDEM_INFLIGHT && nrecords_in < worker_send_window &&
 			   !ConfigReloadPending && worker_epoch_ready())
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
 			int			n = idem_outbox_peek(&pos, records,
 											 Min(IDEM_BATCH_MAX,
-												 send_window - nrecords_in),
+												 worker_send_window - nrecords_in),
 											 durable, &held, &flush_to);
 			int			nsent;
 			WorkerEncoder enc;
@@ -204,7 +204,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		r = worker_flush(deadline);
 		if (r != WORKER_OK)
-			return window_failed(r);
+			return worker_window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
 		slept = nin == 1 && worker_batch_delay_sleep();
@@ -219,7 +219,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 
 			r = worker_read_reply(deadline, slept && i == 0, &class);
 			if (r != WORKER_OK)
-				return window_failed(r);
+				return worker_window_failed(r);
 			if (class == WORKER_REPLY_RETRY)
 				return WORKER_FAILED;	/* worker_errbuf has the reply; batches kept */
 			if (class == WORKER_REPLY_REJECT)
@@ -238,9 +238,9 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 		nin--;
 		nrecords_in -= b->nrecords;
 		/* answered well in time: let the window grow back */
-		if (send_window < IDEM_WINDOW_MAX &&
+		if (worker_send_window < IDEM_WINDOW_MAX &&
 			idem_vc_now_ms() - b->sent_at < idem_valkey_command_timeout_ms / 2)
-			send_window = Min(IDEM_WINDOW_MAX, send_window * 2);
+			worker_send_window = Min(IDEM_WINDOW_MAX, worker_send_window * 2);
 	}
 }
 

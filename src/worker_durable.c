@@ -94,18 +94,18 @@ worker_nap(long ms)
  * went out.  The next may go once the delay has passed since, the delay as
  * set now (a reload that shortens it lets the next batch go sooner).
  */
-static TimestampTz last_batch_at = 0;
+static TimestampTz worker_last_batch_at = 0;
 
 void
 worker_batch_delay_start(TimestampTz now)
 {
-	last_batch_at = now;
+	worker_last_batch_at = now;
 }
 
 static TimestampTz
 worker_batch_delay_next(void)
 {
-	return last_batch_at + idem_valkey_batch_delay_ms * INT64CONST(1000);
+	return worker_last_batch_at + idem_valkey_batch_delay_ms * INT64CONST(1000);
 }
 
 /* Milliseconds, rounded up, until the next batch may go (0: now). */

@@ -28,7 +28,7 @@
 
 /* Unix epoch milliseconds of a timestamp. */
 static int64
-epoch_ms(TimestampTz t)
+worker_epoch_ms(TimestampTz t)
 {
 	return t / 1000 +
 		(int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * SECS_PER_DAY * 1000;
@@ -118,7 +118,7 @@ worker_encode_record(void *arg, const IdemOutboxRecord *rec,
 										   enc->key_id,
 										   (IdemCacheKind) rec->kind,
 										   rec->attempt,
-										   epoch_ms(rec->expires_at),
+										   worker_epoch_ms(rec->expires_at),
 										   rec->fingerprint,
 										   rec->outcome, rec->outcome_len);
 	if (*keylen < 0 || *valuelen < 0 ||

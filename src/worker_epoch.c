@@ -45,7 +45,7 @@
 TimestampTz worker_owner_checked_at = 0;
 
 /* When a standby last read the epoch list (worker_check_list). */
-static TimestampTz list_checked_at = 0;
+static TimestampTz worker_list_checked_at = 0;
 
 /*
  * An entry of the epoch list: "<timeline>.<epoch: 16 hex> <LSN: 16 hex>",
@@ -67,7 +67,7 @@ typedef struct EpochListed
 
 /* Does a reply hold exactly that token's text? */
 static bool
-owner_reply_is(const redisReply *reply, const char *token)
+worker_owner_reply_is(const redisReply *reply, const char *token)
 {
 	return reply->type == REDIS_REPLY_STRING &&
 		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
@@ -86,7 +86,7 @@ static WorkerResult worker_key_command(const char *key, int argc, const char **a
 /* The owner key of epoch (timeline, epoch) into key; false (worker_errbuf
  * says why) if the prefix leaves it no room. */
 static bool
-owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
+worker_owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
 {
 	if (idem_cache_epoch_key_of(key, IDEM_CACHE_EPOCH_KEY_MAX, timeline, epoch) < 0)
 	{
@@ -102,7 +102,7 @@ worker_owner_command(TimeLineID timeline, uint64 epoch, int argc,
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 
-	if (!owner_key_of(key, timeline, epoch))
+	if (!worker_owner_key_of(key, timeline, epoch))
 		return WORKER_FAILED;
 	return worker_key_command(key, argc, argv, reply);
 }
@@ -137,7 +137,7 @@ worker_key_command(const char *key, int argc, const char **argv,
 
 /* Is that the same epoch? */
 static bool
-epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
+worker_epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
 {
 	return a->timeline == timeline && a->epoch == epoch;
 }
@@ -148,7 +148,7 @@ epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
  * on it stop trusting it at their next lookup.
  */
 static WorkerResult
-epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
+worker_epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 {
 	char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
 	char		ttl[32];
@@ -169,10 +169,10 @@ epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
  * remembered as dead in the secret file.
  */
 static WorkerResult
-epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
-					const char *why)
+worker_epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
+						   const char *why)
 {
-	WorkerResult r = epoch_retire(&e->name, timeline, epoch);
+	WorkerResult r = worker_epoch_retire(&e->name, timeline, epoch);
 
 	if (r != WORKER_OK)
 		return r;
@@ -186,7 +186,7 @@ epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
 
 /* Parse one element of the epoch list into *e; false if it is not one. */
 static bool
-listed_parse(const redisReply *reply, EpochListed *e)
+worker_listed_parse(const redisReply *reply, EpochListed *e)
 {
 	char		text[LISTED_TEXT_MAX + 1];
 	unsigned int tli;
@@ -209,7 +209,7 @@ listed_parse(const redisReply *reply, EpochListed *e)
 
 /* The epoch list's key into key; false (worker_errbuf says why) if none. */
 static bool
-list_key(char *key)
+worker_list_key(char *key)
 {
 	if (idem_cache_epoch_list_of(key, IDEM_CACHE_EPOCH_KEY_MAX) < 0)
 	{
@@ -225,7 +225,7 @@ list_key(char *key)
  * skipped.
  */
 static WorkerResult
-list_read(EpochListed *list, int *n)
+worker_list_read(EpochListed *list, int *n)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		last[12];
@@ -234,7 +234,7 @@ list_read(EpochListed *list, int *n)
 	WorkerResult r;
 
 	*n = 0;
-	if (!list_key(key))
+	if (!worker_list_key(key))
 		return WORKER_FAILED;
 	snprintf(last, sizeof(last), "%d", IDEM_EPOCH_DEAD_MAX - 1);
 	argv[0] = "LRANGE";
@@ -245,7 +245,7 @@ list_read(EpochListed *list, int *n)
 		return r;
 	if (reply->type == REDIS_REPLY_ARRAY)
 		for (size_t i = 0; i < reply->elements && *n < IDEM_EPOCH_DEAD_MAX; i++)
-			if (listed_parse(reply->element[i], &list[*n]))
+			if (worker_listed_parse(reply->element[i], &list[*n]))
 				(*n)++;
 	freeReplyObject(reply);
 	return WORKER_OK;
@@ -257,7 +257,7 @@ list_read(EpochListed *list, int *n)
  * push the list's expiry back.
  */
 static WorkerResult
-list_push(TimeLineID timeline, uint64 epoch)
+worker_list_push(TimeLineID timeline, uint64 epoch)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		value[LISTED_TEXT_MAX + 1];
@@ -266,7 +266,7 @@ list_push(TimeLineID timeline, uint64 epoch)
 	const char *argv[4];
 	WorkerResult r;
 
-	if (!list_key(key))
+	if (!worker_list_key(key))
 		return WORKER_FAILED;
 	snprintf(value, sizeof(value), "%u.%016llx %016llx", timeline,
 			 (unsigned long long) epoch,
@@ -298,7 +298,7 @@ list_push(TimeLineID timeline, uint64 epoch)
  * later timeline are never judged: they may be a live server's.
  */
 static bool
-listed_diverged(const EpochListed *e, TimeLineID tli)
+worker_listed_diverged(const EpochListed *e, TimeLineID tli)
 {
 	List	   *history;
 	ListCell   *lc;
@@ -323,10 +323,10 @@ listed_diverged(const EpochListed *e, TimeLineID tli)
 
 /* Is epoch *e one of the n in dead? */
 static bool
-epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
+worker_epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
 {
 	for (int i = 0; i < n; i++)
-		if (epoch_is(&dead[i], e->timeline, e->epoch))
+		if (worker_epoch_is(&dead[i], e->timeline, e->epoch))
 			return true;
 	return false;
 }
@@ -342,39 +342,39 @@ epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
  * server that lost its epoch to a copy must not retire the copy's in turn.
  */
 static bool
-listed_must_retire(const EpochListed *e, const IdemEpochTakeover *t)
+worker_listed_must_retire(const EpochListed *e, const IdemEpochTakeover *t)
 {
-	if (epoch_is(&e->name, t->timeline, t->epoch) ||
-		epoch_in(&e->name, t->dead, t->ndead))
+	if (worker_epoch_is(&e->name, t->timeline, t->epoch) ||
+		worker_epoch_in(&e->name, t->dead, t->ndead))
 		return false;
 	return (t->first && t->expect_token == 0) ||
-		listed_diverged(e, t->timeline);
+		worker_listed_diverged(e, t->timeline);
 }
 
 /* Is epoch *e among the n entries of list? */
 static bool
-listed_in(const EpochListed *e, const EpochListed *list, int n)
+worker_listed_in(const EpochListed *e, const EpochListed *list, int n)
 {
 	for (int i = 0; i < n; i++)
-		if (epoch_is(&list[i].name, e->name.timeline, e->name.epoch))
+		if (worker_epoch_is(&list[i].name, e->name.timeline, e->name.epoch))
 			return true;
 	return false;
 }
 
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet.  First retire the epochs this history knows are dead, and those
- * the epoch list names that this takeover must (listed_must_retire): their
- * owner keys get a retired marker naming this epoch, whatever they held,
- * so the runners still on them stop trusting them at their next lookup.
- * Then SET <epoch owner key> <new token> GET, and keep the epoch only if
- * the value replaced is the token this data directory recorded (none, for
- * a new epoch); otherwise make a new epoch and take that one over.  Last,
- * list this epoch, and judge as above what another start listed meanwhile.
- * Until this succeeds nothing is copied and runners get no keyspace.
- * Every step can be repeated: a worker that stops half-way does it again.
- * Once the epoch is owned, the commits that removed ledger rows before it
- * was made stop waiting (idem_renewal_taken).
+ * yet.  First retire the epochs this history knows are dead, and those the
+ * epoch list names that this takeover must (worker_listed_must_retire): their
+ * owner keys get a retired marker naming this epoch, whatever they held, so
+ * the runners still on them stop trusting them at their next lookup.  Then SET
+ * <epoch owner key> <new token> GET, and keep the epoch only if the value
+ * replaced is the token this data directory recorded (none, for a new epoch);
+ * otherwise make a new epoch and take that one over.  Last, list this epoch,
+ * and judge as above what another start listed meanwhile.  Until this succeeds
+ * nothing is copied and runners get no keyspace.  Every step can be repeated:
+ * a worker that stops half-way does it again.  Once the epoch is owned, the
+ * commits that removed ledger rows before it was made stop waiting
+ * (idem_renewal_taken).
  */
 WorkerResult
 worker_take_epoch(void)
@@ -401,15 +401,15 @@ worker_take_epoch(void)
 		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 		for (int i = 0; i < t.ndead; i++)
 		{
-			r = epoch_retire(&t.dead[i], t.timeline, t.epoch);
+			r = worker_epoch_retire(&t.dead[i], t.timeline, t.epoch);
 			if (r != WORKER_OK)
 				return r;
 		}
-		r = list_read(before, &nbefore);
+		r = worker_list_read(before, &nbefore);
 		for (int i = 0; r == WORKER_OK && i < nbefore; i++)
-			if (listed_must_retire(&before[i], &t))
-				r = epoch_retire_listed(&before[i], t.timeline, t.epoch,
-										"Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
+			if (worker_listed_must_retire(&before[i], &t))
+				r = worker_epoch_retire_listed(&before[i], t.timeline, t.epoch,
+											   "Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
 		if (r != WORKER_OK)
 			return r;
 		argv[0] = "SET";
@@ -423,18 +423,18 @@ worker_take_epoch(void)
 		if (t.expect_token == 0)
 			won = reply->type == REDIS_REPLY_NIL;
 		else
-			won = owner_reply_is(reply, expect);
+			won = worker_owner_reply_is(reply, expect);
 		freeReplyObject(reply);
 		if (won)
 		{
-			r = list_push(t.timeline, t.epoch);
+			r = worker_list_push(t.timeline, t.epoch);
 			if (r == WORKER_OK)
-				r = list_read(after, &nafter);
+				r = worker_list_read(after, &nafter);
 			for (int i = 0; r == WORKER_OK && i < nafter; i++)
-				if (!listed_in(&after[i], before, nbefore) &&
-					listed_must_retire(&after[i], &t))
-					r = epoch_retire_listed(&after[i], t.timeline, t.epoch,
-											"Valkey's epoch list named it: another start took it over while this one did.");
+				if (!worker_listed_in(&after[i], before, nbefore) &&
+					worker_listed_must_retire(&after[i], &t))
+					r = worker_epoch_retire_listed(&after[i], t.timeline, t.epoch,
+												   "Valkey's epoch list named it: another start took it over while this one did.");
 			if (r != WORKER_OK)
 				return r;
 			idem_cache_epoch_taken(&t);
@@ -458,7 +458,7 @@ worker_take_epoch(void)
  * anything else (retired, or taken over elsewhere).
  */
 static WorkerResult
-owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
+worker_owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 {
 	char		ttl[32];
 	const char *argv[6];
@@ -473,7 +473,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 	r = worker_key_command(key, 2, argv, &reply);
 	if (r != WORKER_OK)
 		return r;
-	ours = owner_reply_is(reply, token);
+	ours = worker_owner_reply_is(reply, token);
 	lost = reply->type == REDIS_REPLY_NIL;
 	freeReplyObject(reply);
 	if (lost_out != NULL)
@@ -507,7 +507,7 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
  * (timeline, epoch) is the epoch this server owns, which the marker names.
  */
 static WorkerResult
-dead_keep_retired(TimeLineID timeline, uint64 epoch)
+worker_dead_keep_retired(TimeLineID timeline, uint64 epoch)
 {
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 	int			n = idem_cache_epoch_dead(dead);
@@ -530,7 +530,7 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 		freeReplyObject(reply);
 		if (!live)
 			continue;
-		r = epoch_retire(&dead[i], timeline, epoch);
+		r = worker_epoch_retire(&dead[i], timeline, epoch);
 		if (r != WORKER_OK)
 			return r;
 		ereport(LOG,
@@ -544,7 +544,7 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 /*
  * On a standby, every IDEM_OWNER_CHECK_MS: does the epoch list name an
  * epoch taken over on a branch of history that the timeline this server
- * replays left (listed_diverged)?  That is an old primary's after a
+ * replays left (worker_listed_diverged)?  That is an old primary's after a
  * failover, this server itself perhaps, before pg_rewind replaced its
  * secret file with its new primary's: retire it, so that the runners still
  * on it stop replaying what this history lacks.  Nothing is copied during
@@ -561,29 +561,29 @@ worker_check_list(void)
 	WorkerResult r;
 
 	if (!RecoveryInProgress() ||
-		!TimestampDifferenceExceeds(list_checked_at, GetCurrentTimestamp(),
+		!TimestampDifferenceExceeds(worker_list_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS))
 		return WORKER_OK;
 	(void) GetXLogReplayRecPtr(&tli);
 	if (tli == 0)
 		return WORKER_OK;
-	r = list_read(list, &n);
+	r = worker_list_read(list, &n);
 	if (r != WORKER_OK)
 		return r;
-	list_checked_at = GetCurrentTimestamp();
+	worker_list_checked_at = GetCurrentTimestamp();
 	ndead = idem_cache_epoch_dead(dead);
 	for (int i = 0; r == WORKER_OK && i < n; i++)
 	{
 		IdemCacheSecrets s;
 
-		if (epoch_in(&list[i].name, dead, ndead) ||
-			!listed_diverged(&list[i], tli))
+		if (worker_epoch_in(&list[i].name, dead, ndead) ||
+			!worker_listed_diverged(&list[i], tli))
 			continue;
 		idem_cache_secrets_get(&s);
 		explicit_bzero(s.current, sizeof(s.current));
 		explicit_bzero(s.previous, sizeof(s.previous));
-		r = epoch_retire_listed(&list[i], tli, s.epoch,
-								"It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
+		r = worker_epoch_retire_listed(&list[i], tli, s.epoch,
+									   "It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
 	}
 	return r;
 }
@@ -621,7 +621,7 @@ worker_standby_wait(void)
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
-			list_checked_at = 0;
+			worker_list_checked_at = 0;
 		}
 		if (worker_check_list() != WORKER_OK)
 		{
@@ -645,7 +645,7 @@ worker_standby_wait(void)
  * there meanwhile.  If it holds anything else (another server started
  * from a copy of this one retired it or took it over), a new epoch is due,
  * which the main loop takes over next.  The epochs this history knows are
- * dead are checked too (dead_keep_retired).
+ * dead are checked too (worker_dead_keep_retired).
  */
 WorkerResult
 worker_check_owner(void)
@@ -661,12 +661,12 @@ worker_check_owner(void)
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
 		return WORKER_OK;
-	if (!owner_key_of(key, t.timeline, t.epoch))
+	if (!worker_owner_key_of(key, t.timeline, t.epoch))
 		return WORKER_FAILED;
 	OWNER_TOKEN_TEXT(token, t.new_token);
-	r = owner_keep(key, token, &taken, &lost);
+	r = worker_owner_keep(key, token, &taken, &lost);
 	if (r == WORKER_OK && lost)
-		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
+		r = worker_list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
 	if (r != WORKER_OK)
 		return r;
 	worker_owner_checked_at = GetCurrentTimestamp();
@@ -684,7 +684,7 @@ worker_check_owner(void)
 	 * After worker_owner_checked_at: a failure here (a dead epoch's node down,
 	 * on a cluster) is reported and tried again at the next check.
 	 */
-	return dead_keep_retired(t.timeline, t.epoch);
+	return worker_dead_keep_retired(t.timeline, t.epoch);
 }
 
 /*
@@ -741,7 +741,7 @@ worker_cluster_owners(bool check)
 		if (!idem_cache_cluster_owned(i, &d))
 			continue;
 		OWNER_TOKEN_TEXT(token, d.token);
-		r = owner_keep(d.key, token, &taken, NULL);
+		r = worker_owner_keep(d.key, token, &taken, NULL);
 		if (r == WORKER_OK && taken)
 		{
 			ereport(LOG,

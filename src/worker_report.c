@@ -19,7 +19,7 @@
 #include "stats.h"
 #include "worker_int.h"
 
-static TimestampTz last_logged = 0;
+static TimestampTz worker_last_logged = 0;
 bool		worker_failing = false;	/* last attempt failed; log the recovery */
 
 /*
@@ -109,7 +109,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 	if (is_error)
 		idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
 	if (!worker_failing ||
-		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
+		TimestampDifferenceExceeds(worker_last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
 				(errmsg("%s Valkey at %s:%d failed: %s",
@@ -117,7 +117,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 				 retry_ms > 0 ?
 				 errdetail("Queued results are kept while the commit ring has room (%llu wait); retrying in %d ms.",
 						   (unsigned long long) idem_outbox_depth(), retry_ms) : 0));
-		last_logged = now;
+		worker_last_logged = now;
 	}
 	worker_failing = true;
 }
