@@ -5,7 +5,8 @@
 # throwaway Valkey on loopback, builds the C runner's one-shot program
 # (test/t/idem_run_once.c, for the mixed fleet), installs the package with
 # pip from the checkout without network, and runs the unit and integration
-# tests (client/python/tests) printing TAP lines.
+# tests (client/python/tests) printing TAP lines (IDEM_PYTHON_TESTS="test_health
+# ...": only those modules).
 set -uo pipefail
 WORK=$1
 TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -110,7 +111,7 @@ IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
 	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
-	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1))
+	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1)) ${IDEM_PYTHON_TESTS:-}
 rc=$?
 # A failure says what the servers saw: the end of each server's log.
 if [ "$rc" -ne 0 ]; then

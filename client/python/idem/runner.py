@@ -10,6 +10,7 @@ batches (batch.py).  They stand on result.py, errors.py, pg.py and
 trust.py, which import nothing above them."""
 import functools
 import inspect
+from typing import Any
 import threading
 import time
 import weakref
@@ -25,6 +26,8 @@ from .lease import _LeaseContext, settle
 from .pg import _raise_pg_error
 from .run import _RunContext
 from .trust import _ConnState
+from .health import Health
+from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
 from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
@@ -80,7 +83,9 @@ class Runner:
         self._cad = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0, "gate_skipped_first": 0,
-                      "owner_mismatches": 0}
+                      "owner_mismatches": 0, "valkey_auth_failures": 0,
+                      "valkey_not_servers": 0, "notices": 0}
+        self._health = Health(self)
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         if valkey is None:
@@ -135,15 +140,9 @@ class Runner:
         return self.valkey is not None and time.monotonic() >= self._rest_until
 
     def _valkey_failed(self, e):
-        import redis
-        self.stats["valkey_errors"] += 1
-        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                          redis.exceptions.RedisClusterException, redis.exceptions.ClusterError,
-                          OSError)):
-            self._rest_until = time.monotonic() + self.valkey_retry_ms / 1000.0
-            if self.notice:
-                self.notice("Valkey unavailable (%s): running on PostgreSQL only for %d ms"
-                            % (e, self.valkey_retry_ms))
+        """Valkey failed (down, AUTH refused or wanted, an error reply):
+        counted, told to the "idem" logger, and rested (health.py)."""
+        self._health.failed(e)
 
     def _release(self, ckey, marker):
         """Compare-and-delete our marker (never GET then DEL)."""
@@ -224,9 +223,8 @@ class Runner:
             # 55000: not ready (recovery, or the worker has not yet taken its
             # cache epoch over in Valkey, or no preloading): ask again in a second
             st.refresh_wanted = sqlstate == "55000"
-            if self.notice:
-                self.notice("no Valkey cache on this connection (%s %s): PostgreSQL decides"
-                            % (sqlstate, str(e).strip()))
+            self._health.cache_off("no Valkey cache on this connection (%s %s): PostgreSQL decides"
+                                   % (sqlstate, str(e).strip()))
             return
         secrets, current, owner = {}, None, None
         for key_id, secret, is_current, owner_key, owner_token in rows:
@@ -246,6 +244,17 @@ class Runner:
             return
         st.keyspace, st.secrets, st.current = ks, secrets, current
         st.owner_key, st.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+
+    def check(self, conn: "psycopg.Connection[Any]") -> Check:
+        """The start-up check, as libpq's PQping: PostgreSQL answers on
+        ``conn`` (idle), the idem extension is installed (its version), the
+        role may read the cache keyspace and secrets, Valkey answers (AUTH
+        accepted), and its epoch owner key holds the token the server
+        names (the same Valkey as the server's worker), with each server's
+        round trip time.  Returns a Check (false when something is wrong:
+        ``status`` and ``message`` say what); raises nothing for what it
+        finds."""
+        return _check(self, conn)
 
     # ---- the run ----
     def run(self, conn, tenant_id, scope, run_id, request, *, delivery_count=0,
