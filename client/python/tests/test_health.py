@@ -13,19 +13,12 @@ import psycopg
 import redis
 
 import idem
+from test_server import free_port
 
 DSN = os.environ.get("IDEM_PG_DSN", "")
 VPORT = int(os.environ.get("IDEM_VALKEY_PORT", "0"))
 VSERVER = os.environ.get("IDEM_VALKEY_SERVER_BIN", "valkey-server")
 PASSWORD = "idem-health-secret"
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Heard(logging.Handler):
