@@ -23,16 +23,12 @@
 void
 idem_check_report_init_size(idem_check_report *rep, size_t size)
 {
-	if (rep == NULL ||
-		!IDEM_STRUCT_SIZE_OK(size, IDEM_SIZE_THROUGH(idem_check_report, valkey_rtt_us)))
+	if (rep == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_CHECK_REPORT_SIZE_MIN))
 		return;
 	memset(rep, 0, size);
 	rep->struct_size = size;
-	if (size >= IDEM_SIZE_THROUGH(idem_check_report, valkey_rtt_us))
-	{
-		rep->pg_rtt_us = -1;
-		rep->valkey_rtt_us = -1;
-	}
+	rep->pg_rtt_us = -1;
+	rep->valkey_rtt_us = -1;
 }
 
 const char *
@@ -212,8 +208,7 @@ idem_runner_check(idem_runner *r, idem_check_report *rep)
 	size_t		size;
 
 	if (rep == NULL ||
-		!IDEM_STRUCT_SIZE_OK(rep->struct_size,
-							 IDEM_SIZE_THROUGH(idem_check_report, valkey_rtt_us)))
+		!IDEM_STRUCT_SIZE_OK(rep->struct_size, IDEM_CHECK_REPORT_SIZE_MIN))
 	{
 		if (r)
 			idemc_set_err(r->errmsg, sizeof(r->errmsg),

@@ -547,8 +547,8 @@ typedef struct idem_runner_stats
 											 * did not hold the server's
 											 * token: nothing read trusted */
 	long		valkey_not_servers; /* rests because it kept not holding
-									 * it (IDEM_OWNER_GRACE_MS): not the
-									 * Valkey the server's worker writes to */
+									 * it (3 s in a row): not the Valkey
+									 * the server's worker writes to */
 	long		notices;		/* messages given to the notice hook */
 } idem_runner_stats;
 

@@ -348,6 +348,8 @@ int			idemc_trust_marker(idem_trust *t, const char *key, int lease_ms,
 #define IDEM_RESULT_SIZE_MIN	IDEM_SIZE_THROUGH(idem_result, valkey_used)
 #define IDEM_STATS_SIZE_MIN		IDEM_SIZE_THROUGH(idem_runner_stats, valkey_node_errors)
 #define IDEM_RUN_OPTIONS_SIZE_MIN IDEM_SIZE_THROUGH(idem_run_options, sql_args)
+/* 0.4's first layout of the start-up check's report */
+#define IDEM_CHECK_REPORT_SIZE_MIN IDEM_SIZE_THROUGH(idem_check_report, valkey_rtt_us)
 #define IDEM_STRUCT_SIZE_MAX	65536
 #define IDEM_STRUCT_SIZE_OK(size, min) \
 	((size) >= (min) && (size) <= IDEM_STRUCT_SIZE_MAX && \
