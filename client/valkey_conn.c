@@ -269,44 +269,55 @@ db_on_cluster(idem_gate *g)
 /*
  * Open the router: the first seed that answers in its budget (the connect
  * and command timeouts: a seed that hangs costs its own time only) says
- * whether it is a cluster's.  0, or -1 with the gate resting for retry_ms.
+ * whether it is a cluster's.  0; -1 with err set; -2 valkey_db on a
+ * cluster (config_error set).  A failure makes the gate rest for retry_ms.
  */
 static int
-gate_open(idem_gate *g)
+open_router(idem_gate *g, char *err, size_t errlen)
 {
-	char		err[256];
 	int			rc;
 
+	err[0] = '\0';
 	if (router_make(g) != 0)
 	{
-		g->down_until = idemc_now_ms() + g->retry_ms;
-		report(g, VALKEY_DOWN, "out of memory, or the nodes do not parse");
-		return -1;
+		snprintf(err, errlen, "out of memory, or the nodes do not parse");
+		rc = -1;
 	}
-	err[0] = '\0';
-	rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
-					  err, sizeof(err));
+	else
+		rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
+						  err, errlen);
 	if (rc == -2)
-	{
 		db_on_cluster(g);		/* not an outage: the gate stays off */
-		report(g, VALKEY_CONFIG, g->config_error);
-	}
 	if (rc == 0 && g->cluster_mode > 0 && !idem_vc_is_cluster(g->vc))
 	{
 		/* a cluster was asked for: a single Valkey is not used instead */
 		idem_vc_close_all(g->vc);
-		snprintf(err, sizeof(err), "not a Valkey Cluster, and valkey_cluster is 1");
+		snprintf(err, errlen, "not a Valkey Cluster, and valkey_cluster is 1");
 		rc = -1;
 	}
 	if (rc != 0)
 	{
 		g->down_until = idemc_now_ms() + g->retry_ms;
-		if (rc != -2)
-			report(g, open_problem(err), err);
-		return -1;
+		return rc == -2 ? -2 : -1;
 	}
-	report(g, VALKEY_OK, NULL);
+	g->down_until = 0;
 	return 0;
+}
+
+/* Open, and tell the runner what came of it.  0 or -1. */
+static int
+gate_open(idem_gate *g)
+{
+	char		err[256];
+	int			rc = open_router(g, err, sizeof(err));
+
+	if (rc == -2)
+		report(g, VALKEY_CONFIG, g->config_error);
+	else if (rc != 0)
+		report(g, open_problem(err), err);
+	else
+		report(g, VALKEY_OK, NULL);
+	return rc == 0 ? 0 : -1;
 }
 
 int
@@ -324,39 +335,15 @@ idemc_gate_open_now(idem_gate *g, valkey_problem *problem, char *why,
 		snprintf(why, whylen, "%s", g->config_error);
 		return -1;
 	}
-	if (router_make(g) != 0)
-	{
-		*problem = VALKEY_DOWN;
-		snprintf(why, whylen, "out of memory, or the nodes do not parse");
-		return -1;
-	}
 	/* a fresh connection: its setup (AUTH, SCRIPT LOAD, SELECT) is checked */
-	idem_vc_close_all(g->vc);
-	err[0] = '\0';
-	rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
-					  err, sizeof(err));
-	if (rc == -2)
-	{
-		db_on_cluster(g);
-		*problem = VALKEY_CONFIG;
-		snprintf(why, whylen, "%s", g->config_error);
-		return -1;
-	}
-	if (rc == 0 && g->cluster_mode > 0 && !idem_vc_is_cluster(g->vc))
-	{
+	if (g->vc != NULL)
 		idem_vc_close_all(g->vc);
-		snprintf(err, sizeof(err), "not a Valkey Cluster, and valkey_cluster is 1");
-		rc = -1;
-	}
-	if (rc != 0)
-	{
-		*problem = open_problem(err);
-		snprintf(why, whylen, "%s", err[0] ? err : "no answer");
-		g->down_until = idemc_now_ms() + g->retry_ms;
-		return -1;
-	}
-	g->down_until = 0;
-	return 0;
+	rc = open_router(g, err, sizeof(err));
+	if (rc == 0)
+		return 0;
+	*problem = rc == -2 ? VALKEY_CONFIG : open_problem(err);
+	snprintf(why, whylen, "%s", rc == -2 ? g->config_error : err);
+	return -1;
 }
 
 int
