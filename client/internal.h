@@ -6,7 +6,7 @@
  *	  the static library too (shared_names.h renames those of
  *	  ../src/common).
  *
- *	  Which file owns what: the source-layout table of ../README.md, the
+ *	  Which file owns what: the source-layout table of ../CONTRIBUTING.md, the
  *	  one file map (test/harness/file_map.sh checks it against the
  *	  Makefile's OBJS).
  */

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The README's source-layout table is the project's one file map: every
+# CONTRIBUTING.md's source-layout table is the project's one file map: every
 # source file the Makefiles compile is in it, and every file it names
 # exists.  The lists come from the Makefiles themselves (the extension's
 # OBJS, and the client library's OBJS with the folders its pattern rules
 # take sources from), so a file added, moved or renamed without the table
 # fails here.  TAP.
 #
-#   file_map.sh [README]   (default README.md of the tree)
+#   file_map.sh [FILE]   (default CONTRIBUTING.md of the tree)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-README=${1:-$ROOT/README.md}
+MAP=${1:-$ROOT/CONTRIBUTING.md}
 n=0
 ok() {
 	n=$((n + 1))
@@ -23,12 +23,12 @@ make_var() {
 
 # The paths in the table's first column (between backquotes), one a line.
 table=$(awk '
-	/^### Source layout/ { on = 1; next }
+	/^##+ Source layout/ { on = 1; next }
 	on && /^##/ { exit }
-	on && /^\| `/ { print }' "$README" |
+	on && /^\| `/ { print }' "$MAP" |
 	awk -F'|' '{ print $2 }' | grep -o '`[^`]*`' | tr -d '`')
 [ -n "$table" ]
-ok $? "the README has a source-layout table ($(printf '%s\n' "$table" | grep -c .) paths)"
+ok $? "$(basename "$MAP") has a source-layout table ($(printf '%s\n' "$table" | grep -c .) paths)"
 
 # Every path the table names exists (globs and folders too).
 stale=
