@@ -124,8 +124,9 @@ typedef struct idem_options
 	 * worker writes to (the epoch owner check), the role lacks EXECUTE on
 	 * idem_cache_secrets() -- and when Valkey answers again.  A cause is
 	 * told at once, then at most once a minute while it lasts (with how
-	 * many times it happened meanwhile).  Called from within a run, on the
-	 * run's thread: it must not call the runner.
+	 * many times it happened meanwhile).  Called from within
+	 * idem_runner_open() or a run, on its thread: it must not call the
+	 * runner.
 	 */
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
