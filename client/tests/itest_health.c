@@ -440,6 +440,18 @@ test_check(void)
 			   strstr(rep.message, "owner key") && rep.valkey_rtt_us > 0,
 			   "check, another Valkey than the server's: %s (%s)",
 			   idem_check_status_name(st), rep.message);
+	/* a role that may not read the secrets (not granted to PUBLIC) */
+	pg_ok(admin, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'idem_health_nocache') "
+		  "THEN CREATE ROLE idem_health_nocache LOGIN; END IF; END $$");
+	pg_ok(admin, "DO $$ BEGIN EXECUTE format('GRANT USAGE ON SCHEMA %s TO idem_health_nocache', "
+		  "(SELECT e.extnamespace::regnamespace::text FROM pg_extension e WHERE e.extname = 'idem')); END $$");
+	snprintf(ci, sizeof(ci), "host=%s port=%d dbname=%s user=idem_health_nocache connect_timeout=5",
+			 E.pg_host, E.pg_port, E.dbname);
+	st = check_of(E.valkey_port, NULL, ci, &rep);
+	tap_ok_ext(st == IDEM_CHECK_CACHE_UNAVAILABLE && rep.pg_ok && rep.extension_version[0] &&
+			   strstr(rep.message, "GRANT EXECUTE"),
+			   "check, a role without EXECUTE on idem_cache_secrets(): %s (%s)",
+			   idem_check_status_name(st), rep.message);
 	snprintf(ci, sizeof(ci), "host=127.0.0.1 port=%d dbname=x connect_timeout=2", dead_port());
 	st = check_of(E.valkey_port, NULL, ci, &rep);
 	tap_ok_ext(st == IDEM_CHECK_PG_UNREACHABLE && !rep.pg_ok,

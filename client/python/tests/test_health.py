@@ -120,6 +120,27 @@ class TestValkeyHealth(Base):
         self.assertEqual(len(self.heard.records), 1)
         self.assertEqual(r.stats["notices"], 1)
 
+    def test_answers_again(self):
+        """Valkey down, then started: told when it answers again"""
+        port = free_port()
+        r = idem.Runner(("127.0.0.1", port), valkey_retry_ms=200)
+        self.runs_apply(r, 1, "again")
+        self.assertEqual(len(self.heard.messages("refused")), 1)
+        p = subprocess.Popen([VSERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", "/tmp"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            end = time.time() + 10
+            while not self.heard.messages("answers again") and time.time() < end:
+                time.sleep(0.25)
+                self.runs_apply(r, 1, "again")
+        finally:
+            p.kill()
+            p.wait()
+        again = [x for x in self.heard.records if "answers again" in x.getMessage()]
+        self.assertEqual(len(again), 1, [x.getMessage() for x in self.heard.records])
+        self.assertEqual(again[0].levelno, logging.INFO)
+
     def test_not_the_servers(self):
         """another Valkey than the server's: told within the grace, counted,
         and rested (no marker written meanwhile)"""
