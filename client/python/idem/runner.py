@@ -104,8 +104,10 @@ class Runner:
                 self._check_cluster()
             except ValkeyClusterNotSupported:
                 raise
-            except Exception:
-                pass            # down now: checked on first contact
+            except Exception as e:
+                # down, or AUTH refused: told now (as the C runner does at
+                # open), rested, checked again on a later contact
+                self._valkey_failed(e)
 
     # ---- Valkey ----
     def _check_cluster(self):
