@@ -158,7 +158,7 @@ transfer_first_handler(PGconn *conn, idem_call *call, void *user_data)
 
 /*
  * The server's keyspace (what the runner learns), once its worker has taken
- * the cache epoch over (55000 until then): up to 10 s.
+ * the history epoch over (55000 until then): up to 10 s.
  */
 static int
 keyspace_of(const char *conninfo, char ks[IDEM_CACHE_KEYSPACE_MAX + 1])

@@ -2,7 +2,7 @@
  * call.c
  *	  What a handler sees of its run (the idem_call accessors and
  *	  idem_call_set_json), and the names of the statuses and sources.
- *	  runner.c fills the idem_call; nothing here talks to a server.
+ *	  pg_step() fills the idem_call; nothing here talks to a server.
  */
 #include "internal.h"
 

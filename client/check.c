@@ -23,12 +23,12 @@
 void
 idem_check_report_init_size(idem_check_report *rep, size_t size)
 {
-	if (rep == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_CHECK_REPORT_SIZE_MIN))
-		return;
-	memset(rep, 0, size);
-	rep->struct_size = size;
-	rep->pg_rtt_us = -1;
-	rep->valkey_rtt_us = -1;
+	idem_check_report d;
+
+	memset(&d, 0, sizeof(d));
+	d.pg_rtt_us = -1;
+	d.valkey_rtt_us = -1;
+	idemc_struct_init(rep, size, IDEM_CHECK_REPORT_SIZE_MIN, &d, sizeof(d));
 }
 
 const char *
@@ -205,7 +205,6 @@ idem_runner_check(idem_runner *r, idem_check_report *rep)
 {
 	idem_check_report full;
 	idem_check_status st;
-	size_t		size;
 
 	if (rep == NULL ||
 		!IDEM_STRUCT_SIZE_OK(rep->struct_size, IDEM_CHECK_REPORT_SIZE_MIN))
@@ -218,8 +217,6 @@ idem_runner_check(idem_runner *r, idem_check_report *rep)
 	idem_check_report_init(&full);
 	st = check(r, &full);
 	full.status = st;
-	size = rep->struct_size;
-	memcpy(rep, &full, IDEM_MIN_SIZE(size, sizeof(full)));
-	rep->struct_size = size;
+	idemc_struct_copy_out(rep, &full, sizeof(full));
 	return st;
 }

@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * idem_client.h
- *	  libidemclient: the GatedIdempotencyRunner of idem, in C.
+ *	  libidemclient: the idem runner, in C.
  *
  * Runs a handler exactly once per idempotency key over at-least-once
  * delivery: Valkey in front (a gate and a replay cache), PostgreSQL with the

@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "shared_names.h"
 #include "idem_client.h"
@@ -356,6 +357,46 @@ int			idemc_trust_marker(idem_trust *t, const char *key, int lease_ms,
 	 (size) % _Alignof(size_t) == 0)
 #define IDEM_MIN_SIZE(a, b)		((a) < (b) ? (a) : (b))
 
+/* Each such struct starts with its size_t struct_size. */
+_Static_assert(offsetof(idem_options, struct_size) == 0, "struct_size first");
+_Static_assert(offsetof(idem_result, struct_size) == 0, "struct_size first");
+_Static_assert(offsetof(idem_run_options, struct_size) == 0, "struct_size first");
+_Static_assert(offsetof(idem_runner_stats, struct_size) == 0, "struct_size first");
+_Static_assert(offsetof(idem_check_report, struct_size) == 0, "struct_size first");
+
+/*
+ * The body of every *_init_size(): a size IDEM_STRUCT_SIZE_OK refuses (or a
+ * NULL struct) writes nothing; otherwise the caller's size bytes are zeroed,
+ * the defaults (NULL: all zero; a struct of our layout, dsize bytes) copied
+ * within them, and struct_size set to the caller's size.
+ */
+static inline void
+idemc_struct_init(void *p, size_t size, size_t min, const void *defaults,
+				  size_t dsize)
+{
+	if (p == NULL || !IDEM_STRUCT_SIZE_OK(size, min))
+		return;
+	memset(p, 0, size);
+	if (defaults != NULL)
+		memcpy(p, defaults, IDEM_MIN_SIZE(size, dsize));
+	memcpy(p, &size, sizeof(size));
+}
+
+/*
+ * A full struct of our layout (fsize bytes) copied into the caller's, whose
+ * struct_size is already checked: only within the caller's size (what lies
+ * beyond ours stays as the caller's init left it), struct_size kept.
+ */
+static inline void
+idemc_struct_copy_out(void *out, const void *full, size_t fsize)
+{
+	size_t		size;
+
+	memcpy(&size, out, sizeof(size));
+	memcpy(out, full, IDEM_MIN_SIZE(size, fsize));
+	memcpy(out, &size, sizeof(size));
+}
+
 struct idem_runner
 {
 	idem_pg		pg;
@@ -396,7 +437,8 @@ void		idemc_health_report(void *arg, valkey_problem problem,
 void		idemc_health_owner(idem_runner *r, int checked);
 void		idemc_runner_notice(idem_runner *r, const char *message);
 
-/* A handler's view of its run (filled by runner.c, read through call.c). */
+/* A handler's view of its run (filled by pg_step(), read through the
+ * idem_call_* accessors). */
 struct idem_call
 {
 	int			attempt;
@@ -416,16 +458,16 @@ struct idem_call
 int			idemc_runner_trust_ready(idem_runner *r);
 
 /* A caller's result: 0 if its struct_size is one we accept, else -1 and the
- * runner's message says why (runner.c). */
+ * runner's message says why. */
 int			idemc_result_size_ok(idem_runner *r, const idem_result *out);
 /* Copy a result of our size into the caller's, within its struct_size. */
 void		idemc_result_copy_out(idem_result *out, const idem_result *full);
 
-/* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result (runner.c). */
+/* Copy an outcome (at most IDEM_OUTCOME_MAX_BYTES) into a result. */
 void		idemc_result_set_outcome(idem_result *out, const char *text, size_t len);
 
 /* A trusted terminal value from Valkey as the result: a replay, or the
- * permanent failure (runner.c). */
+ * permanent failure. */
 void		idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e);
 
 #endif

@@ -41,12 +41,8 @@ idem_options_init_size(idem_options *o, size_t size)
 {
 	idem_options d;
 
-	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_OPTIONS_SIZE_MIN))
-		return;
 	options_defaults(&d);
-	memset(o, 0, size);
-	memcpy(o, &d, IDEM_MIN_SIZE(size, sizeof(d)));
-	o->struct_size = size;
+	idemc_struct_init(o, size, IDEM_OPTIONS_SIZE_MIN, &d, sizeof(d));
 }
 
 /* The function of the headers that passed no size: the first layout. */
@@ -210,10 +206,7 @@ idem_runner_error_message(const idem_runner *r)
 void
 idem_runner_stats_init_size(idem_runner_stats *st, size_t size)
 {
-	if (st == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_STATS_SIZE_MIN))
-		return;
-	memset(st, 0, size);
-	st->struct_size = size;
+	idemc_struct_init(st, size, IDEM_STATS_SIZE_MIN, NULL, 0);
 }
 
 /* The function of the headers that passed no size: the first layout. */
@@ -227,11 +220,9 @@ void
 idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 {
 	idem_runner_stats full;
-	size_t		size;
 
 	if (out == NULL || !IDEM_STRUCT_SIZE_OK(out->struct_size, IDEM_STATS_SIZE_MIN))
 		return;
-	size = out->struct_size;
 	idem_runner_stats_init(&full);
 	if (r != NULL)
 	{
@@ -246,9 +237,7 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 								&full.valkey_map_refreshes,
 								&full.valkey_node_errors);
 	}
-	/* only within the caller's struct; what lies beyond ours stays 0 */
-	memcpy(out, &full, IDEM_MIN_SIZE(size, sizeof(full)));
-	out->struct_size = size;
+	idemc_struct_copy_out(out, &full, sizeof(full));
 }
 
 /*

@@ -60,10 +60,7 @@ idemc_result_from_cache(idem_result *out, const IdemCacheEntry *e)
 void
 idem_result_init_size(idem_result *res, size_t size)
 {
-	if (res == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RESULT_SIZE_MIN))
-		return;
-	memset(res, 0, size);
-	res->struct_size = size;
+	idemc_struct_init(res, size, IDEM_RESULT_SIZE_MIN, NULL, 0);
 }
 
 /* The function of the headers that passed no size: the first layout. */
@@ -95,8 +92,5 @@ idemc_result_size_ok(idem_runner *r, const idem_result *out)
 void
 idemc_result_copy_out(idem_result *out, const idem_result *full)
 {
-	size_t		size = out->struct_size;
-
-	memcpy(out, full, IDEM_MIN_SIZE(size, sizeof(*full)));
-	out->struct_size = size;
+	idemc_struct_copy_out(out, full, sizeof(*full));
 }

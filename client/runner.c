@@ -60,10 +60,7 @@
 void
 idem_run_options_init_size(idem_run_options *o, size_t size)
 {
-	if (o == NULL || !IDEM_STRUCT_SIZE_OK(size, IDEM_RUN_OPTIONS_SIZE_MIN))
-		return;
-	memset(o, 0, size);
-	o->struct_size = size;
+	idemc_struct_init(o, size, IDEM_RUN_OPTIONS_SIZE_MIN, NULL, 0);
 }
 
 /* The function of the headers that passed no size: the first layout. */

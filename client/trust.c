@@ -197,7 +197,7 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 		{
 			/*
 			 * 55000: not now (recovery, or the server's worker has not yet
-			 * taken its cache epoch over in Valkey since it started or the
+			 * taken its history epoch over in Valkey since it started or the
 			 * epoch changed): ask again, at most once a second.
 			 */
 			int			again = strcmp(o.sqlstate, "55000") == 0;
@@ -253,7 +253,7 @@ idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg, size_t msglen)
 	if (owner_row >= 0 && owner_of(t, o.res[1], owner_row) != 0)
 	{
 		/* not taken over yet, or the keyspace is of another epoch: soon */
-		idemc_set_err(msg, msglen, "the server's Valkey cache is not ready (its worker has not taken the cache epoch over): running on PostgreSQL only, asking again in a second");
+		idemc_set_err(msg, msglen, "the server's Valkey cache is not ready (its worker has not taken the history epoch over): running on PostgreSQL only, asking again in a second");
 		idemc_pg_outcome_clear(&o);
 		idemc_trust_clear(t);
 		t->state = TRUST_DENIED;

@@ -1,7 +1,7 @@
--- The Valkey namespace and the cache secret (README, "The Valkey cache").
+-- The Valkey keyspace and the cache secret (README, "The cache secret").
 CREATE EXTENSION idem;
 
--- No keyspace until the worker has taken this start's cache epoch over in
+-- No keyspace until the worker has taken this start's history epoch over in
 -- Valkey (none runs here): runners then use PostgreSQL alone.  (Its shape,
 -- cluster, timeline, epoch and database, is checked with a real Valkey in
 -- test/t/022_history_epoch.pl.)

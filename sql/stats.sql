@@ -1,4 +1,4 @@
--- idem_stats(): the counters of the commit queue, the worker and the claims.
+-- idem_stats(): the counters of the commit ring, the worker and the claims.
 -- This instance preloads idem and points the worker at port 1, where nothing
 -- listens (test/regress.conf): results are queued and never copied.  The
 -- counters are server-wide and earlier tests moved them, so this test looks

@@ -183,7 +183,7 @@ idem_cache_cluster_mark(Oid dboid)
 	if (slot == NULL)
 		ereport(WARNING,
 				(errcode(ERRCODE_CONFIGURATION_LIMIT_EXCEEDED),
-				 errmsg("idem: more than %d databases of this server are in Citus clusters",
+				 errmsg("more than %d databases of this server are in Citus clusters",
 						CLUSTER_DBS),
 				 errdetail("This database's results are not copied where its cluster's runners read them.")));
 }
@@ -598,7 +598,7 @@ seal(const uint8 *key, const IdemCacheSecrets *s, const char *identity,
 	if (!pg_strong_random(buf, SEAL_NONCE_LEN))
 		ereport(ERROR,
 				(errcode(ERRCODE_INTERNAL_ERROR),
-				 errmsg("idem: could not generate a random nonce")));
+				 errmsg("could not generate a random nonce")));
 	put32(plain, s->current_id);
 	memcpy(plain + 4, s->current, IDEM_MAC_LEN);
 	put32(plain + 4 + IDEM_MAC_LEN, s->previous_id);
@@ -641,7 +641,7 @@ idem_cache_node(PG_FUNCTION_ARGS)
 	if (!pg_strong_random(key, sizeof(key)))
 		ereport(ERROR,
 				(errcode(ERRCODE_INTERNAL_ERROR),
-				 errmsg("idem: could not generate a random key")));
+				 errmsg("could not generate a random key")));
 	SpinLockAcquire(&cluster_shared->mutex);
 	memcpy(cluster_shared->seal_key, key, sizeof(key));
 	cluster_shared->seal_db = MyDatabaseId;
@@ -893,7 +893,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 			if (!pg_strong_random(&token, sizeof(token)))
 				ereport(ERROR,
 						(errcode(ERRCODE_INTERNAL_ERROR),
-						 errmsg("idem: could not generate a random token")));
+						 errmsg("could not generate a random token")));
 		if (slot_join(MyDatabaseId, buf, tli, own_epoch, &s, token))
 			idem_outbox_wake();
 	}

@@ -1,10 +1,10 @@
 /*-------------------------------------------------------------------------
  *
  * cache_keyspace.c
- *	  The Valkey namespace of a database: idem.valkey_prefix, the cluster's
+ *	  The Valkey keyspace of a database: idem.valkey_prefix, the cluster's
  *	  system identifier, the WAL timeline, the history epoch and the
  *	  database's OID (cache_format.h).  The SQL function
- *	  idem_cache_keyspace() (cache_sql.c) tells clients the namespace their
+ *	  idem_cache_keyspace() (cache_sql.c) tells clients the keyspace their
  *	  connection's database uses right now.
  *
  * Two databases, two clusters, one cluster before and after a promotion,

@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * cache_keyspace.h
- *	  The Valkey namespace of a database, and the epoch owner key
+ *	  The Valkey keyspace of a database, and the epoch owner key
  *	  (cache_keyspace.c), from idem.valkey_prefix and this server's identity.
  *
  *-------------------------------------------------------------------------

@@ -96,7 +96,7 @@
  * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
  * retired it or took it over) makes a new epoch: of two servers from one
  * backup, neither answers for the other's history, and each gets a cold
- * cache at worst.  A key Valkey lost is set again (worker.c).
+ * cache at worst.  A key Valkey lost is set again (worker_check_owner()).
  *
  * The secret is never shared by two servers: it is made at random here,
  * kept in this file and in shared memory only (never in a table, so
@@ -367,7 +367,7 @@ secret_read_file(IdemCacheSecrets *out)
 	if (!secret_parse(text, out, &why))
 		ereport(ERROR,
 				(errcode(ERRCODE_DATA_CORRUPTED),
-				 errmsg("idem: file \"%s\" is malformed: %s", IDEM_SECRET_FILE, why),
+				 errmsg("file \"%s\" is malformed: %s", IDEM_SECRET_FILE, why),
 				 errhint("Remove the file to have idem generate a new secret; values in Valkey written with the old one are then ignored.")));
 	return true;
 }
@@ -441,7 +441,7 @@ secret_generate(uint8 *secret)
 	if (!pg_strong_random(secret, IDEM_MAC_LEN))
 		ereport(ERROR,
 				(errcode(ERRCODE_INTERNAL_ERROR),
-				 errmsg("idem: could not generate a random cache secret")));
+				 errmsg("could not generate a random cache secret")));
 }
 
 /* Replace the file with secrets s: a new file, synced, renamed into place. */
@@ -472,7 +472,7 @@ secret_random64(void)
 		if (!pg_strong_random(&v, sizeof(v)))
 			ereport(ERROR,
 					(errcode(ERRCODE_INTERNAL_ERROR),
-					 errmsg("idem: could not generate a random cache epoch")));
+					 errmsg("could not generate a random history epoch")));
 	return v;
 }
 
@@ -545,7 +545,7 @@ secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
 	secret_generate(next.current);
 	secret_install(&next);
 	ereport(LOG,
-			(errmsg("idem: new cache epoch %016llx (key id %d) on timeline %u",
+			(errmsg("new history epoch %016llx (key id %d) on timeline %u",
 					(unsigned long long) next.epoch, next.current_id,
 					next.timeline),
 			 errdetail_internal("%s Values in Valkey written before are never read again; they expire.",
@@ -887,6 +887,6 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 	explicit_bzero(&next, sizeof(next));
 
 	ereport(LOG,
-			(errmsg("idem: rotated the cache secret to key id %d", new_id)));
+			(errmsg("rotated the cache secret to key id %d", new_id)));
 	PG_RETURN_INT32(new_id);
 }

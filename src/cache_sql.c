@@ -55,7 +55,7 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("the Valkey cache is not ready"),
-				 errdetail("idem's worker has not yet taken this server's cache epoch over in Valkey since the server started or the epoch changed."),
+				 errdetail("idem's worker has not yet taken this server's history epoch over in Valkey since the server started or the epoch changed."),
 				 errhint("Use PostgreSQL alone meanwhile, and ask again later; idem_stats() shows whether the worker reaches Valkey.")));
 	/*
 	 * On Citus, where the tenant ledger is distributed, the cluster's
@@ -72,7 +72,7 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 					 errmsg("the Valkey cache of this Citus cluster is not ready on this node"),
-					 errdetail("This node copies into the cluster's cache once the coordinator has sent it the cluster's keyspace and secrets for this node's current cache epoch."),
+					 errdetail("This node copies into the cluster's cache once the coordinator has sent it the cluster's keyspace and secrets for this node's current history epoch."),
 					 errhint("Learn the keyspace on the coordinator, or ask again later.")));
 		default:
 			break;

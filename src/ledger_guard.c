@@ -7,7 +7,7 @@
  *	  into place.  Valkey may hold copies of those rows' results, which a
  *	  runner would replay although this database no longer holds them: a
  *	  lost effect if the message is delivered again to be applied again.
- *	  So a transaction that did any of that starts a new cache epoch when
+ *	  So a transaction that did any of that starts a new history epoch when
  *	  it commits (cache_secret.c): the old copies are never read again (and
  *	  expire), the cache starts cold.
  *

@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * ledger_guard.h
- *	  Ledger rows removed outside idem: a new cache epoch at commit
+ *	  Ledger rows removed outside idem: a new history epoch at commit
  *	  (ledger_guard.c); idem's own statements are let through between
  *	  ledger_guard_own_begin and _end.
  *

@@ -263,7 +263,7 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 
 	if (outcome_len < 0 ||
 		!idem_cache_result_ok(kind, attempt, outcome, (size_t) outcome_len))
-		elog(ERROR, "idem: invalid result queued for the Valkey cache (kind %d, attempt %d, outcome length %d)",
+		elog(ERROR, "invalid result queued for the Valkey cache (kind %d, attempt %d, outcome length %d)",
 			 (int) kind, (int) attempt, outcome_len);
 
 	if (!idem_outbox_ring_fits(list_length(pending_records) + 1,

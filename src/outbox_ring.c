@@ -139,7 +139,7 @@ idem_outbox_ring_shmem_init(void)
 {
 	bool		found;
 
-	outbox = ShmemInitStruct("idem outbox", idem_outbox_ring_shmem_size(),
+	outbox = ShmemInitStruct("idem commit ring", idem_outbox_ring_shmem_size(),
 							 &found);
 	if (!found)
 	{
@@ -307,7 +307,7 @@ outbox_wake_worker(void)
 }
 
 /*
- * Wake the worker for something other than a copy (a new cache epoch to
+ * Wake the worker for something other than a copy (a new history epoch to
  * take over, ledger_guard.c).  Safe after a commit record.
  */
 void

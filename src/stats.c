@@ -66,7 +66,10 @@ idem_stats_shmem_init(void)
 	idem_stats_shared->nodes[0] = '\0';
 }
 
-/* Called by ledger.c on every claim: one atomic add, no lock. */
+/*
+ * Called by ledger_claim_key_nowait() on every claim: one atomic add, no
+ * lock.
+ */
 void
 idem_stats_count_claim(IdemDecision decision)
 {

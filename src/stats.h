@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * stats.h
- *	  The shared counters behind idem_stats() (stats.c): what committing
+ *	  The shared counters (stats.c) behind idem_stats(): what committing
  *	  backends and the worker count, and the worker's connection state.  A
  *	  leaf: stats.c calls no other file; stats_sql.c reads them.
  *

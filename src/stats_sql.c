@@ -2,8 +2,8 @@
  *
  * stats_sql.c
  *	  idem_stats(): one row of the shared counters (stats.c) and the depth
- *	  of the commit queue (outbox_ring.c).  It stands above both, so that
- *	  the counters stay a leaf that the queue counts into.
+ *	  of the commit ring (idem_outbox_depth()).  It stands above both, so
+ *	  that the counters stay a leaf that the ring counts into.
  *
  *-------------------------------------------------------------------------
  */

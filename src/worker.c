@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * worker.c
- *	  The background worker that drains the commit queue into Valkey: its
+ *	  The background worker that drains the commit ring into Valkey: its
  *	  registration and its main loop (connect, the epoch owner checks, a
  *	  drain, back off after a failure, sleep while the queue is empty).
  *	  Its mechanisms are in worker_*.c (worker_int.h lists them).
@@ -59,8 +59,6 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "postgres.h"
-
 #include "postgres.h"
 
 #include "miscadmin.h"
@@ -209,11 +207,11 @@ idem_worker_main(Datum main_arg)
 			owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
 			if (idem_wc_active())
 				ereport(LOG,
-						(errmsg("idem: connected to Valkey Cluster at %s:%d (%s)",
+						(errmsg("connected to Valkey Cluster at %s:%d (%s)",
 								vk_host, vk_port, idem_wc_describe())));
 			else
 				ereport(LOG,
-						(errmsg("idem: connected to Valkey at %s:%d", vk_host, vk_port)));
+						(errmsg("connected to Valkey at %s:%d", vk_host, vk_port)));
 		}
 
 		{
@@ -234,7 +232,7 @@ idem_worker_main(Datum main_arg)
 			 */
 			if (r == VK_FAILED && idem_wc_active())
 			{
-				worker_report_problem("checking the cache epoch's owner key at",
+				worker_report_problem("checking the history epoch's owner key at",
 									  0, false);
 				r = VK_OK;
 			}
@@ -267,7 +265,7 @@ idem_worker_main(Datum main_arg)
 		{
 			if (worker_failing)
 				ereport(LOG,
-						(errmsg("idem: copying results to Valkey at %s:%d again",
+						(errmsg("copying results to Valkey at %s:%d again",
 								vk_host, vk_port)));
 			worker_failing = false;
 			backoff_ms = IDEM_BACKOFF_MIN_MS;

@@ -2,29 +2,31 @@
  *
  * worker_cluster.c
  *	  The worker's Valkey Cluster mode: mode detection at connect, and the
- *	  copy of the commit queue's batches through the shared router
+ *	  copy of the commit ring's batches through the shared router
  *	  (valkey_cluster.c).
  *
- * worker.c calls idem_wc_connect() when it (re)connects.  The router opens
- * the first node of idem.valkey_host:idem.valkey_port then
+ * vk_connect() calls idem_wc_connect() when the worker (re)connects.  The
+ * router opens the first node of idem.valkey_host:idem.valkey_port then
  * idem.valkey_nodes that answers and asks it INFO cluster
  * (idem.valkey_cluster = on or off skips the question).  A node that is
- * not a cluster is the router's one node: worker.c pipelines its batches
- * to it (idem_wc_single_*) and sends its other commands through
- * idem_wc_command(), as on a cluster.  A cluster: idem_wc_send() writes the
- * batches worker.c takes from the queue (durable records, encoded and MACed
- * by worker.c): up to IDEM_WC_BATCH records, each SET routed to the master
- * of its key's slot, all nodes pipelined at once.  idem_wc_collect() reads
- * the replies, redirects followed by the router; worker.c sleeps out
+ * not a cluster is the router's one node: vk_drain() pipelines its batches
+ * to it (idem_wc_single_*), and vk_command() sends the worker's other
+ * commands through idem_wc_command(), as on a cluster.  A cluster:
+ * idem_wc_send() writes the batches vk_cluster_drain() takes from the
+ * commit ring (durable records, encoded and MACed by vk_encode_record()):
+ * up to IDEM_BATCH_MAX records, each SET routed to the master of its key's
+ * slot, all nodes pipelined at once.  idem_wc_collect() reads the replies,
+ * redirects followed by the router; vk_cluster_drain() sleeps out
  * idem.valkey_batch_delay in between (idem_wc_copy() does both at once).
- * A batch leaves the queue only when every SET in it has a reply from the
+ * A batch leaves the ring only when every SET in it has a reply from the
  * node that owns its key; otherwise (node down, failover in
  * progress, deadline, a "not now" reply) the whole batch stays queued and
- * its unanswered SETs are sent again (worker.c: every 100 ms while other
- * nodes answer, sending the batches behind it ahead to them meanwhile;
- * after its backoff when none does, then the whole batch): a SET is
- * idempotent, and the copies are counted only when the batch leaves the
- * queue, so none is lost or counted twice.
+ * its unanswered SETs are sent again (vk_cluster_drain(): every 100 ms
+ * while other nodes answer, sending the batches behind it ahead to them
+ * meanwhile with vk_cluster_send_ahead(); after the worker's backoff when
+ * none does, then the whole batch): a SET is idempotent, and the copies are
+ * counted only when the batch leaves the ring, so none is lost or counted
+ * twice.
  *
  * Waits go through a WaitEventSet per socket that also holds the latch and
  * postmaster death, so SIGTERM is answered at once.  The sets are cached
@@ -33,8 +35,6 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "postgres.h"
-
 #include "postgres.h"
 
 #include "lib/stringinfo.h"
@@ -53,8 +53,6 @@
 #include "stats.h"
 #include "valkey_cluster.h"
 #include "valkey_reply.h"
-
-#define IDEM_WC_BATCH		512
 
 typedef struct WcWait
 {
@@ -127,7 +125,7 @@ wc_wait_for(int fd)
 			free_slot = i;
 	}
 	if (free_slot < 0)
-		elog(ERROR, "idem: more Valkey sockets than nodes");
+		elog(ERROR, "more Valkey sockets than nodes");
 	w = &wc_waits[free_slot];
 	w->wes = idem_create_wait_event_set(3);
 	AddWaitEventToSet(w->wes, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
@@ -288,9 +286,9 @@ idem_wc_connect(const char *password, char *errbuf, size_t errlen)
 		if (wc_slots == NULL)
 		{
 			wc_slots = MemoryContextAllocHuge(TopMemoryContext,
-											  sizeof(WcSlot) * IDEM_WC_BATCH);
+											  sizeof(WcSlot) * IDEM_BATCH_MAX);
 			wc_cmds = MemoryContextAlloc(TopMemoryContext,
-										 sizeof(idem_vc_cmd) * IDEM_WC_BATCH);
+										 sizeof(idem_vc_cmd) * IDEM_BATCH_MAX);
 		}
 		wc_publish_nodes();
 		wc_report_stats();
@@ -407,7 +405,7 @@ idem_wc_send(const IdemOutboxRecord **records, int n, bool *done,
 	int			nc = 0;
 	int			i;
 
-	Assert(n <= IDEM_WC_BATCH);
+	Assert(n <= IDEM_BATCH_MAX);
 	*rejected = 0;
 	for (i = 0; i < n; i++)
 	{
@@ -493,8 +491,8 @@ idem_wc_command(const char *key, size_t keylen, int argc, const char **argv,
 }
 
 /*
- * A single Valkey: the router's one node, driven by worker.c's pipelined
- * batches (valkey_single.c).  0, -1 (errbuf says why), -2 shutdown.
+ * A single Valkey: the router's one node, driven by vk_drain()'s pipelined
+ * batches (idem_vc_single_*).  0, -1 (errbuf says why), -2 shutdown.
  */
 static int
 wc_single_result(int rc, char *errbuf, size_t errlen)

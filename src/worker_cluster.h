@@ -1,7 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * worker_cluster.h
- *	  The worker's Valkey Cluster mode (worker_cluster.c), as worker.c sees it.
+ *	  The worker's router (worker_cluster.c), as the worker's other files
+ *	  see it: a Valkey Cluster, or a single Valkey as its one node.
  *
  *-------------------------------------------------------------------------
  */
@@ -9,6 +10,14 @@
 #define IDEM_WORKER_CLUSTER_H
 
 #include "outbox_ring.h"
+
+/*
+ * The most records one batch holds: the worker's drains take at most this
+ * many from the commit ring at a time, and idem_wc_send() and idem_wc_copy()
+ * size their per-batch arrays by it.  One constant, so that neither side can
+ * outgrow the other.
+ */
+#define IDEM_BATCH_MAX			512
 
 typedef enum IdemWcConnect
 {
@@ -27,7 +36,8 @@ typedef enum IdemWcCopy
 } IdemWcCopy;
 
 /*
- * How worker.c encodes one queued record as SET key value PX ttl: 1 done,
+ * How the caller encodes one queued record as SET key value PX ttl
+ * (vk_encode_record()): 1 done,
  * 0 the record's retention is over (skip it), -1 it cannot be encoded.
  */
 typedef int (*IdemWcEncode) (void *arg, const IdemOutboxRecord *rec,

@@ -1,12 +1,13 @@
 /*-------------------------------------------------------------------------
  *
  * worker_drain.c
- *	  The worker's two drains: the commit queue's durable records copied to
+ *	  The worker's two drains: the commit ring's durable records copied to
  *	  a single Valkey (vk_drain: batches pipelined ahead of their replies)
- *	  or to a Valkey Cluster (vk_cluster_drain: through worker_cluster.c,
- *	  a stuck batch's successors sent ahead to the nodes that answer).  A
- *	  batch leaves the queue only when all its replies are read; see
- *	  worker.c's file header for the batching, docs/worker.md for more.
+ *	  or to a Valkey Cluster (vk_cluster_drain: through idem_wc_send() and
+ *	  idem_wc_collect(), a stuck batch's successors sent ahead to the nodes
+ *	  that answer).  A batch leaves the ring only when all its replies are
+ *	  read.  The batching: the comment above idem_worker_main(), and
+ *	  docs/worker.md.
  *
  *	  Locking: only this file consumes the queue (outbox_ring.c's rules);
  *	  the rest is the worker's own state.

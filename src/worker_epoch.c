@@ -165,7 +165,7 @@ worker_take_epoch(void)
 			idem_cache_epoch_taken(&t);
 			owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
-					(errmsg("idem: took cache epoch %016llx over in Valkey",
+					(errmsg("took history epoch %016llx over in Valkey",
 							(unsigned long long) t.epoch)));
 		}
 		else
@@ -253,7 +253,7 @@ worker_check_owner(void)
 	if (taken)
 	{
 		ereport(LOG,
-				(errmsg("idem: cache epoch %016llx is no longer this server's in Valkey",
+				(errmsg("history epoch %016llx is no longer this server's in Valkey",
 						(unsigned long long) t.epoch),
 				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
@@ -301,7 +301,7 @@ worker_cluster_owners(bool check)
 			return r;
 		if (d.kind != IDEM_CLUSTER_SET)
 			ereport(LOG,
-					(errmsg("idem: retired the Citus cluster cache keyspace \"%s\"",
+					(errmsg("retired the Citus cluster cache keyspace \"%s\"",
 							d.keyspace),
 					 errdetail(d.kind == IDEM_CLUSTER_RETIRE ?
 							   "The coordinator named a new cluster keyspace." :
@@ -319,7 +319,7 @@ worker_cluster_owners(bool check)
 		if (r == VK_OK && taken)
 		{
 			ereport(LOG,
-					(errmsg("idem: the Citus cluster cache keyspace \"%s\" was retired",
+					(errmsg("the Citus cluster cache keyspace \"%s\" was retired",
 							d.keyspace),
 					 errdetail("The history epoch of a node of the cluster changed; the next time a runner asks, the coordinator names a new keyspace.")));
 			idem_cache_cluster_disown(&d);

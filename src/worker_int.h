@@ -17,7 +17,7 @@
  *
  *	  Locking: none; the worker is one single-threaded process, and the
  *	  state declared here is process-local.  What it shares with other
- *	  processes (the commit queue, the stats, the cache secrets) has its
+ *	  processes (the commit ring, the stats, the cache secrets) has its
  *	  own file and locking rules.
  *
  *-------------------------------------------------------------------------
@@ -33,8 +33,8 @@
 #include "cache_format.h"
 #include "outbox_ring.h"
 #include "sha256.h"
+#include "worker_cluster.h"	/* IDEM_BATCH_MAX */
 
-#define IDEM_BATCH_MAX			512
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000

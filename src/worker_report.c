@@ -38,7 +38,7 @@ worker_report_standby(void)
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: results wait before they are copied to Valkey: %s",
+				(errmsg("results wait before they are copied to Valkey: %s",
 						worker_errbuf),
 				 errhint("Check idem.standby_slots: each slot must be a physical slot in use by a standby.")));
 		logged = now;
@@ -64,10 +64,10 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
-				(errmsg("idem: %s Valkey at %s:%d failed: %s",
+				(errmsg("%s Valkey at %s:%d failed: %s",
 						doing, vk_host, vk_port, worker_errbuf),
 				 retry_ms > 0 ?
-				 errdetail("Queued results are kept while the queue has room; retrying in %d ms.",
+				 errdetail("Queued results are kept while the commit ring has room; retrying in %d ms.",
 						   retry_ms) : 0));
 		last_logged = now;
 	}

@@ -7,7 +7,7 @@
  *	  fixed order:
  *		outbox.c	the copies of terminal results for the Valkey cache
  *		pending.c	the claims whose ledger row is not written yet
- *	  and, last, to ledger_guard.c, which renews the cache epoch when the
+ *	  and, last, to ledger_guard.c, which renews the history epoch when the
  *	  transaction removed ledger rows outside idem.
  *
  *	  Both tag their state with the subtransaction nesting level that made
@@ -15,9 +15,10 @@
  *	  (subxact.h): what the ending subtransaction made is forgotten when it
  *	  aborts and handed to its parent when it commits.
  *
- *	  The outbox goes first; at PREPARE (two-phase commit: nothing is
- *	  copied, see outbox.c) and at COMMIT both only drop their state, and
- *	  at PRE_PREPARE pending.c writes the open claims as at PRE_COMMIT.
+ *	  The commit hook's copies go first; at PREPARE (two-phase commit:
+ *	  nothing is copied, see idem_outbox_xact_event()) and at COMMIT both
+ *	  only drop their state, and at PRE_PREPARE pending.c writes the open
+ *	  claims as at PRE_COMMIT.
  *
  *-------------------------------------------------------------------------
  */

@@ -359,7 +359,7 @@ cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
 	idem_cache_key(buf, n, test_keyspace(), platform, tenant, k);
 }
 
-/* The key of the same row before 0.3 (one namespace: "idem:"). */
+/* The key of the same row before 0.3 (one keyspace: "idem:"). */
 void
 old_cache_key_of(char *buf, size_t n, int platform, int64_t tenant,
 				 const char *scope, const char *id)
@@ -2771,7 +2771,7 @@ cmd_scenario(void)
 		{
 			idem_run_options ro;
 			char		args[256];
-			char		id[8];
+			char		id[16];
 			int			j;
 
 			idem_run_options_init(&ro);

@@ -6,6 +6,7 @@
 #   - every header of src/ compiles alone after postgres.h, and every
 #     header of src/common/ alone (plain C: no server header);
 #   - every .c of src/ includes postgres.h first;
+#   - no source file of src/, src/common/ or client/ includes a header twice;
 #   - every .c that declares a symbol PostgreSQL looks up by name
 #     (PG_FUNCTION_INFO_V1, PG_MODULE_MAGIC, IDEM_EXPORT) includes compat.h
 #     itself: without it the symbol compiles but stays hidden on 15.
@@ -59,6 +60,14 @@ for f in "$ROOT"/src/*.c; do
 done
 [ -z "$bad" ]
 ok $? "every .c of src/ includes postgres.h first${bad:+ (not:$bad)}"
+
+bad=
+for f in "$ROOT"/src/*.[ch] "$ROOT"/src/common/*.[ch] "$ROOT"/client/*.[ch]; do
+	dup=$(grep -E '^#include' "$f" | sort | uniq -d | head -n 1)
+	[ -z "$dup" ] || bad="$bad $(basename "$f")(${dup#\#include })"
+done
+[ -z "$bad" ]
+ok $? "no source file includes a header twice${bad:+ (not:$bad)}"
 
 bad=
 for f in "$ROOT"/src/*.c; do

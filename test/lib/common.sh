@@ -455,7 +455,7 @@ idem_build_install() {
 	make -C "$root" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$pgc" \
 		COPT="$IDEM_WARNING_FLAGS" all || return 1
 	if [ -f "$root/client/Makefile" ]; then
-		make -C "$root/client" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$pgc" all || return 1
+		make -C "$root/client" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$pgc" IDEM_WERROR=yes all || return 1
 	fi
 	# The client goes beside the private PostgreSQL copy, not /usr/local.
 	local client_prefix=${IDEM_CLIENT_PREFIX:-${IDEM_PG_ROOT:+$IDEM_PG_ROOT/usr/local}}

@@ -10,7 +10,7 @@
  *      (COPY_AT_COMMIT);
  *   2. the runner SETs its own terminal result after COMMIT, and every
  *      replay it reads from PostgreSQL (CLIENT_SETS_TERMINAL);
- *   3. one namespace for the server, whatever its timeline
+ *   3. one keyspace for the server, whatever its timeline
  *      (NS_WITHOUT_TIMELINE).
  * Compiled with -DDURABILITY (commits may return before their flush; a
  * crash loses unflushed commits), spin finds: a commit returns, its value
@@ -27,7 +27,7 @@
  *                           durable (synchronous_commit is per session);
  *   -DONLY_NS_WITHOUT_TIMELINE with -DFAILOVER -DRELEARN_AT_GATE: only 3:
  *                           rejected -- a promoted asynchronous standby
- *                           lacks a copied commit, the shared namespace
+ *                           lacks a copied commit, the shared keyspace
  *                           still has it.
  */
 #if !defined(ONLY_CLIENT_SETS) && !defined(ONLY_NS_WITHOUT_TIMELINE)

@@ -72,7 +72,7 @@
  *            server or beside it; the effects go back with the ledger.
  *            The start ran recovery (or Valkey shows that another start
  *            took the epoch over), so a new history epoch, hence a new,
- *            empty namespace (src/cache_secret.c)
+ *            empty keyspace (src/cache_secret.c)
  *            The new server retires the old epoch's owner key, and every
  *            gate reads that key in its round trip: a runner still on the
  *            old keyspace trusts nothing there once it is retired
@@ -84,20 +84,20 @@
  *   NO_OWNER_CHECK  broken: the gate does not read the owner key (idem
  *            0.3 before it): a runner on the old keyspace replays from it
  *            until it learns again
- *   NO_EPOCH    broken: the namespace has no history epoch (idem 0.3: a
+ *   NO_EPOCH    broken: the keyspace has no history epoch (idem 0.3: a
  *            rewound server keeps its keyspace and its secret)
  *   RELEARN_AT_GATE  control: every gate uses the current keyspace (the
  *            code re-learns it on every (re)connect, so a client may use
  *            the old one until its next PostgreSQL round trip)
  *
  * The cache design (issue 12) is the default: terminal values are written
- * only by the worker, once their commit is durable, in a namespace of the
+ * only by the worker, once their commit is durable, in a keyspace of the
  * current timeline; the client writes only its marker.  A variant restores
  * the old design by defining, before including this file:
  *   CLIENT_SETS_TERMINAL   the runner SETs its own result after COMMIT and
  *            every replay it reads from PostgreSQL (repopulation)
  *   COPY_AT_COMMIT         the worker copies as soon as it sees the entry
- *   NS_WITHOUT_TIMELINE    the namespace survives a promotion
+ *   NS_WITHOUT_TIMELINE    the keyspace survives a promotion
  */
 
 #ifndef NRUN
@@ -184,15 +184,15 @@ bool lost_ack = false;  /* ghost: a crash or promotion lost an acknowledged
                          * asynchronous standby: PostgreSQL's own limit) */
 
 /* ============================== Valkey ============================== */
-/* vk_* is the key in the current namespace (<prefix><sysid>.<timeline>.
+/* vk_* is the key in the current keyspace (<prefix><sysid>.<timeline>.
  * <dboid>:, idem_cache_keyspace()); ovk_* the same key in the previous
- * timeline's namespace, read only by a client that has not yet re-learnt
+ * timeline's keyspace, read only by a client that has not yet re-learnt
  * its keyspace since a promotion (ns_old[i]). */
 byte vk_kind = V_NONE;
 byte vk_val = 0;        /* marker: runner id (token); terminal: outcome */
 byte ovk_kind = V_NONE;
 byte ovk_val = 0;
-bool ovk_retired = false;   /* the old namespace's epoch owner key is
+bool ovk_retired = false;   /* the old keyspace's epoch owner key is
                              * retired (a new epoch replaced it) */
 /* A marker's age (client/runner.c IDEM_MARKER_CHEAP_MS): young in its
  * first second, when another run's marker answers "busy" from Valkey;
@@ -285,7 +285,7 @@ bool in_lease[NRUN + 1];    /* ghost: runner i is between its lease claim
  * terminal value).  vk_young and vk_orphan describe a marker and are read
  * only while there is one: reset them with it, so that states that differ
  * only in a dead marker's leftovers are one state for spin (the same
- * behaviours, fewer states to store).  Likewise for the old namespace. */
+ * behaviours, fewer states to store).  Likewise for the old keyspace. */
 #define VK_PUT(kind, val) vk_kind = kind; vk_val = val; vk_young = false; vk_orphan = false
 #define OVK_CLEAR ovk_kind = V_NONE; ovk_val = 0; ovk_young = false
 #ifndef STEP_GATE
@@ -299,7 +299,7 @@ inline gate_step(me)
 		 * nothing. */
 		res = R_GO; silent = true }
 	:: atomic { vk_up && STALE_NS(me) && !OWNER_RETIRED ->
-		/* a keyspace learnt before a promotion: the old namespace */
+		/* a keyspace learnt before a promotion: the old keyspace */
 		if
 		:: ovk_kind == V_NONE -> res = R_GO    /* its marker there guards nothing */
 		:: ovk_kind == V_MARK && MARK_BUSY(ovk_young) -> res = R_BUSY; saw_mark = true
@@ -338,7 +338,7 @@ inline gate_step(me)
 
 /* Any PostgreSQL round trip after a promotion fails on the old connection;
  * the client reconnects and re-learns its keyspace in the first pipeline
- * (client/runner.c).  With NS_WITHOUT_TIMELINE there is one namespace. */
+ * (client/runner.c).  With NS_WITHOUT_TIMELINE there is one keyspace. */
 #define LEARN_KEYSPACE(me) ns_old[me] = false
 
 /* idem_claim / idem_lookup read a terminal row: the backend queues a copy

@@ -4,7 +4,7 @@
  * monitor.  Included after common.pml (and after a variant's replaced step).
  */
 
-/* Runner me: the client helper (GatedIdempotencyRunner) in one worker
+/* Runner me: the client runner (idem_runner) in one worker
  * process.  Each loop iteration handles one delivery of the message; a
  * death ends that run (the next iteration is the restarted process). */
 proctype runner(byte me)
@@ -124,7 +124,7 @@ end_idle:
 
 /* Background worker (src/worker.c): drains the shared-memory queue and
  * writes SET <key> <terminal value> PX <retention>, overwriting a marker,
- * in the current timeline's namespace, once WORKER_MAY_COPY (the commit is
+ * in the current timeline's keyspace, once WORKER_MAY_COPY (the commit is
  * durable).  While Valkey is down the entry stays queued (reconnect with
  * backoff). */
 active proctype worker()
@@ -142,7 +142,7 @@ end:	do
  * immediate stop (or power loss) and crash recovery: unflushed commits are
  * lost, every backend and the shared-memory queue with them; same timeline.
  * Promotion: the standby becomes the primary with what it has: a new
- * timeline, hence (unless NS_WITHOUT_TIMELINE) a new, empty namespace;
+ * timeline, hence (unless NS_WITHOUT_TIMELINE) a new, empty keyspace;
  * clients keep their old keyspace until their next PostgreSQL round trip. */
 #define LOSE_TO(pfx) \
 	if \
@@ -154,7 +154,7 @@ end:	do
 	lock_owner = 0; OB_EMPTY; pg_gen++
 
 /* A new history epoch (a promotion, a rewound start): a new, empty
- * namespace.  The old one is kept, with its owner key retired, for the
+ * keyspace.  The old one is kept, with its owner key retired, for the
  * runners that still use the keyspace they learnt before (ns_old) -- but
  * not under RELEARN_AT_GATE, where no gate reads it: keeping a copy nothing
  * reads would only split each state by what the copy holds. */

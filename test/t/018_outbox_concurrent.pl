@@ -1,4 +1,4 @@
-# The commit queue under concurrent committers: many backends append to the
+# The commit ring under concurrent committers: many backends append to the
 # shared ring at once (no lock: they reserve with compare-and-swap and
 # publish each record when it is written), with outcomes of many sizes so
 # that the ring wraps and pads again and again, and a queue small enough to

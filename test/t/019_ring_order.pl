@@ -1,4 +1,4 @@
-# The commit queue's reader and a writer held between reserving its record
+# The commit ring's reader and a writer held between reserving its record
 # and publishing it (as when that committer is preempted there): a record
 # published behind it is not copied before it, nothing is read from the
 # unwritten record, the worker waits without spinning, and both are

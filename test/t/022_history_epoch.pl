@@ -83,7 +83,7 @@ is("$status $source", 'applied handler',
 	'the backup applies m1 (committed on orig after the backup), not replays it');
 is(effects($b1, 'm1'), '1', '... once');
 unlike(slurp_file($b1->logfile), qr/PANIC|TRAP/, '... and logs no crash');
-like(slurp_file($b1->logfile), qr/new cache epoch [0-9a-f]{16}.*\n.*started with recovery/,
+like(slurp_file($b1->logfile), qr/new history epoch [0-9a-f]{16}.*\n.*started with recovery/,
 	'... and says why it started a new epoch');
 
 # --- 2. a second server from the same backup, both running ---

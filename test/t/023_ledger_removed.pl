@@ -1,6 +1,6 @@
 # Rows that leave a ledger outside idem (DELETE, UPDATE, TRUNCATE, a
 # restore with pg_restore --clean) are no longer answered from Valkey: the
-# transaction that removed them starts a new cache epoch when it commits,
+# transaction that removed them starts a new history epoch when it commits,
 # so a message whose row is gone is applied again, not replayed from the
 # copy of the result the database no longer holds.  idem's own writes and
 # idem_purge keep the epoch (and the warm cache).
@@ -39,7 +39,7 @@ sub applied_again
 {
 	my ($id, $what, $ks_before) = @_;
 	my $ks = IdemValkey::keyspace($node);
-	isnt($ks, $ks_before, "$what: a new cache epoch (keyspace $ks)");
+	isnt($ks, $ks_before, "$what: a new history epoch (keyspace $ks)");
 	my ($status, $source) = run($id);
 	is("$status $source", 'applied handler', "$what: $id is applied again, not replayed");
 	like(slurp_file($node->logfile), qr/removed ledger rows outside idem_purge/,

@@ -1,4 +1,4 @@
-# The commit queue under stress (src/outbox_ring.c, src/outbox.c):
+# The commit ring under stress (src/outbox_ring.c, src/outbox.c):
 #  - idem_stats().dropped counts the copies of committed work only: copies
 #    dropped at once inside a subtransaction that rolls back are not
 #    counted (any version);

@@ -138,7 +138,7 @@ like($valkey->command('GET', owner_key_of($ks_a)), qr/^retired /,
 my $ks_b = new_keyspace($node, $ks_a);
 isnt($ks_b, $ks_a, 'the running server then makes a new epoch of its own');
 isnt($ks_b, $ks_c, '... not the clone\'s');
-like(slurp_file($node->logfile), qr/cache epoch [0-9a-f]{16} is no longer this server's in Valkey/,
+like(slurp_file($node->logfile), qr/history epoch [0-9a-f]{16} is no longer this server's in Valkey/,
 	'... and says why');
 is($valkey->command('GET', owner_key_of($ks_c)) =~ /^[0-9a-f]{16}\z/ ? 1 : 0, 1,
 	"... and leaves the clone's owner key alone");

@@ -328,7 +328,7 @@ sub stream_commits
 }
 
 # idem_cache_keyspace() of database $db (default postgres) of $node, once
-# the worker has taken the server's cache epoch over in Valkey (until then
+# the worker has taken the server's history epoch over in Valkey (until then
 # it is refused with 55000); undef if that does not happen within $timeout
 # seconds (default 20).
 sub wait_keyspace
