@@ -36,7 +36,7 @@ SHLIB_LINK = -lhiredis
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
 REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl persistence serverlog \
-	attempts lease_purge
+	attempts lease_purge partition
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 
 # Isolation specs: test/isolation/specs/NAME.spec, test/isolation/expected/NAME.out.

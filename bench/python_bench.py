@@ -89,7 +89,7 @@ def setup(mode, dsn, vport):
     if mode in ("valkey-replay", "run-new", "run-new-first", "apply-new"):
         runner = idem.Runner(("127.0.0.1", vport))
     elif mode == "pg-replay":
-        runner = idem.Runner(("127.0.0.1", dead_port()), valkey_timeout_ms=200)
+        runner = idem.Runner(("127.0.0.1", dead_port()), valkey_timeout=0.2)
     tag = "%d-%d" % (os.getpid(), int(time.time() * 1000))
 
     if mode in ("valkey-replay", "pg-replay"):

@@ -24,12 +24,27 @@ SELECT s.key_id - s0.key_id AS id_step, s.is_current, s.secret = s0.secret AS sa
   FROM idem_cache_secrets() s, s0 ORDER BY s.key_id;
 SELECT count(DISTINCT secret) FROM idem_cache_secrets();
 
+-- idem_renew_epoch(): a new history epoch when the transaction commits,
+-- with a new secret (the next key id, and no previous one: nothing of the
+-- old epoch is accepted); a rollback keeps the epoch.
+CREATE TEMP TABLE s1 AS SELECT * FROM idem_cache_secrets() WHERE is_current;
+BEGIN;
+SELECT idem_renew_epoch();
+ROLLBACK;
+SELECT s.key_id - s1.key_id AS id_step, s.secret = s1.secret AS same_secret
+  FROM idem_cache_secrets() s, s1 WHERE s.is_current;
+SELECT idem_renew_epoch();
+SELECT s.key_id - s1.key_id AS id_step, s.is_current, s.secret = s1.secret AS same_secret
+  FROM idem_cache_secrets() s, s1 ORDER BY s.key_id;
+
 -- Not for PUBLIC: the secret authenticates every cached result.
 CREATE ROLE regress_idem_cache_nobody;
 SET ROLE regress_idem_cache_nobody;
 SELECT * FROM idem_cache_secrets();
 SELECT idem_rotate_cache_secret();
 SELECT idem_cache_keyspace();
+-- ... nor is renewing the epoch (a cold cache for every runner).
+SELECT idem_renew_epoch();
 RESET ROLE;
 GRANT EXECUTE ON FUNCTION idem_cache_secrets(), idem_cache_keyspace()
   TO regress_idem_cache_nobody;

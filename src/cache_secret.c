@@ -62,7 +62,8 @@
  *	  - when the worker finds in Valkey that another start took the epoch
  *		over since this data directory last did (below): a copy of a
  *		stopped server, started here or there;
- *	  - when a transaction removed ledger rows outside idem_purge
+ *	  - when a transaction removed ledger rows outside idem_purge, logical
+ *		replication wrote a ledger, or idem_renew_epoch() was called
  *		(ledger_guard.c).
  * A clean restart of the same server keeps its epoch, its secret and so its
  * warm cache.
@@ -500,7 +501,11 @@ secret_renew_why(const IdemCacheSecrets *s, IdemEpochReason renew)
 		case IDEM_EPOCH_TAKEN_ELSEWHERE:
 			return "Another server started with a copy of this data directory took the epoch over in Valkey, or Valkey lost its owner key.";
 		case IDEM_EPOCH_LEDGER_ROWS_REMOVED:
-			return "A transaction removed ledger rows outside idem_purge() (DELETE, TRUNCATE, or a ledger dropped or replaced).";
+			return "A transaction removed ledger rows outside idem_purge() (DELETE, UPDATE, MERGE, INSERT ... ON CONFLICT DO UPDATE, TRUNCATE, or a ledger dropped or replaced).";
+		case IDEM_EPOCH_LEDGER_ROWS_REPLICATED:
+			return "Logical replication applied a transaction that wrote a ledger: it may have removed or changed rows whose results Valkey holds.";
+		case IDEM_EPOCH_RENEW_REQUESTED:
+			return "idem_renew_epoch() was called.";
 	}
 	if (s->epoch == 0)
 		return "The file was made by an older idem, without an epoch.";

@@ -50,7 +50,9 @@ typedef enum IdemEpochReason
 {
 	IDEM_EPOCH_RECOVERED_START = 1,	/* the start ran recovery */
 	IDEM_EPOCH_TAKEN_ELSEWHERE,	/* Valkey: another start took it over */
-	IDEM_EPOCH_LEDGER_ROWS_REMOVED	/* DELETE, TRUNCATE, DROP of a ledger */
+	IDEM_EPOCH_LEDGER_ROWS_REMOVED,	/* DELETE, TRUNCATE, DROP of a ledger */
+	IDEM_EPOCH_LEDGER_ROWS_REPLICATED,	/* logical replication wrote one */
+	IDEM_EPOCH_RENEW_REQUESTED	/* idem_renew_epoch() */
 } IdemEpochReason;
 
 /* The named LWLock tranche of the shared copy (one lock), for shmem.c. */

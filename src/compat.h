@@ -100,6 +100,13 @@
 #define idem_interval_is_finite(iv)	true
 #endif
 
+/* 17: LockHeldByMe can also answer for a stronger mode; asked for mode. */
+#if PG_VERSION_NUM >= 170000
+#define idem_lock_held_by_me(tag, mode) LockHeldByMe((tag), (mode), false)
+#else
+#define idem_lock_held_by_me(tag, mode) LockHeldByMe((tag), (mode))
+#endif
+
 /* 17: a wait event set no longer takes a memory context. */
 #if PG_VERSION_NUM >= 170000
 #define idem_create_wait_event_set(nevents) CreateWaitEventSet(NULL, (nevents))

@@ -1,15 +1,16 @@
 /*-------------------------------------------------------------------------
  *
  * ledger_guard.c
- *	  Rows that leave a ledger outside idem: a DELETE, UPDATE or MERGE that
- *	  idem did not issue, a TRUNCATE, a ledger dropped (as pg_restore
- *	  --clean does before it restores an older copy), altered or renamed
- *	  into place.  Valkey may hold copies of those rows' results, which a
- *	  runner would replay although this database no longer holds them: a
- *	  lost effect if the message is delivered again to be applied again.
- *	  So a transaction that did any of that starts a new history epoch when
- *	  it commits (cache_secret.c): the old copies are never read again (and
- *	  expire), the cache starts cold.
+ *	  Rows that leave a ledger outside idem: a DELETE, UPDATE, MERGE or
+ *	  INSERT ... ON CONFLICT DO UPDATE that idem did not issue, a TRUNCATE,
+ *	  a ledger dropped (as pg_restore --clean does before it restores an
+ *	  older copy), altered or renamed into place.  Valkey may hold copies
+ *	  of those rows' results, which a runner would replay although this
+ *	  database no longer holds them: a lost effect if the message is
+ *	  delivered again to be applied again.  So a transaction that did any
+ *	  of that starts a new history epoch when it commits (cache_secret.c):
+ *	  the old copies are never read again (and expire), the cache starts
+ *	  cold.
  *
  *	  Found by two hooks that _PG_init installs once per process: the
  *	  executor's start (DML on a ledger, by any path: SQL, PL/pgSQL, SPI,
@@ -17,6 +18,12 @@
  *	  OAT_POST_ALTER of a ledger).  idem's own writes (its prepared
  *	  statements, the purge of expired rows, whose copies have expired
  *	  too) are let through by ledger_guard_own_begin/_end around them.
+ *	  Logical replication's apply worker writes below the executor; its
+ *	  transactions are caught at pre-commit by the ledger locks they hold
+ *	  (guard_replayed_into_ledger).  A ledger may not become a partition
+ *	  (guard_check_partition), where an upsert routed through its parent
+ *	  would change it unseen.  What no hook sees (pg_surgery, files edited
+ *	  by hand) the operator reports with idem_renew_epoch().
  *
  *	  A ledger is recognised by its name (idempotency_keys or
  *	  platform_idempotency_keys) in the schema that holds idem's registry
@@ -31,30 +38,53 @@
  *	  purge of the shards runs through idem_shard_purge(), bracketed like
  *	  idem's own writes.
  *
- *	  State: one process-local flag per transaction (and the depth of
- *	  idem's own writes), reset at every transaction end; no shared memory
- *	  and no locks of its own.  At COMMIT (after the commit record: no
- *	  allocation, no ERROR) and at PREPARE (the commit may come from another
- *	  session, so the epoch is renewed then, conservatively) it asks for
- *	  the renewal and wakes the worker.
+ *	  State: one process-local flag per transaction, with its reason (and
+ *	  the depth of idem's own writes), reset at every transaction end; no
+ *	  shared memory and no locks of its own.  At COMMIT (after the commit
+ *	  record: no allocation, no ERROR) and at PREPARE (the commit may come
+ *	  from another session, so the epoch is renewed then, conservatively)
+ *	  it asks for the renewal and wakes the worker.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/xlog.h"
+#include "catalog/indexing.h"
 #include "catalog/objectaccess.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_extension.h"
+#include "catalog/pg_inherits.h"
 #include "executor/executor.h"
+#include "miscadmin.h"
 #include "parser/parsetree.h"
+#include "replication/origin.h"
+#include "storage/lock.h"
+#include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
 
 #include "ledger_guard.h"
 #include "cache_secret.h"
+#include "compat.h"
 #include "ledger_row.h"
 #include "outbox_ring.h"
 
 static bool guard_rows_removed = false;	/* this transaction */
+static IdemEpochReason guard_reason = 0;	/* why, when it did */
 static int	guard_own_depth = 0;	/* inside idem's own ledger writes */
+
+/* The renewal at commit is due, for why (the first reason found wins). */
+static void
+guard_mark(IdemEpochReason why)
+{
+	if (!guard_rows_removed)
+		guard_reason = why;
+	guard_rows_removed = true;
+}
 
 static ExecutorStart_hook_type prev_executor_start = NULL;
 static object_access_hook_type prev_object_access = NULL;
@@ -104,7 +134,8 @@ guard_is_ledger(Oid relid)
 
 /*
  * Does plan (a statement's top plan, or a data-modifying CTE's) delete or
- * update rows of a ledger?  MERGE counts, whatever its actions.
+ * update rows of a ledger?  MERGE counts, whatever its actions, and so does
+ * INSERT ... ON CONFLICT DO UPDATE (whether or not a row conflicts).
  */
 static bool
 guard_plan_removes(PlannedStmt *stmt, Plan *plan)
@@ -116,7 +147,9 @@ guard_plan_removes(PlannedStmt *stmt, Plan *plan)
 		return false;
 	mt = (ModifyTable *) plan;
 	if (mt->operation != CMD_DELETE && mt->operation != CMD_UPDATE &&
-		mt->operation != CMD_MERGE)
+		mt->operation != CMD_MERGE &&
+		!(mt->operation == CMD_INSERT &&
+		  mt->onConflictAction == ONCONFLICT_UPDATE))
 		return false;
 	foreach(lc, mt->resultRelations)
 	{
@@ -139,13 +172,13 @@ guard_executor_start(QueryDesc *queryDesc, int eflags)
 		ListCell   *lc;
 
 		if (guard_plan_removes(stmt, stmt->planTree))
-			guard_rows_removed = true;
+			guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 		/* data-modifying CTEs: each is a subplan topped by its ModifyTable */
 		foreach(lc, stmt->subplans)
 		{
 			if (!guard_rows_removed &&
 				guard_plan_removes(stmt, (Plan *) lfirst(lc)))
-				guard_rows_removed = true;
+				guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 		}
 	}
 	if (prev_executor_start)
@@ -154,12 +187,53 @@ guard_executor_start(QueryDesc *queryDesc, int eflags)
 		standard_ExecutorStart(queryDesc, eflags);
 }
 
+/*
+ * A ledger must not become a partition: an INSERT ... ON CONFLICT DO UPDATE
+ * on its partitioned table would change its rows through tuple routing,
+ * which no plan shows (guard_plan_removes).  Called when relid joined or
+ * left parent (the object access hook's post-alter of pg_inherits, before
+ * the command counter moves on: only SnapshotSelf sees the row it added).
+ */
+static void
+guard_check_partition(Oid relid, Oid parent)
+{
+	Relation	rel;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	bool		joined = false;
+	bool		shard;
+
+	if (get_rel_relkind(parent) != RELKIND_PARTITIONED_TABLE ||
+		!guard_is_ledger_or_shard(relid, &shard) || shard)
+		return;
+	rel = table_open(InheritsRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_inherits_inhrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(rel, InheritsRelidSeqnoIndexId, true,
+							  SnapshotSelf, 1, &key);
+	while (!joined && HeapTupleIsValid(tup = systable_getnext(scan)))
+		joined = ((Form_pg_inherits) GETSTRUCT(tup))->inhparent == parent;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	if (joined)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("ledger \"%s\" cannot be a partition", get_rel_name(relid)),
+				 errdetail("Rows routed into it through its partitioned table would be changed without idem knowing."),
+				 errhint("Keep the ledger a table of its own.")));
+}
+
 static void
 guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 					int subId, void *arg)
 {
 	if (prev_object_access)
 		prev_object_access(access, classId, objectId, subId, arg);
+	if (access == OAT_POST_ALTER && classId == InheritsRelationId &&
+		arg != NULL && guard_own_depth == 0)
+		guard_check_partition(objectId,
+							  ((ObjectAccessPostAlter *) arg)->auxiliary_id);
 	if (guard_rows_removed || guard_own_depth > 0 ||
 		classId != RelationRelationId || subId != 0)
 		return;
@@ -171,7 +245,7 @@ guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 		/* Citus drops, creates and alters shards as it moves them */
 		if (guard_is_ledger_or_shard(objectId, &shard) &&
 			(!shard || access == OAT_TRUNCATE))
-			guard_rows_removed = true;
+			guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 	}
 }
 
@@ -199,27 +273,126 @@ ledger_guard_own_end(void)
 		guard_own_depth--;
 }
 
+/*
+ * The schema of the extension idem in this database, or InvalidOid.  (15
+ * does not export get_extension_schema.)
+ */
+static Oid
+guard_extension_schema(void)
+{
+	Relation	rel;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tup;
+	Oid			nsp = InvalidOid;
+
+	rel = table_open(ExtensionRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_extension_extname, BTEqualStrategyNumber,
+				F_NAMEEQ, CStringGetDatum("idem"));
+	scan = systable_beginscan(rel, ExtensionNameIndexId, true, NULL, 1, &key);
+	tup = systable_getnext(scan);
+	if (HeapTupleIsValid(tup))
+		nsp = ((Form_pg_extension) GETSTRUCT(tup))->extnamespace;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return nsp;
+}
+
+/*
+ * Did this transaction, which replays changes made elsewhere, write a
+ * ledger?  Logical replication's apply worker (and its table
+ * synchronisation and parallel apply workers) writes rows below the
+ * executor, as ExecSimpleRelationDelete and ExecSimpleRelationUpdate do,
+ * and truncates through ExecuteTruncateGuts: neither hook above sees it.
+ * But it runs with a replication origin set up, and holds RowExclusiveLock
+ * (AccessExclusiveLock for a TRUNCATE) on every table it wrote until the
+ * transaction ends.  An applied INSERT cannot be told from a DELETE or an
+ * UPDATE that way, so any write counts: a subscriber that applies changes
+ * to a ledger starts a new epoch with each such transaction.
+ */
+static bool
+guard_replayed_into_ledger(void)
+{
+	Oid			nsp;
+	int			kind;
+
+	if (replorigin_session_origin == InvalidRepOriginId ||
+		!IsTransactionState())
+		return false;
+	nsp = guard_extension_schema();
+	if (!OidIsValid(nsp))
+		return false;
+	for (kind = 0; kind < LEDGER_KINDS; kind++)
+	{
+		const char *name = ledger_table_name((LedgerKind) kind);
+		Oid			relid = get_relname_relid(name, nsp);
+		LOCKTAG		tag;
+
+		if (!OidIsValid(relid))
+			continue;
+		SET_LOCKTAG_RELATION(tag, MyDatabaseId, relid);
+		if (idem_lock_held_by_me(&tag, RowExclusiveLock) ||
+			idem_lock_held_by_me(&tag, AccessExclusiveLock))
+			return true;
+	}
+	return false;
+}
+
 /* From the transaction callback (xact.c). */
 void
 idem_ledger_guard_xact_event(XactEvent event)
 {
 	switch (event)
 	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			if (!guard_rows_removed && guard_replayed_into_ledger())
+				guard_mark(IDEM_EPOCH_LEDGER_ROWS_REPLICATED);
+			break;
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PREPARE:
 			if (guard_rows_removed)
 			{
-				idem_cache_epoch_renew(0, IDEM_EPOCH_LEDGER_ROWS_REMOVED);
+				idem_cache_epoch_renew(0, guard_reason);
 				idem_outbox_wake();
 			}
 			/* FALLTHROUGH */
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
 			guard_rows_removed = false;
+			guard_reason = 0;
 			guard_own_depth = 0;
 			break;
 		default:
 			break;
 	}
+}
+
+PG_FUNCTION_INFO_V1(idem_renew_epoch);
+
+/*
+ * idem_renew_epoch() RETURNS void: start a new history epoch when this
+ * transaction commits, as a removal the hooks see would.  For changes to
+ * a ledger that nothing in PostgreSQL reports: pg_surgery's
+ * heap_force_kill, a file put back by hand.  Transactional: a rollback
+ * renews nothing.
+ */
+Datum
+idem_renew_epoch(PG_FUNCTION_ARGS)
+{
+	if (RecoveryInProgress())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("recovery is in progress"),
+				 errdetail("A standby copies nothing to Valkey; it starts a new epoch of its own when it is promoted."),
+				 errhint("Renew the epoch on the primary.")));
+	if (!idem_outbox_available())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem is not in shared_preload_libraries"),
+				 errdetail("The history epoch lives in the shared memory of idem's worker."),
+				 errhint("Preload idem; without it nothing is copied to Valkey.")));
+	guard_mark(IDEM_EPOCH_RENEW_REQUESTED);
+	PG_RETURN_VOID();
 }

@@ -52,11 +52,15 @@ EOT
 		echo "prometheus-postgres-exporter:/usr/bin/prometheus-postgres-exporter"
 		echo "pgbouncer:/usr/sbin/pgbouncer"
 	fi
-	# The Python suite's queue test (test/python/rabbitmq.sh): consumers
-	# killed mid-message on a real broker.
+	# The Python suite: its queue tests (test/python/rabbitmq.sh, consumers
+	# killed mid-message on a real broker; aio-pika consumers), the runner
+	# behind pgbouncer, and mypy --strict on the package.
 	if [ -n "${IDEM_NEED_RABBITMQ:-}" ]; then
 		echo "rabbitmq-server:/usr/lib/rabbitmq/bin/rabbitmq-server"
 		echo "python3-pika:/usr/lib/python3/dist-packages/pika/__init__.py"
+		echo "python3-aio-pika:/usr/lib/python3/dist-packages/aio_pika/__init__.py"
+		echo "pgbouncer:/usr/sbin/pgbouncer"
+		echo "python3-mypy:/usr/lib/python3/dist-packages/mypy/__init__.py"
 	fi
 	# Building PostgreSQL 18 (test/lib/cache.sh), when it is not cached yet.
 	if [ -n "${IDEM_NEED_PG_BUILD:-}" ]; then

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# test/python/run.sh WORK: the Python package (client/python) against real
-# servers.  Runs as the unprivileged test user (test/suites).  Starts a
-# throwaway PostgreSQL 15 with idem preloaded and its worker pointed at a
-# throwaway Valkey on loopback, builds the C runner's one-shot program
-# (test/t/idem_run_once.c, for the mixed fleet), installs the package with
-# pip from the checkout without network, and runs the unit and integration
-# tests (client/python/tests) printing TAP lines (IDEM_PYTHON_TESTS="test_health
-# ...": only those modules).
+# test/python/run.sh WORK [MODULE...]: the Python package (client/python)
+# against real servers.  Runs as the unprivileged test user (test/suites).
+# Checks the package with mypy --strict, starts a throwaway PostgreSQL 15
+# with idem preloaded and its worker pointed at a throwaway Valkey on
+# loopback, and pgbouncer in transaction mode in front of it, builds the C
+# runner's one-shot program (test/t/idem_run_once.c, for the mixed fleet),
+# installs the package as its README says (pip, offline, a venv), and
+# runs the unit and integration tests (client/python/tests; MODULE...:
+# only those, as tests/tap.py takes them) printing TAP lines.
 set -uo pipefail
 WORK=$1
+shift
 TREE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$TREE/test/lib/common.sh"
 . "$TREE/test/python/rabbitmq.sh"
@@ -22,6 +24,7 @@ cleanup() {
 	idem_valkey_stop "$dir"
 	idem_pg_stop "$dir/c"
 	idem_valkey_cluster_stop "$dir/vcluster"
+	[ -f "$dir/pgbouncer.pid" ] && kill "$(cat "$dir/pgbouncer.pid")" 2>/dev/null
 }
 trap cleanup EXIT
 
@@ -31,18 +34,39 @@ tap() {	# tap OK|NOTOK description
 	if [ "$1" = ok ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
 }
 
-# 1. pip install from the checkout, offline, into a venv that sees Debian's
-#    psycopg and redis (--system-site-packages; Debian's pip runs in it).
+# 1. the package README's install commands as written (but apt-get: make
+#    test installed those packages), in a copy of the checkout: pip installs
+#    offline into a venv that sees Debian's psycopg and redis
+#    (--system-site-packages; Debian's pip runs in it).  The block is the
+#    one after the line "<!-- test/python/run.sh: install -->".
 cp -r "$TREE/client/python" "$dir/pkg"
-if "$PY" -m venv --system-site-packages --without-pip "$dir/venv" >"$dir/pip.log" 2>&1 &&
-	"$dir/venv/bin/python" -m pip install --no-build-isolation --no-index "$dir/pkg" \
-		>>"$dir/pip.log" 2>&1 &&
-	(cd "$dir" && "$dir/venv/bin/python" -c 'import idem, sys; sys.exit(0 if idem.__file__.startswith(sys.prefix) else 1)') \
+mkdir -p "$dir/checkout/client"
+cp -r "$TREE/client/python" "$dir/checkout/client/python"
+install=$(awk '
+	state == 0 && $0 == "<!-- test/python/run.sh: install -->" { state = 1; next }
+	state == 1 && /^```/ { state = 2; next }
+	state == 2 && /^```/ { exit }
+	state == 2 && !/^sudo apt-get / { print }' "$TREE/client/python/README.md")
+venv=$dir/checkout/env
+if [ -n "$install" ] && (cd "$dir/checkout" && set -e && eval "$install") >"$dir/pip.log" 2>&1 &&
+	(cd "$dir" && "$venv/bin/python" -c 'import idem, sys; sys.exit(0 if idem.__file__.startswith(sys.prefix) else 1)') \
 		>>"$dir/pip.log" 2>&1; then
-	tap ok "pip install --no-build-isolation --no-index ./client/python works offline (setuptools from Debian)"
+	tap ok "the package README's install commands work as written, offline (setuptools from Debian): $(tail -n 1 "$dir/pip.log")"
 else
-	tap notok "pip install --no-build-isolation --no-index ./client/python works offline"
-	sed 's/^/# /' "$dir/pip.log" | tail -n 20 >&2
+	tap notok "the package README's install commands work as written, offline"
+	{ echo "$install"; sed 's/^/# /' "$dir/pip.log" | tail -n 20; } >&2
+fi
+
+# ... and type-checked as its users' checkers see it (py.typed): Debian's
+# mypy, strict, on the package alone
+if "$PY" -m mypy --version >/dev/null 2>&1; then
+	if (cd "$dir/pkg" && "$PY" -m mypy --strict --cache-dir "$dir/mypy-cache" idem) \
+		>"$dir/mypy.log" 2>&1; then
+		tap ok "mypy --strict on the package: $(tail -n 1 "$dir/mypy.log")"
+	else
+		tap notok "mypy --strict on the package"
+		sed 's/^/# /' "$dir/mypy.log" | tail -n 30 >&2
+	fi
 fi
 
 # 2. the servers
@@ -76,6 +100,41 @@ else
 	tap notok "a Valkey Cluster and a server whose worker copies into it start"
 fi
 
+# ... and pgbouncer in transaction mode in front of it, 2 server
+# connections for more clients: each transaction may land on another
+# server connection than the last (tests/test_pooler.py)
+if [ -x /usr/sbin/pgbouncer ]; then
+	bport=$(idem_free_port)
+	printf '"%s" ""\n' postgres >"$dir/userlist.txt"
+	cat >"$dir/pgbouncer.ini" <<EOT
+[databases]
+* = host=127.0.0.1 port=$pgport
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $bport
+unix_socket_dir =
+auth_type = trust
+auth_file = $dir/userlist.txt
+pool_mode = transaction
+default_pool_size = 2
+max_client_conn = 50
+logfile = $dir/pgbouncer.log
+pidfile = $dir/pgbouncer.pid
+EOT
+	if /usr/sbin/pgbouncer -d "$dir/pgbouncer.ini" >/dev/null 2>&1; then
+		for _ in $(seq 1 50); do
+			"$(idem_pg_bindir)/psql" -X -At -h 127.0.0.1 -p "$bport" -U postgres -c 'SELECT 1' \
+				postgres >/dev/null 2>&1 && break
+			sleep 0.2
+		done
+		export IDEM_PGBOUNCER_DSN="host=127.0.0.1 port=$bport user=postgres dbname=postgres"
+		export IDEM_PGBOUNCER_LOG="$dir/pgbouncer.log"
+		tap ok "pgbouncer $(/usr/sbin/pgbouncer --version | head -n 1 | awk '{print $2}') in transaction mode in front of it"
+	else
+		tap notok "pgbouncer starts in transaction mode"
+	fi
+fi
+
 # 3. the C runner for the mixed fleet
 if gcc -O1 -o "$dir/idem_run_once" "$TREE/test/t/idem_run_once.c" \
 	"$TREE/client/build/libidemclient.a" -I"$TREE/client" \
@@ -101,8 +160,8 @@ fi
 # 5. the tests, on the package pip installed (else on the checkout's)
 py=$PY
 pypath=$TREE/client/python/tests:$TREE/client/python
-if (cd "$dir" && "$dir/venv/bin/python" -c 'import idem') 2>/dev/null; then
-	py=$dir/venv/bin/python
+if (cd "$dir" && "$venv/bin/python" -c 'import idem') 2>/dev/null; then
+	py=$venv/bin/python
 	pypath=$TREE/client/python/tests
 fi
 cd "$dir"
@@ -111,7 +170,7 @@ IDEM_PG_DSN="host=127.0.0.1 port=$pgport user=postgres dbname=postgres" \
 	IDEM_VALKEY_SERVER_BIN="$(idem_valkey_server)" \
 	IDEM_PACKAGE_README="$TREE/client/python/README.md" IDEM_PG_LOG="$dir/pg.log" \
 	PYTHONPATH="$pypath" \
-	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1)) ${IDEM_PYTHON_TESTS:-}
+	timeout 900 "$py" "$TREE/client/python/tests/tap.py" --first $((n + 1)) "$@"
 rc=$?
 # A failure says what the servers saw: the end of each server's log.
 if [ "$rc" -ne 0 ]; then

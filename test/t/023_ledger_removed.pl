@@ -76,6 +76,53 @@ sql(q{UPDATE idempotency_keys SET status = 'failed_retryable'
 	WHERE idempotency_key = idem_key('lr', 'm2')});
 applied_again('m2', 'UPDATE', $ks);
 
+# --- INSERT ... ON CONFLICT DO UPDATE (an operator resetting a key so
+# that its message runs again), also in a CTE; one that only inserts
+# keeps the epoch ---
+applied_and_cached('m7');
+$ks = IdemValkey::keyspace($node);
+sql(q{INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'fresh'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO NOTHING});
+is(IdemValkey::keyspace($node), $ks, 'INSERT ... ON CONFLICT DO NOTHING keeps the epoch');
+sql(q{INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'm7'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET status = 'failed_retryable'});
+applied_again('m7', 'INSERT ... ON CONFLICT DO UPDATE', $ks);
+
+applied_and_cached('m8');
+$ks = IdemValkey::keyspace($node);
+sql(q{WITH u AS (INSERT INTO idempotency_keys (tenant_id, idempotency_key, request_fingerprint, expires_at)
+	VALUES (1, idem_key('lr', 'm8'), idem_fingerprint('{}'), now() + interval '1 hour')
+	ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET status = 'failed_retryable' RETURNING 1)
+	SELECT count(*) FROM u});
+applied_again('m8', 'INSERT ... ON CONFLICT DO UPDATE in a CTE', $ks);
+
+# --- MERGE ---
+applied_and_cached('m9');
+$ks = IdemValkey::keyspace($node);
+sql(q{MERGE INTO idempotency_keys k USING (SELECT idem_key('lr', 'm9') AS key) s
+	ON k.tenant_id = 1 AND k.idempotency_key = s.key
+	WHEN MATCHED THEN DELETE});
+applied_again('m9', 'MERGE', $ks);
+
+# --- DELETE through a table the ledger inherits from ---
+applied_and_cached('m11');
+$ks = IdemValkey::keyspace($node);
+sql(q{CREATE TABLE ledger_parent (LIKE idempotency_keys);
+	ALTER TABLE idempotency_keys INHERIT ledger_parent});
+sql(q{DELETE FROM ledger_parent WHERE idempotency_key = idem_key('lr', 'm11')});
+sql(q{ALTER TABLE idempotency_keys NO INHERIT ledger_parent; DROP TABLE ledger_parent});
+applied_again('m11', 'DELETE through an inheritance parent', $ks);
+
+# --- ALTER TABLE ... ALTER COLUMN ... TYPE ... USING: a rewrite that
+# changes every row's value ---
+applied_and_cached('m12');
+$ks = IdemValkey::keyspace($node);
+sql(q{ALTER TABLE idempotency_keys ALTER COLUMN status TYPE text
+	USING CASE WHEN status = 'completed' THEN 'failed_retryable' ELSE status END});
+applied_again('m12', 'ALTER COLUMN TYPE USING', $ks);
+
 # --- DELETE from a PL/pgSQL function through a CTE ---
 applied_and_cached('m3');
 $ks = IdemValkey::keyspace($node);
@@ -109,6 +156,48 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '0',
 	'the restore took the effect of m6 back');
 applied_again('m6', 'pg_restore --clean', $ks);
 is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is applied once');
+
+# --- what nothing reports (pg_surgery's heap_force_kill, a data file put
+# back by hand): the operator calls idem_renew_epoch(), which a connected
+# runner obeys without waiting to learn the keyspace again ---
+{
+	local $ENV{IDEM_SECRETS_MAX_AGE_MS} = 3_600_000;
+	my $runner = IdemValkey::runner_session($node, 'postgres', $valkey, 1, 'lr', '{"x": 1}');
+	applied_and_cached('m10');
+	$ks = IdemValkey::keyspace($node);
+	is($runner->run('m10'), 'replayed valkey', 'a connected runner replays m10 from Valkey');
+	sql(q{BEGIN; SELECT idem_renew_epoch(); ROLLBACK;});
+	is(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch() rolled back keeps the epoch');
+	sql(q{SELECT idem_renew_epoch()});
+	isnt(IdemValkey::keyspace($node), $ks, 'idem_renew_epoch(): a new history epoch');
+	is($runner->run('m10'), 'replayed postgres',
+		'... the connected runner no longer replays from Valkey: PostgreSQL answers');
+	like(slurp_file($node->logfile), qr/idem_renew_epoch\(\) was called/,
+		'... and the log says why the epoch changed');
+	$runner->finish;
+
+	# A standby refuses it: it copies nothing, and starts an epoch of its
+	# own when promoted.
+	$node->backup('b1');
+	my $standby = PostgreSQL::Test::Cluster->new('standby');
+	$standby->init_from_backup($node, 'b1', has_streaming => 1);
+	$standby->start;
+	my ($ret, $out, $err) = $standby->psql('postgres', 'SELECT idem_renew_epoch()',
+		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
+	like($err, qr/55000: recovery is in progress/, 'idem_renew_epoch() on a standby: 55000');
+	$standby->stop;
+
+	# Without preloading there is no epoch to renew (nothing is copied).
+	my $plain = PostgreSQL::Test::Cluster->new('plain');
+	$plain->init;
+	$plain->start;
+	($ret, $out, $err) = $plain->psql('postgres',
+		'CREATE EXTENSION idem; SELECT idem_renew_epoch()',
+		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
+	like($err, qr/55000: idem is not in shared_preload_libraries/,
+		'idem_renew_epoch() without preloading: 55000');
+	$plain->stop;
+}
 
 $node->stop;
 done_testing();

@@ -2,7 +2,9 @@
 
 The Valkey gate and replay cache in front, PostgreSQL with the idem
 extension as the truth, the handler's effect in the application's own
-transaction on its own psycopg 3 connection.  See README.md.
+transaction on its own psycopg 3 connection.  See README.md.  The
+asyncio runner, for psycopg.AsyncConnection and redis.asyncio, is
+idem.aio.AsyncRunner.
 """
 from .canonical import RequestError, canonical_json, fingerprint, idem_key
 from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
@@ -14,7 +16,7 @@ from .lease import Lease, LeaseLost
 from .batch import Batch
 from .check import Check
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "Runner", "Run", "Lease", "Batch", "Check", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",

@@ -5,15 +5,19 @@ runner's idem_run_options.sql_handler).  The gate in front is the one
 run's (run.py); this module owns only step 3b's one statement and the
 rules for what its failures prove."""
 import json
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import psycopg
 
 from .canonical import RequestError, canonical_json
 from . import cache
 from .errors import CommitUnknown, IdemError
-from .pg import _session_ended
+from .pg import Conn, _exec, _one, _session_ended, sqlstate_of
 from .result import APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER
 from .run import _RunContext
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 # An ERROR (not FATAL) of these classes, received before the connection was
 # lost, proves that the statement's transaction rolled back: no pooler makes
@@ -22,7 +26,7 @@ _ROLLBACK_CLASSES = ("22", "23", "40", "42", "54", "55", "P0")
 _ROLLBACK_STATES = ("25P02", "26000", "3B001")
 
 
-def proves_rollback(e):
+def proves_rollback(e: BaseException) -> bool:
     """Does this psycopg error prove that its transaction rolled back?"""
     diag = getattr(e, "diag", None)
     state = getattr(diag, "sqlstate", None) or ""
@@ -36,8 +40,9 @@ class _ApplyContext(_RunContext):
     """A run with a SQL handler: the gate, then (unless it decided) one
     idem_apply statement instead of the claim and a block."""
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, sql_handler,
-                 args=None, delivery_count=0):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, sql_handler: str, args: Any = None,
+                 delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
                          delivery_count=delivery_count)
         if not isinstance(sql_handler, str) or not sql_handler.strip():
@@ -52,7 +57,7 @@ class _ApplyContext(_RunContext):
             except RequestError as e:
                 raise IdemError("argument", "args: %s" % e) from None
 
-    def _apply_sql(self):
+    def _apply_sql(self) -> str:
         s = self.st.schema
         cols = ("SELECT a.decision, a.attempt, a.outcome::text, "
                 "floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran ")
@@ -62,41 +67,25 @@ class _ApplyContext(_RunContext):
         return cols + ("FROM %s.idem_apply(%%s, %%s, %%s, %%s::regprocedure, %%s::jsonb, "
                        "%%s::interval) AS a" % s)
 
-    # step 3b: instead of the claim, the whole run in one statement
-    def _claim(self):
-        run, conn, r = self.run, self.conn, self.r
-        if _session_ended(conn):
-            self._drop_marker()
-            raise IdemError("connection", "connection lost before idem_apply was sent "
-                            "(nothing committed)")
-        # one statement, one round trip; with max_attempts (SET LOCAL) or
-        # autocommit off, BEGIN, the setting, idem_apply and COMMIT are
-        # still one round trip (pipelined)
-        single = conn.autocommit and r.max_attempts is None
-        try:
-            if single:
-                cur = conn.execute(self._apply_sql(), self._key_params() + [
-                    run.fingerprint, self.sql_handler, self.args_text, r.retention])
-            else:
-                with conn.pipeline():
-                    if conn.autocommit:
-                        conn.execute("BEGIN")
-                    self._set_max_attempts()
-                    cur = conn.execute(self._apply_sql(), self._key_params() + [
-                        run.fingerprint, self.sql_handler, self.args_text, r.retention])
-                    conn.execute("COMMIT")
-        except psycopg.Error as e:
-            if self._broken():
-                if proves_rollback(e):
-                    self._drop_marker()
-                    raise IdemError("server", "idem_apply failed (rolled back, nothing "
-                                    "committed), then the connection was lost: %s"
-                                    % str(e).strip(), e.diag.sqlstate) from e
-                raise CommitUnknown("connection lost after idem_apply was sent: whether it "
-                                    "committed is unknown; redeliver, the ledger decides (%s)"
-                                    % str(e).strip()) from e
-            self._pg_error(e, "idem_apply")
-        decision, attempt, outcome, ms, ran = cur.fetchone()
+    def _apply_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, self.sql_handler, self.args_text,
+                                     self.r.retention]
+
+    def _apply_failed(self, e: psycopg.Error) -> Optional[IdemError]:
+        """idem_apply's statement failed and the connection is lost: what
+        to raise (None: not lost, a statement error)."""
+        if not self._broken():
+            return None
+        if proves_rollback(e):
+            return IdemError("server", "idem_apply failed (rolled back, nothing committed), "
+                             "then the connection was lost: %s" % str(e).strip(), sqlstate_of(e))
+        return CommitUnknown("connection lost after idem_apply was sent: whether it committed "
+                             "is unknown; redeliver, the ledger decides (%s)" % str(e).strip())
+
+    def _applied(self, row: Tuple[Any, ...]) -> None:
+        """idem_apply's answer."""
+        run = self.run
+        decision, attempt, outcome, ms, ran = row
         run.attempt = attempt
         if decision in ("applied", "failed_retryable") or \
                 (decision == "failed_permanent" and ran):
@@ -112,3 +101,27 @@ class _ApplyContext(_RunContext):
                 self.own_marker = False     # a terminal row: the worker's copy follows
             return
         self._claim_decided(decision, attempt, outcome, ms)
+
+    # step 3b: instead of the claim, the whole run in one statement
+    def _claim(self) -> None:
+        conn, r = self.conn, self.r
+        if _session_ended(conn):
+            self._drop_marker()
+            raise IdemError("connection", "connection lost before idem_apply was sent "
+                            "(nothing committed)")
+        # one statement, one round trip; with max_attempts (SET LOCAL) or
+        # autocommit off, BEGIN, the setting, idem_apply and COMMIT are
+        # still one round trip (pipelined)
+        try:
+            if conn.autocommit and r.max_attempts is None:
+                cur = _exec(conn, self._apply_sql(), self._apply_params())
+            else:
+                cur = self._committed_alone(self._apply_sql(), self._apply_params())
+        except psycopg.Error as e:
+            err = self._apply_failed(e)
+            if err is None:
+                self._pg_error(e, "idem_apply")
+            if not isinstance(err, CommitUnknown):
+                self._drop_marker()
+            raise err from e
+        self._applied(_one(cur))

@@ -9,38 +9,65 @@ claim is the only guard against a concurrent duplicate here (busy); this
 module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
+from types import TracebackType
+from typing import (TYPE_CHECKING, Any, Iterable, Iterator, List, NoReturn, Optional,
+                    Tuple, Type)
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, Failure, IdemError, ValkeyClusterNotSupported
-from .pg import _raise_pg_error, _session_ended
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipeline,
+                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Run,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
+from .trust import _ConnState
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+# What a batch's end records (Batch._closing): the block's failure, the
+# completed runs and their outcomes, the failed runs with their details
+# and kinds, and whether the block's exception is suppressed.
+Closing = Tuple[Optional[FailureSpec], List[Tuple[Run, str]], List[Tuple[Run, str, bool]], bool]
 
 
-def from_cache(runner, st, runs):
+def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     """Decide from Valkey what it can: one pipelined GET for all of runs
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
     alone.  Returns how many were decided."""
+    ckeys = cache_keys(runner, st, runs)
+    if not ckeys:
+        return 0
+    values = runner._round_trip(lambda pipe: cache_reads(pipe, st, ckeys))
+    return 0 if values is None else cache_answers(runner, st, runs, ckeys, values)
+
+
+def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]:
+    """The cache keys from_cache reads (none: Valkey is not asked)."""
     if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
-        return 0
-    ckeys = [cache.cache_key(st.keyspace, run.tenant_id, run.key) for run in runs]
-    try:
-        runner._check_cluster()
-        pipe = runner.valkey.pipeline(transaction=False)
-        for k in ckeys:
-            pipe.get(k)
-        pipe.get(st.owner_key)      # the epoch's owner, in the same round trip
-        values = pipe.execute(raise_on_error=False)
-    except ValkeyClusterNotSupported:
-        raise
-    except Exception as e:
-        runner._valkey_failed(e)
-        return 0
+        return []
+    keyspace = st.keyspace
+    return [cache.cache_key(keyspace, run.tenant_id, run.key) for run in runs]
+
+
+def cache_reads(pipe: Any, st: _ConnState, ckeys: List[bytes]) -> Any:
+    """from_cache's one round trip: each key's GET, and the epoch's owner
+    key's in the same round trip."""
+    for k in ckeys:
+        pipe.get(k)
+    pipe.get(st.owner_key)
+    return pipe
+
+
+def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List[bytes],
+                  values: List[Any]) -> int:
+    """What from_cache read (the keys' values, then the owner key's):
+    the runs it decides.  Returns how many."""
     # as at the gate: the owner key read in the same round trip decides
     # whether anything read here is trusted (trust.py)
     owner = values.pop()
@@ -50,13 +77,13 @@ def from_cache(runner, st, runs):
     if not held:
         return 0
     decided = 0
-    for run, value, e in zip(runs, values, entries):
+    for run, value, entry in zip(runs, values, entries):
         if isinstance(value, Exception):
             continue            # an error reply (WRONGTYPE...): PostgreSQL decides
         run.valkey_used = True
-        if e is None or e.kind == cache.MARKER or e.fingerprint != run.fingerprint:
+        if entry is None or entry.kind == cache.MARKER or entry.fingerprint != run.fingerprint:
             continue            # absent, not trusted, a run in progress, or a hint: PostgreSQL decides
-        if not _result_from_cache(run, e):
+        if not _result_from_cache(run, entry):
             runner.stats["cache_rejected"] += 1
             continue
         runner.stats["replayed_from_valkey"] += 1
@@ -64,9 +91,10 @@ def from_cache(runner, st, runs):
     return decided
 
 
-def cached_many(runner, conn, items):
+def cached_many(runner: "Runner", conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
+    _check_conn(conn)
     runs = [_make_run(Run, *item) for item in items]
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise IdemError("state", "the connection must be idle (the runner reads the "
@@ -74,8 +102,7 @@ def cached_many(runner, conn, items):
     try:
         st = runner._state(conn)
     except psycopg.Error as e:
-        raise IdemError("server", "learning the schema: %s" % str(e).strip(),
-                        getattr(e.diag, "sqlstate", None)) from e
+        _raise_pg_error(conn, e, "learning the schema")
     from_cache(runner, st, runs)
     return [run if run.status is not None else None for run in runs]
 
@@ -86,25 +113,27 @@ class Batch:
     (or ``run.fail(detail)``); ``with batch.step(run):`` gives one run a
     savepoint of its own.  ``batch.runs``: every item's Run, in order."""
 
-    _failure = None     # the batch's own (none): each run records its own
+    _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
+    asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
-    def __init__(self, runner, conn, items):
+    def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
+        _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
         self.runs = [_make_run(Run, *item) for item in items]
-        self.st = None
+        self.st = _ConnState(0)     # the session's, once entered
         self.tx_open = False
 
     @property
-    def claimed(self):
+    def claimed(self) -> List[Run]:
         """The runs whose effect is the block's to do, in order."""
         return [run for run in self.runs if run.claimed]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Run]:
         return iter(self.claimed)
 
     # -- SQL --
-    def _sql(self, name, platform):
+    def _sql(self, name: str, platform: bool) -> str:
         s = self.st.schema
         if name == "claim":
             cols = ("SELECT c.ord, c.decision, c.attempt, c.outcome::text, "
@@ -124,20 +153,20 @@ class Batch:
                 "%%s::boolean[], %%s::interval)") % s
 
     @staticmethod
-    def _keys(runs, platform):
+    def _keys(runs: List[Run], platform: bool) -> List[Any]:
         keys = [run.key for run in runs]
         return [keys] if platform else [[run.tenant_id for run in runs], keys]
 
-    def _groups(self, runs):
+    def _groups(self, runs: List[Run]) -> List[Tuple[bool, List[Run]]]:
         """(platform, runs) for each ledger that has runs."""
         ten = [run for run in runs if run.tenant_id is not None]
         plat = [run for run in runs if run.tenant_id is None]
         return [(p, g) for p, g in ((False, ten), (True, plat)) if g]
 
-    def _error(self, e, what):
+    def _error(self, e: psycopg.Error, what: str) -> NoReturn:
         _raise_pg_error(self.conn, e, what)
 
-    def __enter__(self):
+    def __enter__(self) -> "Batch":
         r, conn = self.r, self.conn
         r.stats["runs"] += len(self.runs)
         self.st = r._idle_state(conn, "the batch's transaction is begun and committed by "
@@ -146,23 +175,19 @@ class Batch:
         pending = [run for run in self.runs if run.status is None]
         if not pending:
             return self
-        lease = "%d milliseconds" % r.lease_ms
         try:
             # one round trip: BEGIN, the claims of each ledger, the savepoint
-            with conn.pipeline():
+            with _pipeline(conn):
                 if conn.autocommit:
-                    conn.execute("BEGIN")
+                    _exec(conn, "BEGIN")
                 self.tx_open = True
                 if r.max_attempts is not None:
-                    conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                                 [str(r.max_attempts)])
-                curs = [(g, conn.execute(self._sql("claim", p), self._keys(g, p) +
-                                         [[run.fingerprint for run in g], lease]))
-                        for p, g in self._groups(pending)]
-                conn.execute("SAVEPOINT idem_batch")
+                    _exec(conn, MAX_ATTEMPTS_SQL, [str(r.max_attempts)])
+                curs = [(g, _exec(conn, sql, params))
+                        for g, sql, params in self._claim_statements(pending)]
+                _exec(conn, "SAVEPOINT idem_batch")
             for group, cur in curs:
-                for ordinal, decision, attempt, outcome, ms in cur.fetchall():
-                    self._decided(group[ordinal - 1], decision, attempt, outcome, ms)
+                self._claims_answered(group, cur.fetchall())
             if not any(run.claimed for run in pending):
                 conn.commit()
                 self.tx_open = False
@@ -173,8 +198,20 @@ class Batch:
             self._error(e, "idem_claim_many")
         return self
 
+    def _claim_statements(self, pending: List[Run]) -> List[Tuple[List[Run], str, List[Any]]]:
+        """One idem_claim_many per ledger: (its runs, statement, parameters)."""
+        lease = "%d milliseconds" % self.r.lease_ms
+        return [(g, self._sql("claim", p), self._keys(g, p) + [[run.fingerprint for run in g],
+                                                                 lease])
+                for p, g in self._groups(pending)]
+
+    def _claims_answered(self, group: List[Run], rows: List[Tuple[Any, ...]]) -> None:
+        for ordinal, decision, attempt, outcome, ms in rows:
+            self._decided(group[ordinal - 1], decision, attempt, outcome, ms)
+
     @staticmethod
-    def _decided(run, decision, attempt, outcome, ms):
+    def _decided(run: Run, decision: str, attempt: Optional[int], outcome: Optional[str],
+                 ms: Optional[int]) -> None:
         run.attempt = attempt
         if decision == "claimed":
             run.claimed = True
@@ -182,17 +219,17 @@ class Batch:
         run.source = SOURCE_POSTGRES
         if decision in ("completed", "failed_permanent"):
             run.status = REPLAYED if decision == "completed" else FAILED_PERMANENT
-            run.outcome = json.loads(outcome)
+            run.outcome = None if outcome is None else json.loads(outcome)
         elif decision == "busy":
             run.status = BUSY
-            run.retry_after_ms = max(1, ms or 1)
+            run._busy_for(ms)
         elif decision == "mismatch":
             run.status = MISMATCH
         else:
             raise IdemError("protocol", "unknown decision %r" % decision)
 
     @contextlib.contextmanager
-    def step(self, run):
+    def step(self, run: Run) -> Iterator[Run]:
         """One run's effect in a savepoint of its own: an exception rolls
         back only this run's statements and records its failure (a
         Failure's kind and detail, else retryable with the exception's
@@ -201,59 +238,79 @@ class Batch:
         conn = self.conn
         if not run.claimed:
             raise IdemError("state", "step() on a run that was not claimed")
-        conn.execute("SAVEPOINT idem_step")
+        _exec(conn, "SAVEPOINT idem_step")
         try:
             yield run
-        except Failure as f:
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step")
-            run.fail(f.detail, retryable=f.retryable)
         except Exception as e:
-            if conn.broken or conn.closed:
+            if not self._step_failed(run, e):
                 raise
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step")
-            run.error = e
-            run.fail({"error": type(e).__name__, "message": str(e)[:1000]}, retryable=True)
+            _exec(conn, "ROLLBACK TO SAVEPOINT idem_step")
         else:
-            if conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
-                run.fail({"error": "the step left the transaction in error"}, retryable=True)
-            conn.execute("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
-                         else "RELEASE SAVEPOINT idem_step")
+            _exec(conn, self._step_ended(run))
 
-    def __exit__(self, et, ev, tb):
+    def _step_failed(self, run: Run, e: Exception) -> bool:
+        """A step's exception: recorded as its run's failure (then rolled
+        back to the step's savepoint), or False: the batch's to handle
+        (the connection lost, or the server's state: a serialization
+        failure...)."""
+        if isinstance(e, Failure):
+            run.fail(e.detail, retryable=e.retryable)
+            return True
+        if self.conn.broken or self.conn.closed or server_state_error(e) is not None:
+            return False
+        run.error = e
+        run.fail({"error": type(e).__name__, "message": str(e)[:1000]}, retryable=True)
+        return True
+
+    def _step_ended(self, run: Run) -> str:
+        """A step that raised nothing: the statement that ends it."""
+        if self.conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
+            run.fail({"error": "the step left the transaction in error"}, retryable=True)
+        return ("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
+                else "RELEASE SAVEPOINT idem_step")
+
+    def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
+        """The end of a block whose batch claimed nothing: (rollback, error)."""
+        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+            return False, None
+        return True, None if et is not None else IdemError(
+            "state", "the block ran statements in a batch that claimed nothing (check "
+            "batch.claimed): rolled back")
+
+    def _closing(self, et: Optional[Type[BaseException]],
+                 ev: Optional[BaseException]) -> Tuple[bool, Optional[IdemError], Optional[Closing]]:
+        """What the end of a batch with claimed runs does, decided before
+        any I/O: (rollback, error, closing); closing None and no error:
+        let the block's exception propagate.  closing: (the block's
+        failure, the completed runs and outcomes, the failed runs, details
+        and kinds, suppress)."""
         conn = self.conn
-        claimed = self.claimed
-        if not claimed:
-            if conn.info.transaction_status not in (TransactionStatus.IDLE,
-                                                    TransactionStatus.UNKNOWN):
-                conn.rollback()
-                if et is None:
-                    raise IdemError("state", "the block ran statements in a batch that claimed "
-                                    "nothing (check batch.claimed): rolled back")
-            return False
         ts = conn.info.transaction_status
+        broken = conn.broken or conn.closed
         if et is not None and not issubclass(et, Exception):
-            if not (conn.broken or conn.closed) and ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
-        if conn.broken or conn.closed:
-            err = IdemError("connection", "connection lost during the batch (nothing committed)")
-            if et is not None:
-                raise err from ev
-            raise err
+            return not broken and ts != TransactionStatus.IDLE, None, None
+        if broken:
+            return False, IdemError("connection", "connection lost during the batch (nothing "
+                                    "committed)"), None
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # a serialization failure, a deadlock, a cancelled statement...:
+            # the server's state, not an answer; nothing recorded, raised again
+            return ts != TransactionStatus.IDLE, None, None
         if ts == TransactionStatus.IDLE:
-            raise IdemError("handler_ended_tx",
-                            "the block ended the batch's transaction (COMMIT or ROLLBACK): its "
-                            "effects may have committed without their idempotency keys")
+            return False, IdemError("handler_ended_tx", "the block ended the batch's transaction "
+                                    "(COMMIT or ROLLBACK): its effects may have committed "
+                                    "without their idempotency keys"), None
         block_failure, suppress = _failure_of(self, et, ev)
         if et is None and ts == TransactionStatus.INERROR:
-            conn.rollback()
-            raise IdemError("handler", "the block left the transaction in error (a failed "
-                            "statement it caught): rolled back, nothing recorded")
+            return True, IdemError("handler", "the block left the transaction in error (a "
+                                   "failed statement it caught): rolled back, nothing "
+                                   "recorded"), None
         # what each claimed run records; the block's failure (its statements
         # rolled back) fails every run that did not fail by itself
-        done, failed = [], []
+        done: List[Tuple[Run, str]] = []
+        failed: List[Tuple[Run, str, bool]] = []
         try:
-            for run in claimed:
+            for run in self.claimed:
                 failure = run._failure or block_failure
                 if failure is None:
                     done.append((run, _outcome_text({} if run.outcome is None else run.outcome,
@@ -261,39 +318,71 @@ class Batch:
                 else:
                     failed.append((run, _outcome_text(failure[0], "the failure detail"),
                                    bool(failure[1])))
-        except IdemError:
-            conn.rollback()
-            raise
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the batch (nothing committed)")
+        except IdemError as e:
+            return True, e, None
+        return False, None, (block_failure, done, failed, suppress)
+
+    def _exiting(self, et: Optional[Type[BaseException]],
+                 ev: Optional[BaseException]) -> Tuple[bool, Optional[IdemError], Optional[Closing]]:
+        """_closing, or _unclaimed_exit when the batch claimed nothing."""
+        if self.claimed:
+            return self._closing(et, ev)
+        rollback, err = self._unclaimed_exit(et)
+        return rollback, err, None
+
+    def _closing_statements(self, closing: "Closing") -> List[Statement]:
+        """The last round trip: the savepoint ended, the completions and
+        failures of each ledger, COMMIT."""
+        block_failure, done, failed, _ = closing
         retention = self.r.retention
-        try:
-            with conn.pipeline():
-                conn.execute("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
-                             else "RELEASE SAVEPOINT idem_batch")
-                for p, g in self._groups([run for run, _ in done]):
-                    texts = dict((id(run), t) for run, t in done)
-                    conn.execute(self._sql("complete", p), self._keys(g, p) +
-                                 [[texts[id(run)] for run in g], retention])
-                for p, g in self._groups([run for run, _, _ in failed]):
-                    info = dict((id(run), (t, rt)) for run, t, rt in failed)
-                    conn.execute(self._sql("fail", p), self._keys(g, p) +
-                                 [[info[id(run)][0] for run in g],
-                                  [info[id(run)][1] for run in g], retention])
-                conn.execute("COMMIT")
-        except psycopg.Error as e:
-            if conn.broken or conn.closed:
-                raise CommitUnknown("connection lost while the batch's COMMIT was in flight: "
-                                    "its effects and keys committed together or not at all; "
-                                    "redeliver, the ledger decides (%s)" % str(e).strip()) from e
-            if e.diag.sqlstate == "3B001":
-                conn.rollback()
-                raise IdemError("handler_ended_tx",
-                                "the block released the batch's savepoint") from e
-            self._error(e, "completing the batch")
+        stmts: List[Statement] = [
+            ("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
+             else "RELEASE SAVEPOINT idem_batch", None)]
+        texts = dict((id(run), t) for run, t in done)
+        for p, g in self._groups([run for run, _ in done]):
+            stmts.append((self._sql("complete", p), self._keys(g, p) +
+                          [[texts[id(run)] for run in g], retention]))
+        info = dict((id(run), (t, rt)) for run, t, rt in failed)
+        for p, g in self._groups([run for run, _, _ in failed]):
+            stmts.append((self._sql("fail", p), self._keys(g, p) +
+                          [[info[id(run)][0] for run in g],
+                           [info[id(run)][1] for run in g], retention]))
+        stmts.append(("COMMIT", None))
+        return stmts
+
+    def _closing_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The last round trip failed: (rollback, what to raise)."""
+        if self.conn.broken or self.conn.closed:
+            return False, CommitUnknown(
+                "connection lost while the batch's COMMIT was in flight: its effects and keys "
+                "committed together or not at all; redeliver, the ledger decides (%s)"
+                % str(e).strip())
+        if sqlstate_of(e) == "3B001":
+            return True, IdemError("handler_ended_tx", "the block released the batch's savepoint")
+        return True, IdemError("server", "completing the batch: %s" % str(e).strip(),
+                               sqlstate_of(e))
+
+    @staticmethod
+    def _closed(closing: "Closing") -> None:
+        """Committed: each run's result."""
+        _, done, failed, _ = closing
         for run, text in done:
             run.status, run.source, run.outcome = APPLIED, SOURCE_HANDLER, json.loads(text)
         for run, text, retryable in failed:
             run.status = FAILED_RETRYABLE if retryable else FAILED_PERMANENT
             run.source, run.outcome = SOURCE_HANDLER, json.loads(text)
-        return suppress
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
+        conn = self.conn
+        rollback, err, closing = self._exiting(et, ev)
+        if rollback:
+            conn.rollback()
+        if closing is None:
+            _raise_ending(err, ev)
+            return False
+        if _session_ended(conn):
+            raise IdemError("connection", "connection lost during the batch (nothing committed)")
+        _send(conn, self._closing_statements(closing), self._closing_failed)
+        self._closed(closing)
+        return closing[3]

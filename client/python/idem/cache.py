@@ -17,6 +17,7 @@ anything else; it does not verify the MAC (``verify`` does).
 """
 import hashlib
 import hmac
+from typing import Any, Dict, Optional, Tuple
 
 VERSION_TAG = b"idem2"
 DIGEST_LEN = 32
@@ -35,7 +36,7 @@ MARKER = "p"
 _HEX = frozenset(b"0123456789abcdef")
 
 
-def cache_key(keyspace, tenant_id, key):
+def cache_key(keyspace: str, tenant_id: Optional[int], key: bytes) -> bytes:
     """The Valkey key of a ledger row (bytes); tenant_id None: platform."""
     if len(key) != DIGEST_LEN:
         raise ValueError("a key is 32 bytes")
@@ -44,7 +45,7 @@ def cache_key(keyspace, tenant_id, key):
     return ("%st:%d:%s" % (keyspace, int(tenant_id), key.hex())).encode("ascii")
 
 
-def owner_ok(keyspace, owner_key, owner_token):
+def owner_ok(keyspace: str, owner_key: Optional[str], owner_token: Optional[str]) -> bool:
     """Are the epoch owner key and token idem_cache_secrets() gave usable
     with keyspace: both present, the token 16 lower-case hex digits, and
     the key that of the keyspace's epoch (the keyspace minus
@@ -56,22 +57,23 @@ def owner_ok(keyspace, owner_key, owner_token):
             len(owner_token) == 16 and set(owner_token) <= set("0123456789abcdef"))
 
 
-def compute_mac(secret, full_key, value):
+def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
     """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
     return hmac.new(secret, full_key + b"\x00" + value[REST_OFFSET:],
                     hashlib.sha256).digest()
 
 
-def _with_mac(secret, full_key, unsigned):
+def _with_mac(secret: bytes, full_key: bytes, unsigned: bytes) -> bytes:
     mac = compute_mac(secret, full_key, unsigned)
     return unsigned[:6] + mac.hex().encode("ascii") + unsigned[6 + 2 * MAC_LEN:]
 
 
-def _head():
+def _head() -> bytes:
     return VERSION_TAG + b" " + b"0" * (2 * MAC_LEN) + b" "
 
 
-def encode_marker(secret, key_id, full_key, expires_ms, token):
+def encode_marker(secret: bytes, key_id: int, full_key: bytes, expires_ms: int,
+                  token: bytes) -> bytes:
     """A processing marker, MACed: deadline expires_ms, 16-byte token."""
     if not (0 < key_id <= KEY_ID_MAX) or not (0 <= expires_ms <= EXPIRES_MAX) \
             or len(token) != TOKEN_LEN:
@@ -80,8 +82,8 @@ def encode_marker(secret, key_id, full_key, expires_ms, token):
     return _with_mac(secret, full_key, v)
 
 
-def encode_terminal(secret, key_id, full_key, kind, attempt, expires_ms,
-                    fingerprint, outcome):
+def encode_terminal(secret: bytes, key_id: int, full_key: bytes, kind: str, attempt: int,
+                    expires_ms: int, fingerprint: bytes, outcome: Any) -> bytes:
     """A terminal result, MACed (the worker writes these; tests plant them)."""
     if isinstance(outcome, str):
         outcome = outcome.encode("utf-8")
@@ -100,21 +102,30 @@ class Entry:
     __slots__ = ("kind", "key_id", "mac", "expires_ms", "attempt",
                  "fingerprint", "outcome", "token")
 
-    def __init__(self, **kw):
+    kind: str
+    key_id: int
+    mac: bytes
+    expires_ms: int
+    attempt: Optional[int]
+    fingerprint: Optional[bytes]
+    outcome: Optional[bytes]
+    token: Optional[bytes]
+
+    def __init__(self, **kw: Any) -> None:
         for k in self.__slots__:
             setattr(self, k, kw.get(k))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Entry(%s)" % ", ".join("%s=%r" % (k, getattr(self, k)) for k in self.__slots__)
 
 
-def _unhex(b):
+def _unhex(b: bytes) -> Optional[bytes]:
     if not all(c in _HEX for c in b):
         return None
     return bytes.fromhex(b.decode("ascii"))
 
 
-def _decimal(buf, pos, maxdigits, allow_zero):
+def _decimal(buf: bytes, pos: int, maxdigits: int, allow_zero: bool) -> Optional[Tuple[int, int]]:
     """(value, next pos) of a decimal field ending at a blank, or None."""
     p = pos
     while p < len(buf) and 48 <= buf[p] <= 57 and p - pos < maxdigits:
@@ -126,7 +137,7 @@ def _decimal(buf, pos, maxdigits, allow_zero):
     return int(buf[pos:p]), p + 1
 
 
-def parse(value):
+def parse(value: bytes) -> Optional[Entry]:
     """Decode an idem2 value (bytes); None when malformed or another version."""
     buf = bytes(value)
     n = len(buf)
@@ -175,7 +186,7 @@ def parse(value):
                  attempt=attempt, fingerprint=fp, outcome=buf[pos + 1:])
 
 
-def verify(secrets, full_key, value, entry):
+def verify(secrets: Dict[int, bytes], full_key: bytes, value: bytes, entry: Entry) -> bool:
     """Whether entry (parsed from value) carries a MAC made with the secret
     of its key id over full_key; secrets maps key id to secret bytes."""
     secret = secrets.get(entry.key_id)

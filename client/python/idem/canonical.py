@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import struct
+from typing import Any, Dict, List, NoReturn, Tuple
 
 MAX_DEPTH = 512                 # as the C client: deeper nesting is refused
 NUMERIC_DSCALE_MAX = 16383
@@ -36,11 +37,11 @@ class _Canon:
     """Canonical text of a value already converted (a number or an object)."""
     __slots__ = ("text",)
 
-    def __init__(self, text):
+    def __init__(self, text: str) -> None:
         self.text = text
 
 
-def canonical_number(s):
+def canonical_number(s: str) -> str:
     """``numeric_out(numeric_in(s))`` for a JSON number token ``s``."""
     neg = s[0] == "-"
     body = s[1:] if neg else s
@@ -87,7 +88,7 @@ _ESC = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n",
 _NEEDS_ESC = re.compile(r'["\\\x00-\x1f]')
 
 
-def _string(s):
+def _string(s: str) -> str:
     if "\x00" in s:
         raise RequestError("unsupported Unicode escape sequence: \\u0000 cannot be converted to text")
     try:
@@ -98,7 +99,7 @@ def _string(s):
         lambda m: _ESC.get(m.group(0)) or "\\u%04x" % ord(m.group(0)), s) + '"'
 
 
-def _emit(v):
+def _emit(v: Any) -> str:
     if isinstance(v, _Canon):
         return v.text
     if isinstance(v, str):
@@ -117,8 +118,8 @@ def _emit(v):
     raise RequestError("unexpected value %r" % (v,))
 
 
-def _object(pairs):
-    members = {}
+def _object(pairs: List[Tuple[str, Any]]) -> _Canon:
+    members: Dict[str, Any] = {}
     for k, v in pairs:
         members[k] = v              # the last duplicate wins, as in jsonb
     enc = []
@@ -129,14 +130,14 @@ def _object(pairs):
     return _Canon("{" + ", ".join(e[2] + ": " + _emit(e[3]) for e in enc) + "}")
 
 
-def _constant(name):
+def _constant(name: str) -> NoReturn:
     raise RequestError("invalid input syntax for type json: %s" % name)
 
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 
 
-def _check_depth(text):
+def _check_depth(text: str) -> None:
     depth = 0
     for ch in _STRINGS.sub("", text):
         if ch in "[{":
@@ -147,7 +148,7 @@ def _check_depth(text):
             depth -= 1
 
 
-def canonical_json(request):
+def canonical_json(request: Any) -> str:
     """The canonical jsonb text of ``request`` (str).
 
     ``request`` is JSON text (``str``, or ``bytes`` in UTF-8), or a Python
@@ -185,12 +186,12 @@ def canonical_json(request):
         raise RequestError("request nested too deep") from None
 
 
-def fingerprint(request):
+def fingerprint(request: Any) -> bytes:
     """SHA-256 of the canonical text: SQL ``idem_fingerprint(request::jsonb)``."""
     return hashlib.sha256(canonical_json(request).encode("utf-8")).digest()
 
 
-def _text_bytes(s, what):
+def _text_bytes(s: Any, what: str) -> bytes:
     if not isinstance(s, str):
         raise TypeError("%s must be a str" % what)
     if "\x00" in s:
@@ -201,7 +202,7 @@ def _text_bytes(s, what):
         raise ValueError("%s is not valid Unicode (a lone surrogate)" % what) from None
 
 
-def idem_key(scope, id):
+def idem_key(scope: str, id: str) -> bytes:
     """SQL ``idem_key(scope, id)``: 32 bytes."""
     a = _text_bytes(scope, "scope")
     b = _text_bytes(id, "id")

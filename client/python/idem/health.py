@@ -3,7 +3,7 @@ client's health.c).
 
 A Valkey that does not answer, refuses AUTH (WRONGPASS) or wants a password
 (NOAUTH) makes the runner rest: PostgreSQL alone decides for
-``valkey_retry_ms``.  An epoch owner key that has not held the server's
+``valkey_retry``.  An epoch owner key that has not held the server's
 token for OWNER_GRACE_S in a row, the node answering, means this is not the
 Valkey the server's worker writes to (or that worker cannot reach it): the
 runner rests as for a Valkey that is down.  Each problem is counted in
@@ -101,8 +101,8 @@ class Health:
             self.untold[kind] = 0
             if rests:
                 self.said = kind
-        tail = (": running on PostgreSQL only, Valkey is tried again in %d ms"
-                % self.r.valkey_retry_ms) if rests else ": PostgreSQL decides"
+        tail = (": running on PostgreSQL only, Valkey is tried again in %g s"
+                % (self.r.valkey_retry_ms / 1000.0)) if rests else ": PostgreSQL decides"
         if more:
             tail += " (%d more time%s since the last notice)" % (more, "" if more == 1 else "s")
         self._emit(logging.WARNING, "%s%s%s%s" % (self.where(), sep, why, tail))
@@ -167,8 +167,8 @@ class Health:
         key = owner_key.decode("ascii", "replace") if isinstance(owner_key, bytes) else owner_key
         self._tell(NOT_SERVERS,
                    "is not the server's: its epoch owner key %s has %s, not the token "
-                   "idem_cache_secrets() names, for %d ms (point the runner at the Valkey "
+                   "idem_cache_secrets() names, for %.1f s (point the runner at the Valkey "
                    "the server's worker writes to, idem.valkey_host and idem.valkey_port; "
                    "or that worker cannot reach it)"
                    % (key, "no value" if value is None else "another value",
-                      int(lasted * 1000)), True, " ")
+                      lasted), True, " ")

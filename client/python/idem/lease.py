@@ -5,17 +5,22 @@ of its own.  At-least-once for the effect (a holder that dies after it and
 before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
-import json
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
-from .errors import CommitUnknown, IdemError
-from .pg import _session_ended
-from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER, Run,
-                     _failure_of, _outcome_text)
-from .run import _RunContext
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
+                 server_state_error, sqlstate_of)
+from .result import (FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text,
+                     _recorded_text)
+from .run import Ending, _RunContext
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 
 class LeaseLost(IdemError):
@@ -23,20 +28,21 @@ class LeaseLost(IdemError):
     the key over (or has already finished it).  The effect may have run
     twice; the ledger keeps the later attempt's outcome."""
 
-    def __init__(self, message, sqlstate="55000"):
+    def __init__(self, message: str, sqlstate: Optional[str] = "55000") -> None:
         super().__init__("lease_lost", message, sqlstate)
 
 
 class Lease(Run):
     """A run in lease mode: ``claimed``, ``attempt`` (the fence),
-    ``lease_ms`` (the lease it holds), and after the block the result."""
+    ``duration`` (the lease it holds, in seconds), and after the block the
+    result."""
 
-    def __init__(self, *a):
+    def __init__(self, *a: Any) -> None:
         super().__init__(*a)
-        self.lease_ms = None
+        self.duration: Optional[float] = None
         self.deferred = False
 
-    def defer(self):
+    def defer(self) -> None:
         """Inside the block: record nothing now; the key is completed later
         (``runner.complete(..., attempt=lease.attempt)``), from any process,
         before the lease ends."""
@@ -45,7 +51,7 @@ class Lease(Run):
         self.deferred = True
 
 
-def _fenced_sql(schema, tenant_id, failure):
+def _fenced_sql(schema: str, tenant_id: Optional[int], failure: Optional[FailureSpec]) -> str:
     if tenant_id is None:
         return ("SELECT %s.idem_platform_fail(%%s, %%s::jsonb, %%s, %%s::interval, %%s)" if failure
                 else "SELECT %s.idem_platform_complete(%%s, %%s::jsonb, %%s::interval, %%s)") % schema
@@ -53,8 +59,9 @@ def _fenced_sql(schema, tenant_id, failure):
             else "SELECT %s.idem_complete(%%s, %%s, %%s::jsonb, %%s::interval, %%s)") % schema
 
 
-def fenced_params(tenant_id, key, text, failure, retention, attempt):
-    p = [key] if tenant_id is None else [tenant_id, key]
+def fenced_params(tenant_id: Optional[int], key: bytes, text: str,
+                  failure: Optional[FailureSpec], retention: Any, attempt: Any) -> List[Any]:
+    p: List[Any] = [key] if tenant_id is None else [tenant_id, key]
     p.append(text)
     if failure is not None:
         p.append(bool(failure[1]))
@@ -64,131 +71,149 @@ def fenced_params(tenant_id, key, text, failure, retention, attempt):
 class _LeaseContext(_RunContext):
     """The gate, then a claim that commits alone with a lease; after the
     block, the fenced completion (or failure) in a transaction of its own."""
-    run_class = Lease
+    run_class: Type[Run] = Lease
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, lease_ms=None,
-                 delivery_count=0):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, lease_ms: Optional[int] = None,
+                 delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
                          delivery_count=delivery_count)
         lease_ms = runner.lease_ms if lease_ms is None else int(lease_ms)
         if not (0 < lease_ms <= 2147483647):
-            raise IdemError("argument", "lease_ms must be positive")
+            raise IdemError("argument", "the lease must be positive")
         self.lease_ms = lease_ms
-        self.run.lease_ms = lease_ms
+        self.lease = cast(Lease, self.run)
+        self.lease.duration = lease_ms / 1000.0
+
+    def _lease_claim_failed(self, e: psycopg.Error) -> Optional[IdemError]:
+        """The committed claim's round trip failed: what to raise if the
+        connection is lost (None: a statement error)."""
+        if not self._broken():
+            return None
+        # the claim may have committed: the key then answers busy until its
+        # lease ends, and a redelivery takes it over
+        return IdemError("connection", "connection lost while the lease-mode claim was in "
+                         "flight (if it committed, the key is busy until its lease ends): %s"
+                         % str(e).strip())
+
+    def _claim_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.lease_ms]
 
     # step 3b: the claim, committed alone, with its lease given explicitly
-    def _claim(self):
-        run, conn = self.run, self.conn
+    def _claim(self) -> None:
+        conn = self.conn
         if _session_ended(conn):
             raise IdemError("connection", "connection lost before the claim was sent "
                             "(nothing committed)")
         try:
-            with conn.pipeline():
-                if conn.autocommit:
-                    conn.execute("BEGIN")
-                self._set_max_attempts()
-                cur = conn.execute(self._sql("claim"), self._key_params() +
-                                   [run.fingerprint, "%d milliseconds" % self.lease_ms])
-                conn.execute("COMMIT")
+            cur = self._committed_alone(self._sql("claim"), self._claim_params())
         except psycopg.Error as e:
-            if self._broken():
-                # the claim may have committed: the key then answers busy
-                # until its lease ends, and a redelivery takes it over
-                raise IdemError("connection", "connection lost while the lease-mode claim "
-                                "was in flight (if it committed, the key is busy until its "
-                                "lease ends): %s" % str(e).strip()) from e
+            err = self._lease_claim_failed(e)
+            if err is not None:
+                raise err from e
             self._pg_error(e, "idem_claim")
-        decision, attempt, outcome, ms = cur.fetchone()
-        if decision == "claimed":
-            run.claimed = True
-            run.attempt = attempt
-            return
-        self._claim_decided(decision, attempt, outcome, ms)
+        self._claimed(_one(cur), None)
 
-    def __exit__(self, et, ev, tb):
+    def __enter__(self) -> Lease:
+        super().__enter__()
+        return self.lease
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
         run = self.run
         if not run.claimed:
             return super().__exit__(et, ev, tb)
         try:
-            return self._settle(et, ev)
+            return self._finish(et, ev)
         finally:
-            if self.own_marker and run.status in (None, FAILED_RETRYABLE):
+            if self._drops_marker():
                 self._drop_marker()
 
-    def _settle(self, et, ev):
-        run, conn = self.run, self.conn
+    def _drops_marker(self) -> bool:
+        """After the block: our marker goes unless a terminal row's copy
+        will overwrite it."""
+        return self.own_marker and self.run.status in (None, FAILED_RETRYABLE)
+
+    lost_before_end = ("connection lost before the completion was sent (nothing recorded; "
+                       "the lease ends it)")
+
+    def _ending(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
+        """What the end of a claimed lease's block does, decided before any
+        I/O, as _RunContext._ending: (rollback, error, failure, text,
+        suppress); text None and no error: nothing recorded (the lease ends
+        it, or the completion is deferred)."""
+        run, conn = self.lease, self.conn
+        ts = conn.info.transaction_status
         if et is not None and not issubclass(et, Exception):
-            return False        # KeyboardInterrupt...: the lease ends it
+            return False, None, None, None, False   # KeyboardInterrupt...: the lease ends it
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # the server's state (a serialization failure...), not the
+            # block's answer: nothing recorded (the lease ends it), raised again
+            return not self._broken() and ts != TransactionStatus.IDLE, None, None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and run.deferred:
-            return False        # completed later, by attempt
-        ts = conn.info.transaction_status
-        if ts == TransactionStatus.INERROR:
-            conn.rollback()
-            if et is None:
-                raise IdemError("handler", "the block left the connection's transaction in "
-                                "error: rolled back, nothing recorded (the lease ends it)")
-        if failure is None:
-            try:
-                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            except IdemError:
-                if ts == TransactionStatus.INTRANS:
-                    conn.rollback()
-                raise
-        else:
-            try:
-                text = _outcome_text(failure[0], "the failure detail")
-            except IdemError:
-                if et is None or suppress:
-                    raise
-                text = _outcome_text({"error": et.__name__}, "the failure detail")
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost before the completion was sent "
-                            "(nothing recorded; the lease ends it)")
-        # one round trip: the fenced completion and COMMIT (with whatever the
-        # block left open on this connection)
-        try:
-            with conn.pipeline():
-                if conn.info.transaction_status == TransactionStatus.IDLE and conn.autocommit:
-                    conn.execute("BEGIN")
-                conn.execute(_fenced_sql(self.st.schema, run.tenant_id, failure),
-                             fenced_params(run.tenant_id, run.key, text, failure,
-                                           self.r.retention, run.attempt))
-                conn.execute("COMMIT")
-        except psycopg.Error as e:
-            if self._broken():
-                raise CommitUnknown("connection lost while the completion's COMMIT was in "
-                                    "flight: redeliver, the ledger decides (%s)"
-                                    % str(e).strip()) from e
-            raise _completion_error(conn, e) from e
-        run.source = SOURCE_HANDLER
-        run.outcome = json.loads(text)
-        if failure is None:
-            run.status = APPLIED
-        else:
-            run.status = FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
-        if run.status != FAILED_RETRYABLE:
-            self.own_marker = False     # left for the worker's copy
-        return suppress
+            return False, None, None, None, False   # completed later, by attempt
+        if ts == TransactionStatus.INERROR and et is None:
+            return True, IdemError("handler", "the block left the connection's transaction in "
+                                   "error: rolled back, nothing recorded (the lease ends it)"), \
+                None, None, False
+        rollback = ts == TransactionStatus.INERROR      # then the failure is recorded
+        text, err = _recorded_text(run, failure, et, suppress)
+        if err is not None:
+            return rollback or (failure is None and ts == TransactionStatus.INTRANS), err, \
+                None, None, False
+        return rollback, None, failure, text, suppress
+
+    def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
+        """One round trip: the fenced completion (or failure) and COMMIT,
+        with whatever the block left open on this connection."""
+        run = self.lease
+        begin: List[Statement] = [("BEGIN", None)] if (
+            self.conn.info.transaction_status == TransactionStatus.IDLE and
+            self.conn.autocommit) else []
+        return begin + [(_fenced_sql(self.st.schema, run.tenant_id, failure),
+                         fenced_params(run.tenant_id, run.key, text, failure, self.r.retention,
+                                       run.attempt)),
+                        ("COMMIT", None)]
+
+    def _ending_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The completion's round trip failed: (rollback, what to raise)."""
+        if self._broken():
+            return False, CommitUnknown("connection lost while the completion's COMMIT was in "
+                                        "flight: redeliver, the ledger decides (%s)"
+                                        % str(e).strip())
+        return True, _refused(e)
 
 
-def _completion_error(conn, e):
-    """A refused completion: roll back, and say why."""
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
-    state = getattr(e.diag, "sqlstate", None)
+def _refused(e: psycopg.Error) -> IdemError:
+    """A refused completion: why."""
+    state = sqlstate_of(e)
     if state == "55000":
         return LeaseLost(str(e).strip())
     return IdemError("server", "completing the lease: %s" % str(e).strip(), state)
 
 
-def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failure=None):
+def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+           attempt: int, outcome: Any = None, failure: Optional[FailureSpec] = None) -> None:
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
-    st = runner._state(conn)
+    _check_conn(conn)
+    try:
+        st = runner._state(conn)
+    except psycopg.Error as e:
+        _raise_pg_error(conn, e, "learning the schema")
+    try:
+        _exec(conn, *settle_statement(runner, st, tenant_id, scope, run_id, attempt, outcome,
+                                      failure))
+    except psycopg.Error as e:
+        raise settle_failed(conn, e) from e
+
+
+def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope: str,
+                     run_id: str, attempt: int, outcome: Any,
+                     failure: Optional[FailureSpec]) -> Tuple[str, List[Any]]:
+    """runner.complete's (or fail's) fenced statement and parameters."""
     if tenant_id is not None:
         tenant_id = int(tenant_id)
     try:
@@ -199,17 +224,19 @@ def settle(runner, conn, tenant_id, scope, run_id, attempt, outcome=None, failur
         text = _outcome_text({} if outcome is None else outcome, "the outcome")
     else:
         text = _outcome_text(failure[0], "the failure detail")
-    try:
-        conn.execute(_fenced_sql(st.schema, tenant_id, failure),
-                     fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
-    except psycopg.Error as e:
-        if conn.broken or conn.closed:
-            if conn.autocommit:
-                raise CommitUnknown("connection lost while the completion was in flight: "
-                                    "look the key up (%s)" % str(e).strip()) from e
-            raise IdemError("connection", "connection lost (the transaction with the "
-                            "completion did not commit): %s" % str(e).strip()) from e
-        state = getattr(e.diag, "sqlstate", None)
-        if state == "55000":
-            raise LeaseLost(str(e).strip()) from e
-        raise IdemError("server", str(e).strip(), state) from e
+    return (_fenced_sql(st.schema, tenant_id, failure),
+            fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
+
+
+def settle_failed(conn: Any, e: psycopg.Error) -> IdemError:
+    """runner.complete's statement failed: why."""
+    if conn.broken or conn.closed:
+        if conn.autocommit:
+            return CommitUnknown("connection lost while the completion was in flight: look "
+                                 "the key up (%s)" % str(e).strip())
+        return IdemError("connection", "connection lost (the transaction with the completion "
+                         "did not commit): %s" % str(e).strip())
+    state = sqlstate_of(e)
+    if state == "55000":
+        return LeaseLost(str(e).strip())
+    return IdemError("server", str(e).strip(), state)

@@ -1,26 +1,167 @@
-"""The PostgreSQL connection as every form sees it: a statement's error
-(nothing committed: the connection was lost, or the transaction is rolled
-back here), and whether the server ended the session meanwhile."""
+"""The PostgreSQL connection as every form sees it: how the runner sends
+its own statements (_exec, _pipeline), a statement's error (nothing
+committed: the connection was lost, or the transaction is rolled back
+here), an error that is the server's state rather than the block's answer,
+and whether the server ended the session meanwhile.
+
+The runner's statements are never named prepared statements, whatever the
+connection's prepare_threshold, so they are safe behind a transaction
+pooler (pgbouncer in transaction mode), where a named statement prepared
+on one server connection meets another client's on the next; and their
+rows are tuples, whatever the connection's row_factory."""
+import contextlib
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
+
 import psycopg
+from psycopg.rows import tuple_row
 
 from .errors import IdemError
 
+# SQLSTATE classes that are the server's state, not the block's answer
+# (idem_apply's apply_error_is_servers): serialization failure and
+# deadlock (40), insufficient resources (53), operator intervention, a
+# cancelled statement among them (57), system errors (58), internal
+# errors (XX).  Raised again, nothing recorded.
+SERVER_STATE_CLASSES = ("40", "53", "57", "58", "XX")
 
-def _raise_pg_error(conn, e, what):
+# The runner's idem.max_attempts, for its claims' transactions.
+MAX_ATTEMPTS_SQL = "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)"
+
+# The connection every form is given (any row factory).
+Conn = psycopg.Connection[Any]
+
+def _check_conn(conn: Any, asynchronous: bool = False) -> None:
+    """idem.Runner takes a psycopg Connection, idem.aio.AsyncRunner an
+    AsyncConnection."""
+    if asynchronous:
+        if not isinstance(conn, psycopg.AsyncConnection):
+            raise IdemError("argument", "conn must be a psycopg.AsyncConnection, not %s "
+                            "(idem.Runner is the synchronous runner)" % type(conn).__name__)
+    elif not isinstance(conn, psycopg.Connection):
+        raise IdemError("argument", "conn must be a psycopg.Connection, not %s%s"
+                        % (type(conn).__name__,
+                           " (the runner is synchronous: idem.aio.AsyncRunner takes an "
+                           "AsyncConnection)" if isinstance(conn, psycopg.AsyncConnection)
+                           else ""))
+
+
+def _exec(conn: "psycopg.Connection[Any]", query: str,
+          params: Optional[Sequence[Any]] = None) -> "psycopg.Cursor[Tuple[Any, ...]]":
+    """One of the runner's statements: unnamed (prepare=False, one parse
+    per execution, no extra round trip), rows as tuples."""
+    cur = conn.cursor(row_factory=tuple_row)
+    cur.execute(query, params, prepare=False)
+    return cur
+
+
+def _one(cur: "psycopg.Cursor[Tuple[Any, ...]]") -> Tuple[Any, ...]:
+    """The one row a statement of the runner returns."""
+    row = cur.fetchone()
+    if row is None:
+        raise IdemError("protocol", "a statement of the runner returned no row")
+    return row
+
+
+@contextlib.contextmanager
+def _pipeline(conn: "psycopg.Connection[Any]") -> Iterator[None]:
+    """conn.pipeline() whose end, after an error, stays quiet: psycopg
+    would log "error ignored terminating ...: pipeline aborted" (a WARNING
+    on stderr without a logging setup) for the statements after the first
+    error, which is the one raised here."""
+    cm = conn.pipeline()
+    cm.__enter__()
+    try:
+        yield
+    except BaseException:
+        try:
+            cm.__exit__(None, None, None)
+        except Exception:
+            pass            # what follows the first error: "pipeline aborted"
+        raise
+    cm.__exit__(None, None, None)
+
+
+def sqlstate_of(e: BaseException) -> Optional[str]:
+    """The SQLSTATE of a psycopg error, else None."""
+    diag = getattr(e, "diag", None)
+    state = getattr(diag, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
+    """The psycopg error of a server-state class (SERVER_STATE_CLASSES) that
+    e is, or that e was raised from (its __cause__ or __context__ chain),
+    else None."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, psycopg.Error):
+            state = sqlstate_of(e)
+            if state is not None and state[:2] in SERVER_STATE_CLASSES:
+                return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+# A statement and its parameters.
+Statement = Tuple[str, Optional[List[Any]]]
+
+
+def _send(conn: "psycopg.Connection[Any]", statements: List[Statement],
+          failed: Callable[[psycopg.Error], Tuple[bool, IdemError]]
+          ) -> "List[psycopg.Cursor[Tuple[Any, ...]]]":
+    """statements in one round trip (pipelined): their cursors.  After an
+    error, failed(e) says whether to roll back, and what to raise."""
+    try:
+        with _pipeline(conn):
+            curs = [_exec(conn, sql, params) for sql, params in statements]
+        return curs
+    except psycopg.Error as e:
+        rollback, err = failed(e)
+        if rollback:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                pass
+        raise err from e
+
+
+def _as_is(e: psycopg.Error) -> Tuple[bool, IdemError]:
+    """For _send: the statement's error itself, for the caller to judge."""
+    raise e
+
+
+def _raise_ending(err: Optional[IdemError], ev: Optional[BaseException]) -> None:
+    """A block's end that records nothing: raise its error, if any (from
+    the block's exception when the connection was lost under it)."""
+    if err is None:
+        return
+    if ev is not None and err.code == "connection":
+        raise err from ev
+    raise err
+
+
+def _pg_error_of(conn: Any, e: psycopg.Error, what: str) -> IdemError:
+    """What a statement's error is: the connection lost, or an error of
+    the server (the caller rolls back); nothing committed either way."""
+    if conn.broken or conn.closed:
+        return IdemError("connection", "%s: connection lost (nothing committed): %s" % (what, e))
+    return IdemError("server", "%s: %s" % (what, str(e).strip()), sqlstate_of(e))
+
+
+def _raise_pg_error(conn: "psycopg.Connection[Any]", e: psycopg.Error, what: str) -> NoReturn:
     """A statement's error: nothing committed (the connection lost, or the
     transaction rolled back here)."""
-    if conn.broken or conn.closed:
-        raise IdemError("connection", "%s: connection lost (nothing committed): %s"
-                        % (what, e)) from e
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
-    raise IdemError("server", "%s: %s" % (what, str(e).strip()),
-                    getattr(e.diag, "sqlstate", None)) from e
+    err = _pg_error_of(conn, e, what)
+    if err.code == "server":
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            pass
+    raise err from e
 
 
-def _session_ended(conn):
+def _session_ended(conn: Any) -> bool:
     """Has the server ended this session (pg_terminate_backend, a restart)?
     Reads, without blocking, what it sent meanwhile (libpq reads the
     server's FATAL message, then its end of stream)."""
@@ -29,4 +170,4 @@ def _session_ended(conn):
             conn.pgconn.consume_input()
         except psycopg.OperationalError:
             break
-    return conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD
+    return bool(conn.broken or conn.closed or conn.pgconn.status == psycopg.pq.ConnStatus.BAD)

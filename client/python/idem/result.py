@@ -5,10 +5,15 @@ the request and outcome rules (canonical.py, cache.py's OUTCOME_MAX) and
 talks to no server."""
 import hashlib
 import json
+from typing import Any, List, Optional, Tuple, Type, TypeVar
 
 from . import cache
 from .canonical import RequestError, canonical_json, idem_key
 from .errors import Failure, IdemError
+
+R = TypeVar("R", bound="Run")
+# A recorded failure: (detail, retryable).
+FailureSpec = Tuple[Any, bool]
 
 # Statuses (the C client's idem_status_name) and sources.
 APPLIED = "applied"
@@ -27,52 +32,56 @@ class Run:
     and, once decided, the result (``status``, ``source``, ``outcome``,
     ``retry_after``)."""
 
-    def __init__(self, tenant_id, scope, run_id, request_text, key, fp):
+    def __init__(self, tenant_id: Optional[int], scope: str, run_id: str, request_text: str,
+                 key: bytes, fp: bytes) -> None:
         self.tenant_id = tenant_id
         self.scope = scope
         self.run_id = run_id
         self.request = request_text         # canonical JSON text
         self.key = key
         self.fingerprint = fp
-        self.status = None
-        self.source = None
-        self.attempt = None
-        self.outcome = None
-        self.retry_after_ms = None
+        self.status: Optional[str] = None
+        self.source: Optional[str] = None
+        self.attempt: Optional[int] = None
+        self.outcome: Any = None
+        self.retry_after: Optional[float] = None   # seconds to wait before redelivering (busy)
         self.valkey_used = False
         self.claimed = False
-        self.first = None                   # first_sql's rows, once claimed
-        self.first_error = None             # or its error (the transaction is in error)
-        self.error = None                   # the exception a batch step recorded
-        self._failure = None                # (detail, retryable) from fail()
+        self.first: Optional[List[Any]] = None     # first_sql's rows, once claimed
+        self.first_error: Optional[BaseException] = None  # or its error (the transaction is in error)
+        self.error: Optional[BaseException] = None  # the exception a batch step recorded
+        self._failure: Optional[FailureSpec] = None  # (detail, retryable) from fail()
+
+    def _busy_for(self, ms: Optional[int]) -> None:
+        """Busy for ms more milliseconds (at least one)."""
+        self.retry_after = max(1, ms or 1) / 1000.0
 
     @property
-    def retry_after(self):
-        """Seconds to wait before redelivering (busy), else None."""
-        return None if self.retry_after_ms is None else self.retry_after_ms / 1000.0
-
-    @property
-    def done(self):
+    def done(self) -> bool:
         """applied or replayed: the effect is in the ledger; ack."""
         return self.status in (APPLIED, REPLAYED)
 
-    def fail(self, detail=None, retryable=False):
+    def fail(self, detail: Any = None, retryable: bool = False) -> None:
         """Inside the block: record a failure instead of completing (the
         block's statements are rolled back to the savepoint)."""
         if not self.claimed:
             raise IdemError("state", "fail() on a run that was not claimed")
         self._failure = ({} if detail is None else detail, bool(retryable))
 
-    def __repr__(self):
-        return "Run(status=%r, source=%r, attempt=%r, outcome=%r, retry_after_ms=%r)" % (
-            self.status, self.source, self.attempt, self.outcome, self.retry_after_ms)
+    def __repr__(self) -> str:
+        return "Run(status=%r, source=%r, attempt=%r, outcome=%r, retry_after=%r)" % (
+            self.status, self.source, self.attempt, self.outcome, self.retry_after)
 
 
-def _make_run(cls, tenant_id, scope, run_id, request):
+def _make_run(cls: Type[R], tenant_id: Any, scope: str, run_id: str, request: Any) -> R:
     """A Run (or subclass) for one delivery: its key, canonical request and
     fingerprint."""
     if tenant_id is not None:
-        tenant_id = int(tenant_id)
+        try:
+            tenant_id = int(tenant_id)
+        except (TypeError, ValueError):
+            raise IdemError("argument", "the tenant must be an int (None: the platform "
+                            "ledger), not %r" % (tenant_id,)) from None
     try:
         text = canonical_json(request)
     except RequestError as e:
@@ -84,12 +93,12 @@ def _make_run(cls, tenant_id, scope, run_id, request):
     return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
 
 
-def _result_from_cache(run, e):
+def _result_from_cache(run: Run, e: cache.Entry) -> bool:
     """run replayed (or failed_permanent) from e, a trusted terminal value
     read from Valkey (the C client's idemc_result_from_cache).  False, run
     untouched, if its outcome is not JSON."""
     try:
-        outcome = json.loads(e.outcome.decode("utf-8"))
+        outcome = json.loads((e.outcome or b"").decode("utf-8"))
     except ValueError:
         return False
     run.outcome = outcome
@@ -99,20 +108,37 @@ def _result_from_cache(run, e):
     return True
 
 
-def _failure_of(run, et, ev):
+def _failure_of(run: Any, et: Optional[Type[BaseException]],
+                ev: Optional[BaseException]) -> Tuple[Optional[FailureSpec], bool]:
     """What a block that ended with exception type et (None: none) records:
     (failure, suppress), failure (detail, retryable) or None (complete).
     A Failure raised in the block is recorded and suppressed (as
     run.fail(detail)); any other exception is recorded as retryable and
     propagates."""
-    if et is not None and issubclass(et, Failure):
+    if isinstance(ev, Failure):
         return (ev.detail, ev.retryable), True
     if et is not None:
         return ({"error": et.__name__, "message": str(ev)[:1000]}, True), False
     return run._failure, False
 
 
-def _outcome_text(outcome, what):
+def _recorded_text(run: Run, failure: Optional[FailureSpec], et: Optional[Type[BaseException]],
+                   suppress: bool) -> Tuple[Optional[str], Optional[IdemError]]:
+    """What the end of a block records, checked before anything is sent:
+    the outcome as jsonb text, or the failure's detail (the exception's
+    type name when the detail is not JSON and the exception propagates
+    anyway); else None and the IdemError saying why not."""
+    try:
+        if failure is None:
+            return _outcome_text({} if run.outcome is None else run.outcome, "the outcome"), None
+        return _outcome_text(failure[0], "the failure detail"), None
+    except IdemError as e:
+        if failure is None or et is None or suppress:
+            return None, e
+        return _outcome_text({"error": et.__name__}, "the failure detail"), None
+
+
+def _outcome_text(outcome: Any, what: str) -> str:
     try:
         text = canonical_json(outcome)
     except RequestError as e:

@@ -6,17 +6,30 @@ own step 3b; the Runner (runner.py) hands it its Valkey client and the
 session's state."""
 import json
 import os
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple, Type
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
-from .pg import _raise_pg_error, _session_ended
+from .errors import CommitUnknown, Failure, IdemError
+from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one, _pipeline,
+                 _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run,
-                     _failure_of, _make_run, _outcome_text, _result_from_cache)
-from .trust import _wall_ms
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
+                     _failure_of, _make_run, _recorded_text, _result_from_cache)
+from .trust import _ConnState, _wall_ms
+
+# The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
+Gate = Tuple[bool, bool, bool, bool]
+# What a block's end does (_RunContext._ending): (rollback, error,
+# failure, text, suppress).
+Ending = Tuple[bool, Optional[IdemError], Optional[FailureSpec], Optional[str], bool]
+
+if TYPE_CHECKING:
+    from .runner import Runner
 
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
@@ -24,10 +37,16 @@ MARKER_CHEAP_MS = 1000
 
 
 class _RunContext:
-    run_class = Run
+    """``with runner.run(...) as run:`` (Runner.run): the gate and the
+    claim on entry, the completion or failure, and COMMIT, on exit."""
+    run_class: Type[Run] = Run
+    asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
-    def __init__(self, runner, conn, tenant_id, scope, run_id, request, *,
-                 delivery_count=0, first_sql=None, first_params=None):
+    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+                 run_id: str, request: Any, *, delivery_count: int = 0,
+                 first_sql: Optional[str] = None,
+                 first_params: Optional[Sequence[Any]] = None) -> None:
+        _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
         if delivery_count is None or int(delivery_count) < 0:
@@ -38,14 +57,14 @@ class _RunContext:
         self.first_sql = first_sql
         self.first_params = first_params
         self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
-        self.ckey = None
-        self.marker = None
+        self.ckey = b""
+        self.marker = b""
         self.own_marker = False
         self.tx_open = False
-        self.st = None
+        self.st = _ConnState(0)     # the session's, once entered
 
     # -- SQL --
-    def _sql(self, name):
+    def _sql(self, name: str) -> str:
         s = self.st.schema
         plat = self.run.tenant_id is None
         ms = "floor(extract(epoch FROM %s.expires_at - clock_timestamp()) * 1000)::bigint"
@@ -65,11 +84,12 @@ class _RunContext:
                     "SELECT %s.idem_fail(%%s, %%s, %%s::jsonb, %%s, %%s::interval)") % s
         raise KeyError(name)
 
-    def _key_params(self):
+    def _key_params(self) -> List[Any]:
         k = self.run.key
         return [k] if self.run.tenant_id is None else [self.run.tenant_id, k]
 
-    def _decide(self, status, source, attempt=None, outcome_text=None):
+    def _decide(self, status: str, source: str, attempt: Optional[int] = None,
+                outcome_text: Optional[str] = None) -> None:
         run = self.run
         run.status, run.source = status, source
         if attempt is not None:
@@ -77,56 +97,70 @@ class _RunContext:
         if outcome_text is not None:
             run.outcome = json.loads(outcome_text)
 
-    def _broken(self):
+    def _broken(self) -> bool:
         return self.conn.broken or self.conn.closed
 
-    def _pg_error(self, e, what):
+    def _pg_error(self, e: psycopg.Error, what: str) -> NoReturn:
         """An error from a statement: roll back what can be, release the marker."""
         self._drop_marker()
         _raise_pg_error(self.conn, e, what)
 
-    def _drop_marker(self):
+    def _drop_marker(self) -> None:
         if self.own_marker:
             self.own_marker = False
             self.r._release(self.ckey, self.marker)
 
     # -- step 2: the gate --
-    def _gate(self):
-        """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
+    def _gate_marker(self) -> Optional[Gate]:
+        """Before the gate: its answer if there is no asking Valkey, else
+        None, our marker made (ckey, marker)."""
         r, run = self.r, self.run
         if not r._valkey_ok():
             return False, r.valkey is not None, False, False
-        if self.st.keyspace is None or self.st.owner_suspect:
+        current = self.st.current
+        if self.st.keyspace is None or current is None or self.st.owner_suspect:
             return False, False, False, False
         self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
-        self.marker = cache.encode_marker(self.st.secrets[self.st.current], self.st.current,
+        self.marker = cache.encode_marker(self.st.secrets[current], current,
                                           self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
-        try:
-            r._check_cluster()
-            # one round trip: the gate, and the epoch's owner key (on a
-            # cluster each node's share is sent before any reply is read);
-            # get=True: redis-py then returns SET's reply as it is
-            pipe = r.valkey.pipeline(transaction=False)
-            pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX",
-                                 str(r.lease_ms), "GET", get=True)
-            pipe.execute_command("GET", self.st.owner_key)
-            value, owner = pipe.execute(raise_on_error=False)
-            if isinstance(value, Exception):
-                raise value
-        except ValkeyClusterNotSupported:
-            raise
-        except Exception as e:
+        return None
+
+    def _gate(self) -> Gate:
+        """Returns (decided, valkey_silent, mismatch_hint, marker_busy)."""
+        early = self._gate_marker()
+        if early is not None:
+            return early
+        return self._gate_answer(self.r._round_trip(self._gate_commands))
+
+    def _gate_commands(self, pipe: Any) -> Any:
+        """The gate's one round trip: our marker, set unless the key holds
+        a value (which it answers), and the epoch's owner key (on a cluster
+        each node's share is sent before any reply is read).  get=True:
+        redis-py then returns SET's reply as it is."""
+        pipe.execute_command("SET", self.ckey, self.marker, "NX", "PX", str(self.r.lease_ms),
+                             "GET", get=True)
+        pipe.execute_command("GET", self.st.owner_key)
+        return pipe
+
+    def _gate_answer(self, replies: Optional[List[Any]]) -> Gate:
+        """The gate's answer from what SET ... GET and the owner key's GET
+        read (None: Valkey failed)."""
+        r, run = self.r, self.run
+        if replies is not None and isinstance(replies[0], Exception):
+            r._valkey_failed(replies[0])
+            replies = None
+        if replies is None:
             # down, slow, or an error reply (WRONGTYPE, a server older than
             # 7.0): nothing usable; PostgreSQL decides, lookup first
-            r._valkey_failed(e)
             return False, True, False, False
+        value, owner = replies
         run.valkey_used = True
         own = value is None or value == self.marker     # absent: our marker is set
         # the owner key did not hold the server's token: nothing read here
         # is trusted, PostgreSQL decides (lookup first); our marker is ours
         # all the same, and released as usual
-        held, (e,) = self.st.judge(owner, [(self.ckey, None if own else value)],
-                                   r.lease_ms, r.stats)
+        held, (entry,) = self.st.judge(owner, [(self.ckey, None if own else value)],
+                                       r.lease_ms, r.stats)
         r._health.answered()
         r._health.owner(held, owner, self.st.owner_key)    # another Valkey: told, rested
         if own:
@@ -134,9 +168,9 @@ class _RunContext:
             return False, False, False, False
         if not held:
             return False, True, False, False
-        if e is None:
+        if entry is None:
             return False, False, False, False
-        if e.kind == cache.MARKER:
+        if entry.kind == cache.MARKER:
             # honoured until its MACed deadline (judge bounded it by our
             # own lease + 1 s); busy from Valkey alone for the marker's
             # first second only (its age: our lease minus what is left of
@@ -144,34 +178,44 @@ class _RunContext:
             # mid-handler (PostgreSQL rolled its claim back) does not keep
             # the key busy for the rest of its lease.  The C runner's
             # IDEM_MARKER_CHEAP_MS.
-            left = e.expires_ms - _wall_ms()
+            left = entry.expires_ms - _wall_ms()
             if r.lease_ms - left >= MARKER_CHEAP_MS:
                 return False, False, False, False
             self._decide(BUSY, SOURCE_VALKEY)
-            run.retry_after_ms = max(1, left)
+            run._busy_for(left)
             return True, False, False, True
-        if e.fingerprint != run.fingerprint:
+        if entry.fingerprint != run.fingerprint:
             return False, False, True, False    # a hint: PostgreSQL confirms
-        if not _result_from_cache(run, e):
+        if not _result_from_cache(run, entry):
             r.stats["cache_rejected"] += 1
             return False, False, False, False
         r.stats["replayed_from_valkey"] += 1
         return True, False, False, False
 
     # -- step 3a: a lookup outside any transaction --
-    def _lookup(self):
+    def _lookup(self) -> bool:
         run = self.run
         try:
-            row = self.conn.execute(self._sql("lookup"),
-                                    [run.fingerprint] + self._key_params()).fetchone()
+            row = _exec(self.conn, self._sql("lookup"),
+                        [run.fingerprint] + self._key_params()).fetchone()
             self.r._end_tx(self.conn)
         except psycopg.Error as e:
-            if not self._broken() and getattr(e.diag, "sqlstate", None) in ("42501", "42883"):
-                # not granted (or absent): the claim decides, from now on directly
+            if self._lookup_refused(e):
                 self.conn.rollback()
-                self.r.lookup_first = False
                 return False
             self._pg_error(e, "idem_lookup")
+        return self._lookup_answer(row)
+
+    def _lookup_refused(self, e: psycopg.Error) -> bool:
+        """idem_lookup not granted (or absent): the claim decides, from now
+        on directly (the caller rolls back); else an error."""
+        if not self._broken() and sqlstate_of(e) in ("42501", "42883"):
+            self.r.lookup_first = False
+            return True
+        return False
+
+    def _lookup_answer(self, row: Optional[Tuple[Any, ...]]) -> bool:
+        """Decided by idem_lookup's row?"""
         if row is None or row[0] is None or row[3] is None:
             return False
         status, attempt, outcome, same = row[0], row[1], row[2], row[3]
@@ -185,58 +229,93 @@ class _RunContext:
         return True
 
     # -- step 3b: the claim --
-    def _set_max_attempts(self):
+    def _set_max_attempts(self) -> None:
         """In the claim's transaction (pipelined): the runner's max_attempts."""
         if self.r.max_attempts is not None:
-            self.conn.execute("SELECT pg_catalog.set_config('idem.max_attempts', %s, true)",
-                              [str(self.r.max_attempts)])
+            _exec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
 
-    def _claim(self):
+    def _alone(self, sql: str, params: List[Any]) -> List[Statement]:
+        """One statement in a transaction of its own, with the runner's
+        max_attempts: one round trip (the statement is the last but one)."""
+        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+        if self.r.max_attempts is not None:
+            stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
+        return stmts + [(sql, params), ("COMMIT", None)]
+
+    def _committed_alone(self, sql: str, params: List[Any]) -> "psycopg.Cursor[Tuple[Any, ...]]":
+        """_alone's round trip: the statement's cursor."""
+        return _send(self.conn, self._alone(sql, params), _as_is)[-2]
+
+    def _claim_params(self) -> List[Any]:
+        return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.r.lease_ms]
+
+    def _first_failed(self, e: psycopg.Error, first: Any, cur: Any) -> bool:
+        """Is e the block's first statement's own error, the claim having
+        answered?  Then it is the block's to handle when the key is ours
+        (the transaction is in error)."""
+        if first is None or self._broken() or cur is None or cur.pgresult is None or \
+                cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+            return False
+        self.run.first_error = e
+        return True
+
+    def _claimed(self, row: Tuple[Any, ...], first_rows: Optional[List[Any]]) -> bool:
+        """The claim's answer: ours (claimed), or decided otherwise."""
+        decision, attempt, outcome, ms = row
+        if decision == "claimed":
+            self.run.claimed = True
+            self.run.attempt = attempt
+            if self.run.first_error is None:
+                self.run.first = first_rows
+            return True
+        self._claim_decided(decision, attempt, outcome, ms)
+        return False
+
+    def _claim(self) -> None:
         run, conn = self.run, self.conn
-        first = None
+        first: "Optional[psycopg.Cursor[Any]]" = None
+        cur: "Optional[psycopg.Cursor[Tuple[Any, ...]]]" = None
         try:
             # one round trip: BEGIN, the claim, the handler's savepoint
             # (harmless when the key is not ours: COMMIT follows), and the
             # block's first statement if it gave one (rolled back to the
             # savepoint when the key is not ours)
             try:
-                with conn.pipeline():
+                with _pipeline(conn):
                     if conn.autocommit:
-                        conn.execute("BEGIN")
+                        _exec(conn, "BEGIN")
                     self.tx_open = True
                     self._set_max_attempts()
-                    cur = conn.execute(self._sql("claim"), self._key_params() +
-                                       [run.fingerprint, "%d milliseconds" % self.r.lease_ms])
-                    conn.execute("SAVEPOINT idem_handler")
+                    cur = _exec(conn, self._sql("claim"), self._claim_params())
+                    _exec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
-                        first = conn.execute(self.first_sql, self.first_params)
+                        # the caller's statement, in the caller's row factory;
+                        # unprepared too (safe behind a transaction pooler)
+                        first = conn.cursor()
+                        first.execute(self.first_sql, self.first_params, prepare=False)
             except psycopg.Error as e:
-                # the first statement's own error is the block's to handle
-                # when the key is ours (the transaction is then in error)
-                if first is None or self._broken() or cur.pgresult is None or \
-                        cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                if not self._first_failed(e, first, cur):
                     raise
-                run.first_error = e
-            decision, attempt, outcome, ms = cur.fetchone()
-            if decision == "claimed":
-                run.claimed = True
-                run.attempt = attempt
-                if first is not None and run.first_error is None:
-                    run.first = first.fetchall() if first.description is not None else []
+            assert cur is not None
+            row = _one(cur)
+            first_rows = None
+            if first is not None and run.first_error is None and row[0] == "claimed":
+                first_rows = first.fetchall() if first.description is not None else []
+            if self._claimed(row, first_rows):
                 return
             if first is not None:
-                with conn.pipeline():
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute("COMMIT")
+                with _pipeline(conn):
+                    _exec(conn, "ROLLBACK TO SAVEPOINT idem_handler")
+                    _exec(conn, "COMMIT")
             else:
                 conn.commit()
             self.tx_open = False
         except psycopg.Error as e:
             self.tx_open = False
             self._pg_error(e, "idem_claim")
-        self._claim_decided(decision, attempt, outcome, ms)
 
-    def _claim_decided(self, decision, attempt, outcome, ms):
+    def _claim_decided(self, decision: str, attempt: Optional[int], outcome: Optional[str],
+                       ms: Optional[int]) -> None:
         """A decision of idem_claim other than claimed."""
         run = self.run
         if decision in ("completed", "failed_permanent"):
@@ -246,46 +325,72 @@ class _RunContext:
                          SOURCE_POSTGRES, attempt, outcome)
         elif decision == "busy":
             self._decide(BUSY, SOURCE_POSTGRES, attempt)
-            run.retry_after_ms = max(1, ms or 1)
+            run._busy_for(ms)
         elif decision == "mismatch":
             self._decide(MISMATCH, SOURCE_POSTGRES, attempt)
         else:
             raise IdemError("protocol", "unknown decision %r" % decision)
 
-    def __enter__(self):
-        r, conn, run = self.r, self.conn, self.run
+    def _entering(self) -> bool:
+        """Counted; skip the gate?  A first delivery (delivery_count 1): no
+        run can have committed this key, so the gate could only answer
+        "absent"; the claim decides."""
+        r = self.r
         r.stats["runs"] += 1
+        skip_gate = self.delivery_count == 1 and r.valkey is not None
+        r.stats["gate_skipped_first"] += skip_gate
+        return skip_gate
+
+    def _after_gate(self, gate: Gate) -> str:
+        """What follows the gate: "done", "lookup" (a committed run's
+        marker: replay or mismatch now), "lookup_or_claim" or "claim"."""
+        decided, silent, hint, marker_busy = gate
+        lookup = self.r.lookup_first
+        if decided:
+            return "lookup" if marker_busy and lookup else "done"
+        return "lookup_or_claim" if (silent or hint) and lookup else "claim"
+
+    def _keeps_marker(self) -> bool:
+        """Our marker stays for a claimed run, and for a terminal row whose
+        copy will overwrite it; otherwise it goes."""
+        run = self.run
+        return run.claimed or run.status in (REPLAYED, FAILED_PERMANENT)
+
+    def __enter__(self) -> Run:
+        r, conn = self.r, self.conn
+        skip_gate = self._entering()
         self.st = r._idle_state(conn, "the run's transaction is the effect's, begun and "
                                 "committed by the runner")
         try:
-            # a first delivery (delivery_count 1): no run can have committed
-            # this key, so the gate could only answer "absent"; the claim decides
-            skip_gate = self.delivery_count == 1 and r.valkey is not None
-            r.stats["gate_skipped_first"] += skip_gate
-            decided, silent, hint, marker_busy = (False,) * 4 if skip_gate else self._gate()
-            if decided:
-                if marker_busy and r.lookup_first:
-                    self._lookup()      # a committed run's marker: replay or mismatch now
-            elif (silent or hint) and r.lookup_first and self._lookup():
-                pass
-            else:
+            step = self._after_gate((False,) * 4 if skip_gate else self._gate())
+            if step == "lookup":
+                self._lookup()
+            elif step == "claim" or (step == "lookup_or_claim" and not self._lookup()):
                 self._claim()
         except BaseException:
             self._drop_marker()
             raise
-        if not run.claimed and run.status not in (REPLAYED, FAILED_PERMANENT):
+        if not self._keeps_marker():
             self._drop_marker()     # no terminal row: our marker goes
-        return run
+        return self.run
 
-    def __exit__(self, et, ev, tb):
-        run, conn = self.run, self.conn
-        if not run.claimed:
-            if conn.info.transaction_status not in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
-                # the block used the connection although nothing was claimed
-                conn.rollback()
-                if et is None:
-                    raise IdemError("state", "the block ran statements on a run that was not "
-                                    "claimed (check run.claimed): rolled back")
+    def _unclaimed_exit(self, et: Optional[Type[BaseException]]) -> Tuple[bool, Optional[IdemError]]:
+        """The end of a block whose run was not claimed: (rollback, error).
+        A block that used the connection anyway is rolled back."""
+        if self.conn.info.transaction_status in (TransactionStatus.IDLE, TransactionStatus.UNKNOWN):
+            return False, None
+        return True, None if et is not None else IdemError(
+            "state", "the block ran statements on a run that was not claimed (check "
+            "run.claimed): rolled back")
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
+        if not self.run.claimed:
+            rollback, err = self._unclaimed_exit(et)
+            if rollback:
+                self.conn.rollback()
+            if err is not None:
+                raise err
             return False
         try:
             return self._finish(et, ev)
@@ -293,80 +398,89 @@ class _RunContext:
             if self.own_marker:
                 self._drop_marker()
 
-    def _finish(self, et, ev):
+    def _ending(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> Ending:
+        """What the end of a claimed run's block does, decided before any
+        I/O: (rollback, error, failure, text, suppress).  With an error:
+        roll back if asked, raise it.  Without, and text None: roll back if
+        asked, let the block's exception propagate.  Else complete (failure
+        None) or fail with text, commit, and return suppress."""
         run, conn = self.run, self.conn
         ts = conn.info.transaction_status
         if et is not None and not issubclass(et, Exception):
             # KeyboardInterrupt, SystemExit...: nothing recorded
-            if not self._broken() and ts != TransactionStatus.IDLE:
-                conn.rollback()
-            return False
+            return not self._broken() and ts != TransactionStatus.IDLE, None, None, None, False
         if self._broken():
-            err = IdemError("connection", "connection lost during the run (nothing committed)")
-            if et is not None:
-                raise err from ev
-            raise err
+            return False, IdemError("connection", "connection lost during the run (nothing "
+                                    "committed)"), None, None, False
+        if not isinstance(ev, Failure) and server_state_error(ev) is not None:
+            # a serialization failure, a deadlock, a cancelled statement...:
+            # the server's state, not the block's answer (idem_apply's rule).
+            # Not an attempt: rolled back, nothing recorded, raised again.
+            return ts != TransactionStatus.IDLE, None, None, None, False
         if ts == TransactionStatus.IDLE:
-            self._drop_marker()
-            raise IdemError("handler_ended_tx",
-                            "the block ended the runner's transaction (COMMIT or ROLLBACK): its "
-                            "effect may have committed without its idempotency key")
+            return False, IdemError(
+                "handler_ended_tx", "the block ended the runner's transaction (COMMIT or "
+                "ROLLBACK): its effect may have committed without its idempotency key"), \
+                None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and ts == TransactionStatus.INERROR and failure is None:
-            conn.rollback()
-            raise IdemError("handler", "the block left the transaction in error (a failed "
-                            "statement it caught): rolled back, nothing recorded")
-        # the outcome (or detail) is checked before anything is sent
+            return True, IdemError("handler", "the block left the transaction in error (a "
+                                   "failed statement it caught): rolled back, nothing "
+                                   "recorded"), None, None, False
+        text, err = _recorded_text(run, failure, et, suppress)
+        if err is not None:
+            return True, err, None, None, False
+        return False, None, failure, text, suppress
+
+    def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
+        """The last round trip: end the savepoint, complete or fail, COMMIT
+        (a statement of the pipeline: conn.commit() would sync once more)."""
+        retention = self.r.retention
         if failure is None:
-            try:
-                text = _outcome_text({} if run.outcome is None else run.outcome, "the outcome")
-            except IdemError:
-                conn.rollback()
-                raise
-        else:
-            detail, retryable = failure
-            try:
-                text = _outcome_text(detail, "the failure detail")
-            except IdemError:
-                if et is None or suppress:
-                    conn.rollback()
-                    raise
-                text = _outcome_text({"error": et.__name__}, "the failure detail")
-        # A session the server ended while the block ran (pg_terminate_backend,
-        # a restart) is seen now, before COMMIT is sent: nothing committed.
-        if _session_ended(conn):
-            raise IdemError("connection", "connection lost during the run (nothing committed)")
-        # one round trip: end the savepoint, complete or fail, COMMIT (a
-        # statement of the pipeline: conn.commit() would sync once more)
-        try:
-            with conn.pipeline():
-                if failure is None:
-                    conn.execute("RELEASE SAVEPOINT idem_handler")
-                    conn.execute(self._sql("complete"), self._key_params() + [text, self.r.retention])
-                else:
-                    conn.execute("ROLLBACK TO SAVEPOINT idem_handler")
-                    conn.execute(self._sql("fail"), self._key_params() + [text, retryable,
-                                                                          self.r.retention])
-                conn.execute("COMMIT")
-        except psycopg.Error as e:
-            if self._broken():
-                # COMMIT was handed to the connection with the rest
-                raise CommitUnknown("connection lost while COMMIT was in flight: the effect "
-                                    "and its key committed together or not at all; redeliver, "
-                                    "the ledger decides (%s)" % str(e).strip()) from e
-            if e.diag.sqlstate == "3B001":
-                conn.rollback()
-                self._drop_marker()
-                raise IdemError("handler_ended_tx",
-                                "the block released the runner's savepoint") from e
-            self._pg_error(e, "completing the run")
+            return [("RELEASE SAVEPOINT idem_handler", None),
+                    (self._sql("complete"), self._key_params() + [text, retention]),
+                    ("COMMIT", None)]
+        return [("ROLLBACK TO SAVEPOINT idem_handler", None),
+                (self._sql("fail"), self._key_params() + [text, failure[1], retention]),
+                ("COMMIT", None)]
+
+    def _ending_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
+        """The last round trip failed: (rollback, what to raise)."""
+        if self._broken():
+            # COMMIT was handed to the connection with the rest
+            return False, CommitUnknown(
+                "connection lost while COMMIT was in flight: the effect and its key committed "
+                "together or not at all; redeliver, the ledger decides (%s)" % str(e).strip())
+        if sqlstate_of(e) == "3B001":
+            return True, IdemError("handler_ended_tx", "the block released the runner's savepoint")
+        return True, IdemError("server", "completing the run: %s" % str(e).strip(),
+                               sqlstate_of(e))
+
+    def _ended(self, failure: Optional[FailureSpec], text: str) -> None:
+        """Committed: the run's result."""
+        run = self.run
         run.source = SOURCE_HANDLER
-        if failure is None:
-            run.status = APPLIED
-            run.outcome = json.loads(text)
-        else:
-            run.status = FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
-            run.outcome = json.loads(text)
+        run.status = APPLIED if failure is None else \
+            FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
+        run.outcome = json.loads(text)
         if run.status != FAILED_RETRYABLE:
             self.own_marker = False     # left for the worker's copy of the row
+
+    # A session the server ended while the block ran (pg_terminate_backend, a
+    # restart) is seen before the last round trip is sent: nothing committed.
+    lost_before_end = "connection lost during the run (nothing committed)"
+
+    def _finish(self, et: Optional[Type[BaseException]], ev: Optional[BaseException]) -> bool:
+        """The end of a claimed run's block: _ending's plan carried out."""
+        conn = self.conn
+        rollback, err, failure, text, suppress = self._ending(et, ev)
+        if rollback:
+            conn.rollback()
+        if text is None:
+            _raise_ending(err, ev)
+            return False
+        if _session_ended(conn):
+            raise IdemError("connection", self.lost_before_end)
+        _send(conn, self._ending_statements(failure, text), self._ending_failed)
+        self._ended(failure, text)
         return suppress

@@ -8,22 +8,25 @@ learnt of each PostgreSQL session, and offers the forms as its methods:
 one run (run.py), a SQL handler (apply.py), lease mode (lease.py) and
 batches (batch.py).  They stand on result.py, errors.py, pg.py and
 trust.py, which import nothing above them."""
+import datetime
 import functools
 import inspect
 from typing import Any
 import threading
 import time
+import uuid
 import weakref
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
+                    Union, cast)
 
 import psycopg
 import psycopg.sql
 from psycopg.pq import TransactionStatus
 
-from . import cache
 from .apply import _ApplyContext
 from .batch import Batch, cached_many
 from .lease import _LeaseContext, settle
-from .pg import _raise_pg_error
+from .pg import Conn, _exec, _raise_pg_error, sqlstate_of
 from .run import _RunContext
 from .trust import _ConnState
 from .health import Health
@@ -36,6 +39,9 @@ from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
 from .run import MARKER_CHEAP_MS
 
+F = TypeVar("F", bound=Callable[..., Any])
+Item = Tuple[Optional[int], str, str, Any]
+
 # KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
 # The same text as client/release.c, so the same SHA-1 for EVALSHA
 # (tests/test_unit.py compares the two, and that SHA-1, byte for byte).
@@ -43,6 +49,103 @@ CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
               "  return redis.call('DEL', KEYS[1])\n"
               "end\n"
               "return 0\n")
+
+
+# What a runner learns of a session: the extension's schema, and the
+# cache's keyspace and secrets (the epoch's owner key and token with them).
+SCHEMA_SQL = ("SELECT quote_ident(n.nspname) FROM pg_catalog.pg_extension e "
+              "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace "
+              "WHERE e.extname = 'idem'")
+KEYSPACE_SQL = "SELECT %s.idem_cache_keyspace()"
+SECRETS_SQL = ("SELECT s.key_id, s.secret, s.is_current, s.owner_key, s.owner_token "
+               "FROM %s.idem_cache_secrets() AS s")
+
+
+def _ms(seconds: float, what: str, zero: bool = False) -> int:
+    """A duration given in seconds, as the protocol's milliseconds."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise IdemError("argument", "%s is a duration in seconds (int or float), not %r"
+                        % (what, seconds))
+    ms = int(round(seconds * 1000))
+    if not ((0 if zero else 1) <= ms <= 2147483647):
+        raise IdemError("argument", "%s must be %s and at most 2147483.647 seconds"
+                        % (what, "0 or more" if zero else "at least 0.001 seconds"))
+    return ms
+
+
+def _id_text(value: Any, what: str) -> str:
+    """How the decorator turns an id into the key's text: a str as it is,
+    an int in decimal (so 12 and "12" are one key), a UUID in its
+    canonical form; None, an empty text and anything else are refused."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+    elif isinstance(value, uuid.UUID):
+        text = str(value)
+    elif value is None:
+        raise IdemError("argument", "%s is missing (None): a message without an id cannot be "
+                        "made idempotent" % what)
+    else:
+        raise IdemError("argument", "%s must be a str, an int or a UUID, not %s (convert it "
+                        "yourself, so that each message has one text)" % (what, type(value).__name__))
+    if not text:
+        raise IdemError("argument", "%s is empty: a message without an id cannot be made "
+                        "idempotent" % what)
+    return text
+
+
+class _KeyOf:
+    """The decorator's reading of a call: (tenant, run id as text,
+    request, delivery count) from the arguments after conn, each spec a
+    parameter name of fn, a callable of those arguments, or (tenant) a
+    value."""
+
+    def __init__(self, fn: Callable[..., Any], run_id: Any, request: Any, tenant: Any,
+                 delivery_count: Any) -> None:
+        self.sig = inspect.signature(fn)
+        self.run_id, self.request, self.tenant = run_id, request, tenant
+        self.delivery_count = delivery_count
+        self.what = "the run id (%s)" % (run_id if isinstance(run_id, str) else "run_id=")
+
+    def _pick(self, spec: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+              default: Any = None) -> Any:
+        if callable(spec):
+            return spec(*args, **kwargs)
+        if isinstance(spec, str):
+            bound = self.sig.bind(None, *args, **kwargs)
+            bound.apply_defaults()
+            return bound.arguments[spec]
+        return spec if spec is not None else default
+
+    def __call__(self, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Any, str, Any, int]:
+        rid = _id_text(self._pick(self.run_id, args, kwargs), self.what)
+        req = self._pick(self.request, args, kwargs, default=args[0] if args else None)
+        dc = self._pick(self.delivery_count, args, kwargs, default=0) \
+            if self.delivery_count else 0
+        return self._pick(self.tenant, args, kwargs), rid, req, dc or 0
+
+
+def _outcome_or_raise(run: Run) -> Any:
+    """What a decorated function answers: the outcome (applied or
+    replayed), else an exception saying why not."""
+    if run.status in (APPLIED, REPLAYED):
+        return run.outcome
+    if run.status == BUSY:
+        raise Busy(run, "busy: retry after %.3f s" % (run.retry_after or 0.0))
+    if run.status == MISMATCH:
+        raise Mismatch(run, "the key was used with another request")
+    if run.status == FAILED_PERMANENT:
+        raise PermanentFailure(run.outcome, result=run)
+    raise RetryableFailure(run.outcome, result=run)
+
+
+# A plain client of one node of a Valkey Cluster.
+CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
+                   "speaks to one node: pass (host, port) or a cluster client, so that each "
+                   "key goes to its slot's master")
+
 
 class Runner:
     """A gated idempotency runner.
@@ -59,28 +162,32 @@ class Runner:
     given, which must not be used by another thread meanwhile.
     """
 
-    def __init__(self, valkey=None, *, lease_ms=30000, retention=None,
-                 lookup_first=True, secrets_max_age_ms=5000,
-                 valkey_timeout_ms=200, valkey_retry_ms=1000, schema=None,
-                 notice=None, max_attempts=None):
-        if not (0 < int(lease_ms) <= 2147483647):
-            raise ValueError("lease_ms must be positive")
+    def __init__(self, valkey: Any = None, *, lease: float = 30.0,
+                 retention: Optional[float] = None, lookup_first: bool = True,
+                 secrets_max_age: float = 5.0, valkey_timeout: float = 0.2,
+                 valkey_retry: float = 1.0, schema: Optional[str] = None,
+                 notice: Optional[Callable[[str], None]] = None,
+                 max_attempts: Optional[int] = None) -> None:
+        # durations are seconds (int or float); the protocol's are milliseconds
+        self.lease_ms = _ms(lease, "lease")
         if max_attempts is not None and not (0 <= int(max_attempts) <= 2147483647):
-            raise ValueError("max_attempts must be None, 0 (no limit) or positive")
-        self.lease_ms = int(lease_ms)
+            raise IdemError("argument", "max_attempts must be None, 0 (no limit) or positive")
         # None: the session's idem.max_attempts; else SET LOCAL in each claim
         self.max_attempts = None if max_attempts is None else int(max_attempts)
-        self.retention = retention          # interval text, None: idem.retention
+        # None: the server's idem.retention; else an interval parameter
+        self.retention = None if retention is None else \
+            datetime.timedelta(milliseconds=_ms(retention, "retention"))
         self.lookup_first = lookup_first
-        self.secrets_max_age_ms = secrets_max_age_ms
-        self.valkey_retry_ms = valkey_retry_ms
+        self.secrets_max_age_ms = _ms(secrets_max_age, "secrets_max_age", zero=True)
+        valkey_timeout_ms = _ms(valkey_timeout, "valkey_timeout")
+        self.valkey_retry_ms = _ms(valkey_retry, "valkey_retry", zero=True)
         self.schema = schema
         self.notice = notice
         self._lock = threading.Lock()
-        self._conns = weakref.WeakKeyDictionary()
+        self._conns: "weakref.WeakKeyDictionary[Conn, _ConnState]" = weakref.WeakKeyDictionary()
         self._rest_until = 0.0
         self._cluster_checked = False
-        self._cad = None
+        self._cad: Any = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0, "gate_skipped_first": 0,
                       "owner_mismatches": 0, "valkey_auth_failures": 0,
@@ -88,6 +195,7 @@ class Runner:
         self._health = Health(self)
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
+        self.valkey: Any        # a redis.Redis or RedisCluster client, or None
         if valkey is None:
             self.valkey = None
         elif isinstance(valkey, tuple):
@@ -110,7 +218,7 @@ class Runner:
                 self._valkey_failed(e)
 
     # ---- Valkey ----
-    def _check_cluster(self):
+    def _check_cluster(self) -> None:
         """On first contact: is this a Valkey Cluster node?  Then route by
         key with redis-py's RedisCluster (given (host, port), or a
         RedisCluster), or refuse a plain client of one node."""
@@ -123,10 +231,7 @@ class Runner:
         info = self.valkey.info("cluster")
         if int(info.get("cluster_enabled", 0)) == 1:
             if self._seed is None:
-                raise ValkeyClusterNotSupported(
-                    "this Valkey is a cluster node (cluster_enabled:1) and the client given "
-                    "speaks to one node: pass (host, port) or a redis.cluster.RedisCluster, "
-                    "so that each key goes to its slot's master")
+                raise ValkeyClusterNotSupported(CLUSTER_REFUSED)
             with self._lock:
                 if not isinstance(self.valkey, RedisCluster):
                     # every command touches one key: no hash tags, no cross-slot
@@ -138,15 +243,35 @@ class Runner:
                     self.valkey = cluster
         self._cluster_checked = True
 
-    def _valkey_ok(self):
+    def _valkey_ok(self) -> bool:
         return self.valkey is not None and time.monotonic() >= self._rest_until
 
-    def _valkey_failed(self, e):
+    def _valkey_failed(self, e: BaseException) -> None:
         """Valkey failed (down, AUTH refused or wanted, an error reply):
         counted, told to the "idem" logger, and rested (health.py)."""
         self._health.failed(e)
 
-    def _release(self, ckey, marker):
+    def _round_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
+        """One pipelined round trip to Valkey, fill(pipe) queueing its
+        commands: the replies (an error reply among them as an exception),
+        or None when Valkey failed (counted, and rested: PostgreSQL
+        decides)."""
+        try:
+            self._check_cluster()
+            return list(fill(self.valkey.pipeline(transaction=False)).execute(
+                raise_on_error=False))
+        except Exception as e:
+            self._round_trip_failed(e)
+            return None
+
+    def _round_trip_failed(self, e: Exception) -> None:
+        """Valkey failed (down, slow, an error): counted and rested; a
+        refused cluster client is raised."""
+        if isinstance(e, ValkeyClusterNotSupported):
+            raise e
+        self._valkey_failed(e)
+
+    def _release(self, ckey: bytes, marker: bytes) -> None:
         """Compare-and-delete our marker (never GET then DEL)."""
         if not self._valkey_ok():
             return
@@ -156,47 +281,70 @@ class Runner:
             self._valkey_failed(e)
 
     # ---- PostgreSQL: what the server says about its cache ----
-    def _end_tx(self, conn):
+    def _end_tx(self, conn: Conn) -> None:
         if conn.info.transaction_status != TransactionStatus.IDLE:
-            conn.commit() if conn.info.transaction_status == TransactionStatus.INTRANS \
-                else conn.rollback()
+            if conn.info.transaction_status == TransactionStatus.INTRANS:
+                conn.commit()
+            else:
+                conn.rollback()
 
-    def _state(self, conn):
-        """The session's state, learning the schema and (with Valkey) the
-        keyspace and secrets when the session is new, a second after an
-        unknown key id, a 55000 or an owner key that did not hold the
-        server's token, and at least every secrets_max_age_ms."""
+    def _conn_state(self, conn: Any) -> _ConnState:
+        """What the runner knows of conn's session (new if the session is)."""
         pid = conn.info.backend_pid
         with self._lock:
             st = self._conns.get(conn)
-        if st is None or st.backend_pid != pid:
-            st = _ConnState(pid)
-            with self._lock:
+            if st is None or st.backend_pid != pid:
+                st = _ConnState(pid)
                 self._conns[conn] = st
-        if st.schema is None:
-            if self.schema is not None:
-                st.schema = psycopg.sql.Identifier(self.schema).as_string(conn)
-            else:
-                row = conn.execute(
-                    "SELECT quote_ident(n.nspname) FROM pg_extension e "
-                    "JOIN pg_namespace n ON n.oid = e.extnamespace "
-                    "WHERE e.extname = 'idem'").fetchone()
-                self._end_tx(conn)
-                if row is None:
-                    raise IdemError("server", "the idem extension is not installed in this database")
-                st.schema = row[0]
+        return st
+
+    def _schema_of(self, conn: Any, row: Optional[Tuple[Any, ...]]) -> str:
+        """The extension's schema, quoted: the runner's, or SCHEMA_SQL's row."""
+        if self.schema is not None:
+            return psycopg.sql.Identifier(self.schema).as_string(conn)
+        if row is None:
+            raise IdemError("not_installed", "the idem extension is not installed in "
+                            "database %r: CREATE EXTENSION idem" % conn.info.dbname)
+        return str(row[0])
+
+    def _wants_learning(self, st: _ConnState) -> bool:
+        """Learn the keyspace and secrets now?  When the session is new, a
+        second after an unknown key id, a 55000 or an owner key that did
+        not hold the server's token, and at least every secrets_max_age."""
         if self.valkey is None:
-            return st
-        now = time.monotonic()
-        age = None if st.learnt is None else (now - st.learnt) * 1000
-        if age is None or (st.refresh_wanted and (age >= 1000 or (
-                st.owner_suspect and not st.owner_relearnt))) or \
-                (st.keyspace is not None and self.secrets_max_age_ms and
-                 age >= self.secrets_max_age_ms):
+            return False
+        if st.learnt is None:
+            return True
+        age = (time.monotonic() - st.learnt) * 1000
+        return (st.refresh_wanted and (age >= 1000 or (st.owner_suspect and
+                                                       not st.owner_relearnt))) or \
+            (st.keyspace is not None and self.secrets_max_age_ms > 0 and
+             age >= self.secrets_max_age_ms)
+
+    def _learning_refused(self, st: _ConnState, e: psycopg.Error) -> None:
+        """The server would not say (55000: not ready, recovery, or the
+        worker has not yet taken its cache epoch over in Valkey, or no
+        preloading: ask again in a second)."""
+        sqlstate = sqlstate_of(e)
+        st.forget(retry_soon=sqlstate == "55000")
+        self._health.cache_off("no Valkey cache on this connection (%s %s): PostgreSQL decides"
+                               % (sqlstate, str(e).strip()))
+
+    def _state(self, conn: Conn) -> _ConnState:
+        """The session's state, learning the schema and (with Valkey) the
+        keyspace and secrets when _wants_learning says."""
+        st = self._conn_state(conn)
+        if not st.schema:
+            row = None
+            if self.schema is None:
+                row = _exec(conn, SCHEMA_SQL).fetchone()
+                self._end_tx(conn)
+            st.schema = self._schema_of(conn, row)
+        if self._wants_learning(st):
             self._learn(conn, st)
         return st
 
-    def _idle_state(self, conn, whose):
+    def _idle_state(self, conn: Conn, whose: str) -> _ConnState:
         """The session's state for a form that begins and commits its own
         transaction (whose, say which): conn must be idle."""
         if conn.info.transaction_status != TransactionStatus.IDLE:
@@ -206,46 +354,19 @@ class Runner:
         except psycopg.Error as e:
             _raise_pg_error(conn, e, "learning the schema")
 
-    def _learn(self, conn, st):
-        st.learnt = time.monotonic()
-        st.refresh_wanted = False
-        st.owner_relearnt = st.owner_suspect
-        st.owner_suspect = False
+    def _learn(self, conn: Conn, st: _ConnState) -> None:
+        st.start_learning()
         try:
-            ks = conn.execute("SELECT %s.idem_cache_keyspace()" % st.schema).fetchone()[0]
-            rows = conn.execute("SELECT s.key_id, s.secret, s.is_current, s.owner_key, s.owner_token "
-                                "FROM %s.idem_cache_secrets() AS s" % st.schema).fetchall()
+            row = _exec(conn, KEYSPACE_SQL % st.schema).fetchone()
+            rows = _exec(conn, SECRETS_SQL % st.schema).fetchall()
             self._end_tx(conn)
-        except psycopg.errors.Error as e:
+        except psycopg.Error as e:
             if conn.broken or conn.closed:
                 raise IdemError("connection", "connection lost: %s" % e) from e
             self._end_tx(conn)
-            sqlstate = getattr(e.diag, "sqlstate", None)
-            st.keyspace, st.secrets, st.current = None, {}, None
-            # 55000: not ready (recovery, or the worker has not yet taken its
-            # cache epoch over in Valkey, or no preloading): ask again in a second
-            st.refresh_wanted = sqlstate == "55000"
-            self._health.cache_off("no Valkey cache on this connection (%s %s): PostgreSQL decides"
-                                   % (sqlstate, str(e).strip()))
+            self._learning_refused(st, e)
             return
-        secrets, current, owner = {}, None, None
-        for key_id, secret, is_current, owner_key, owner_token in rows:
-            if key_id is None or secret is None or not (0 < key_id <= cache.KEY_ID_MAX) \
-                    or len(secret) != cache.MAC_LEN:
-                continue
-            secrets[key_id] = bytes(secret)
-            if is_current:
-                current, owner = key_id, (owner_key, owner_token)
-        if ks is None or current is None:
-            st.keyspace, st.secrets, st.current = None, {}, None
-            return
-        if not cache.owner_ok(ks, *owner):
-            # not taken over yet, or the keyspace is of another epoch: soon
-            st.keyspace, st.secrets, st.current = None, {}, None
-            st.refresh_wanted = True
-            return
-        st.keyspace, st.secrets, st.current = ks, secrets, current
-        st.owner_key, st.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+        st.adopt(None if row is None else row[0], rows)
 
     def check(self, conn: "psycopg.Connection[Any]") -> Check:
         """The start-up check, as libpq's PQping: PostgreSQL answers on
@@ -259,8 +380,9 @@ class Runner:
         return _check(self, conn)
 
     # ---- the run ----
-    def run(self, conn, tenant_id, scope, run_id, request, *, delivery_count=0,
-            first_sql=None, first_params=None):
+    def run(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+            request: Any, *, delivery_count: int = 0, first_sql: Optional[str] = None,
+            first_params: Optional[Sequence[Any]] = None) -> _RunContext:
         """A context manager: ``with runner.run(conn, 42, "billing.charge",
         run_id, request) as run:`` then ``if run.claimed:`` do the effect on
         ``conn`` and set ``run.outcome``.  See the package README.
@@ -274,13 +396,16 @@ class Runner:
                            delivery_count=delivery_count, first_sql=first_sql,
                            first_params=first_params)
 
-    def call(self, conn, tenant_id, scope, run_id, request, handler, *,
-             delivery_count=0, first_sql=None, first_params=None):
+    def call(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+             request: Any, handler: Callable[[Conn, Run], Any], *, delivery_count: int = 0,
+             first_sql: Optional[str] = None,
+             first_params: Optional[Sequence[Any]] = None) -> Run:
         """Run ``handler(conn, run)`` at most once per key, in the run's
         transaction; it returns the outcome (a dict; None means {}) or
         raises PermanentFailure / RetryableFailure to record a failure.
         Returns the Run (status, source, outcome...).  Any other exception
-        is recorded as a retryable failure and propagates."""
+        is recorded as a retryable failure and propagates (one of the
+        server's state, a serialization failure say, is not recorded)."""
         with self.run(conn, tenant_id, scope, run_id, request, delivery_count=delivery_count,
                       first_sql=first_sql, first_params=first_params) as run:
             if run.claimed:
@@ -292,54 +417,42 @@ class Runner:
                     run.outcome = {} if out is None else out
         return run
 
-    def idempotent(self, scope, *, run_id, request=None, tenant=None, delivery_count=None):
+    def idempotent(self, scope: str, *, run_id: Union[str, Callable[..., Any]],
+                   request: Union[None, str, Callable[..., Any]] = None,
+                   tenant: Union[None, int, str, Callable[..., Any]] = None,
+                   delivery_count: Union[None, str, Callable[..., Any]] = None
+                   ) -> Callable[[F], F]:
         """A decorator for ``fn(conn, *args, **kwargs)``: the outcome of its
         one run is returned to every delivery (applied or replayed).
 
         ``run_id``, ``request`` and ``tenant`` are each a parameter name of
         ``fn`` or a callable taking fn's arguments after ``conn``; ``tenant``
         may also be an int, or None for the platform ledger; ``request``
-        None is the first argument after ``conn``.  Other answers raise:
-        Busy (``retry_after``), Mismatch, PermanentFailure and
-        RetryableFailure (``detail``: recorded now or replayed), and the
-        IdemError family (CommitUnknown...).  ``delivery_count``, a
-        parameter name or callable too, is the queue's delivery count (see
-        ``run``)."""
-        def deco(fn):
-            sig = inspect.signature(fn)
-
-            def pick(spec, args, kwargs, default=None):
-                if callable(spec):
-                    return spec(*args, **kwargs)
-                if isinstance(spec, str):
-                    bound = sig.bind(None, *args, **kwargs)
-                    bound.apply_defaults()
-                    return bound.arguments[spec]
-                return spec if spec is not None else default
+        None is the first argument after ``conn``.  The id becomes the
+        key's text: a str as it is, an int in decimal (12 and "12" are one
+        key), a UUID in its canonical form; None, an empty text or another
+        type raise IdemError("argument") before anything is claimed.
+        Other answers raise: Busy (``retry_after``), Mismatch,
+        PermanentFailure and RetryableFailure (``detail``: recorded now or
+        replayed), and the IdemError family (CommitUnknown...).
+        ``delivery_count``, a parameter name or callable too, is the
+        queue's delivery count (see ``run``)."""
+        def deco(fn: F) -> F:
+            key_of = _KeyOf(fn, run_id, request, tenant, delivery_count)
 
             @functools.wraps(fn)
-            def wrapper(conn, *args, **kwargs):
-                rid = pick(run_id, args, kwargs)
-                req = pick(request, args, kwargs, default=args[0] if args else None)
-                ten = pick(tenant, args, kwargs)
-                dc = pick(delivery_count, args, kwargs, default=0) if delivery_count else 0
-                run = self.call(conn, ten, scope, str(rid), req,
-                                lambda c, r: fn(c, *args, **kwargs), delivery_count=dc or 0)
-                if run.status in (APPLIED, REPLAYED):
-                    return run.outcome
-                if run.status == BUSY:
-                    raise Busy(run, "busy: retry after %d ms" % run.retry_after_ms)
-                if run.status == MISMATCH:
-                    raise Mismatch(run, "the key was used with another request")
-                if run.status == FAILED_PERMANENT:
-                    raise PermanentFailure(run.outcome, result=run)
-                raise RetryableFailure(run.outcome, result=run)
-            return wrapper
+            def wrapper(conn: Conn, *args: Any, **kwargs: Any) -> Any:
+                ten, rid, req, dc = key_of(args, kwargs)
+                return _outcome_or_raise(self.call(conn, ten, scope, rid, req,
+                                                   lambda c, r: fn(c, *args, **kwargs),
+                                                   delivery_count=dc))
+            return cast(F, wrapper)
         return deco
 
     # ---- the forms beyond one run in the runner's transaction ----
-    def apply(self, conn, tenant_id, scope, run_id, request, sql_handler, *, args=None,
-              delivery_count=0):
+    def apply(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+              request: Any, sql_handler: str, *, args: Any = None,
+              delivery_count: int = 0) -> Run:
         """The effect is the SQL function ``sql_handler`` (regprocedure
         text, ``"charge(jsonb)"``: ``(args jsonb) RETURNS jsonb``, the
         outcome), run by the extension's idem_apply: claim, effect and
@@ -353,32 +466,36 @@ class Runner:
             pass
         return run
 
-    def lease(self, conn, tenant_id, scope, run_id, request, *, lease_ms=None,
-              delivery_count=0):
+    def lease(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+              request: Any, *, lease: Optional[float] = None,
+              delivery_count: int = 0) -> _LeaseContext:
         """Lease mode, for an effect outside PostgreSQL: ``with
         runner.lease(conn, ...) as lease:`` then ``if lease.claimed:`` do
         the effect and set ``lease.outcome``.  The claim commits alone
-        with a lease of ``lease_ms`` (default: the runner's); after the
-        block the completion, fenced by ``lease.attempt``, commits in a
-        transaction of its own (LeaseLost if a later attempt took the key
-        over).  ``lease.defer()`` leaves the completion to
+        with a lease of ``lease`` seconds (default: the runner's); after
+        the block the completion, fenced by ``lease.attempt``, commits in
+        a transaction of its own (LeaseLost if a later attempt took the
+        key over).  ``lease.defer()`` leaves the completion to
         ``runner.complete``."""
         return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
-                             lease_ms=lease_ms, delivery_count=delivery_count)
+                             lease_ms=None if lease is None else _ms(lease, "lease"),
+                             delivery_count=delivery_count)
 
-    def complete(self, conn, tenant_id, scope, run_id, outcome=None, *, attempt):
+    def complete(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+                 outcome: Any = None, *, attempt: int) -> None:
         """Complete a key claimed in lease mode, fenced by the claim's
         ``attempt``, in the connection's transaction (it commits by itself
         on an autocommit connection).  LeaseLost if a later attempt took
         the key over."""
         settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
 
-    def fail(self, conn, tenant_id, scope, run_id, detail=None, *, attempt, retryable=False):
+    def fail(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+             detail: Any = None, *, attempt: int, retryable: bool = False) -> None:
         """Fail a key claimed in lease mode, as ``complete``."""
         settle(self, conn, tenant_id, scope, run_id, attempt,
                failure=({} if detail is None else detail, retryable))
 
-    def batch(self, conn, items):
+    def batch(self, conn: Conn, items: Iterable[Item]) -> Batch:
         """Many deliveries at once: ``items`` are (tenant, scope, run_id,
         request).  ``with runner.batch(conn, items) as batch:`` then, for
         each run of ``batch.claimed``, the effect on ``conn`` and
@@ -388,16 +505,16 @@ class Runner:
         completes, fails and commits."""
         return Batch(self, conn, items)
 
-    def cached(self, conn, tenant_id, scope, run_id, request):
+    def cached(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+               request: Any) -> Optional[Run]:
         """Valkey alone (one GET, no marker, no transaction): the Run,
         replayed or failed_permanent, when the cache holds this key's
         verified result for the same request; else None (PostgreSQL
         decides)."""
         return self.cached_many(conn, [(tenant_id, scope, run_id, request)])[0]
 
-    def cached_many(self, conn, items):
+    def cached_many(self, conn: Conn, items: Iterable[Item]) -> List[Optional[Run]]:
         """``cached`` for many (tenant, scope, run_id, request) in one
         pipelined round trip (one per node on a cluster): a list of Run or
         None, in order."""
         return cached_many(self, conn, items)
-

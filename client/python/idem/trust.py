@@ -4,35 +4,74 @@ them), what a value read from Valkey is worth (_ConnState.judge, for the
 gate and a batch's cached read alike: the C client's trust.c), and the
 wall clock a value's deadline is read against."""
 import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import cache
 
 
-def _wall_ms():
+def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
 class _ConnState:
     """What a runner knows about one PostgreSQL session."""
 
-    def __init__(self, backend_pid):
+    def __init__(self, backend_pid: int) -> None:
         self.backend_pid = backend_pid
-        self.schema = None
-        self.keyspace = None        # None: no cache on this connection
-        self.secrets = {}
-        self.current = None
-        self.learnt = None          # monotonic time of the last learning
+        self.schema = ""             # quoted; "" until learnt
+        self.keyspace: Optional[str] = None    # None: no cache on this connection
+        self.secrets: Dict[int, bytes] = {}
+        self.current: Optional[int] = None
+        self.learnt: Optional[float] = None    # monotonic time of the last learning
         self.refresh_wanted = False
         # the history epoch's owner key and the token it holds while the
         # server owns the epoch: read with every lookup, a value counts only
         # if it still holds the token
-        self.owner_key = None
-        self.owner_token = None
+        self.owner_key: Optional[bytes] = None
+        self.owner_token: Optional[bytes] = None
         self.owner_suspect = False  # it did not: no cache until learnt
         self.owner_relearnt = False  # learnt at once after a mismatch, and
         # no check passed since: the next learning waits the second
 
-    def judge(self, owner, reads, lease_ms, stats):
+    def start_learning(self) -> None:
+        """A learning begins (Runner._learn): it is the last one from now."""
+        self.learnt = time.monotonic()
+        self.refresh_wanted = False
+        self.owner_relearnt = self.owner_suspect
+        self.owner_suspect = False
+
+    def forget(self, retry_soon: bool) -> None:
+        """No cache on this session (until learnt again, in a second if
+        retry_soon)."""
+        self.keyspace, self.secrets, self.current = None, {}, None
+        self.refresh_wanted = retry_soon
+
+    def adopt(self, keyspace: Optional[str], rows: List[Tuple[Any, ...]]) -> None:
+        """What idem_cache_keyspace() and idem_cache_secrets() answered:
+        the secrets that are well formed, the current one's owner key and
+        token, usable only with the keyspace of the same epoch."""
+        secrets: Dict[int, bytes] = {}
+        current: Optional[int] = None
+        owner: Tuple[Optional[str], Optional[str]] = (None, None)
+        for key_id, secret, is_current, owner_key, owner_token in rows:
+            if key_id is None or secret is None or not (0 < key_id <= cache.KEY_ID_MAX) \
+                    or len(secret) != cache.MAC_LEN:
+                continue
+            secrets[key_id] = bytes(secret)
+            if is_current:
+                current, owner = key_id, (owner_key, owner_token)
+        if keyspace is None or current is None:
+            self.forget(retry_soon=False)
+            return
+        if owner[0] is None or owner[1] is None or not cache.owner_ok(keyspace, owner[0], owner[1]):
+            # not taken over yet, or the keyspace is of another epoch: soon
+            self.forget(retry_soon=True)
+            return
+        self.keyspace, self.secrets, self.current = keyspace, secrets, current
+        self.owner_key, self.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+
+    def judge(self, owner: Any, reads: List[Tuple[bytes, Any]], lease_ms: int,
+              stats: Dict[str, int]) -> Tuple[bool, List[Optional[cache.Entry]]]:
         """What one round trip read from Valkey is worth.  owner: the reply
         to the GET of the epoch's owner key sent with it; reads: [(cache
         key, value)], a value that is not bytes (absent, an error reply,
@@ -66,7 +105,8 @@ class _ConnState:
         now = _wall_ms()
         return True, [self._check(key, value, lease_ms, now, stats) for key, value in reads]
 
-    def _check(self, key, value, lease_ms, now, stats):
+    def _check(self, key: bytes, value: Any, lease_ms: int, now: int,
+               stats: Dict[str, int]) -> Optional[cache.Entry]:
         if not isinstance(value, bytes):
             return None
         e = cache.parse(value)

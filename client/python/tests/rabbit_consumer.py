@@ -18,7 +18,7 @@ import idem
 
 queue, scope = sys.argv[1], sys.argv[2]
 first_flag = os.environ.get("IDEM_RABBIT_DELIVERY_COUNT") == "1"
-runner = idem.Runner(("127.0.0.1", int(os.environ["IDEM_VALKEY_PORT"])), lease_ms=2000)
+runner = idem.Runner(("127.0.0.1", int(os.environ["IDEM_VALKEY_PORT"])), lease=2)
 conn = psycopg.connect(os.environ["IDEM_PG_DSN"])
 mq = pika.BlockingConnection(pika.ConnectionParameters(
     host="127.0.0.1", port=int(os.environ["IDEM_RABBITMQ_PORT"])))

@@ -36,7 +36,7 @@ class Cluster(unittest.TestCase):
         cls.vc = RedisCluster(host="127.0.0.1", port=int(PORT), socket_timeout=2)
 
     def setUp(self):
-        self.runner = idem.Runner(("127.0.0.1", int(PORT)), lease_ms=5000)
+        self.runner = idem.Runner(("127.0.0.1", int(PORT)), lease=5)
         self.conn = psycopg.connect(DSN)
         self.scope = "cl-%d-%s" % (os.getpid(), self._testMethodName)
 
@@ -101,6 +101,50 @@ class Cluster(unittest.TestCase):
                 raise RuntimeError("retry me")
         self.assertEqual(run.status, "failed_retryable")
         self.assertIsNone(self.vc.get(self.ckey("r")))
+
+    def test_async_runner_on_the_cluster(self):
+        """the asyncio runner given (host, port) of a cluster node: routed by slot (redis.asyncio's RedisCluster), busy from the marker, a retryable failure's marker deleted, the worker's copies replayed"""
+        import asyncio
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+        from idem.aio import AsyncRunner
+        ids = ["a%d" % i for i in range(12)]
+
+        async def deliver(runner, conn, id):
+            async with runner.run(conn, 1, self.scope, id, {"n": id}) as run:
+                if run.claimed:
+                    await conn.execute("INSERT INTO effects (scope, id) VALUES (%s, %s)",
+                                       [self.scope, id])
+                    run.outcome = {"id": id}
+            return run
+
+        async def main(replay):
+            runner = AsyncRunner(("127.0.0.1", int(PORT)), lease=5)
+            conn = await psycopg.AsyncConnection.connect(DSN)
+            other = await psycopg.AsyncConnection.connect(DSN)
+            try:
+                runs = [await deliver(runner, conn, id) for id in ids]
+                self.assertIsInstance(runner.valkey, AsyncRedisCluster)
+                if replay:
+                    return [(r.status, r.source) for r in runs]
+                async with runner.run(conn, 1, self.scope, "ab", {}) as run:
+                    dup = await deliver(runner, other, "ab")
+                    self.assertEqual((dup.status, dup.source), ("busy", "valkey"))
+                with self.assertRaises(RuntimeError):
+                    async with runner.run(conn, 1, self.scope, "ar", {}) as run:
+                        self.assertIsNotNone(self.vc.get(self.ckey("ar")))     # our marker
+                        raise RuntimeError("retry me")
+                self.assertEqual(run.status, "failed_retryable")
+                self.assertIsNone(self.vc.get(self.ckey("ar")))
+                return [(r.status, r.source) for r in runs]
+            finally:
+                await conn.close()
+                await other.close()
+        self.assertEqual(asyncio.run(main(False)), [("applied", "handler")] * len(ids))
+        for id in ids:
+            self.wait_copy(id)
+        self.assertEqual(asyncio.run(main(True)), [("replayed", "valkey")] * len(ids))
+        self.assertGreaterEqual(len({self.vc.get_node_from_key(self.ckey(id)).name
+                                     for id in ids}), 2, "the keys span several masters")
 
 
 if __name__ == "__main__":

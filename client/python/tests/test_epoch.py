@@ -33,9 +33,9 @@ class EpochRetired(unittest.TestCase):
         return run
 
     def test_runner_connected_before_rows_removed(self):
-        """a runner that stays connected, learnt long ago (secrets_max_age_ms 1 h), does not replay a deleted row from the old epoch"""
+        """a runner that stays connected, learnt long ago (secrets_max_age 1 h), does not replay a deleted row from the old epoch"""
         scope, id = "py.epoch", uid("e")
-        runner = idem.Runner(("127.0.0.1", VPORT), secrets_max_age_ms=3600000)
+        runner = idem.Runner(("127.0.0.1", VPORT), secrets_max_age=3600)
         conn = connect()
         try:
             run = self.deliver(runner, conn, scope, id)

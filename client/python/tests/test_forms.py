@@ -54,7 +54,7 @@ def hold(scope, id, tenant=1):
 
 class Base(unittest.TestCase):
     def setUp(self):
-        self.runner = idem.Runner(("127.0.0.1", VPORT), lease_ms=5000)
+        self.runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
         self.conn = connect()
         self.scope = uid("forms")
 
@@ -171,7 +171,7 @@ class Apply(Base):
 class Options(Base):
     def test_max_attempts(self):
         """max_attempts=2: two retryable failures, then the third delivery is failed_permanent with the last detail, without running the handler"""
-        runner = idem.Runner(("127.0.0.1", VPORT), lease_ms=5000, max_attempts=2)
+        runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
         calls = []
 
         def handler(conn, run):
@@ -265,7 +265,7 @@ class LeaseMode(Base):
         """lease: the claim commits before the effect (another delivery is busy meanwhile), the completion after it; then replays"""
         other = connect()
         try:
-            with self.runner.lease(self.conn, 1, self.scope, "l1", {"to": "a"}, lease_ms=10000) as lease:
+            with self.runner.lease(self.conn, 1, self.scope, "l1", {"to": "a"}, lease=10) as lease:
                 self.assertTrue(lease.claimed)
                 self.assertEqual(ledger(1, self.scope, "l1")[0], "processing")     # committed
                 self.assertEqual(self.conn.info.transaction_status,
@@ -287,13 +287,13 @@ class LeaseMode(Base):
     def test_fence(self):
         """lease: a holder whose lease ended and whose key was taken over gets LeaseLost; the ledger keeps the later attempt's outcome"""
         other = connect()
-        short = idem.Runner(("127.0.0.1", VPORT), lease_ms=300)     # its marker's lease too
+        short = idem.Runner(("127.0.0.1", VPORT), lease=0.3)     # its marker's lease too
         try:
             with self.assertRaises(idem.LeaseLost):
                 with short.lease(self.conn, 1, self.scope, "x1", {}) as slow:
-                    self.assertEqual((slow.attempt, slow.lease_ms), (1, 300))
+                    self.assertEqual((slow.attempt, slow.duration), (1, 0.3))
                     time.sleep(0.6)     # the lease ends, and the marker with it
-                    with self.runner.lease(other, 1, self.scope, "x1", {}, lease_ms=10000) as fast:
+                    with self.runner.lease(other, 1, self.scope, "x1", {}, lease=10) as fast:
                         self.assertEqual((fast.claimed, fast.attempt), (True, 2))
                         fast.outcome = {"by": 2}
                     slow.outcome = {"by": 1}
@@ -441,7 +441,7 @@ class Batches(Base):
 
     def test_owner_check_passed_in_a_batch(self):
         """cached_many: an owner check that passes in a batch spends the learning made at once after a mismatch (as at the gate), so the next mismatch is learnt again at once, not a second later"""
-        runner = idem.Runner(("127.0.0.1", VPORT), lease_ms=5000, secrets_max_age_ms=3600000)
+        runner = idem.Runner(("127.0.0.1", VPORT), lease=5, secrets_max_age=3600)
         with runner.batch(self.conn, self.items(["o1"])) as b:
             for run in b:
                 effect(self.conn, run)

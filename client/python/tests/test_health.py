@@ -109,7 +109,7 @@ class TestValkeyHealth(Base):
     def test_down(self):
         """Valkey down: told once with the reason, counted once, rested; after
         valkey_retry_ms tried again and counted, not told again within a minute"""
-        r = idem.Runner(("127.0.0.1", free_port()), valkey_retry_ms=500)
+        r = idem.Runner(("127.0.0.1", free_port()), valkey_retry=0.5)
         self.runs_apply(r, 5, "down")
         self.assertEqual(len(self.heard.messages("refused", "running on PostgreSQL only")), 1,
                          [x.getMessage() for x in self.heard.records])
@@ -123,7 +123,7 @@ class TestValkeyHealth(Base):
     def test_answers_again(self):
         """Valkey down, then started: told when it answers again"""
         port = free_port()
-        r = idem.Runner(("127.0.0.1", port), valkey_retry_ms=200)
+        r = idem.Runner(("127.0.0.1", port), valkey_retry=0.2)
         self.runs_apply(r, 1, "again")
         self.assertEqual(len(self.heard.messages("refused")), 1)
         p = subprocess.Popen([VSERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",

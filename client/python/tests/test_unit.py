@@ -178,3 +178,29 @@ class SharedWithC(unittest.TestCase):
         # (port 1: refused, the runner then decides on PostgreSQL alone)
         r = runner.Runner(valkey=redis.Redis(host="127.0.0.1", port=1))
         self.assertEqual(r._cad.sha, sha1)
+        from idem import aio            # the asyncio runner's EVALSHA name too
+        self.assertEqual(aio.AsyncRunner(("127.0.0.1", 1))._cad.sha, sha1)
+
+
+class Durations(unittest.TestCase):
+    def test_seconds_everywhere(self):
+        """every duration of the API is in seconds (int or float): lease, retention, valkey_timeout, valkey_retry, secrets_max_age; the old *_ms options are refused"""
+        import datetime
+        import idem
+        r = idem.Runner(None, lease=1.5, retention=7 * 86400, valkey_retry=0.25,
+                        valkey_timeout=0.05, secrets_max_age=0)
+        self.assertEqual((r.lease_ms, r.valkey_retry_ms, r.secrets_max_age_ms), (1500, 250, 0))
+        self.assertEqual(r.retention, datetime.timedelta(days=7))
+        self.assertEqual(idem.Runner(None).lease_ms, 30000)
+        for bad in ({"lease": 0}, {"lease": "30s"}, {"retention": "7 days"}, {"lease": True},
+                    {"valkey_timeout": -1}):
+            with self.assertRaises(idem.IdemError, msg=repr(bad)) as cm:
+                idem.Runner(None, **bad)
+            self.assertEqual(cm.exception.code, "argument")
+        for old in ("lease_ms", "valkey_retry_ms", "valkey_timeout_ms", "secrets_max_age_ms"):
+            with self.assertRaises(TypeError, msg=old):
+                idem.Runner(None, **{old: 1000})
+        run = idem.Run(1, "s", "i", "{}", b"k" * 32, b"f" * 32)
+        run._busy_for(1250)
+        self.assertEqual(run.retry_after, 1.25)
+        self.assertFalse(hasattr(run, "retry_after_ms"))
