@@ -4,9 +4,13 @@ the connection (one round trip, timed), the idem extension is installed
 there (its version), the role may read the cache keyspace and secrets,
 Valkey answers (AUTH accepted), and the epoch owner key there holds the
 token the server names (one GET, timed): the same Valkey the server's
-worker writes to.  The first problem is the report's status."""
+worker writes to.  The first problem is the report's status.
+
+The steps are written once (_steps, a generator that yields each
+statement or Valkey command it needs), and driven by check for a Runner
+and by acheck, awaiting each, for an AsyncRunner."""
 import time
-from typing import Any, Optional
+from typing import Any, Generator, Optional, Tuple
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -56,14 +60,15 @@ class Check:
         return self
 
 
-def _rollback(conn: Any) -> None:
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        pass
+# What a step asks its driver to do: ("one"|"all", sql) a statement's first
+# row or all rows; ("end", None) end the transaction; ("rollback", None);
+# ("schema", None) the extension's schema (the runner's session state);
+# ("cluster", None) the first-contact check; ("get", key) a Valkey GET.
+Step = Tuple[str, Any]
+EXTVERSION_SQL = "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'idem'"
 
 
-def check(runner: Any, conn: Any) -> Check:
+def _steps(runner: Any, conn: Any) -> Generator[Step, Any, Check]:
     c = Check()
     if conn.closed or conn.broken:
         return c._problem(PG_UNREACHABLE, "the PostgreSQL connection is closed")
@@ -71,14 +76,13 @@ def check(runner: Any, conn: Any) -> Check:
         raise IdemError("state", "the connection must be idle (no transaction open): the check")
     try:
         t = time.perf_counter()
-        row = conn.execute("SELECT extversion FROM pg_catalog.pg_extension "
-                           "WHERE extname = 'idem'").fetchone()
+        row = yield ("one", EXTVERSION_SQL)
         c.pg_rtt = time.perf_counter() - t
-        runner._end_tx(conn)
+        yield ("end", None)
     except psycopg.Error as e:
         if conn.closed or conn.broken:
             return c._problem(PG_UNREACHABLE, "PostgreSQL connection lost: %s" % str(e).strip())
-        _rollback(conn)
+        yield ("rollback", None)
         return c._problem(NO_EXTENSION, "reading the idem extension's version failed: %s"
                           % str(e).strip())
     if row is None:
@@ -91,15 +95,15 @@ def check(runner: Any, conn: Any) -> Check:
 
     # what the server says the cache is, read now
     try:
-        schema = runner._state(conn).schema
-        ks = conn.execute("SELECT %s.idem_cache_keyspace()" % schema).fetchone()[0]
-        rows = conn.execute("SELECT s.owner_key, s.owner_token FROM %s.idem_cache_secrets() AS s "
-                            "WHERE s.is_current" % schema).fetchall()
-        runner._end_tx(conn)
+        schema = yield ("schema", None)
+        ks = (yield ("one", "SELECT %s.idem_cache_keyspace()" % schema))[0]
+        rows = yield ("all", "SELECT s.owner_key, s.owner_token FROM "
+                      "%s.idem_cache_secrets() AS s WHERE s.is_current" % schema)
+        yield ("end", None)
     except psycopg.Error as e:
         if conn.closed or conn.broken:
             return c._problem(PG_UNREACHABLE, "PostgreSQL connection lost: %s" % str(e).strip())
-        _rollback(conn)
+        yield ("rollback", None)
         sqlstate = getattr(e.diag, "sqlstate", None)
         hint = {"42501": " (GRANT EXECUTE on idem_cache_keyspace() and idem_cache_secrets() "
                          "to the role)",
@@ -114,9 +118,9 @@ def check(runner: Any, conn: Any) -> Check:
 
     # Valkey, and the same Valkey as the server's worker
     try:
-        runner._check_cluster()
+        yield ("cluster", None)
         t = time.perf_counter()
-        value = runner.valkey.get(owner_key)
+        value = yield ("get", owner_key)
         c.valkey_rtt = time.perf_counter() - t
     except IdemError:
         raise
@@ -139,3 +143,79 @@ def check(runner: Any, conn: Any) -> Check:
     runner._health.owner_bad_since = None
     runner._rest_until = 0.0
     return c
+
+
+def _do(runner: Any, conn: Any, step: Step) -> Any:
+    what, arg = step
+    if what == "one":
+        return conn.execute(arg).fetchone()
+    if what == "all":
+        return conn.execute(arg).fetchall()
+    if what == "end":
+        return runner._end_tx(conn)
+    if what == "rollback":
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            pass
+        return None
+    if what == "schema":
+        return runner._state(conn).schema
+    if what == "cluster":
+        return runner._check_cluster()
+    return runner.valkey.get(arg)
+
+
+async def _ado(runner: Any, conn: Any, step: Step) -> Any:
+    what, arg = step
+    if what == "one":
+        return await (await conn.execute(arg)).fetchone()
+    if what == "all":
+        return await (await conn.execute(arg)).fetchall()
+    if what == "end":
+        return await runner._aend_tx(conn)
+    if what == "rollback":
+        try:
+            await conn.rollback()
+        except psycopg.Error:
+            pass
+        return None
+    if what == "schema":
+        return (await runner._astate(conn)).schema
+    if what == "cluster":
+        return await runner._acheck_cluster()
+    return await runner.valkey.get(arg)
+
+
+def check(runner: Any, conn: Any) -> Check:
+    """Runner.check."""
+    gen = _steps(runner, conn)
+    try:
+        step = next(gen)
+        while True:
+            try:
+                answer = _do(runner, conn, step)
+            except Exception as e:
+                step = gen.throw(e)
+            else:
+                step = gen.send(answer)
+    except StopIteration as stop:
+        result: Check = stop.value
+        return result
+
+
+async def acheck(runner: Any, conn: Any) -> Check:
+    """AsyncRunner.check: the same steps, each awaited."""
+    gen = _steps(runner, conn)
+    try:
+        step = next(gen)
+        while True:
+            try:
+                answer = await _ado(runner, conn, step)
+            except Exception as e:
+                step = gen.throw(e)
+            else:
+                step = gen.send(answer)
+    except StopIteration as stop:
+        result: Check = stop.value
+        return result

@@ -2,6 +2,7 @@
 Runner.check (check.py), against real servers: the test's PostgreSQL and
 Valkey (test/python/run.sh), and a second Valkey with requirepass started
 here on a free loopback port and always stopped."""
+import asyncio
 import logging
 import os
 import socket
@@ -13,6 +14,7 @@ import psycopg
 import redis
 
 import idem
+import idem.aio
 from test_server import free_port
 
 DSN = os.environ.get("IDEM_PG_DSN", "")
@@ -187,6 +189,25 @@ class TestValkeyHealth(Base):
             c = idem.Runner(("127.0.0.1", VPORT)).check(c2)
         self.assertEqual(c.status, "no_extension", c)
         self.assertIn("CREATE EXTENSION", c.message)
+
+    def test_check_async(self):
+        """AsyncRunner.check, awaited: all well, a wrong password, another Valkey"""
+        import redis.asyncio
+
+        async def go(valkey):
+            conn = await psycopg.AsyncConnection.connect(DSN)
+            try:
+                return await idem.aio.AsyncRunner(valkey).check(conn)
+            finally:
+                await conn.close()
+
+        ok = asyncio.run(go(("127.0.0.1", VPORT)))
+        self.assertTrue(ok, ok)
+        self.assertTrue(ok.valkey_owner_ok and ok.extension_version)
+        bad = asyncio.run(go(redis.asyncio.Redis(port=self.other_port, password="wrong")))
+        self.assertEqual(bad.status, "valkey_auth", bad)
+        other = asyncio.run(go(redis.asyncio.Redis(port=self.other_port, password=PASSWORD)))
+        self.assertEqual(other.status, "valkey_not_servers", other)
 
 
 if __name__ == "__main__":
