@@ -18,7 +18,8 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_valkey.o src/worker_epoch.o src/worker_encode.o \
 	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_cluster.o src/stats.o src/stats_sql.o src/cache_secret.o \
-	src/cache_keyspace.o src/cache_cluster.o src/cache_sql.o src/standby_slots.o src/citus.o \
+	src/cache_keyspace.o src/cache_cluster.o src/cache_cluster_owner.o src/cache_cluster_seal.o \
+	src/cache_cluster_node.o src/cache_cluster_refresh.o src/cache_sql.o src/standby_slots.o src/citus.o \
 	$(COMMON_OBJS)
 # src/common/: plain C with no server headers, compiled into both idem.so and
 # the client library (client/Makefile), as PostgreSQL's own src/common.
@@ -31,7 +32,8 @@ PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/common
 # Export only what PostgreSQL looks up by name (src/compat.h, IDEM_EXPORT);
 # PostgreSQL 16+ adds this flag itself.
 PG_CFLAGS = -fvisibility=hidden
-SHLIB_LINK = -lhiredis
+# libcrypto: the seal of a Citus cluster's cache secrets (AES-256-GCM).
+SHLIB_LINK = -lhiredis -lcrypto
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
@@ -92,7 +94,7 @@ else
 # No PostgreSQL server headers yet: only the entry points that install them work.
 all install installcheck:
 	@echo "idem: PostgreSQL 15 server headers (pg_config --pgxs) not found." >&2
-	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev; valkey-server valkey-tools from bookworm-backports" >&2
+	@echo "      run 'make test' as root, or: apt-get install postgresql-15 postgresql-server-dev-15 libpq-dev libhiredis-dev libssl-dev; valkey-server valkey-tools from bookworm-backports" >&2
 	@exit 1
 endif
 

@@ -59,7 +59,7 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 				 errhint("Use PostgreSQL alone meanwhile, and ask again later; idem_stats() shows whether the worker reaches Valkey.")));
 	/*
 	 * On Citus, where the tenant ledger is distributed, the cluster's
-	 * keyspace (cache_cluster.c)
+	 * keyspace (idem_cache_cluster_keyspace)
 	 */
 	ledger = get_relname_relid("idempotency_keys",
 							   get_func_namespace(fcinfo->flinfo->fn_oid));
@@ -111,7 +111,7 @@ idem_cache_secrets(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, 0);
 	/*
 	 * On a node of a Citus cluster, the cluster's secrets, and on the
-	 * coordinator the cluster keyspace's owner key (cache_cluster.c).
+	 * coordinator the cluster keyspace's owner key (idem_cache_cluster_owner).
 	 */
 	if (idem_cache_cluster_joined(MyDatabaseId, NULL, &s) == 1)
 		has_owner = idem_cache_cluster_owner(MyDatabaseId, owner_key,

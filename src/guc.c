@@ -31,7 +31,7 @@
 
 #include "guc.h"
 #include "cache_format.h"
-#include "valkey_cluster.h"	/* idem_vc_parse_endpoint: pure, no I/O */
+#include "valkey_endpoint.h"	/* idem_vc_parse_endpoint: pure, no I/O */
 
 int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;

@@ -1,8 +1,13 @@
 /*-------------------------------------------------------------------------
  *
  * valkey_cluster.h
- *	  Valkey Cluster routing on hiredis: one definition, compiled into both
- *	  the extension's background worker and the client library.
+ *	  The Valkey router on hiredis, for a Valkey Cluster and a single Valkey
+ *	  alike (a one-node map): one definition, compiled into both the
+ *	  extension's background worker and the client library.  The layers
+ *	  below it have headers of their own: valkey_wire.h (one connection's
+ *	  bytes), valkey_slots.h, valkey_map.h, valkey_endpoint.h (pure
+ *	  functions); this one includes them, so a caller of the router needs
+ *	  no other.
  *
  * Debian 12's hiredis (0.14.1) has no cluster support, so the routing is
  * here: the slot of a key (CRC16 with hash tags), the slot map (from
@@ -49,89 +54,13 @@
 
 #include <hiredis/hiredis.h>
 
-#define IDEM_VC_SLOTS		16384
-#define IDEM_VC_MAX_NODES	64
-#define IDEM_VC_HOST_MAX	256
-
-/* ---- pure functions (unit tested) ---- */
-
-/* CRC16-CCITT (XMODEM), the one Valkey Cluster uses. */
-uint16_t	idem_vc_crc16(const char *buf, size_t len);
-
-/* The slot of a key: CRC16 of the hash tag ({...}, if non-empty) or the key. */
-int			idem_vc_key_slot(const char *key, size_t len);
-
-typedef enum idem_vc_errkind
-{
-	IDEM_VC_REPLY = 0,			/* not a redirect or a transient error */
-	IDEM_VC_MOVED,				/* MOVED <slot> <host>:<port> */
-	IDEM_VC_ASK,				/* ASK <slot> <host>:<port> */
-	IDEM_VC_RETRY				/* a transient state (valkey_reply.h:
-								 * IDEM_VK_ERR_TRANSIENT): keep the command,
-								 * retry later */
-} idem_vc_errkind;
-
-/*
- * Classify an error reply's text.  For MOVED and ASK, *slot, host (NUL-
- * terminated, at most hostlen - 1 bytes) and *port are set; a malformed
- * redirect is IDEM_VC_REPLY.
- */
-idem_vc_errkind idem_vc_classify(const char *err, size_t len, int *slot,
-								 char *host, size_t hostlen, int *port);
-
-/* A parsed slot map: slot -> index into hosts/ports, or -1. */
-typedef struct idem_vc_map
-{
-	int			nnodes;
-	char		hosts[IDEM_VC_MAX_NODES][IDEM_VC_HOST_MAX];
-	int			ports[IDEM_VC_MAX_NODES];
-	int16_t		slot_node[IDEM_VC_SLOTS];
-} idem_vc_map;
-
-/*
- * Fill map from a CLUSTER SLOTS reply (masters only).  An empty or "?" host
- * means the node that was asked (asked_host).  Returns the number of slots
- * covered, or -1 if the reply is not a slot map.
- */
-int			idem_vc_parse_slots(const redisReply *r, const char *asked_host,
-								idem_vc_map *map);
-
-/*
- * The same from a CLUSTER SHARDS reply (Redis 7+, Valkey): each shard's
- * slot ranges go to its master (an online one if it lists several; a
- * shard with no master is left uncovered), addressed by its endpoint (its
- * ip if the endpoint is "?" or empty; the node asked if neither is given).
- */
-int			idem_vc_parse_shards(const redisReply *r, const char *asked_host,
-								 idem_vc_map *map);
-
-/*
- * One endpoint of a seed list (s, len bytes): "host:port", "host",
- * "[IPv6 address]:port", "[IPv6 address]", or a bare IPv6 address (more
- * than one colon, no brackets: no port).  host gets the name or address
- * without brackets (NUL-terminated, at most hostlen - 1 bytes), *port the
- * port or default_port.  0, or -1 if malformed.
- */
-int			idem_vc_parse_endpoint(const char *s, size_t len, int default_port,
-								   char *host, size_t hostlen, int *port);
-/* "host:port", or "[host]:port" for an IPv6 address. */
-void		idem_vc_format_endpoint(char *buf, size_t len, const char *host,
-									int port);
+/* The layers below the router, each with its own header. */
+#include "valkey_endpoint.h"
+#include "valkey_map.h"
+#include "valkey_slots.h"
+#include "valkey_wire.h"
 
 /* ---- the router ---- */
-
-typedef struct idem_vc_io
-{
-	/*
-	 * Wait until fd is readable (for_write 0) or writable (1), or, with fd
-	 * -1, just until deadline.  Returns 0 when ready (or, for fd -1, when
-	 * the deadline passed), -1 on timeout, -2 to abandon at once (shutdown).
-	 */
-	int			(*wait) (void *arg, int fd, int for_write, int64_t deadline_ms);
-	/* Called before a socket the module opened is closed; may be NULL. */
-	void		(*closing) (void *arg, int fd);
-	void	   *arg;
-} idem_vc_io;
 
 typedef enum idem_vc_mode
 {
@@ -296,69 +225,5 @@ const char *idem_vc_last_error(const idem_vc *vc);
  */
 int			idem_vc_tcp_connect(const char *host, int port, int64_t deadline_ms,
 								const idem_vc_io *io, char *err, size_t errlen);
-
-/* ---- one connection's bytes (valkey_wire.c): every Valkey connection ---- */
-
-/*
- * Send len bytes before the deadline (send with MSG_NOSIGNAL|MSG_DONTWAIT;
- * a full buffer waits through io).  0; -1 (err set, errno kept: 0 for the
- * deadline); -2 abandon (io said so).
- */
-int			idem_vc_wire_send(int fd, const char *buf, size_t len,
-							  int64_t deadline_ms, const idem_vc_io *io,
-							  char *err, size_t errlen);
-
-/*
- * Read one reply (caller frees) before the deadline.  rcvtimeo_ms NULL: a
- * non-blocking socket, waited for through io on EAGAIN, or before the
- * first recv if wait_first.  Non-NULL: a blocking socket whose SO_RCVTIMEO
- * is *rcvtimeo_ms (idem_vc_wire_set_blocking), one blocking recv, the
- * timeout brought within the deadline (io unused).  0; -1 (err set, errno
- * kept: ECONNRESET for EOF, 0 for the deadline or a protocol error); -2
- * abandon.
- */
-int			idem_vc_wire_read(int fd, redisReader *rd, int64_t deadline_ms,
-							  int wait_first, int *rcvtimeo_ms,
-							  const idem_vc_io *io, char *err, size_t errlen,
-							  redisReply **out);
-
-/* Append one formatted command to *buf (malloc'd, *len bytes).  0 or -1. */
-int			idem_vc_wire_append(char **buf, size_t *len, int argc,
-								const char **argv);
-
-/* Make fd blocking, SO_RCVTIMEO timeout_ms (into *rcvtimeo_ms).  0 or -1. */
-int			idem_vc_wire_set_blocking(int fd, int timeout_ms, int *rcvtimeo_ms);
-
-typedef enum idem_vc_setup_refused
-{
-	IDEM_VC_SETUP_OK = 0,
-	IDEM_VC_SETUP_AUTH,			/* AUTH answered an error */
-	IDEM_VC_SETUP_SELECT		/* SELECT answered an error */
-} idem_vc_setup_refused;
-
-/*
- * A new connection's setup, in one round trip: AUTH (with a password), the
- * caller's commands, SELECT (db != 0), pipelined, every reply read before
- * the deadline.  The caller's commands' replies go to extra_replies (the
- * caller frees them; all NULL unless 0 or -3 is returned).  0; -1 no
- * answer (err set, errno kept); -2 abandon; -3 AUTH or SELECT refused
- * (refused says which, err has Valkey's text; extra_replies are set).
- */
-typedef struct idem_vc_setup
-{
-	const char *password;		/* NULL or "": no AUTH */
-	int			db;				/* 0: no SELECT */
-	int			nextra;
-	const int  *extra_argc;
-	const char *const *const *extra_argv;
-	redisReply **extra_replies; /* out, nextra of them */
-	idem_vc_setup_refused refused;	/* out */
-} idem_vc_setup;
-
-int			idem_vc_wire_setup(int fd, idem_vc_setup *s, int64_t deadline_ms,
-							   const idem_vc_io *io, char *err, size_t errlen);
-
-/* Monotonic milliseconds. */
-int64_t		idem_vc_now_ms(void);
 
 #endif							/* IDEM_VALKEY_CLUSTER_H */

@@ -6,10 +6,11 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_endpoint.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int
 idem_vc_parse_endpoint(const char *s, size_t len, int default_port,

@@ -6,9 +6,10 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_map.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* Index of host:port in map, added if new; -1 if it cannot be. */
 static int

@@ -8,10 +8,14 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_slots.h"
+
+#include "valkey_endpoint.h"
+#include "valkey_reply.h"
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 /*
  * CRC16-CCITT (XMODEM: polynomial 0x1021, initial 0, not reflected), a

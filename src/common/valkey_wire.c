@@ -31,7 +31,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster.h"
+#include "valkey_wire.h"
 
 #include <errno.h>
 #include <fcntl.h>

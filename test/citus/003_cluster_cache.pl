@@ -84,6 +84,28 @@ like(slurp_file($w1->logfile), qr/idem_cache_node_join/, 'worker 1 logged the jo
 unlike(slurp_file($w1->logfile) . slurp_file($c->logfile), qr/$secret/,
 	'the secret travels in no statement text (log_statement = all)');
 
+# ---------- the seal: a node opens a seal once, made for it ----------
+# The coordinator's last join statement, as worker 1 logged it.
+my @joins = slurp_file($w1->logfile) =~
+  /idem_cache_node_join\('([^']*)', '([^']*)', '([0-9a-f]*)'\)/g;
+my ($jks, $jid, $jseal) = @joins[-3 .. -1];
+is(length($jseal // ''), 202, 'the secrets travel sealed: 101 bytes (AES-256-GCM)');
+# A new one-time key replaces the one the seal was made with.
+my ($w1id) = split / /, $w1->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w1id, $jid, 'worker 1\'s identity is the one the coordinator sealed for');
+is($w1->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$jid', '$jseal')"), 'f',
+	'a replayed seal does not join (its one-time key was consumed)');
+my ($w2id) = split / /, $w2->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w2->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$w2id', '$jseal')"), 'f',
+	'worker 1\'s seal, given to worker 2 for its own identity, does not join');
+$w1->safe_psql('postgres', 'SELECT idem_cache_node()');
+is($w1->safe_psql('postgres', "SELECT idem_cache_node_join('$jks', '$jid', '" . ('ab' x 120) . "')"), 'f',
+	'a seal of idem 0.3 (120 bytes) does not join ...');
+like(slurp_file($w1->logfile), qr/cache secrets sealed by an older version of idem were refused/,
+	'... and the node\'s log says why');
+is(IdemValkey::wait_keyspace($w1) . ' ' . IdemValkey::wait_keyspace($w2), "$ks $ks",
+	'the refused seals left both nodes\' joins as they were');
+
 complete($t1, 'a');
 complete($t2, 'b');
 my $k1 = "${ks}t:$t1:" . hexkey('a');

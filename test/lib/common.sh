@@ -33,6 +33,7 @@ postgresql-$IDEM_PG_MAJOR:/usr/lib/postgresql/$IDEM_PG_MAJOR/bin/postgres
 postgresql-server-dev-$IDEM_PG_MAJOR:/usr/include/postgresql/$IDEM_PG_MAJOR/server/postgres.h
 libpq-dev:/usr/include/postgresql/libpq-fe.h
 libhiredis-dev:/usr/include/hiredis/hiredis.h
+libssl-dev:/usr/include/openssl/evp.h
 libipc-run-perl:/usr/share/perl5/IPC/Run.pm
 spin:/usr/bin/spin
 gcc:/usr/bin/gcc
