@@ -140,7 +140,9 @@ LANGUAGE C VOLATILE STRICT PARALLEL SAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
 
--- 0.2's grants, again.  A GRANT in an extension script is also recorded as
+-- 0.2's grants, again, each by its grantor (the owner's as the owner, any
+-- other's under SET ROLE to that grantor once it holds its grant option, so
+-- that a grantor's own REVOKE still works).  A GRANT in an extension script is also recorded as
 -- the function's initial privileges, which pg_dump leaves out of a dump: so
 -- those are set back to what a fresh install records (the ACL above), and
 -- pg_dump still dumps the grants.  (On PostgreSQL 17 and later the initial
@@ -149,22 +151,54 @@ REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
 DO $$
 DECLARE
     fresh pg_catalog.aclitem[];
+    role_was text := pg_catalog.current_setting('role');
     g record;
+    made integer;
+    waiting integer;
 BEGIN
     SELECT p.proacl INTO fresh FROM pg_catalog.pg_proc p
      WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
-    FOR g IN
-        SELECT e.grantee, e.is_grantable
-          FROM pg_catalog.pg_proc p,
-               pg_catalog.aclexplode(COALESCE(p.proacl, pg_catalog.acldefault('f', p.proowner))) e
-         WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats_0_2()'::pg_catalog.regprocedure
-           AND e.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
-           AND e.grantee OPERATOR(pg_catalog.<>) p.proowner
     LOOP
-        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.idem_stats() TO %s%s',
-                                  CASE WHEN g.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-                                       ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END,
-                                  CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        made := 0;
+        waiting := 0;
+        FOR g IN
+            SELECT e.grantor, e.grantee, e.is_grantable,
+                   e.grantor OPERATOR(pg_catalog.=) p.proowner AS by_owner,
+                   e.grantor OPERATOR(pg_catalog.=) n.proowner
+                   OR EXISTS (SELECT FROM pg_catalog.aclexplode(n.proacl) h
+                               WHERE h.grantee OPERATOR(pg_catalog.=) e.grantor
+                                 AND h.is_grantable) AS can_grant
+              FROM pg_catalog.pg_proc p, pg_catalog.pg_proc n,
+                   pg_catalog.aclexplode(COALESCE(p.proacl, pg_catalog.acldefault('f', p.proowner))) e
+             WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats_0_2()'::pg_catalog.regprocedure
+               AND n.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure
+               AND e.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
+               AND e.grantee OPERATOR(pg_catalog.<>) p.proowner
+               AND NOT EXISTS (SELECT FROM pg_catalog.aclexplode(n.proacl) d
+                                WHERE d.grantee OPERATOR(pg_catalog.=) e.grantee
+                                  AND (d.grantor OPERATOR(pg_catalog.=) e.grantor
+                                       OR (e.grantor OPERATOR(pg_catalog.=) p.proowner
+                                           AND d.grantor OPERATOR(pg_catalog.=) n.proowner))
+                                  AND d.is_grantable OPERATOR(pg_catalog.>=) e.is_grantable)
+        LOOP
+            IF NOT (g.by_owner OR g.can_grant) THEN
+                waiting := waiting OPERATOR(pg_catalog.+) 1;
+                CONTINUE;
+            END IF;
+            IF NOT g.by_owner THEN
+                PERFORM pg_catalog.set_config('role', pg_catalog.pg_get_userbyid(g.grantor), true);
+            END IF;
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.idem_stats() TO %s%s%s',
+                                      CASE WHEN g.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END,
+                                      CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END,
+                                      CASE WHEN g.by_owner THEN ''
+                                           ELSE ' GRANTED BY ' OPERATOR(pg_catalog.||)
+                                                pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantor)) END);
+            PERFORM pg_catalog.set_config('role', role_was, true);
+            made := made OPERATOR(pg_catalog.+) 1;
+        END LOOP;
+        EXIT WHEN waiting OPERATOR(pg_catalog.=) 0 OR made OPERATOR(pg_catalog.=) 0;
     END LOOP;
     UPDATE pg_catalog.pg_init_privs SET initprivs = fresh
      WHERE objoid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure

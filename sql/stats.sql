@@ -84,6 +84,14 @@ COMMIT PREPARED 'idem_stats_prepared';
 SELECT status FROM idem_lookup(1, idem_key('s', '8'));
 SELECT queued - :q0 AS queued, copied FROM idem_stats();
 
+-- Every copy handed to the ring is counted once it is settled, or is still
+-- in the ring (here: Valkey is never reached, so all wait), and the oldest
+-- one's age is shown.
+SELECT queued = copied + dropped + rejected + skipped + queue_depth AS every_copy_counted,
+       skipped = skipped_expired + skipped_unjoined + skipped_epoch AS skipped_is_the_sum,
+       queue_age >= '0' AND queue_age < '1 hour' AS queue_age_shown
+  FROM idem_stats();
+
 -- Leave the database as we found it for the next test.
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

@@ -87,6 +87,52 @@ ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 CREATE VIEW copy_stats AS SELECT queued, copied, rejected FROM idem_stats();
 DROP VIEW copy_stats;
+-- A grant made by a role that holds the grant option stays that role's
+-- through each update that re-creates idem_stats() (0.2 -> 0.3 -> 0.4, and
+-- 0.3 -> 0.4), so that the role's own REVOKE still takes it back.
+CREATE ROLE regress_idem_delegate;
+-- (The function is looked up at each call: PostgreSQL 18 keeps a SQL
+-- function's plan, and the extension is created again between calls.)
+CREATE FUNCTION stats_grants() RETURNS TABLE (grantee text, grantor text, grantable boolean)
+LANGUAGE sql AS $$
+  SELECT CASE WHEN e.grantee = 0 THEN 'PUBLIC' ELSE e.grantee::regrole::text END,
+         CASE WHEN e.grantor = p.proowner THEN 'the owner' ELSE e.grantor::regrole::text END,
+         e.is_grantable
+    FROM pg_proc p, aclexplode(p.proacl) e
+   WHERE p.oid = to_regprocedure('idem_stats()') AND e.grantee <> p.proowner
+   ORDER BY 1
+$$;
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.2';
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_delegate WITH GRANT OPTION;
+SET ROLE regress_idem_delegate;
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_monitor;
+RESET ROLE;
+ALTER EXTENSION idem UPDATE;
+SELECT * FROM stats_grants();
+SET ROLE regress_idem_delegate;
+REVOKE EXECUTE ON FUNCTION idem_stats() FROM regress_idem_monitor;
+RESET ROLE;
+SELECT has_function_privilege('regress_idem_monitor', 'idem_stats()', 'EXECUTE') AS after_revoke;
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.3';
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_delegate WITH GRANT OPTION;
+SET ROLE regress_idem_delegate;
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_monitor WITH GRANT OPTION;
+RESET ROLE;
+SET ROLE regress_idem_monitor;
+GRANT EXECUTE ON FUNCTION idem_stats() TO PUBLIC;
+RESET ROLE;
+ALTER EXTENSION idem UPDATE;
+SELECT * FROM stats_grants();
+SET ROLE regress_idem_monitor;
+REVOKE EXECUTE ON FUNCTION idem_stats() FROM PUBLIC;
+RESET ROLE;
+SELECT has_function_privilege('public', 'idem_stats()', 'EXECUTE') AS public_after_revoke;
+DROP FUNCTION stats_grants();
+DROP EXTENSION idem;
+CREATE EXTENSION idem;
+DROP ROLE regress_idem_delegate;
 DROP ROLE regress_idem_monitor;
 
 -- Leave the database as we found it for the next test.

@@ -55,3 +55,22 @@ idem_cache_epoch_key_of(char *buf, size_t buflen, TimeLineID timeline,
 								GetSystemIdentifier(), timeline, epoch);
 }
 
+
+/*
+ * The key of this cluster's epoch list into buf (IDEM_CACHE_EPOCH_KEY_MAX
+ * bytes): <prefix><system identifier>:epochs, a Valkey list of the epochs
+ * the last takeovers took over (cache_secret.c).  Returns its length, or -1.
+ */
+int
+idem_cache_epoch_list_of(char *buf, size_t buflen)
+{
+	const char *prefix = idem_valkey_prefix ? idem_valkey_prefix : "";
+	int			n;
+
+	if (strlen(prefix) > IDEM_CACHE_PREFIX_MAX ||
+		buflen < IDEM_CACHE_EPOCH_KEY_MAX)
+		return -1;
+	n = snprintf(buf, buflen, "%s" UINT64_FORMAT ":epochs", prefix,
+				 GetSystemIdentifier());
+	return (n < 0 || (size_t) n >= buflen) ? -1 : n;
+}

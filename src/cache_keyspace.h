@@ -15,5 +15,6 @@ extern int	idem_cache_keyspace_of(char *buf, size_t buflen, Oid dboid,
 								   TimeLineID timeline, uint64 epoch);
 extern int	idem_cache_epoch_key_of(char *buf, size_t buflen,
 									TimeLineID timeline, uint64 epoch);
+extern int	idem_cache_epoch_list_of(char *buf, size_t buflen);
 
 #endif							/* IDEM_CACHE_KEYSPACE_H */

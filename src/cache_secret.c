@@ -15,9 +15,11 @@
  * <N>" (the timeline its secrets were made on; absent if made during
  * recovery, by a standby that had no file), a line "epoch <16 hex>" (the
  * history epoch, below), perhaps a line "token <16 hex>" (the last start
- * that took the epoch over), perhaps a line "retire <timeline> <16 hex>"
- * (the epoch this one replaced, below), then at most two lines "<key id>
- * <secret as 64 hex>", the previous secret first, the current one last.
+ * that took the epoch over), perhaps a line "stop <system identifier> <16
+ * hex>" (the last clean stop, below), up to IDEM_EPOCH_DEAD_MAX lines
+ * "retire <timeline> <16 hex>" (the dead epochs, below, newest first), then
+ * at most two lines "<key id> <secret as 64 hex>", the previous secret
+ * first, the current one last.
  * It is created the first time a process needs it (the worker at its start,
  * so a primary has it before any base backup is taken, and pg_basebackup
  * copies it to standbys), written to a temporary file, synced and renamed
@@ -58,6 +60,11 @@
  *		(a crash, a snapshot or copy of a running server), or a
  *		backup_label, recovery.signal or standby.signal file (read when
  *		shared memory is made, before the startup process runs);
+ *	  - after a start whose pg_control says shut down, but not at the last
+ *		clean stop: the postmaster records the system identifier and the
+ *		shutdown checkpoint in this file as it exits (secret_record_stop),
+ *		and a start compares them with pg_control (pg_resetwal after a
+ *		crash marks pg_control shut down although the database went back);
  *	  - on a new timeline (a promotion, a point-in-time restore);
  *	  - when the worker finds in Valkey that another start took the epoch
  *		over since this data directory last did (below): a copy of a
@@ -82,17 +89,33 @@
  * Retiring.  Runners that learnt an epoch before it was replaced may still
  * hold it (behind a pooler that keeps their connection), so they check, in
  * the round trip of every lookup, that the epoch owner key still holds the
- * token idem_cache_secrets() told them.  When a new epoch replaces one that
- * was taken over because this server's history may have diverged (a start
- * that ran recovery, a new timeline, ledger rows removed), the file records
- * the old epoch ("retire"), and the worker overwrites its owner key with a
- * retired marker (cache_format.h) before it takes the new epoch over: every
- * runner still on the old epoch stops trusting it at its next lookup.  The
- * marker is written whatever the key held: a restored backup or a promoted
- * standby holds the token of the start it was copied from, which may have
- * restarted since.  An epoch replaced because another start took it over,
- * or was never taken over, is not retired (it is not ours, or was never
- * used); an unused epoch passes its retire line on to the next one.
+ * token idem_cache_secrets() told them.  When a new epoch replaces one
+ * because this server's history may have diverged (a start that ran
+ * recovery or did not match the last clean stop, a new timeline, ledger
+ * rows removed), the file adds the old epoch to its dead epochs ("retire"),
+ * also one never taken over here (a copy of this file may have), and the
+ * worker overwrites their owner keys with a retired marker (cache_format.h)
+ * before it takes the new epoch over: every runner still on them stops
+ * trusting them at its next lookup.  The marker is written whatever the key
+ * held: a restored backup or a promoted standby holds the token of the
+ * start it was copied from, which may have restarted since.  An epoch
+ * replaced because another start took it over is not retired (it is not
+ * ours).  The worker checks the dead epochs again at each owner check: a
+ * Valkey restored from an older snapshot brings them back
+ * (dead_keep_retired).
+ *
+ * The epoch list.  This file names the epoch of the moment it was copied;
+ * the original may have made newer ones since (a crash, a DELETE).  So
+ * every takeover also lists its epoch in Valkey (the last
+ * IDEM_EPOCH_DEAD_MAX, <prefix><system identifier>:epochs), and the first
+ * takeover after a start that cannot show it continues Valkey's history
+ * (a new epoch) retires every listed epoch and adds it to the dead ones;
+ * so does any takeover, and a standby's worker, for a listed epoch taken
+ * over on a branch of history its timeline left (an old primary after a
+ * failover, then rewound by pg_rewind, which overwrites this file).  A
+ * running server's renewal retires only its own epoch, so a server whose
+ * epoch a copy took over does not retire the copy's in turn
+ * (worker_take_epoch, worker_check_list).
  * A worker whose owner key holds something else than its token (checked
  * every IDEM_OWNER_CHECK_MS and after each connect: a copy of this server
  * retired it or took it over) makes a new epoch: of two servers from one
@@ -132,6 +155,7 @@
 #include "common/cryptohash.h"
 #include "miscadmin.h"
 #include "storage/fd.h"
+#include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
 #include "utils/builtins.h"
@@ -142,8 +166,12 @@
 #include "sha256.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
-/* The longest file: the timeline, epoch, token and retire lines, two secrets. */
-#define SECRET_FILE_MAX	(21 + 2 * (6 + 16 + 1) + (7 + 10 + 1 + 16 + 1) + \
+/*
+ * The longest file: the timeline, epoch, token and stop lines, the retire
+ * lines, two secrets.
+ */
+#define SECRET_FILE_MAX	(21 + 2 * (6 + 16 + 1) + (5 + 20 + 1 + 16 + 1) + \
+						 IDEM_EPOCH_DEAD_MAX * (7 + 10 + 1 + 16 + 1) + \
 						 2 * (11 + 2 * IDEM_MAC_LEN + 1))
 
 typedef struct IdemSecretShared
@@ -152,34 +180,131 @@ typedef struct IdemSecretShared
 	/* a new epoch is due at the next load outside recovery, and why */
 	IdemEpochReason renew;		/* 0: none */
 	bool		confirmed;		/* the worker took secrets.epoch over */
+	bool		taken_since_start;	/* it took an epoch over since the start */
 	IdemCacheSecrets secrets;
 } IdemSecretShared;
 
 static IdemSecretShared *secret_shared = NULL;
 static LWLock *secret_lock = NULL;
 
+static bool secret_read_file(IdemCacheSecrets *out);
+static void secret_install(const IdemCacheSecrets *s);
+
 /*
- * Will this start run recovery?  Asked when shared memory is made (by the
- * postmaster, at its start and after a crash of a backend), before the
- * startup process runs, so pg_control still says how the server last
- * stopped.  Anything but a clean shutdown of a server that was not in
- * recovery, or a file that asks for recovery, is a yes.
+ * In the postmaster: pg_control's checkpoint when this server first made
+ * shared memory (InvalidXLogRecPtr: it never did), for secret_record_stop.
+ */
+static XLogRecPtr secret_start_checkpoint = InvalidXLogRecPtr;
+
+/*
+ * Does the secret file record the clean stop pg_control describes?  True
+ * if there is no file yet (no epoch to keep).  Asked by the postmaster, so
+ * a file it cannot read counts as a no (the worker reports it later).
  */
 static bool
-secret_start_recovers(void)
+secret_stop_recorded(const ControlFileData *control)
+{
+	IdemCacheSecrets s;
+	volatile bool recorded = false;
+	MemoryContext cxt = CurrentMemoryContext;
+
+	PG_TRY();
+	{
+		recorded = !secret_read_file(&s) ||
+			(s.stop_sysid == control->system_identifier &&
+			 s.stop_checkpoint == control->checkPoint);
+	}
+	PG_CATCH();
+	{
+		MemoryContextSwitchTo(cxt);
+		FlushErrorState();
+	}
+	PG_END_TRY();
+	explicit_bzero(&s, sizeof(s));
+	return recorded;
+}
+
+/*
+ * Why this start needs a new epoch, if it does (0 if not).  Asked when
+ * shared memory is made (by the postmaster, at its start and after a crash
+ * of a backend), before the startup process runs, so pg_control still says
+ * how the server last stopped.  Anything but a clean shutdown of a server
+ * that was not in recovery, or a file that asks for recovery, is a start
+ * that runs recovery.  A clean shutdown that is not the last one
+ * secret_record_stop() recorded (pg_resetwal marks pg_control shut down
+ * after a crash) cannot be trusted either.
+ */
+static IdemEpochReason
+secret_start_renews(void)
 {
 	ControlFileData *control;
 	bool		crc_ok;
-	bool		clean;
+	IdemEpochReason why = 0;
 	struct stat st;
 
 	control = get_controlfile(DataDir, &crc_ok);
-	clean = crc_ok && control->state == DB_SHUTDOWNED;
-	pfree(control);
-	return !clean ||
+	if (XLogRecPtrIsInvalid(secret_start_checkpoint))
+		secret_start_checkpoint = crc_ok ? control->checkPoint : 1;
+	if (!crc_ok || control->state != DB_SHUTDOWNED ||
 		stat(BACKUP_LABEL_FILE, &st) == 0 ||
 		stat(RECOVERY_SIGNAL_FILE, &st) == 0 ||
-		stat(STANDBY_SIGNAL_FILE, &st) == 0;
+		stat(STANDBY_SIGNAL_FILE, &st) == 0)
+		why = IDEM_EPOCH_RECOVERED_START;
+	else if (!secret_stop_recorded(control))
+		why = IDEM_EPOCH_UNRECORDED_STOP;
+	pfree(control);
+	return why;
+}
+
+/*
+ * At the postmaster's exit (on_proc_exit, registered by _PG_init): if the
+ * server was shut down cleanly, record in the secret file the system
+ * identifier and the shutdown checkpoint pg_control names, which the next
+ * start compares (secret_start_renews).  Only a shutdown checkpoint this
+ * server wrote counts: a start that failed before (the port in use, a bad
+ * setting) must not bless what it found, say a pg_control pg_resetwal
+ * marked shut down.  Every child has exited, so nothing else writes the
+ * file.  Never raises an ERROR: a failure is logged and the next start
+ * makes a new epoch.
+ */
+static void
+secret_record_stop(int code, Datum arg)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+
+	PG_TRY();
+	{
+		ControlFileData *control;
+		bool		crc_ok;
+		IdemCacheSecrets s;
+
+		control = get_controlfile(DataDir, &crc_ok);
+		if (crc_ok && control->state == DB_SHUTDOWNED &&
+			!XLogRecPtrIsInvalid(secret_start_checkpoint) &&
+			control->checkPoint != secret_start_checkpoint &&
+			secret_read_file(&s))
+		{
+			s.stop_sysid = control->system_identifier;
+			s.stop_checkpoint = control->checkPoint;
+			secret_install(&s);
+		}
+		explicit_bzero(&s, sizeof(s));
+		pfree(control);
+	}
+	PG_CATCH();
+	{
+		MemoryContextSwitchTo(cxt);
+		EmitErrorReport();
+		FlushErrorState();
+	}
+	PG_END_TRY();
+}
+
+/* From _PG_init in the postmaster: record each clean stop at its exit. */
+void
+idem_cache_secret_register_stop(void)
+{
+	on_proc_exit(secret_record_stop, (Datum) 0);
 }
 
 Size
@@ -199,8 +324,7 @@ idem_cache_secret_shmem_init(void)
 	if (!found)
 	{
 		memset(secret_shared, 0, sizeof(IdemSecretShared));
-		if (secret_start_recovers())
-			secret_shared->renew = IDEM_EPOCH_RECOVERED_START;
+		secret_shared->renew = secret_start_renews();
 	}
 	secret_lock = &(GetNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE))->lock;
 }
@@ -235,8 +359,10 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	TimeLineID	timeline = 0;
 	uint64		epoch = 0;
 	uint64		token = 0;
-	TimeLineID	retire_tli = 0;
-	uint64		retire_epoch = 0;
+	uint64		stop_sysid = 0;
+	uint64		stop_checkpoint = 0;
+	int			ndead = 0;
+	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 
 	if (strncmp(p, "timeline ", 9) == 0)
 	{
@@ -272,21 +398,41 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 		}
 		p += 6 + 16 + 1;
 	}
-	if (strncmp(p, "retire ", 7) == 0)
+	if (strncmp(p, "stop ", 5) == 0)
+	{
+		char	   *end;
+
+		errno = 0;
+		stop_sysid = strtou64(p + 5, &end, 10);
+		if (errno != 0 || end == p + 5 || p[5] < '0' || p[5] > '9' ||
+			*end != ' ' || !secret_parse_hex64(end + 1, &stop_checkpoint))
+		{
+			*why = "the stop line is not a system identifier and 16 lower-case hex digits";
+			return false;
+		}
+		p = end + 1 + 16 + 1;
+	}
+	while (strncmp(p, "retire ", 7) == 0)
 	{
 		char	   *end;
 		unsigned long tli;
 
 		errno = 0;
 		tli = strtoul(p + 7, &end, 10);
-		if (errno != 0 || end == p + 7 || p[7] < '1' || p[7] > '9' ||
-			tli > PG_UINT32_MAX || *end != ' ' ||
-			!secret_parse_hex64(end + 1, &retire_epoch) || retire_epoch == 0)
+		if (ndead == IDEM_EPOCH_DEAD_MAX)
 		{
-			*why = "the retire line is not a timeline and 16 lower-case hex digits";
+			*why = "too many retire lines";
 			return false;
 		}
-		retire_tli = (TimeLineID) tli;
+		if (errno != 0 || end == p + 7 || p[7] < '1' || p[7] > '9' ||
+			tli > PG_UINT32_MAX || *end != ' ' ||
+			!secret_parse_hex64(end + 1, &dead[ndead].epoch) ||
+			dead[ndead].epoch == 0)
+		{
+			*why = "a retire line is not a timeline and 16 lower-case hex digits";
+			return false;
+		}
+		dead[ndead++].timeline = (TimeLineID) tli;
 		p = end + 1 + 16 + 1;
 	}
 	while (*p != '\0')
@@ -326,8 +472,10 @@ secret_parse(const char *text, IdemCacheSecrets *out, const char **why)
 	out->timeline = timeline;
 	out->epoch = epoch;
 	out->token = token;
-	out->retire_timeline = retire_tli;
-	out->retire_epoch = retire_epoch;
+	out->stop_sysid = stop_sysid;
+	out->stop_checkpoint = (XLogRecPtr) stop_checkpoint;
+	out->ndead = ndead;
+	memcpy(out->dead, dead, ndead * sizeof(IdemEpochName));
 	out->current_id = ids[nlines - 1];
 	memcpy(out->current, keys[nlines - 1], IDEM_MAC_LEN);
 	if (nlines == 2)
@@ -394,10 +542,14 @@ secret_write_tmp(const IdemCacheSecrets *s, char *tmp)
 	if (s->token != 0)
 		len += snprintf(text + len, sizeof(text) - len, "token %016llx\n",
 						(unsigned long long) s->token);
-	if (s->retire_epoch != 0)
+	if (s->stop_sysid != 0)
+		len += snprintf(text + len, sizeof(text) - len, "stop " UINT64_FORMAT " %016llx\n",
+						s->stop_sysid,
+						(unsigned long long) s->stop_checkpoint);
+	for (int i = 0; i < s->ndead; i++)
 		len += snprintf(text + len, sizeof(text) - len, "retire %u %016llx\n",
-						s->retire_timeline,
-						(unsigned long long) s->retire_epoch);
+						s->dead[i].timeline,
+						(unsigned long long) s->dead[i].epoch);
 	if (s->previous_id > 0)
 	{
 		idem_cache_hex(hex, s->previous, IDEM_MAC_LEN);
@@ -478,6 +630,25 @@ secret_random64(void)
 }
 
 /*
+ * Add epoch *e to the dead epochs of *s, newest first, unless it is there
+ * already; the oldest is forgotten past IDEM_EPOCH_DEAD_MAX.  True if it
+ * was added.
+ */
+static bool
+secret_dead_add(IdemCacheSecrets *s, const IdemEpochName *e)
+{
+	for (int i = 0; i < s->ndead; i++)
+		if (s->dead[i].epoch == e->epoch && s->dead[i].timeline == e->timeline)
+			return false;
+	if (s->ndead == IDEM_EPOCH_DEAD_MAX)
+		s->ndead--;
+	memmove(&s->dead[1], &s->dead[0], s->ndead * sizeof(IdemEpochName));
+	s->dead[0] = *e;
+	s->ndead++;
+	return true;
+}
+
+/*
  * Why the secrets *s must make way for a new epoch now (see the file
  * header), as a log detail; NULL if they need not.  Never during recovery:
  * nothing is copied or read then, and the promotion that ends it brings a
@@ -506,6 +677,8 @@ secret_renew_why(const IdemCacheSecrets *s, IdemEpochReason renew)
 			return "Logical replication applied a transaction that wrote a ledger: it may have removed or changed rows whose results Valkey holds.";
 		case IDEM_EPOCH_RENEW_REQUESTED:
 			return "idem_renew_epoch() was called.";
+		case IDEM_EPOCH_UNRECORDED_STOP:
+			return "pg_control says the server was shut down cleanly, but not at the last clean stop idem recorded (pg_resetwal, or a data directory put together by hand): its history may differ from what Valkey holds.";
 	}
 	if (s->epoch == 0)
 		return "The file was made by an older idem, without an epoch.";
@@ -530,22 +703,23 @@ secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
 	next.timeline = secret_timeline();
 	next.epoch = secret_random64();
 	next.current_id = s->current_id == PG_INT32_MAX ? 1 : s->current_id + 1;
+	next.stop_sysid = s->stop_sysid;
+	next.stop_checkpoint = s->stop_checkpoint;
+	next.ndead = s->ndead;
+	memcpy(next.dead, s->dead, sizeof(next.dead));
 
 	/*
-	 * Retire the epoch being replaced if runners may use it (it was taken
-	 * over, on a known timeline) and it is ours to retire (see the file
-	 * header); an epoch never used passes on what it was to retire.
+	 * Retire the epoch being replaced if it is ours to retire (see the file
+	 * header): not one another start took over.  One this data directory
+	 * never took over is retired too: a copy of it may have (a backup taken
+	 * while Valkey was out of reach, restored to a point in time).
 	 */
-	if (s->token != 0 && s->epoch != 0 && s->timeline != 0 &&
+	if (s->epoch != 0 && s->timeline != 0 &&
 		renew != IDEM_EPOCH_TAKEN_ELSEWHERE)
 	{
-		next.retire_timeline = s->timeline;
-		next.retire_epoch = s->epoch;
-	}
-	else
-	{
-		next.retire_timeline = s->retire_timeline;
-		next.retire_epoch = s->retire_epoch;
+		IdemEpochName old = {s->timeline, s->epoch};
+
+		secret_dead_add(&next, &old);
 	}
 	secret_generate(next.current);
 	secret_install(&next);
@@ -724,8 +898,11 @@ idem_cache_epoch_takeover(IdemEpochTakeover *t)
 	t->timeline = s.timeline;
 	t->expect_token = s.token;
 	t->new_token = secret_random64();
-	t->retire_timeline = s.retire_timeline;
-	t->retire_epoch = s.retire_epoch;
+	t->ndead = s.ndead;
+	memcpy(t->dead, s.dead, sizeof(t->dead));
+	LWLockAcquire(secret_lock, LW_SHARED);
+	t->first = !secret_shared->taken_since_start;
+	LWLockRelease(secret_lock);
 	return true;
 }
 
@@ -775,6 +952,7 @@ idem_cache_epoch_taken(const IdemEpochTakeover *t)
 		secret_install(&next);
 		secret_shared->secrets = next;
 		secret_shared->confirmed = true;
+		secret_shared->taken_since_start = true;
 		explicit_bzero(&next, sizeof(next));
 	}
 	LWLockRelease(secret_lock);
@@ -802,6 +980,52 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 		secret_shared->confirmed = false;
 	}
 	LWLockRelease(secret_lock);
+}
+
+/*
+ * The worker retired epoch *dead (not this data directory's own: one that
+ * Valkey's epoch list named, see the file header): remember it
+ * in the file, so that it is retired again if Valkey brings it back, and
+ * so that a backup taken from now on knows it.
+ */
+void
+idem_cache_epoch_note_dead(const IdemEpochName *dead)
+{
+	IdemCacheSecrets next;
+
+	Assert(secret_shared != NULL);
+	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	/* An ERROR here releases the lock in the abort path. */
+	secret_shared_load();
+	next = secret_shared->secrets;
+	if (secret_dead_add(&next, dead))
+	{
+		secret_install(&next);
+		secret_shared->secrets = next;
+	}
+	explicit_bzero(&next, sizeof(next));
+	LWLockRelease(secret_lock);
+}
+
+/*
+ * The epochs this history knows are dead (at most IDEM_EPOCH_DEAD_MAX, into
+ * dead), for the worker to retire them again; returns how many.
+ */
+int
+idem_cache_epoch_dead(IdemEpochName *dead)
+{
+	int			n = 0;
+
+	if (secret_shared == NULL)
+		return 0;
+	LWLockAcquire(secret_lock, LW_SHARED);
+	if (secret_shared->loaded)
+	{
+		n = secret_shared->secrets.ndead;
+		memcpy(dead, secret_shared->secrets.dead, n * sizeof(IdemEpochName));
+	}
+	LWLockRelease(secret_lock);
+	return n;
 }
 
 /*
@@ -879,8 +1103,10 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 	next.timeline = secret_shared->secrets.timeline;
 	next.epoch = secret_shared->secrets.epoch;
 	next.token = secret_shared->secrets.token;
-	next.retire_timeline = secret_shared->secrets.retire_timeline;
-	next.retire_epoch = secret_shared->secrets.retire_epoch;
+	next.stop_sysid = secret_shared->secrets.stop_sysid;
+	next.stop_checkpoint = secret_shared->secrets.stop_checkpoint;
+	next.ndead = secret_shared->secrets.ndead;
+	memcpy(next.dead, secret_shared->secrets.dead, sizeof(next.dead));
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;

@@ -15,6 +15,20 @@
 #include "cache_format.h"
 #include "sha256.h"
 
+/*
+ * How many dead epochs the secret file remembers (cache_secret.c): the
+ * worker retires them before each takeover and again at each owner check,
+ * so that a Valkey restored from an older snapshot does not bring one back.
+ */
+#define IDEM_EPOCH_DEAD_MAX		8
+
+/* An epoch and the timeline it was made on (its owner key's name). */
+typedef struct IdemEpochName
+{
+	TimeLineID	timeline;
+	uint64		epoch;
+} IdemEpochName;
+
 typedef struct IdemCacheSecrets
 {
 	int32		current_id;		/* the key id values are written with */
@@ -26,8 +40,11 @@ typedef struct IdemCacheSecrets
 								 * none yet */
 	uint64		token;			/* the token of the last start that took
 								 * the epoch over in Valkey; 0: none */
-	TimeLineID	retire_timeline;	/* the epoch this one replaced, whose */
-	uint64		retire_epoch;	/* owner key the worker retires; 0: none */
+	/* the last clean stop (system identifier, checkpoint); 0: none known */
+	uint64		stop_sysid;
+	XLogRecPtr	stop_checkpoint;
+	int			ndead;			/* epochs this history knows are dead, */
+	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];	/* newest first */
 } IdemCacheSecrets;
 
 /*
@@ -41,8 +58,9 @@ typedef struct IdemEpochTakeover
 	TimeLineID	timeline;
 	uint64		expect_token;
 	uint64		new_token;
-	TimeLineID	retire_timeline;	/* retire this epoch's owner key first */
-	uint64		retire_epoch;	/* (0: none) */
+	bool		first;			/* no takeover yet since the server started */
+	int			ndead;			/* retire these owner keys first */
+	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 } IdemEpochTakeover;
 
 /* Why an epoch is replaced while the server runs (idem_cache_epoch_renew). */
@@ -52,7 +70,8 @@ typedef enum IdemEpochReason
 	IDEM_EPOCH_TAKEN_ELSEWHERE,	/* Valkey: another start took it over */
 	IDEM_EPOCH_LEDGER_ROWS_REMOVED,	/* DELETE, TRUNCATE, DROP of a ledger */
 	IDEM_EPOCH_LEDGER_ROWS_REPLICATED,	/* logical replication wrote one */
-	IDEM_EPOCH_RENEW_REQUESTED	/* idem_renew_epoch() */
+	IDEM_EPOCH_RENEW_REQUESTED,	/* idem_renew_epoch() */
+	IDEM_EPOCH_UNRECORDED_STOP	/* pg_control: not the clean stop recorded */
 } IdemEpochReason;
 
 /* The named LWLock tranche of the shared copy (one lock), for shmem.c. */
@@ -71,5 +90,8 @@ extern bool idem_cache_epoch_takeover(IdemEpochTakeover *t);
 extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
 extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
 extern bool idem_cache_epoch_owned(IdemEpochTakeover *t);
+extern void idem_cache_epoch_note_dead(const IdemEpochName *dead);
+extern int	idem_cache_epoch_dead(IdemEpochName *dead);
+extern void idem_cache_secret_register_stop(void);
 
 #endif							/* IDEM_CACHE_SECRET_H */

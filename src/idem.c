@@ -24,6 +24,7 @@
 #include "utils/inval.h"
 #include "utils/syscache.h"
 
+#include "cache_secret.h"
 #include "compat.h"
 #include "guc.h"
 #include "ledger_guard.h"
@@ -55,5 +56,6 @@ _PG_init(void)
 	{
 		idem_shmem_register();
 		idem_worker_register();
+		idem_cache_secret_register_stop();
 	}
 }

@@ -160,8 +160,10 @@ idem_outbox_xact_event(XactEvent event)
 		case XACT_EVENT_COMMIT:
 			/* The commit record is written: no ERROR from here on. */
 			outbox_set_lsn();
-			idem_outbox_ring_put(pending_records);
+			/* handed to the ring and dropped (stats.h's identity) */
+			idem_stats_add(IDEM_STAT_QUEUED, pending_dropped);
 			idem_stats_add(IDEM_STAT_DROPPED, pending_dropped);
+			idem_outbox_ring_put(pending_records);
 			outbox_pending_reset();
 			break;
 		case XACT_EVENT_PREPARE:

@@ -21,9 +21,10 @@
  *		head with compare-and-swap, checking the room against tail.  The
  *		head it compares was read before tail, or before others moved it
  *		and the reader consumed past it: it rereads head then, as head -
- *		tail would wrap.  The worker sleeps when head equals tail and
- *		nothing is counted in; with a copy counted in but not reserved it
- *		naps briefly, marked awake (idem_outbox_worker_sleepy).
+ *		tail would wrap.  The worker sleeps when head equals tail, also
+ *		while a copy is counted in but not reserved yet (then for a
+ *		bounded nap): its writer wakes it once the copy is published, as
+ *		any other writer does (idem_outbox_worker_sleepy).
  *	  - A reserved record becomes visible to the reader only when published:
  *		the writer copies it in, then (after a write barrier) sets its
  *		published field to its position + 1.  The reader stops at the first
@@ -57,6 +58,7 @@
  */
 #include "postgres.h"
 
+#include "access/xact.h"
 #include "miscadmin.h"
 #include "port/atomics.h"
 #include "storage/latch.h"
@@ -201,13 +203,26 @@ outbox_ring_touch(const char *p, uint32 size)
 }
 
 /*
+ * A time as a record's queued_ms: milliseconds modulo 2^32 (49 days), never
+ * 0, which marks a record whose bytes were zeroed under a reader.
+ */
+static inline uint32
+outbox_ring_ms(TimestampTz t)
+{
+	uint32		ms = (uint32) ((uint64) t / 1000);
+
+	return ms == 0 ? 1 : ms;
+}
+
+/*
  * Append one record to the ring: count it, reserve its bytes (and a
- * padding record's, to skip the end of the ring), copy it in, publish it.
- * Returns false, changing nothing, when the queue is full.  No allocation,
- * no error, no wait: this runs after the commit record.
+ * padding record's, to skip the end of the ring), copy it in with
+ * queued_ms, publish it.  Returns false, changing nothing, when the queue
+ * is full.  No allocation, no error, no wait: this runs after the commit
+ * record.
  */
 static bool
-outbox_ring_append(const IdemOutboxRecord *rec)
+outbox_ring_append(const IdemOutboxRecord *rec, uint32 queued_ms)
 {
 	char	   *ring = IDEM_OUTBOX_RING(outbox);
 	uint64		head;
@@ -283,6 +298,7 @@ outbox_ring_append(const IdemOutboxRecord *rec)
 	outbox_ring_touch((const char *) r, rec->size);
 	memcpy((char *) r + sizeof(r->published), (const char *) rec + sizeof(rec->published),
 		   rec->size - sizeof(rec->published));
+	r->queued_ms = queued_ms;
 	outbox_ring_publish(r, head);
 	return true;
 }
@@ -319,8 +335,10 @@ idem_outbox_wake(void)
 
 /*
  * At XACT_EVENT_COMMIT: move a transaction's copies (a List of
- * IdemOutboxRecord *) into the ring, count them and wake the worker.
- * Safe after the commit record: no allocation, no error.
+ * IdemOutboxRecord *) into the ring, stamped with the commit's time, count
+ * them (each in queued, and the ones the ring has no room for in dropped
+ * too) and wake the worker.  Safe after the commit record: no allocation,
+ * no error.
  */
 void
 idem_outbox_ring_put(List *records)
@@ -328,19 +346,23 @@ idem_outbox_ring_put(List *records)
 	ListCell   *lc;
 	uint64		accepted = 0;
 	uint64		dropped = 0;
+	uint32		queued_ms;
 
 	if (outbox == NULL || records == NIL)
 		return;
 
+	/* the commit record's time, taken when it was written */
+	queued_ms = outbox_ring_ms(GetCurrentTransactionStopTimestamp());
+	/* counted before they enter the ring: queued is never behind depth */
+	idem_stats_add(IDEM_STAT_QUEUED, list_length(records));
 	foreach(lc, records)
 	{
-		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc)))
+		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc), queued_ms))
 			accepted++;
 		else
 			dropped++;
 	}
 
-	idem_stats_add(IDEM_STAT_QUEUED, accepted);
 	idem_stats_add(IDEM_STAT_DROPPED, dropped);
 	if (accepted > 0)
 		outbox_wake_worker();
@@ -349,7 +371,9 @@ idem_outbox_ring_put(List *records)
 /*
  * Put one record into the ring now, unless the queue is more than half full
  * (so that repopulating reads cannot crowd out the copies of new commits);
- * count it and wake the worker.  Returns whether it was queued.
+ * count it and wake the worker.  Returns whether it was queued.  An offer
+ * refused for the half-full ring is not counted at all (no copy is owed);
+ * one that passes that check counts as a commit's copy does.
  */
 bool
 idem_outbox_ring_offer(const IdemOutboxRecord *rec)
@@ -359,12 +383,14 @@ idem_outbox_ring_offer(const IdemOutboxRecord *rec)
 	if (outbox == NULL)
 		return false;
 	if (pg_atomic_read_u64(&outbox->nrecords) < outbox->max_records / 2)
-		accepted = outbox_ring_append(rec);
-	if (accepted)
 	{
 		idem_stats_add(IDEM_STAT_QUEUED, 1);
-		outbox_wake_worker();
+		accepted = outbox_ring_append(rec, outbox_ring_ms(GetCurrentTimestamp()));
+		if (!accepted)
+			idem_stats_add(IDEM_STAT_DROPPED, 1);	/* no room for its bytes */
 	}
+	if (accepted)
+		outbox_wake_worker();
 	return accepted;
 }
 
@@ -400,10 +426,13 @@ idem_outbox_worker_awake(void)
  * cleared and a barrier, so that a commit either sees the flag cleared
  * (and wakes the worker) or its record is seen here (and the worker does
  * not sleep).  When false, the worker has been marked awake again.  Also
- * false, with *coming set, when nothing is reserved but a copy is counted
- * in (its committer is between the two): the worker, marked awake, naps
- * briefly and looks again, so that the committer need not set its latch
- * and the worker does not spin.
+ * true, with *coming set, when nothing is reserved but a copy is counted
+ * in (its committer is between the two): the worker sleeps, still
+ * wakeable, for a bounded nap.  That committer, like every other, sets
+ * the latch once it has published (it reads the flag after its
+ * compare-and-swap on head), and so do the commits that pass it
+ * meanwhile: a worker napping marked awake would leave all of them
+ * waiting for the nap's end.
  */
 bool
 idem_outbox_worker_sleepy(bool *coming)
@@ -426,9 +455,8 @@ idem_outbox_worker_sleepy(bool *coming)
 	pg_read_barrier();
 	if (pg_atomic_read_u64(&outbox->head) == tail)
 	{
-		if (idem_outbox_depth() == 0)
-			return true;
-		*coming = true;
+		*coming = idem_outbox_depth() != 0;
+		return true;
 	}
 	idem_outbox_worker_awake();
 	return false;
@@ -553,4 +581,62 @@ idem_outbox_depth(void)
 	if (outbox == NULL)
 		return 0;
 	return pg_atomic_read_u64(&outbox->nrecords);
+}
+
+/*
+ * How long the oldest copy in the ring has waited, in *age_ms: since its
+ * commit (or since the read that offered it).  false when the ring is
+ * empty, or its oldest record is reserved but not written yet, or is being
+ * consumed under this look.  Any process may call it; it only reads.  The
+ * worker zeroes a record's bytes before it moves tail past them, so a field
+ * read meanwhile is its value or 0: the published mark is read again after
+ * the fields, and a queued_ms of 0 is no time (outbox_ring_ms).
+ */
+bool
+idem_outbox_oldest_age(int64 *age_ms)
+{
+	const char *ring;
+	uint64		p;
+	uint64		head;
+
+	if (outbox == NULL)
+		return false;
+	ring = IDEM_OUTBOX_RING(outbox);
+	p = pg_atomic_read_u64(&outbox->tail);
+	pg_read_barrier();
+	head = pg_atomic_read_u64(&outbox->head);
+
+	/* the oldest record, or a padding record and the one after it */
+	for (int hops = 0; hops < 2 && p < head; hops++)
+	{
+		const IdemOutboxRecord *rec =
+			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
+		char		kind;
+		uint32		size;
+		uint32		queued_ms = 0;
+		uint32		waited;
+
+		if (*(volatile const uint64 *) &rec->published != p + 1)
+			return false;
+		pg_read_barrier();
+		kind = *(volatile const char *) &rec->kind;
+		size = *(volatile const uint32 *) &rec->size;
+		if (kind != 0)
+			queued_ms = *(volatile const uint32 *) &rec->queued_ms;
+		pg_read_barrier();
+		if (*(volatile const uint64 *) &rec->published != p + 1 || size == 0)
+			return false;
+		if (kind == 0)
+		{
+			p += size;
+			continue;
+		}
+		if (queued_ms == 0)
+			return false;
+		waited = outbox_ring_ms(GetCurrentTimestamp()) - queued_ms;
+		/* a clock set back: no negative age (nor one of 49 days) */
+		*age_ms = waited > PG_INT32_MAX ? 0 : (int64) waited;
+		return true;
+	}
+	return false;
 }

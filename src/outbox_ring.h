@@ -33,6 +33,9 @@ typedef struct IdemOutboxRecord
 								 * up to lsn itself (see outbox.c) */
 	int32		attempt;
 	Oid			dboid;			/* the database: part of the Valkey keyspace */
+	uint32		queued_ms;		/* in the ring: when it was queued, in
+								 * milliseconds modulo 2^32, never 0
+								 * (idem_outbox_oldest_age) */
 	int64		tenant_id;
 	TimestampTz expires_at;
 	XLogRecPtr	lsn;			/* copy once WAL is durable up to here */
@@ -65,5 +68,6 @@ extern int	idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records,
 							 XLogRecPtr *flush_to);
 extern void idem_outbox_consume(uint64 next_pos, int nrecords);
 extern uint64 idem_outbox_depth(void);
+extern bool idem_outbox_oldest_age(int64 *age_ms);
 
 #endif							/* IDEM_OUTBOX_RING_H */

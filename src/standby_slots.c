@@ -225,6 +225,60 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 }
 
 /*
+ * Copies wait and WAL is durable only up to durable (as
+ * idem_standby_slots_flushed() computed it): say what holds it there, in
+ * what (whatlen bytes), for the log and idem_stats().  The physical slot
+ * whose standby reported no further, the synchronous standbys, or this
+ * server's own flush; read again now, so it may have moved meanwhile.
+ */
+void
+idem_standby_slots_holder(XLogRecPtr durable, char *what, size_t whatlen)
+{
+	XLogRecPtr	sync_flushed;
+	int			i;
+
+	snprintf(what, whatlen,
+			 "WAL is flushed only up to %X/%X here (asynchronous commits wait for the WAL writer), or a committing backend has not written its copy yet",
+			 LSN_FORMAT_ARGS(durable));
+	if (GetFlushRecPtr(NULL) <= durable)
+		return;
+	if (sync_standbys_confirmed(SYNC_REP_WAIT_FLUSH, &sync_flushed) &&
+		sync_flushed <= durable)
+	{
+		snprintf(what, whatlen,
+				 "the synchronous standbys have confirmed WAL only up to %X/%X",
+				 LSN_FORMAT_ARGS(sync_flushed));
+		return;
+	}
+	if (ReplicationSlotCtl == NULL)
+		return;
+	LWLockAcquire(ReplicationSlotControlLock, LW_SHARED);
+	for (i = 0; i < max_replication_slots; i++)
+	{
+		ReplicationSlot *s = &ReplicationSlotCtl->replication_slots[i];
+		XLogRecPtr	flushed;
+		pid_t		pid;
+		bool		physical;
+
+		if (!s->in_use)
+			continue;
+		SpinLockAcquire(&s->mutex);
+		physical = SlotIsPhysical(s);
+		flushed = s->data.restart_lsn;
+		pid = s->active_pid;
+		SpinLockRelease(&s->mutex);
+		if (!physical || XLogRecPtrIsInvalid(flushed) || flushed > durable)
+			continue;
+		snprintf(what, whatlen,
+				 "the standby of replication slot \"%s\" has flushed WAL only up to %X/%X%s",
+				 NameStr(s->data.name), LSN_FORMAT_ARGS(flushed),
+				 pid == 0 ? " (no standby is connected to it)" : "");
+		break;
+	}
+	LWLockRelease(ReplicationSlotControlLock);
+}
+
+/*
  * Where the commit of writer ends if it may not be flushed yet, else
  * InvalidXLogRecPtr.  A synchronous commit is flushed before it becomes
  * visible; the clog keeps the LSN of asynchronous ones (the greatest of a

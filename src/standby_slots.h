@@ -16,6 +16,8 @@
 /* The worker: how far WAL is held by every standby a copy waits for. */
 extern bool idem_standby_slots_flushed(XLogRecPtr *lsn, char *why,
 									   size_t whylen);
+extern void idem_standby_slots_holder(XLogRecPtr durable, char *what,
+									  size_t whatlen);
 
 /* A replay from another transaction's row. */
 extern XLogRecPtr idem_commit_lsn(TransactionId writer);

@@ -12,15 +12,27 @@
 
 #include "decision.h"
 
-/* What the shared counters count, in the order idem_stats() reports them. */
+/*
+ * What the shared counters count.  Every copy handed to the commit ring is
+ * counted in queued and, once settled, in exactly one of copied, dropped,
+ * rejected or a skipped reason; until then it is in the ring's depth.  So
+ * queued = copied + dropped + rejected + skipped + depth whenever no copy
+ * is between the ring and the counters (stats_sql.c reports the skipped
+ * reasons and their sum).
+ */
 typedef enum IdemStat
 {
-	IDEM_STAT_QUEUED = 0,		/* copies accepted into the shared queue */
+	IDEM_STAT_QUEUED = 0,		/* copies handed to the commit ring */
 	IDEM_STAT_COPIED,			/* copies written to Valkey */
-	IDEM_STAT_DROPPED,			/* copies refused because the queue was full */
+	IDEM_STAT_DROPPED,			/* copies refused because the ring was full */
 	IDEM_STAT_COPY_ERRORS,		/* failed connects and batches (kept, resent) */
 	IDEM_STAT_REJECTED,			/* copies Valkey refused one by one (dropped) */
 	IDEM_STAT_QUEUE_STALLS,		/* the oldest copy reserved, unwritten over 1 s */
+	IDEM_STAT_SKIPPED_EXPIRED,	/* copies whose retention ended in the ring */
+	IDEM_STAT_SKIPPED_UNJOINED, /* copies of a database in a Citus cluster
+								 * this node has not joined (for its epoch) */
+	IDEM_STAT_SKIPPED_EPOCH,	/* copies read or committed under an older
+								 * history epoch */
 	IDEM_STAT_COUNT
 } IdemStat;
 

@@ -12,13 +12,14 @@
 #include "access/htup_details.h"
 #include "funcapi.h"
 #include "utils/builtins.h"
+#include "utils/timestamp.h"
 
 #include "compat.h"
 #include "decision.h"
 #include "outbox_ring.h"
 #include "stats.h"
 
-/* Column order of idem_stats(); see idem--0.2--0.3.sql. */
+/* Column order of idem_stats(); see idem--0.3--0.4.sql. */
 enum
 {
 	COL_PRELOADED = 0,
@@ -35,17 +36,22 @@ enum
 	COL_CLUSTER = COL_CLAIMS + IDEM_DECISION_COUNT,
 	COL_CLUSTER_COUNTERS,		/* one column per IdemClusterStat from here */
 	COL_NODES = COL_CLUSTER_COUNTERS + IDEM_CLUSTER_STAT_COUNT,
+	COL_SKIPPED,				/* the sum of the reasons that follow */
+	COL_SKIPPED_REASONS,		/* one column per IDEM_STAT_SKIPPED_* from here */
+	COL_QUEUE_AGE = COL_SKIPPED_REASONS + IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED,
 	COL_COUNT
 };
 
-StaticAssertDecl(COL_QUEUED + IDEM_STAT_COUNT == COL_QUEUE_DEPTH,
+#define IDEM_STAT_FIRST_SKIPPED IDEM_STAT_SKIPPED_EXPIRED
+StaticAssertDecl(COL_QUEUED + IDEM_STAT_QUEUE_STALLS + 1 == COL_QUEUE_DEPTH &&
+				 IDEM_STAT_QUEUE_STALLS + 1 == IDEM_STAT_FIRST_SKIPPED,
 				 "idem_stats() columns must follow IdemStat");
 
 PG_FUNCTION_INFO_V1(idem_stats);
 
 /*
  * idem_stats() RETURNS one row; the columns are documented in the README
- * and declared in idem--0.2--0.3.sql.
+ * and declared in idem--0.3--0.4.sql.
  */
 Datum
 idem_stats(PG_FUNCTION_ARGS)
@@ -78,15 +84,36 @@ idem_stats(PG_FUNCTION_ARGS)
 		values[COL_LAST_ERROR] = CStringGetTextDatum("idem is not in shared_preload_libraries: results are not copied to Valkey");
 		values[COL_CLUSTER] = BoolGetDatum(false);
 		nulls[COL_NODES] = true;
+		nulls[COL_QUEUE_AGE] = true;
 	}
 	else
 	{
+		int64		skipped = 0;
+		int64		age_ms;
+
 		values[COL_PRELOADED] = BoolGetDatum(true);
 		values[COL_CONNECTED] = BoolGetDatum(snap.connected);
+
 		/* queued, copied, dropped, copy_errors, rejected: IdemStat order */
-		for (i = 0; i < IDEM_STAT_COUNT; i++)
+		for (i = 0; i < IDEM_STAT_FIRST_SKIPPED; i++)
 			values[COL_QUEUED + i] = Int64GetDatum((int64) snap.counters[i]);
+		for (i = IDEM_STAT_FIRST_SKIPPED; i < IDEM_STAT_COUNT; i++)
+		{
+			values[COL_SKIPPED_REASONS + i - IDEM_STAT_FIRST_SKIPPED] =
+				Int64GetDatum((int64) snap.counters[i]);
+			skipped += (int64) snap.counters[i];
+		}
+		values[COL_SKIPPED] = Int64GetDatum(skipped);
 		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_outbox_depth());
+		if (idem_outbox_oldest_age(&age_ms))
+		{
+			Interval   *age = (Interval *) palloc0(sizeof(Interval));
+
+			age->time = age_ms * 1000;
+			values[COL_QUEUE_AGE] = IntervalPGetDatum(age);
+		}
+		else
+			nulls[COL_QUEUE_AGE] = true;
 		if (snap.last_error[0] == '\0')
 			nulls[COL_LAST_ERROR] = true;
 		else

@@ -9,7 +9,9 @@
  * One worker runs when idem is preloaded; the postmaster restarts it
  * IDEM_WORKER_RESTART_S seconds after it exits (it always exits with code 1,
  * also on SIGTERM, so that a killed worker comes back).  It needs no
- * database connection, only shared memory.
+ * database connection, only shared memory.  It starts on a standby too,
+ * once recovery is consistent, but there it only watches the epoch list
+ * (worker_standby_wait) until the promotion.
  *
  * It takes the oldest queued records in batches of up to IDEM_BATCH_MAX,
  * writes each as
@@ -88,8 +90,12 @@
 /* a cluster's batch stuck on one node (a failover): retry this often */
 #define IDEM_BACKOFF_CLUSTER_MAX_MS	400
 #define IDEM_IDLE_WAIT_MS		10000
-/* Naps while a copy is counted in but not reserved: from 1 ms, doubling. */
-#define IDEM_COMING_MAX_MS		128
+/*
+ * The longest sleep while a copy is counted in but not reserved: its
+ * committer wakes the worker once it is published, so this only bounds a
+ * wait for one that never comes (the ring had no room for its bytes).
+ */
+#define IDEM_COMING_WAIT_MS		128
 
 void
 idem_worker_register(void)
@@ -98,7 +104,8 @@ idem_worker_register(void)
 
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS;
-	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	/* on a standby too: it watches the epoch list (worker_standby_wait) */
+	worker.bgw_start_time = BgWorkerStart_ConsistentState;
 	worker.bgw_restart_time = IDEM_WORKER_RESTART_S;
 	strlcpy(worker.bgw_library_name, "idem", BGW_MAXLEN);
 	strlcpy(worker.bgw_function_name, "idem_worker_main", BGW_MAXLEN);
@@ -133,7 +140,6 @@ void
 idem_worker_main(Datum main_arg)
 {
 	int			backoff_ms = IDEM_BACKOFF_MIN_MS;
-	long		coming_ms = 0;	/* the last nap for a copy counted in */
 	TimestampTz retry_at = 0;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -152,6 +158,8 @@ idem_worker_main(Datum main_arg)
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
 	idem_outbox_attach_worker();
+
+	worker_standby_wait();
 
 	/*
 	 * Create the cache secret now if there is none, so that a primary has it
@@ -274,9 +282,9 @@ idem_worker_main(Datum main_arg)
 		/*
 		 * The queue was empty when vk_drain() last looked.  Sleep, and let
 		 * commits wake us, unless a commit came in meanwhile.  A copy
-		 * counted in but not reserved yet (its committer between the two):
-		 * look again shortly, less and less often while it stays so (a
-		 * committer held there), neither spinning nor costing it a wakeup.
+		 * counted in but not reserved yet (its committer between the two)
+		 * does not keep us awake: its committer, and every commit that
+		 * passes it, wakes us (idem_outbox_worker_sleepy).
 		 */
 		if (!ConfigReloadPending)
 		{
@@ -284,18 +292,11 @@ idem_worker_main(Datum main_arg)
 
 			if (idem_outbox_worker_sleepy(&coming))
 			{
-				worker_nap(IDEM_IDLE_WAIT_MS);
+				worker_nap(coming ? IDEM_COMING_WAIT_MS : IDEM_IDLE_WAIT_MS);
 				idem_outbox_worker_awake();
 				/* Valkey may have lost it while we slept (a flush) */
 				owner_checked_at = 0;
 			}
-			if (coming)
-			{
-				coming_ms = coming_ms == 0 ? 1 : Min(coming_ms * 2, IDEM_COMING_MAX_MS);
-				worker_nap(coming_ms);
-			}
-			else
-				coming_ms = 0;
 		}
 	}
 

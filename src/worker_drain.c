@@ -39,11 +39,40 @@ typedef struct VkBatch
 {
 	uint64		end_pos;		/* queue position after its records */
 	int			nrecords;
-	int			nsent;			/* SETs sent (expired records are not) */
+	int			nsent;			/* SETs sent (skipped records are not) */
+	uint64		unencodable;	/* records that could not be encoded */
+	int64		sent_at;		/* when it was appended (and then written) */
+	VkSkips		skips;			/* records skipped, by reason */
 } VkBatch;
 
 /* At most this many batches in flight (vk_drain, a backlog). */
 #define IDEM_INFLIGHT 4
+
+/*
+ * The send window (vk_drain): at most this many records in flight, whose
+ * SETs must be written and answered within idem.valkey_command_timeout.
+ * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches
+ * of IDEM_BATCH_MAX) may take longer than that to write; resent whole
+ * after each timeout it would never go through.  So a window that fails
+ * (a timeout, or the connection lost) halves it, down to one record, and
+ * each batch answered within half the timeout doubles it again, up to the
+ * full window: it settles where a window is written and answered in time.
+ */
+#define IDEM_WINDOW_MAX (IDEM_INFLIGHT * IDEM_BATCH_MAX)
+static int	send_window = IDEM_WINDOW_MAX;
+
+/* The window in flight failed: send half as many records next time. */
+static VkResult
+window_failed(VkResult r)
+{
+	if (r == VK_FAILED && send_window > 1)
+	{
+		send_window = Max(1, send_window / 2);
+		ereport(DEBUG1,
+				(errmsg_internal("send window now %d copies", send_window)));
+	}
+	return r;
+}
 
 /*
  * Copy queued records until the queue is empty, batched as the file header
@@ -67,6 +96,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	VkBatch		inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
+	int			nrecords_in = 0;	/* records of the batches in flight */
 	uint64		pos = 0;		/* from the oldest record */
 	bool		standby_reported = false;
 	TimestampTz held_since = 0; /* when the wait for durability began */
@@ -99,12 +129,14 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		 * Fill the window with what is queued and durable beyond the
 		 * batches in flight (see the file header).
 		 */
-		while (nin < IDEM_INFLIGHT && !ConfigReloadPending &&
-			   worker_epoch_ready())
+		while (nin < IDEM_INFLIGHT && nrecords_in < send_window &&
+			   !ConfigReloadPending && worker_epoch_ready())
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
-			int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX,
+			int			n = idem_outbox_peek(&pos, records,
+											 Min(IDEM_BATCH_MAX,
+												 send_window - nrecords_in),
 											 durable, &held, &flush_to);
 			int			nsent;
 			VkEncoder	enc;
@@ -125,13 +157,16 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			vk_encoder_done(&enc);
 			if (nsent < 0)
 				return VK_FAILED;
-			idem_stats_add(IDEM_STAT_REJECTED, nrej);
-			*rejected += nrej;
+			/* all counted once the batch leaves the ring, not if resent */
 			b = &inflight[(first + nin) % IDEM_INFLIGHT];
 			b->end_pos = pos;
 			b->nrecords = n;
 			b->nsent = nsent;
+			b->unencodable = nrej;
+			b->skips = enc.skips;
+			b->sent_at = idem_vc_now_ms();
 			nin++;
+			nrecords_in += n;
 			batch_delay_start(now);
 			if (n > 0)
 				held_since = 0;
@@ -155,6 +190,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				if (held_since == 0)
 					held_since = now;
 				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
+				worker_report_held(durable);
 			}
 			worker_nap(wait_ms);
 			if (ShutdownRequestPending)
@@ -168,7 +204,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		r = vk_flush(deadline);
 		if (r != VK_OK)
-			return r;
+			return window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
 		slept = nin == 1 && batch_delay_sleep();
@@ -183,7 +219,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 
 			r = vk_read_reply(deadline, slept && i == 0, &class);
 			if (r != VK_OK)
-				return r;
+				return window_failed(r);
 			if (class == VK_REPLY_RETRY)
 				return VK_FAILED;	/* worker_errbuf has the reply; batches kept */
 			if (class == VK_REPLY_REJECT)
@@ -192,12 +228,19 @@ vk_drain(uint64 *copied, uint64 *rejected)
 				ok++;
 		}
 		idem_outbox_consume(b->end_pos, b->nrecords);
+		nrej += b->unencodable;
 		idem_stats_add(IDEM_STAT_COPIED, ok);
 		idem_stats_add(IDEM_STAT_REJECTED, nrej);
+		worker_count_skips(&b->skips);
 		*copied += ok;
 		*rejected += nrej;
 		first = (first + 1) % IDEM_INFLIGHT;
 		nin--;
+		nrecords_in -= b->nrecords;
+		/* answered well in time: let the window grow back */
+		if (send_window < IDEM_WINDOW_MAX &&
+			idem_vc_now_ms() - b->sent_at < idem_valkey_command_timeout_ms / 2)
+			send_window = Min(IDEM_WINDOW_MAX, send_window * 2);
 	}
 }
 
@@ -287,6 +330,9 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 	TimeLineID	head_timeline = 0;
 	uint64		head_ok = 0;
 	uint64		head_rej = 0;
+	VkSkips		head_skips;
+
+	memset(&head_skips, 0, sizeof(head_skips));
 
 	*copied = 0;
 	*rejected = 0;
@@ -329,6 +375,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			}
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
+			worker_report_held(durable);
 			worker_nap(durable_poll_ms(held_since, GetCurrentTimestamp()));
 			continue;
 		}
@@ -356,6 +403,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		{
 			head_n = 0;			/* a new head batch: nothing settled */
 			head_ok = head_rej = 0;
+			memset(&head_skips, 0, sizeof(head_skips));
 			head_timeline = timeline;
 		}
 		memcpy(head + head_n, records + head_n,
@@ -366,6 +414,8 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
 							&unencodable);
 		vk_encoder_done(&enc);
+		/* a skipped record is settled (head_done): not encoded again */
+		worker_skips_add(&head_skips, &enc.skips);
 		if (sent < 0)
 			return VK_SHUTDOWN;
 		/*
@@ -415,6 +465,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		idem_outbox_consume(pos, n);
 		idem_stats_add(IDEM_STAT_COPIED, head_ok);
 		idem_stats_add(IDEM_STAT_REJECTED, head_rej);
+		worker_count_skips(&head_skips);
 		*copied += head_ok;
 		*rejected += head_rej;
 	}

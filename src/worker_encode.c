@@ -41,6 +41,7 @@ vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 	enc->now = GetCurrentTimestamp();
 	enc->timeline = timeline;
 	enc->keyspace_db = InvalidOid;
+	memset(&enc->skips, 0, sizeof(enc->skips));
 	idem_cache_secrets_get(&secrets);
 	enc->epoch = secrets.epoch;
 	enc->own_key_id = secrets.current_id;
@@ -60,8 +61,8 @@ vk_encoder_done(VkEncoder *enc)
  * One record as SET key value PX ttl (both modes use this): an idem2 value
  * in its database's keyspace on this timeline, MACed with the current
  * secret.  1 done, 0 nothing to copy (the row's retention already ended,
- * or its database copies nothing now: cache_cluster.c), -1 it cannot be
- * encoded (worker_errbuf says why).
+ * or its database copies nothing now: cache_cluster.c; counted by reason
+ * in enc->skips), -1 it cannot be encoded (worker_errbuf says why).
  */
 int
 vk_encode_record(void *arg, const IdemOutboxRecord *rec,
@@ -73,7 +74,10 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 	const char *why = "could not encode a queued result";
 
 	if (ttl_ms < 1)
+	{
+		worker_skip(&enc->skips, IDEM_STAT_SKIPPED_EXPIRED);
 		return 0;
+	}
 	*keylen = -1;
 	if (rec->dboid != enc->keyspace_db)
 	{
@@ -94,7 +98,10 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 			enc->keyspace_db = rec->dboid;
 	}
 	if (rec->dboid == enc->keyspace_db && enc->skip_db)
+	{
+		worker_skip(&enc->skips, IDEM_STAT_SKIPPED_UNJOINED);
 		return 0;
+	}
 	if (rec->dboid == enc->keyspace_db)
 		*keylen = idem_cache_key(key, IDEM_CACHE_KEY_MAX, enc->keyspace,
 								 rec->is_platform, rec->tenant_id, rec->key);
@@ -117,8 +124,8 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 
 /*
  * Append SETs for records[] to the connection's output buffer
- * (vk_encode_record).  Records whose retention already ended are skipped,
- * and one that cannot be encoded is counted in *errors.  Returns the number
+ * (vk_encode_record).  Records not to copy are skipped (counted in
+ * enc->skips), and one that cannot be encoded is counted in *errors.  Returns the number
  * of commands appended, or -1.
  */
 int
@@ -142,7 +149,7 @@ vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
 		rc = vk_encode_record(enc, records[i], key, &keylen, value, &valuelen,
 							  ttl, sizeof(ttl));
 		if (rc == 0)
-			continue;			/* the row's retention already ended */
+			continue;			/* skipped, and counted in enc->skips */
 		if (rc < 0)
 		{
 			(*errors)++;		/* worker_errbuf says why */

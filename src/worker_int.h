@@ -33,11 +33,14 @@
 #include "cache_format.h"
 #include "outbox_ring.h"
 #include "sha256.h"
+#include "stats.h"
 #include "worker_cluster.h"	/* IDEM_BATCH_MAX */
 
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
 #define IDEM_LOG_INTERVAL_MS	10000
+/* copies held back this long for durability are reported (worker_report_held) */
+#define IDEM_HELD_REPORT_MS		1000
 #define IDEM_ERRBUF_LEN			200
 /*
  * How often the worker checks that its epoch owner key still holds its
@@ -69,6 +72,17 @@ typedef enum VkReplyClass
 } VkReplyClass;
 
 /*
+ * Records not copied, by reason (IDEM_STAT_SKIPPED_* from
+ * IDEM_STAT_SKIPPED_EXPIRED on): counted in idem_stats() and logged once
+ * the records leave the commit ring (worker_count_skips).
+ */
+#define VK_SKIP_REASONS (IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED)
+typedef struct VkSkips
+{
+	uint64		n[VK_SKIP_REASONS];
+} VkSkips;
+
+/*
  * What one batch's records are encoded with: the time, the timeline that
  * names the keyspace, the current secret's key id and its prepared HMAC key,
  * and the last database's keyspace.
@@ -85,6 +99,7 @@ typedef struct VkEncoder
 	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
 	int32		own_key_id;		/* this server's own secret */
 	idem_hmac	own_mac_key;
+	VkSkips		skips;			/* records it skipped, by reason */
 } VkEncoder;
 
 /* worker_valkey.c */
@@ -108,6 +123,8 @@ extern VkResult vk_command(const char *key, size_t keylen, int argc,
 extern TimestampTz owner_checked_at;
 extern VkResult worker_take_epoch(void);
 extern VkResult worker_check_owner(void);
+extern VkResult worker_check_list(void);
+extern void worker_standby_wait(void);
 extern VkResult worker_cluster_owners(bool check);
 extern bool worker_epoch_ready(void);
 
@@ -138,7 +155,11 @@ extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
 /* worker_report.c */
 extern bool worker_failing;
 extern void worker_report_standby(void);
+extern void worker_report_held(XLogRecPtr durable);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
+extern void worker_skip(VkSkips *skips, IdemStat reason);
+extern void worker_skips_add(VkSkips *into, const VkSkips *from);
+extern void worker_count_skips(const VkSkips *skips);
 
 #endif							/* IDEM_WORKER_INT_H */

@@ -1598,7 +1598,7 @@ await_worker_settled(int ms)
 		return;
 	for (i = 0; i < ms / 10; i++)
 	{
-		PGresult   *r = PQexec(c, "SELECT valkey_connected AND queued > copied + dropped + rejected"
+		PGresult   *r = PQexec(c, "SELECT valkey_connected AND queued > copied + dropped + rejected + skipped"
 							   " FROM idem_stats()");
 		int			waiting = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
 			strcmp(PQgetvalue(r, 0, 0), "t") == 0;

@@ -124,7 +124,7 @@ $c->safe_psql('postgres', "SELECT idem_claim($t1, idem_key('s', 'a'), idem_finge
 $v1 = $valkey->wait_for_key($k1, 10);
 ok(defined $v1 && coord_mac_ok($k1, $v1), 'a PostgreSQL replay on the worker repopulates the cluster keyspace');
 my $all = $valkey->command('KEYS', '*');
-my @keys = grep { !/:owner$/ } (ref $all ? @$all : split /\n/, $all);
+my @keys = grep { !/:(owner|epochs)$/ } (ref $all ? @$all : split /\n/, $all);
 is(join(' ', grep { index($_, $ks) != 0 } @keys), '',
 	'no node copies anything outside the cluster keyspace');
 
@@ -176,6 +176,11 @@ like(owner_is($ksr, qr/^[0-9a-f]{16}\z/), qr/^[0-9a-f]{16}\z/, '... with its own
 my $r;
 IdemValkey::poll_until(20, sub { $r = $s->run('r1'); $r eq 'replayed valkey' });
 is($r, 'replayed valkey', '... which the runner, having learnt again, replays from Valkey');
+cmp_ok(IdemValkey::stats_col($w1, 'skipped_unjoined'), '>=', 1,
+	'... its copy made before worker 1 joined was counted in skipped_unjoined');
+like(slurp_file($w1->logfile),
+	qr/results were not copied to Valkey: their database is in a Citus cluster whose cache keyspace this node has not joined/,
+	'... and logged with that reason');
 $s->finish;
 $ks = $ksr;
 
@@ -248,6 +253,7 @@ is(IdemValkey::wait_keyspace($w1), $ks5, '... which worker 1 joins');
 $w2->start;
 is(ks(), $ks4, 'worker 2 back with its history unchanged: the keyspace is the one before');
 
+IdemValkey::check_counters($_) foreach ($c, $w1, $w2);
 $w1->stop;
 $w2->stop;
 $c->stop;

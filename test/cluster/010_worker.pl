@@ -164,5 +164,6 @@ ok( IdemValkey::poll_until(15,
 		sub { (IdemValkey::stats_col($node, 'last_error') // '') =~ /valkey_db is 3, but a Valkey Cluster has only database 0/ }),
 	'idem.valkey_db = 3 on a cluster is reported as a configuration error');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

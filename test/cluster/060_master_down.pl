@@ -84,5 +84,6 @@ ok(IdemValkey::poll_until(10, sub { IdemValkey::stats_col($node, 'queue_depth') 
 is(IdemValkey::stats_col($node, 'copied'), 330, 'each of the 330 copies counted once');
 is(IdemValkey::stats_col($node, 'dropped'), '0', 'nothing dropped');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

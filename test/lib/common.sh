@@ -537,6 +537,78 @@ idem_free_port() {
 		die "no free port that is not reserved in $dir\n";' "${PG_TEST_PORT_DIR:-}" "$$"
 }
 
+# idem_leftover_pids DIR...: the processes still running from under a DIR:
+# their working directory is there (a server started with its data or
+# --dir there: PostgreSQL, Valkey, which rewrites its title and so no
+# longer shows its arguments), or a path under DIR is in their command
+# line.  The caller and its ancestors are left out (they may run from
+# under DIR).
+idem_leftover_pids() {
+	local dir dirs=()
+	for dir in "$@"; do
+		dir=$(cd "$dir" 2>/dev/null && pwd -P) && dirs+=("$dir")
+	done
+	[ "${#dirs[@]}" -gt 0 ] || return 0
+	perl -e '
+		my @dirs = @ARGV;
+		my %mine;	# this scan and its ancestors
+		for (my $p = $$; $p > 1;) {
+			$mine{$p} = 1;
+			open(my $st, "<", "/proc/$p/stat") or last;
+			my $line = <$st> // last;
+			($p) = $line =~ /\) \S+ (\d+)/ or last;
+		}
+		opendir(my $proc, "/proc") or exit 0;
+		PID: foreach my $pid (grep { /^\d+$/ && !$mine{$_} } readdir($proc)) {
+			my $cwd = readlink("/proc/$pid/cwd");
+			my $cmd = "";
+			if (open(my $f, "<", "/proc/$pid/cmdline")) { local $/; $cmd = <$f> // ""; }
+			foreach my $dir (@dirs) {
+				# a path boundary after DIR: not a sibling DIR-b
+				if ((defined $cwd && index("$cwd/", "$dir/") == 0) ||
+					$cmd =~ m{\Q$dir\E(?:/|\0|\z)}) {
+					print "$pid\n";
+					next PID;
+				}
+			}
+		}' "${dirs[@]}"
+}
+
+# idem_stop_leftovers DIR...: stop what a suite left running from under a
+# DIR (idem_leftover_pids): the servers of a suite that failed, or that hit
+# its time limit (timeout signals the suite's process group, which a
+# daemonized server has left).  SIGTERM, then SIGKILL to what remains
+# after 3 s.  Prints how many it stopped, if any, on stderr.
+idem_stop_leftovers() {
+	local pids i
+	pids=$(idem_leftover_pids "$@")
+	[ -n "$pids" ] || return 0
+	echo "idem: stopping $(wc -w <<<"$pids") processes left running under $*" >&2
+	# shellcheck disable=SC2086
+	kill -TERM $pids 2>/dev/null
+	for i in $(seq 1 30); do
+		pids=$(idem_leftover_pids "$@")
+		[ -n "$pids" ] || return 0
+		sleep 0.1
+	done
+	# shellcheck disable=SC2086
+	kill -KILL $pids 2>/dev/null
+	return 0
+}
+
+# idem_limited SECONDS DIR COMMAND...: COMMAND with a time limit (timeout:
+# its process group gets SIGTERM, SIGKILL 10 s later), then what it left
+# running under DIR is stopped (idem_stop_leftovers), whether it passed,
+# failed or hit the limit.  Returns COMMAND's status (124: the limit).
+idem_limited() {
+	local secs=$1 dir=$2 st
+	shift 2
+	timeout -k 10 "$secs" "$@"
+	st=$?
+	idem_stop_leftovers "$dir"
+	return $st
+}
+
 # idem_pg_start DIR PORT [CONF-LINE...]: a throwaway cluster in DIR/pg,
 # listening on 127.0.0.1:PORT and on a socket in DIR, preloading idem.
 # Runs as the test user; DIR must be writable by it.

@@ -134,21 +134,24 @@ ok $? "... idem_preloaded is 1"
 claimed=$(sed -nE 's/^idem_claims_claimed(\{[^}]*\})? ([0-9.e+]+)$/\2/p' "$W/metrics.txt" | head -n 1)
 [ -n "$claimed" ] && awk -v c="$claimed" 'BEGIN { exit !(c >= 5) }'
 ok $? "... idem_claims_claimed counts the claims made ($claimed)"
-# Every column of idem_stats() but the two texts is a metric.
+# Every column of idem_stats() but the two texts is a metric (queue_age, an
+# interval, as idem_queue_age_seconds).
 cols=$(APP -c "SELECT string_agg(a.name, ' ' ORDER BY a.n)
 	FROM pg_proc p, unnest(p.proargnames, p.proargmodes::text[]) WITH ORDINALITY a(name, mode, n)
 	WHERE p.oid = 'idem_stats()'::regprocedure AND a.mode = 'o'
 	  AND a.name NOT IN ('last_error', 'valkey_nodes')")
 missing=
 for m in $cols; do
+	[ "$m" != queue_age ] || m=queue_age_seconds
 	grep -q "^idem_$m[{ ]" "$W/metrics.txt" || missing="$missing idem_$m"
 done
 [ -n "$cols" ] && [ -z "$missing" ]
 ok $? "... and every counter of idem_stats(): $(echo $cols | wc -w) columns${missing:+ (missing:$missing)}"
-for m in rejected valkey_cluster valkey_redirects valkey_map_refreshes valkey_node_errors valkey_cluster_retries; do
+for m in rejected valkey_cluster valkey_redirects valkey_map_refreshes valkey_node_errors valkey_cluster_retries \
+	skipped skipped_expired skipped_unjoined skipped_epoch queue_age; do
 	[[ " $cols " == *" $m "* ]] || { echo "# idem_stats() has no column $m"; false; } || break
 done
-ok $? "... rejected and the cluster counters among them"
+ok $? "... rejected, the cluster counters, the skipped reasons and queue_age among them"
 if ! grep -q '^idem_copied' "$W/metrics.txt"; then
 	sed 's/^/# exporter: /' "$W/exporter.log" | tail -n 15
 fi

@@ -103,8 +103,8 @@ is($rc, 0, 'a commit that overflows the queue succeeds');
 unlike($err, qr/ERROR|WARNING/, '... without an error or warning');
 is( $node->safe_psql('postgres',
 		"SELECT queued - $queued0, dropped - $dropped0, queue_depth FROM idem_stats()"),
-	'6|24|16',
-	'6 copies fit the queue (16), 24 are dropped and counted');
+	'30|24|16',
+	'30 copies handed to the queue (16): 6 fit, 24 are dropped and counted');
 is( $node->safe_psql('postgres',
 		"SELECT status FROM idem_lookup(1, idem_key('f', 'over-30'))"),
 	'completed',
@@ -187,5 +187,6 @@ $other->command('SELECT', '0');
 is($valkey->command('GET', key_of('hup-1')), undef, '... and not the old server');
 is(IdemValkey::worker_pid($node), $pid, 'the worker reloads without restarting');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

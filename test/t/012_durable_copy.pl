@@ -188,5 +188,6 @@ ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'd', 'sentinel
 is($valkey->command('GET', $own_key), undef,
 	'reads of a row of a rolled-back transaction copied nothing');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

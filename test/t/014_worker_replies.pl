@@ -201,5 +201,6 @@ $valkey->command('ACL', 'SETUSER', 'default', 'allkeys');
 is($valkey->command('GET', IdemValkey::platform_key($node, 'r', 'perm-2')), undef,
 	'the refused record was not written');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

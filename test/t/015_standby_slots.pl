@@ -2,7 +2,9 @@
 # pg_basebackup: a copy waits until the named standby has flushed its
 # commit; a stopped standby holds copies back, a missing slot too.  By
 # default ('*', issue 25) every physical slot a standby has used is waited
-# for; '' waits for none.
+# for; '' waits for none.  Copies held back are said: last_error and the
+# log name the standby's slot, idem_stats().queue_age shows the oldest
+# one's wait; one whose retention ends meanwhile is skipped and counted.
 use strict;
 use warnings;
 
@@ -13,7 +15,7 @@ use IdemValkey;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use Time::HiRes qw(usleep);
+use Time::HiRes qw(time usleep);
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 
@@ -78,15 +80,40 @@ commit_key($primary, 'k4');
 ok(defined $valkey->wait_for_key($k4, 10),
 	'by default, with the standby streaming, a commit is copied (a slot no standby used is not waited for)');
 $standby->stop;
+my $log_at = -s $primary->logfile;
 my $k5 = IdemValkey::tenant_key($primary, 1, 's', 'k5');
 commit_key($primary, 'k5');
+# a copy whose retention (2 s) ends while it is held back
+$primary->safe_psql('postgres', 'SET idem.min_retention = 0; BEGIN; '
+	  . IdemValkey::complete_sql('s', 'short', undef, '2 seconds') . ' COMMIT;');
+my $short_at = time();
+my $expired0 = IdemValkey::stats_col($primary, 'skipped_expired');
 usleep(2_000_000);
 is($valkey->command('GET', $k5), undef,
 	'by default, with the standby of a physical slot stopped, the copy waits');
+ok( IdemValkey::poll_until(5,
+		sub { IdemValkey::stats_col($primary, 'last_error') =~ /copies held back .*slot "sb1".*no standby is connected/ }),
+	'last_error names the slot whose standby holds the copies back')
+  or diag(IdemValkey::stats_col($primary, 'last_error'));
+like(slurp_file($primary->logfile, $log_at),
+	qr/results have waited \d+ s to be copied to Valkey: the standby of replication slot "sb1"/,
+	'... and so does the log');
+cmp_ok(IdemValkey::stats_col($primary, 'extract(epoch FROM queue_age)'), '>=', 1.5,
+	'idem_stats().queue_age is the oldest held copy\'s wait');
+usleep(1_000_000) while time() < $short_at + 3;
 $primary->safe_psql('postgres', "ALTER SYSTEM SET idem.standby_slots = ''");
 $primary->reload;
 ok(defined $valkey->wait_for_key($k5, 10),
 	"with idem.standby_slots = '' no standby is waited for: the copy goes out");
+ok( IdemValkey::poll_until(10,
+		sub { IdemValkey::stats_col($primary, 'skipped_expired') == $expired0 + 1 }),
+	'the copy whose retention ended while it was held back is skipped and counted');
+is($valkey->command('GET', IdemValkey::tenant_key($primary, 1, 's', 'short')), undef,
+	'... not copied');
+like(slurp_file($primary->logfile, $log_at),
+	qr/1 results were not copied to Valkey: their retention ended while they waited in the commit ring/,
+	'... and logged with its reason');
+IdemValkey::check_counters($primary);
 $primary->safe_psql('postgres', 'ALTER SYSTEM RESET idem.standby_slots');
 $primary->reload;
 usleep(500_000);
@@ -96,6 +123,7 @@ usleep(2_000_000);
 is($valkey->command('GET', $k6), undef, 'back to the default, the next copy waits again');
 $standby->start;
 ok(defined $valkey->wait_for_key($k6, 20), 'once the standby has caught up, it is copied');
+IdemValkey::check_counters($primary);
 
 # From 18 a slot invalidated for idle_replication_slot_timeout keeps its
 # restart_lsn, which never moves again: '*' must not wait for it.

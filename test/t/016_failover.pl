@@ -82,5 +82,6 @@ $new->restart;
 is(secrets($new) . ' ' . secret_hex($new, 2), "2* $secret2",
 	'a restart on the same timeline keeps the secret');
 
+IdemValkey::check_counters($new);
 $new->stop;
 done_testing();

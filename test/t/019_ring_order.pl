@@ -79,5 +79,6 @@ foreach my $id ('a', 'b')
 }
 is(IdemValkey::stats_col($node, 'queue_depth'), '0', 'the queue is empty');
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

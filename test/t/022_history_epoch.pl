@@ -137,6 +137,8 @@ $s->start;
 ($status, $source) = run($s, 'm5');
 is("$status $source", 'applied handler', 'the snapshot applies m5, not replays it');
 is(effects($s, 'm5'), '1', '... once');
+IdemValkey::check_counters($s);
+IdemValkey::check_counters($orig);
 $s->stop;
 
 $orig->stop;

@@ -199,5 +199,6 @@ is(sql(q{SELECT count(*) FROM effects WHERE id = 'm6'}), '1', '... and m6 is app
 	$plain->stop;
 }
 
+IdemValkey::check_counters($node);
 $node->stop;
 done_testing();

@@ -136,6 +136,7 @@ foreach my $p (@paths)
 	is($node->safe_psql('postgres', "SELECT status FROM idem_lookup(1, idem_key('r', '$id'))"),
 		'completed', "$id: the row answered survives an immediate stop");
 }
+IdemValkey::check_counters($node);
 $node->stop;
 
 done_testing();

@@ -96,6 +96,7 @@ is("$status $source", 'applied handler', 'the redelivery is applied on the new p
 is($standby->safe_psql('postgres', "SELECT count(*) FROM effects WHERE id = 'k3'"), '1',
 	'... once');
 
+IdemValkey::check_counters($standby);
 $standby->stop;
 
 done_testing();

@@ -28,30 +28,12 @@ my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $node = IdemValkey::streaming_node('node', $valkey);
 
 sub sql { $node->safe_psql('postgres', $_[0]) }
-sub owner_key_of { (my $k = $_[0]) =~ s/\.[0-9]+:\z/:owner/; return $k; }
-
-# The keyspace once the worker took an epoch other than $old over.
-sub new_keyspace
-{
-	my ($n, $old) = @_;
-	my $ks;
-	for (1 .. 300)
-	{
-		$ks = IdemValkey::wait_keyspace($n, undef, 30);
-		return $ks if defined $ks && $ks ne $old;
-		select(undef, undef, undef, 0.1);
-	}
-	return $ks;
-}
-
-# $id applied by session $s, copied, then replayed from Valkey.
+sub owner_key_of { IdemValkey::owner_key_of(@_) }
+sub new_keyspace { IdemValkey::new_keyspace(@_) }
 sub applied_and_cached
 {
 	my ($s, $n, $id, $what) = @_;
-	is($s->run($id), 'applied handler', "$what: $id is applied");
-	ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($n, 1, 'er', $id), 10),
-		"$what: ... its result copied to Valkey");
-	is($s->run($id), 'replayed valkey', "$what: ... and replayed from Valkey by the same runner");
+	IdemValkey::applied_and_cached($s, $n, $valkey, 'er', $id, $what);
 }
 
 # --- 1. ledger rows deleted, the runner on its own connection ---
@@ -149,6 +131,8 @@ ok(defined $valkey->wait_for_key(IdemValkey::tenant_key($node, 1, 'er', 'c1'), 1
 is("$status $source", 'applied handler', 'the clone applies c1 too, not replays the other server\'s result');
 ($status, $source) = IdemValkey::run_message($node, 'postgres', $valkey, 1, 'er', 'c1', '{"x": 1}');
 is("$status $source", 'replayed valkey', 'the running server keeps a working cache');
+IdemValkey::check_counters($node);
+IdemValkey::check_counters($clone);
 $clone->stop;
 
 unlike(slurp_file($node->logfile), qr/PANIC|TRAP/, 'no crash in the server log');

@@ -344,6 +344,41 @@ sub wait_keyspace
 	return $ks;
 }
 
+# idem_cache_keyspace() of $node once its worker took an epoch other than
+# the one of keyspace $old over (up to 30 s); the last keyspace seen if not.
+sub new_keyspace
+{
+	my ($node, $old) = @_;
+	my $ks;
+	for (1 .. 300)
+	{
+		$ks = wait_keyspace($node, undef, 30);
+		return $ks if defined $ks && $ks ne $old;
+		usleep(100_000);
+	}
+	return $ks;
+}
+
+# The epoch owner key of a keyspace.
+sub owner_key_of
+{
+	(my $k = $_[0]) =~ s/\.[0-9]+:\z/:owner/;
+	return $k;
+}
+
+# Message $id of tenant 1's $scope applied by runner session $s on $node,
+# its result copied to $valkey, then replayed from Valkey by $s: three
+# checks, named after $what.
+sub applied_and_cached
+{
+	my ($s, $node, $valkey, $scope, $id, $what) = @_;
+	Test::More::is($s->run($id), 'applied handler', "$what: $id is applied");
+	Test::More::ok(defined $valkey->wait_for_key(tenant_key($node, 1, $scope, $id), 10),
+		"$what: ... its result copied to Valkey");
+	Test::More::is($s->run($id), 'replayed valkey',
+		"$what: ... and replayed from Valkey by the same runner");
+}
+
 # The keyspace the worker uses for database $db (default postgres) of
 # $node, from idem_cache_keyspace(); with $prefix, as if idem.valkey_prefix
 # were $prefix.
@@ -552,6 +587,30 @@ sub complete_sql
 	my $ret = $retention ? ", '$retention'" : '';
 	return "SELECT idem_claim(1, idem_key('$scope', '$id'), idem_fingerprint('{}'));"
 	  . " SELECT idem_complete(1, idem_key('$scope', '$id'), '$outcome'$ret);";
+}
+
+# Every copy handed to $node's commit ring is accounted for: queued =
+# copied + dropped + rejected + skipped + queue_depth, and skipped is the
+# sum of its reasons.  Counters move one after another, so this polls
+# until a reading balances (up to $timeout s, 20 by default): a copy
+# counted nowhere never does.  For the end of each test that injects
+# faults.
+sub check_counters
+{
+	my ($node, $timeout) = @_;
+	my $last = '';
+	my $ok = poll_until(
+		$timeout // 20,
+		sub {
+			$last = $node->safe_psql('postgres',
+				'SELECT queued, copied, dropped, rejected, skipped, queue_depth, '
+				  . 'skipped_expired + skipped_unjoined + skipped_epoch FROM idem_stats()');
+			my ($q, $c, $d, $r, $s, $depth, $reasons) = split /\|/, $last;
+			return $q == $c + $d + $r + $s + $depth && $s == $reasons;
+		});
+	return Test::More::ok($ok,
+		'every copy is counted: queued = copied + dropped + rejected + skipped + queue_depth')
+	  || Test::More::diag("queued|copied|dropped|rejected|skipped|queue_depth|reasons: $last");
 }
 
 END
