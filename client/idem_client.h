@@ -148,9 +148,16 @@ typedef struct idem_options
 									 * server at least this often (one round
 									 * trip), so that a secret rotated out
 									 * there is soon not trusted here either
-									 * (default 5000); 0: only on a new
-									 * connection and on an unknown key id */
+									 * and a cache epoch the server left is
+									 * dropped even when the server cannot
+									 * reach Valkey to retire it (default
+									 * 5000); 0 or more than
+									 * IDEM_SECRETS_MAX_AGE_MAX_MS: that
+									 * maximum */
 } idem_options;
+
+/* The longest secrets_max_age_ms a runner uses (0 and more are capped). */
+#define IDEM_SECRETS_MAX_AGE_MAX_MS 60000
 
 void		idem_options_init(idem_options *opts);
 /* (IDEMCLIENT_1.3) what the _init macro calls: struct_size is the

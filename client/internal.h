@@ -302,7 +302,8 @@ typedef struct idem_trust
 	char		owner_key[IDEM_CACHE_EPOCH_KEY_MAX];	/* the epoch's owner key */
 	char		owner_token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];	/* it holds */
 	long		owner_mismatches;	/* lookups whose owner check failed */
-	int			max_age_ms;		/* re-learn at least this often; 0: never */
+	int			max_age_ms;		/* re-learn at least this often
+								 * (idemc_trust_max_age) */
 	long		rejected;		/* values ignored: failed verification */
 } idem_trust;
 
@@ -310,6 +311,7 @@ int64_t		idemc_wall_ms(void);
 void		idemc_trust_init(idem_trust *t);
 void		idemc_trust_clear(idem_trust *t);
 int			idemc_trust_stale(const idem_trust *t, const idem_pg *pg);
+int			idemc_trust_max_age(int option_ms);
 trust_state idemc_trust_learn(idem_trust *t, idem_pg *pg, char *msg,
 							 size_t msglen);
 /* The owner key did not hold our token in a lookup's round trip

@@ -109,7 +109,7 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 	r->notice = o.notice;
 	r->notice_arg = o.notice_arg;
 	idemc_trust_init(&r->trust);
-	r->trust.max_age_ms = o.secrets_max_age_ms >= 0 ? o.secrets_max_age_ms : 5000;
+	r->trust.max_age_ms = idemc_trust_max_age(o.secrets_max_age_ms);
 	if (o.valkey_connect_timeout_ms <= 0)
 		o.valkey_connect_timeout_ms = 200;
 	if (o.valkey_command_timeout_ms <= 0)

@@ -9,10 +9,12 @@
  *		connected to, with idem_cache_keyspace() and idem_cache_secrets()
  *		in one pipeline on each new connection (never guessed), again
  *		when a value names an unknown key id (at most once a second), and
- *		at least every secrets_max_age_ms (idem_options): a secret rotated
+ *		at least every secrets_max_age_ms (idem_options, at most
+ *		IDEM_SECRETS_MAX_AGE_MAX_MS: idemc_trust_max_age): a secret rotated
  *		out on the server (two rotations, as after a leak) stops verifying
  *		here within that time, even on a connection that never meets a new
- *		key id.
+ *		key id, and so does an epoch the server left while it could not
+ *		reach Valkey to retire it.
  *	  - The history epoch's owner key and the token it holds while the
  *		server owns the epoch are learnt with the secrets.  Every lookup
  *		reads the owner key in the same round trip (gate.c), and a value is
@@ -85,6 +87,23 @@ bytea_hex32(const char *txt, uint8_t out[IDEM_MAC_LEN])
 }
 
 /*
+ * The re-learn bound a runner uses for the option secrets_max_age_ms: the
+ * default for a negative value, the maximum for 0 or anything above it.
+ * It is the last line of defence: while the server cannot reach Valkey to
+ * retire an epoch it left, a runner that learnt that epoch trusts it until
+ * it learns again.
+ */
+int
+idemc_trust_max_age(int option_ms)
+{
+	if (option_ms < 0)
+		return 5000;
+	if (option_ms == 0 || option_ms > IDEM_SECRETS_MAX_AGE_MAX_MS)
+		return IDEM_SECRETS_MAX_AGE_MAX_MS;
+	return option_ms;
+}
+
+/*
  * Does the runner need to (re)learn before using Valkey: a new connection
  * since the last time, an unknown key id met more than a second ago, or
  * secrets learnt max_age_ms ago or more.
@@ -99,8 +118,7 @@ idemc_trust_stale(const idem_trust *t, const idem_pg *pg)
 	age = idemc_now_ms() - t->learnt_ms;
 	return (t->refresh_wanted &&
 			(age >= 1000 || (t->owner_suspect && !t->owner_relearnt))) ||
-		(t->state == TRUST_READY && t->max_age_ms > 0 &&
-		 age >= t->max_age_ms);
+		(t->state == TRUST_READY && age >= t->max_age_ms);
 }
 
 /*

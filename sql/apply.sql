@@ -59,8 +59,43 @@ SELECT count(*) FROM idem_lookup(2, k('t'));
 CREATE FUNCTION h_null(jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT NULL::jsonb $$;
 CREATE FUNCTION h_array(jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT '[1]'::jsonb $$;
 SELECT decision, outcome FROM idem_apply(1, k('n'), f('{}'), 'h_null(jsonb)', '{}');
-SELECT decision FROM idem_apply(1, k('arr'), f('{}'), 'h_array(jsonb)', '{}');
-SELECT count(*) FROM idem_lookup(1, k('arr'));
+-- An outcome that cannot be stored fails the handler: its writes roll
+-- back and the attempt is recorded, as for an error it raised (22023:
+-- permanent; 54000: retryable, counted by idem.max_attempts).  Recording
+-- nothing would run it again on every redelivery, never capped.
+CREATE FUNCTION h_array_write(jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ INSERT INTO transfers (amount) VALUES (99); SELECT '[1]'::jsonb $$;
+CREATE FUNCTION h_big(jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ INSERT INTO transfers (amount) VALUES (98);
+        SELECT jsonb_build_object('pad', repeat('x', 5000)) $$;
+SELECT decision, attempt, outcome, ran FROM idem_apply(1, k('arr'), f('{}'), 'h_array(jsonb)', '{}');
+SELECT status, attempt FROM idem_lookup(1, k('arr'));
+SELECT decision, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('arrw'), f('{}'), 'h_array_write(jsonb)', '{}');
+SELECT decision, outcome->>'sqlstate' AS sqlstate, outcome->>'message' AS message, ran
+  FROM idem_apply(1, k('big'), f('{}'), 'h_big(jsonb)', '{}');
+SELECT decision, attempt, ran FROM idem_apply(1, k('big'), f('{}'), 'h_big(jsonb)', '{}');
+BEGIN;
+SET LOCAL idem.max_attempts = 2;
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('big'), f('{}'), 'h_big(jsonb)', '{}');
+COMMIT;
+SELECT count(*) AS rolled_back FROM transfers WHERE amount IN (98, 99);
+
+-- A handler stopped by statement_timeout: the cancel is its attempt,
+-- recorded as failed_retryable, so that idem.max_attempts ends a handler
+-- that overruns on every run.
+CREATE FUNCTION h_slow(jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ INSERT INTO transfers (amount) VALUES (97); SELECT pg_sleep(10); SELECT '{}'::jsonb $$;
+SET statement_timeout = '200ms';
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('slow'), f('{}'), 'h_slow(jsonb)', '{}');
+SET idem.max_attempts = 1;
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('slow'), f('{}'), 'h_slow(jsonb)', '{}');
+RESET idem.max_attempts;
+RESET statement_timeout;
+SELECT count(*) AS rolled_back FROM transfers WHERE amount = 97;
 
 -- A handler's error message that quotes the request: clipped after JSON
 -- escaping (control characters take six bytes each escaped), so that the
@@ -167,6 +202,7 @@ SELECT status, attempt FROM idem_platform_lookup(k('plat'));
 DROP OWNED BY idem_apply_user;
 DROP ROLE idem_apply_user;
 DROP FUNCTION k(text), f(jsonb), transfer(jsonb), h_null(jsonb), h_array(jsonb), h_cast(jsonb),
+  h_array_write(jsonb), h_big(jsonb), h_slow(jsonb),
   h_text(jsonb), h_two(jsonb, int), h_set(jsonb), h_definer(jsonb);
 DROP PROCEDURE h_proc(jsonb);
 DROP TABLE transfers, idempotency_keys, platform_idempotency_keys, tenants;

@@ -107,3 +107,23 @@ SELECT idem_install('tenants');
 DROP VIEW a_view;
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants, no_id, int_id, not_unique, wide_key, other_tenants;
 DROP EXTENSION idem;
+
+-- Only a UTF8 database: in another, idem_key() and idem_fingerprint()
+-- would hash other bytes than the clients, and one message would have two
+-- keys.  CREATE EXTENSION refuses it; a 0.3 install there refuses
+-- idem_install(), the digests, and its update.
+SELECT current_database() AS regress_db \gset
+CREATE DATABASE regress_idem_latin1 TEMPLATE template0 ENCODING 'LATIN1'
+  LC_COLLATE 'C' LC_CTYPE 'C';
+\c regress_idem_latin1
+\set SHOW_CONTEXT never
+CREATE EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.3';
+CREATE TABLE tenants (id bigint PRIMARY KEY);
+SELECT idem_install('tenants');
+SELECT idem_key('payments', 'caf' || chr(233));
+SELECT idem_fingerprint('{"who": "caf\u00e9"}');
+ALTER EXTENSION idem UPDATE;
+\set SHOW_CONTEXT errors
+\c :regress_db
+DROP DATABASE regress_idem_latin1;

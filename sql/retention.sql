@@ -26,6 +26,17 @@ SELECT idem_complete(1, k('a'), '{}');
 ROLLBACK TO s;
 SELECT idem_complete(1, k('a'), '{"ok": 1}', interval '1 hour 1 second');
 COMMIT;
+
+-- Nor a retention later than a Valkey copy can say (year 287396): refused,
+-- rather than kept in PostgreSQL and rejected by the worker's copy.
+BEGIN;
+SELECT decision FROM idem_claim(1, k('far'), idem_fingerprint('{}'));
+SAVEPOINT s;
+SELECT idem_complete(1, k('far'), '{}', interval '290000 years');
+ROLLBACK TO s;
+SELECT idem_complete(1, k('far'), '{}', interval '283000 years');
+SELECT extract(year FROM expires_at) > 280000 AS far FROM idem_lookup(1, k('far'));
+ROLLBACK;
 SELECT status, outcome FROM idem_lookup(1, k('a'));
 BEGIN;
 SELECT decision FROM idem_platform_claim(k('p'), idem_fingerprint('{}'));

@@ -135,6 +135,18 @@ CREATE EXTENSION idem;
 DROP ROLE regress_idem_delegate;
 DROP ROLE regress_idem_monitor;
 
+-- 0.4: a claim answers its fence, a fifth column of idem_claim_result;
+-- the same session sees it once the update added it.
+DROP EXTENSION idem;
+CREATE EXTENSION idem VERSION '0.3';
+SELECT idem_install('tenants');
+SELECT decision, attempt FROM idem_claim(1, idem_key('up', 'f'), idem_fingerprint('{}'), interval '1 hour');
+SELECT count(*) AS columns FROM idem_claim(1, idem_key('up', 'g'), idem_fingerprint('{}'), interval '1 hour') c, jsonb_each(to_jsonb(c));
+ALTER EXTENSION idem UPDATE;
+SELECT decision, attempt, fence > 0 AS fenced
+  FROM idem_claim(1, idem_key('up', 'h'), idem_fingerprint('{}'), interval '1 hour');
+SELECT decision, fence FROM idem_claim(1, idem_key('up', 'f'), idem_fingerprint('{}'));
+
 -- Leave the database as we found it for the next test.
 DROP TABLE idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

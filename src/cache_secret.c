@@ -71,7 +71,9 @@
  *		stopped server, started here or there;
  *	  - when a transaction removed ledger rows outside idem_purge, logical
  *		replication wrote a ledger, or idem_renew_epoch() was called
- *		(ledger_guard.c).
+ *		(ledger_guard.c); the copies queued before it are never written
+ *		into the new epoch, and the commit waits until the old one is
+ *		retired (epoch_renewal.c).
  * A clean restart of the same server keeps its epoch, its secret and so its
  * warm cache.
  *
@@ -163,6 +165,7 @@
 #include "cache_secret.h"
 #include "cache_format.h"
 #include "compat.h"
+#include "epoch_renewal.h"
 #include "sha256.h"
 
 #define IDEM_SECRET_FILE		"idem_cache_secret"
@@ -181,6 +184,9 @@ typedef struct IdemSecretShared
 	IdemEpochReason renew;		/* 0: none */
 	bool		confirmed;		/* the worker took secrets.epoch over */
 	bool		taken_since_start;	/* it took an epoch over since the start */
+	bool		tokens_out;		/* runners may hold a token of one of its
+								 * epochs: one was taken over since the
+								 * start, or the file named a token */
 	IdemCacheSecrets secrets;
 } IdemSecretShared;
 
@@ -707,6 +713,8 @@ secret_fit(IdemCacheSecrets *s, IdemEpochReason renew)
 	next.stop_checkpoint = s->stop_checkpoint;
 	next.ndead = s->ndead;
 	memcpy(next.dead, s->dead, sizeof(next.dead));
+	/* the removals it follows: read after their renewal (epoch_renewal.c) */
+	next.generation = idem_renewal_generation();
 
 	/*
 	 * Retire the epoch being replaced if it is ours to retire (see the file
@@ -805,6 +813,8 @@ secret_shared_load(void)
 	FreeDir(dir);
 	secret_load_or_create(&secret_shared->secrets);
 	secret_shared->loaded = true;
+	if (secret_shared->secrets.token != 0)
+		secret_shared->tokens_out = true;
 }
 
 /*
@@ -928,6 +938,7 @@ idem_cache_epoch_owned(IdemEpochTakeover *t)
 		t->epoch = secret_shared->secrets.epoch;
 		t->timeline = secret_shared->secrets.timeline;
 		t->new_token = secret_shared->secrets.token;
+		t->generation = secret_shared->secrets.generation;
 	}
 	LWLockRelease(secret_lock);
 	return ok;
@@ -953,6 +964,7 @@ idem_cache_epoch_taken(const IdemEpochTakeover *t)
 		secret_shared->secrets = next;
 		secret_shared->confirmed = true;
 		secret_shared->taken_since_start = true;
+		secret_shared->tokens_out = true;
 		explicit_bzero(&next, sizeof(next));
 	}
 	LWLockRelease(secret_lock);
@@ -965,13 +977,30 @@ idem_cache_epoch_taken(const IdemEpochTakeover *t)
  * by the caller or by its own loop), so that this never raises an ERROR:
  * it is called after a commit, too.  Nothing happens if the epoch changed
  * already.
+ *
+ * Ledger rows removed or changed (by SQL, by logical replication, or as
+ * idem_renew_epoch() reports): a new renewal generation first, then the
+ * renewal, so that the epoch made for it counts the change
+ * (epoch_renewal.c).
+ * Returns the generation to wait for until the worker has retired the
+ * epoch replaced (idem_renewal_wait), or 0 when no runner can hold a token
+ * of this data directory's epochs (none was taken over since the start,
+ * and the file named none).
  */
-void
+uint64
 idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 {
+	uint64		generation = 0;
+	bool		trusted;
+
 	if (secret_shared == NULL)
-		return;
+		return 0;
+	if (reason == IDEM_EPOCH_LEDGER_ROWS_REMOVED ||
+		reason == IDEM_EPOCH_LEDGER_ROWS_REPLICATED ||
+		reason == IDEM_EPOCH_RENEW_REQUESTED)
+		generation = idem_renewal_bump();
 	LWLockAcquire(secret_lock, LW_EXCLUSIVE);
+	trusted = !secret_shared->loaded || secret_shared->tokens_out;
 	if (!secret_shared->loaded || secret_shared->secrets.epoch == epoch ||
 		epoch == 0)
 	{
@@ -980,6 +1009,7 @@ idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason)
 		secret_shared->confirmed = false;
 	}
 	LWLockRelease(secret_lock);
+	return trusted ? generation : 0;
 }
 
 /*
@@ -1107,6 +1137,7 @@ idem_rotate_cache_secret(PG_FUNCTION_ARGS)
 	next.stop_checkpoint = secret_shared->secrets.stop_checkpoint;
 	next.ndead = secret_shared->secrets.ndead;
 	memcpy(next.dead, secret_shared->secrets.dead, sizeof(next.dead));
+	next.generation = secret_shared->secrets.generation;
 	next.previous_id = secret_shared->secrets.current_id;
 	memcpy(next.previous, secret_shared->secrets.current, IDEM_MAC_LEN);
 	next.current_id = next.previous_id + 1;

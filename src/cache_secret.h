@@ -45,6 +45,9 @@ typedef struct IdemCacheSecrets
 	XLogRecPtr	stop_checkpoint;
 	int			ndead;			/* epochs this history knows are dead, */
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];	/* newest first */
+	uint64		generation;		/* the renewal generation the epoch was
+								 * made at (epoch_renewal.c); shared memory
+								 * only, not in the file */
 } IdemCacheSecrets;
 
 /*
@@ -61,6 +64,7 @@ typedef struct IdemEpochTakeover
 	bool		first;			/* no takeover yet since the server started */
 	int			ndead;			/* retire these owner keys first */
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
+	uint64		generation;		/* the epoch's renewal generation */
 } IdemEpochTakeover;
 
 /* Why an epoch is replaced while the server runs (idem_cache_epoch_renew). */
@@ -88,7 +92,7 @@ extern bool idem_cache_sign(const idem_hmac *mac_key, const char *key,
 extern bool idem_cache_epoch_confirmed(uint64 *epoch);
 extern bool idem_cache_epoch_takeover(IdemEpochTakeover *t);
 extern void idem_cache_epoch_taken(const IdemEpochTakeover *t);
-extern void idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
+extern uint64 idem_cache_epoch_renew(uint64 epoch, IdemEpochReason reason);
 extern bool idem_cache_epoch_owned(IdemEpochTakeover *t);
 extern void idem_cache_epoch_note_dead(const IdemEpochName *dead);
 extern int	idem_cache_epoch_dead(IdemEpochName *dead);

@@ -410,9 +410,9 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 					 "SELECT pg_catalog.create_distributed_function(p.oid::pg_catalog.regprocedure,"
 					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
 					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
-					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply}')",
+					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced}')",
 					 quote_literal_cstr(qledger), nsp);
-	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed != 5)
+	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed < 5)
 		elog(ERROR, "could not distribute the idem tenant functions");
 }
 

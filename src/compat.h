@@ -136,23 +136,30 @@ extern int no_such_variable
 extern IDEM_EXPORT const Pg_magic_struct *PG_MAGIC_FUNCTION_NAME(void);
 #endif
 
-/* 17: getIdentitySequence takes the relation, not its OID. */
+/*
+ * 17: getIdentitySequence takes the relation, not its OID.  The _if_any
+ * form returns InvalidOid for a column that is not an identity.
+ */
 #if PG_VERSION_NUM >= 170000
 #include "access/relation.h"
 #include "catalog/dependency.h"
 static inline Oid
-idem_identity_sequence(Oid relid, AttrNumber attnum)
+idem_identity_sequence_ext(Oid relid, AttrNumber attnum, bool missing_ok)
 {
 	Relation	rel = relation_open(relid, AccessShareLock);
-	Oid			seq = getIdentitySequence(rel, attnum, false);
+	Oid			seq = getIdentitySequence(rel, attnum, missing_ok);
 
 	relation_close(rel, AccessShareLock);
 	return seq;
 }
 #else
-#define idem_identity_sequence(relid, attnum) \
-	getIdentitySequence((relid), (attnum), false)
+#define idem_identity_sequence_ext(relid, attnum, missing_ok) \
+	getIdentitySequence((relid), (attnum), (missing_ok))
 #endif
+#define idem_identity_sequence(relid, attnum) \
+	idem_identity_sequence_ext((relid), (attnum), false)
+#define idem_identity_sequence_if_any(relid, attnum) \
+	idem_identity_sequence_ext((relid), (attnum), true)
 
 /* The process number of the running backend (MyProcNumber from 17 on). */
 #if PG_VERSION_NUM >= 170000

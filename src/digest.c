@@ -6,10 +6,12 @@
  *	  idem_key      = SHA-256( be32(len(scope)) || scope || be32(len(id)) || id )
  *	  idem_fingerprint = SHA-256( jsonb text of the request )
  *
- *	  Lengths are byte lengths of the strings in the database encoding
- *	  (UTF-8 in practice).  The length prefixes make the encoding of the pair
- *	  unambiguous: ('ab', 'c') and ('a', 'bc') hash differently.  The client
- *	  helper computes the same bytes; the README lists shared test vectors.
+ *	  Lengths are byte lengths of the strings in UTF-8, the only database
+ *	  encoding idem accepts (idem_require_utf8): the clients hash UTF-8, and
+ *	  one message must have one key whoever computes it.  The length
+ *	  prefixes make the encoding of the pair unambiguous: ('ab', 'c') and
+ *	  ('a', 'bc') hash differently.  The client helper computes the same
+ *	  bytes; the README lists shared test vectors.
  *
  *-------------------------------------------------------------------------
  */
@@ -17,6 +19,7 @@
 
 #include "common/cryptohash.h"
 #include "common/sha2.h"
+#include "mb/pg_wchar.h"
 #include "utils/builtins.h"
 #include "utils/jsonb.h"
 
@@ -101,12 +104,31 @@ sha256_update_prefixed(IdemSha256 *h, const text *t)
 	sha256_update(h, VARDATA_ANY(t), len);
 }
 
+/*
+ * Refuse a database whose encoding is not UTF-8: there idem_key() and
+ * idem_fingerprint() would hash other bytes than the clients, and one
+ * message would have two keys.  Called by idem_install() and the digests
+ * (CREATE EXTENSION refuses such a database in its script).
+ */
+void
+idem_require_utf8(void)
+{
+	if (GetDatabaseEncoding() != PG_UTF8)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idem requires a database with encoding UTF8, not %s",
+						GetDatabaseEncodingName()),
+				 errdetail("Keys and fingerprints are hashes of UTF-8 text, as every client computes them."),
+				 errhint("Create the database with ENCODING 'UTF8' (CREATE DATABASE ... TEMPLATE template0 ENCODING 'UTF8').")));
+}
+
 /* idem_key(scope text, id text) RETURNS bytea */
 Datum
 idem_key(PG_FUNCTION_ARGS)
 {
 	IdemSha256	h;
 
+	idem_require_utf8();
 	idem_require_arg(fcinfo, 0, "scope");
 	idem_require_arg(fcinfo, 1, "id");
 	sha256_begin(&h);
@@ -123,6 +145,7 @@ idem_fingerprint(PG_FUNCTION_ARGS)
 	char	   *canonical;
 	IdemSha256	h;
 
+	idem_require_utf8();
 	idem_require_arg(fcinfo, 0, "request");
 	jb = PG_GETARG_JSONB_P(0);
 	canonical = JsonbToCString(NULL, &jb->root, VARSIZE(jb));

@@ -1,7 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * digest.h
- *	  The 32-byte bytea of keys and fingerprints (digest.c).
+ *	  The 32-byte bytea of keys and fingerprints, and the database
+ *	  encoding they need (digest.c).
  *
  *-------------------------------------------------------------------------
  */
@@ -18,5 +19,6 @@ typedef union IdemDigestBytea
 } IdemDigestBytea;
 
 extern bytea *idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf);
+extern void idem_require_utf8(void);
 
 #endif							/* IDEM_DIGEST_H */

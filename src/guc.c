@@ -6,6 +6,8 @@
  *
  *	  Ledger settings (any user, per session or transaction):
  *		idem.lease, idem.retention, idem.purge_grace, idem.max_attempts
+ *	  Commit settings (any user, per session or transaction):
+ *		idem.epoch_retire_timeout
  *	  Ledger settings (superuser, or GRANT SET):
  *		idem.min_retention, idem.min_purge_grace
  *	  Worker settings (postgresql.conf, applied on reload):
@@ -39,6 +41,7 @@ int			idem_purge_grace_s = 60 * 60;
 int			idem_min_retention_s = 60 * 60;
 int			idem_min_purge_grace_s = 60 * 60;
 int			idem_max_attempts = 0;
+int			idem_epoch_retire_timeout_ms = 5000;
 char	   *idem_valkey_host = NULL;
 int			idem_valkey_port = 6379;
 char	   *idem_valkey_password = NULL;
@@ -207,6 +210,14 @@ idem_define_gucs(void)
 							PGC_USERSET, 0,
 							NULL, NULL, NULL);
 
+	DefineCustomIntVariable("idem.epoch_retire_timeout",
+							"How long a commit that removed ledger rows waits for the worker to retire the history epoch it replaced.",
+							"Until then runners connected before the commit may replay the removed rows' results from Valkey.  On timeout the commit returns with a WARNING.  0 does not wait.",
+							&idem_epoch_retire_timeout_ms,
+							5000, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
 	DefineCustomIntVariable("idem.min_retention",
 							"Shortest retention idem_complete() and idem_fail() accept, and the youngest result idem_purge() deletes.",
 							"A redelivery that arrives after its key was purged runs the effect again: set this above the queue's longest redelivery window.",
@@ -216,14 +227,16 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	/*
-	 * The lease-mode fence lives in the processing row: purged, the key's
-	 * next claim is attempt 1 again and a stale holder's
-	 * idem_complete(..., attempt => 1) would complete it.  idem.purge_grace
-	 * is any user's, so the floor under it is the administrator's.
+	 * The attempt fence of idem_complete(..., attempt => n) lives in the
+	 * processing row: purged, the key's next claim is attempt 1 again and a
+	 * stale holder's attempt => 1 would complete it (the claim's fence of
+	 * idem_complete_fenced is never reused and needs no floor).
+	 * idem.purge_grace is any user's, so the floor under it is the
+	 * administrator's.
 	 */
 	DefineCustomIntVariable("idem.min_purge_grace",
 							"Shortest time after its lease ended that idem_purge() keeps a processing row, whatever idem.purge_grace says.",
-							"Set it above the longest time a lease-mode holder may still complete after its lease ended: a holder that completes after its key's processing row was purged and claimed again completes the new claim.",
+							"Set it above the longest time a lease-mode holder may still complete after its lease ended with idem_complete(..., attempt => n): such a holder that completes after its key's processing row was purged and claimed again completes the new claim (idem_complete_fenced does not).",
 							&idem_min_purge_grace_s,
 							60 * 60, 0, INT_MAX,
 							PGC_SUSET, GUC_UNIT_S,

@@ -17,6 +17,9 @@ extern int	idem_min_retention_s;
 extern int	idem_min_purge_grace_s;
 extern int	idem_max_attempts;
 
+/* Commit settings */
+extern int	idem_epoch_retire_timeout_ms;
+
 /* Worker settings */
 extern char *idem_valkey_host;
 extern int	idem_valkey_port;

@@ -15,6 +15,8 @@
  *		ledger_insert.c	relcache and syscache (functions, types, role
  *						membership) callbacks that invalidate the prepared
  *						direct insert
+ *		standby_slots.c	a log hook that drops the warning of a replay's
+ *						cancelled wait for synchronous replication
  *
  *-------------------------------------------------------------------------
  */
@@ -31,6 +33,7 @@
 #include "ledger_insert.h"
 #include "ledger_store.h"
 #include "shmem.h"
+#include "standby_slots.h"
 #include "worker.h"
 #include "xact.h"
 
@@ -51,6 +54,7 @@ _PG_init(void)
 	CacheRegisterSyscacheCallback(TYPEOID, ledger_insert_syscache_cb, (Datum) 0);
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
 	idem_ledger_guard_register();
+	idem_standby_slots_register();
 
 	if (process_shared_preload_libraries_in_progress)
 	{

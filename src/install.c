@@ -49,6 +49,7 @@
 #include "cache_format.h"
 #include "citus.h"
 #include "compat.h"
+#include "digest.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
 #include "sql_args.h"
@@ -401,6 +402,7 @@ idem_install(PG_FUNCTION_ARGS)
 
 	idem_require_arg(fcinfo, 0, "tenants");
 	tenants = PG_GETARG_OID(0);
+	idem_require_utf8();
 
 	/*
 	 * The extension's SQL objects may predate the registry (0.1 and 0.2,

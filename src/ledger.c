@@ -37,12 +37,14 @@
 #include "utils/memutils.h"
 #include "utils/resowner.h"
 #include "utils/snapmgr.h"
+#include "utils/timestamp.h"
 
 #include "ledger.h"
 #include "cache_format.h"
 #include "compat.h"
 #include "decision.h"
 #include "digest.h"
+#include "epoch_renewal.h"
 #include "guc.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
@@ -60,6 +62,10 @@ PG_FUNCTION_INFO_V1(idem_platform_claim);
 PG_FUNCTION_INFO_V1(idem_platform_complete);
 PG_FUNCTION_INFO_V1(idem_platform_fail);
 PG_FUNCTION_INFO_V1(idem_platform_lookup);
+PG_FUNCTION_INFO_V1(idem_complete_fenced);
+PG_FUNCTION_INFO_V1(idem_fail_fenced);
+PG_FUNCTION_INFO_V1(idem_platform_complete_fenced);
+PG_FUNCTION_INFO_V1(idem_platform_fail_fenced);
 PG_FUNCTION_INFO_V1(idem_purge);
 
 /* objsubid of our key locks in pg_locks; core advisory locks use 1 and 2. */
@@ -183,14 +189,26 @@ deadline_arg(FunctionCallInfo fcinfo, int argno, const char *name,
  * The end of a result's retention: now + iv, or + idem.retention when iv
  * is NULL, never shorter than the retention floor (idem.min_retention): a
  * key purged before the queue stops redelivering its message lets a
- * redelivery run the effect again.
+ * redelivery run the effect again.  Nor later than a Valkey copy can say
+ * (IDEM_CACHE_EXPIRES_MAX, in year 287396): the worker could not copy the
+ * result, and every replay would be answered by PostgreSQL.
  */
 TimestampTz
 ledger_retention_end(Interval *iv, TimestampTz now)
 {
 	TimestampTz end = ledger_deadline(iv, "retention",
 									  (int64) idem_retention_s * 1000, now);
+	TimestampTz last = (TimestampTz) (IDEM_CACHE_EXPIRES_MAX -
+									  (int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) *
+									  SECS_PER_DAY * 1000) * 1000;
 
+	if (end > last)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("retention ends after the last time a result can be kept"),
+				 errdetail("The retention given ends after %s; the Valkey copy of a result cannot say a later end.",
+						   timestamptz_to_str(last)),
+				 errhint("Give a shorter retention.")));
 	if (end - now >= (int64) idem_min_retention_s * USECS_PER_SEC)
 		return end;
 	ereport(ERROR,
@@ -329,6 +347,7 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 				TimestampTz now, TimestampTz retry_at, ClaimAnswer *ans)
 {
 	ans->attempt = found ? row->attempt : 0;
+	ans->fence = 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = retry_at;
 	ans->committed_row = found && !row->ours;
@@ -354,12 +373,14 @@ answer_from_row(const LedgerRow *row, bool found, const uint8 *fingerprint,
 }
 
 static void
-answer_claimed(ClaimAnswer *ans, int32 attempt, TimestampTz lease_end)
+answer_claimed(ClaimAnswer *ans, int32 attempt, int64 fence,
+			   TimestampTz lease_end)
 {
 	ans->decision = IDEM_DECISION_CLAIMED;
 	ans->committed_row = false;
 	ans->writer = InvalidTransactionId;
 	ans->attempt = attempt;
+	ans->fence = fence;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = lease_end;
 }
@@ -402,6 +423,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	for (tries = 0; tries < 3; tries++)
 	{
 		int32		attempt;
+		int64		fence;
 		Snapshot	snapshot = GetTransactionSnapshot();
 
 		if (!ledger_probe(store, lk, snapshot, &row))
@@ -425,7 +447,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 								   (long long) lk->tenant_id, ledger_tenants_name(store))));
 			pending_add(lk, fingerprint, lease_end, lease_given,
 						ledger_store_relid(store));
-			answer_claimed(ans, 1, lease_end);
+			answer_claimed(ans, 1, 0, lease_end);
 			return;
 		}
 
@@ -458,6 +480,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 				ans->committed_row = false;
 				ans->wrote_row = true;
 				ans->attempt = row.attempt;
+				ans->fence = 0;
 				ans->outcome = row.outcome;
 				ans->expires_at = kept_until;
 				idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
@@ -474,9 +497,9 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 			(row.status == IDEM_STATUS_FAILED_RETRYABLE ||
 			 (row.status == IDEM_STATUS_PROCESSING && row.expires_at <= now)))
 		{
-			if (ledger_reclaim(store, lk, &row, lease_end, &attempt))
+			if (ledger_reclaim(store, lk, &row, lease_end, &attempt, &fence))
 			{
-				answer_claimed(ans, attempt, lease_end);
+				answer_claimed(ans, attempt, fence, lease_end);
 				return;
 			}
 			continue;			/* purged under us: look again */
@@ -491,6 +514,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 	ans->committed_row = false;
 	ans->writer = InvalidTransactionId;
 	ans->attempt = 0;
+	ans->fence = 0;
 	ans->outcome = (Datum) 0;
 	ans->expires_at = now + IDEM_BUSY_RETRY_MS * INT64CONST(1000);
 }
@@ -499,10 +523,20 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
  * A terminal row read from PostgreSQL (after a cache miss, typically):
  * queue its copy for Valkey, which the worker writes once the row's commit
  * is durable.  Rows of this transaction are left to the commit hook.
+ *
+ * generation is the renewal generation read before the probe that found
+ * the row (idem_renewal_stamp; IDEM_RENEWAL_NO_COPY: nothing is copied
+ * while a removal is prepared).  Under READ COMMITTED that probe took
+ * a snapshot after the read, which sees every removal of ledger rows the
+ * generation counts.  Under REPEATABLE READ and SERIALIZABLE the
+ * transaction's snapshot may predate one (a transaction that began before
+ * a DELETE): the row is copied only if a probe under a snapshot taken now
+ * finds it still there, the same (epoch_renewal.c says why).
  */
 static void
-repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
-		   const uint8 *fingerprint, Datum outcome, TimestampTz expires_at)
+repopulate(LedgerStore *store, const LedgerKey *lk, uint64 generation,
+		   IdemStatus status, int32 attempt, const uint8 *fingerprint,
+		   Datum outcome, TimestampTz expires_at)
 {
 	IdemCacheKind kind;
 	char	   *text;
@@ -514,10 +548,27 @@ repopulate(const LedgerKey *lk, IdemStatus status, int32 attempt,
 		kind = IDEM_CACHE_FAILED_PERMANENT;
 	else
 		return;
+	if (generation == IDEM_RENEWAL_NO_COPY)
+		return;					/* a removal is prepared, not committed */
+	if (generation > 0 && IsolationUsesXactSnapshot())
+	{
+		LedgerRow	now;
+		Jsonb	   *now_jb;
+
+		if (!ledger_probe(store, lk, GetLatestSnapshot(), &now))
+			return;
+		now_jb = DatumGetJsonbP(now.outcome);
+		if (now.status != status || now.attempt != attempt ||
+			now.expires_at != expires_at ||
+			memcmp(now.fingerprint, fingerprint, IDEM_DIGEST_LEN) != 0 ||
+			VARSIZE(now_jb) != VARSIZE(jb) ||
+			memcmp(now_jb, jb, VARSIZE(jb)) != 0)
+			return;
+	}
 	text = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
 	idem_outbox_repopulate(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						   kind, attempt, fingerprint, text,
-						   (int) strlen(text), expires_at);
+						   (int) strlen(text), expires_at, generation);
 	pfree(text);
 }
 
@@ -567,6 +618,8 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 {
 	LOCKTAG		tag;
 	LockAcquireResult lockres;
+	/* before any probe: what a copy of the row read is stamped with */
+	uint64		generation = idem_renewal_stamp();
 
 	ans->wrote_row = false;
 	key_locktag(&tag, lk);
@@ -598,7 +651,8 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	idem_stats_count_claim(ans->decision);
 	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
 							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
-		repopulate(lk, ans->decision == IDEM_DECISION_COMPLETED ?
+		repopulate(store, lk, generation,
+				   ans->decision == IDEM_DECISION_COMPLETED ?
 				   IDEM_STATUS_COMPLETED : IDEM_STATUS_FAILED_PERMANENT,
 				   ans->attempt, fingerprint, ans->outcome, ans->expires_at);
 }
@@ -627,8 +681,8 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	TimestampTz lease_end;
 	LedgerStore *store;
 	ClaimAnswer ans;
-	Datum		values[4];
-	bool		nulls[4];
+	Datum		values[5];
+	bool		nulls[5];
 	int			next;
 
 	/* The claim's row is written later, at complete or at pre-commit. */
@@ -641,7 +695,23 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
 	ledger_claim_key(store, &lk, fingerprint, now, lease_end,
 					 !PG_ARGISNULL(next + 1), idem_max_attempts, &ans);
 
+	/* A new key's fence: the id its row will be written with. */
+	if (ans.decision == IDEM_DECISION_CLAIMED && ans.fence == 0)
+	{
+		PendingClaim *mine = pending_find(&lk);
+
+		if (mine != NULL)
+		{
+			if (mine->fence == 0)
+				mine->fence = ledger_new_fence(store);
+			ans.fence = mine->fence;
+		}
+	}
+
 	ledger_answer_values(&ans, values, nulls);
+	/* fence: the fifth column since 0.4 (before ALTER EXTENSION, four) */
+	values[4] = Int64GetDatum(ans.fence);
+	nulls[4] = ans.fence == 0;
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(cc->tupdesc, values, nulls)));
 }
 
@@ -650,13 +720,17 @@ ledger_claim(FunctionCallInfo fcinfo, LedgerKind kind)
  * processing row, in lease mode) its final status, and queue a terminal
  * result for the Valkey copy made after commit.
  *
- * The optional attempt argument fences lease mode: a holder whose lease
- * ended and whose key was taken over by a later attempt is refused,
- * instead of completing the later attempt's row with its own outcome.
+ * Lease mode is fenced, so that a holder whose lease ended and whose key
+ * was taken over never completes the later claim with its own outcome.
+ * The _fenced functions take the claim's fence (fenced: the argument after
+ * the key), the id of the claim's row, which no later claim of any key
+ * has: a takeover gives the row a new id, and a row purged and claimed
+ * again is a new row.  The others take an optional attempt, which a later
+ * claim of a purged key has again (idem.min_purge_grace bounds that).
  */
 static void
 ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
-			  bool is_fail)
+			  bool is_fail, bool fenced)
 {
 	CallCache  *cc = call_cache(fcinfo, false);
 	LedgerKey	lk;
@@ -665,100 +739,175 @@ ledger_settle(FunctionCallInfo fcinfo, LedgerKind kind, const char *what,
 	Jsonb	   *outcome;
 	char	   *outcome_text;
 	IdemStatus	status = IDEM_STATUS_COMPLETED;
-	int32		fence;
+	int32		fence_attempt = 0;
+	int64		fence = 0;
 	int			next;
 
 	next = key_args(fcinfo, kind, &lk);
-	outcome_text = outcome_arg(fcinfo, next, is_fail ? "detail" : "outcome", &outcome);
-	if (is_fail)
+	if (fenced)
 	{
-		idem_require_arg(fcinfo, next + 1, "retryable");
-		status = PG_GETARG_BOOL(next + 1) ?
-			IDEM_STATUS_FAILED_RETRYABLE : IDEM_STATUS_FAILED_PERMANENT;
-	}
-	retention_end = ledger_retention_end(PG_ARGISNULL(next + (is_fail ? 2 : 1)) ? NULL :
-										 PG_GETARG_INTERVAL_P(next + (is_fail ? 2 : 1)),
-										 now);
-	fence = 0;
-	if (!PG_ARGISNULL(next + (is_fail ? 3 : 2)))
-	{
-		fence = PG_GETARG_INT32(next + (is_fail ? 3 : 2));
+		idem_require_arg(fcinfo, next, "fence");
+		fence = PG_GETARG_INT64(next);
 		if (fence <= 0)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("attempt must be positive, not %d", fence)));
+					 errmsg("fence must be positive, not %lld", (long long) fence),
+					 errhint("Pass the fence idem_claim() answered with the key.")));
+		next++;
+	}
+	outcome_text = outcome_arg(fcinfo, next, is_fail ? "detail" : "outcome", &outcome);
+	next++;
+	if (is_fail)
+	{
+		idem_require_arg(fcinfo, next, "retryable");
+		status = PG_GETARG_BOOL(next) ?
+			IDEM_STATUS_FAILED_RETRYABLE : IDEM_STATUS_FAILED_PERMANENT;
+		next++;
+	}
+	retention_end = ledger_retention_end(PG_ARGISNULL(next) ? NULL :
+										 PG_GETARG_INTERVAL_P(next), now);
+	next++;
+	if (!fenced && !PG_ARGISNULL(next))
+	{
+		fence_attempt = PG_GETARG_INT32(next);
+		if (fence_attempt <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("attempt must be positive, not %d", fence_attempt)));
 	}
 	ledger_settle_key(ledger_store_open_key(cc->nsp, &lk), &lk, what, status,
-					  outcome, outcome_text, retention_end, fence);
+					  outcome, outcome_text, retention_end, fence_attempt, fence);
+}
+
+/*
+ * The keys whose rows ledger_settle_key is writing now, innermost first (a
+ * trigger fired by a write may settle other keys), or NULL.
+ */
+typedef struct SettlingKey
+{
+	const LedgerKey *lk;
+	const struct SettlingKey *outer;
+} SettlingKey;
+
+static const SettlingKey *settling = NULL;
+
+/* A completion refused because another claim holds the key now. */
+static void
+settle_fenced_off(const char *what, int32 fence_attempt, int64 fence,
+				  int32 attempt_now)
+{
+	if (fence != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot %s idempotency key with fence %lld: another claim holds it now",
+						what, (long long) fence),
+				 errdetail("The claim with that fence lost the key: its lease ended and the key was taken over, or its row was purged and the key claimed again (attempt %d holds it now).",
+						   attempt_now),
+				 errhint("Make leases longer than the effect takes; in lease mode the effect may have run twice.")));
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("cannot %s idempotency key as attempt %d: attempt %d holds it now",
+					what, fence_attempt, attempt_now),
+			 errdetail("The lease of attempt %d ended and the key was taken over.", fence_attempt),
+			 errhint("Make leases longer than the effect takes; in lease mode the effect may have run twice.")));
 }
 
 /*
  * One key's completion or failure (status), after its arguments were
- * checked.  fence 0: no attempt given.  Shared by idem_complete /
- * idem_fail and idem_complete_many (ledger_batch.c).
+ * checked.  fence_attempt, fence 0: none given.  Shared by idem_complete /
+ * idem_fail (and _fenced), idem_apply and the batches (ledger_batch.c).
  */
 void
 ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 				  IdemStatus status, Jsonb *outcome, const char *outcome_text,
-				  TimestampTz retention_end, int32 fence)
+				  TimestampTz retention_end, int32 fence_attempt, int64 fence)
 {
 	PendingClaim *mine;
 	int32		attempt;
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	bool		is_fail = status != IDEM_STATUS_COMPLETED;
+	SettlingKey this_key;
+	const SettlingKey *s;
+
+	/*
+	 * A trigger on the ledger that settles the key whose row this backend
+	 * is writing now: that write is not done, and it is the key's one
+	 * settlement (another would fail on the unique key, 23505).
+	 */
+	for (s = settling; s != NULL; s = s->outer)
+		if (s->lk->kind == lk->kind && s->lk->tenant_id == lk->tenant_id &&
+			memcmp(s->lk->key, lk->key, IDEM_DIGEST_LEN) == 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("cannot %s idempotency key: this transaction is settling it now", what),
+					 errdetail("A trigger fired by the key's ledger row called idem for the same key."),
+					 errhint("Do not complete or fail a key in a trigger on the ledger.")));
 
 	mine = pending_find(lk);
-	if (mine && fence > 1)
+	if (mine && fence_attempt > 1)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("cannot %s idempotency key as attempt %d: this transaction claimed attempt 1",
-						what, fence)));
-	if (mine)
-	{
-		/* Claimed in this transaction: the row's one and only write. */
-		pending_check_change(what);
-		memcpy(fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
-		attempt = 1;
-		ledger_insert(store, lk, fingerprint, status, attempt,
-					  JsonbPGetDatum(outcome), retention_end);
-		pending_settle(mine);
-	}
-	else
-	{
-		LOCKTAG		tag;
+						what, fence_attempt)));
+	if (mine && fence != 0 && fence != mine->fence)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot %s idempotency key with fence %lld: this transaction's claim of it has another",
+						what, (long long) fence)));
 
-		key_locktag(&tag, lk);
-		if (key_lock_acquire(&tag) == LOCKACQUIRE_NOT_AVAIL)
-			ereport(ERROR,
-					(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
-					 errmsg("cannot %s idempotency key: another transaction holds it", what),
-					 errhint("Only the transaction that claimed a key, or a later one after it committed, can %s it.",
-							 what)));
-		if (!ledger_finish(store, lk, status, JsonbPGetDatum(outcome),
-						   retention_end, fence, &attempt, fingerprint))
+	this_key.lk = lk;
+	this_key.outer = settling;
+	settling = &this_key;
+	PG_TRY();
+	{
+		if (mine)
 		{
-			LedgerRow	row;
+			/* Claimed in this transaction: the row's one and only write. */
+			pending_check_change(what);
+			memcpy(fingerprint, mine->fingerprint, IDEM_DIGEST_LEN);
+			attempt = 1;
+			ledger_insert(store, lk, mine->fence, fingerprint, status, attempt,
+						  JsonbPGetDatum(outcome), retention_end);
+			pending_settle(mine);
+		}
+		else
+		{
+			LOCKTAG		tag;
 
-			if (!ledger_probe(store, lk, GetTransactionSnapshot(), &row))
+			key_locktag(&tag, lk);
+			if (key_lock_acquire(&tag) == LOCKACQUIRE_NOT_AVAIL)
 				ereport(ERROR,
-						(errcode(ERRCODE_NO_DATA_FOUND),
-						 errmsg("cannot %s idempotency key: it has not been claimed", what),
-						 errhint("Call idem_claim() for the key first, in this transaction.")));
-			if (row.status == IDEM_STATUS_PROCESSING)
+						(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+						 errmsg("cannot %s idempotency key: another transaction holds it", what),
+						 errhint("Only the transaction that claimed a key, or a later one after it committed, can %s it.",
+								 what)));
+			if (!ledger_finish(store, lk, status, JsonbPGetDatum(outcome),
+							   retention_end, fence_attempt, fence, &attempt,
+							   fingerprint))
+			{
+				LedgerRow	row;
+
+				if (!ledger_probe(store, lk, GetTransactionSnapshot(), &row))
+					ereport(ERROR,
+							(errcode(ERRCODE_NO_DATA_FOUND),
+							 errmsg("cannot %s idempotency key: it has not been claimed", what),
+							 errhint("Call idem_claim() for the key first, in this transaction.")));
+				if (row.status == IDEM_STATUS_PROCESSING)
+					settle_fenced_off(what, fence_attempt, fence, row.attempt);
 				ereport(ERROR,
 						(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-						 errmsg("cannot %s idempotency key as attempt %d: attempt %d holds it now",
-								what, fence, row.attempt),
-						 errdetail("The lease of attempt %d ended and the key was taken over.", fence),
-						 errhint("Make leases longer than the effect takes; in lease mode the effect may have run twice.")));
-			ereport(ERROR,
-					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("cannot %s idempotency key: its status is already %s",
-							what, idem_status_names[row.status]),
-					 row.status == IDEM_STATUS_FAILED_RETRYABLE ?
-					 errhint("Claim the key again before completing or failing it.") : 0));
+						 errmsg("cannot %s idempotency key: its status is already %s",
+								what, idem_status_names[row.status]),
+						 row.status == IDEM_STATUS_FAILED_RETRYABLE ?
+						 errhint("Claim the key again before completing or failing it.") : 0));
+			}
 		}
 	}
+	PG_FINALLY();
+	{
+		settling = this_key.outer;
+	}
+	PG_END_TRY();
 
 	if (status != IDEM_STATUS_FAILED_RETRYABLE)
 		idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
@@ -782,6 +931,8 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 		MemoryContext oldcxt;
 		TupleDesc	tupdesc;
 		bool		found;
+		/* before the probe: what a copy of the row read is stamped with */
+		uint64		generation = idem_renewal_stamp();
 
 		funcctx = SRF_FIRSTCALL_INIT();
 		oldcxt = MemoryContextSwitchTo(funcctx->multi_call_memory_ctx);
@@ -802,8 +953,8 @@ ledger_lookup(FunctionCallInfo fcinfo, LedgerKind kind)
 			found = ledger_probe(store, &lk, GetTransactionSnapshot(), &row);
 		if (found && !row.ours)
 		{
-			repopulate(&lk, row.status, row.attempt, row.fingerprint,
-					   row.outcome, row.expires_at);
+			repopulate(store, &lk, generation, row.status, row.attempt,
+					   row.fingerprint, row.outcome, row.expires_at);
 			/* a final status the caller may act on: see ledger_claim_key */
 			if (row.status == IDEM_STATUS_COMPLETED ||
 				row.status == IDEM_STATUS_FAILED_PERMANENT)
@@ -846,28 +997,56 @@ idem_platform_claim(PG_FUNCTION_ARGS)
 Datum
 idem_complete(PG_FUNCTION_ARGS)
 {
-	ledger_settle(fcinfo, LEDGER_TENANT, "complete", false);
+	ledger_settle(fcinfo, LEDGER_TENANT, "complete", false, false);
 	PG_RETURN_VOID();
 }
 
 Datum
 idem_platform_complete(PG_FUNCTION_ARGS)
 {
-	ledger_settle(fcinfo, LEDGER_PLATFORM, "complete", false);
+	ledger_settle(fcinfo, LEDGER_PLATFORM, "complete", false, false);
 	PG_RETURN_VOID();
 }
 
 Datum
 idem_fail(PG_FUNCTION_ARGS)
 {
-	ledger_settle(fcinfo, LEDGER_TENANT, "fail", true);
+	ledger_settle(fcinfo, LEDGER_TENANT, "fail", true, false);
 	PG_RETURN_VOID();
 }
 
 Datum
 idem_platform_fail(PG_FUNCTION_ARGS)
 {
-	ledger_settle(fcinfo, LEDGER_PLATFORM, "fail", true);
+	ledger_settle(fcinfo, LEDGER_PLATFORM, "fail", true, false);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_complete_fenced(PG_FUNCTION_ARGS)
+{
+	ledger_settle(fcinfo, LEDGER_TENANT, "complete", false, true);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_platform_complete_fenced(PG_FUNCTION_ARGS)
+{
+	ledger_settle(fcinfo, LEDGER_PLATFORM, "complete", false, true);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_fail_fenced(PG_FUNCTION_ARGS)
+{
+	ledger_settle(fcinfo, LEDGER_TENANT, "fail", true, true);
+	PG_RETURN_VOID();
+}
+
+Datum
+idem_platform_fail_fenced(PG_FUNCTION_ARGS)
+{
+	ledger_settle(fcinfo, LEDGER_PLATFORM, "fail", true, true);
 	PG_RETURN_VOID();
 }
 

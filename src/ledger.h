@@ -42,6 +42,9 @@ typedef struct ClaimAnswer
 	bool		committed_row;	/* read from a row another transaction wrote */
 	TransactionId writer;		/* that transaction, when committed_row */
 	bool		wrote_row;		/* the claim wrote the row (out of attempts) */
+	int64		fence;			/* claimed: the id of the claim's row, its
+								 * fence; 0 for a new key until idem_claim
+								 * draws it (ledger_new_fence) */
 } ClaimAnswer;
 
 /* ledger.c: one key's claim and settlement, and the argument checks */
@@ -59,7 +62,8 @@ extern void ledger_answer_values(const ClaimAnswer *ans, Datum *values,
 extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
 							  const char *what, IdemStatus status,
 							  Jsonb *outcome, const char *outcome_text,
-							  TimestampTz retention_end, int32 fence);
+							  TimestampTz retention_end, int32 fence_attempt,
+							  int64 fence);
 extern void ledger_check_digest(const bytea *d, const char *name, uint8 *out);
 extern char *ledger_check_outcome(Jsonb *jb, const char *name);
 extern TimestampTz ledger_deadline(Interval *iv, const char *name,

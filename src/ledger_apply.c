@@ -24,9 +24,13 @@
  *	  an error it raises rolls its writes back and is recorded, with its
  *	  SQLSTATE and message as the detail, as failed_permanent (SQLSTATE
  *	  P0001, RAISE's default, and classes 22 and 23: the request cannot
- *	  succeed) or failed_retryable (any other).  Errors of classes 40, 53,
- *	  57, 58 and XX are the server's state, not the handler's answer: they
- *	  are re-raised and nothing is recorded (the statement fails).
+ *	  succeed) or failed_retryable (any other, a cancel included:
+ *	  statement_timeout).  An outcome that is not a JSON object of at most
+ *	  4096 bytes fails the handler in the same way (22023: permanent; 54000:
+ *	  retryable), so every run of a handler is an attempt that
+ *	  idem.max_attempts counts.  Errors of classes 40, 53, 57 (but the
+ *	  cancel), 58 and XX are the server's state, not the handler's answer:
+ *	  they are re-raised and nothing is recorded (the statement fails).
  *
  *	  idem_attempt() answers, inside the handler, the attempt it runs as
  *	  (1 for the first, 2 after one retryable failure, ...), and NULL
@@ -135,12 +139,19 @@ apply_check_handler(Oid fn)
 	InvokeFunctionExecuteHook(fn);
 }
 
-/* Not the handler's answer: the server's state.  Re-raised, nothing kept. */
+/*
+ * Not the handler's answer: the server's state.  Re-raised, nothing kept.
+ * A cancel (57014: statement_timeout, pg_cancel_backend) that stopped the
+ * handler is its attempt, recorded: a handler that overruns
+ * statement_timeout on every run must still use up idem.max_attempts.
+ */
 static bool
 apply_error_is_servers(int sqlerrcode)
 {
 	char	   *state = unpack_sql_state(sqlerrcode);
 
+	if (sqlerrcode == ERRCODE_QUERY_CANCELED)
+		return false;
 	return strncmp(state, "40", 2) == 0 || strncmp(state, "53", 2) == 0 ||
 		strncmp(state, "57", 2) == 0 || strncmp(state, "58", 2) == 0 ||
 		strncmp(state, "XX", 2) == 0;
@@ -246,6 +257,14 @@ apply_run_handler(Oid fn, Datum args, Oid collation, int32 attempt,
 			/* in our context: the subtransaction's memory goes with it */
 			MemoryContextSwitchTo(oldcontext);
 			result = DatumGetJsonbPCopy(d);
+
+			/*
+			 * An outcome that cannot be stored is the handler's failure, in
+			 * its subtransaction: its writes roll back and the attempt is
+			 * recorded, as for an error it raised (else every redelivery
+			 * would run it again, never counted by idem.max_attempts).
+			 */
+			(void) ledger_check_outcome(result, "handler outcome");
 		}
 		ReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcontext);
@@ -354,11 +373,12 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 									&failed, &permanent);
 		/* The handler may have dropped or altered the ledger: check again. */
 		store = ledger_store_open_key(get_func_namespace(fcinfo->flinfo->fn_oid), &lk);
+		/* checked in the handler's subtransaction; the detail always fits */
 		text = ledger_check_outcome(outcome, failed ? "failure detail" : "handler outcome");
 		status = !failed ? IDEM_STATUS_COMPLETED :
 			permanent ? IDEM_STATUS_FAILED_PERMANENT : IDEM_STATUS_FAILED_RETRYABLE;
 		ledger_settle_key(store, &lk, failed ? "fail" : "complete", status,
-						  outcome, text, retention_end, 0);
+						  outcome, text, retention_end, 0, 0);
 		values[0] = CStringGetTextDatum(!failed ? "applied" :
 										idem_status_names[status]);
 		nulls[0] = false;

@@ -315,10 +315,10 @@ ledger_complete_many(FunctionCallInfo fcinfo, LedgerKind kind, bool is_fail)
 							  DatumGetBool(retryable.elems[i]) ?
 							  IDEM_STATUS_FAILED_RETRYABLE :
 							  IDEM_STATUS_FAILED_PERMANENT,
-							  outcome, outcome_text, retention_end, 0);
+							  outcome, outcome_text, retention_end, 0, 0);
 		else
 			ledger_settle_key(b.store, &lk, "complete", IDEM_STATUS_COMPLETED,
-							  outcome, outcome_text, retention_end, 0);
+							  outcome, outcome_text, retention_end, 0, 0);
 	}
 
 	batch_end(&b);

@@ -43,7 +43,9 @@
  *	  shared memory and no locks of its own.  At COMMIT (after the commit
  *	  record: no allocation, no ERROR) and at PREPARE (the commit may come
  *	  from another session, so the epoch is renewed then, conservatively)
- *	  it asks for the renewal and wakes the worker.
+ *	  it asks for the renewal and wakes the worker; at COMMIT it then
+ *	  waits, bounded, until the worker has retired the epoch replaced
+ *	  (idem_renewal_wait).
  *
  *-------------------------------------------------------------------------
  */
@@ -70,6 +72,7 @@
 #include "ledger_guard.h"
 #include "cache_secret.h"
 #include "compat.h"
+#include "epoch_renewal.h"
 #include "ledger_row.h"
 #include "outbox_ring.h"
 
@@ -354,8 +357,16 @@ idem_ledger_guard_xact_event(XactEvent event)
 		case XACT_EVENT_PREPARE:
 			if (guard_rows_removed)
 			{
-				idem_cache_epoch_renew(0, guard_reason);
+				uint64		generation;
+
+				/* reads copy nothing until COMMIT PREPARED (epoch_renewal.c) */
+				if (event == XACT_EVENT_PREPARE)
+					idem_renewal_prepared(GetTopTransactionIdIfAny());
+				generation = idem_cache_epoch_renew(0, guard_reason);
 				idem_outbox_wake();
+				/* the commit returns once runners no longer use the old epoch */
+				if (event == XACT_EVENT_COMMIT)
+					idem_renewal_wait(generation);
 			}
 			/* FALLTHROUGH */
 		case XACT_EVENT_ABORT:

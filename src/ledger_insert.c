@@ -99,6 +99,7 @@ typedef struct InsertCache
 	int			natts;
 	int8	   *source;			/* per attribute: an InsertColumn, or -1 */
 	ExprState **defaults;		/* per attribute, for the others; NULL: null */
+	int			id_att;			/* the identity column id, or -1 */
 	int			ncheck;
 	ExprState **checks;			/* in the relcache's constr->check order */
 
@@ -246,6 +247,7 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 	cache->usable = true;
 	cache->allowed_role = InvalidOid;
 	cache->natts = desc->natts;
+	cache->id_att = -1;
 	cache->type_hashes = palloc(sizeof(uint32) * desc->natts);
 	cache->source = palloc(sizeof(int8) * desc->natts);
 	cache->defaults = palloc0(sizeof(ExprState *) * desc->natts);
@@ -278,6 +280,12 @@ insert_cache_build(InsertCache *cache, Relation rel, LedgerKind kind)
 		{
 			/* What the INSERT would put there: the default, or null. */
 			Node	   *def = build_column_default(rel, i + 1);
+
+			/* the id a claim drew as its fence goes there instead */
+			if (strcmp(NameStr(att->attname), "id") == 0 &&
+				att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS &&
+				att->atttypid == INT8OID)
+				cache->id_att = i;
 
 			if (def != NULL)
 				cache->defaults[i] = prepare_expr((Expr *) def, &funcs);
@@ -346,13 +354,14 @@ insert_declined(Relation rel)
 }
 
 /*
- * Insert the row, or return false (having written nothing) when the SPI
- * INSERT must be used instead.
+ * Insert the row, with id fence unless 0 (then the identity's next value),
+ * or return false (having written nothing) when the SPI INSERT must be used
+ * instead.
  */
 bool
-ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
-					 IdemStatus status, int32 attempt, Datum outcome,
-					 TimestampTz expires_at)
+ledger_insert_direct(Oid relid, const LedgerKey *lk, int64 fence,
+					 const uint8 *fingerprint, IdemStatus status,
+					 int32 attempt, Datum outcome, TimestampTz expires_at)
 {
 	InsertCache *cache = &caches[lk->kind];
 	Relation	rel;
@@ -373,7 +382,8 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 	/* Any change to the ledger's definition invalidates its relcache entry. */
 	if (cache->relid != relid || cache->stale)
 		insert_cache_build(cache, rel, lk->kind);
-	if (!cache->usable || !insert_cache_allowed(cache))
+	if (!cache->usable || !insert_cache_allowed(cache) ||
+		(fence != 0 && cache->id_att < 0))
 	{
 		/* the INSERT raises the permission error, or uses the layout */
 		table_close(rel, NoLock);
@@ -408,6 +418,8 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, const uint8 *fingerprint,
 		slot->tts_isnull[i] = false;
 		if (cache->source[i] >= 0)
 			slot->tts_values[i] = given[cache->source[i]];
+		else if (i == cache->id_att && fence != 0)
+			slot->tts_values[i] = Int64GetDatum(fence);
 		else if (cache->defaults[i] != NULL)
 			slot->tts_values[i] = ExecEvalExprSwitchContext(cache->defaults[i],
 															econtext,

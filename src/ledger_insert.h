@@ -11,7 +11,7 @@
 
 #include "ledger_row.h"
 
-extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk,
+extern bool ledger_insert_direct(Oid relid, const LedgerKey *lk, int64 fence,
 								 const uint8 *fingerprint, IdemStatus status,
 								 int32 attempt, Datum outcome,
 								 TimestampTz expires_at);

@@ -384,6 +384,7 @@ store_build(LedgerStore *store, LedgerKind kind, Oid nsp)
 	store->keyidx = InvalidOid;
 	store->tenants_relid = InvalidOid;
 	store->tenants_idx = InvalidOid;
+	store->id_seq = InvalidOid;
 	generation = store->generation;
 
 	if (OidIsValid(store->shard))

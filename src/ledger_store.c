@@ -21,6 +21,7 @@
  */
 #include "postgres.h"
 
+#include "catalog/dependency.h"
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
 #include "executor/spi.h"
@@ -94,17 +95,18 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 	{
 		case PLAN_INSERT:
 			/*
-			 * A Citus shard has no identity of its own: its id ($8) comes
-			 * from the identity sequence of the node's shell table, which
-			 * Citus gives a range of its own on each node (ledger_insert).
+			 * The id ($8) is the claim's fence, drawn from the ledger's
+			 * identity sequence when the claim answered (ledger_new_fence).
+			 * A Citus shard has no identity of its own: its ids come from
+			 * the identity sequence of the node's shell table, which Citus
+			 * gives a range of its own on each node.
 			 */
-			sql = psprintf("INSERT INTO %s (%s%sidempotency_key, request_fingerprint,"
+			sql = psprintf("INSERT INTO %s (id, %sidempotency_key, request_fingerprint,"
 						   " status, attempt, outcome, expires_at)"
-						   " VALUES (%s%s$2, $3, $4, $5, $6, $7)",
+						   " OVERRIDING SYSTEM VALUE"
+						   " VALUES ($8, %s$2, $3, $4, $5, $6, $7)",
 						   qtable,
-						   OidIsValid(idseq) ? "id, " : "",
 						   kind == LEDGER_TENANT ? "tenant_id, " : "",
-						   OidIsValid(idseq) ? "$8, " : "",
 						   kind == LEDGER_TENANT ? "$1, " : "");
 			types[2] = BYTEAOID;
 			types[3] = TEXTOID;
@@ -112,33 +114,43 @@ prepare_plan(LedgerKind kind, StorePlanId id, const char *qtable, Oid idseq)
 			types[5] = JSONBOID;
 			types[6] = TIMESTAMPTZOID;
 			types[7] = INT8OID;
-			nargs = OidIsValid(idseq) ? 8 : 7;
+			nargs = 8;
 			break;
 		case PLAN_RECLAIM:
-			sql = psprintf("UPDATE %s SET status = '%s',"
+			/*
+			 * A new id: the takeover's fence, never the one the holder it
+			 * takes over from was given.  An identity column can only be
+			 * updated to DEFAULT; a Citus shard's id is given ($6).
+			 */
+			sql = psprintf("UPDATE %s SET status = '%s', id = %s,"
 						   " attempt = attempt OPERATOR(pg_catalog.+) 1,"
 						   " outcome = '{}'::pg_catalog.jsonb, expires_at = $3,"
 						   " updated_at = pg_catalog.clock_timestamp()"
 						   " WHERE %s AND attempt OPERATOR(pg_catalog.=) $4"
 						   " AND status OPERATOR(pg_catalog.=) $5"
-						   " RETURNING attempt", qtable, processing, owner);
+						   " RETURNING attempt, id", qtable, processing,
+						   OidIsValid(idseq) ? "$6" : "DEFAULT", owner);
 			types[2] = TIMESTAMPTZOID;
 			types[3] = INT4OID;
 			types[4] = TEXTOID;
-			nargs = 5;
+			types[5] = INT8OID;
+			nargs = OidIsValid(idseq) ? 6 : 5;
 			break;
 		case PLAN_FINISH:
+			/* $6: the attempt fence (0: none); $7: the claim's fence (0: none) */
 			sql = psprintf("UPDATE %s SET status = $3, outcome = $4, expires_at = $5,"
 						   " updated_at = pg_catalog.clock_timestamp()"
 						   " WHERE %s AND status OPERATOR(pg_catalog.=) '%s'"
 						   " AND ($6 OPERATOR(pg_catalog.=) 0 OR attempt OPERATOR(pg_catalog.=) $6)"
+						   " AND ($7 OPERATOR(pg_catalog.=) 0 OR id OPERATOR(pg_catalog.=) $7)"
 						   " RETURNING attempt, request_fingerprint",
 						   qtable, owner, processing);
 			types[2] = TEXTOID;
 			types[3] = JSONBOID;
 			types[4] = TIMESTAMPTZOID;
 			types[5] = INT4OID;
-			nargs = 6;
+			types[6] = INT8OID;
+			nargs = 7;
 			break;
 		case PLAN_EXHAUST:
 			sql = psprintf("UPDATE %s SET status = '%s',"
@@ -242,44 +254,79 @@ run_write(LedgerStore *store, StorePlanId id, const LedgerKey *lk,
 		elog(ERROR, "idem ledger statement failed: %s", SPI_result_code_string(rc));
 }
 
-/* Write a new row (the claim's only write). */
+/*
+ * The sequence the ledger's ids are drawn from: its identity column's, or
+ * on a Citus shard the shell table's.
+ */
+static Oid
+store_id_sequence(LedgerStore *store)
+{
+	if (OidIsValid(store->idseq))
+		return store->idseq;
+	if (!OidIsValid(store->id_seq))
+	{
+		store->id_seq = idem_identity_sequence_if_any(store->relid,
+													  store->att[COL_ID]);
+		if (!OidIsValid(store->id_seq))
+			ereport_altered(ledger_table_name(store->kind),
+							("Column \"id\" is no longer an identity column."),
+							("Make it one again: ALTER TABLE %s ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY.",
+							 ledger_table_name(store->kind)));
+	}
+	return store->id_seq;
+}
+
+/*
+ * A new claim's fence: the id its row will have, drawn as the identity
+ * column's default draws it, without the USAGE privilege on the sequence
+ * (the INSERT privilege on the ledger stands for it).  Never reused, so a
+ * holder whose claim was taken over, or whose row was purged and the key
+ * claimed again, never completes another claim.
+ */
+int64
+ledger_new_fence(LedgerStore *store)
+{
+	store_check_local(store);
+	return nextval_internal(store_id_sequence(store), false);
+}
+
+/*
+ * Write a new row (the claim's only write), with id fence (0: one drawn
+ * now).
+ */
 void
-ledger_insert(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
-			  IdemStatus status, int32 attempt, Datum outcome,
-			  TimestampTz expires_at)
+ledger_insert(LedgerStore *store, const LedgerKey *lk, int64 fence,
+			  const uint8 *fingerprint, IdemStatus status, int32 attempt,
+			  Datum outcome, TimestampTz expires_at)
 {
 	Datum		extra[6];
-	int			nextra = 5;
 
 	store_check_local(store);
 	if (!OidIsValid(store->idseq) &&
-		ledger_insert_direct(store->relid, lk, fingerprint, status, attempt,
-							 outcome, expires_at))
+		ledger_insert_direct(store->relid, lk, fence, fingerprint, status,
+							 attempt, outcome, expires_at))
 		return;
 	extra[0] = PointerGetDatum(idem_digest_bytea(fingerprint, NULL));
 	extra[1] = CStringGetTextDatum(idem_status_names[status]);
 	extra[2] = Int32GetDatum(attempt);
 	extra[3] = outcome;
 	extra[4] = TimestampTzGetDatum(expires_at);
-
-	/*
-	 * A Citus shard's id, drawn from the shell table's identity sequence as
-	 * an identity column's default draws it: without the USAGE privilege on
-	 * the sequence, which the INSERT privilege on the ledger stands for.
-	 */
-	if (OidIsValid(store->idseq))
-		extra[nextra++] = Int64GetDatum(nextval_internal(store->idseq, false));
+	extra[5] = Int64GetDatum(fence != 0 ? fence : ledger_new_fence(store));
 	SPI_connect();
-	run_write(store, PLAN_INSERT, lk, extra, nextra, SPI_OK_INSERT);
+	run_write(store, PLAN_INSERT, lk, extra, 6, SPI_OK_INSERT);
 	SPI_finish();
 }
 
-/* Take over a row seen as failed_retryable or with an expired lease. */
+/*
+ * Take over a row seen as failed_retryable or with an expired lease: its
+ * new attempt, and its new id (*fence).
+ */
 bool
 ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
-			   TimestampTz lease_end, int32 *attempt)
+			   TimestampTz lease_end, int32 *attempt, int64 *fence)
 {
-	Datum		extra[3];
+	Datum		extra[4];
+	int			nextra = 3;
 	bool		isnull;
 	bool		done;
 
@@ -287,12 +334,18 @@ ledger_reclaim(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 	extra[0] = TimestampTzGetDatum(lease_end);
 	extra[1] = Int32GetDatum(seen->attempt);
 	extra[2] = CStringGetTextDatum(idem_status_names[seen->status]);
+	if (OidIsValid(store->idseq))
+		extra[nextra++] = Int64GetDatum(ledger_new_fence(store));
 	SPI_connect();
-	run_write(store, PLAN_RECLAIM, lk, extra, 3, SPI_OK_UPDATE_RETURNING);
+	run_write(store, PLAN_RECLAIM, lk, extra, nextra, SPI_OK_UPDATE_RETURNING);
 	done = SPI_processed == 1;
 	if (done)
+	{
 		*attempt = DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[0],
 											   SPI_tuptable->tupdesc, 1, &isnull));
+		*fence = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
+											 SPI_tuptable->tupdesc, 2, &isnull));
+	}
 	SPI_finish();
 	return done;
 }
@@ -325,14 +378,14 @@ ledger_exhaust(LedgerStore *store, const LedgerKey *lk, const LedgerRow *seen,
 
 /*
  * processing -> a final status; false when no processing row exists (of
- * attempt fence, when fence is not 0).
+ * attempt fence_attempt, when not 0, and of id fence, when not 0).
  */
 bool
 ledger_finish(LedgerStore *store, const LedgerKey *lk, IdemStatus status,
-			  Datum outcome, TimestampTz expires_at, int32 fence,
-			  int32 *attempt, uint8 *fingerprint)
+			  Datum outcome, TimestampTz expires_at, int32 fence_attempt,
+			  int64 fence, int32 *attempt, uint8 *fingerprint)
 {
-	Datum		extra[4];
+	Datum		extra[5];
 	bool		isnull;
 	bool		done;
 
@@ -340,9 +393,10 @@ ledger_finish(LedgerStore *store, const LedgerKey *lk, IdemStatus status,
 	extra[0] = CStringGetTextDatum(idem_status_names[status]);
 	extra[1] = outcome;
 	extra[2] = TimestampTzGetDatum(expires_at);
-	extra[3] = Int32GetDatum(fence);
+	extra[3] = Int32GetDatum(fence_attempt);
+	extra[4] = Int64GetDatum(fence);
 	SPI_connect();
-	run_write(store, PLAN_FINISH, lk, extra, 4, SPI_OK_UPDATE_RETURNING);
+	run_write(store, PLAN_FINISH, lk, extra, 5, SPI_OK_UPDATE_RETURNING);
 	done = SPI_processed == 1;
 	if (done)
 	{

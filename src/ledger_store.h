@@ -31,19 +31,20 @@ extern bool ledger_probe(LedgerStore *store, const LedgerKey *lk,
 extern bool ledger_tenant_exists(LedgerStore *store, int64 tenant_id,
 								 Snapshot snapshot);
 extern const char *ledger_tenants_name(LedgerStore *store);
-extern void ledger_insert(LedgerStore *store, const LedgerKey *lk,
+extern int64 ledger_new_fence(LedgerStore *store);
+extern void ledger_insert(LedgerStore *store, const LedgerKey *lk, int64 fence,
 						  const uint8 *fingerprint, IdemStatus status,
 						  int32 attempt, Datum outcome, TimestampTz expires_at);
 extern bool ledger_reclaim(LedgerStore *store, const LedgerKey *lk,
 						   const LedgerRow *seen, TimestampTz lease_end,
-						   int32 *attempt);
+						   int32 *attempt, int64 *fence);
 extern bool ledger_exhaust(LedgerStore *store, const LedgerKey *lk,
 						   const LedgerRow *seen, TimestampTz expires_at,
 						   TimestampTz *kept_until);
 extern bool ledger_finish(LedgerStore *store, const LedgerKey *lk,
 						  IdemStatus status, Datum outcome,
-						  TimestampTz expires_at, int32 fence,
-						  int32 *attempt, uint8 *fingerprint);
+						  TimestampTz expires_at, int32 fence_attempt,
+						  int64 fence, int32 *attempt, uint8 *fingerprint);
 extern int64 ledger_purge(LedgerStore *store, TimestampTz terminal_before,
 						  TimestampTz processing_before,
 						  TimestampTz finished_before, int32 batch);

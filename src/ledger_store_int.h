@@ -29,7 +29,8 @@
 typedef enum StorePlanId
 {
 	PLAN_INSERT = 0,			/* a row, any status */
-	PLAN_RECLAIM,				/* failed_retryable / expired lease -> processing */
+	PLAN_RECLAIM,				/* failed_retryable / expired lease -> processing,
+								 * under a new id: the new claim's fence */
 	PLAN_FINISH,				/* processing -> completed / failed_* */
 	PLAN_PURGE,					/* delete one batch of expired rows */
 	PLAN_EXHAUST,				/* failed_retryable, out of attempts -> failed_permanent */
@@ -87,6 +88,8 @@ struct LedgerStore
 	AttrNumber	att[COL_COUNT];
 	SPIPlanPtr	plans[PLAN_COUNT];
 	Oid			plan_roles[PLAN_COUNT];	/* the role each was planned for */
+	Oid			id_seq;			/* the sequence of its id (a claim's fence);
+								 * InvalidOid: not looked up yet */
 	/* On Citus (ledger_citus.c): */
 	bool		distributed;	/* the distributed ledger: purge only */
 	Oid			shard;			/* a shard of it: its table ... */

@@ -41,6 +41,11 @@
  * commit's own copy is not: with synchronous_commit = off it waits for the
  * WAL writer, as the commit's durability does.
  *
+ * Every copy carries the renewal generation it was read under (a
+ * commit's own copy: when idem_outbox_add makes it), and the worker never
+ * writes it into an epoch made after a later removal of ledger rows
+ * (epoch_renewal.c).
+ *
  * The events arrive from xact.c, which owns the transaction callbacks.
  *
  *-------------------------------------------------------------------------
@@ -55,6 +60,7 @@
 
 #include "outbox.h"
 #include "cache_format.h"
+#include "epoch_renewal.h"
 #include "outbox_ring.h"
 #include "stats.h"
 #include "subxact.h"
@@ -227,7 +233,7 @@ static IdemOutboxRecord *
 outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
 			  IdemCacheKind kind, int32 attempt, const uint8 *fingerprint,
 			  const char *outcome, int outcome_len, TimestampTz expires_at,
-			  XLogRecPtr lsn, bool may_flush)
+			  XLogRecPtr lsn, bool may_flush, uint64 generation)
 {
 	Size		size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
 	IdemOutboxRecord *rec = palloc0(size);
@@ -242,6 +248,7 @@ outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
 	rec->expires_at = expires_at;
 	rec->lsn = lsn;
 	rec->may_flush = may_flush;
+	rec->generation = generation;
 	memcpy(rec->key, key, IDEM_DIGEST_LEN);
 	memcpy(rec->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	memcpy(rec->outcome, outcome, outcome_len);
@@ -277,12 +284,17 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 	}
 	pending_bytes += size;
 	oldcxt = MemoryContextSwitchTo(TopTransactionContext);
-	/* the WAL position is set at commit */
+	/*
+	 * The WAL position is set at commit; the renewal generation now, before
+	 * the commit is visible (epoch_renewal.c says why that is the right
+	 * one).
+	 */
 	pending_records = lappend(pending_records,
 							  outbox_record(is_platform, tenant_id, key, kind,
 											attempt, fingerprint, outcome,
 											outcome_len, expires_at,
-											InvalidXLogRecPtr, false));
+											InvalidXLogRecPtr, false,
+											idem_renewal_generation()));
 	pending_levels = lappend_int(pending_levels,
 								 GetCurrentTransactionNestLevel());
 	MemoryContextSwitchTo(oldcxt);
@@ -296,13 +308,16 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
  * copies it once WAL is durable up to there, flushing it itself if need be
  * (see the header comment).  Nothing is queued during
  * recovery (a hot standby copies nothing), nor while the queue is more than
- * half full (idem_outbox_ring_offer).
+ * half full (idem_outbox_ring_offer).  generation is the renewal
+ * generation the caller read before it read the row, and checked
+ * (epoch_renewal.c).
  */
 void
 idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 					   IdemCacheKind kind, int32 attempt,
 					   const uint8 *fingerprint, const char *outcome,
-					   int outcome_len, TimestampTz expires_at)
+					   int outcome_len, TimestampTz expires_at,
+					   uint64 generation)
 {
 	IdemOutboxRecord *rec;
 
@@ -312,7 +327,7 @@ idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 
 	rec = outbox_record(is_platform, tenant_id, key, kind, attempt,
 						fingerprint, outcome, outcome_len, expires_at,
-						idem_insert_end_lsn(), true);
+						idem_insert_end_lsn(), true, generation);
 	(void) idem_outbox_ring_offer(rec);
 	pfree(rec);
 }

@@ -25,7 +25,7 @@ extern void idem_outbox_repopulate(bool is_platform, int64 tenant_id,
 								   const uint8 *key, IdemCacheKind kind,
 								   int32 attempt, const uint8 *fingerprint,
 								   const char *outcome, int outcome_len,
-								   TimestampTz expires_at);
+								   TimestampTz expires_at, uint64 generation);
 
 /* Transaction ends (xact.c), by the rule of subxact.h. */
 extern void idem_outbox_xact_event(XactEvent event);

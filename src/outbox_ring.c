@@ -73,11 +73,11 @@
 #include "stats.h"
 
 /*
- * A record's header (everything before the outcome) is 120 bytes; the ring
+ * A record's header (everything before the outcome) is 128 bytes; the ring
  * reserves IDEM_OUTBOX_BYTES_PER_RECORD (256) bytes per queued record on
  * average, header and a typical outcome.
  */
-StaticAssertDecl(offsetof(IdemOutboxRecord, outcome) == 120,
+StaticAssertDecl(offsetof(IdemOutboxRecord, outcome) == 128,
 				 "the header size stated above and in docs/commit-ring.md");
 StaticAssertDecl(IDEM_OUTBOX_BYTES_PER_RECORD == 256,
 				 "the size stated above, in idem.queue_size's description and in the README");

@@ -39,6 +39,9 @@ typedef struct IdemOutboxRecord
 	int64		tenant_id;
 	TimestampTz expires_at;
 	XLogRecPtr	lsn;			/* copy once WAL is durable up to here */
+	uint64		generation;		/* the renewal generation it was read
+								 * under: never written into a newer
+								 * epoch (epoch_renewal.c) */
 	uint8		key[IDEM_DIGEST_LEN];
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	char		outcome[FLEXIBLE_ARRAY_MEMBER];

@@ -121,6 +121,7 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	memcpy(claim->fingerprint, fingerprint, IDEM_DIGEST_LEN);
 	claim->lease_end = lease_end;
 	claim->lease_given = lease_given;
+	claim->fence = 0;
 	claim->relid = relid;
 	claim->nest_level = GetCurrentTransactionNestLevel();
 	claim->settled_level = 0;
@@ -165,8 +166,8 @@ pending_flush(void)
 		if (claim->settled_level != 0)
 			continue;
 		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
-					  claim->fingerprint, IDEM_STATUS_PROCESSING, 1, empty,
-					  claim->lease_end);
+					  claim->fence, claim->fingerprint, IDEM_STATUS_PROCESSING,
+					  1, empty, claim->lease_end);
 		if (!claim->lease_given)
 			by_accident++;
 	}

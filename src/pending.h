@@ -23,6 +23,8 @@ typedef struct PendingClaim
 	uint8		fingerprint[IDEM_DIGEST_LEN];
 	TimestampTz lease_end;
 	bool		lease_given;	/* the caller chose the lease (not idem.lease) */
+	int64		fence;			/* the id its row gets (idem_claim answered it
+								 * as the fence); 0: drawn when written */
 	Oid			relid;
 	int			nest_level;		/* subtransaction that made the claim */
 	int			settled_level;	/* subtransaction that wrote its row; 0: not yet */

@@ -10,6 +10,7 @@
  *		outbox_ring.c	the queue from committing backends to the worker
  *		stats.c			the counters behind idem_stats()
  *		cache_secret.c	the shared copy of the cache secret
+ *		epoch_renewal.c	the renewal generation and its waiters
  *		cache_cluster.c	the Citus cluster cache's joins
  *
  *	  Without preloading nothing is reserved: the areas' pointers stay NULL
@@ -27,6 +28,7 @@
 #include "shmem.h"
 #include "cache_cluster.h"
 #include "cache_secret.h"
+#include "epoch_renewal.h"
 #include "outbox_ring.h"
 #include "stats.h"
 
@@ -39,10 +41,11 @@ idem_shmem_request(void)
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
 
-	RequestAddinShmemSpace(add_size(add_size(add_size(idem_outbox_ring_shmem_size(),
-													  idem_stats_shmem_size()),
-											 idem_cache_secret_shmem_size()),
-									idem_cache_cluster_shmem_size()));
+	RequestAddinShmemSpace(add_size(add_size(add_size(add_size(idem_outbox_ring_shmem_size(),
+															   idem_stats_shmem_size()),
+													  idem_cache_secret_shmem_size()),
+											 idem_cache_cluster_shmem_size()),
+									idem_renewal_shmem_size()));
 	RequestNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE, 1);
 }
 
@@ -57,6 +60,7 @@ idem_shmem_startup(void)
 	idem_stats_shmem_init();
 	idem_cache_secret_shmem_init();
 	idem_cache_cluster_shmem_init();
+	idem_renewal_shmem_init();
 	LWLockRelease(AddinShmemInitLock);
 }
 

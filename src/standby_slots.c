@@ -224,6 +224,37 @@ idem_standby_slots_flushed(XLogRecPtr *lsn, char *why, size_t whylen)
 	return true;
 }
 
+/* idem_replay_durable is in SyncRepWaitForLSN: see replay_wait_log_hook. */
+static bool replay_waiting = false;
+static emit_log_hook_type prev_emit_log_hook = NULL;
+
+/*
+ * Drop the warnings SyncRepWaitForLSN gives when a replay's wait is
+ * cancelled or the backend terminated ("... has already committed
+ * locally"): a replay committed nothing.
+ */
+static void
+replay_wait_log_hook(ErrorData *edata)
+{
+	if (replay_waiting && edata->elevel == WARNING &&
+		edata->funcname != NULL &&
+		strcmp(edata->funcname, "SyncRepWaitForLSN") == 0)
+	{
+		edata->output_to_client = false;
+		edata->output_to_server = false;
+	}
+	if (prev_emit_log_hook)
+		prev_emit_log_hook(edata);
+}
+
+/* From _PG_init: the log hook of idem_replay_durable's wait. */
+void
+idem_standby_slots_register(void)
+{
+	prev_emit_log_hook = emit_log_hook;
+	emit_log_hook = replay_wait_log_hook;
+}
+
 /*
  * Copies wait and WAL is durable only up to durable (as
  * idem_standby_slots_flushed() computed it): say what holds it there, in
@@ -306,6 +337,12 @@ idem_commit_lsn(TransactionId writer)
  * than the WAL inserted so far: with synchronous replication, that is
  * what the synchronous standbys must confirm.  Each wait returns at once
  * when its position is already reached.
+ *
+ * The wait is SyncRepWaitForLSN's, made for a commit: cancelled, it warns
+ * that "the transaction has already committed locally", which is not true
+ * of a replay (nothing committed).  While idem waits there, its log hook
+ * (replay_wait_log_hook) drops that warning; the replay's own error says
+ * what happened.
  */
 void
 idem_replay_durable(XLogRecPtr commit_lsn)
@@ -329,7 +366,16 @@ idem_replay_durable(XLogRecPtr commit_lsn)
 	/* the standbys are sent only what is flushed here */
 	XLogFlush(lsn);
 	HOLD_INTERRUPTS();
-	SyncRepWaitForLSN(lsn, false);
+	replay_waiting = true;
+	PG_TRY();
+	{
+		SyncRepWaitForLSN(lsn, false);
+	}
+	PG_FINALLY();
+	{
+		replay_waiting = false;
+	}
+	PG_END_TRY();
 	RESUME_INTERRUPTS();
 	/* terminated while waiting: go now, answering nothing */
 	CHECK_FOR_INTERRUPTS();

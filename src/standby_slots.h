@@ -22,5 +22,6 @@ extern void idem_standby_slots_holder(XLogRecPtr durable, char *what,
 /* A replay from another transaction's row. */
 extern XLogRecPtr idem_commit_lsn(TransactionId writer);
 extern void idem_replay_durable(XLogRecPtr commit_lsn);
+extern void idem_standby_slots_register(void);
 
 #endif							/* IDEM_STANDBY_SLOTS_H */

@@ -5,7 +5,8 @@
  *	  <ms until the row's expires_at>, its idem2 value in its database's
  *	  keyspace on this timeline, MACed with the current secret (or a Citus
  *	  cluster keyspace's); a record whose retention already ended is
- *	  skipped.  The prepared HMAC keys are wiped once a batch is encoded.
+ *	  skipped, and so is one read under an older renewal generation than
+ *	  the epoch's (epoch_renewal.c).  The prepared HMAC keys are wiped once a batch is encoded.
  *
  *	  Locking: none; the secrets are copied out of shared memory under
  *	  cache_secret.c's lock.
@@ -44,6 +45,7 @@ vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 	memset(&enc->skips, 0, sizeof(enc->skips));
 	idem_cache_secrets_get(&secrets);
 	enc->epoch = secrets.epoch;
+	enc->generation = secrets.generation;
 	enc->own_key_id = secrets.current_id;
 	idem_cache_mac_key(&enc->own_mac_key, &secrets);
 	explicit_bzero(&secrets, sizeof(secrets));
@@ -61,7 +63,8 @@ vk_encoder_done(VkEncoder *enc)
  * One record as SET key value PX ttl (both modes use this): an idem2 value
  * in its database's keyspace on this timeline, MACed with the current
  * secret.  1 done, 0 nothing to copy (the row's retention already ended,
- * or its database copies nothing now: cache_cluster.c; counted by reason
+ * its database copies nothing now: cache_cluster.c, or it was read before
+ * ledger rows were removed and the epoch renewed since; counted by reason
  * in enc->skips), -1 it cannot be encoded (worker_errbuf says why).
  */
 int
@@ -76,6 +79,12 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 	if (ttl_ms < 1)
 	{
 		worker_skip(&enc->skips, IDEM_STAT_SKIPPED_EXPIRED);
+		return 0;
+	}
+	/* read before a removal this epoch follows (epoch_renewal.c) */
+	if (rec->generation < enc->generation)
+	{
+		worker_skip(&enc->skips, IDEM_STAT_SKIPPED_EPOCH);
 		return 0;
 	}
 	*keylen = -1;

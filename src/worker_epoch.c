@@ -31,6 +31,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
+#include "epoch_renewal.h"
 #include "stats.h"
 #include "worker_int.h"
 
@@ -372,6 +373,8 @@ listed_in(const EpochListed *e, const EpochListed *list, int n)
  * list this epoch, and judge as above what another start listed meanwhile.
  * Until this succeeds nothing is copied and runners get no keyspace.
  * Every step can be repeated: a worker that stops half-way does it again.
+ * Once the epoch is owned, the commits that removed ledger rows before it
+ * was made stop waiting (idem_renewal_taken).
  */
 VkResult
 worker_take_epoch(void)
@@ -443,6 +446,9 @@ worker_take_epoch(void)
 		else
 			idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
 	}
+	/* the epochs before the one owned are retired: wake their removals */
+	if (idem_cache_epoch_owned(&t))
+		idem_renewal_taken(t.generation);
 	return VK_OK;
 }
 

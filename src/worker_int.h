@@ -99,6 +99,8 @@ typedef struct VkEncoder
 	bool		skip_db;		/* keyspace_db copies nothing (cache_cluster.c) */
 	int32		own_key_id;		/* this server's own secret */
 	idem_hmac	own_mac_key;
+	uint64		generation;		/* the epoch's renewal generation: older
+								 * records are not written into it */
 	VkSkips		skips;			/* records it skipped, by reason */
 } VkEncoder;
 

@@ -1761,7 +1761,7 @@ cmd_scenario(void)
 	o.valkey_retry_ms = 200;
 	o.valkey_command_timeout_ms = E.slow ? 2000 : 200;
 	o.pg_trace = trace;
-	o.secrets_max_age_ms = 0;	/* the round trips counted below are exact */
+	o.secrets_max_age_ms = IDEM_SECRETS_MAX_AGE_MAX_MS;	/* the round trips counted below are exact */
 	R = idem_runner_open(conninfo, "127.0.0.1", VP.port, &o);
 	tap_ok(R != NULL && idem_runner_error_message(R)[0] == '\0',
 		   "runner opens on both servers (%s)", R ? idem_runner_error_message(R) : "NULL");

@@ -672,6 +672,20 @@ test_crypto(void)
 	idem_sha256_accel(1);
 }
 
+/* secrets_max_age_ms: 0 and anything too long are capped, not "never". */
+static void
+test_trust_max_age(void)
+{
+	tap_ok(idemc_trust_max_age(-1) == 5000, "secrets_max_age_ms < 0: the default, 5000 ms");
+	tap_ok(idemc_trust_max_age(1) == 1 && idemc_trust_max_age(5000) == 5000 &&
+		   idemc_trust_max_age(IDEM_SECRETS_MAX_AGE_MAX_MS) == IDEM_SECRETS_MAX_AGE_MAX_MS,
+		   "secrets_max_age_ms from 1 to the maximum: as given");
+	tap_ok(idemc_trust_max_age(0) == IDEM_SECRETS_MAX_AGE_MAX_MS,
+		   "secrets_max_age_ms 0 (once \"never\"): the maximum, %d ms", IDEM_SECRETS_MAX_AGE_MAX_MS);
+	tap_ok(idemc_trust_max_age(3600000) == IDEM_SECRETS_MAX_AGE_MAX_MS,
+		   "secrets_max_age_ms of an hour: the maximum");
+}
+
 int
 main(void)
 {
@@ -685,5 +699,6 @@ main(void)
 	test_cache_format();
 	test_api_without_servers();
 	test_cluster();
+	test_trust_max_age();
 	return tap_done();
 }

@@ -76,7 +76,8 @@ is( $c->safe_psql('postgres', q{
 		                  ORDER BY p.proname)
 		FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid
 		WHERE d.classid = 'pg_proc'::regclass AND p.proname LIKE 'idem%'}),
-	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_fail 0 true, idem_lookup 0 true',
+	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
+	  . 'idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'install: the tenant API is distributed by tenant_id with force_delegation');
 
 my $w1 = $cl->w1;
@@ -212,6 +213,23 @@ like($aout, qr/^failed_permanent 1 \{.*"sqlstate": "P0001"\} true$/,
 is( $c->safe_psql('postgres', "SELECT count(*) FROM effects WHERE k = 'ap:a2'")
 	  . ' ' . shard_rows($w2, $t2, "idempotency_key = idem_key('ap', 'a2')"),
 	'0 failed_permanent 1', '... its writes rolled back, the failure in the shard');
+
+# ---------- lease mode, fenced by the claim's fence ----------
+# The claim commits alone on the shard's node; the fenced completion is
+# delegated there too; a takeover gives the shard's row a new id (drawn
+# from that node's range), so the first holder's fence is refused.
+my $f1 = $c->safe_psql('postgres',
+	qq{SELECT fence FROM idem_claim($t1, idem_key('lf', '1'), idem_fingerprint('{}'), '1 millisecond')});
+usleep(20_000);
+my $f2 = $c->safe_psql('postgres',
+	qq{SELECT attempt || ' ' || fence FROM idem_claim($t1, idem_key('lf', '1'), idem_fingerprint('{}'), '1 hour')});
+my ($frc, $fout, $ferr) = $c->psql('postgres',
+	qq{SELECT idem_complete_fenced($t1, idem_key('lf', '1'), $f1, '{"by": 1}')});
+like($ferr, qr/another claim holds it now/, 'lease mode: the stale holder\'s fence is refused on the shard\'s node');
+$f2 =~ s/^2 // or diag("takeover: $f2");
+$c->safe_psql('postgres', qq{SELECT idem_complete_fenced($t1, idem_key('lf', '1'), $f2, '{"by": 2}')});
+is(shard_rows($w1, $t1, "idempotency_key = idem_key('lf', '1')"), 'completed 2',
+	'... the taker\'s fence completes the key in the tenant\'s shard');
 
 # ---------- never a shell table ----------
 foreach my $case (

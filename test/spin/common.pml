@@ -28,6 +28,10 @@
  *   LEASE_FENCE idem_complete in lease mode refuses a row whose attempt is
  *            not the caller's: idem_complete(..., attempt), as implemented in
  *            ledger_settle (src/ledger.c)
+ *   FENCE_ID (with LEASE_FENCE) the completion is fenced by the claim's
+ *            fence instead, the row's id: drawn from the identity sequence
+ *            for every claim (a takeover gives the row a new one) and never
+ *            reused, as idem_complete_fenced does
  *   LIVENESS redeliveries continue until a run ends with a terminal result
  *   NO_MARKER_PX  a marker never expires within the run (a lease longer
  *            than every redelivery): only its first second ending matters
@@ -146,6 +150,10 @@ byte row_st = S_NONE;   /* ledger row status */
 byte row_att = 0;       /* ledger row attempt */
 byte row_out = 0;       /* ledger row outcome */
 byte row_holder = 0;    /* ghost: runner whose attempt the row records */
+#ifdef FENCE_ID
+byte row_id = 0;        /* ledger row id: the fence of the claim it records */
+byte next_id = 1;       /* the ledger's identity sequence: never reused */
+#endif
 bool lease_live[NRUN + 1];  /* ghost: runner i's committed lease unexpired */
 byte effects = 0;       /* effect rows committed (in-PostgreSQL mode) */
 byte ext_effects = 0;   /* effects performed outside PostgreSQL (lease mode) */
@@ -435,11 +443,16 @@ inline claim_step(me)
 				tx_st = S_PROC; tx_att = row_att + 1; tx_wrote = true; res = R_CLAIMED
 			fi;
 			if
-			:: res == R_CLAIMED -> lock_owner = me       /* kept until the tx ends */
+			:: res == R_CLAIMED -> lock_owner = me;      /* kept until the tx ends */
+#ifdef FENCE_ID
+				tx_id = next_id; next_id++                  /* the claim's fence */
+#else
+				skip
+#endif
 			:: else -> skip                              /* released at once */
 			fi
 		fi;
-		att = tx_att
+		att = tx_att; fence = tx_id
 	}
 }
 #endif
@@ -497,7 +510,12 @@ inline tx_commit_effects(me)
 	fi;
 	if
 	:: tx_wrote -> assert(!TERMINAL(row_st));  /* a terminal row is never overwritten */
-		row_st = tx_st; row_att = tx_att; row_out = tx_out; row_holder = me
+		row_st = tx_st; row_att = tx_att; row_out = tx_out; row_holder = me;
+#ifdef FENCE_ID
+		row_id = tx_id
+#else
+		skip
+#endif
 	:: else -> skip
 	fi;
 #ifdef DURABILITY
@@ -636,6 +654,9 @@ inline lease_commit_step(me)
 		if
 		:: assert(!TERMINAL(row_st));
 			row_st = S_PROC; row_att = tx_att; row_out = 0; row_holder = me;
+#ifdef FENCE_ID
+			row_id = tx_id;
+#endif
 			lease_live[me] = true; in_lease[me] = true;
 			tx_rollback(me); res = R_CLAIMED
 		:: FAULT -> SPEND; tx_rollback(me); res = R_REQUEUE          /* terminated */
@@ -653,8 +674,12 @@ inline lease_commit_step(me)
  * attempt = $6 (LEASE_FENCE: refuse unless row_att is ours); without it
  * any committed processing row is completed -- also one that another
  * runner has taken over since (the unfenced check shows the damage).
+ * FENCE_ID: idem_complete_fenced, PLAN_FINISH with id = $7: refuse unless
+ * the row's id is the fence our claim answered.
  */
-#ifdef LEASE_FENCE
+#if defined(LEASE_FENCE) && defined(FENCE_ID)
+#define FENCE_OK (row_id == fence)
+#elif defined(LEASE_FENCE)
 #define FENCE_OK (row_att == att)
 #else
 #define FENCE_OK true

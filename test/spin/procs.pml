@@ -10,10 +10,12 @@
 proctype runner(byte me)
 {
 	byte res, att, got_kind, got_val;
+	byte fence;                     /* the claim's fence (FENCE_ID) */
 	bool marked;
 	bool silent;                    /* the gate found Valkey unreachable */
 	bool saw_mark;                  /* the gate met a marker (busy) */
 	byte tx_st, tx_att, tx_out;     /* this runner's open transaction */
+	byte tx_id;                     /* the id its claim drew (FENCE_ID) */
 	bool tx_wrote, tx_eff;
 	byte tx_gen;                    /* pg_gen at BEGIN */
 
@@ -26,7 +28,7 @@ end_idle:
 	:: atomic { delivered >= NDELIV -> break }
 	:: atomic { delivered < NDELIV -> delivered++; res = R_GO };
 #endif
-		marked = false; att = 0; silent = false; saw_mark = false;
+		marked = false; att = 0; fence = 0; tx_id = 0; silent = false; saw_mark = false;
 		gate_step(me);
 #ifndef NO_LOOKUP_FIRST
 		if
@@ -279,7 +281,11 @@ active proctype lease_purge()
 end:	do
 	:: atomic { row_st == S_PROC && !lease_live[row_holder] && lock_owner == 0 &&
 		PURGE_FLOOR_PASSED ->
-		row_st = S_NONE; row_att = 0; row_out = 0; row_holder = 0 }
+		row_st = S_NONE; row_att = 0; row_out = 0; row_holder = 0;
+#ifdef FENCE_ID
+		row_id = 0;
+#endif
+		}
 	od
 }
 #endif

@@ -62,8 +62,8 @@ my $fingerprint = IdemValkey::parse_value($m1_under_1)->{fingerprint};
 is(run('m1'), 'replayed valkey', 'a redelivery replays from Valkey');
 
 # Two runners stay connected from here to the end: one re-reads the secrets
-# only when it meets an unknown key id, the other also every 3 s
-# (secrets_max_age_ms; 60 s by default).
+# when it meets an unknown key id and every 60 s (secrets_max_age_ms 0, the
+# longest), the other also every 3 s (secrets_max_age_ms; 5 s by default).
 my $long;
 my $aging;
 {

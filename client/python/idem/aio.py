@@ -284,19 +284,21 @@ class AsyncRunner(Runner):
                                   delivery_count=delivery_count)
 
     async def complete(self, conn: Any, tenant_id: Optional[int],  # type: ignore[override]
-                       scope: str, run_id: str, outcome: Any = None, *, attempt: int) -> None:
+                       scope: str, run_id: str, outcome: Any = None, *,
+                       fence: Optional[int] = None, attempt: Optional[int] = None) -> None:
         """Runner.complete."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None)
+        await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
 
     async def fail(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
-                   run_id: str, detail: Any = None, *, attempt: int,
-                   retryable: bool = False) -> None:
+                   run_id: str, detail: Any = None, *, fence: Optional[int] = None,
+                   attempt: Optional[int] = None, retryable: bool = False) -> None:
         """Runner.fail."""
         await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
-                            ({} if detail is None else detail, retryable))
+                            ({} if detail is None else detail, retryable), fence)
 
     async def _asettle(self, conn: Any, tenant_id: Optional[int], scope: str, run_id: str,
-                       attempt: int, outcome: Any, failure: Optional[FailureSpec]) -> None:
+                       attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
+                       fence: Optional[int] = None) -> None:
         _check_conn(conn, True)
         try:
             st = await self._astate(conn)
@@ -307,7 +309,7 @@ class AsyncRunner(Runner):
             raise err from e
         try:
             await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
-                                                 outcome, failure))
+                                                 outcome, failure, fence))
         except psycopg.Error as e:
             raise settle_failed(conn, e) from e
 

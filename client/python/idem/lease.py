@@ -1,7 +1,8 @@
 """Lease mode, for an effect outside PostgreSQL (an e-mail, a payment
 API): the claim commits alone with a lease, the effect happens, and the
-completion, fenced by the claim's attempt, commits later in a transaction
-of its own.  At-least-once for the effect (a holder that dies after it and
+completion, fenced by the claim's fence (the id of the claim's row, which
+no later claim has, even after the row was purged and the key claimed
+again), commits later in a transaction of its own.  At-least-once for the effect (a holder that dies after it and
 before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class LeaseLost(IdemError):
-    """The completion was refused: the lease ended and a later attempt took
+    """The completion was refused: the lease ended and another claim took
     the key over (or has already finished it).  The effect may have run
     twice; the ledger keeps the later attempt's outcome."""
 
@@ -33,25 +34,46 @@ class LeaseLost(IdemError):
 
 
 class Lease(Run):
-    """A run in lease mode: ``claimed``, ``attempt`` (the fence),
-    ``duration`` (the lease it holds, in seconds), and after the block the
-    result."""
+    """A run in lease mode: ``claimed``, ``attempt``, ``fence`` (what the
+    completion is fenced by), ``duration`` (the lease it holds, in seconds),
+    and after the block the result."""
 
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
         self.duration: Optional[float] = None
+        self.fence: Optional[int] = None
         self.deferred = False
 
     def defer(self) -> None:
         """Inside the block: record nothing now; the key is completed later
-        (``runner.complete(..., attempt=lease.attempt)``), from any process,
+        (``runner.complete(..., fence=lease.fence)``), from any process,
         before the lease ends."""
         if not self.claimed:
             raise IdemError("state", "defer() on a lease that was not claimed")
         self.deferred = True
 
 
-def _fenced_sql(schema: str, tenant_id: Optional[int], failure: Optional[FailureSpec]) -> str:
+def _claim_sql(schema: str, tenant_id: Optional[int]) -> str:
+    """The lease-mode claim: the decision, and the claim's fence last."""
+    ms = "floor(extract(epoch FROM c.expires_at - clock_timestamp()) * 1000)::bigint"
+    return ("SELECT c.decision, c.attempt, c.outcome::text, " + ms + ", c.fence" +
+            (" FROM %s.idem_platform_claim(%%s, %%s, %%s::interval) AS c" if tenant_id is None
+             else " FROM %s.idem_claim(%%s, %%s, %%s, %%s::interval) AS c") % schema)
+
+
+def _fenced_sql(schema: str, tenant_id: Optional[int], failure: Optional[FailureSpec],
+                fence: Optional[int]) -> str:
+    """The fenced completion: by the claim's fence (idem_complete_fenced), or
+    by its attempt (idem_complete(..., attempt), for callers that kept only
+    the attempt: a row purged and claimed again is attempt 1 again)."""
+    if fence is not None:
+        if tenant_id is None:
+            return ("SELECT %s.idem_platform_fail_fenced(%%s, %%s, %%s::jsonb, %%s, %%s::interval)"
+                    if failure else
+                    "SELECT %s.idem_platform_complete_fenced(%%s, %%s, %%s::jsonb, %%s::interval)"
+                    ) % schema
+        return ("SELECT %s.idem_fail_fenced(%%s, %%s, %%s, %%s::jsonb, %%s, %%s::interval)" if failure
+                else "SELECT %s.idem_complete_fenced(%%s, %%s, %%s, %%s::jsonb, %%s::interval)") % schema
     if tenant_id is None:
         return ("SELECT %s.idem_platform_fail(%%s, %%s::jsonb, %%s, %%s::interval, %%s)" if failure
                 else "SELECT %s.idem_platform_complete(%%s, %%s::jsonb, %%s::interval, %%s)") % schema
@@ -60,12 +82,16 @@ def _fenced_sql(schema: str, tenant_id: Optional[int], failure: Optional[Failure
 
 
 def fenced_params(tenant_id: Optional[int], key: bytes, text: str,
-                  failure: Optional[FailureSpec], retention: Any, attempt: Any) -> List[Any]:
+                  failure: Optional[FailureSpec], retention: Any, attempt: Any,
+                  fence: Optional[int]) -> List[Any]:
     p: List[Any] = [key] if tenant_id is None else [tenant_id, key]
+    if fence is not None:
+        p.append(int(fence))
     p.append(text)
     if failure is not None:
         p.append(bool(failure[1]))
-    return p + [retention, int(attempt)]
+    p.append(retention)
+    return p if fence is not None else p + [int(attempt)]
 
 
 class _LeaseContext(_RunContext):
@@ -98,6 +124,16 @@ class _LeaseContext(_RunContext):
 
     def _claim_params(self) -> List[Any]:
         return self._key_params() + [self.run.fingerprint, "%d milliseconds" % self.lease_ms]
+
+    def _sql(self, name: str) -> str:
+        if name == "claim":
+            return _claim_sql(self.st.schema, self.run.tenant_id)
+        return super()._sql(name)
+
+    def _claimed(self, row: Tuple[Any, ...], first_rows: Optional[List[Any]]) -> bool:
+        """The claim's answer, and its fence (the last column)."""
+        self.lease.fence = row[4]
+        return super()._claimed(row[:4], first_rows)
 
     # step 3b: the claim, committed alone, with its lease given explicitly
     def _claim(self) -> None:
@@ -152,7 +188,7 @@ class _LeaseContext(_RunContext):
             return not self._broken() and ts != TransactionStatus.IDLE, None, None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and run.deferred:
-            return False, None, None, None, False   # completed later, by attempt
+            return False, None, None, None, False   # completed later, by its fence
         if ts == TransactionStatus.INERROR and et is None:
             return True, IdemError("handler", "the block left the connection's transaction in "
                                    "error: rolled back, nothing recorded (the lease ends it)"), \
@@ -171,9 +207,9 @@ class _LeaseContext(_RunContext):
         begin: List[Statement] = [("BEGIN", None)] if (
             self.conn.info.transaction_status == TransactionStatus.IDLE and
             self.conn.autocommit) else []
-        return begin + [(_fenced_sql(self.st.schema, run.tenant_id, failure),
+        return begin + [(_fenced_sql(self.st.schema, run.tenant_id, failure, run.fence),
                          fenced_params(run.tenant_id, run.key, text, failure, self.r.retention,
-                                       run.attempt)),
+                                       run.attempt, run.fence)),
                         ("COMMIT", None)]
 
     def _ending_failed(self, e: psycopg.Error) -> Tuple[bool, IdemError]:
@@ -194,7 +230,8 @@ def _refused(e: psycopg.Error) -> IdemError:
 
 
 def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
-           attempt: int, outcome: Any = None, failure: Optional[FailureSpec] = None) -> None:
+           attempt: Optional[int], outcome: Any = None, failure: Optional[FailureSpec] = None,
+           fence: Optional[int] = None) -> None:
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
     connection; else the caller commits)."""
@@ -205,15 +242,20 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
         _raise_pg_error(conn, e, "learning the schema")
     try:
         _exec(conn, *settle_statement(runner, st, tenant_id, scope, run_id, attempt, outcome,
-                                      failure))
+                                      failure, fence))
     except psycopg.Error as e:
         raise settle_failed(conn, e) from e
 
 
 def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope: str,
-                     run_id: str, attempt: int, outcome: Any,
-                     failure: Optional[FailureSpec]) -> Tuple[str, List[Any]]:
-    """runner.complete's (or fail's) fenced statement and parameters."""
+                     run_id: str, attempt: Optional[int], outcome: Any,
+                     failure: Optional[FailureSpec],
+                     fence: Optional[int] = None) -> Tuple[str, List[Any]]:
+    """runner.complete's (or fail's) fenced statement and parameters: by the
+    claim's fence, or (older callers) by its attempt."""
+    if (attempt is None) == (fence is None):
+        raise IdemError("argument", "give the claim's fence (or, for callers that kept only "
+                        "its attempt, attempt), not both")
     if tenant_id is not None:
         tenant_id = int(tenant_id)
     try:
@@ -224,8 +266,8 @@ def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope:
         text = _outcome_text({} if outcome is None else outcome, "the outcome")
     else:
         text = _outcome_text(failure[0], "the failure detail")
-    return (_fenced_sql(st.schema, tenant_id, failure),
-            fenced_params(tenant_id, key, text, failure, runner.retention, attempt))
+    return (_fenced_sql(st.schema, tenant_id, failure, fence),
+            fenced_params(tenant_id, key, text, failure, runner.retention, attempt, fence))
 
 
 def settle_failed(conn: Any, e: psycopg.Error) -> IdemError:

@@ -141,6 +141,22 @@ def _outcome_or_raise(run: Run) -> Any:
     raise RetryableFailure(run.outcome, result=run)
 
 
+#: The longest re-learn bound a runner uses, in ms: secrets_max_age 0 and
+#: anything longer are capped (IDEM_SECRETS_MAX_AGE_MAX_MS in the C client).
+SECRETS_MAX_AGE_MAX_MS = 60000
+
+
+def relearn_bound_ms(ms: int) -> int:
+    """The re-learn bound a runner uses for secrets_max_age (in ms): the
+    maximum for 0 or anything above it, as given from 1 ms to it.  It is the
+    last line of defence: while the server cannot reach Valkey to retire a
+    history epoch it left, a runner that learnt that epoch trusts it until
+    it learns again."""
+    if ms == 0 or ms > SECRETS_MAX_AGE_MAX_MS:
+        return SECRETS_MAX_AGE_MAX_MS
+    return ms
+
+
 # A plain client of one node of a Valkey Cluster.
 CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
                    "speaks to one node: pass (host, port) or a cluster client, so that each "
@@ -178,7 +194,8 @@ class Runner:
         self.retention = None if retention is None else \
             datetime.timedelta(milliseconds=_ms(retention, "retention"))
         self.lookup_first = lookup_first
-        self.secrets_max_age_ms = _ms(secrets_max_age, "secrets_max_age", zero=True)
+        self.secrets_max_age_ms = relearn_bound_ms(
+            _ms(secrets_max_age, "secrets_max_age", zero=True))
         valkey_timeout_ms = _ms(valkey_timeout, "valkey_timeout")
         self.valkey_retry_ms = _ms(valkey_retry, "valkey_retry", zero=True)
         self.schema = schema
@@ -318,8 +335,7 @@ class Runner:
         age = (time.monotonic() - st.learnt) * 1000
         return (st.refresh_wanted and (age >= 1000 or (st.owner_suspect and
                                                        not st.owner_relearnt))) or \
-            (st.keyspace is not None and self.secrets_max_age_ms > 0 and
-             age >= self.secrets_max_age_ms)
+            (st.keyspace is not None and age >= self.secrets_max_age_ms)
 
     def _learning_refused(self, st: _ConnState, e: psycopg.Error) -> None:
         """The server would not say (55000: not ready, recovery, or the
@@ -473,8 +489,8 @@ class Runner:
         runner.lease(conn, ...) as lease:`` then ``if lease.claimed:`` do
         the effect and set ``lease.outcome``.  The claim commits alone
         with a lease of ``lease`` seconds (default: the runner's); after
-        the block the completion, fenced by ``lease.attempt``, commits in
-        a transaction of its own (LeaseLost if a later attempt took the
+        the block the completion, fenced by ``lease.fence``, commits in
+        a transaction of its own (LeaseLost if another claim took the
         key over).  ``lease.defer()`` leaves the completion to
         ``runner.complete``."""
         return _LeaseContext(self, conn, tenant_id, scope, run_id, request,
@@ -482,18 +498,22 @@ class Runner:
                              delivery_count=delivery_count)
 
     def complete(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
-                 outcome: Any = None, *, attempt: int) -> None:
+                 outcome: Any = None, *, fence: Optional[int] = None,
+                 attempt: Optional[int] = None) -> None:
         """Complete a key claimed in lease mode, fenced by the claim's
-        ``attempt``, in the connection's transaction (it commits by itself
-        on an autocommit connection).  LeaseLost if a later attempt took
-        the key over."""
-        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome)
+        ``fence`` (``lease.fence``), in the connection's transaction (it
+        commits by itself on an autocommit connection).  LeaseLost if
+        another claim took the key over.  ``attempt`` instead of ``fence``
+        is the older, weaker fence: once the claim's row is purged, the
+        key's next claim is attempt 1 again."""
+        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
 
     def fail(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
-             detail: Any = None, *, attempt: int, retryable: bool = False) -> None:
+             detail: Any = None, *, fence: Optional[int] = None,
+             attempt: Optional[int] = None, retryable: bool = False) -> None:
         """Fail a key claimed in lease mode, as ``complete``."""
         settle(self, conn, tenant_id, scope, run_id, attempt,
-               failure=({} if detail is None else detail, retryable))
+               failure=({} if detail is None else detail, retryable), fence=fence)
 
     def batch(self, conn: Conn, items: Iterable[Item]) -> Batch:
         """Many deliveries at once: ``items`` are (tenant, scope, run_id,

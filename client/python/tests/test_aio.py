@@ -99,7 +99,7 @@ class AsyncForms(unittest.TestCase):
                     self.assertEqual((lease.claimed, lease.duration), (True, 10.0))
                     lease.defer()
                 self.assertEqual(ledger(1, scope, "l1")[:2], ("processing", 1))
-                await runner.complete(other, 1, scope, "l1", {"sent": True}, attempt=lease.attempt)
+                await runner.complete(other, 1, scope, "l1", {"sent": True}, fence=lease.fence)
                 self.assertEqual(ledger(1, scope, "l1")[:2], ("completed", 1))
                 async with runner.lease(conn, 1, scope, "l2", {}) as lease:
                     lease.outcome = {"sent": 2}

@@ -303,6 +303,30 @@ class LeaseMode(Base):
         self.assertIsNone(slow.status)
         self.assertEqual(ledger(1, self.scope, "x1")[:3], ("completed", 2, {"by": 2}))
 
+    def test_fence_survives_purge(self):
+        """lease: the key taken over and failed retryably, that row purged, the key claimed again (attempt 1 again): the first holder still gets LeaseLost, by its fence"""
+        short = idem.Runner(("127.0.0.1", VPORT), lease=0.3)
+        brief = idem.Runner(("127.0.0.1", VPORT), lease=10, retention=0.001)
+        with admin() as taker:
+            taker.execute("SET idem.min_retention = 0")     # the floor, lowered for the test
+            with self.assertRaises(idem.LeaseLost):
+                with short.lease(self.conn, 1, self.scope, "x2", {}) as slow:
+                    time.sleep(0.6)     # the lease ends, and the marker with it
+                    with brief.lease(taker, 1, self.scope, "x2", {}) as second:
+                        self.assertEqual(second.attempt, 2)
+                        raise idem.RetryableFailure({"by": 2})
+                    time.sleep(0.01)
+                    self.assertGreater(taker.execute("SELECT idem_purge()").fetchone()[0], 0)
+                    self.assertIsNone(ledger(1, self.scope, "x2"))
+                    with self.runner.lease(taker, 1, self.scope, "x2", {}) as third:
+                        self.assertEqual((third.claimed, third.attempt), (True, 1))
+                        third.defer()
+                    slow.outcome = {"by": 1}
+            self.assertEqual(ledger(1, self.scope, "x2")[:2], ("processing", 1))
+            self.runner.complete(taker, 1, self.scope, "x2", {"by": 3}, fence=third.fence)
+        self.assertIsNone(slow.status)
+        self.assertEqual(ledger(1, self.scope, "x2")[:3], ("completed", 1, {"by": 3}))
+
     def test_deferred_failure_and_exception(self):
         """lease: defer() then runner.complete(attempt=) from another connection; an exception in the block records failed_retryable and attempt 2 follows"""
         with self.runner.lease(self.conn, 1, self.scope, "y1", {}) as lease:
@@ -312,7 +336,11 @@ class LeaseMode(Base):
         with admin() as a:
             with self.assertRaises(idem.LeaseLost):
                 self.runner.complete(a, 1, self.scope, "y1", {"late": 1}, attempt=2)
-            self.runner.complete(a, 1, self.scope, "y1", {"late": 1}, attempt=lease.attempt)
+            with self.assertRaises(idem.LeaseLost):
+                self.runner.complete(a, 1, self.scope, "y1", {"late": 1}, fence=lease.fence + 1)
+            with self.assertRaises(idem.IdemError):
+                self.runner.complete(a, 1, self.scope, "y1", {"late": 1})
+            self.runner.complete(a, 1, self.scope, "y1", {"late": 1}, fence=lease.fence)
         self.assertEqual(ledger(1, self.scope, "y1")[:3], ("completed", 1, {"late": 1}))
         with self.assertRaises(ZeroDivisionError):
             with self.runner.lease(self.conn, 1, self.scope, "y2", {}) as lease:

@@ -189,7 +189,7 @@ class Durations(unittest.TestCase):
         import idem
         r = idem.Runner(None, lease=1.5, retention=7 * 86400, valkey_retry=0.25,
                         valkey_timeout=0.05, secrets_max_age=0)
-        self.assertEqual((r.lease_ms, r.valkey_retry_ms, r.secrets_max_age_ms), (1500, 250, 0))
+        self.assertEqual((r.lease_ms, r.valkey_retry_ms, r.secrets_max_age_ms), (1500, 250, 60000))
         self.assertEqual(r.retention, datetime.timedelta(days=7))
         self.assertEqual(idem.Runner(None).lease_ms, 30000)
         for bad in ({"lease": 0}, {"lease": "30s"}, {"retention": "7 days"}, {"lease": True},
@@ -204,3 +204,16 @@ class Durations(unittest.TestCase):
         run._busy_for(1250)
         self.assertEqual(run.retry_after, 1.25)
         self.assertFalse(hasattr(run, "retry_after_ms"))
+
+
+class RelearnBound(unittest.TestCase):
+    def test_capped(self):
+        """secrets_max_age: 0 and anything longer than a minute mean a minute, not never"""
+        import idem
+        from idem.runner import SECRETS_MAX_AGE_MAX_MS
+        self.assertEqual(SECRETS_MAX_AGE_MAX_MS, 60000)
+        for given, used in ((5, 5000), (0.001, 1), (60, 60000), (0, 60000), (3600, 60000)):
+            self.assertEqual(idem.Runner(None, secrets_max_age=given).secrets_max_age_ms, used,
+                             given)
+        with self.assertRaises(idem.IdemError):
+            idem.Runner(None, secrets_max_age=-1)
