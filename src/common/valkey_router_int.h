@@ -55,6 +55,7 @@ typedef struct vc_node
 	int			nexpect;
 	int			expcap;
 	int64_t		down_until;		/* resting after a failure */
+	char		failure[160];	/* that failure, in words */
 	long long	errors;
 	int			in_map;
 	int			sent;			/* sent to since its last read */
