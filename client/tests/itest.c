@@ -2665,8 +2665,9 @@ cmd_scenario(void)
 
 			idem_options_init(&om);
 			om.lease_ms = 1000;
-			snprintf(ci, sizeof(ci), "%s options=-cidem.max_attempts=2", conninfo);
-			RM = idem_runner_open(ci, "127.0.0.1", VP.port, &om);
+			/* directly, not through the proxies that count round trips */
+			snprintf(ci, sizeof(ci), "%s options=-cidem.max_attempts=2", E.pg);
+			RM = idem_runner_open(ci, "127.0.0.1", E.valkey_port, &om);
 			memset(&h, 0, sizeof(h));
 			h.mode = "oversize";
 			for (runs = 0; runs < 5; runs++)
