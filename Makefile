@@ -17,7 +17,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/ledger_store.o src/ledger_citus.o src/ledger_insert.o \
 	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/epoch_renewal.o src/pending.o src/outbox.o src/outbox_ring.o \
 	src/worker.o src/worker_valkey.o src/worker_epoch.o src/worker_encode.o \
-	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_cluster.o src/stats.o src/stats_sql.o src/cache_secret.o \
+	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_router.o src/stats.o src/stats_sql.o src/cache_secret.o \
 	src/cache_keyspace.o src/cache_cluster.o src/cache_cluster_owner.o src/cache_cluster_seal.o \
 	src/cache_cluster_node.o src/cache_cluster_refresh.o src/cache_sql.o src/standby_slots.o src/citus.o \
 	$(COMMON_OBJS)
@@ -25,7 +25,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 # the client library (client/Makefile), as PostgreSQL's own src/common.
 COMMON_OBJS = src/common/cache_format.o src/common/sha256.o \
 	src/common/valkey_reply.o src/common/valkey_slots.o src/common/valkey_map.o src/common/valkey_endpoint.o \
-	src/common/valkey_node.o src/common/valkey_wire.o src/common/valkey_cluster.o src/common/valkey_pipeline.o src/common/valkey_single.o
+	src/common/valkey_node.o src/common/valkey_wire.o src/common/valkey_router.o src/common/valkey_pipeline.o src/common/valkey_single.o
 # Install and upgrade scripts, beside idem.control as in contrib.
 DATA = $(wildcard idem--*.sql)
 PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/common

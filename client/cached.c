@@ -101,6 +101,8 @@ cached_many_full(idem_runner *r, int n, const int64_t *tenant_ids,
 	}
 	idemc_gate_get_many(r->gate, keys, m, r->trust.owner_key,
 					   r->trust.owner_token, g, &checked);
+	if (m > 0)
+		idemc_health_owner(r, checked);
 	if (m > 0 && checked != GATE_CHECK_HOLDS)
 		idemc_trust_owner_mismatch(&r->trust, checked);	/* trust none */
 	else if (checked == GATE_CHECK_HOLDS)

@@ -34,14 +34,16 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_conn.h"
 
 /* What the check key's reply says (gate_reply.checked). */
 static int
 check_holds(const redisReply *r, const char *value)
 {
-	if (r == NULL || value == NULL || r->type != REDIS_REPLY_STRING)
+	if (r == NULL)
+		return GATE_CHECK_NOREPLY;
+	if (value == NULL || r->type != REDIS_REPLY_STRING)
 		return GATE_CHECK_ABSENT;
 	return (r->len == strlen(value) && memcmp(r->str, value, r->len) == 0) ?
 		GATE_CHECK_HOLDS : GATE_CHECK_OTHER;
@@ -87,6 +89,7 @@ idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 
 	memset(out, 0, sizeof(*out));
 	out->answer = GATE_SKIPPED;
+	out->checked = GATE_CHECK_NOREPLY;
 	if (g == NULL || idemc_gate_resting(g))
 		return;
 	argv[0] = "SET";
@@ -146,7 +149,7 @@ idemc_gate_get_many(idem_gate *g, const char *const *keys, int n,
 	const char **argv;
 
 	memset(out, 0, sizeof(*out) * (n > 0 ? n : 0));	/* GATE_SKIPPED */
-	*checked = 0;
+	*checked = GATE_CHECK_NOREPLY;
 	if (g == NULL || n <= 0 || idemc_gate_resting(g))
 		return;
 	/* split per node by the router; a node that fails skips its keys */

@@ -63,8 +63,8 @@ extern "C" {
  * minor * 100 + patch (as PG_VERSION_NUM), for #if tests.
  * idem_client_version() returns the number of the library actually loaded.
  */
-#define IDEM_CLIENT_VERSION		"0.3.0"
-#define IDEM_CLIENT_VERSION_NUM	300
+#define IDEM_CLIENT_VERSION		"0.4.0"
+#define IDEM_CLIENT_VERSION_NUM	400
 #define IDEM_DIGEST_BYTES		32
 /* Longest outcome or failure detail: canonical JSON text, in bytes. */
 #define IDEM_OUTCOME_MAX_BYTES	4096
@@ -118,9 +118,15 @@ typedef struct idem_options
 								 * trip); 0: always claim directly.  A
 								 * runner without Valkey always claims. */
 	/*
-	 * NULL, or called (rarely, never more than once per cause) with what an
-	 * operator should hear: that the runner runs without the Valkey cache
-	 * and why (say the role lacks EXECUTE on idem_cache_secrets()).
+	 * NULL, or called with what an operator should hear: that the runner
+	 * runs without the Valkey cache and why -- Valkey does not answer, it
+	 * refused AUTH or wants a password, it is not the Valkey the server's
+	 * worker writes to (the epoch owner check), the role lacks EXECUTE on
+	 * idem_cache_secrets() -- and when Valkey answers again.  A cause is
+	 * told at once, then at most once a minute while it lasts (with how
+	 * many times it happened meanwhile).  Called from within
+	 * idem_runner_open() or a run, on its thread: it must not call the
+	 * runner.
 	 */
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
@@ -450,6 +456,70 @@ idem_status idem_run_platform_with(idem_runner *runner,
 								   idem_result *out);
 
 const char *idem_status_name(idem_status status);	/* "applied", ... */
+
+/* ---------------------------------------------------------------------
+ * The start-up check (IDEMCLIENT_1.4), as libpq's PQping: is everything
+ * the runner needs there, and as the server says?
+ * ---------------------------------------------------------------------
+ */
+
+/* The first problem idem_runner_check() found, in the order it checks. */
+typedef enum idem_check_status
+{
+	IDEM_CHECK_OK = 0,			/* all well (or Valkey not configured) */
+	IDEM_CHECK_OPTIONS,			/* the runner's options are invalid */
+	IDEM_CHECK_PG_UNREACHABLE,	/* no PostgreSQL connection */
+	IDEM_CHECK_NO_EXTENSION,	/* idem is not installed in that database */
+	IDEM_CHECK_CACHE_UNAVAILABLE,	/* the server gives no cache keyspace
+									 * and secrets: the role lacks EXECUTE
+									 * on idem_cache_secrets(), or the
+									 * cache is not ready (55000) */
+	IDEM_CHECK_VALKEY_UNREACHABLE,	/* Valkey does not answer */
+	IDEM_CHECK_VALKEY_AUTH,		/* AUTH refused (WRONGPASS, or a password
+								 * given to a Valkey without one), or
+								 * wanted (NOAUTH) */
+	IDEM_CHECK_VALKEY_REFUSED,	/* its setup refused otherwise (SCRIPT
+								 * LOAD, SELECT, valkey_db on a cluster) */
+	IDEM_CHECK_VALKEY_NOT_SERVERS	/* the epoch owner key does not hold the
+									 * token idem_cache_secrets() names: not
+									 * the Valkey the server's worker writes
+									 * to (or it has not reached it yet) */
+} idem_check_status;
+
+typedef struct idem_check_report
+{
+	size_t		struct_size;	/* set by idem_check_report_init() */
+	idem_check_status status;	/* the first problem, or IDEM_CHECK_OK */
+	char		message[512];	/* that problem in words; "" when OK */
+	int			pg_ok;			/* connected, and answered */
+	char		extension_version[32];	/* idem's extversion; "" if not
+										 * installed */
+	long		pg_rtt_us;		/* one round trip to PostgreSQL; -1 unknown */
+	int			valkey_configured;	/* a valkey_host was given */
+	int			valkey_ok;		/* connected, AUTH and setup accepted */
+	int			valkey_owner_ok;	/* the owner key holds the server's
+									 * token */
+	long		valkey_rtt_us;	/* one round trip to Valkey (the owner
+								 * key's GET); -1 unknown */
+} idem_check_report;
+
+void		idem_check_report_init_size(idem_check_report *report,
+										size_t struct_size);
+#define idem_check_report_init(rep) idem_check_report_init_size((rep), sizeof(idem_check_report))
+
+/*
+ * Check now, without waiting out a rest: PostgreSQL reachable, the idem
+ * extension installed (its version), the cache keyspace and secrets given
+ * to the role, Valkey reachable with AUTH and its setup accepted, and the
+ * epoch owner key there holding the token the server names (the same
+ * Valkey as the server's worker), with the round trip time of each
+ * server.  Fills *report (initialised with idem_check_report_init) and
+ * returns its status.  Costs a few round trips and a new Valkey
+ * connection: for start-up and health endpoints, not for every message.
+ */
+idem_check_status idem_runner_check(idem_runner *runner,
+									idem_check_report *report);
+const char *idem_check_status_name(idem_check_status status);	/* "ok", ... */
 const char *idem_source_name(idem_source source);	/* "valkey", ... */
 
 /*
@@ -476,6 +546,20 @@ typedef struct idem_runner_stats
 	long		valkey_node_errors; /* failed connects/exchanges with a node */
 	long		gate_skipped_first; /* gates skipped for a first delivery
 									 * (also counted in valkey_skipped) */
+	/* since 0.4 */
+	long		valkey_failures;	/* opens and exchanges of the gate that
+									 * failed: Valkey down or stalled, AUTH
+									 * refused or missing, its setup refused
+									 * (each makes it rest valkey_retry_ms) */
+	long		valkey_auth_failures;	/* of those: AUTH refused (WRONGPASS)
+										 * or wanted (NOAUTH) */
+	long		valkey_owner_mismatches;	/* lookups whose epoch owner key
+											 * did not hold the server's
+											 * token: nothing read trusted */
+	long		valkey_not_servers; /* rests because it kept not holding
+									 * it (3 s in a row): not the Valkey
+									 * the server's worker writes to */
+	long		notices;		/* messages given to the notice hook */
 } idem_runner_stats;
 
 void		idem_runner_stats_init(idem_runner_stats *stats);

@@ -64,8 +64,9 @@ typedef struct gate_reply
 
 /* The check key (gate_reply.checked): */
 #define GATE_CHECK_HOLDS	1	/* the check value */
-#define GATE_CHECK_ABSENT	0	/* nothing (nil), or no reply */
+#define GATE_CHECK_ABSENT	0	/* nothing (nil) */
 #define GATE_CHECK_OTHER	(-1)	/* another value */
+#define GATE_CHECK_NOREPLY	(-2)	/* its node did not answer */
 
 idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 						  int db, int connect_timeout_ms,
@@ -73,6 +74,43 @@ idem_gate  *idemc_gate_new(const char *host, int port, const char *password,
 void		idemc_gate_free(idem_gate *g);
 /* After a failure, within retry_ms: every call skips Valkey at once. */
 int			idemc_gate_resting(const idem_gate *g);
+
+/*
+ * What is wrong with the gate's Valkey, as the gate and the owner check
+ * report it to the runner (health.c tells the notice hook).
+ */
+typedef enum valkey_problem
+{
+	VALKEY_OK = 0,				/* it answered: a problem told is over */
+	VALKEY_DOWN,				/* no connection, or no answer in time */
+	VALKEY_AUTH,				/* AUTH refused (WRONGPASS), or NOAUTH */
+	VALKEY_REFUSED,				/* the setup refused otherwise (SCRIPT
+								 * LOAD, SELECT) */
+	VALKEY_CONFIG,				/* valkey_db on a cluster */
+	VALKEY_NOT_SERVERS,			/* the epoch owner key does not hold the
+								 * token the server names */
+	VALKEY_PROBLEMS
+} valkey_problem;
+
+typedef void (*gate_report_fn) (void *arg, valkey_problem problem,
+								const char *why);
+
+/* The gate tells report what goes wrong with its Valkey (and when it
+ * answers again). */
+void		idemc_gate_set_report(idem_gate *g, gate_report_fn report, void *arg);
+/* Leave Valkey alone for ms (it is not the server's). */
+void		idemc_gate_rest(idem_gate *g, int ms);
+/* "host:port" of the gate's first node. */
+const char *idemc_gate_endpoint(const idem_gate *g);
+int			idemc_gate_retry_ms(const idem_gate *g);
+/* Open now even when resting (the start-up check).  0, or -1 with the
+ * problem and why. */
+int			idemc_gate_open_now(idem_gate *g, valkey_problem *problem,
+							   char *why, size_t whylen);
+/* GET key now (the start-up check): 1 a value (copied into buf), 0 nil,
+ * -1 no answer or an error reply (why says it). */
+int			idemc_gate_get_now(idem_gate *g, const char *key, char *buf,
+							  size_t buflen, char *why, size_t whylen);
 /* One round trip: SET key marker NX PX lease_ms GET (the value if one
  * exists, else our marker is set; lease_ms in decimal), and GET check_key
  * (the epoch owner key; NULL: none): out->checked says whether it held
@@ -147,6 +185,11 @@ typedef struct idem_pg
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */
+	int			watching;		/* a handler runs: its errors are seen */
+	char		handler_sqlstate[6];	/* the first error of the server's
+										 * state (idemc_sqlstate_is_servers)
+										 * a handler's statement met; "" */
+	char		handler_message[200];	/* ... its message */
 	long		round_trips;
 	long		connects;
 } idem_pg;
@@ -207,6 +250,12 @@ int			idemc_pg_alive(idem_pg *p);
 void		idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
 							 pg_outcome *out);
 void		idemc_pg_outcome_clear(pg_outcome *o);
+/* An error that is the server's state, not a handler's answer: classes
+ * 40 (serialization failure, deadlock), 53, 57 (a cancelled statement),
+ * 58 and XX, as idem_apply judges them. */
+int			idemc_sqlstate_is_servers(const char *sqlstate);
+/* Watch the errors of the handler's statements (on) until off. */
+void		idemc_pg_watch_handler(idem_pg *p, int on);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */
 int			idemc_pg_exec(idem_pg *p, const char *sql);
 void		idemc_pg_drop(idem_pg *p);
@@ -302,6 +351,8 @@ int			idemc_trust_marker(idem_trust *t, const char *key, int lease_ms,
 #define IDEM_RESULT_SIZE_MIN	IDEM_SIZE_THROUGH(idem_result, valkey_used)
 #define IDEM_STATS_SIZE_MIN		IDEM_SIZE_THROUGH(idem_runner_stats, valkey_node_errors)
 #define IDEM_RUN_OPTIONS_SIZE_MIN IDEM_SIZE_THROUGH(idem_run_options, sql_args)
+/* 0.4's first layout of the start-up check's report */
+#define IDEM_CHECK_REPORT_SIZE_MIN IDEM_SIZE_THROUGH(idem_check_report, valkey_rtt_us)
 #define IDEM_STRUCT_SIZE_MAX	65536
 #define IDEM_STRUCT_SIZE_OK(size, min) \
 	((size) >= (min) && (size) <= IDEM_STRUCT_SIZE_MAX && \
@@ -313,6 +364,7 @@ _Static_assert(offsetof(idem_options, struct_size) == 0, "struct_size first");
 _Static_assert(offsetof(idem_result, struct_size) == 0, "struct_size first");
 _Static_assert(offsetof(idem_run_options, struct_size) == 0, "struct_size first");
 _Static_assert(offsetof(idem_runner_stats, struct_size) == 0, "struct_size first");
+_Static_assert(offsetof(idem_check_report, struct_size) == 0, "struct_size first");
 
 /*
  * The body of every *_init_size(): a size IDEM_STRUCT_SIZE_OK refuses (or a
@@ -355,7 +407,15 @@ struct idem_runner
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
 	int			cache_off_said; /* the "running without the cache" notice */
-	int			gate_config_said;	/* the gate's configuration error notice */
+	struct
+	{
+		valkey_problem said;	/* the problem last told, not yet over */
+		int64_t		told_at[VALKEY_PROBLEMS];	/* monotonic ms; 0: never */
+		long		untold[VALKEY_PROBLEMS];	/* times since told */
+		int64_t		owner_bad_since;	/* the first of the failed owner
+										 * checks in a row; 0: none */
+		int64_t		owner_bad_last; /* the last of them */
+	}			health;			/* health.c */
 	int			lease_ms;
 	int			retention_ms;
 	char		lease_txt[32];	/* "<lease_ms> milliseconds" */
@@ -371,9 +431,13 @@ struct idem_runner
 	idem_runner_stats stats;
 };
 
-/* lifecycle.c: the gate found Valkey unusable as configured (valkey_db on a
- * cluster): tell the notice hook, once. */
-void		idemc_runner_gate_notice(idem_runner *r);
+/* health.c: what the runner says about Valkey.  The gate's report
+ * function (arg: the runner); the owner check of a lookup (GATE_CHECK_*);
+ * a message for the notice hook, counted. */
+void		idemc_health_report(void *arg, valkey_problem problem,
+								const char *why);
+void		idemc_health_owner(idem_runner *r, int checked);
+void		idemc_runner_notice(idem_runner *r, const char *message);
 
 /* A handler's view of its run (filled by pg_step(), read through the
  * idem_call_* accessors). */

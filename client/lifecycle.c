@@ -169,8 +169,8 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 			idemc_gate_set_cluster(r->gate, o.valkey_nodes,
 								  o.valkey_cluster) != 0)
 			goto oom;
+		idemc_gate_set_report(r->gate, idemc_health_report, r);
 		idemc_gate_connect(r->gate);
-		idemc_runner_gate_notice(r);
 	}
 	{
 		int			fresh;
@@ -184,22 +184,6 @@ idem_runner_open(const char *pg_conninfo, const char *valkey_host,
 oom:
 	idem_runner_close(r);
 	return NULL;
-}
-
-void
-idemc_runner_gate_notice(idem_runner *r)
-{
-	const char *why = idemc_gate_config_error(r->gate);
-	char		msg[300];
-
-	if (why == NULL || r->gate_config_said)
-		return;
-	r->gate_config_said = 1;
-	if (r->notice)
-	{
-		snprintf(msg, sizeof(msg), "%s: running without the Valkey cache, on PostgreSQL only", why);
-		r->notice(r->notice_arg, msg);
-	}
 }
 
 void
@@ -248,6 +232,7 @@ idem_runner_get_stats(const idem_runner *r, idem_runner_stats *out)
 		full.valkey_round_trips = idemc_gate_round_trips(r->gate);
 		full.valkey_connects = idemc_gate_connects(r->gate);
 		full.cache_rejected = r->trust.rejected;
+		full.valkey_owner_mismatches = r->trust.owner_mismatches;
 		idemc_gate_cluster_stats(r->gate, &full.valkey_redirects,
 								&full.valkey_map_refreshes,
 								&full.valkey_node_errors);
@@ -279,8 +264,7 @@ idemc_runner_trust_ready(idem_runner *r)
 		!r->cache_off_said)
 	{
 		r->cache_off_said = 1;
-		if (r->notice)
-			r->notice(r->notice_arg, msg);
+		idemc_runner_notice(r, msg);
 	}
 	return r->trust.state == TRUST_READY && !r->trust.owner_suspect;
 }

@@ -15,6 +15,7 @@
  */
 #include "internal.h"
 
+#include <libpq-events.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -211,6 +212,55 @@ notice_receiver(void *arg, const PGresult *res)
 		p->server_ended = 1;
 }
 
+int
+idemc_sqlstate_is_servers(const char *st)
+{
+	return st != NULL && strlen(st) == 5 &&
+		(strncmp(st, "40", 2) == 0 || strncmp(st, "53", 2) == 0 ||
+		 strncmp(st, "57", 2) == 0 || strncmp(st, "58", 2) == 0 ||
+		 strncmp(st, "XX", 2) == 0);
+}
+
+/*
+ * libpq's event procedure on our connection: while a handler runs, the
+ * first error result of the server's state (a serialization failure, a
+ * deadlock, a cancelled statement) that one of its statements gets is
+ * kept, so that the runner can tell the server's state from the handler's
+ * answer (the handler sees the error; the runner never sees its results).
+ */
+static int
+result_event(PGEventId id, void *info, void *pass)
+{
+	idem_pg    *p = pass;
+
+	if (id == PGEVT_RESULTCREATE && p->watching && p->handler_sqlstate[0] == '\0')
+	{
+		const PGresult *res = ((const PGEventResultCreate *) info)->result;
+		const char *st = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+
+		if (PQresultStatus(res) == PGRES_FATAL_ERROR && idemc_sqlstate_is_servers(st))
+		{
+			const char *m = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
+
+			snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
+			snprintf(p->handler_message, sizeof(p->handler_message), "%s",
+					 m ? m : "");
+		}
+	}
+	return 1;
+}
+
+void
+idemc_pg_watch_handler(idem_pg *p, int on)
+{
+	if (on)
+	{
+		p->handler_sqlstate[0] = '\0';
+		p->handler_message[0] = '\0';
+	}
+	p->watching = on;
+}
+
 /*
  * Whether the connection, idle between runs, is still alive: reads without
  * blocking what the server sent since the last command, so a session the
@@ -303,6 +353,12 @@ idemc_pg_ensure(idem_pg *p, int *fresh, char *msg, size_t msglen)
 	}
 	p->server_ended = 0;
 	PQsetNoticeReceiver(p->conn, notice_receiver, p);
+	if (!PQregisterEventProc(p->conn, result_event, "idem_client", p))
+	{
+		copy_msg(msg, msglen, "PostgreSQL: ", "could not register the runner's event procedure");
+		idemc_pg_drop(p);
+		return -1;
+	}
 	if (p->trace)
 	{
 		PQtrace(p->conn, p->trace);

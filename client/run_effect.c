@@ -90,6 +90,30 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		return idemc_run_error(s, IDEM_ERR_HANDLER, NULL,
 							"connection in an unexpected state after the handler");
 	}
+
+	/*
+	 * A statement of the handler met the server's state (a serialization
+	 * failure, a deadlock, a cancelled statement: idem_apply's rule), and
+	 * the handler reported a failure or left the transaction in error: not
+	 * an attempt.  Recorded, a few transient conflicts would spend the
+	 * key's attempts (idem.max_attempts) and dead-letter a healthy
+	 * message.  Rolled back, nothing recorded, the server's error: the
+	 * next delivery runs the same attempt again.  A handler that recovered
+	 * (its own savepoint) and answered success goes on.
+	 */
+	if (pg->handler_sqlstate[0] != '\0' &&
+		(hs != IDEM_HANDLER_OK || ts == PQTRANS_INERROR))
+	{
+		char		st[6];
+		char		m[200];
+
+		snprintf(st, sizeof(st), "%s", pg->handler_sqlstate);
+		snprintf(m, sizeof(m), "%s", pg->handler_message);
+		idemc_run_rollback_quietly(s);
+		return idemc_run_error(s, IDEM_ERR_SERVER, st,
+							"a statement of the handler failed with SQLSTATE %s (%s): the server's state, not the handler's answer; rolled back, nothing recorded (redeliver: the same attempt runs again)",
+							st, m);
+	}
 	if (ts == PQTRANS_INERROR && hs == IDEM_HANDLER_OK)
 	{
 		idemc_run_rollback_quietly(s);
@@ -353,7 +377,21 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		call.id = id;
 		call.request = s->request;
 		call.key = s->key;
+		idemc_pg_watch_handler(pg, 1);
+		if (call.first != NULL &&
+			PQresultStatus(call.first) == PGRES_FATAL_ERROR &&
+			idemc_sqlstate_is_servers(PQresultErrorField(call.first, PG_DIAG_SQLSTATE)))
+		{
+			/* the handler's first statement, sent with the claim, met it */
+			const char *m = PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY);
+
+			snprintf(pg->handler_sqlstate, sizeof(pg->handler_sqlstate), "%s",
+					 PQresultErrorField(call.first, PG_DIAG_SQLSTATE));
+			snprintf(pg->handler_message, sizeof(pg->handler_message), "%s",
+					 m ? m : "");
+		}
 		hs = handler(pg->conn, &call, user_data);
+		idemc_pg_watch_handler(pg, 0);
 		if (call.first)
 			PQclear(call.first);
 		call.first = NULL;

@@ -49,7 +49,6 @@ idemc_run_gate(run_state *s)
 	{
 		s->r->stats.valkey_skipped++;
 		s->valkey_silent = 1;
-		idemc_runner_gate_notice(s->r);
 		return 0;
 	}
 	if (!idemc_runner_trust_ready(s->r) ||
@@ -68,6 +67,7 @@ idemc_run_gate(run_state *s)
 	}
 	idemc_gate_enter(s->r->gate, s->ckey, s->marker, s->r->lease_ms_txt,
 					s->r->trust.owner_key, s->r->trust.owner_token, &g);
+	idemc_health_owner(s->r, g.checked);
 	if (g.answer == GATE_VALUE && g.checked != GATE_CHECK_HOLDS)
 	{
 		/*

@@ -1,7 +1,7 @@
 /*
  * valkey_conn.c
  *	  The Valkey connections of a runner's gate, and the commands sent on
- *	  them.  They are the router's (../src/common/valkey_cluster.c), as
+ *	  them.  They are the router's (../src/common/valkey_router.c), as
  *	  the extension's worker's are: a single Valkey is a one-node map, a
  *	  Valkey Cluster a map of its masters, told apart by INFO cluster in
  *	  the connect's round trip (unless the mode is forced); connect, setup,
@@ -19,7 +19,12 @@
  *	      script's SHA-1 (release.c), so a script changed without it fails
  *	      every connect;
  *	    - the rest after a failed open (retry_ms), and valkey_db on a
- *	      cluster, a configuration error that keeps the gate off.
+ *	      cluster, a configuration error that keeps the gate off;
+ *	    - what went wrong, told to the runner's report function (an
+ *	      open that failed, and why: down, AUTH refused or missing, the
+ *	      setup refused; an exchange left without replies; the first
+ *	      answer after such a report), and a rest the runner asks for
+ *	      (idemc_gate_rest: the owner check found another Valkey).
  *
  *	  A failure never fails a run: the gate is skipped and PostgreSQL
  *	  decides.  A node that cannot be reached rests for retry_ms: only its
@@ -37,7 +42,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_conn.h"
 
 /* The setup's own command: load the release script (release.c). */
@@ -67,6 +72,7 @@ idemc_gate_new(const char *host, int port, const char *password, int db,
 		return NULL;
 	}
 	g->port = port;
+	idem_vc_format_endpoint(g->endpoint, sizeof(g->endpoint), host, port);
 	g->db = db;
 	g->connect_timeout_ms = connect_timeout_ms;
 	g->command_timeout_ms = command_timeout_ms;
@@ -141,6 +147,75 @@ check_setup(redisReply *const *replies, char *err, size_t errlen)
 	return -1;
 }
 
+void
+idemc_gate_set_report(idem_gate *g, gate_report_fn report, void *arg)
+{
+	if (g == NULL)
+		return;
+	g->report = report;
+	g->report_arg = arg;
+}
+
+const char *
+idemc_gate_endpoint(const idem_gate *g)
+{
+	return g ? g->endpoint : "";
+}
+
+int
+idemc_gate_retry_ms(const idem_gate *g)
+{
+	return g ? g->retry_ms : 0;
+}
+
+void
+idemc_gate_rest(idem_gate *g, int ms)
+{
+	if (g != NULL)
+		g->rest_until = idemc_now_ms() + ms;
+}
+
+/* Tell the runner what went wrong (problem) and why, or (VALKEY_OK) that
+ * Valkey answered again after a report. */
+static void
+report(idem_gate *g, valkey_problem problem, const char *why)
+{
+	char		msg[600];
+
+	if (problem == VALKEY_OK)
+	{
+		if (!g->reported)
+			return;
+		g->reported = 0;
+		msg[0] = '\0';
+	}
+	else
+	{
+		g->reported = 1;
+		snprintf(msg, sizeof(msg), "Valkey at %.270s: %.300s", g->endpoint,
+				 why && why[0] ? why : "no answer");
+	}
+	if (g->report)
+		g->report(g->report_arg, problem, msg);
+}
+
+/*
+ * What an open's error text says: AUTH refused (WRONGPASS, or a password
+ * given to a Valkey that has none) or missing (NOAUTH: any command of the
+ * setup), the setup refused otherwise, or no answer at all.
+ */
+static valkey_problem
+open_problem(const char *err)
+{
+	if (strstr(err, "NOAUTH") || strstr(err, "WRONGPASS") ||
+		strstr(err, "AUTH refused") || strstr(err, "invalid password") ||
+		strstr(err, "invalid username-password"))
+		return VALKEY_AUTH;
+	if (strstr(err, " refused: ") || strstr(err, "SCRIPT LOAD did not"))
+		return VALKEY_REFUSED;
+	return VALKEY_DOWN;
+}
+
 /* The router, made once (it connects nothing yet).  0 or -1. */
 static int
 router_make(idem_gate *g)
@@ -194,35 +269,123 @@ db_on_cluster(idem_gate *g)
 /*
  * Open the router: the first seed that answers in its budget (the connect
  * and command timeouts: a seed that hangs costs its own time only) says
- * whether it is a cluster's.  0, or -1 with the gate resting for retry_ms.
+ * whether it is a cluster's.  0; -1 with err set; -2 valkey_db on a
+ * cluster (config_error set).  A failure makes the gate rest for retry_ms.
  */
 static int
-gate_open(idem_gate *g)
+open_router(idem_gate *g, char *err, size_t errlen)
 {
-	char		err[256];
 	int			rc;
 
+	err[0] = '\0';
 	if (router_make(g) != 0)
 	{
-		g->down_until = idemc_now_ms() + g->retry_ms;
-		return -1;
+		snprintf(err, errlen, "out of memory, or the nodes do not parse");
+		rc = -1;
 	}
-	rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
-					  err, sizeof(err));
+	else
+		rc = idem_vc_open(g->vc, g->connect_timeout_ms + g->command_timeout_ms,
+						  err, errlen);
 	if (rc == -2)
 		db_on_cluster(g);		/* not an outage: the gate stays off */
 	if (rc == 0 && g->cluster_mode > 0 && !idem_vc_is_cluster(g->vc))
 	{
 		/* a cluster was asked for: a single Valkey is not used instead */
 		idem_vc_close_all(g->vc);
+		snprintf(err, errlen, "not a Valkey Cluster, and valkey_cluster is 1");
 		rc = -1;
 	}
 	if (rc != 0)
 	{
 		g->down_until = idemc_now_ms() + g->retry_ms;
+		return rc == -2 ? -2 : -1;
+	}
+	g->down_until = 0;
+	return 0;
+}
+
+/* Open, and tell the runner what came of it.  0 or -1. */
+static int
+gate_open(idem_gate *g)
+{
+	char		err[256];
+	int			rc = open_router(g, err, sizeof(err));
+
+	if (rc == -2)
+		report(g, VALKEY_CONFIG, g->config_error);
+	else if (rc != 0)
+		report(g, open_problem(err), err);
+	else
+		report(g, VALKEY_OK, NULL);
+	return rc == 0 ? 0 : -1;
+}
+
+int
+idemc_gate_open_now(idem_gate *g, valkey_problem *problem, char *why,
+				   size_t whylen)
+{
+	char		err[256];
+	int			rc;
+
+	*problem = VALKEY_OK;
+	why[0] = '\0';
+	if (g->config_error[0])
+	{
+		*problem = VALKEY_CONFIG;
+		snprintf(why, whylen, "%s", g->config_error);
 		return -1;
 	}
-	return 0;
+	/* a fresh connection: its setup (AUTH, SCRIPT LOAD, SELECT) is checked */
+	if (g->vc != NULL)
+		idem_vc_close_all(g->vc);
+	rc = open_router(g, err, sizeof(err));
+	if (rc == 0)
+		return 0;
+	*problem = rc == -2 ? VALKEY_CONFIG : open_problem(err);
+	snprintf(why, whylen, "%s", rc == -2 ? g->config_error : err);
+	return -1;
+}
+
+int
+idemc_gate_get_now(idem_gate *g, const char *key, char *buf, size_t buflen,
+				  char *why, size_t whylen)
+{
+	const char *argv[2] = {"GET", key};
+	idem_vc_cmd cmd;
+	redisReply *r;
+	int			rc = -1;
+
+	memset(&cmd, 0, sizeof(cmd));
+	cmd.key = key;
+	cmd.keylen = strlen(key);
+	cmd.argc = 2;
+	cmd.argv = argv;
+	why[0] = '\0';
+	if (!idem_vc_is_open(g->vc))
+	{
+		snprintf(why, whylen, "not connected");
+		return -1;
+	}
+	g->round_trips++;
+	(void) idem_vc_pipeline(g->vc, &cmd, 1,
+							idemc_now_ms() + g->command_timeout_ms);
+	r = cmd.reply;
+	if (r == NULL)
+		snprintf(why, whylen, "no answer to GET: %s", idem_vc_last_error(g->vc));
+	else if (r->type == REDIS_REPLY_NIL)
+		rc = 0;
+	else if (r->type == REDIS_REPLY_STRING)
+	{
+		snprintf(buf, buflen, "%.*s", (int) r->len, r->str);
+		rc = 1;
+	}
+	else
+		snprintf(why, whylen, "GET answered %.*s", r->type == REDIS_REPLY_ERROR ?
+				 (int) (r->len > 200 ? 200 : r->len) : 0,
+				 r->type == REDIS_REPLY_ERROR ? r->str : "");
+	if (r)
+		freeReplyObject(r);
+	return rc;
 }
 
 const char *
@@ -264,6 +427,8 @@ int
 idemc_gate_resting(const idem_gate *g)
 {
 	if (g->config_error[0])
+		return 1;
+	if (g->rest_until != 0 && idemc_now_ms() < g->rest_until)
 		return 1;
 	/*
 	 * Open: nodes rest one by one.  A single Valkey's one node resting is
@@ -310,6 +475,16 @@ idemc_gate_pipeline(idem_gate *g, idem_vc_cmd *cmds, int n)
 	if (n <= 0 || idemc_gate_ensure(g) != 0)
 		return;
 	g->round_trips++;
-	(void) idem_vc_pipeline(g->vc, cmds, n,
-							idemc_now_ms() + g->command_timeout_ms);
+	if (idem_vc_pipeline(g->vc, cmds, n,
+						 idemc_now_ms() + g->command_timeout_ms) == n)
+		report(g, VALKEY_OK, NULL);
+	else
+	{
+		char		why[300];
+
+		/* a node failed or hung: it rests (the router's), and it is said */
+		snprintf(why, sizeof(why), "no answer in %d ms (%.250s)",
+				 g->command_timeout_ms, idem_vc_last_error(g->vc));
+		report(g, VALKEY_DOWN, why);
+	}
 }

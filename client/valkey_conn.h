@@ -12,7 +12,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 
 struct idem_gate
 {
@@ -28,6 +28,13 @@ struct idem_gate
 	idem_vc    *vc;				/* the router: one node or a cluster's
 								 * masters; NULL until first used */
 	int64_t		down_until;		/* monotonic ms: no open before */
+	int64_t		rest_until;		/* monotonic ms: not used before, open or
+								 * not (idemc_gate_rest: not the server's) */
+	gate_report_fn report;		/* told what goes wrong (health.c) */
+	void	   *report_arg;
+	int			reported;		/* a problem was reported since the last
+								 * answer: the next answer says it is over */
+	char		endpoint[IDEM_VC_HOST_MAX + 8];	/* "host:port" */
 	long		round_trips;	/* calls of idemc_gate_pipeline */
 	char		config_error[160];	/* non-empty: Valkey is not usable as
 									 * configured (valkey_db on a cluster) */

@@ -104,7 +104,7 @@
  * replaced because another start took it over is not retired (it is not
  * ours).  The worker checks the dead epochs again at each owner check: a
  * Valkey restored from an older snapshot brings them back
- * (dead_keep_retired).
+ * (worker_dead_keep_retired).
  *
  * The epoch list.  This file names the epoch of the moment it was copied;
  * the original may have made newer ones since (a crash, a DELETE).  So

@@ -15,7 +15,7 @@
  * carries the generation it was read under, and each epoch the generation
  * it was made at (IdemCacheSecrets.generation, set under the secret's lock
  * when the epoch is made).  The worker reads both with one copy of the
- * secrets per batch (vk_encoder_init) and writes a copy into the epoch
+ * secrets per batch (worker_encoder_init) and writes a copy into the epoch
  * only if its generation is not older than the epoch's; older copies are
  * dropped, counted (IDEM_STAT_SKIPPED_EPOCH) and logged
  * (worker_count_skips; idem_stats().skipped_epoch).  So a copy read before

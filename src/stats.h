@@ -44,7 +44,7 @@ extern void idem_stats_count_claim(IdemDecision decision);
 extern void idem_stats_add(IdemStat stat, uint64 n);
 extern void idem_stats_set_valkey(bool connected, const char *error);
 
-/* Valkey Cluster counters (worker_cluster.c), idem_stats()'s last columns. */
+/* Valkey Cluster counters (worker_router.c), idem_stats()'s last columns. */
 typedef enum IdemClusterStat
 {
 	IDEM_STAT_REDIRECTS = 0,	/* MOVED and ASK replies followed */

@@ -36,7 +36,7 @@
  * so that a batch costs it one wakeup (with its write and read, tens of
  * microseconds of CPU), not one for the replies and one for the delay
  * (worker_durable.c).  The same holds on a Valkey Cluster
- * (vk_cluster_drain), where a batch is one write to each master it has
+ * (worker_drain_cluster), where a batch is one write to each master it has
  * copies for and their replies are read after the sleep.
  * While the worker is awake, committing backends do not set its latch
  * (outbox_ring.c).  An error reply that says the server cannot take
@@ -48,7 +48,7 @@
  * delay that doubles from IDEM_BACKOFF_MIN_MS to IDEM_BACKOFF_MAX_MS and
  * returns to the minimum after a batch goes through.
  *
- * All socket I/O is non-blocking (the router's, worker_cluster.c) and
+ * All socket I/O is non-blocking (the router's, worker_router.c) and
  * waited for on a WaitEventSet that includes the process latch, so SIGTERM
  * and SIGHUP are answered at once even while Valkey hangs.  On SIGHUP the
  * configuration is reloaded; a change of host, port, password or database
@@ -76,7 +76,7 @@
 #include "cache_secret.h"
 #include "outbox_ring.h"
 #include "stats.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 #define IDEM_WORKER_RESTART_S	2
@@ -123,7 +123,7 @@ idem_worker_register(void)
 static void
 worker_backoff(const char *doing, int *backoff_ms, TimestampTz *retry_at)
 {
-	vk_disconnect();
+	worker_disconnect();
 	worker_report_problem(doing, *backoff_ms, true);
 	*retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), *backoff_ms);
 	*backoff_ms = Min(*backoff_ms * 2, IDEM_BACKOFF_MAX_MS);
@@ -133,7 +133,7 @@ static void
 worker_on_exit(int code, Datum arg)
 {
 	idem_outbox_detach_worker();
-	vk_disconnect();
+	worker_disconnect();
 }
 
 void
@@ -176,24 +176,24 @@ idem_worker_main(Datum main_arg)
 	{
 		uint64		copied;
 		uint64		rejected;
-		VkResult	r;
+		WorkerResult r;
 
 		CHECK_FOR_INTERRUPTS();
 		if (ConfigReloadPending)
 		{
 			ConfigReloadPending = false;
 			ProcessConfigFile(PGC_SIGHUP);
-			if (!vk_connected() || vk_settings_changed())
+			if (!worker_connected() || worker_settings_changed())
 			{
 				/* Reconnect now, to new settings or for a new try. */
-				if (vk_connected())
-					vk_disconnect();
+				if (worker_connected())
+					worker_disconnect();
 				retry_at = 0;
 				backoff_ms = IDEM_BACKOFF_MIN_MS;
 			}
 		}
 
-		if (!vk_connected())
+		if (!worker_connected())
 		{
 			long		wait_ms = TimestampDifferenceMilliseconds(GetCurrentTimestamp(),
 																  retry_at);
@@ -203,32 +203,34 @@ idem_worker_main(Datum main_arg)
 				worker_nap(wait_ms);
 				continue;
 			}
-			r = vk_connect();
-			if (r == VK_SHUTDOWN)
+			r = worker_connect();
+			if (r == WORKER_SHUTDOWN)
 				break;
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 			{
 				worker_backoff("connecting to", &backoff_ms, &retry_at);
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
-			owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
-			if (idem_wc_active())
+			worker_owner_checked_at = 0;	/* Valkey may have lost it meanwhile */
+			if (worker_router_active())
 				ereport(LOG,
 						(errmsg("connected to Valkey Cluster at %s:%d (%s)",
-								vk_host, vk_port, idem_wc_describe())));
+								worker_valkey_host, worker_valkey_port,
+								worker_router_describe())));
 			else
 				ereport(LOG,
-						(errmsg("connected to Valkey at %s:%d", vk_host, vk_port)));
+						(errmsg("connected to Valkey at %s:%d",
+								worker_valkey_host, worker_valkey_port)));
 		}
 
 		{
-			bool		check = TimestampDifferenceExceeds(owner_checked_at,
+			bool		check = TimestampDifferenceExceeds(worker_owner_checked_at,
 														   GetCurrentTimestamp(),
 														   IDEM_OWNER_CHECK_MS);
 
 			r = worker_check_owner();
-			if (r == VK_OK)
+			if (r == WORKER_OK)
 				r = worker_cluster_owners(check);
 
 			/*
@@ -238,23 +240,23 @@ idem_worker_main(Datum main_arg)
 			 * the masters that are up still go out, so that the cache is
 			 * warm when it is back; the check is tried again next time.
 			 */
-			if (r == VK_FAILED && idem_wc_active())
+			if (r == WORKER_FAILED && worker_router_active())
 			{
 				worker_report_problem("checking the history epoch's owner key at",
 									  0, false);
-				r = VK_OK;
+				r = WORKER_OK;
 			}
 		}
-		if (r == VK_OK)
+		if (r == WORKER_OK)
 			r = worker_take_epoch();
-		if (r == VK_OK)
-			r = idem_wc_active() ? vk_cluster_drain(&copied, &rejected) :
-				vk_drain(&copied, &rejected);
-		if (r == VK_SHUTDOWN)
+		if (r == WORKER_OK)
+			r = worker_router_active() ? worker_drain_cluster(&copied, &rejected) :
+				worker_drain_single(&copied, &rejected);
+		if (r == WORKER_SHUTDOWN)
 			break;
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 		{
-			bool		cluster = idem_wc_active();
+			bool		cluster = worker_router_active();
 
 			worker_backoff("copying results to", &backoff_ms, &retry_at);
 			/*
@@ -274,17 +276,17 @@ idem_worker_main(Datum main_arg)
 			if (worker_failing)
 				ereport(LOG,
 						(errmsg("copying results to Valkey at %s:%d again",
-								vk_host, vk_port)));
+								worker_valkey_host, worker_valkey_port)));
 			worker_failing = false;
 			backoff_ms = IDEM_BACKOFF_MIN_MS;
 		}
 
 		/*
-		 * The queue was empty when vk_drain() last looked.  Sleep, and let
-		 * commits wake us, unless a commit came in meanwhile.  A copy
-		 * counted in but not reserved yet (its committer between the two)
-		 * does not keep us awake: its committer, and every commit that
-		 * passes it, wakes us (idem_outbox_worker_sleepy).
+		 * The queue was empty when worker_drain_single() last looked.  Sleep,
+		 * and let commits wake us, unless a commit came in meanwhile.  A copy
+		 * counted in but not reserved yet (its committer between the two) does
+		 * not keep us awake: its committer, and every commit that passes it,
+		 * wakes us (idem_outbox_worker_sleepy).
 		 */
 		if (!ConfigReloadPending)
 		{
@@ -295,7 +297,7 @@ idem_worker_main(Datum main_arg)
 				worker_nap(coming ? IDEM_COMING_WAIT_MS : IDEM_IDLE_WAIT_MS);
 				idem_outbox_worker_awake();
 				/* Valkey may have lost it while we slept (a flush) */
-				owner_checked_at = 0;
+				worker_owner_checked_at = 0;
 			}
 		}
 	}

@@ -1,13 +1,13 @@
 /*-------------------------------------------------------------------------
  *
  * worker_drain.c
- *	  The worker's two drains: the commit ring's durable records copied to
- *	  a single Valkey (vk_drain: batches pipelined ahead of their replies)
- *	  or to a Valkey Cluster (vk_cluster_drain: through idem_wc_send() and
- *	  idem_wc_collect(), a stuck batch's successors sent ahead to the nodes
- *	  that answer).  A batch leaves the ring only when all its replies are
- *	  read.  The batching: the comment above idem_worker_main(), and
- *	  docs/worker.md.
+ *	  The worker's two drains: the commit ring's durable records copied to a
+ *	  single Valkey (worker_drain_single: batches pipelined ahead of their
+ *	  replies) or to a Valkey Cluster (worker_drain_cluster: through
+ *	  worker_router_send() and worker_router_collect(), a stuck batch's
+ *	  successors sent ahead to the nodes that answer).  A batch leaves the ring
+ *	  only when all its replies are read.  The batching: the comment above
+ *	  idem_worker_main(), and docs/worker.md.
  *
  *	  Locking: only this file consumes the queue (outbox_ring.c's rules);
  *	  the rest is the worker's own state.
@@ -23,8 +23,8 @@
 #include "guc.h"
 #include "outbox_ring.h"
 #include "stats.h"
-#include "valkey_cluster.h"
-#include "worker_cluster.h"
+#include "valkey_router.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 /* batches sent ahead of a stuck one, to the nodes that answer */
@@ -35,41 +35,41 @@
 #define IDEM_STUCK_RETRY_MS		100
 
 /* A batch written to Valkey whose replies are not read yet. */
-typedef struct VkBatch
+typedef struct WorkerBatch
 {
 	uint64		end_pos;		/* queue position after its records */
 	int			nrecords;
 	int			nsent;			/* SETs sent (skipped records are not) */
 	uint64		unencodable;	/* records that could not be encoded */
 	int64		sent_at;		/* when it was appended (and then written) */
-	VkSkips		skips;			/* records skipped, by reason */
-} VkBatch;
+	WorkerSkips	skips;			/* records skipped, by reason */
+} WorkerBatch;
 
-/* At most this many batches in flight (vk_drain, a backlog). */
+/* At most this many batches in flight (worker_drain_single, a backlog). */
 #define IDEM_INFLIGHT 4
 
 /*
- * The send window (vk_drain): at most this many records in flight, whose
- * SETs must be written and answered within idem.valkey_command_timeout.
- * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches
- * of IDEM_BATCH_MAX) may take longer than that to write; resent whole
- * after each timeout it would never go through.  So a window that fails
- * (a timeout, or the connection lost) halves it, down to one record, and
- * each batch answered within half the timeout doubles it again, up to the
- * full window: it settles where a window is written and answered in time.
+ * The send window (worker_drain_single): at most this many records in flight,
+ * whose SETs must be written and answered within idem.valkey_command_timeout.
+ * On a slow link with large outcomes a full window (IDEM_INFLIGHT batches of
+ * IDEM_BATCH_MAX) may take longer than that to write; resent whole after each
+ * timeout it would never go through.  So a window that fails (a timeout, or
+ * the connection lost) halves it, down to one record, and each batch answered
+ * within half the timeout doubles it again, up to the full window: it settles
+ * where a window is written and answered in time.
  */
 #define IDEM_WINDOW_MAX (IDEM_INFLIGHT * IDEM_BATCH_MAX)
-static int	send_window = IDEM_WINDOW_MAX;
+static int	worker_send_window = IDEM_WINDOW_MAX;
 
 /* The window in flight failed: send half as many records next time. */
-static VkResult
-window_failed(VkResult r)
+static WorkerResult
+worker_window_failed(WorkerResult r)
 {
-	if (r == VK_FAILED && send_window > 1)
+	if (r == WORKER_FAILED && worker_send_window > 1)
 	{
-		send_window = Max(1, send_window / 2);
+		worker_send_window = Max(1, worker_send_window / 2);
 		ereport(DEBUG1,
-				(errmsg_internal("send window now %d copies", send_window)));
+				(errmsg_internal("send window now %d copies", worker_send_window)));
 	}
 	return r;
 }
@@ -80,7 +80,7 @@ window_failed(VkResult r)
  * replies only when IDEM_BATCH_EAGER records wait (up to IDEM_INFLIGHT
  * batches, so Valkey and the worker work at the same time on a backlog).  Only records
  * whose WAL position is durable (worker_durable_lsn) are taken; while the
- * next one is not, the worker looks again shortly (durable_poll_ms),
+ * next one is not, the worker looks again shortly (worker_durable_poll_ms),
  * having flushed WAL up to it if it is a read's copy (worker_flush_wal).  A
  * batch leaves the queue once all its replies are read.  A reply that says
  * the server cannot take writes now (valkey_reply.c) fails the drain with
@@ -89,11 +89,11 @@ window_failed(VkResult r)
  * *copied and *rejected count OK replies and dropped records (refused or
  * unencodable); idem_stats() counts them batch by batch.
  */
-VkResult
-vk_drain(uint64 *copied, uint64 *rejected)
+WorkerResult
+worker_drain_single(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
-	VkBatch		inflight[IDEM_INFLIGHT];
+	WorkerBatch	inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
 	int			nrecords_in = 0;	/* records of the batches in flight */
@@ -107,8 +107,8 @@ vk_drain(uint64 *copied, uint64 *rejected)
 	{
 		int64		deadline;
 		TimestampTz now = GetCurrentTimestamp();
-		VkBatch    *b;
-		VkResult	r;
+		WorkerBatch *b;
+		WorkerResult r;
 		int			i;
 		uint64		ok;
 		uint64		nrej;
@@ -129,34 +129,34 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		 * Fill the window with what is queued and durable beyond the
 		 * batches in flight (see the file header).
 		 */
-		while (nin < IDEM_INFLIGHT && nrecords_in < send_window &&
+		while (nin < IDEM_INFLIGHT && nrecords_in < worker_send_window &&
 			   !ConfigReloadPending && worker_epoch_ready())
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
 			int			n = idem_outbox_peek(&pos, records,
 											 Min(IDEM_BATCH_MAX,
-												 send_window - nrecords_in),
+												 worker_send_window - nrecords_in),
 											 durable, &held, &flush_to);
 			int			nsent;
-			VkEncoder	enc;
+			WorkerEncoder enc;
 
 			worker_flush_wal(flush_to);
 			if (pos == start)
 				break;
-			if ((nin > 0 && n < IDEM_BATCH_EAGER) || batch_delay_holds(n, now))
+			if ((nin > 0 && n < IDEM_BATCH_EAGER) || worker_batch_delay_holds(n, now))
 			{
 				/* Let them gather behind the batch in flight, or the delay. */
 				pos = start;
 				waiting = (nin == 0);
 				break;
 			}
-			vk_encoder_init(&enc, timeline);
+			worker_encoder_init(&enc, timeline);
 			nrej = 0;
-			nsent = vk_append_batch(records, n, &enc, &nrej);
-			vk_encoder_done(&enc);
+			nsent = worker_append_batch(records, n, &enc, &nrej);
+			worker_encoder_done(&enc);
 			if (nsent < 0)
-				return VK_FAILED;
+				return WORKER_FAILED;
 			/* all counted once the batch leaves the ring, not if resent */
 			b = &inflight[(first + nin) % IDEM_INFLIGHT];
 			b->end_pos = pos;
@@ -167,7 +167,7 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			b->sent_at = idem_vc_now_ms();
 			nin++;
 			nrecords_in += n;
-			batch_delay_start(now);
+			worker_batch_delay_start(now);
 			if (n > 0)
 				held_since = 0;
 			if (held)
@@ -178,51 +178,51 @@ vk_drain(uint64 *copied, uint64 *rejected)
 			long		wait_ms = PG_INT32_MAX;
 
 			if (!waiting && !held)
-				return VK_OK;
+				return WORKER_OK;
 			/*
 			 * Let the records held back by the delay gather until the delay
 			 * passes; look at the durable position again meanwhile.
 			 */
 			if (waiting)
-				wait_ms = batch_delay_left_ms(now);
+				wait_ms = worker_batch_delay_left_ms(now);
 			if (held)
 			{
 				if (held_since == 0)
 					held_since = now;
-				wait_ms = Min(wait_ms, durable_poll_ms(held_since, now));
+				wait_ms = Min(wait_ms, worker_durable_poll_ms(held_since, now));
 				worker_report_held(durable);
 			}
 			worker_nap(wait_ms);
 			if (ShutdownRequestPending)
-				return VK_SHUTDOWN;
+				return WORKER_SHUTDOWN;
 			if (ConfigReloadPending)
-				return VK_OK;
+				return WORKER_OK;
 			continue;
 		}
 
 		/* Send what is appended; read the oldest batch's replies. */
 		deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
-		r = vk_flush(deadline);
-		if (r != VK_OK)
-			return window_failed(r);
+		r = worker_flush(deadline);
+		if (r != WORKER_OK)
+			return worker_window_failed(r);
 
 		/* No backlog: sleep out the delay before reading the replies. */
-		slept = nin == 1 && batch_delay_sleep();
+		slept = nin == 1 && worker_batch_delay_sleep();
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		if (slept)
 			deadline = idem_vc_now_ms() + idem_valkey_command_timeout_ms;
 		b = &inflight[first];
 		for (i = 0, ok = 0, nrej = 0; i < b->nsent; i++)
 		{
-			VkReplyClass class;
+			WorkerReplyClass class;
 
-			r = vk_read_reply(deadline, slept && i == 0, &class);
-			if (r != VK_OK)
-				return window_failed(r);
-			if (class == VK_REPLY_RETRY)
-				return VK_FAILED;	/* worker_errbuf has the reply; batches kept */
-			if (class == VK_REPLY_REJECT)
+			r = worker_read_reply(deadline, slept && i == 0, &class);
+			if (r != WORKER_OK)
+				return worker_window_failed(r);
+			if (class == WORKER_REPLY_RETRY)
+				return WORKER_FAILED;	/* worker_errbuf has the reply; batches kept */
+			if (class == WORKER_REPLY_REJECT)
 				nrej++;
 			else
 				ok++;
@@ -238,9 +238,9 @@ vk_drain(uint64 *copied, uint64 *rejected)
 		nin--;
 		nrecords_in -= b->nrecords;
 		/* answered well in time: let the window grow back */
-		if (send_window < IDEM_WINDOW_MAX &&
+		if (worker_send_window < IDEM_WINDOW_MAX &&
 			idem_vc_now_ms() - b->sent_at < idem_valkey_command_timeout_ms / 2)
-			send_window = Min(IDEM_WINDOW_MAX, send_window * 2);
+			worker_send_window = Min(IDEM_WINDOW_MAX, worker_send_window * 2);
 	}
 }
 
@@ -248,28 +248,28 @@ vk_drain(uint64 *copied, uint64 *rejected)
  * Records up to here were sent ahead of a stuck batch (positions only grow;
  * one before the ring's tail means nothing is ahead).
  */
-static uint64 wc_ahead_pos = 0;
+static uint64 worker_ahead_pos = 0;
 
 /*
- * The head batch is stuck on a node that does not answer (down, failing
- * over): send the records behind it, up to IDEM_AHEAD_BATCHES batches, to
- * the nodes that do answer, so that one node's outage does not hold back
- * every other node's copies.  Nothing is consumed or counted here: each
- * record still leaves the queue only through vk_cluster_drain(), which sends
- * it again (a SET is idempotent) once the batches before it are acknowledged.
- * Each retry sends only what was not sent ahead yet.
+ * The head batch is stuck on a node that does not answer (down, failing over):
+ * send the records behind it, up to IDEM_AHEAD_BATCHES batches, to the nodes
+ * that do answer, so that one node's outage does not hold back every other
+ * node's copies.  Nothing is consumed or counted here: each record still
+ * leaves the queue only through worker_drain_cluster(), which sends it again
+ * (a SET is idempotent) once the batches before it are acknowledged.  Each
+ * retry sends only what was not sent ahead yet.
  */
-static VkResult
-vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
-					  uint64 *acked)
+static WorkerResult
+worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
+						  uint64 *acked)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	char		scratch[256];
-	VkEncoder	enc;
-	VkResult	result = VK_OK;
+	WorkerEncoder enc;
+	WorkerResult result = WORKER_OK;
 	int			b;
 
-	pos = Max(pos, wc_ahead_pos);
+	pos = Max(pos, worker_ahead_pos);
 	for (b = 0; b < IDEM_AHEAD_BATCHES; b++)
 	{
 		bool		held;
@@ -281,36 +281,36 @@ vk_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 
 		if (n == 0)
 			break;
-		vk_encoder_init(&enc, timeline);
-		if (idem_wc_copy(records, n, NULL, vk_encode_record, &enc,
-						 &ok, &nrej, scratch, sizeof(scratch)) == IDEM_WC_STOPPING)
-			result = VK_SHUTDOWN;
-		vk_encoder_done(&enc);
-		if (result != VK_OK)
+		worker_encoder_init(&enc, timeline);
+		if (worker_router_copy(records, n, NULL, worker_encode_record, &enc,
+							   &ok, &nrej, scratch, sizeof(scratch)) == WORKER_ROUTER_STOPPING)
+			result = WORKER_SHUTDOWN;
+		worker_encoder_done(&enc);
+		if (result != WORKER_OK)
 			break;
 		*acked += ok;
-		wc_ahead_pos = pos;
+		worker_ahead_pos = pos;
 	}
 	return result;
 }
 
 /*
- * vk_drain() for a Valkey Cluster: the same durable records, one batch at a
- * time through worker_cluster.c (every node's share is sent before any
- * reply is read); a batch leaves the queue only when every node answered.
- * A batch that is not acknowledged stays queued, and the batches behind it
- * are sent ahead to the nodes that answer (vk_cluster_send_ahead).  While
- * it is stuck, each try sends only its records not settled yet (head_done):
- * a node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS
- * for as long as another node is down.  Batches keep
- * idem.valkey_batch_delay as in vk_drain() (batch_delay_holds,
- * batch_delay_sleep): the worker sends a batch to every master it has
- * copies for (idem_wc_send), sleeps out the delay, then reads every
- * master's replies (idem_wc_collect) and sends the next batch in the same
- * wakeup; a stuck batch's retries keep their own pace.
+ * worker_drain_single() for a Valkey Cluster: the same durable records, one
+ * batch at a time through worker_router.c (every node's share is sent before
+ * any reply is read); a batch leaves the queue only when every node answered.
+ * A batch that is not acknowledged stays queued, and the batches behind it are
+ * sent ahead to the nodes that answer (worker_cluster_send_ahead).  While it
+ * is stuck, each try sends only its records not settled yet (head_done): a
+ * node that answered is not sent the same SETs every IDEM_STUCK_RETRY_MS for
+ * as long as another node is down.  Batches keep idem.valkey_batch_delay as in
+ * worker_drain_single() (worker_batch_delay_holds, worker_batch_delay_sleep):
+ * the worker sends a batch to every master it has copies for
+ * (worker_router_send), sleeps out the delay, then reads every master's
+ * replies (worker_router_collect) and sends the next batch in the same wakeup;
+ * a stuck batch's retries keep their own pace.
  */
-VkResult
-vk_cluster_drain(uint64 *copied, uint64 *rejected)
+WorkerResult
+worker_drain_cluster(uint64 *copied, uint64 *rejected)
 {
 	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
 	bool		standby_reported = false;
@@ -330,7 +330,7 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 	TimeLineID	head_timeline = 0;
 	uint64		head_ok = 0;
 	uint64		head_rej = 0;
-	VkSkips		head_skips;
+	WorkerSkips	head_skips;
 
 	memset(&head_skips, 0, sizeof(head_skips));
 
@@ -344,13 +344,13 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		TimeLineID	timeline;
 		XLogRecPtr	durable = worker_durable_lsn(&timeline, &standby_problem);
 		TimestampTz now;
-		VkEncoder	enc;
+		WorkerEncoder enc;
 		uint64		ok = 0;
 		uint64		nrej = 0;
 		uint64		unencodable = 0;
 		int			sent;
 		bool		slept;
-		IdemWcCopy	rc;
+		WorkerRouterCopy rc;
 		XLogRecPtr	flush_to;
 		int			n;
 
@@ -360,9 +360,9 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			standby_reported = true;
 		}
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		if (ConfigReloadPending || !worker_epoch_ready())
-			return VK_OK;
+			return WORKER_OK;
 		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
 							 &flush_to);
 		worker_flush_wal(flush_to);
@@ -371,12 +371,12 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			if (!held)
 			{
 				idem_outbox_consume(pos, 0);	/* past any padding */
-				return VK_OK;
+				return WORKER_OK;
 			}
 			if (held_since == 0)
 				held_since = GetCurrentTimestamp();
 			worker_report_held(durable);
-			worker_nap(durable_poll_ms(held_since, GetCurrentTimestamp()));
+			worker_nap(worker_durable_poll_ms(held_since, GetCurrentTimestamp()));
 			continue;
 		}
 		held_since = 0;
@@ -386,16 +386,16 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			/* between tries of the stuck batch: only what came in since */
 			uint64		acked = 0;
 
-			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
-				return VK_SHUTDOWN;
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == WORKER_SHUTDOWN)
+				return WORKER_SHUTDOWN;
 			worker_nap(IDEM_STUCK_POLL_MS);
 			continue;
 		}
 		now = GetCurrentTimestamp();
-		if (!stuck && batch_delay_holds(n, now))
+		if (!stuck && worker_batch_delay_holds(n, now))
 		{
 			/* Let them gather until the delay lets them go. */
-			worker_nap(batch_delay_left_ms(now));
+			worker_nap(worker_batch_delay_left_ms(now));
 			continue;
 		}
 		if (!stuck || timeline != head_timeline || n < head_n ||
@@ -410,14 +410,14 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 			   (n - head_n) * sizeof(records[0]));
 		memset(head_done + head_n, 0, (n - head_n) * sizeof(bool));
 		head_n = n;
-		vk_encoder_init(&enc, timeline);
-		sent = idem_wc_send(records, n, head_done, vk_encode_record, &enc,
-							&unencodable);
-		vk_encoder_done(&enc);
+		worker_encoder_init(&enc, timeline);
+		sent = worker_router_send(records, n, head_done, worker_encode_record, &enc,
+								  &unencodable);
+		worker_encoder_done(&enc);
 		/* a skipped record is settled (head_done): not encoded again */
 		worker_skips_add(&head_skips, &enc.skips);
 		if (sent < 0)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
 		/*
 		 * Pace what was sent (nothing, when every record is unencodable or
 		 * settled); with no backlog, sleep out the delay before reading the
@@ -426,26 +426,26 @@ vk_cluster_drain(uint64 *copied, uint64 *rejected)
 		slept = false;
 		if (sent > 0)
 		{
-			batch_delay_start(now);
-			slept = !stuck && n < IDEM_BATCH_EAGER && batch_delay_sleep();
+			worker_batch_delay_start(now);
+			slept = !stuck && n < IDEM_BATCH_EAGER && worker_batch_delay_sleep();
 		}
 		if (ShutdownRequestPending)
-			return VK_SHUTDOWN;
-		rc = idem_wc_collect(slept, &ok, &nrej,
-							 worker_errbuf, sizeof(worker_errbuf));
-		if (rc == IDEM_WC_STOPPING)
-			return VK_SHUTDOWN;
+			return WORKER_SHUTDOWN;
+		rc = worker_router_collect(slept, &ok, &nrej,
+								   worker_errbuf, sizeof(worker_errbuf));
+		if (rc == WORKER_ROUTER_STOPPING)
+			return WORKER_SHUTDOWN;
 		head_ok += ok;
 		head_rej += nrej + unencodable;
-		if (rc == IDEM_WC_NOT_ACKED)
+		if (rc == WORKER_ROUTER_NOT_ACKED)
 		{
 			/* worker_errbuf says why; the batch is kept */
 			uint64		acked = ok;
 
-			if (vk_cluster_send_ahead(pos, durable, timeline, &acked) == VK_SHUTDOWN)
-				return VK_SHUTDOWN;
+			if (worker_cluster_send_ahead(pos, durable, timeline, &acked) == WORKER_SHUTDOWN)
+				return WORKER_SHUTDOWN;
 			if (acked == 0 && !stuck)
-				return VK_FAILED;	/* no node answered: back off */
+				return WORKER_FAILED;	/* no node answered: back off */
 
 			/*
 			 * Some nodes answer, one does not (a failover): stay, so that

@@ -4,8 +4,8 @@
  *	  When a copy may go out, and how the worker waits: the durable WAL
  *	  position (flushed here, on the synchronous standbys and on those of
  *	  idem.standby_slots), the flush a read's copy needs, how often to look
- *	  again while copies wait for it (durable_poll_ms), the latch nap, and
- *	  idem.valkey_batch_delay's pacing of batches (both drains).
+ *	  again while copies wait for it (worker_durable_poll_ms), the latch nap,
+ *	  and idem.valkey_batch_delay's pacing of batches (both drains).
  *
  *	  Locking: none of its own; the WAL positions are PostgreSQL's.
  *
@@ -25,7 +25,7 @@
 
 /*
  * How often to look at the durable WAL position while copies wait for it
- * (durable_poll_ms): a quarter of the time they have waited so far, at
+ * (worker_durable_poll_ms): a quarter of the time they have waited so far, at
  * least every IDEM_DURABLE_POLL_MS (a standby's reply comes within
  * milliseconds) and at most every IDEM_DURABLE_SLOW_POLL_MS.  A copy thus
  * goes out at most a quarter (and a millisecond) later than its commit
@@ -72,7 +72,7 @@ worker_flush_wal(XLogRecPtr lsn)
 
 /* The next look at the durable position, for copies held since held_since. */
 long
-durable_poll_ms(TimestampTz held_since, TimestampTz now)
+worker_durable_poll_ms(TimestampTz held_since, TimestampTz now)
 {
 	long		waited_ms = (long) ((now - held_since) / 1000);
 
@@ -94,34 +94,34 @@ worker_nap(long ms)
  * went out.  The next may go once the delay has passed since, the delay as
  * set now (a reload that shortens it lets the next batch go sooner).
  */
-static TimestampTz last_batch_at = 0;
+static TimestampTz worker_last_batch_at = 0;
 
 void
-batch_delay_start(TimestampTz now)
+worker_batch_delay_start(TimestampTz now)
 {
-	last_batch_at = now;
+	worker_last_batch_at = now;
 }
 
 static TimestampTz
-batch_delay_next(void)
+worker_batch_delay_next(void)
 {
-	return last_batch_at + idem_valkey_batch_delay_ms * INT64CONST(1000);
+	return worker_last_batch_at + idem_valkey_batch_delay_ms * INT64CONST(1000);
 }
 
 /* Milliseconds, rounded up, until the next batch may go (0: now). */
 long
-batch_delay_left_ms(TimestampTz now)
+worker_batch_delay_left_ms(TimestampTz now)
 {
-	TimestampTz next = batch_delay_next();
+	TimestampTz next = worker_batch_delay_next();
 
 	return next > now ? (long) ((next - now + 999) / 1000) : 0;
 }
 
 /* Must n queued records wait for the delay (fewer than a backlog)? */
 bool
-batch_delay_holds(int n, TimestampTz now)
+worker_batch_delay_holds(int n, TimestampTz now)
 {
-	return n < IDEM_BATCH_EAGER && now < batch_delay_next();
+	return n < IDEM_BATCH_EAGER && now < worker_batch_delay_next();
 }
 
 /*
@@ -132,13 +132,13 @@ batch_delay_holds(int n, TimestampTz now)
  * the command timeout counts from now).
  */
 bool
-batch_delay_sleep(void)
+worker_batch_delay_sleep(void)
 {
 	long		sleep_ms;
 
 	if (idem_valkey_batch_delay_ms <= 0)
 		return false;
-	sleep_ms = batch_delay_left_ms(GetCurrentTimestamp());
+	sleep_ms = worker_batch_delay_left_ms(GetCurrentTimestamp());
 	if (sleep_ms <= 0)
 		return false;
 	worker_nap(sleep_ms);

@@ -23,19 +23,19 @@
 #include "cache_keyspace.h"
 #include "cache_secret.h"
 #include "outbox_ring.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
 /* Unix epoch milliseconds of a timestamp. */
 static int64
-epoch_ms(TimestampTz t)
+worker_epoch_ms(TimestampTz t)
 {
 	return t / 1000 +
 		(int64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * SECS_PER_DAY * 1000;
 }
 
 void
-vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
+worker_encoder_init(WorkerEncoder *enc, TimeLineID timeline)
 {
 	IdemCacheSecrets secrets;
 
@@ -53,7 +53,7 @@ vk_encoder_init(VkEncoder *enc, TimeLineID timeline)
 
 /* The batch is encoded: wipe the key. */
 void
-vk_encoder_done(VkEncoder *enc)
+worker_encoder_done(WorkerEncoder *enc)
 {
 	explicit_bzero(&enc->mac_key, sizeof(enc->mac_key));
 	explicit_bzero(&enc->own_mac_key, sizeof(enc->own_mac_key));
@@ -68,11 +68,11 @@ vk_encoder_done(VkEncoder *enc)
  * in enc->skips), -1 it cannot be encoded (worker_errbuf says why).
  */
 int
-vk_encode_record(void *arg, const IdemOutboxRecord *rec,
-				 char *key, int *keylen, char *value, int *valuelen,
-				 char *ttl, size_t ttllen)
+worker_encode_record(void *arg, const IdemOutboxRecord *rec,
+					 char *key, int *keylen, char *value, int *valuelen,
+					 char *ttl, size_t ttllen)
 {
-	VkEncoder  *enc = (VkEncoder *) arg;
+	WorkerEncoder *enc = (WorkerEncoder *) arg;
 	int64		ttl_ms = (rec->expires_at - enc->now) / 1000;	/* rounds down */
 	const char *why = "could not encode a queued result";
 
@@ -118,7 +118,7 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 										   enc->key_id,
 										   (IdemCacheKind) rec->kind,
 										   rec->attempt,
-										   epoch_ms(rec->expires_at),
+										   worker_epoch_ms(rec->expires_at),
 										   rec->fingerprint,
 										   rec->outcome, rec->outcome_len);
 	if (*keylen < 0 || *valuelen < 0 ||
@@ -133,13 +133,13 @@ vk_encode_record(void *arg, const IdemOutboxRecord *rec,
 
 /*
  * Append SETs for records[] to the connection's output buffer
- * (vk_encode_record).  Records not to copy are skipped (counted in
+ * (worker_encode_record).  Records not to copy are skipped (counted in
  * enc->skips), and one that cannot be encoded is counted in *errors.  Returns the number
  * of commands appended, or -1.
  */
 int
-vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
-				uint64 *errors)
+worker_append_batch(const IdemOutboxRecord **records, int n, WorkerEncoder *enc,
+					uint64 *errors)
 {
 	char		key[IDEM_CACHE_KEY_MAX];
 	char		value[IDEM_CACHE_VALUE_MAX];
@@ -155,8 +155,8 @@ vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
 		size_t		argvlen[5];
 		int			rc;
 
-		rc = vk_encode_record(enc, records[i], key, &keylen, value, &valuelen,
-							  ttl, sizeof(ttl));
+		rc = worker_encode_record(enc, records[i], key, &keylen, value, &valuelen,
+								  ttl, sizeof(ttl));
 		if (rc == 0)
 			continue;			/* skipped, and counted in enc->skips */
 		if (rc < 0)
@@ -174,7 +174,7 @@ vk_append_batch(const IdemOutboxRecord **records, int n, VkEncoder *enc,
 		argvlen[3] = 2;
 		argv[4] = ttl;
 		argvlen[4] = strlen(ttl);
-		if (idem_wc_single_append(5, argv, argvlen, worker_errbuf, sizeof(worker_errbuf)) != 0)
+		if (worker_router_single_append(5, argv, argvlen, worker_errbuf, sizeof(worker_errbuf)) != 0)
 			return -1;
 		nsent++;
 	}

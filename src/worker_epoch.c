@@ -42,10 +42,10 @@
 #define IDEM_EPOCH_OWNER_TTL_MS		(INT64CONST(30) * 24 * 3600 * 1000)
 
 /* When the owner key was last checked (worker_check_owner). */
-TimestampTz owner_checked_at = 0;
+TimestampTz worker_owner_checked_at = 0;
 
 /* When a standby last read the epoch list (worker_check_list). */
-static TimestampTz list_checked_at = 0;
+static TimestampTz worker_list_checked_at = 0;
 
 /*
  * An entry of the epoch list: "<timeline>.<epoch: 16 hex> <LSN: 16 hex>",
@@ -67,26 +67,26 @@ typedef struct EpochListed
 
 /* Does a reply hold exactly that token's text? */
 static bool
-owner_reply_is(const redisReply *reply, const char *token)
+worker_owner_reply_is(const redisReply *reply, const char *token)
 {
 	return reply->type == REDIS_REPLY_STRING &&
 		reply->len == IDEM_CACHE_EPOCH_TOKEN_LEN &&
 		memcmp(reply->str, token, IDEM_CACHE_EPOCH_TOKEN_LEN) == 0;
 }
 
-static VkResult vk_key_command(const char *key, int argc, const char **argv,
-								redisReply **reply);
+static WorkerResult worker_key_command(const char *key, int argc, const char **argv,
+									   redisReply **reply);
 
 /*
  * One command on the owner key of epoch (timeline, epoch): argv[1] is set
  * to that key here, the other arguments are the caller's.  An error reply
- * is VK_FAILED, with worker_errbuf saying it; on VK_OK *reply (if reply is
+ * is WORKER_FAILED, with worker_errbuf saying it; on WORKER_OK *reply (if reply is
  * not NULL) is the caller's to free.
  */
 /* The owner key of epoch (timeline, epoch) into key; false (worker_errbuf
  * says why) if the prefix leaves it no room. */
 static bool
-owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
+worker_owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
 {
 	if (idem_cache_epoch_key_of(key, IDEM_CACHE_EPOCH_KEY_MAX, timeline, epoch) < 0)
 	{
@@ -96,39 +96,39 @@ owner_key_of(char *key, TimeLineID timeline, uint64 epoch)
 	return true;
 }
 
-static VkResult
-vk_owner_command(TimeLineID timeline, uint64 epoch, int argc,
-				 const char **argv, redisReply **reply)
+static WorkerResult
+worker_owner_command(TimeLineID timeline, uint64 epoch, int argc,
+					 const char **argv, redisReply **reply)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 
-	if (!owner_key_of(key, timeline, epoch))
-		return VK_FAILED;
-	return vk_key_command(key, argc, argv, reply);
+	if (!worker_owner_key_of(key, timeline, epoch))
+		return WORKER_FAILED;
+	return worker_key_command(key, argc, argv, reply);
 }
 
 /* The same on any key: argv[1] is set to key here. */
-static VkResult
-vk_key_command(const char *key, int argc, const char **argv,
-			   redisReply **reply)
+static WorkerResult
+worker_key_command(const char *key, int argc, const char **argv,
+				   redisReply **reply)
 {
 	size_t		argvlen[6];
 	int			keylen = strlen(key);
 	redisReply *rep = NULL;
-	VkResult	r;
+	WorkerResult r;
 
 	Assert(argc <= lengthof(argvlen));
 	argv[1] = key;
 	for (int i = 0; i < argc; i++)
 		argvlen[i] = strlen(argv[i]);
-	r = vk_command(key, keylen, argc, argv, argvlen, &rep);
-	if (r == VK_OK && rep->type == REDIS_REPLY_ERROR)
+	r = worker_command(key, keylen, argc, argv, argvlen, &rep);
+	if (r == WORKER_OK && rep->type == REDIS_REPLY_ERROR)
 	{
 		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
 				 (int) rep->len, rep->str);
-		r = VK_FAILED;
+		r = WORKER_FAILED;
 	}
-	if (r == VK_OK && reply != NULL)
+	if (r == WORKER_OK && reply != NULL)
 		*reply = rep;
 	else if (rep != NULL)
 		freeReplyObject(rep);
@@ -137,7 +137,7 @@ vk_key_command(const char *key, int argc, const char **argv,
 
 /* Is that the same epoch? */
 static bool
-epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
+worker_epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
 {
 	return a->timeline == timeline && a->epoch == epoch;
 }
@@ -147,8 +147,8 @@ epoch_is(const IdemEpochName *a, TimeLineID timeline, uint64 epoch)
  * epoch), the epoch that replaces it, whatever it held: the runners still
  * on it stop trusting it at their next lookup.
  */
-static VkResult
-epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
+static WorkerResult
+worker_epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 {
 	char		retired[sizeof(IDEM_CACHE_EPOCH_RETIRED) + 10 + 1 + 16];
 	char		ttl[32];
@@ -161,32 +161,32 @@ epoch_retire(const IdemEpochName *dead, TimeLineID timeline, uint64 epoch)
 	argv[2] = retired;
 	argv[3] = "PX";
 	argv[4] = ttl;
-	return vk_owner_command(dead->timeline, dead->epoch, 5, argv, NULL);
+	return worker_owner_command(dead->timeline, dead->epoch, 5, argv, NULL);
 }
 
 /*
  * The same for an epoch some other history listed: retired, logged, and
  * remembered as dead in the secret file.
  */
-static VkResult
-epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
-					const char *why)
+static WorkerResult
+worker_epoch_retire_listed(const EpochListed *e, TimeLineID timeline, uint64 epoch,
+						   const char *why)
 {
-	VkResult	r = epoch_retire(&e->name, timeline, epoch);
+	WorkerResult r = worker_epoch_retire(&e->name, timeline, epoch);
 
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
 	idem_cache_epoch_note_dead(&e->name);
 	ereport(LOG,
 			(errmsg("retired history epoch %016llx of timeline %u",
 					(unsigned long long) e->name.epoch, e->name.timeline),
 			 errdetail_internal("%s", why)));
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /* Parse one element of the epoch list into *e; false if it is not one. */
 static bool
-listed_parse(const redisReply *reply, EpochListed *e)
+worker_listed_parse(const redisReply *reply, EpochListed *e)
 {
 	char		text[LISTED_TEXT_MAX + 1];
 	unsigned int tli;
@@ -209,7 +209,7 @@ listed_parse(const redisReply *reply, EpochListed *e)
 
 /* The epoch list's key into key; false (worker_errbuf says why) if none. */
 static bool
-list_key(char *key)
+worker_list_key(char *key)
 {
 	if (idem_cache_epoch_list_of(key, IDEM_CACHE_EPOCH_KEY_MAX) < 0)
 	{
@@ -224,31 +224,31 @@ list_key(char *key)
  * IDEM_EPOCH_DEAD_MAX), their number into *n.  What is not an entry is
  * skipped.
  */
-static VkResult
-list_read(EpochListed *list, int *n)
+static WorkerResult
+worker_list_read(EpochListed *list, int *n)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		last[12];
 	const char *argv[4];
 	redisReply *reply = NULL;
-	VkResult	r;
+	WorkerResult r;
 
 	*n = 0;
-	if (!list_key(key))
-		return VK_FAILED;
+	if (!worker_list_key(key))
+		return WORKER_FAILED;
 	snprintf(last, sizeof(last), "%d", IDEM_EPOCH_DEAD_MAX - 1);
 	argv[0] = "LRANGE";
 	argv[2] = "0";
 	argv[3] = last;
-	r = vk_key_command(key, 4, argv, &reply);
-	if (r != VK_OK)
+	r = worker_key_command(key, 4, argv, &reply);
+	if (r != WORKER_OK)
 		return r;
 	if (reply->type == REDIS_REPLY_ARRAY)
 		for (size_t i = 0; i < reply->elements && *n < IDEM_EPOCH_DEAD_MAX; i++)
-			if (listed_parse(reply->element[i], &list[*n]))
+			if (worker_listed_parse(reply->element[i], &list[*n]))
 				(*n)++;
 	freeReplyObject(reply);
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
@@ -256,18 +256,18 @@ list_read(EpochListed *list, int *n)
  * the epoch list (LPUSH), keep the last IDEM_EPOCH_DEAD_MAX (LTRIM), and
  * push the list's expiry back.
  */
-static VkResult
-list_push(TimeLineID timeline, uint64 epoch)
+static WorkerResult
+worker_list_push(TimeLineID timeline, uint64 epoch)
 {
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
 	char		value[LISTED_TEXT_MAX + 1];
 	char		last[12];
 	char		ttl[32];
 	const char *argv[4];
-	VkResult	r;
+	WorkerResult r;
 
-	if (!list_key(key))
-		return VK_FAILED;
+	if (!worker_list_key(key))
+		return WORKER_FAILED;
 	snprintf(value, sizeof(value), "%u.%016llx %016llx", timeline,
 			 (unsigned long long) epoch,
 			 (unsigned long long) GetXLogInsertRecPtr());
@@ -275,18 +275,18 @@ list_push(TimeLineID timeline, uint64 epoch)
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "LPUSH";
 	argv[2] = value;
-	r = vk_key_command(key, 3, argv, NULL);
-	if (r != VK_OK)
+	r = worker_key_command(key, 3, argv, NULL);
+	if (r != WORKER_OK)
 		return r;
 	argv[0] = "LTRIM";
 	argv[2] = "0";
 	argv[3] = last;
-	r = vk_key_command(key, 4, argv, NULL);
-	if (r != VK_OK)
+	r = worker_key_command(key, 4, argv, NULL);
+	if (r != WORKER_OK)
 		return r;
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
-	return vk_key_command(key, 3, argv, NULL);
+	return worker_key_command(key, 3, argv, NULL);
 }
 
 /*
@@ -298,7 +298,7 @@ list_push(TimeLineID timeline, uint64 epoch)
  * later timeline are never judged: they may be a live server's.
  */
 static bool
-listed_diverged(const EpochListed *e, TimeLineID tli)
+worker_listed_diverged(const EpochListed *e, TimeLineID tli)
 {
 	List	   *history;
 	ListCell   *lc;
@@ -323,10 +323,10 @@ listed_diverged(const EpochListed *e, TimeLineID tli)
 
 /* Is epoch *e one of the n in dead? */
 static bool
-epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
+worker_epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
 {
 	for (int i = 0; i < n; i++)
-		if (epoch_is(&dead[i], e->timeline, e->epoch))
+		if (worker_epoch_is(&dead[i], e->timeline, e->epoch))
 			return true;
 	return false;
 }
@@ -342,41 +342,41 @@ epoch_in(const IdemEpochName *e, const IdemEpochName *dead, int n)
  * server that lost its epoch to a copy must not retire the copy's in turn.
  */
 static bool
-listed_must_retire(const EpochListed *e, const IdemEpochTakeover *t)
+worker_listed_must_retire(const EpochListed *e, const IdemEpochTakeover *t)
 {
-	if (epoch_is(&e->name, t->timeline, t->epoch) ||
-		epoch_in(&e->name, t->dead, t->ndead))
+	if (worker_epoch_is(&e->name, t->timeline, t->epoch) ||
+		worker_epoch_in(&e->name, t->dead, t->ndead))
 		return false;
 	return (t->first && t->expect_token == 0) ||
-		listed_diverged(e, t->timeline);
+		worker_listed_diverged(e, t->timeline);
 }
 
 /* Is epoch *e among the n entries of list? */
 static bool
-listed_in(const EpochListed *e, const EpochListed *list, int n)
+worker_listed_in(const EpochListed *e, const EpochListed *list, int n)
 {
 	for (int i = 0; i < n; i++)
-		if (epoch_is(&list[i].name, e->name.timeline, e->name.epoch))
+		if (worker_epoch_is(&list[i].name, e->name.timeline, e->name.epoch))
 			return true;
 	return false;
 }
 
 /*
  * Take this start's epoch over (cache_secret.c's file header), if it is not
- * yet.  First retire the epochs this history knows are dead, and those
- * the epoch list names that this takeover must (listed_must_retire): their
- * owner keys get a retired marker naming this epoch, whatever they held,
- * so the runners still on them stop trusting them at their next lookup.
- * Then SET <epoch owner key> <new token> GET, and keep the epoch only if
- * the value replaced is the token this data directory recorded (none, for
- * a new epoch); otherwise make a new epoch and take that one over.  Last,
- * list this epoch, and judge as above what another start listed meanwhile.
- * Until this succeeds nothing is copied and runners get no keyspace.
- * Every step can be repeated: a worker that stops half-way does it again.
- * Once the epoch is owned, the commits that removed ledger rows before it
- * was made stop waiting (idem_renewal_taken).
+ * yet.  First retire the epochs this history knows are dead, and those the
+ * epoch list names that this takeover must (worker_listed_must_retire): their
+ * owner keys get a retired marker naming this epoch, whatever they held, so
+ * the runners still on them stop trusting them at their next lookup.  Then SET
+ * <epoch owner key> <new token> GET, and keep the epoch only if the value
+ * replaced is the token this data directory recorded (none, for a new epoch);
+ * otherwise make a new epoch and take that one over.  Last, list this epoch,
+ * and judge as above what another start listed meanwhile.  Until this succeeds
+ * nothing is copied and runners get no keyspace.  Every step can be repeated:
+ * a worker that stops half-way does it again.  Once the epoch is owned, the
+ * commits that removed ledger rows before it was made stop waiting
+ * (idem_renewal_taken).
  */
-VkResult
+WorkerResult
 worker_take_epoch(void)
 {
 	IdemEpochTakeover t;
@@ -389,7 +389,7 @@ worker_take_epoch(void)
 		char		ttl[32];
 		const char *argv[6];
 		redisReply *reply = NULL;
-		VkResult	r;
+		WorkerResult r;
 		bool		won;
 		EpochListed before[IDEM_EPOCH_DEAD_MAX];
 		EpochListed after[IDEM_EPOCH_DEAD_MAX];
@@ -401,44 +401,44 @@ worker_take_epoch(void)
 		snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 		for (int i = 0; i < t.ndead; i++)
 		{
-			r = epoch_retire(&t.dead[i], t.timeline, t.epoch);
-			if (r != VK_OK)
+			r = worker_epoch_retire(&t.dead[i], t.timeline, t.epoch);
+			if (r != WORKER_OK)
 				return r;
 		}
-		r = list_read(before, &nbefore);
-		for (int i = 0; r == VK_OK && i < nbefore; i++)
-			if (listed_must_retire(&before[i], &t))
-				r = epoch_retire_listed(&before[i], t.timeline, t.epoch,
-										"Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
-		if (r != VK_OK)
+		r = worker_list_read(before, &nbefore);
+		for (int i = 0; r == WORKER_OK && i < nbefore; i++)
+			if (worker_listed_must_retire(&before[i], &t))
+				r = worker_epoch_retire_listed(&before[i], t.timeline, t.epoch,
+											   "Valkey's epoch list named it: a recent epoch of this system, whose history this start may lack.");
+		if (r != WORKER_OK)
 			return r;
 		argv[0] = "SET";
 		argv[2] = token;
 		argv[3] = "PX";
 		argv[4] = ttl;
 		argv[5] = "GET";
-		r = vk_owner_command(t.timeline, t.epoch, 6, argv, &reply);
-		if (r != VK_OK)
+		r = worker_owner_command(t.timeline, t.epoch, 6, argv, &reply);
+		if (r != WORKER_OK)
 			return r;
 		if (t.expect_token == 0)
 			won = reply->type == REDIS_REPLY_NIL;
 		else
-			won = owner_reply_is(reply, expect);
+			won = worker_owner_reply_is(reply, expect);
 		freeReplyObject(reply);
 		if (won)
 		{
-			r = list_push(t.timeline, t.epoch);
-			if (r == VK_OK)
-				r = list_read(after, &nafter);
-			for (int i = 0; r == VK_OK && i < nafter; i++)
-				if (!listed_in(&after[i], before, nbefore) &&
-					listed_must_retire(&after[i], &t))
-					r = epoch_retire_listed(&after[i], t.timeline, t.epoch,
-											"Valkey's epoch list named it: another start took it over while this one did.");
-			if (r != VK_OK)
+			r = worker_list_push(t.timeline, t.epoch);
+			if (r == WORKER_OK)
+				r = worker_list_read(after, &nafter);
+			for (int i = 0; r == WORKER_OK && i < nafter; i++)
+				if (!worker_listed_in(&after[i], before, nbefore) &&
+					worker_listed_must_retire(&after[i], &t))
+					r = worker_epoch_retire_listed(&after[i], t.timeline, t.epoch,
+												   "Valkey's epoch list named it: another start took it over while this one did.");
+			if (r != WORKER_OK)
 				return r;
 			idem_cache_epoch_taken(&t);
-			owner_checked_at = GetCurrentTimestamp();
+			worker_owner_checked_at = GetCurrentTimestamp();
 			ereport(LOG,
 					(errmsg("took history epoch %016llx over in Valkey",
 							(unsigned long long) t.epoch)));
@@ -449,7 +449,7 @@ worker_take_epoch(void)
 	/* the epochs before the one owned are retired: wake their removals */
 	if (idem_cache_epoch_owned(&t))
 		idem_renewal_taken(t.generation);
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
@@ -457,23 +457,23 @@ worker_take_epoch(void)
  * back; if Valkey lost it, set it again (SET NX).  *taken: it holds
  * anything else (retired, or taken over elsewhere).
  */
-static VkResult
-owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
+static WorkerResult
+worker_owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 {
 	char		ttl[32];
 	const char *argv[6];
 	redisReply *reply = NULL;
-	VkResult	r;
+	WorkerResult r;
 	bool		ours;
 	bool		lost;
 
 	*taken = false;
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	argv[0] = "GET";
-	r = vk_key_command(key, 2, argv, &reply);
-	if (r != VK_OK)
+	r = worker_key_command(key, 2, argv, &reply);
+	if (r != WORKER_OK)
 		return r;
-	ours = owner_reply_is(reply, token);
+	ours = worker_owner_reply_is(reply, token);
 	lost = reply->type == REDIS_REPLY_NIL;
 	freeReplyObject(reply);
 	if (lost_out != NULL)
@@ -486,16 +486,16 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
 		argv[3] = "NX";
 		argv[4] = "PX";
 		argv[5] = ttl;
-		return vk_key_command(key, 6, argv, NULL);
+		return worker_key_command(key, 6, argv, NULL);
 	}
 	if (!ours)
 	{
 		*taken = true;
-		return VK_OK;
+		return WORKER_OK;
 	}
 	argv[0] = "PEXPIRE";
 	argv[2] = ttl;
-	return vk_key_command(key, 3, argv, NULL);
+	return worker_key_command(key, 3, argv, NULL);
 }
 
 /*
@@ -506,8 +506,8 @@ owner_keep(const char *key, const char *token, bool *taken, bool *lost_out)
  * retired marker (a key Valkey lost stays lost: no runner trusts that).
  * (timeline, epoch) is the epoch this server owns, which the marker names.
  */
-static VkResult
-dead_keep_retired(TimeLineID timeline, uint64 epoch)
+static WorkerResult
+worker_dead_keep_retired(TimeLineID timeline, uint64 epoch)
 {
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 	int			n = idem_cache_epoch_dead(dead);
@@ -516,12 +516,12 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 	{
 		const char *argv[2];
 		redisReply *reply = NULL;
-		VkResult	r;
+		WorkerResult r;
 		bool		live;
 
 		argv[0] = "GET";
-		r = vk_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
-		if (r != VK_OK)
+		r = worker_owner_command(dead[i].timeline, dead[i].epoch, 2, argv, &reply);
+		if (r != WORKER_OK)
 			return r;
 		live = reply->type == REDIS_REPLY_STRING &&
 			(reply->len < sizeof(IDEM_CACHE_EPOCH_RETIRED) - 1 ||
@@ -530,27 +530,27 @@ dead_keep_retired(TimeLineID timeline, uint64 epoch)
 		freeReplyObject(reply);
 		if (!live)
 			continue;
-		r = epoch_retire(&dead[i], timeline, epoch);
-		if (r != VK_OK)
+		r = worker_epoch_retire(&dead[i], timeline, epoch);
+		if (r != WORKER_OK)
 			return r;
 		ereport(LOG,
 				(errmsg("retired history epoch %016llx of timeline %u again",
 						(unsigned long long) dead[i].epoch, dead[i].timeline),
 				 errdetail("Its owner key held a token again although this server's history retired it: Valkey was restored from an older snapshot, perhaps.")));
 	}
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*
  * On a standby, every IDEM_OWNER_CHECK_MS: does the epoch list name an
  * epoch taken over on a branch of history that the timeline this server
- * replays left (listed_diverged)?  That is an old primary's after a
+ * replays left (worker_listed_diverged)?  That is an old primary's after a
  * failover, this server itself perhaps, before pg_rewind replaced its
  * secret file with its new primary's: retire it, so that the runners still
  * on it stop replaying what this history lacks.  Nothing is copied during
  * recovery, so this is all a standby's worker does in Valkey.
  */
-VkResult
+WorkerResult
 worker_check_list(void)
 {
 	EpochListed list[IDEM_EPOCH_DEAD_MAX];
@@ -558,32 +558,32 @@ worker_check_list(void)
 	TimeLineID	tli = 0;
 	IdemEpochName dead[IDEM_EPOCH_DEAD_MAX];
 	int			ndead;
-	VkResult	r;
+	WorkerResult r;
 
 	if (!RecoveryInProgress() ||
-		!TimestampDifferenceExceeds(list_checked_at, GetCurrentTimestamp(),
+		!TimestampDifferenceExceeds(worker_list_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS))
-		return VK_OK;
+		return WORKER_OK;
 	(void) GetXLogReplayRecPtr(&tli);
 	if (tli == 0)
-		return VK_OK;
-	r = list_read(list, &n);
-	if (r != VK_OK)
+		return WORKER_OK;
+	r = worker_list_read(list, &n);
+	if (r != WORKER_OK)
 		return r;
-	list_checked_at = GetCurrentTimestamp();
+	worker_list_checked_at = GetCurrentTimestamp();
 	ndead = idem_cache_epoch_dead(dead);
-	for (int i = 0; r == VK_OK && i < n; i++)
+	for (int i = 0; r == WORKER_OK && i < n; i++)
 	{
 		IdemCacheSecrets s;
 
-		if (epoch_in(&list[i].name, dead, ndead) ||
-			!listed_diverged(&list[i], tli))
+		if (worker_epoch_in(&list[i].name, dead, ndead) ||
+			!worker_listed_diverged(&list[i], tli))
 			continue;
 		idem_cache_secrets_get(&s);
 		explicit_bzero(s.current, sizeof(s.current));
 		explicit_bzero(s.previous, sizeof(s.previous));
-		r = epoch_retire_listed(&list[i], tli, s.epoch,
-								"It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
+		r = worker_epoch_retire_listed(&list[i], tli, s.epoch,
+									   "It was taken over on a branch of history that the timeline this standby replays left (an old primary that went on after a failover).");
 	}
 	return r;
 }
@@ -604,28 +604,28 @@ worker_standby_wait(void)
 		{
 			ConfigReloadPending = false;
 			ProcessConfigFile(PGC_SIGHUP);
-			if (vk_connected() && vk_settings_changed())
-				vk_disconnect();
+			if (worker_connected() && worker_settings_changed())
+				worker_disconnect();
 		}
-		if (!vk_connected())
+		if (!worker_connected())
 		{
-			VkResult	r = vk_connect();
+			WorkerResult r = worker_connect();
 
-			if (r == VK_SHUTDOWN)
+			if (r == WORKER_SHUTDOWN)
 				return;
-			if (r != VK_OK)
+			if (r != WORKER_OK)
 			{
-				vk_disconnect();
+				worker_disconnect();
 				worker_report_problem("connecting to", IDEM_OWNER_CHECK_MS, false);
 				worker_nap(IDEM_OWNER_CHECK_MS);
 				continue;
 			}
 			idem_stats_set_valkey(true, NULL);
-			list_checked_at = 0;
+			worker_list_checked_at = 0;
 		}
-		if (worker_check_list() != VK_OK)
+		if (worker_check_list() != WORKER_OK)
 		{
-			vk_disconnect();
+			worker_disconnect();
 			idem_stats_set_valkey(false, NULL);
 			worker_report_problem("checking the epoch list at",
 								  IDEM_OWNER_CHECK_MS, false);
@@ -645,31 +645,31 @@ worker_standby_wait(void)
  * there meanwhile.  If it holds anything else (another server started
  * from a copy of this one retired it or took it over), a new epoch is due,
  * which the main loop takes over next.  The epochs this history knows are
- * dead are checked too (dead_keep_retired).
+ * dead are checked too (worker_dead_keep_retired).
  */
-VkResult
+WorkerResult
 worker_check_owner(void)
 {
 	IdemEpochTakeover t;
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 	char		key[IDEM_CACHE_EPOCH_KEY_MAX];
-	VkResult	r;
+	WorkerResult r;
 	bool		taken;
 	bool		lost;
 
-	if (!TimestampDifferenceExceeds(owner_checked_at, GetCurrentTimestamp(),
+	if (!TimestampDifferenceExceeds(worker_owner_checked_at, GetCurrentTimestamp(),
 									IDEM_OWNER_CHECK_MS) ||
 		!idem_cache_epoch_owned(&t))
-		return VK_OK;
-	if (!owner_key_of(key, t.timeline, t.epoch))
-		return VK_FAILED;
+		return WORKER_OK;
+	if (!worker_owner_key_of(key, t.timeline, t.epoch))
+		return WORKER_FAILED;
 	OWNER_TOKEN_TEXT(token, t.new_token);
-	r = owner_keep(key, token, &taken, &lost);
-	if (r == VK_OK && lost)
-		r = list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
-	if (r != VK_OK)
+	r = worker_owner_keep(key, token, &taken, &lost);
+	if (r == WORKER_OK && lost)
+		r = worker_list_push(t.timeline, t.epoch);	/* lost with it, perhaps */
+	if (r != WORKER_OK)
 		return r;
-	owner_checked_at = GetCurrentTimestamp();
+	worker_owner_checked_at = GetCurrentTimestamp();
 	if (taken)
 	{
 		ereport(LOG,
@@ -677,14 +677,14 @@ worker_check_owner(void)
 						(unsigned long long) t.epoch),
 				 errdetail("Its owner key was retired or taken over by another server started from a copy of this data directory; a new epoch follows.")));
 		idem_cache_epoch_renew(t.epoch, IDEM_EPOCH_TAKEN_ELSEWHERE);
-		return VK_OK;
+		return WORKER_OK;
 	}
 
 	/*
-	 * After owner_checked_at: a failure here (a dead epoch's node down, on a
-	 * cluster) is reported and tried again at the next check.
+	 * After worker_owner_checked_at: a failure here (a dead epoch's node down,
+	 * on a cluster) is reported and tried again at the next check.
 	 */
-	return dead_keep_retired(t.timeline, t.epoch);
+	return worker_dead_keep_retired(t.timeline, t.epoch);
 }
 
 /*
@@ -697,7 +697,7 @@ worker_check_owner(void)
  * hold its token, set again if Valkey lost them, and given up if a node
  * retired them.
  */
-VkResult
+WorkerResult
 worker_cluster_owners(bool check)
 {
 	IdemEpochTakeover t;
@@ -706,7 +706,7 @@ worker_cluster_owners(bool check)
 	char		ttl[32];
 	char		token[IDEM_CACHE_EPOCH_TOKEN_LEN + 1];
 	const char *argv[6];
-	VkResult	r;
+	WorkerResult r;
 
 	snprintf(ttl, sizeof(ttl), INT64_FORMAT, IDEM_EPOCH_OWNER_TTL_MS);
 	for (int n = 0; n < 3 * IDEM_CLUSTER_SLOTS &&
@@ -722,8 +722,8 @@ worker_cluster_owners(bool check)
 		}
 		else
 			argv[2] = IDEM_CACHE_EPOCH_RETIRED "cluster";
-		r = vk_key_command(d.key, 5, argv, NULL);
-		if (r != VK_OK)
+		r = worker_key_command(d.key, 5, argv, NULL);
+		if (r != WORKER_OK)
 			return r;
 		if (d.kind != IDEM_CLUSTER_SET)
 			ereport(LOG,
@@ -741,8 +741,8 @@ worker_cluster_owners(bool check)
 		if (!idem_cache_cluster_owned(i, &d))
 			continue;
 		OWNER_TOKEN_TEXT(token, d.token);
-		r = owner_keep(d.key, token, &taken, NULL);
-		if (r == VK_OK && taken)
+		r = worker_owner_keep(d.key, token, &taken, NULL);
+		if (r == WORKER_OK && taken)
 		{
 			ereport(LOG,
 					(errmsg("the Citus cluster cache keyspace \"%s\" was retired",
@@ -750,10 +750,10 @@ worker_cluster_owners(bool check)
 					 errdetail("The history epoch of a node of the cluster changed; the next time a runner asks, the coordinator names a new keyspace.")));
 			idem_cache_cluster_disown(&d);
 		}
-		if (r != VK_OK)
+		if (r != WORKER_OK)
 			return r;
 	}
-	return VK_OK;
+	return WORKER_OK;
 }
 
 /*

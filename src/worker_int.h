@@ -13,7 +13,7 @@
  *	  worker_durable.c	durability waits, naps and the batch delay
  *	  worker_drain.c	the drains: single Valkey and Valkey Cluster
  *	  worker_report.c	problems in idem_stats() and the log
- *	  worker_cluster.c	the router (worker_cluster.h)
+ *	  worker_router.c	the router (worker_router.h)
  *
  *	  Locking: none; the worker is one single-threaded process, and the
  *	  state declared here is process-local.  What it shares with other
@@ -34,7 +34,7 @@
 #include "outbox_ring.h"
 #include "sha256.h"
 #include "stats.h"
-#include "worker_cluster.h"	/* IDEM_BATCH_MAX */
+#include "worker_router.h"	/* IDEM_BATCH_MAX */
 
 /* A backlog: batches are pipelined ahead of replies when this many wait. */
 #define IDEM_BATCH_EAGER		256
@@ -50,12 +50,12 @@
  */
 #define IDEM_OWNER_CHECK_MS			1000
 
-typedef enum VkResult
+typedef enum WorkerResult
 {
-	VK_OK,
-	VK_FAILED,					/* worker_errbuf says why */
-	VK_SHUTDOWN					/* SIGTERM arrived while waiting */
-} VkResult;
+	WORKER_OK,
+	WORKER_FAILED,				/* worker_errbuf says why */
+	WORKER_SHUTDOWN				/* SIGTERM arrived while waiting */
+} WorkerResult;
 
 /*
  * What a reply to one SET means for its record.  An error reply that says
@@ -63,31 +63,31 @@ typedef enum VkResult
  * any other (WRONGTYPE, a per-key NOPERM, and for now the cluster
  * redirections MOVED and ASK) condemns its record only.
  */
-typedef enum VkReplyClass
+typedef enum WorkerReplyClass
 {
-	VK_REPLY_OK,				/* written */
-	VK_REPLY_RETRY,				/* the server cannot take writes now: keep
+	WORKER_REPLY_OK,			/* written */
+	WORKER_REPLY_RETRY,			/* the server cannot take writes now: keep
 								 * the batch, reconnect, resend */
-	VK_REPLY_REJECT				/* this record cannot be written: drop it */
-} VkReplyClass;
+	WORKER_REPLY_REJECT			/* this record cannot be written: drop it */
+} WorkerReplyClass;
 
 /*
  * Records not copied, by reason (IDEM_STAT_SKIPPED_* from
  * IDEM_STAT_SKIPPED_EXPIRED on): counted in idem_stats() and logged once
  * the records leave the commit ring (worker_count_skips).
  */
-#define VK_SKIP_REASONS (IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED)
-typedef struct VkSkips
+#define WORKER_SKIP_REASONS (IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED)
+typedef struct WorkerSkips
 {
-	uint64		n[VK_SKIP_REASONS];
-} VkSkips;
+	uint64		n[WORKER_SKIP_REASONS];
+} WorkerSkips;
 
 /*
  * What one batch's records are encoded with: the time, the timeline that
  * names the keyspace, the current secret's key id and its prepared HMAC key,
  * and the last database's keyspace.
  */
-typedef struct VkEncoder
+typedef struct WorkerEncoder
 {
 	TimestampTz now;
 	TimeLineID	timeline;
@@ -101,58 +101,58 @@ typedef struct VkEncoder
 	idem_hmac	own_mac_key;
 	uint64		generation;		/* the epoch's renewal generation: older
 								 * records are not written into it */
-	VkSkips		skips;			/* records it skipped, by reason */
-} VkEncoder;
+	WorkerSkips	skips;			/* records it skipped, by reason */
+} WorkerEncoder;
 
 /* worker_valkey.c */
 extern char worker_errbuf[IDEM_ERRBUF_LEN];	/* the last problem */
-extern char *vk_host;
-extern int	vk_port;
-extern VkResult vk_flush(int64 deadline_ms);
-extern VkResult vk_next_reply(int64 deadline_ms, bool read_first,
-							  redisReply **reply);
-extern VkResult vk_read_reply(int64 deadline_ms, bool read_first,
-							  VkReplyClass *class);
-extern bool vk_connected(void);
-extern void vk_disconnect(void);
-extern bool vk_settings_changed(void);
-extern VkResult vk_connect(void);
-extern VkResult vk_command(const char *key, size_t keylen, int argc,
-						   const char **argv, const size_t *argvlen,
-						   redisReply **reply);
+extern char *worker_valkey_host;
+extern int	worker_valkey_port;
+extern WorkerResult worker_flush(int64 deadline_ms);
+extern WorkerResult worker_next_reply(int64 deadline_ms, bool read_first,
+									  redisReply **reply);
+extern WorkerResult worker_read_reply(int64 deadline_ms, bool read_first,
+									  WorkerReplyClass *class);
+extern bool worker_connected(void);
+extern void worker_disconnect(void);
+extern bool worker_settings_changed(void);
+extern WorkerResult worker_connect(void);
+extern WorkerResult worker_command(const char *key, size_t keylen, int argc,
+								   const char **argv, const size_t *argvlen,
+								   redisReply **reply);
 
 /* worker_epoch.c */
-extern TimestampTz owner_checked_at;
-extern VkResult worker_take_epoch(void);
-extern VkResult worker_check_owner(void);
-extern VkResult worker_check_list(void);
+extern TimestampTz worker_owner_checked_at;
+extern WorkerResult worker_take_epoch(void);
+extern WorkerResult worker_check_owner(void);
+extern WorkerResult worker_check_list(void);
 extern void worker_standby_wait(void);
-extern VkResult worker_cluster_owners(bool check);
+extern WorkerResult worker_cluster_owners(bool check);
 extern bool worker_epoch_ready(void);
 
 /* worker_encode.c */
-extern void vk_encoder_init(VkEncoder *enc, TimeLineID timeline);
-extern void vk_encoder_done(VkEncoder *enc);
-extern int	vk_encode_record(void *arg, const IdemOutboxRecord *rec,
-							 char *key, int *keylen, char *value,
-							 int *valuelen, char *ttl, size_t ttllen);
-extern int	vk_append_batch(const IdemOutboxRecord **records, int n,
-							VkEncoder *enc, uint64 *errors);
+extern void worker_encoder_init(WorkerEncoder *enc, TimeLineID timeline);
+extern void worker_encoder_done(WorkerEncoder *enc);
+extern int	worker_encode_record(void *arg, const IdemOutboxRecord *rec,
+								 char *key, int *keylen, char *value,
+								 int *valuelen, char *ttl, size_t ttllen);
+extern int	worker_append_batch(const IdemOutboxRecord **records, int n,
+								WorkerEncoder *enc, uint64 *errors);
 
 /* worker_durable.c */
 extern XLogRecPtr worker_durable_lsn(TimeLineID *timeline,
 									 bool *standby_problem);
 extern void worker_flush_wal(XLogRecPtr lsn);
-extern long durable_poll_ms(TimestampTz held_since, TimestampTz now);
+extern long worker_durable_poll_ms(TimestampTz held_since, TimestampTz now);
 extern void worker_nap(long ms);
-extern void batch_delay_start(TimestampTz now);
-extern long batch_delay_left_ms(TimestampTz now);
-extern bool batch_delay_holds(int n, TimestampTz now);
-extern bool batch_delay_sleep(void);
+extern void worker_batch_delay_start(TimestampTz now);
+extern long worker_batch_delay_left_ms(TimestampTz now);
+extern bool worker_batch_delay_holds(int n, TimestampTz now);
+extern bool worker_batch_delay_sleep(void);
 
 /* worker_drain.c */
-extern VkResult vk_drain(uint64 *copied, uint64 *rejected);
-extern VkResult vk_cluster_drain(uint64 *copied, uint64 *rejected);
+extern WorkerResult worker_drain_single(uint64 *copied, uint64 *rejected);
+extern WorkerResult worker_drain_cluster(uint64 *copied, uint64 *rejected);
 
 /* worker_report.c */
 extern bool worker_failing;
@@ -160,8 +160,8 @@ extern void worker_report_standby(void);
 extern void worker_report_held(XLogRecPtr durable);
 extern void worker_report_problem(const char *doing, int retry_ms,
 								  bool is_error);
-extern void worker_skip(VkSkips *skips, IdemStat reason);
-extern void worker_skips_add(VkSkips *into, const VkSkips *from);
-extern void worker_count_skips(const VkSkips *skips);
+extern void worker_skip(WorkerSkips *skips, IdemStat reason);
+extern void worker_skips_add(WorkerSkips *into, const WorkerSkips *from);
+extern void worker_count_skips(const WorkerSkips *skips);
 
 #endif							/* IDEM_WORKER_INT_H */

@@ -19,7 +19,7 @@
 #include "stats.h"
 #include "worker_int.h"
 
-static TimestampTz last_logged = 0;
+static TimestampTz worker_last_logged = 0;
 bool		worker_failing = false;	/* last attempt failed; log the recovery */
 
 /*
@@ -36,7 +36,7 @@ worker_report_standby(void)
 
 	snprintf(text, sizeof(text), "%s: copies wait: %s",
 			 timestamptz_to_str(now), worker_errbuf);
-	idem_stats_set_valkey(vk_connected(), text);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
@@ -78,7 +78,7 @@ worker_report_held(XLogRecPtr durable)
 	idem_standby_slots_holder(durable, what, sizeof(what));
 	snprintf(text, sizeof(text), "%s: copies held back for %lld s: %s",
 			 timestamptz_to_str(now), (long long) (age_ms / 1000), what);
-	idem_stats_set_valkey(vk_connected(), text);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (TimestampDifferenceExceeds(logged, now, IDEM_LOG_INTERVAL_MS) ||
 		TimestampDifferenceExceeds(logged_oldest, oldest, IDEM_HELD_REPORT_MS))
 	{
@@ -104,36 +104,36 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 	char		text[IDEM_ERRBUF_LEN + 128];
 
 	snprintf(text, sizeof(text), "%s: %s %s:%d: %s",
-			 timestamptz_to_str(now), doing, vk_host, vk_port, worker_errbuf);
-	idem_stats_set_valkey(vk_connected(), text);
+			 timestamptz_to_str(now), doing, worker_valkey_host, worker_valkey_port, worker_errbuf);
+	idem_stats_set_valkey(worker_connected(), text);
 	if (is_error)
 		idem_stats_add(IDEM_STAT_COPY_ERRORS, 1);
 	if (!worker_failing ||
-		TimestampDifferenceExceeds(last_logged, now, IDEM_LOG_INTERVAL_MS))
+		TimestampDifferenceExceeds(worker_last_logged, now, IDEM_LOG_INTERVAL_MS))
 	{
 		ereport(LOG,
 				(errmsg("%s Valkey at %s:%d failed: %s",
-						doing, vk_host, vk_port, worker_errbuf),
+						doing, worker_valkey_host, worker_valkey_port, worker_errbuf),
 				 retry_ms > 0 ?
 				 errdetail("Queued results are kept while the commit ring has room (%llu wait); retrying in %d ms.",
 						   (unsigned long long) idem_outbox_depth(), retry_ms) : 0));
-		last_logged = now;
+		worker_last_logged = now;
 	}
 	worker_failing = true;
 }
 
 /* One record skipped for reason (an IDEM_STAT_SKIPPED_* counter). */
 void
-worker_skip(VkSkips *skips, IdemStat reason)
+worker_skip(WorkerSkips *skips, IdemStat reason)
 {
 	Assert(reason >= IDEM_STAT_SKIPPED_EXPIRED && reason < IDEM_STAT_COUNT);
 	skips->n[reason - IDEM_STAT_SKIPPED_EXPIRED]++;
 }
 
 void
-worker_skips_add(VkSkips *into, const VkSkips *from)
+worker_skips_add(WorkerSkips *into, const WorkerSkips *from)
 {
-	for (int i = 0; i < VK_SKIP_REASONS; i++)
+	for (int i = 0; i < WORKER_SKIP_REASONS; i++)
 		into->n[i] += from->n[i];
 }
 
@@ -144,7 +144,7 @@ static const char *const skip_reasons[] = {
 	"they were read or committed under an older history epoch",
 };
 
-StaticAssertDecl(lengthof(skip_reasons) == VK_SKIP_REASONS,
+StaticAssertDecl(lengthof(skip_reasons) == WORKER_SKIP_REASONS,
 				 "one text per IDEM_STAT_SKIPPED_* counter");
 
 /*
@@ -153,13 +153,13 @@ StaticAssertDecl(lengthof(skip_reasons) == VK_SKIP_REASONS,
  * each reason, in the server log (with how many since the last line).
  */
 void
-worker_count_skips(const VkSkips *skips)
+worker_count_skips(const WorkerSkips *skips)
 {
-	static TimestampTz logged[VK_SKIP_REASONS];
-	static uint64 unlogged[VK_SKIP_REASONS];
+	static TimestampTz logged[WORKER_SKIP_REASONS];
+	static uint64 unlogged[WORKER_SKIP_REASONS];
 	TimestampTz now = 0;
 
-	for (int i = 0; i < VK_SKIP_REASONS; i++)
+	for (int i = 0; i < WORKER_SKIP_REASONS; i++)
 	{
 		char		text[IDEM_LAST_ERROR_LEN];
 
@@ -171,7 +171,7 @@ worker_count_skips(const VkSkips *skips)
 			now = GetCurrentTimestamp();
 		snprintf(text, sizeof(text), "%s: results not copied: %s",
 				 timestamptz_to_str(now), skip_reasons[i]);
-		idem_stats_set_valkey(vk_connected(), text);
+		idem_stats_set_valkey(worker_connected(), text);
 		if (!TimestampDifferenceExceeds(logged[i], now, IDEM_LOG_INTERVAL_MS))
 			continue;
 		ereport(LOG,

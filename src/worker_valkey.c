@@ -3,11 +3,11 @@
  * worker_valkey.c
  *	  The worker's Valkey connection: the settings it was made with (and
  *	  whether a reload changed them), the password, connect and disconnect
- *	  (through worker_cluster.c's router: a cluster, or a single Valkey as
- *	  its one node, whose connect, AUTH and SELECT are the router's), one
- *	  command outside a batch, and the single Valkey's pipelined I/O that
- *	  vk_drain() writes its batches with.  Every reply is freed before
- *	  anything is reported, and the password is never logged.
+ *	  (through worker_router.c's router: a cluster, or a single Valkey as its
+ *	  one node, whose connect, AUTH and SELECT are the router's), one command
+ *	  outside a batch, and the single Valkey's pipelined I/O that
+ *	  worker_drain_single() writes its batches with.  Every reply is freed
+ *	  before anything is reported, and the password is never logged.
  *
  *	  Locking: none; the worker is one process and one thread, and this
  *	  state is its own (process-local).
@@ -22,31 +22,31 @@
 #include "guc.h"
 #include "stats.h"
 #include "valkey_reply.h"
-#include "worker_cluster.h"
+#include "worker_router.h"
 #include "worker_int.h"
 
-/* The settings the connection (worker_cluster.c's router) was made with. */
-char	   *vk_host = NULL;
-int			vk_port = 0;
-static char *vk_password = NULL;
-static int	vk_db = 0;
-static char *vk_nodes = NULL;	/* idem.valkey_nodes */
-static int	vk_cluster = IDEM_VALKEY_CLUSTER_AUTO;
+/* The settings the connection (worker_router.c's router) was made with. */
+char	   *worker_valkey_host = NULL;
+int			worker_valkey_port = 0;
+static char *worker_valkey_password = NULL;
+static int	worker_valkey_db = 0;
+static char *worker_valkey_nodes = NULL;	/* idem.valkey_nodes */
+static int	worker_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
 
 char		worker_errbuf[IDEM_ERRBUF_LEN];
 
 /* A router's result (0, -1, -2) as the worker's. */
-static VkResult
-vk_result(int rc)
+static WorkerResult
+worker_result(int rc)
 {
-	return rc == 0 ? VK_OK : rc == -2 ? VK_SHUTDOWN : VK_FAILED;
+	return rc == 0 ? WORKER_OK : rc == -2 ? WORKER_SHUTDOWN : WORKER_FAILED;
 }
 
 /* Write everything appended (a single Valkey), before deadline_ms. */
-VkResult
-vk_flush(int64 deadline_ms)
+WorkerResult
+worker_flush(int64 deadline_ms)
 {
-	return vk_result(idem_wc_single_flush(deadline_ms, worker_errbuf, sizeof(worker_errbuf)));
+	return worker_result(worker_router_single_flush(deadline_ms, worker_errbuf, sizeof(worker_errbuf)));
 }
 
 /*
@@ -54,49 +54,49 @@ vk_flush(int64 deadline_ms)
  * read_first: the replies are most likely in already (the worker slept
  * since it sent): read before waiting for the socket.
  */
-VkResult
-vk_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
+WorkerResult
+worker_next_reply(int64 deadline_ms, bool read_first, redisReply **reply)
 {
-	return vk_result(idem_wc_single_read(deadline_ms, read_first, reply,
-										 worker_errbuf, sizeof(worker_errbuf)));
+	return worker_result(worker_router_single_read(deadline_ms, read_first, reply,
+												   worker_errbuf, sizeof(worker_errbuf)));
 }
 
 /*
- * Read the next reply.  On VK_OK, *class says what it means (for an error
+ * Read the next reply.  On WORKER_OK, *class says what it means (for an error
  * reply its text is then in worker_errbuf); the reply itself is already
  * freed.
  */
-VkResult
-vk_read_reply(int64 deadline_ms, bool read_first, VkReplyClass *class)
+WorkerResult
+worker_read_reply(int64 deadline_ms, bool read_first, WorkerReplyClass *class)
 {
 	redisReply *rr;
-	VkResult	r = vk_next_reply(deadline_ms, read_first, &rr);
+	WorkerResult r = worker_next_reply(deadline_ms, read_first, &rr);
 
-	if (r != VK_OK)
+	if (r != WORKER_OK)
 		return r;
-	*class = VK_REPLY_OK;
+	*class = WORKER_REPLY_OK;
 	if (rr->type == REDIS_REPLY_ERROR)
 	{
 		*class = idem_vk_error_not_now(rr->str, rr->len) ?
-			VK_REPLY_RETRY : VK_REPLY_REJECT;
+			WORKER_REPLY_RETRY : WORKER_REPLY_REJECT;
 		snprintf(worker_errbuf, sizeof(worker_errbuf), "Valkey replied: %.*s",
 				 (int) rr->len, rr->str);
 	}
 	freeReplyObject(rr);
-	return VK_OK;
+	return WORKER_OK;
 }
 
-/* Connected: to one Valkey or to a cluster (worker_cluster.c). */
+/* Connected: to one Valkey or to a cluster (worker_router.c). */
 bool
-vk_connected(void)
+worker_connected(void)
 {
-	return idem_wc_connected();
+	return worker_router_connected();
 }
 
 void
-vk_disconnect(void)
+worker_disconnect(void)
 {
-	idem_wc_disconnect();
+	worker_router_disconnect();
 	idem_stats_set_valkey(false, NULL);
 }
 
@@ -107,7 +107,7 @@ vk_disconnect(void)
  * yields NULL, with the reason (never the password) in worker_errbuf.
  */
 static char *
-vk_current_password(void)
+worker_current_password(void)
 {
 	FILE	   *f;
 	char		line[1024];
@@ -135,86 +135,86 @@ vk_current_password(void)
 
 /* Remember the settings a connection is made with; false if unusable. */
 static bool
-vk_remember_settings(void)
+worker_remember_settings(void)
 {
-	char	   *password = vk_current_password();
+	char	   *password = worker_current_password();
 
-	if (vk_host)
-		pfree(vk_host);
-	if (vk_password)
-		pfree(vk_password);
-	if (vk_nodes)
-		pfree(vk_nodes);
-	vk_nodes = MemoryContextStrdup(TopMemoryContext,
+	if (worker_valkey_host)
+		pfree(worker_valkey_host);
+	if (worker_valkey_password)
+		pfree(worker_valkey_password);
+	if (worker_valkey_nodes)
+		pfree(worker_valkey_nodes);
+	worker_valkey_nodes = MemoryContextStrdup(TopMemoryContext,
 								   idem_valkey_nodes ? idem_valkey_nodes : "");
-	vk_cluster = idem_valkey_cluster;
-	vk_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
-	vk_password = MemoryContextStrdup(TopMemoryContext, password ? password : "");
-	vk_port = idem_valkey_port;
-	vk_db = idem_valkey_db;
+	worker_valkey_cluster = idem_valkey_cluster;
+	worker_valkey_host = MemoryContextStrdup(TopMemoryContext, idem_valkey_host);
+	worker_valkey_password = MemoryContextStrdup(TopMemoryContext, password ? password : "");
+	worker_valkey_port = idem_valkey_port;
+	worker_valkey_db = idem_valkey_db;
 	if (password)
 		pfree(password);
 	return password != NULL;
 }
 
 bool
-vk_settings_changed(void)
+worker_settings_changed(void)
 {
 	char	   *password;
 	bool		changed;
 
-	if (vk_host == NULL)
+	if (worker_valkey_host == NULL)
 		return true;
-	password = vk_current_password();
-	changed = strcmp(vk_host, idem_valkey_host) != 0 ||
-		password == NULL || strcmp(vk_password, password) != 0 ||
-		vk_port != idem_valkey_port ||
-		vk_db != idem_valkey_db ||
-		vk_cluster != idem_valkey_cluster ||
-		strcmp(vk_nodes, idem_valkey_nodes ? idem_valkey_nodes : "") != 0;
+	password = worker_current_password();
+	changed = strcmp(worker_valkey_host, idem_valkey_host) != 0 ||
+		password == NULL || strcmp(worker_valkey_password, password) != 0 ||
+		worker_valkey_port != idem_valkey_port ||
+		worker_valkey_db != idem_valkey_db ||
+		worker_valkey_cluster != idem_valkey_cluster ||
+		strcmp(worker_valkey_nodes, idem_valkey_nodes ? idem_valkey_nodes : "") != 0;
 	if (password)
 		pfree(password);
 	return changed;
 }
 
 /*
- * Connect: the router (worker_cluster.c) opens a cluster, or a single
+ * Connect: the router (worker_router.c) opens a cluster, or a single
  * Valkey as its one node (connect, AUTH, SELECT are the router's).
  */
-VkResult
-vk_connect(void)
+WorkerResult
+worker_connect(void)
 {
-	if (!vk_remember_settings())
-		return VK_FAILED;		/* worker_errbuf says why */
+	if (!worker_remember_settings())
+		return WORKER_FAILED;	/* worker_errbuf says why */
 
-	switch (idem_wc_connect(vk_password, worker_errbuf, sizeof(worker_errbuf)))
+	switch (worker_router_connect(worker_valkey_password, worker_errbuf, sizeof(worker_errbuf)))
 	{
-		case IDEM_WC_SINGLE:
-		case IDEM_WC_CLUSTER:
-			return VK_OK;
-		case IDEM_WC_SHUTDOWN:
-			return VK_SHUTDOWN;
-		case IDEM_WC_MISCONFIGURED:
-		case IDEM_WC_FAILED:
+		case WORKER_ROUTER_SINGLE:
+		case WORKER_ROUTER_CLUSTER:
+			return WORKER_OK;
+		case WORKER_ROUTER_SHUTDOWN:
+			return WORKER_SHUTDOWN;
+		case WORKER_ROUTER_MISCONFIGURED:
+		case WORKER_ROUTER_FAILED:
 			break;
 	}
-	return VK_FAILED;
+	return WORKER_FAILED;
 }
 
 /*
  * One command outside any batch: its reply in *reply (the caller frees
- * it), or VK_FAILED with worker_errbuf saying why.  key routes it on a
+ * it), or WORKER_FAILED with worker_errbuf saying why.  key routes it on a
  * cluster.
  */
-VkResult
-vk_command(const char *key, size_t keylen, int argc, const char **argv,
-		   const size_t *argvlen, redisReply **reply)
+WorkerResult
+worker_command(const char *key, size_t keylen, int argc, const char **argv,
+			   const size_t *argvlen, redisReply **reply)
 {
 	bool		shutdown = false;
 
-	*reply = idem_wc_command(key, keylen, argc, argv, argvlen,
+	*reply = worker_router_command(key, keylen, argc, argv, argvlen,
 							 &shutdown, worker_errbuf, sizeof(worker_errbuf));
 	if (shutdown)
-		return VK_SHUTDOWN;
-	return *reply != NULL ? VK_OK : VK_FAILED;
+		return WORKER_SHUTDOWN;
+	return *reply != NULL ? WORKER_OK : WORKER_FAILED;
 }

@@ -2970,6 +2970,8 @@ main(int argc, char **argv)
 		return router_main(argc - 1, argv + 1);
 	if (argc >= 2 && strcmp(argv[1], "honesty") == 0)
 		return honesty_main(argc - 1, argv + 1);
+	if (argc >= 2 && strcmp(argv[1], "health") == 0)
+		return health_main(argc - 1, argv + 1);
 	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router|honesty ...\n");
 	return 2;
 }

@@ -86,5 +86,6 @@ int			contention_main(int argc, char **argv);
 int			trust_main(int argc, char **argv);
 int			router_main(int argc, char **argv);
 int			honesty_main(int argc, char **argv);
+int			health_main(int argc, char **argv);
 
 #endif

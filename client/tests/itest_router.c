@@ -19,7 +19,7 @@
 
 #include "itest.h"
 #include "internal.h"
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 
 /* ---- realloc that fails on request ---- */
 

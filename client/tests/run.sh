@@ -164,6 +164,7 @@ done
 export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
 export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
 export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work IDEM_TEST_PGBIN=$pgbin
+export IDEM_TEST_VALKEY_SERVER=$resp_server
 export PGCONNECT_TIMEOUT=10
 
 "$bin/itest" setup >"$work/setup.log" 2>&1 || { echo "Bail out! test database setup failed"; cat "$work/setup.log"; exit 1; }
@@ -247,6 +248,7 @@ if [ "$mode" != only ]; then
 	tap trust "$bin/itest" trust
 	tap router "$bin/itest" router
 	tap honesty "$bin/itest" honesty
+	tap health "$bin/itest" health
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -264,6 +266,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	tap asan-trust "$bin/itest-asan" trust
 	tap asan-router "$bin/itest-asan" router
 	tap asan-honesty "$bin/itest-asan" honesty
+	tap asan-health "$bin/itest-asan" health
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
@@ -283,6 +286,7 @@ if [ "$mode" != 0 ]; then
 		tap valgrind-contention "${vg[@]}" "$bin/itest" contention clean
 		tap valgrind-trust "${vg[@]}" "$bin/itest" trust
 		tap valgrind-honesty "${vg[@]}" "$bin/itest" honesty
+		tap valgrind-health "${vg[@]}" "$bin/itest" health
 	else
 		n=$((n + 1))
 		pass=$((pass + 1))

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_reply.h"
 #include "tap.h"
 

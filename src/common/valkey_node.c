@@ -9,7 +9,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_router_int.h"
 
 #include <errno.h>
 #include <netdb.h>
@@ -97,6 +97,7 @@ idem_vc_node_failed(idem_vc *vc, vc_node *n, const char *what)
 
 	snprintf(why, sizeof(why), "%s", vc->err[0] ? vc->err : "failed");
 	idem_vc_set_err(vc, "%s %s: %s", what, n->name, why);
+	snprintf(n->failure, sizeof(n->failure), "%.159s", vc->err);
 	idem_vc_node_drop(vc, n);
 	n->errors++;
 	vc->stats.node_errors++;
@@ -424,7 +425,8 @@ idem_vc_node_ensure(idem_vc *vc, vc_node *n, int64_t deadline)
 		return 0;
 	if (idem_vc_now_ms() < n->down_until)
 	{
-		idem_vc_set_err(vc, "%s is resting after a failure", n->name);
+		idem_vc_set_err(vc, "%s is resting after a failure (%s)", n->name,
+						n->failure[0] ? n->failure : "no detail");
 		return -1;
 	}
 

@@ -13,7 +13,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_router_int.h"
 
 #include <stdlib.h>
 

@@ -13,7 +13,7 @@
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_router_int.h"
 
 /* The one node, connected; NULL with err set if there is none. */
 static vc_node *

@@ -5,7 +5,7 @@
  *	  of idem's Valkey stack: send, read one reply, a new connection's
  *	  setup, each before a deadline, waiting through the caller (idem_vc_io).
  *	  Every Valkey connection of the worker and of the client goes through
- *	  it: the router's nodes (valkey_cluster.h) and the runner's gate.
+ *	  it: the router's nodes (valkey_router.h) and the runner's gate.
  *
  * Plain C11 and POSIX: no PostgreSQL or libpq headers, malloc only.
  * hiredis is used only for its RESP writer and reader.  No locking: a

@@ -170,7 +170,7 @@ inline renew()
 	fi
 }
 
-/* worker_check_owner, dead_keep_retired */
+/* worker_check_owner, worker_dead_keep_retired */
 inline owner_check()
 {
 	byte j;

@@ -26,7 +26,7 @@
  *              (worker_take_epoch: the old epoch's owner key retired
  *              first); the ring's head copy is written into the current
  *              epoch, or dropped when its generation is older than the
- *              epoch's (vk_encode_record)
+ *              epoch's (worker_encode_record)
  *   runner     learns a taken epoch (idem_cache_keyspace(); 55000 until
  *              taken), replays a value of its epoch unless that epoch's
  *              owner key is retired (the owner check in every lookup),

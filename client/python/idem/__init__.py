@@ -14,11 +14,12 @@ from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH
 from .runner import Runner
 from .lease import Lease, LeaseLost
 from .batch import Batch
+from .check import Check
 
 __version__ = "0.4.0"
 
 __all__ = [
-    "Runner", "Run", "Lease", "Batch", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
+    "Runner", "Run", "Lease", "Batch", "Check", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
     "NotApplied", "Busy", "Mismatch", "Failure", "PermanentFailure",
     "RetryableFailure", "RequestError", "canonical_json", "fingerprint",
     "idem_key", "APPLIED", "REPLAYED", "BUSY", "MISMATCH", "FAILED_PERMANENT",

@@ -20,6 +20,7 @@ from psycopg import generators
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from .check import Check, acheck
 from .apply import _ApplyContext
 from .batch import Batch, cache_answers, cache_keys, cache_reads
 from .errors import Failure, IdemError, ValkeyClusterNotSupported
@@ -145,6 +146,11 @@ class AsyncRunner(Runner):
             self.valkey = valkey
         if self.valkey is not None:
             self._cad = _AsyncCad(self.valkey)
+
+    async def check(self, conn: Any) -> Check:  # type: ignore[override]
+        """Runner.check, awaited: ``await runner.check(conn)`` on an idle
+        ``psycopg.AsyncConnection``."""
+        return await acheck(self, conn)
 
     # ---- Valkey ----
     async def _acheck_cluster(self) -> None:

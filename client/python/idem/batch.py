@@ -70,8 +70,10 @@ def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List
     the runs it decides.  Returns how many."""
     # as at the gate: the owner key read in the same round trip decides
     # whether anything read here is trusted (trust.py)
-    held, entries = st.judge(values.pop(), list(zip(ckeys, values)),
-                             runner.lease_ms, runner.stats)
+    owner = values.pop()
+    held, entries = st.judge(owner, list(zip(ckeys, values)), runner.lease_ms, runner.stats)
+    runner._health.answered()
+    runner._health.owner(held, owner, st.owner_key)     # another Valkey: told, rested
     if not held:
         return 0
     decided = 0

@@ -163,6 +163,8 @@ class _RunContext:
         # all the same, and released as usual
         held, (entry,) = self.st.judge(owner, [(self.ckey, None if own else value)],
                                        r.lease_ms, r.stats)
+        r._health.answered()
+        r._health.owner(held, owner, self.st.owner_key)    # another Valkey: told, rested
         if own:
             self.own_marker = True
             return False, False, False, False

@@ -11,6 +11,7 @@ trust.py, which import nothing above them."""
 import datetime
 import functools
 import inspect
+from typing import Any
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from .lease import _LeaseContext, settle
 from .pg import Conn, _exec, _raise_pg_error, sqlstate_of
 from .run import _RunContext
 from .trust import _ConnState
+from .health import Health
+from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
 from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
@@ -205,7 +208,9 @@ class Runner:
         self._cad: Any = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0, "gate_skipped_first": 0,
-                      "owner_mismatches": 0}
+                      "owner_mismatches": 0, "valkey_auth_failures": 0,
+                      "valkey_not_servers": 0, "notices": 0}
+        self._health = Health(self)
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         self.valkey: Any        # a redis.Redis or RedisCluster client, or None
@@ -225,8 +230,10 @@ class Runner:
                 self._check_cluster()
             except ValkeyClusterNotSupported:
                 raise
-            except Exception:
-                pass            # down now: checked on first contact
+            except Exception as e:
+                # down, or AUTH refused: told now (as the C runner does at
+                # open), rested, checked again on a later contact
+                self._valkey_failed(e)
 
     # ---- Valkey ----
     def _check_cluster(self) -> None:
@@ -258,15 +265,9 @@ class Runner:
         return self.valkey is not None and time.monotonic() >= self._rest_until
 
     def _valkey_failed(self, e: BaseException) -> None:
-        import redis
-        self.stats["valkey_errors"] += 1
-        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                          redis.exceptions.RedisClusterException, redis.exceptions.ClusterError,
-                          OSError)):
-            self._rest_until = time.monotonic() + self.valkey_retry_ms / 1000.0
-            if self.notice:
-                self.notice("Valkey unavailable (%s): running on PostgreSQL only for %d ms"
-                            % (e, self.valkey_retry_ms))
+        """Valkey failed (down, AUTH refused or wanted, an error reply):
+        counted, told to the "idem" logger, and rested (health.py)."""
+        self._health.failed(e)
 
     def _round_trip(self, fill: Callable[[Any], Any],
                     packed: Optional[Tuple[bytes, int]] = None) -> Optional[List[Any]]:
@@ -347,9 +348,8 @@ class Runner:
         preloading: ask again in a second)."""
         sqlstate = sqlstate_of(e)
         st.forget(retry_soon=sqlstate == "55000")
-        if self.notice:
-            self.notice("no Valkey cache on this connection (%s %s): PostgreSQL decides"
-                        % (sqlstate, str(e).strip()))
+        self._health.cache_off("no Valkey cache on this connection (%s %s): PostgreSQL decides"
+                               % (sqlstate, str(e).strip()))
 
     def _state(self, conn: Conn) -> _ConnState:
         """The session's state, learning the schema and (with Valkey) the
@@ -388,6 +388,17 @@ class Runner:
             self._learning_refused(st, e)
             return
         st.adopt(None if row is None else row[0], rows)
+
+    def check(self, conn: "psycopg.Connection[Any]") -> Check:
+        """The start-up check, as libpq's PQping: PostgreSQL answers on
+        ``conn`` (idle), the idem extension is installed (its version), the
+        role may read the cache keyspace and secrets, Valkey answers (AUTH
+        accepted), and its epoch owner key holds the token the server
+        names (the same Valkey as the server's worker), with each server's
+        round trip time.  Returns a Check (false when something is wrong:
+        ``status`` and ``message`` say what); raises nothing for what it
+        finds."""
+        return _check(self, conn)
 
     # ---- the run ----
     def run(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,

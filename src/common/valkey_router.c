@@ -1,14 +1,15 @@
 /*-------------------------------------------------------------------------
  *
- * valkey_cluster.c
- *	  Valkey Cluster routing on hiredis (valkey_cluster.h): the router.  It
+ * valkey_router.c
+ *	  Valkey routing on hiredis (valkey_router.h): the router, for a Valkey
+ *	  Cluster and a single Valkey (a one-node map) alike.  It
  *	  opens (seeds, cluster or single node), reads and installs the slot
  *	  map, closes, and answers what the caller asks of it; its parts are
- *	  listed in valkey_cluster_int.h.
+ *	  listed in valkey_router_int.h.
  *
  *-------------------------------------------------------------------------
  */
-#include "valkey_cluster_int.h"
+#include "valkey_router_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>

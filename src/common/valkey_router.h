@@ -1,6 +1,6 @@
 /*-------------------------------------------------------------------------
  *
- * valkey_cluster.h
+ * valkey_router.h
  *	  The Valkey router on hiredis, for a Valkey Cluster and a single Valkey
  *	  alike (a one-node map): one definition, compiled into both the
  *	  extension's background worker and the client library.  The layers
@@ -46,8 +46,8 @@
  *
  *-------------------------------------------------------------------------
  */
-#ifndef IDEM_VALKEY_CLUSTER_H
-#define IDEM_VALKEY_CLUSTER_H
+#ifndef IDEM_VALKEY_ROUTER_H
+#define IDEM_VALKEY_ROUTER_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -226,4 +226,4 @@ const char *idem_vc_last_error(const idem_vc *vc);
 int			idem_vc_tcp_connect(const char *host, int port, int64_t deadline_ms,
 								const idem_vc_io *io, char *err, size_t errlen);
 
-#endif							/* IDEM_VALKEY_CLUSTER_H */
+#endif							/* IDEM_VALKEY_ROUTER_H */

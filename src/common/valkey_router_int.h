@@ -1,6 +1,6 @@
 /*-------------------------------------------------------------------------
  *
- * valkey_cluster_int.h
+ * valkey_router_int.h
  *	  What the files of the Valkey router share, and nothing outside them
  *	  may use: the router (struct idem_vc) and its node table, and the
  *	  functions one file of it calls in another.
@@ -11,7 +11,7 @@
  *	  valkey_endpoint.c	host:port, as settings and maps spell it
  *	  valkey_node.c		the node table and each node's socket I/O
  *	  valkey_wire.c		a connection's bytes and setup (also the client's)
- *	  valkey_cluster.c	the router: open, map refresh, close, accessors
+ *	  valkey_router.c	the router: open, map refresh, close, accessors
  *	  valkey_pipeline.c	a batch split per node, redirects followed
  *	  valkey_single.c	a single Valkey's one node, driven directly
  *
@@ -20,10 +20,10 @@
  *
  *-------------------------------------------------------------------------
  */
-#ifndef IDEM_VALKEY_CLUSTER_INT_H
-#define IDEM_VALKEY_CLUSTER_INT_H
+#ifndef IDEM_VALKEY_ROUTER_INT_H
+#define IDEM_VALKEY_ROUTER_INT_H
 
-#include "valkey_cluster.h"
+#include "valkey_router.h"
 #include "valkey_reply.h"
 
 #include <string.h>
@@ -55,6 +55,7 @@ typedef struct vc_node
 	int			nexpect;
 	int			expcap;
 	int64_t		down_until;		/* resting after a failure */
+	char		failure[160];	/* that failure, in words */
 	long long	errors;
 	int			in_map;
 	int			sent;			/* sent to since its last read */
@@ -113,7 +114,7 @@ extern int	idem_vc_node_read(idem_vc *vc, vc_node *n, int64_t deadline, redisRep
 extern int	idem_vc_node_call(idem_vc *vc, vc_node *n, int argc, const char **argv, int64_t deadline, redisReply **out);
 extern int	idem_vc_node_ensure(idem_vc *vc, vc_node *n, int64_t deadline);
 
-/* valkey_cluster.c */
+/* valkey_router.c */
 extern int	idem_vc_refresh(idem_vc *vc, int64_t deadline);
 
-#endif							/* IDEM_VALKEY_CLUSTER_INT_H */
+#endif							/* IDEM_VALKEY_ROUTER_INT_H */
