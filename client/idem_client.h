@@ -223,9 +223,11 @@ const PGresult *idem_call_first_result(const idem_call *call);
  * Set the outcome (IDEM_HANDLER_OK) or the failure detail (the failure
  * kinds): a JSON object whose canonical (jsonb) text is at most
  * IDEM_OUTCOME_MAX_BYTES.  The text is copied.  Not calling it means "{}".
- * An invalid value is reported when the handler returns: the run then ends
- * with IDEM_ERROR / IDEM_ERR_OUTCOME and nothing is committed.  Returns 0,
- * or -1 when memory is exhausted.
+ * An invalid value fails the attempt when the handler returns, as in
+ * idem_apply: its writes roll back to the savepoint and the detail
+ * {"message", "sqlstate"} is recorded, 22023 (not a JSON object) as
+ * IDEM_FAILED_PERMANENT, 54000 (too long) as IDEM_FAILED_RETRYABLE.
+ * Returns 0, or -1 when memory is exhausted.
  */
 int			idem_call_set_json(idem_call *call, const char *json);
 

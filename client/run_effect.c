@@ -127,26 +127,47 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 							"out of memory storing the handler's result; rolled back");
 	}
 	err[0] = '\0';
+	errno = 0;
 	canon = idem_json_canonical(json, strlen(json), &clen, err, sizeof(err));
+	if (canon == NULL && errno == ENOMEM)
+	{
+		idemc_run_rollback_quietly(s);
+		return idemc_run_error(s, IDEM_ERR_OUT_OF_MEMORY, NULL,
+							"out of memory storing the handler's result; rolled back");
+	}
 	if (canon == NULL || canon[0] != '{' || clen > IDEM_OUTCOME_MAX)
 	{
-		const char *what = hs == IDEM_HANDLER_OK ? "outcome" : "failure detail";
+		/*
+		 * An outcome that cannot be stored is the handler's failure of this
+		 * attempt, as in idem_apply: its writes roll back to the savepoint
+		 * and the attempt is recorded with {"sqlstate", "message"}: 22023
+		 * (not a JSON object) permanent, 54000 (too long) retryable, so
+		 * that idem.max_attempts ends it (else every redelivery would run
+		 * the handler again as attempt 1).  A failure the handler said was
+		 * permanent stays permanent.
+		 */
+		const char *what = hs == IDEM_HANDLER_OK ? "handler outcome" : "failure detail";
+		int			too_long = canon != NULL && canon[0] == '{';
+		char		detail[200];
 
-		idemc_run_rollback_quietly(s);
-		if (canon == NULL)
-			idemc_run_error(s, IDEM_ERR_OUTCOME, NULL,
-						 "handler %s is not valid JSON (%s); rolled back, nothing committed",
-						 what, err);
-		else if (canon[0] != '{')
-			idemc_run_error(s, IDEM_ERR_OUTCOME, NULL,
-						 "handler %s must be a JSON object; rolled back, nothing committed",
-						 what);
+		if (too_long)
+			snprintf(detail, sizeof(detail),
+					 "{\"sqlstate\": \"54000\", \"message\": \"%s is %zu bytes as JSON text, over the limit of %d bytes\"}",
+					 what, clen, IDEM_OUTCOME_MAX);
 		else
-			idemc_run_error(s, IDEM_ERR_OUTCOME, NULL,
-						 "handler %s is %zu bytes as jsonb text, over the limit of %d; rolled back, nothing committed",
-						 what, clen, IDEM_OUTCOME_MAX);
+			snprintf(detail, sizeof(detail),
+					 "{\"sqlstate\": \"22023\", \"message\": \"%s must be a JSON object\"}",
+					 what);
 		free(canon);
-		return IDEM_ERROR;
+		hs = too_long && hs != IDEM_HANDLER_PERMANENT ?
+			IDEM_HANDLER_RETRYABLE : IDEM_HANDLER_PERMANENT;
+		canon = idem_json_canonical(detail, strlen(detail), &clen, err, sizeof(err));
+		if (canon == NULL)
+		{
+			idemc_run_rollback_quietly(s);
+			return idemc_run_error(s, IDEM_ERR_OUT_OF_MEMORY, NULL,
+								"out of memory storing the handler's result; rolled back");
+		}
 	}
 
 	/* round trip 2: savepoint, record, COMMIT */

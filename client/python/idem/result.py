@@ -138,6 +138,46 @@ def _recorded_text(run: Run, failure: Optional[FailureSpec], et: Optional[Type[B
         return _outcome_text({"error": et.__name__}, "the failure detail"), None
 
 
+def _unstorable(value: Any, what: str, retryable: bool) -> Optional[Tuple[Any, bool]]:
+    """None when value can be stored as an outcome; else the failure the
+    attempt records instead, as idem_apply does: (detail, retryable) with
+    detail {"sqlstate", "message"}, 22023 (not a JSON object: permanent)
+    or 54000 (too long: retryable unless the handler's failure was not)."""
+    try:
+        text: Optional[str] = canonical_json(value)
+    except RequestError:
+        text = None
+    if text is not None and text.startswith("{"):
+        n = len(text.encode("utf-8"))
+        if n <= cache.OUTCOME_MAX:
+            return None
+        return {"sqlstate": "54000",
+                "message": "%s is %d bytes as JSON text, over the limit of %d bytes"
+                % (what, n, cache.OUTCOME_MAX)}, retryable
+    return {"sqlstate": "22023", "message": "%s must be a JSON object" % what}, False
+
+
+def _recorded_ending(run: Run, failure: Optional[FailureSpec], et: Optional[Type[BaseException]],
+                     suppress: bool) -> Tuple[Optional[FailureSpec], str]:
+    """What the end of a runner's block records: (failure, text).  An
+    outcome or failure detail that cannot be stored fails the attempt
+    (_unstorable), so that idem.max_attempts ends a handler that always
+    returns one; a propagating exception's detail falls back to its type
+    name."""
+    if failure is None:
+        outcome = {} if run.outcome is None else run.outcome
+        bad = _unstorable(outcome, "handler outcome", True)
+        if bad is None:
+            return None, canonical_json(outcome)
+    else:
+        bad = _unstorable(failure[0], "failure detail", failure[1])
+        if bad is None:
+            return failure, canonical_json(failure[0])
+        if et is not None and not suppress:
+            return failure, _outcome_text({"error": et.__name__}, "the failure detail")
+    return bad, canonical_json(bad[0])
+
+
 def _outcome_text(outcome: Any, what: str) -> str:
     try:
         text = canonical_json(outcome)

@@ -19,7 +19,7 @@ from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, 
                  _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
-                     _failure_of, _make_run, _recorded_text, _result_from_cache)
+                     _failure_of, _make_run, _recorded_ending, _result_from_cache)
 from .trust import _ConnState, _wall_ms
 
 # The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
@@ -465,9 +465,7 @@ class _RunContext:
             return True, IdemError("handler", "the block left the transaction in error (a "
                                    "failed statement it caught): rolled back, nothing "
                                    "recorded"), None, None, False
-        text, err = _recorded_text(run, failure, et, suppress)
-        if err is not None:
-            return True, err, None, None, False
+        failure, text = _recorded_ending(run, failure, et, suppress)
         return False, None, failure, text, suppress
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:

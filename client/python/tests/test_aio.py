@@ -167,6 +167,34 @@ class AsyncForms(unittest.TestCase):
                 await conn.close()
         asyncio.run(main())
 
+    def test_unstorable_outcome(self):
+        """async: an outcome over 4096 bytes fails the attempt retryably (54000), its effect rolled back; max_attempts=2 ends it as failed_permanent; a non-object fails permanently (22023)"""
+        scope = uid("aio-big")
+
+        async def main():
+            runner = AsyncRunner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
+            conn = await aconnect()
+            got = []
+            try:
+                for _ in range(3):
+                    async with runner.run(conn, 1, scope, "b1", {}) as run:
+                        if run.claimed:
+                            await aeffect(conn, run)
+                            run.outcome = {"blob": "x" * 5000}
+                    got.append((run.status, run.attempt, run.outcome["sqlstate"]))
+                async with runner.run(conn, 1, scope, "b2", {}) as run:
+                    await aeffect(conn, run)
+                    run.outcome = [1]
+                got.append((run.status, run.attempt, run.outcome["sqlstate"]))
+            finally:
+                await conn.close()
+            return got
+        self.assertEqual(asyncio.run(main()),
+                         [("failed_retryable", 1, "54000"), ("failed_retryable", 2, "54000"),
+                          ("failed_permanent", 2, "54000"), ("failed_permanent", 1, "22023")])
+        self.assertEqual(effects(scope), 0)
+        self.assertEqual(ledger(1, scope, "b1")[0], "failed_permanent")
+
     def test_server_state_and_valkey_down(self):
         """async: a serialization failure in the block is raised and not recorded, its marker deleted (EVALSHA); with Valkey down PostgreSQL decides (applied, then replayed)"""
         scope = uid("aio-state")

@@ -169,6 +169,36 @@ class Apply(Base):
 
 
 class Options(Base):
+    def test_unstorable_outcome(self):
+        """a handler outcome that is not a JSON object, or over 4096 bytes: the attempt fails as in idem_apply (22023 permanent, 54000 retryable), its effect rolled back; max_attempts=2 ends an always-oversize one"""
+        calls = []
+
+        def handler(conn, run):
+            calls.append(run.attempt)
+            effect(conn, run)
+            return [1, 2] if run.run_id == "u1" else {"blob": "x" * 5000}
+        r = self.runner.call(self.conn, 1, self.scope, "u1", {}, handler)
+        self.assertEqual((r.status, r.attempt, r.outcome),
+                         ("failed_permanent", 1, {"sqlstate": "22023",
+                                                  "message": "handler outcome must be a JSON object"}))
+        self.assertEqual(ledger(1, self.scope, "u1")[0], "failed_permanent")
+        runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
+        statuses = [runner.call(self.conn, 1, self.scope, "u2", {}, handler) for _ in range(3)]
+        self.assertEqual([(r.status, r.attempt) for r in statuses],
+                         [("failed_retryable", 1), ("failed_retryable", 2), ("failed_permanent", 2)])
+        self.assertEqual(statuses[0].outcome,
+                         {"sqlstate": "54000", "message": "handler outcome is 5012 bytes as JSON "
+                          "text, over the limit of 4096 bytes"})
+        self.assertEqual(calls, [1, 1, 2])
+        self.assertEqual(effects(self.scope, "u1") + effects(self.scope, "u2"), 0)
+        self.assertEqual(ledger(1, self.scope, "u2")[0], "failed_permanent")
+        # a run's block that sets a bad outcome: the same
+        with self.runner.run(self.conn, 1, self.scope, "u3", {}) as run:
+            effect(self.conn, run)
+            run.outcome = "text"
+        self.assertEqual((run.status, run.outcome["sqlstate"]), ("failed_permanent", "22023"))
+        self.assertEqual(effects(self.scope, "u3"), 0)
+
     def test_max_attempts(self):
         """max_attempts=2: two retryable failures, then the third delivery is failed_permanent with the last detail, without running the handler"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)

@@ -455,12 +455,11 @@ with r.run(c, 1, sys.argv[1], "kill1", {"a": 1}) as run:
         self.assertEqual(effects(self.scope, "x2"), 0)
 
     def test_bad_outcome_and_misuse(self):
-        """a non-object outcome rolls back; a server error rolls back; a block that commits, writes on an unclaimed run, or a connection already in a transaction, is refused"""
-        with self.assertRaises(idem.IdemError) as cm:
-            with self.runner.run(self.conn, 1, self.scope, "o1", {}) as run:
-                effect(self.conn, run)
-                run.outcome = [1, 2]
-        self.assertEqual(cm.exception.code, "outcome")
+        """a non-object outcome fails the attempt (rolled back to the savepoint); a server error rolls back; a block that commits, writes on an unclaimed run, or a connection already in a transaction, is refused"""
+        with self.runner.run(self.conn, 1, self.scope, "o1", {}) as run:
+            effect(self.conn, run)
+            run.outcome = [1, 2]
+        self.assertEqual((run.status, run.outcome["sqlstate"]), ("failed_permanent", "22023"))
         self.assertEqual(effects(self.scope, "o1"), 0)
         with self.assertRaises(idem.IdemError) as cm:
             with self.runner.run(self.conn, 1, self.scope, "o2", {}) as run:
