@@ -56,7 +56,7 @@ class CanonicalJson(unittest.TestCase):
         self.assertEqual(canonical_json('[' * 512 + ']' * 512)[:3], '[[[')
 
     def test_digest_vectors(self):
-        """idem_key and idem_fingerprint: the README's shared vectors"""
+        """idem_key and idem_fingerprint: the shared test vectors (docs/cache-format.md)"""
         self.assertEqual(idem_key("", "").hex(),
                          "af5570f5a1810b7af78caf4bc70a660f0df51e42baf91d4de5b2328de0e83dfc")
         self.assertEqual(idem_key("payments.transfer", "run-1").hex(),
