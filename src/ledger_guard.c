@@ -364,8 +364,16 @@ idem_ledger_guard_xact_event(XactEvent event)
 					idem_renewal_prepared(GetTopTransactionIdIfAny());
 				generation = idem_cache_epoch_renew(0, guard_reason);
 				idem_outbox_wake();
-				/* the commit returns once runners no longer use the old epoch */
-				if (event == XACT_EVENT_COMMIT)
+				/*
+				 * The commit returns once runners no longer use the old
+				 * epoch.  Not a logical replication apply worker's: it would
+				 * hold back every later transaction of its subscription (a
+				 * Citus shard move's catch-up among them); its renewal
+				 * stands, and runners stop at the worker's retirement or at
+				 * their re-learn bound.
+				 */
+				if (event == XACT_EVENT_COMMIT &&
+					replorigin_session_origin == InvalidRepOriginId)
 					idem_renewal_wait(generation);
 			}
 			/* FALLTHROUGH */

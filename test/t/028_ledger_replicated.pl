@@ -103,6 +103,22 @@ $ks = replicated_and_cached('t1');
 on_pub('TRUNCATE idempotency_keys');
 applied_again('t1', 'TRUNCATE', $ks);
 
+# The apply worker does not wait for the retirement at its commits: with
+# the subscriber's Valkey paused (no retirement can happen), a replicated
+# DELETE is applied at once, not after idem.epoch_retire_timeout (5 s), and
+# still renews the epoch.
+$ks = replicated_and_cached('w1');
+$valkey->pause;
+my $t0 = time;
+# (the publisher's own commit does not wait either: that is not measured)
+on_pub(q{SET idem.epoch_retire_timeout = 0;
+	DELETE FROM idempotency_keys WHERE idempotency_key = idem_key('rp', 'w1')});
+$pub->wait_for_catchup('ledger');
+my $took = time - $t0;
+$valkey->resume;
+cmp_ok($took, '<', 4, "a replicated DELETE is applied without waiting for the retirement (took ${took} s)");
+applied_again('w1', 'DELETE applied while Valkey was paused', $ks);
+
 # A prepared transaction is applied as one on the subscriber (two_phase):
 # the epoch is renewed at its PREPARE, as the commit comes later, apart.
 $ks = replicated_and_cached('p1');
