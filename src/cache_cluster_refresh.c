@@ -36,7 +36,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "sha256.h"
 
 /* How long the coordinator waits to connect to a node it asks. */
@@ -241,7 +241,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 						 errmsg("could not generate a random token")));
 		if (idem_cluster_slot_join(MyDatabaseId, buf, tli, own_epoch, &s,
 								   token))
-			idem_outbox_wake();
+			idem_ring_wake();
 	}
 
 	/* Seal the secrets for each node whose join is missing or stale. */

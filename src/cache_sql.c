@@ -27,7 +27,7 @@
 #include "cache_secret.h"
 #include "citus.h"
 #include "compat.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 
 PG_FUNCTION_INFO_V1(idem_cache_keyspace_sql);
 
@@ -45,7 +45,7 @@ idem_cache_keyspace_sql(PG_FUNCTION_ARGS)
 				 errmsg("recovery is in progress"),
 				 errdetail("idem copies nothing to Valkey during recovery, so there is no cache keyspace."),
 				 errhint("Use PostgreSQL alone, or connect to the primary.")));
-	if (!idem_outbox_available())
+	if (!idem_ring_available())
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idem is not in shared_preload_libraries"),

@@ -11,7 +11,7 @@
  *	  the removing commit wait, bounded, until the worker has retired the
  *	  epoch that the removal replaced.
  *
- * Nothing crosses an epoch.  Each queued copy (IdemOutboxRecord.generation)
+ * Nothing crosses an epoch.  Each queued copy (IdemRingRecord.generation)
  * carries the generation it was read under, and each epoch the generation
  * it was made at (IdemCacheSecrets.generation, set under the secret's lock
  * when the epoch is made).  The worker reads both with one copy of the
@@ -30,7 +30,7 @@
  *		removal.  The renewal is asked for after the bump, so the epoch
  *		made for it records a generation that counts it (a later epoch
  *		counts at least as much: generations only grow);
- *	  - a commit's own copy is stamped when it is made (idem_outbox_add),
+ *	  - a commit's own copy is stamped when it is made (idem_copies_add),
  *		before that commit is visible.  A removal counted in the stamp had
  *		committed before then, and so cannot have removed the row version
  *		this transaction writes: a DELETE or UPDATE of it would have waited

@@ -347,7 +347,7 @@ idem_define_gucs(void)
 	if (process_shared_preload_libraries_in_progress)
 		DefineCustomIntVariable("idem.queue_size",
 								"Number of results the commit ring holds before it drops copies.",
-								"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.  The ring reserves " CppAsString2(IDEM_OUTBOX_BYTES_PER_RECORD) " bytes of shared memory per result.",
+								"A dropped copy is counted in idem_stats(); the result stays in PostgreSQL and repopulates Valkey on the next miss.  The ring reserves " CppAsString2(IDEM_RING_BYTES_PER_RECORD) " bytes of shared memory per result.",
 								&idem_queue_size,
 								65536, 16, 1024 * 1024,
 								PGC_POSTMASTER, 0,

@@ -48,10 +48,10 @@ typedef enum IdemValkeyCluster
 
 /*
  * idem.queue_size counts results; the queue reserves this many bytes of
- * shared memory per result on average (outbox_ring.c sizes it so, and the
+ * shared memory per result on average (commit_ring.c sizes it so, and the
  * setting's description says so).
  */
-#define IDEM_OUTBOX_BYTES_PER_RECORD	256
+#define IDEM_RING_BYTES_PER_RECORD	256
 
 /* Define them all: once, from _PG_init. */
 extern void idem_define_gucs(void);

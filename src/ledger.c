@@ -48,7 +48,7 @@
 #include "guc.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
-#include "outbox.h"
+#include "commit_copies.h"
 #include "pending.h"
 #include "sql_args.h"
 #include "standby_slots.h"
@@ -483,7 +483,7 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 				ans->fence = 0;
 				ans->outcome = row.outcome;
 				ans->expires_at = kept_until;
-				idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+				idem_copies_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 								IDEM_CACHE_FAILED_PERMANENT, row.attempt,
 								row.fingerprint, text, (int) strlen(text),
 								kept_until);
@@ -566,7 +566,7 @@ repopulate(LedgerStore *store, const LedgerKey *lk, uint64 generation,
 			return;
 	}
 	text = JsonbToCString(NULL, &jb->root, VARSIZE(jb));
-	idem_outbox_repopulate(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+	idem_copies_repopulate(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						   kind, attempt, fingerprint, text,
 						   (int) strlen(text), expires_at, generation);
 	pfree(text);
@@ -910,7 +910,7 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 	PG_END_TRY();
 
 	if (status != IDEM_STATUS_FAILED_RETRYABLE)
-		idem_outbox_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
+		idem_copies_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						is_fail ? IDEM_CACHE_FAILED_PERMANENT : IDEM_CACHE_COMPLETED,
 						attempt, fingerprint, outcome_text,
 						(int) strlen(outcome_text), retention_end);

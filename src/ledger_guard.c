@@ -74,7 +74,7 @@
 #include "compat.h"
 #include "epoch_renewal.h"
 #include "ledger_row.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 
 static bool guard_rows_removed = false;	/* this transaction */
 static IdemEpochReason guard_reason = 0;	/* why, when it did */
@@ -363,7 +363,7 @@ idem_ledger_guard_xact_event(XactEvent event)
 				if (event == XACT_EVENT_PREPARE)
 					idem_renewal_prepared(GetTopTransactionIdIfAny());
 				generation = idem_cache_epoch_renew(0, guard_reason);
-				idem_outbox_wake();
+				idem_ring_wake();
 				/*
 				 * The commit returns once runners no longer use the old
 				 * epoch.  Not a logical replication apply worker's: it would
@@ -406,7 +406,7 @@ idem_renew_epoch(PG_FUNCTION_ARGS)
 				 errmsg("recovery is in progress"),
 				 errdetail("A standby copies nothing to Valkey; it starts a new epoch of its own when it is promoted."),
 				 errhint("Renew the epoch on the primary.")));
-	if (!idem_outbox_available())
+	if (!idem_ring_available())
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idem is not in shared_preload_libraries"),

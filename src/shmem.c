@@ -7,7 +7,7 @@
  *	  the LWLock tranche) and one shmem_startup hook (initialising every
  *	  area), as pg_stat_statements does.  Each area's file sizes and
  *	  initialises its own struct:
- *		outbox_ring.c	the queue from committing backends to the worker
+ *		commit_ring.c	the queue from committing backends to the worker
  *		stats.c			the counters behind idem_stats()
  *		cache_secret.c	the shared copy of the cache secret
  *		epoch_renewal.c	the renewal generation and its waiters
@@ -29,7 +29,7 @@
 #include "cache_cluster.h"
 #include "cache_secret.h"
 #include "epoch_renewal.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
@@ -41,7 +41,7 @@ idem_shmem_request(void)
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
 
-	RequestAddinShmemSpace(add_size(add_size(add_size(add_size(idem_outbox_ring_shmem_size(),
+	RequestAddinShmemSpace(add_size(add_size(add_size(add_size(idem_ring_shmem_size(),
 															   idem_stats_shmem_size()),
 													  idem_cache_secret_shmem_size()),
 											 idem_cache_cluster_shmem_size()),
@@ -56,7 +56,7 @@ idem_shmem_startup(void)
 		prev_shmem_startup_hook();
 
 	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
-	idem_outbox_ring_shmem_init();
+	idem_ring_shmem_init();
 	idem_stats_shmem_init();
 	idem_cache_secret_shmem_init();
 	idem_cache_cluster_shmem_init();

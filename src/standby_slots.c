@@ -57,7 +57,7 @@
 #include "standby_slots.h"
 #include "compat.h"
 #include "guc.h"
-#include "outbox.h"
+#include "commit_copies.h"
 
 static char *parsed_from = NULL;	/* the setting the list was parsed from */
 static List *slot_names = NIL;		/* of char *, in TopMemoryContext */

@@ -2,7 +2,7 @@
  *
  * stats_sql.c
  *	  idem_stats(): one row of the shared counters (stats.c) and the depth
- *	  of the commit ring (idem_outbox_depth()).  It stands above both, so
+ *	  of the commit ring (idem_ring_depth()).  It stands above both, so
  *	  that the counters stay a leaf that the ring counts into.
  *
  *-------------------------------------------------------------------------
@@ -16,7 +16,7 @@
 
 #include "compat.h"
 #include "decision.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 
 /* Column order of idem_stats(); see idem--0.3--0.4.sql. */
@@ -104,8 +104,8 @@ idem_stats(PG_FUNCTION_ARGS)
 			skipped += (int64) snap.counters[i];
 		}
 		values[COL_SKIPPED] = Int64GetDatum(skipped);
-		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_outbox_depth());
-		if (idem_outbox_oldest_age(&age_ms))
+		values[COL_QUEUE_DEPTH] = Int64GetDatum((int64) idem_ring_depth());
+		if (idem_ring_oldest_age(&age_ms))
 		{
 			Interval   *age = (Interval *) palloc0(sizeof(Interval));
 

@@ -2,7 +2,7 @@
  *
  * subxact.h
  *	  The one rule by which per-transaction state follows subtransactions,
- *	  for every file that keeps such state (outbox.c, pending.c); xact.c
+ *	  for every file that keeps such state (commit_copies.c, pending.c); xact.c
  *	  calls them as each subtransaction ends.  A leaf: no state, no call.
  *
  *-------------------------------------------------------------------------

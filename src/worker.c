@@ -39,7 +39,7 @@
  * (worker_drain_cluster), where a batch is one write to each master it has
  * copies for and their replies are read after the sleep.
  * While the worker is awake, committing backends do not set its latch
- * (outbox_ring.c).  An error reply that says the server cannot take
+ * (commit_ring.c).  An error reply that says the server cannot take
  * writes now (valkey_reply.c) counts a copy error and keeps the batch;
  * any other condemns its record only, dropped and counted in rejected.
  * A connection that fails,
@@ -74,7 +74,7 @@
 
 #include "worker.h"
 #include "cache_secret.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 #include "worker_router.h"
 #include "worker_int.h"
@@ -132,7 +132,7 @@ worker_backoff(const char *doing, int *backoff_ms, TimestampTz *retry_at)
 static void
 worker_on_exit(int code, Datum arg)
 {
-	idem_outbox_detach_worker();
+	idem_ring_detach_worker();
 	worker_disconnect();
 }
 
@@ -147,7 +147,7 @@ idem_worker_main(Datum main_arg)
 	pqsignal(SIGPIPE, SIG_IGN);
 	BackgroundWorkerUnblockSignals();
 
-	if (!idem_outbox_available())
+	if (!idem_ring_available())
 		ereport(FATAL,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idem worker started without idem's shared memory"),
@@ -157,7 +157,7 @@ idem_worker_main(Datum main_arg)
 	CurrentResourceOwner = ResourceOwnerCreate(NULL, "idem worker");
 	before_shmem_exit(worker_on_exit, (Datum) 0);
 	idem_stats_set_valkey(false, NULL);
-	idem_outbox_attach_worker();
+	idem_ring_attach_worker();
 
 	worker_standby_wait();
 
@@ -286,16 +286,16 @@ idem_worker_main(Datum main_arg)
 		 * and let commits wake us, unless a commit came in meanwhile.  A copy
 		 * counted in but not reserved yet (its committer between the two) does
 		 * not keep us awake: its committer, and every commit that passes it,
-		 * wakes us (idem_outbox_worker_sleepy).
+		 * wakes us (idem_ring_worker_sleepy).
 		 */
 		if (!ConfigReloadPending)
 		{
 			bool		coming;
 
-			if (idem_outbox_worker_sleepy(&coming))
+			if (idem_ring_worker_sleepy(&coming))
 			{
 				worker_nap(coming ? IDEM_COMING_WAIT_MS : IDEM_IDLE_WAIT_MS);
-				idem_outbox_worker_awake();
+				idem_ring_worker_awake();
 				/* Valkey may have lost it while we slept (a flush) */
 				worker_owner_checked_at = 0;
 			}

@@ -9,7 +9,7 @@
  *	  only when all its replies are read.  The batching: the comment above
  *	  idem_worker_main(), and docs/worker.md.
  *
- *	  Locking: only this file consumes the queue (outbox_ring.c's rules);
+ *	  Locking: only this file consumes the queue (commit_ring.c's rules);
  *	  the rest is the worker's own state.
  *
  *-------------------------------------------------------------------------
@@ -21,7 +21,7 @@
 #include "utils/timestamp.h"
 
 #include "guc.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 #include "valkey_router.h"
 #include "worker_router.h"
@@ -92,7 +92,7 @@ worker_window_failed(WorkerResult r)
 WorkerResult
 worker_drain_single(uint64 *copied, uint64 *rejected)
 {
-	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	const IdemRingRecord *records[IDEM_BATCH_MAX];
 	WorkerBatch	inflight[IDEM_INFLIGHT];
 	int			first = 0;
 	int			nin = 0;
@@ -134,7 +134,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 		{
 			uint64		start = pos;
 			XLogRecPtr	flush_to;
-			int			n = idem_outbox_peek(&pos, records,
+			int			n = idem_ring_peek(&pos, records,
 											 Min(IDEM_BATCH_MAX,
 												 worker_send_window - nrecords_in),
 											 durable, &held, &flush_to);
@@ -227,7 +227,7 @@ worker_drain_single(uint64 *copied, uint64 *rejected)
 			else
 				ok++;
 		}
-		idem_outbox_consume(b->end_pos, b->nrecords);
+		idem_ring_consume(b->end_pos, b->nrecords);
 		nrej += b->unencodable;
 		idem_stats_add(IDEM_STAT_COPIED, ok);
 		idem_stats_add(IDEM_STAT_REJECTED, nrej);
@@ -263,7 +263,7 @@ static WorkerResult
 worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 						  uint64 *acked)
 {
-	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	const IdemRingRecord *records[IDEM_BATCH_MAX];
 	char		scratch[256];
 	WorkerEncoder enc;
 	WorkerResult result = WORKER_OK;
@@ -276,7 +276,7 @@ worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 		XLogRecPtr	flush_to;
 		uint64		ok,
 					nrej;
-		int			n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable,
+		int			n = idem_ring_peek(&pos, records, IDEM_BATCH_MAX, durable,
 										 &held, &flush_to);
 
 		if (n == 0)
@@ -312,7 +312,7 @@ worker_cluster_send_ahead(uint64 pos, XLogRecPtr durable, TimeLineID timeline,
 WorkerResult
 worker_drain_cluster(uint64 *copied, uint64 *rejected)
 {
-	const IdemOutboxRecord *records[IDEM_BATCH_MAX];
+	const IdemRingRecord *records[IDEM_BATCH_MAX];
 	bool		standby_reported = false;
 	bool		stuck = false;	/* the head batch waits for a node */
 	TimestampTz stuck_tried = 0;
@@ -324,7 +324,7 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 	 * function consumes the queue, so while it stays here the head batch
 	 * keeps its records (more may join it); checked anyway.
 	 */
-	const IdemOutboxRecord *head[IDEM_BATCH_MAX];
+	const IdemRingRecord *head[IDEM_BATCH_MAX];
 	bool		head_done[IDEM_BATCH_MAX];
 	int			head_n = 0;
 	TimeLineID	head_timeline = 0;
@@ -363,14 +363,14 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			return WORKER_SHUTDOWN;
 		if (ConfigReloadPending || !worker_epoch_ready())
 			return WORKER_OK;
-		n = idem_outbox_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
+		n = idem_ring_peek(&pos, records, IDEM_BATCH_MAX, durable, &held,
 							 &flush_to);
 		worker_flush_wal(flush_to);
 		if (n == 0)
 		{
 			if (!held)
 			{
-				idem_outbox_consume(pos, 0);	/* past any padding */
+				idem_ring_consume(pos, 0);	/* past any padding */
 				return WORKER_OK;
 			}
 			if (held_since == 0)
@@ -462,7 +462,7 @@ worker_drain_cluster(uint64 *copied, uint64 *rejected)
 			continue;
 		}
 		stuck = false;
-		idem_outbox_consume(pos, n);
+		idem_ring_consume(pos, n);
 		idem_stats_add(IDEM_STAT_COPIED, head_ok);
 		idem_stats_add(IDEM_STAT_REJECTED, head_rej);
 		worker_count_skips(&head_skips);

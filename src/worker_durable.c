@@ -57,7 +57,7 @@ worker_durable_lsn(TimeLineID *timeline, bool *standby_problem)
 
 /*
  * A read's copy is held for WAL up to lsn that may be no commit's, which
- * only the WAL writer would flush, cycles later (outbox.c): flush it now, as
+ * only the WAL writer would flush, cycles later (commit_copies.c): flush it now, as
  * a committing backend would.  The copy still goes out only once the
  * durable position (worker_durable_lsn) passes it.
  */

@@ -22,7 +22,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "worker_router.h"
 #include "worker_int.h"
 
@@ -68,7 +68,7 @@ worker_encoder_done(WorkerEncoder *enc)
  * in enc->skips), -1 it cannot be encoded (worker_errbuf says why).
  */
 int
-worker_encode_record(void *arg, const IdemOutboxRecord *rec,
+worker_encode_record(void *arg, const IdemRingRecord *rec,
 					 char *key, int *keylen, char *value, int *valuelen,
 					 char *ttl, size_t ttllen)
 {
@@ -138,7 +138,7 @@ worker_encode_record(void *arg, const IdemOutboxRecord *rec,
  * of commands appended, or -1.
  */
 int
-worker_append_batch(const IdemOutboxRecord **records, int n, WorkerEncoder *enc,
+worker_append_batch(const IdemRingRecord **records, int n, WorkerEncoder *enc,
 					uint64 *errors)
 {
 	char		key[IDEM_CACHE_KEY_MAX];

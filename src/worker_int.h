@@ -31,7 +31,7 @@
 #include "datatype/timestamp.h"
 
 #include "cache_format.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "sha256.h"
 #include "stats.h"
 #include "worker_router.h"	/* IDEM_BATCH_MAX */
@@ -133,10 +133,10 @@ extern bool worker_epoch_ready(void);
 /* worker_encode.c */
 extern void worker_encoder_init(WorkerEncoder *enc, TimeLineID timeline);
 extern void worker_encoder_done(WorkerEncoder *enc);
-extern int	worker_encode_record(void *arg, const IdemOutboxRecord *rec,
+extern int	worker_encode_record(void *arg, const IdemRingRecord *rec,
 								 char *key, int *keylen, char *value,
 								 int *valuelen, char *ttl, size_t ttllen);
-extern int	worker_append_batch(const IdemOutboxRecord **records, int n,
+extern int	worker_append_batch(const IdemRingRecord **records, int n,
 								WorkerEncoder *enc, uint64 *errors);
 
 /* worker_durable.c */

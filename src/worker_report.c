@@ -14,7 +14,7 @@
 
 #include "utils/timestamp.h"
 
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "standby_slots.h"
 #include "stats.h"
 #include "worker_int.h"
@@ -72,7 +72,7 @@ worker_report_held(XLogRecPtr durable)
 	if (!TimestampDifferenceExceeds(noted, now, IDEM_HELD_REPORT_MS))
 		return;
 	noted = now;
-	if (!idem_outbox_oldest_age(&age_ms) || age_ms < IDEM_HELD_REPORT_MS)
+	if (!idem_ring_oldest_age(&age_ms) || age_ms < IDEM_HELD_REPORT_MS)
 		return;
 	oldest = now - age_ms * 1000;
 	idem_standby_slots_holder(durable, what, sizeof(what));
@@ -86,7 +86,7 @@ worker_report_held(XLogRecPtr durable)
 				(errmsg("results have waited %lld s to be copied to Valkey: %s",
 						(long long) (age_ms / 1000), what),
 				 errdetail("%llu copies wait in the commit ring; once it is full, new ones are dropped.",
-						   (unsigned long long) idem_outbox_depth()),
+						   (unsigned long long) idem_ring_depth()),
 				 errhint("Copies wait until every standby that idem.standby_slots names (by default every physical slot in use) has flushed their commit: start the standby, drop its slot, or change idem.standby_slots.")));
 		logged = now;
 		logged_oldest = oldest;
@@ -116,7 +116,7 @@ worker_report_problem(const char *doing, int retry_ms, bool is_error)
 						doing, worker_valkey_host, worker_valkey_port, worker_errbuf),
 				 retry_ms > 0 ?
 				 errdetail("Queued results are kept while the commit ring has room (%llu wait); retrying in %d ms.",
-						   (unsigned long long) idem_outbox_depth(), retry_ms) : 0));
+						   (unsigned long long) idem_ring_depth(), retry_ms) : 0));
 		worker_last_logged = now;
 	}
 	worker_failing = true;

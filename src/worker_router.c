@@ -49,7 +49,7 @@
 #include "cache_format.h"
 #include "compat.h"
 #include "guc.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 #include "valkey_router.h"
 #include "valkey_reply.h"
@@ -404,7 +404,7 @@ static bool *worker_router_done = NULL;
  * counts the records this call could not encode.
  */
 int
-worker_router_send(const IdemOutboxRecord **records, int n, bool *done,
+worker_router_send(const IdemRingRecord **records, int n, bool *done,
 				   WorkerRouterEncode encode, void *encode_arg, uint64 *rejected)
 {
 	int			nc = 0;
@@ -607,7 +607,7 @@ worker_router_collect(bool waited, uint64 *copied,
  * with their counts added.
  */
 WorkerRouterCopy
-worker_router_copy(const IdemOutboxRecord **records, int n, bool *done,
+worker_router_copy(const IdemRingRecord **records, int n, bool *done,
 				   WorkerRouterEncode encode, void *encode_arg, uint64 *copied, uint64 *rejected, char *errbuf, size_t errlen)
 {
 	uint64		unencodable;

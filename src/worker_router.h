@@ -9,7 +9,7 @@
 #ifndef IDEM_WORKER_ROUTER_H
 #define IDEM_WORKER_ROUTER_H
 
-#include "outbox_ring.h"
+#include "commit_ring.h"
 
 /*
  * The most records one batch holds: the worker's drains take at most this many
@@ -40,7 +40,7 @@ typedef enum WorkerRouterCopy
  * (worker_encode_record()): 1 done,
  * 0 the record's retention is over (skip it), -1 it cannot be encoded.
  */
-typedef int (*WorkerRouterEncode) (void *arg, const IdemOutboxRecord *rec,
+typedef int (*WorkerRouterEncode) (void *arg, const IdemRingRecord *rec,
 								   char *key, int *keylen, char *value,
 								   int *valuelen, char *ttl, size_t ttllen);
 
@@ -49,13 +49,13 @@ extern WorkerRouterConnect worker_router_connect(const char *password, char *err
 extern bool worker_router_active(void);	/* on a cluster */
 extern bool worker_router_connected(void);	/* on a cluster or a single Valkey */
 extern void worker_router_disconnect(void);
-extern int	worker_router_send(const IdemOutboxRecord **records, int n,
+extern int	worker_router_send(const IdemRingRecord **records, int n,
 							   bool *done, WorkerRouterEncode encode, void *encode_arg,
 							   uint64 *rejected);
 extern WorkerRouterCopy worker_router_collect(bool waited,
 											  uint64 *copied, uint64 *rejected,
 											  char *errbuf, size_t errlen);
-extern WorkerRouterCopy worker_router_copy(const IdemOutboxRecord **records, int n,
+extern WorkerRouterCopy worker_router_copy(const IdemRingRecord **records, int n,
 										   bool *done,
 										   WorkerRouterEncode encode, void *encode_arg,
 										   uint64 *copied,

@@ -5,7 +5,7 @@
  *	  the one subtransaction callback of idem (registered by _PG_init), which
  *	  pass each event on to the two holders of per-transaction state, in a
  *	  fixed order:
- *		outbox.c	the copies of terminal results for the Valkey cache
+ *		commit_copies.c	the copies of terminal results for the Valkey cache
  *		pending.c	the claims whose ledger row is not written yet
  *	  and, last, to ledger_guard.c, which renews the history epoch when the
  *	  transaction removed ledger rows outside idem.
@@ -16,7 +16,7 @@
  *	  aborts and handed to its parent when it commits.
  *
  *	  The commit hook's copies go first; at PREPARE (two-phase commit:
- *	  nothing is copied, see idem_outbox_xact_event()) and at COMMIT both
+ *	  nothing is copied, see idem_copies_xact_event()) and at COMMIT both
  *	  only drop their state, and at PRE_PREPARE pending.c writes the open
  *	  claims as at PRE_COMMIT.
  *
@@ -26,13 +26,13 @@
 
 #include "xact.h"
 #include "ledger_guard.h"
-#include "outbox.h"
+#include "commit_copies.h"
 #include "pending.h"
 
 void
 idem_xact_callback(XactEvent event, void *arg)
 {
-	idem_outbox_xact_event(event);
+	idem_copies_xact_event(event);
 	idem_pending_xact_event(event);
 	idem_ledger_guard_xact_event(event);
 }
@@ -51,6 +51,6 @@ idem_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 	else
 		return;
 	level = GetCurrentTransactionNestLevel();
-	idem_outbox_subxact_end(committed, level);
+	idem_copies_subxact_end(committed, level);
 	idem_pending_subxact_end(committed, level);
 }

@@ -71,7 +71,7 @@ my $t0 = time();
 IdemValkey::poll_until(5, sub { $vc->on_owner($p[0]) });
 my $seen1 = time();
 cmp_ok($seen1 - $t0, '<', 0.9, 'batch delay 1 s: a lone commit is still copied at once');
-# From $before1, not $seen1: see test/t/010_outbox.pl (a psql slow to
+# From $before1, not $seen1: see test/t/010_commit_ring.pl (a psql slow to
 # return after its commit makes this lenient, never fail).
 IdemValkeyCluster::commit_results($node, 'pace', 2, 2);
 IdemValkey::poll_until(5, sub { $vc->on_owner($p[1]) });

@@ -11,7 +11,7 @@
  *
  * One key, NRUN concurrent runners (client helpers) that each take
  * deliveries of the same message, Valkey (one key), PostgreSQL (one row of
- * the ledger, the key's try-lock, the effect), the commit-hook outbox and the
+ * the ledger, the key's try-lock, the effect), the commit hook's copies and the
  * background worker.  Time is abstracted: every expiry (marker PX, terminal
  * PX, lease, idle-backend timeout) is a nondeterministic event.
  *
@@ -213,7 +213,7 @@ bool vk_orphan = false;
 bool ns_old[NRUN + 1];
 bool vk_up = true;      /* reachable */
 
-/* ================== outbox (src/outbox.c shared queue) ================== */
+/* ================== commit ring (src/commit_ring.c) ================== */
 bool ob_pending = false;    /* a terminal copy waits for the worker */
 byte ob_kind = V_NONE;
 byte ob_val = 0;
@@ -459,7 +459,7 @@ inline claim_step(me)
 
 /* Transaction end without commit (ROLLBACK, backend terminated): the
  * try-lock, the row write and the effect vanish together; the
- * per-transaction outbox entries are discarded (src/outbox.c, abort). */
+ * per-transaction copies are discarded (src/commit_copies.c, abort). */
 inline tx_clear()
 {
 	tx_st = S_NONE; tx_att = 0; tx_out = 0; tx_wrote = false; tx_eff = false
@@ -488,10 +488,10 @@ inline runner_dies(me)
 	res = R_DIED
 }
 
-/* idem_outbox_add (src/outbox.c) queues the copy in the transaction; the
+/* idem_copies_add (src/commit_copies.c) queues the copy in the transaction; the
  * XACT_EVENT_COMMIT callback moves it to the bounded shared-memory queue,
  * or drops it if the queue is full (allowed: PostgreSQL is the truth). */
-inline outbox_at_commit(kind, val)
+inline copies_at_commit(kind, val)
 {
 	if
 	:: ob_pending = true; ob_kind = kind; ob_val = val; ob_seq = commit_seq
@@ -500,7 +500,7 @@ inline outbox_at_commit(kind, val)
 }
 
 /* COMMIT of the lock holder's transaction: the row, the effect and the
- * outbox copy become durable together, then the try-lock is released. */
+ * copy become durable together, then the try-lock is released. */
 inline tx_commit_effects(me)
 {
 	if
@@ -525,7 +525,7 @@ inline tx_commit_effects(me)
 	fi;
 #endif
 	if
-	:: TERMINAL(tx_st) -> outbox_at_commit(VK_OF(tx_st), tx_out)
+	:: TERMINAL(tx_st) -> copies_at_commit(VK_OF(tx_st), tx_out)
 	:: else -> skip
 	fi;
 	tx_rollback(me)                 /* releases the try-lock, clears the tx */
@@ -575,7 +575,7 @@ inline first_stmt_step(me)
 /*
  * In-transaction mode, after `claimed`: SAVEPOINT; the handler writes its
  * effect; idem_complete (src/ledger.c: row -> completed with the outcome,
- * and idem_outbox_add) or, on a handler failure, ROLLBACK TO SAVEPOINT and
+ * and idem_copies_add) or, on a handler failure, ROLLBACK TO SAVEPOINT and
  * idem_fail (src/ledger.c).  Invisible to others until COMMIT.
  */
 inline handler_step(me)
@@ -699,7 +699,7 @@ inline lease_complete_step(me)
 #endif
 			if
 			:: row_st = S_DONE; row_out = OUT(me, att);
-				outbox_at_commit(V_DONE, row_out); res = R_APPLIED
+				copies_at_commit(V_DONE, row_out); res = R_APPLIED
 			:: FAULT -> SPEND; res = R_REQUEUE                   /* rolled back */
 			fi
 		:: lock_owner == 0 && !(row_st == S_PROC && FENCE_OK) ->

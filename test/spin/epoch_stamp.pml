@@ -6,7 +6,7 @@
  *
  *   committer  the transaction that completes the key: its copy is
  *              stamped with the renewal generation when idem_complete
- *              makes it (idem_outbox_add), before the commit is visible;
+ *              makes it (idem_copies_add), before the commit is visible;
  *              at commit the row appears and the copy enters the commit
  *              ring (XACT_EVENT_COMMIT)
  *   remover    the DELETE: the row goes (ProcArrayEndTransaction), then
@@ -102,7 +102,7 @@ inline enqueue(g)
 proctype committer()
 {
 	byte s;
-	s = gen;                                    /* idem_outbox_add */
+	s = gen;                                    /* idem_copies_add */
 	atomic { row = true; enqueue(s) }           /* commit, XACT_EVENT_COMMIT */
 }
 

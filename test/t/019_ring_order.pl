@@ -3,7 +3,7 @@
 # published behind it is not copied before it, nothing is read from the
 # unwritten record, the worker waits without spinning, and both are
 # copied, whole, once it is published.  The
-# writer is held by an injection point (src/outbox_ring.c), so this needs
+# writer is held by an injection point (src/commit_ring.c), so this needs
 # PostgreSQL 17 or later configured with --enable-injection-points and its
 # injection_points module: make test's PostgreSQL 18 run.
 use strict;
@@ -45,10 +45,10 @@ ok(defined $valkey->wait_for_key(key_of('first'), 10), 'a first copy goes throug
 # Session A commits and stops after reserving its record.
 my $a = $node->background_psql('postgres');
 $a->query_safe('SELECT injection_points_set_local()');
-$a->query_safe("SELECT injection_points_attach('idem-outbox-reserved', 'wait')");
+$a->query_safe("SELECT injection_points_attach('idem-ring-reserved', 'wait')");
 $a->query_until(qr/committing/, "\\echo committing\n" . commit_sql('a'));
 ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-outbox-reserved'"),
+		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-reserved'"),
 	'session A committed and is held after reserving its record');
 is($node->safe_psql('postgres',
 		"SELECT status FROM idem_lookup(1, idem_key('ring', 'a'))"),
@@ -67,7 +67,7 @@ is(IdemValkey::stats_col($node, 'copy_errors') . ' ' . IdemValkey::stats_col($no
 	'0 0', 'nothing was read from the unwritten record (no error, nothing rejected)');
 
 # A goes on: it writes and publishes its record.
-$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-outbox-reserved')");
+$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-ring-reserved')");
 $a->quit;
 foreach my $id ('a', 'b')
 {

@@ -1,4 +1,4 @@
-# The commit ring under stress (src/outbox_ring.c, src/outbox.c):
+# The commit ring under stress (src/commit_ring.c, src/commit_copies.c):
 #  - idem_stats().dropped counts the copies of committed work only: copies
 #    dropped at once inside a subtransaction that rolls back are not
 #    counted (any version);
@@ -12,7 +12,7 @@
 #    awake, 1, 2, 4 ... 128 ms, copied them about 60 ms later);
 #  - a committer held between reserving and publishing its record over a
 #    second is counted in idem_stats().queue_stalls, once.
-# The holds use injection points (src/outbox_ring.c), so those parts need
+# The holds use injection points (src/commit_ring.c), so those parts need
 # PostgreSQL 17 or later configured with --enable-injection-points and its
 # injection_points module: make test's PostgreSQL 18 run.  A stop at an
 # exact instruction between two atomic reads cannot be had otherwise
@@ -155,10 +155,10 @@ my $free_lag = copy_lag('free');
 $d0 = dropped();
 my $a = $node->background_psql('postgres');
 $a->query_safe('SELECT injection_points_set_local()');
-$a->query_safe("SELECT injection_points_attach('idem-outbox-counted', 'wait')");
+$a->query_safe("SELECT injection_points_attach('idem-ring-counted', 'wait')");
 $a->query_until(qr/committing/, "\\echo committing\n" . commit_sql('a'));
 ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-outbox-counted'"),
+		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-counted'"),
 	'session A committed and is held after counting its copy in, before reserving it');
 
 # Others commit, one at a time; the worker copies each and moves tail past
@@ -191,7 +191,7 @@ my $held_lag = copy_lag('held');
 cmp_ok($held_lag, '<', $free_lag + 0.030,
 	'behind a held committer, a commit still wakes the worker: the median copy lag is within 30 ms of that with nothing held');
 
-$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-outbox-counted')");
+$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-ring-counted')");
 $a->quit;
 my $v = $valkey->wait_for_key(key_of('a'), 10);
 my $parsed = IdemValkey::parse_value($v);
@@ -206,10 +206,10 @@ ok( $node->poll_query_until('postgres', 'SELECT queue_depth = 0 FROM idem_stats(
 is(IdemValkey::stats_col($node, 'queue_stalls'), '0', 'no stall counted so far');
 my $c = $node->background_psql('postgres');
 $c->query_safe('SELECT injection_points_set_local()');
-$c->query_safe("SELECT injection_points_attach('idem-outbox-reserved', 'wait')");
+$c->query_safe("SELECT injection_points_attach('idem-ring-reserved', 'wait')");
 $c->query_until(qr/committing/, "\\echo committing\n" . commit_sql('c'));
 ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-outbox-reserved'"),
+		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-reserved'"),
 	'session C committed and is held after reserving its copy');
 $node->safe_psql('postgres', commit_sql('d'));
 ok($node->poll_query_until('postgres', 'SELECT queue_stalls = 1 FROM idem_stats()'),
@@ -217,7 +217,7 @@ ok($node->poll_query_until('postgres', 'SELECT queue_stalls = 1 FROM idem_stats(
 is($valkey->command('GET', key_of('d')), undef, 'the copy behind it waits');
 sleep(2);
 is(IdemValkey::stats_col($node, 'queue_stalls'), '1', 'once per stalled copy');
-$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-outbox-reserved')");
+$node->safe_psql('postgres', "SELECT injection_points_wakeup('idem-ring-reserved')");
 $c->quit;
 ok(defined $valkey->wait_for_key(key_of($_), 10), "then $_\'s copy arrives") foreach ('c', 'd');
 

@@ -1,4 +1,4 @@
-# The commit-hook outbox: what reaches Valkey, when, and in what form.
+# The commit hook and the commit ring: what reaches Valkey, when, and in what form.
 # Only committed terminal results are copied; rollbacks (whole transaction,
 # ROLLBACK TO, exception blocks) copy nothing; two-phase commit (PREPARE
 # TRANSACTION) copies nothing; bad settings are refused.
@@ -15,7 +15,7 @@ use Test::More;
 use Time::HiRes qw(time);
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
-my $node = IdemValkey::idem_node('outbox', $valkey,
+my $node = IdemValkey::idem_node('ring', $valkey,
 	max_prepared_transactions => 2);
 ok(IdemValkey::wait_connected($node, 1), 'worker connects to Valkey');
 is(IdemValkey::stats_col($node, 'preloaded'), 't', 'idem_stats() reports preloading');

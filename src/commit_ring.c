@@ -1,12 +1,12 @@
 /*-------------------------------------------------------------------------
  *
- * outbox_ring.c
+ * commit_ring.c
  *	  The shared-memory queue that committing backends write and the
  *	  background worker reads: a byte ring of variable-length
- *	  IdemOutboxRecords (header plus outcome, see outbox_ring.h).
+ *	  IdemRingRecords (header plus outcome, see commit_ring.h).
  *
  * Size.  The ring accepts at most idem.queue_size records and reserves
- * IDEM_OUTBOX_BYTES_PER_RECORD bytes per record, plus room for two records
+ * IDEM_RING_BYTES_PER_RECORD bytes per record, plus room for two records
  * of the largest size, so a queue of large outcomes holds fewer records.
  * Its space is reserved and initialised by shmem.c, the one owner of idem's
  * shared memory.
@@ -24,7 +24,7 @@
  *		tail would wrap.  The worker sleeps when head equals tail, also
  *		while a copy is counted in but not reserved yet (then for a
  *		bounded nap): its writer wakes it once the copy is published, as
- *		any other writer does (idem_outbox_worker_sleepy).
+ *		any other writer does (idem_ring_worker_sleepy).
  *	  - A reserved record becomes visible to the reader only when published:
  *		the writer copies it in, then (after a write barrier) sets its
  *		published field to its position + 1.  The reader stops at the first
@@ -45,7 +45,7 @@
  *		never 0).
  *	  - capacity and max_records are set once at startup and read freely.
  *	  - worker_procno and worker_awake are atomics too (see
- *		idem_outbox_worker_sleepy for the handshake).
+ *		idem_ring_worker_sleepy for the handshake).
  *	  - The writers' side runs after the commit record is written: nothing
  *		here allocates, raises an error or waits (but for a test's injection
  *		point, in builds that have them).  A full queue drops the copy and
@@ -66,7 +66,7 @@
 #include "storage/shmem.h"
 #include "utils/timestamp.h"
 
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "cache_format.h"
 #include "compat.h"
 #include "guc.h"
@@ -74,23 +74,23 @@
 
 /*
  * A record's header (everything before the outcome) is 128 bytes; the ring
- * reserves IDEM_OUTBOX_BYTES_PER_RECORD (256) bytes per queued record on
+ * reserves IDEM_RING_BYTES_PER_RECORD (256) bytes per queued record on
  * average, header and a typical outcome.
  */
-StaticAssertDecl(offsetof(IdemOutboxRecord, outcome) == 128,
+StaticAssertDecl(offsetof(IdemRingRecord, outcome) == 128,
 				 "the header size stated above and in docs/commit-ring.md");
-StaticAssertDecl(IDEM_OUTBOX_BYTES_PER_RECORD == 256,
+StaticAssertDecl(IDEM_RING_BYTES_PER_RECORD == 256,
 				 "the size stated above, in idem.queue_size's description and in the README");
-#define IDEM_OUTBOX_RECORD_MAX	IDEM_OUTBOX_RECORD_SIZE(IDEM_OUTCOME_MAX)
-#define IDEM_OUTBOX_NO_WORKER	PG_UINT32_MAX
+#define IDEM_RING_RECORD_MAX	IDEM_RING_RECORD_SIZE(IDEM_OUTCOME_MAX)
+#define IDEM_RING_NO_WORKER	PG_UINT32_MAX
 
 /*
  * The oldest record reserved but still unwritten this long holds back every
  * copy behind it: count it (idem_stats().queue_stalls), once per record.
  */
-#define IDEM_OUTBOX_STALL_MS	1000
+#define IDEM_RING_STALL_MS	1000
 
-typedef struct IdemOutboxShared
+typedef struct IdemRingShared
 {
 	/* Byte positions in the ring; they only grow. */
 	pg_atomic_uint64 head;		/* reserved up to here (writers) */
@@ -100,16 +100,16 @@ typedef struct IdemOutboxShared
 	/* Set once at startup. */
 	uint64		capacity;		/* bytes in the ring, a MAXALIGN multiple */
 	uint64		max_records;	/* idem.queue_size */
-	/* The worker's PGPROC number, or IDEM_OUTBOX_NO_WORKER. */
+	/* The worker's PGPROC number, or IDEM_RING_NO_WORKER. */
 	pg_atomic_uint32 worker_procno;
 	/* 0 only while the worker sleeps waiting for work: wake it then. */
 	pg_atomic_uint32 worker_awake;
-} IdemOutboxShared;
+} IdemRingShared;
 
-#define IDEM_OUTBOX_RING(shared) \
-	((char *) (shared) + MAXALIGN(sizeof(IdemOutboxShared)))
+#define IDEM_RING_BYTES(shared) \
+	((char *) (shared) + MAXALIGN(sizeof(IdemRingShared)))
 
-static IdemOutboxShared *outbox = NULL;
+static IdemRingShared *commit_ring = NULL;
 
 /*
  * Records are MAXALIGNed, so as little as MAXIMUM_ALIGNOF bytes can be left
@@ -117,44 +117,44 @@ static IdemOutboxShared *outbox = NULL;
  * (published, size, kind) run past the ring by up to this much, which is
  * allocated after it.
  */
-#define IDEM_OUTBOX_PAD_SLACK \
-	MAXALIGN(offsetof(IdemOutboxRecord, kind) + sizeof(char))
+#define IDEM_RING_PAD_SLACK \
+	MAXALIGN(offsetof(IdemRingRecord, kind) + sizeof(char))
 
 static Size
-outbox_ring_capacity(void)
+ring_capacity(void)
 {
-	return mul_size(idem_queue_size, IDEM_OUTBOX_BYTES_PER_RECORD) +
-		2 * IDEM_OUTBOX_RECORD_MAX;
+	return mul_size(idem_queue_size, IDEM_RING_BYTES_PER_RECORD) +
+		2 * IDEM_RING_RECORD_MAX;
 }
 
 Size
-idem_outbox_ring_shmem_size(void)
+idem_ring_shmem_size(void)
 {
-	return add_size(add_size(MAXALIGN(sizeof(IdemOutboxShared)),
-							 outbox_ring_capacity()),
-					IDEM_OUTBOX_PAD_SLACK);
+	return add_size(add_size(MAXALIGN(sizeof(IdemRingShared)),
+							 ring_capacity()),
+					IDEM_RING_PAD_SLACK);
 }
 
 /* Called from shmem.c's startup hook, with AddinShmemInitLock held. */
 void
-idem_outbox_ring_shmem_init(void)
+idem_ring_shmem_init(void)
 {
 	bool		found;
 
-	outbox = ShmemInitStruct("idem commit ring", idem_outbox_ring_shmem_size(),
+	commit_ring = ShmemInitStruct("idem commit ring", idem_ring_shmem_size(),
 							 &found);
 	if (!found)
 	{
-		pg_atomic_init_u64(&outbox->head, 0);
-		pg_atomic_init_u64(&outbox->tail, 0);
-		pg_atomic_init_u64(&outbox->nrecords, 0);
-		outbox->capacity = outbox_ring_capacity();
-		outbox->max_records = idem_queue_size;
-		pg_atomic_init_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
-		pg_atomic_init_u32(&outbox->worker_awake, 0);
+		pg_atomic_init_u64(&commit_ring->head, 0);
+		pg_atomic_init_u64(&commit_ring->tail, 0);
+		pg_atomic_init_u64(&commit_ring->nrecords, 0);
+		commit_ring->capacity = ring_capacity();
+		commit_ring->max_records = idem_queue_size;
+		pg_atomic_init_u32(&commit_ring->worker_procno, IDEM_RING_NO_WORKER);
+		pg_atomic_init_u32(&commit_ring->worker_awake, 0);
 		/* no published mark anywhere */
-		memset(IDEM_OUTBOX_RING(outbox), 0,
-			   outbox->capacity + IDEM_OUTBOX_PAD_SLACK);
+		memset(IDEM_RING_BYTES(commit_ring), 0,
+			   commit_ring->capacity + IDEM_RING_PAD_SLACK);
 	}
 }
 
@@ -163,16 +163,16 @@ idem_outbox_ring_shmem_init(void)
  * the ring (read without the lock: both limits are set once at startup).
  */
 bool
-idem_outbox_ring_fits(uint64 nrecords, uint64 bytes)
+idem_ring_fits(uint64 nrecords, uint64 bytes)
 {
-	return nrecords <= outbox->max_records && bytes <= outbox->capacity;
+	return nrecords <= commit_ring->max_records && bytes <= commit_ring->capacity;
 }
 
 /* Whether the ring exists (idem is in shared_preload_libraries). */
 bool
-idem_outbox_available(void)
+idem_ring_available(void)
 {
-	return outbox != NULL;
+	return commit_ring != NULL;
 }
 
 /*
@@ -180,7 +180,7 @@ idem_outbox_available(void)
  * visible to the reader as the record at position pos.
  */
 static inline void
-outbox_ring_publish(IdemOutboxRecord *r, uint64 pos)
+ring_publish(IdemRingRecord *r, uint64 pos)
 {
 	pg_write_barrier();
 	r->published = pos + 1;
@@ -196,7 +196,7 @@ outbox_ring_publish(IdemOutboxRecord *r, uint64 pos)
  * is mapped already: the cache line is about to be written anyway.
  */
 static inline void
-outbox_ring_touch(const char *p, uint32 size)
+ring_touch(const char *p, uint32 size)
 {
 	(void) *(volatile const char *) p;
 	(void) *(volatile const char *) (p + size - 1);
@@ -207,7 +207,7 @@ outbox_ring_touch(const char *p, uint32 size)
  * 0, which marks a record whose bytes were zeroed under a reader.
  */
 static inline uint32
-outbox_ring_ms(TimestampTz t)
+ring_ms(TimestampTz t)
 {
 	uint32		ms = (uint32) ((uint64) t / 1000);
 
@@ -222,31 +222,31 @@ outbox_ring_ms(TimestampTz t)
  * record.
  */
 static bool
-outbox_ring_append(const IdemOutboxRecord *rec, uint32 queued_ms)
+ring_append(const IdemRingRecord *rec, uint32 queued_ms)
 {
-	char	   *ring = IDEM_OUTBOX_RING(outbox);
+	char	   *ring = IDEM_RING_BYTES(commit_ring);
 	uint64		head;
 	uint64		off;
 	uint64		pad;
-	IdemOutboxRecord *r;
+	IdemRingRecord *r;
 
-	if (pg_atomic_fetch_add_u64(&outbox->nrecords, 1) >= outbox->max_records)
+	if (pg_atomic_fetch_add_u64(&commit_ring->nrecords, 1) >= commit_ring->max_records)
 	{
-		pg_atomic_fetch_sub_u64(&outbox->nrecords, 1);
+		pg_atomic_fetch_sub_u64(&commit_ring->nrecords, 1);
 		return false;
 	}
-	head = pg_atomic_read_u64(&outbox->head);
+	head = pg_atomic_read_u64(&commit_ring->head);
 
 	/*
 	 * Counted, not reserved: a test may hold this writer here, as a
 	 * preemption would, while others commit and the reader consumes past
 	 * the head read above.
 	 */
-	IDEM_INJECTION_POINT("idem-outbox-counted");
+	IDEM_INJECTION_POINT("idem-commit_ring-counted");
 
 	for (;;)
 	{
-		uint64		tail = pg_atomic_read_u64(&outbox->tail);
+		uint64		tail = pg_atomic_read_u64(&commit_ring->tail);
 		uint64		contiguous;
 
 		/*
@@ -258,19 +258,19 @@ outbox_ring_append(const IdemOutboxRecord *rec, uint32 queued_ms)
 		if (unlikely(head < tail))
 		{
 			pg_read_barrier();
-			head = pg_atomic_read_u64(&outbox->head);
+			head = pg_atomic_read_u64(&commit_ring->head);
 			Assert(head >= tail);
 		}
-		off = head % outbox->capacity;
-		contiguous = outbox->capacity - off;
+		off = head % commit_ring->capacity;
+		contiguous = commit_ring->capacity - off;
 		pad = (rec->size > contiguous) ? contiguous : 0;
-		if (head + pad + rec->size - tail > outbox->capacity)
+		if (head + pad + rec->size - tail > commit_ring->capacity)
 		{
-			pg_atomic_fetch_sub_u64(&outbox->nrecords, 1);
+			pg_atomic_fetch_sub_u64(&commit_ring->nrecords, 1);
 			return false;
 		}
 		/* on failure, head is the value another writer moved it to */
-		if (pg_atomic_compare_exchange_u64(&outbox->head, &head,
+		if (pg_atomic_compare_exchange_u64(&commit_ring->head, &head,
 										   head + pad + rec->size))
 			break;
 	}
@@ -279,46 +279,46 @@ outbox_ring_append(const IdemOutboxRecord *rec, uint32 queued_ms)
 	 * Reserved, not written: a test may hold this writer here (as a
 	 * preemption would) to check that the reader waits for it.
 	 */
-	IDEM_INJECTION_POINT("idem-outbox-reserved");
+	IDEM_INJECTION_POINT("idem-commit_ring-reserved");
 
 	if (pad > 0)
 	{
 		/* Skip the end of the ring: a padding record (kind 0). */
-		IdemOutboxRecord *p = (IdemOutboxRecord *) (ring + off);
+		IdemRingRecord *p = (IdemRingRecord *) (ring + off);
 
-		/* its header may run into IDEM_OUTBOX_PAD_SLACK */
+		/* its header may run into IDEM_RING_PAD_SLACK */
 		Assert(pad % MAXIMUM_ALIGNOF == 0 && pad >= MAXIMUM_ALIGNOF);
 		p->size = (uint32) pad;
 		p->kind = 0;
-		outbox_ring_publish(p, head);
+		ring_publish(p, head);
 		head += pad;
 		off = 0;
 	}
-	r = (IdemOutboxRecord *) (ring + off);
-	outbox_ring_touch((const char *) r, rec->size);
+	r = (IdemRingRecord *) (ring + off);
+	ring_touch((const char *) r, rec->size);
 	memcpy((char *) r + sizeof(r->published), (const char *) rec + sizeof(rec->published),
 		   rec->size - sizeof(rec->published));
 	r->queued_ms = queued_ms;
-	outbox_ring_publish(r, head);
+	ring_publish(r, head);
 	return true;
 }
 
 /*
  * Called after the records are counted in (an atomic fetch-add: a full
  * barrier) and published.  A worker that is awake looks at the queue again before
- * it sleeps (see idem_outbox_worker_sleepy), so only a sleeping one needs
+ * it sleeps (see idem_ring_worker_sleepy), so only a sleeping one needs
  * the latch: a busy worker costs commits no system call.
  */
 static void
-outbox_wake_worker(void)
+ring_wake_worker(void)
 {
 	uint32		procno;
 
-	if (pg_atomic_read_u32(&outbox->worker_awake) != 0)
+	if (pg_atomic_read_u32(&commit_ring->worker_awake) != 0)
 		return;
-	procno = pg_atomic_read_u32(&outbox->worker_procno);
+	procno = pg_atomic_read_u32(&commit_ring->worker_procno);
 	/* A stale number only costs another process a spurious wakeup. */
-	if (procno != IDEM_OUTBOX_NO_WORKER)
+	if (procno != IDEM_RING_NO_WORKER)
 		SetLatch(&GetPGProcByNumber(procno)->procLatch);
 }
 
@@ -327,37 +327,37 @@ outbox_wake_worker(void)
  * take over, ledger_guard.c).  Safe after a commit record.
  */
 void
-idem_outbox_wake(void)
+idem_ring_wake(void)
 {
-	if (outbox != NULL)
-		outbox_wake_worker();
+	if (commit_ring != NULL)
+		ring_wake_worker();
 }
 
 /*
  * At XACT_EVENT_COMMIT: move a transaction's copies (a List of
- * IdemOutboxRecord *) into the ring, stamped with the commit's time, count
+ * IdemRingRecord *) into the ring, stamped with the commit's time, count
  * them (each in queued, and the ones the ring has no room for in dropped
  * too) and wake the worker.  Safe after the commit record: no allocation,
  * no error.
  */
 void
-idem_outbox_ring_put(List *records)
+idem_ring_put(List *records)
 {
 	ListCell   *lc;
 	uint64		accepted = 0;
 	uint64		dropped = 0;
 	uint32		queued_ms;
 
-	if (outbox == NULL || records == NIL)
+	if (commit_ring == NULL || records == NIL)
 		return;
 
 	/* the commit record's time, taken when it was written */
-	queued_ms = outbox_ring_ms(GetCurrentTransactionStopTimestamp());
+	queued_ms = ring_ms(GetCurrentTransactionStopTimestamp());
 	/* counted before they enter the ring: queued is never behind depth */
 	idem_stats_add(IDEM_STAT_QUEUED, list_length(records));
 	foreach(lc, records)
 	{
-		if (outbox_ring_append((IdemOutboxRecord *) lfirst(lc), queued_ms))
+		if (ring_append((IdemRingRecord *) lfirst(lc), queued_ms))
 			accepted++;
 		else
 			dropped++;
@@ -365,7 +365,7 @@ idem_outbox_ring_put(List *records)
 
 	idem_stats_add(IDEM_STAT_DROPPED, dropped);
 	if (accepted > 0)
-		outbox_wake_worker();
+		ring_wake_worker();
 }
 
 /*
@@ -376,21 +376,21 @@ idem_outbox_ring_put(List *records)
  * one that passes that check counts as a commit's copy does.
  */
 bool
-idem_outbox_ring_offer(const IdemOutboxRecord *rec)
+idem_ring_offer(const IdemRingRecord *rec)
 {
 	bool		accepted = false;
 
-	if (outbox == NULL)
+	if (commit_ring == NULL)
 		return false;
-	if (pg_atomic_read_u64(&outbox->nrecords) < outbox->max_records / 2)
+	if (pg_atomic_read_u64(&commit_ring->nrecords) < commit_ring->max_records / 2)
 	{
 		idem_stats_add(IDEM_STAT_QUEUED, 1);
-		accepted = outbox_ring_append(rec, outbox_ring_ms(GetCurrentTimestamp()));
+		accepted = ring_append(rec, ring_ms(GetCurrentTimestamp()));
 		if (!accepted)
 			idem_stats_add(IDEM_STAT_DROPPED, 1);	/* no room for its bytes */
 	}
 	if (accepted)
-		outbox_wake_worker();
+		ring_wake_worker();
 	return accepted;
 }
 
@@ -399,25 +399,25 @@ idem_outbox_ring_offer(const IdemOutboxRecord *rec)
  * read position and the write position it saw cannot change under it.
  */
 void
-idem_outbox_attach_worker(void)
+idem_ring_attach_worker(void)
 {
-	pg_atomic_write_u32(&outbox->worker_procno, IDEM_MY_PROCNO);
+	pg_atomic_write_u32(&commit_ring->worker_procno, IDEM_MY_PROCNO);
 	/* Until its first sleep, commits need not wake it. */
-	pg_atomic_write_u32(&outbox->worker_awake, 1);
+	pg_atomic_write_u32(&commit_ring->worker_awake, 1);
 }
 
 void
-idem_outbox_detach_worker(void)
+idem_ring_detach_worker(void)
 {
-	if (outbox != NULL)
-		pg_atomic_write_u32(&outbox->worker_procno, IDEM_OUTBOX_NO_WORKER);
+	if (commit_ring != NULL)
+		pg_atomic_write_u32(&commit_ring->worker_procno, IDEM_RING_NO_WORKER);
 }
 
 /* The worker is at work: committing backends need not set its latch. */
 void
-idem_outbox_worker_awake(void)
+idem_ring_worker_awake(void)
 {
-	pg_atomic_write_u32(&outbox->worker_awake, 1);
+	pg_atomic_write_u32(&commit_ring->worker_awake, 1);
 }
 
 /*
@@ -435,11 +435,11 @@ idem_outbox_worker_awake(void)
  * waiting for the nap's end.
  */
 bool
-idem_outbox_worker_sleepy(bool *coming)
+idem_ring_worker_sleepy(bool *coming)
 {
 	uint64		tail;
 
-	pg_atomic_write_u32(&outbox->worker_awake, 0);
+	pg_atomic_write_u32(&commit_ring->worker_awake, 0);
 	pg_memory_barrier();
 
 	/*
@@ -451,27 +451,27 @@ idem_outbox_worker_sleepy(bool *coming)
 	 * barrier before it reads worker_awake).
 	 */
 	*coming = false;
-	tail = pg_atomic_read_u64(&outbox->tail);
+	tail = pg_atomic_read_u64(&commit_ring->tail);
 	pg_read_barrier();
-	if (pg_atomic_read_u64(&outbox->head) == tail)
+	if (pg_atomic_read_u64(&commit_ring->head) == tail)
 	{
-		*coming = idem_outbox_depth() != 0;
+		*coming = idem_ring_depth() != 0;
 		return true;
 	}
-	idem_outbox_worker_awake();
+	idem_ring_worker_awake();
 	return false;
 }
 
 /*
  * The reader found the record at pos reserved but not written.  One that
- * stays so over IDEM_OUTBOX_STALL_MS is counted, once: its writer stopped
+ * stays so over IDEM_RING_STALL_MS is counted, once: its writer stopped
  * between its commit record and its copy (preempted, or stopped by a
  * debugger or SIGSTOP), and every copy behind it waits, so the queue
  * fills and drops new copies until it goes on.  The reader cannot skip it:
  * the writer will still write those bytes.  Worker-local state.
  */
 static void
-outbox_note_unwritten(uint64 pos)
+copies_note_unwritten(uint64 pos)
 {
 	static uint64 stall_mark = 0;	/* pos + 1 of the record watched */
 	static TimestampTz stall_since = 0;
@@ -485,7 +485,7 @@ outbox_note_unwritten(uint64 pos)
 		stall_counted = false;
 	}
 	else if (!stall_counted &&
-			 TimestampDifferenceExceeds(stall_since, now, IDEM_OUTBOX_STALL_MS))
+			 TimestampDifferenceExceeds(stall_since, now, IDEM_RING_STALL_MS))
 	{
 		idem_stats_add(IDEM_STAT_QUEUE_STALLS, 1);
 		stall_counted = true;
@@ -497,7 +497,7 @@ outbox_note_unwritten(uint64 pos)
  * oldest, if *pos is older than that), without removing them, and move *pos
  * past them (and past any padding).  The worker may peek further while
  * earlier records are still being written, and passes a position it was
- * given to idem_outbox_consume() once everything before it is written.
+ * given to idem_ring_consume() once everything before it is written.
  * Stops before the first record whose WAL position is beyond durable, and
  * then sets *held (records stay in order: one not durable yet holds back
  * those behind it, which become durable at about the same time); if that
@@ -505,29 +505,29 @@ outbox_note_unwritten(uint64 pos)
  * the worker may flush itself, else InvalidXLogRecPtr.
  */
 int
-idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
+idem_ring_peek(uint64 *pos, const IdemRingRecord **records, int max,
 				 XLogRecPtr durable, bool *held, XLogRecPtr *flush_to)
 {
-	const char *ring = IDEM_OUTBOX_RING(outbox);
+	const char *ring = IDEM_RING_BYTES(commit_ring);
 	uint64		p;
 	uint64		head;
 	int			n = 0;
 
-	p = Max(*pos, pg_atomic_read_u64(&outbox->tail));
-	head = pg_atomic_read_u64(&outbox->head);
+	p = Max(*pos, pg_atomic_read_u64(&commit_ring->tail));
+	head = pg_atomic_read_u64(&commit_ring->head);
 
 	*held = false;
 	*flush_to = InvalidXLogRecPtr;
 	while (p < head && n < max)
 	{
-		const IdemOutboxRecord *rec =
-			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
+		const IdemRingRecord *rec =
+			(const IdemRingRecord *) (ring + p % commit_ring->capacity);
 
 		if (*(volatile const uint64 *) &rec->published != p + 1)
 		{
 			/* reserved, still being written: look again shortly */
 			*held = true;
-			outbox_note_unwritten(p);
+			copies_note_unwritten(p);
 			break;
 		}
 		pg_read_barrier();
@@ -554,33 +554,33 @@ idem_outbox_peek(uint64 *pos, const IdemOutboxRecord **records, int max,
  * where a writer reserves next, then move tail.
  */
 void
-idem_outbox_consume(uint64 next_pos, int nrecords)
+idem_ring_consume(uint64 next_pos, int nrecords)
 {
-	char	   *ring = IDEM_OUTBOX_RING(outbox);
-	uint64		tail = pg_atomic_read_u64(&outbox->tail);
+	char	   *ring = IDEM_RING_BYTES(commit_ring);
+	uint64		tail = pg_atomic_read_u64(&commit_ring->tail);
 
-	Assert(next_pos >= tail && next_pos <= pg_atomic_read_u64(&outbox->head));
+	Assert(next_pos >= tail && next_pos <= pg_atomic_read_u64(&commit_ring->head));
 	while (tail < next_pos)
 	{
-		uint64		off = tail % outbox->capacity;
-		uint64		len = Min(next_pos - tail, outbox->capacity - off);
+		uint64		off = tail % commit_ring->capacity;
+		uint64		len = Min(next_pos - tail, commit_ring->capacity - off);
 
 		memset(ring + off, 0, len);
 		tail += len;
 	}
 	pg_write_barrier();
-	pg_atomic_write_u64(&outbox->tail, next_pos);
+	pg_atomic_write_u64(&commit_ring->tail, next_pos);
 	if (nrecords > 0)
-		pg_atomic_fetch_sub_u64(&outbox->nrecords, nrecords);
+		pg_atomic_fetch_sub_u64(&commit_ring->nrecords, nrecords);
 }
 
 /* Records counted in and not consumed yet (some may still be written). */
 uint64
-idem_outbox_depth(void)
+idem_ring_depth(void)
 {
-	if (outbox == NULL)
+	if (commit_ring == NULL)
 		return 0;
-	return pg_atomic_read_u64(&outbox->nrecords);
+	return pg_atomic_read_u64(&commit_ring->nrecords);
 }
 
 /*
@@ -590,27 +590,27 @@ idem_outbox_depth(void)
  * consumed under this look.  Any process may call it; it only reads.  The
  * worker zeroes a record's bytes before it moves tail past them, so a field
  * read meanwhile is its value or 0: the published mark is read again after
- * the fields, and a queued_ms of 0 is no time (outbox_ring_ms).
+ * the fields, and a queued_ms of 0 is no time (ring_ms).
  */
 bool
-idem_outbox_oldest_age(int64 *age_ms)
+idem_ring_oldest_age(int64 *age_ms)
 {
 	const char *ring;
 	uint64		p;
 	uint64		head;
 
-	if (outbox == NULL)
+	if (commit_ring == NULL)
 		return false;
-	ring = IDEM_OUTBOX_RING(outbox);
-	p = pg_atomic_read_u64(&outbox->tail);
+	ring = IDEM_RING_BYTES(commit_ring);
+	p = pg_atomic_read_u64(&commit_ring->tail);
 	pg_read_barrier();
-	head = pg_atomic_read_u64(&outbox->head);
+	head = pg_atomic_read_u64(&commit_ring->head);
 
 	/* the oldest record, or a padding record and the one after it */
 	for (int hops = 0; hops < 2 && p < head; hops++)
 	{
-		const IdemOutboxRecord *rec =
-			(const IdemOutboxRecord *) (ring + p % outbox->capacity);
+		const IdemRingRecord *rec =
+			(const IdemRingRecord *) (ring + p % commit_ring->capacity);
 		char		kind;
 		uint32		size;
 		uint32		queued_ms = 0;
@@ -633,7 +633,7 @@ idem_outbox_oldest_age(int64 *age_ms)
 		}
 		if (queued_ms == 0)
 			return false;
-		waited = outbox_ring_ms(GetCurrentTimestamp()) - queued_ms;
+		waited = ring_ms(GetCurrentTimestamp()) - queued_ms;
 		/* a clock set back: no negative age (nor one of 49 days) */
 		*age_ms = waited > PG_INT32_MAX ? 0 : (int64) waited;
 		return true;

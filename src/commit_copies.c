@@ -1,11 +1,11 @@
 /*-------------------------------------------------------------------------
  *
- * outbox.c
+ * commit_copies.c
  *	  The commit hook: this transaction's copies of terminal results, to be
  *	  queued for the Valkey cache when the transaction commits.
  *
  * idem_complete() and idem_fail(retryable => false) (and their platform
- * twins) call idem_outbox_add() inside the user's transaction.  The copy is
+ * twins) call idem_copies_add() inside the user's transaction.  The copy is
  * kept in backend-local memory (TopTransactionContext), tagged with the
  * subtransaction nesting level, and follows its subtransaction by xact.c's
  * rule (idem_subxact_follow):
@@ -20,7 +20,7 @@
  *		PostgreSQL stays the truth; a reader that misses the cache reads
  *		the ledger and repopulates Valkey;
  *	  - at XACT_EVENT_COMMIT, which runs after the commit record is written,
- *		the copies move into the shared queue (outbox_ring.c), each marked
+ *		the copies move into the shared queue (commit_ring.c), each marked
  *		with the end of the commit record (XactLastCommitEnd), and the
  *		worker's latch is set; the worker copies a record only once WAL is
  *		durable up to its mark.  Nothing there allocates, raises an error or
@@ -28,7 +28,7 @@
  *		the truth, and a cache miss repopulates Valkey);
  *	  - an abort forgets them.
  *
- * idem_outbox_repopulate() puts a copy of a terminal row that a lookup or
+ * idem_copies_repopulate() puts a copy of a terminal row that a lookup or
  * claim read (not wrote) straight into the queue, marked with the end of
  * the WAL inserted at the read (idem_insert_end_lsn): the row's commit
  * record is before it.  That position may also cover WAL of no commit, which
@@ -42,7 +42,7 @@
  * WAL writer, as the commit's durability does.
  *
  * Every copy carries the renewal generation it was read under (a
- * commit's own copy: when idem_outbox_add makes it), and the worker never
+ * commit's own copy: when idem_copies_add makes it), and the worker never
  * writes it into an epoch made after a later removal of ledger rows
  * (epoch_renewal.c).
  *
@@ -58,15 +58,15 @@
 #include "miscadmin.h"
 #include "utils/memutils.h"
 
-#include "outbox.h"
+#include "commit_copies.h"
 #include "cache_format.h"
 #include "epoch_renewal.h"
-#include "outbox_ring.h"
+#include "commit_ring.h"
 #include "stats.h"
 #include "subxact.h"
 
 /* This transaction's pending copies, in TopTransactionContext. */
-static List *pending_records = NIL;	/* of IdemOutboxRecord * */
+static List *pending_records = NIL;	/* of IdemRingRecord * */
 static List *pending_levels = NIL;	/* nesting level of each, same order */
 
 /*
@@ -84,7 +84,7 @@ static List *pending_dropped_levels = NIL;	/* of int */
 static List *pending_dropped_counts = NIL;	/* of int, same order */
 
 static void
-outbox_pending_reset(void)
+copies_pending_reset(void)
 {
 	/* The lists live in TopTransactionContext, which goes away. */
 	pending_records = NIL;
@@ -97,7 +97,7 @@ outbox_pending_reset(void)
 
 /* One copy dropped at once, at the current nesting level. */
 static void
-outbox_count_dropped(void)
+copies_count_dropped(void)
 {
 	int			level = GetCurrentTransactionNestLevel();
 	MemoryContext oldcxt;
@@ -142,7 +142,7 @@ idem_insert_end_lsn(void)
  * record, so that the worker copies it only once WAL is durable that far.
  */
 static void
-outbox_set_lsn(void)
+copies_set_lsn(void)
 {
 	ListCell   *lc;
 	XLogRecPtr	commit_end = XactLastCommitEnd;
@@ -151,12 +151,12 @@ outbox_set_lsn(void)
 	if (XLogRecPtrIsInvalid(commit_end))
 		commit_end = idem_insert_end_lsn();
 	foreach(lc, pending_records)
-		((IdemOutboxRecord *) lfirst(lc))->lsn = commit_end;
+		((IdemRingRecord *) lfirst(lc))->lsn = commit_end;
 }
 
 /* A transaction event, from xact.c. */
 void
-idem_outbox_xact_event(XactEvent event)
+idem_copies_xact_event(XactEvent event)
 {
 	if (pending_records == NIL && pending_dropped == 0)
 		return;
@@ -165,19 +165,19 @@ idem_outbox_xact_event(XactEvent event)
 	{
 		case XACT_EVENT_COMMIT:
 			/* The commit record is written: no ERROR from here on. */
-			outbox_set_lsn();
+			copies_set_lsn();
 			/* handed to the ring and dropped (stats.h's identity) */
 			idem_stats_add(IDEM_STAT_QUEUED, pending_dropped);
 			idem_stats_add(IDEM_STAT_DROPPED, pending_dropped);
-			idem_outbox_ring_put(pending_records);
-			outbox_pending_reset();
+			idem_ring_put(pending_records);
+			copies_pending_reset();
 			break;
 		case XACT_EVENT_PREPARE:
 			/* Two-phase commit: no copy (see the header comment). */
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PARALLEL_ABORT:
-			outbox_pending_reset();
+			copies_pending_reset();
 			break;
 		default:
 			break;
@@ -186,7 +186,7 @@ idem_outbox_xact_event(XactEvent event)
 
 /* The subtransaction at level ended (committed or aborted), from xact.c. */
 void
-idem_outbox_subxact_end(bool committed, int level)
+idem_copies_subxact_end(bool committed, int level)
 {
 	int			i;
 
@@ -202,7 +202,7 @@ idem_outbox_subxact_end(bool committed, int level)
 			break;
 		if (!idem_subxact_follow(&lfirst_int(cell), committed, level))
 		{
-			IdemOutboxRecord *rec = list_nth(pending_records, i);
+			IdemRingRecord *rec = list_nth(pending_records, i);
 
 			Assert(i == list_length(pending_levels) - 1);
 			pending_bytes -= rec->size;
@@ -229,14 +229,14 @@ idem_outbox_subxact_end(bool committed, int level)
 }
 
 /* A record of a terminal result, palloc'd in the current context. */
-static IdemOutboxRecord *
-outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
+static IdemRingRecord *
+copies_record(bool is_platform, int64 tenant_id, const uint8 *key,
 			  IdemCacheKind kind, int32 attempt, const uint8 *fingerprint,
 			  const char *outcome, int outcome_len, TimestampTz expires_at,
 			  XLogRecPtr lsn, bool may_flush, uint64 generation)
 {
-	Size		size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
-	IdemOutboxRecord *rec = palloc0(size);
+	Size		size = IDEM_RING_RECORD_SIZE(outcome_len);
+	IdemRingRecord *rec = palloc0(size);
 
 	rec->size = (uint32) size;
 	rec->outcome_len = (uint16) outcome_len;
@@ -260,14 +260,14 @@ outbox_record(bool is_platform, int64 tenant_id, const uint8 *key,
  * this transaction commits.  A no-op unless idem is preloaded.
  */
 void
-idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
+idem_copies_add(bool is_platform, int64 tenant_id, const uint8 *key,
 				IdemCacheKind kind, int32 attempt, const uint8 *fingerprint,
 				const char *outcome, int outcome_len, TimestampTz expires_at)
 {
 	MemoryContext oldcxt;
-	Size		size = IDEM_OUTBOX_RECORD_SIZE(outcome_len);
+	Size		size = IDEM_RING_RECORD_SIZE(outcome_len);
 
-	if (!idem_outbox_available())
+	if (!idem_ring_available())
 		return;
 
 	if (outcome_len < 0 ||
@@ -275,11 +275,11 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 		elog(ERROR, "invalid result queued for the Valkey cache (kind %d, attempt %d, outcome length %d)",
 			 (int) kind, (int) attempt, outcome_len);
 
-	if (!idem_outbox_ring_fits(list_length(pending_records) + 1,
+	if (!idem_ring_fits(list_length(pending_records) + 1,
 							   pending_bytes + size))
 	{
 		/* More than the ring can ever take from one commit: drop it now. */
-		outbox_count_dropped();
+		copies_count_dropped();
 		return;
 	}
 	pending_bytes += size;
@@ -290,7 +290,7 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
 	 * one).
 	 */
 	pending_records = lappend(pending_records,
-							  outbox_record(is_platform, tenant_id, key, kind,
+							  copies_record(is_platform, tenant_id, key, kind,
 											attempt, fingerprint, outcome,
 											outcome_len, expires_at,
 											InvalidXLogRecPtr, false,
@@ -308,26 +308,26 @@ idem_outbox_add(bool is_platform, int64 tenant_id, const uint8 *key,
  * copies it once WAL is durable up to there, flushing it itself if need be
  * (see the header comment).  Nothing is queued during
  * recovery (a hot standby copies nothing), nor while the queue is more than
- * half full (idem_outbox_ring_offer).  generation is the renewal
+ * half full (idem_ring_offer).  generation is the renewal
  * generation the caller read before it read the row, and checked
  * (epoch_renewal.c).
  */
 void
-idem_outbox_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
+idem_copies_repopulate(bool is_platform, int64 tenant_id, const uint8 *key,
 					   IdemCacheKind kind, int32 attempt,
 					   const uint8 *fingerprint, const char *outcome,
 					   int outcome_len, TimestampTz expires_at,
 					   uint64 generation)
 {
-	IdemOutboxRecord *rec;
+	IdemRingRecord *rec;
 
-	if (!idem_outbox_available() || RecoveryInProgress() || outcome_len < 0 ||
+	if (!idem_ring_available() || RecoveryInProgress() || outcome_len < 0 ||
 		!idem_cache_result_ok(kind, attempt, outcome, (size_t) outcome_len))
 		return;
 
-	rec = outbox_record(is_platform, tenant_id, key, kind, attempt,
+	rec = copies_record(is_platform, tenant_id, key, kind, attempt,
 						fingerprint, outcome, outcome_len, expires_at,
 						idem_insert_end_lsn(), true, generation);
-	(void) idem_outbox_ring_offer(rec);
+	(void) idem_ring_offer(rec);
 	pfree(rec);
 }
