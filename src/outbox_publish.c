@@ -1,0 +1,438 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox_publish.c
+ *	  The publisher of one database's outbox: a dynamic background worker
+ *	  connected to it (started by the launcher, outbox_launch.c) that sends
+ *	  each committed message to its Valkey stream,
+ *
+ *		XADD <stream> * id <message_id> body <message, compact JSON>
+ *
+ *	  once its commit is durable, and then deletes it.
+ *
+ * A round reads up to IDEM_PUBLISH_BATCH of the oldest messages (by seq)
+ * in one transaction.  Every commit its snapshot sees has its commit
+ * record before the WAL inserted at the end of that read, so the
+ * publisher waits until WAL is durable that far by the rules of the
+ * copies (worker_durable_lsn: flushed here, on the synchronous standbys
+ * and on those of idem.standby_slots), flushing it itself first as a
+ * committing backend would (an asynchronous commit's WAL).  Then it sends
+ * the messages in seq order, one XADD at a time (on a Valkey Cluster
+ * routed by the stream name's slot), and stops at the first that fails:
+ * a later message of the same stream never overtakes it.  It deletes what
+ * went out in a second transaction.  A crash between the XADD and the
+ * delete sends those messages again after the restart, with the same ids:
+ * at least once.  A message Valkey refuses (an error reply, say a stream
+ * name that is a key of another type) is retried with the others, with
+ * backoff, and counted in publish_errors: nothing is dropped.
+ *
+ * Order: seq is drawn when idem_emit() runs, so a transaction's messages
+ * keep their order, and one whose transaction committed before another's
+ * began has a smaller seq; it is visible (and durable) whenever the later
+ * one is, so it goes out first.  Concurrent transactions may interleave.
+ *
+ * The Valkey connection is the worker's code (worker_valkey.c, the router
+ * of worker_router.c: one Valkey or a cluster, AUTH, SELECT, timeouts),
+ * in this process: its settings are the worker's idem.valkey_* settings.
+ * Between failed attempts the publisher backs off from
+ * IDEM_PUBLISH_BACKOFF_MIN_MS to IDEM_PUBLISH_BACKOFF_MAX_MS.
+ *
+ * Locking: none of its own; one process.  The outbox rows are read and
+ * deleted by this process only (one publisher per database, the launcher's
+ * slots say which); idem_emit() inserts new ones concurrently.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <hiredis/hiredis.h>
+
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "catalog/pg_type.h"
+#include "executor/spi.h"
+#include "lib/stringinfo.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/ipc.h"
+#include "tcop/tcopprot.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
+#include "outbox_publish.h"
+#include "commit_copies.h"
+#include "ledger_guard.h"
+#include "outbox.h"
+#include "standby_slots.h"
+#include "stats.h"
+#include "worker_int.h"
+
+#define IDEM_PUBLISH_BATCH			256
+#define IDEM_PUBLISH_BACKOFF_MIN_MS	100
+#define IDEM_PUBLISH_BACKOFF_MAX_MS	1000
+#define IDEM_PUBLISH_LINGER_MS		1000
+#define IDEM_PUBLISH_LOG_MS			10000
+
+typedef struct PublishMessage
+{
+	int64		seq;
+	char	   *stream;
+	char	   *id;
+	char	   *body;			/* compact JSON text */
+} PublishMessage;
+
+static Oid	publish_dboid = InvalidOid;
+static bool publish_done = false;	/* left idle: nothing waits */
+static MemoryContext publish_cxt = NULL;
+static TimestampTz publish_logged_at = 0;
+
+static void
+publish_on_exit(int code, Datum arg)
+{
+	worker_router_disconnect();
+	idem_outbox_publisher_detach(publish_dboid, !publish_done);
+}
+
+/*
+ * jsonb's text without the blanks it puts after ':' and ',' (outside
+ * strings, the only blanks it writes).
+ */
+static char *
+publish_compact(const char *text)
+{
+	StringInfoData out;
+	bool		in_string = false;
+	const char *p;
+
+	initStringInfo(&out);
+	for (p = text; *p; p++)
+	{
+		if (in_string)
+		{
+			appendStringInfoChar(&out, *p);
+			if (*p == '\\' && p[1] != '\0')
+				appendStringInfoChar(&out, *++p);
+			else if (*p == '"')
+				in_string = false;
+			continue;
+		}
+		if (*p == ' ')
+			continue;
+		if (*p == '"')
+			in_string = true;
+		appendStringInfoChar(&out, *p);
+	}
+	return out.data;
+}
+
+/* The outbox's schema, or InvalidOid (no idem here, or not updated). */
+static Oid
+publish_outbox_nsp(void)
+{
+	Oid			nsp = idem_extension_schema();
+
+	if (!OidIsValid(nsp) ||
+		!OidIsValid(get_relname_relid(IDEM_OUTBOX_TABLE, nsp)))
+		return InvalidOid;
+	return nsp;
+}
+
+/*
+ * Read the oldest messages into *msgs (in publish_cxt); their count, or
+ * -1 when this database has no outbox.  *lsn: where WAL must be durable
+ * before they go out.
+ */
+static int
+publish_read(PublishMessage **msgs, XLogRecPtr *lsn)
+{
+	Oid			nsp;
+	int			n = -1;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	nsp = publish_outbox_nsp();
+	if (OidIsValid(nsp))
+	{
+		char	   *sql = psprintf("SELECT seq, stream, message_id, body::text FROM %s.%s ORDER BY seq LIMIT %d",
+								   quote_identifier(get_namespace_name(nsp)),
+								   IDEM_OUTBOX_TABLE, IDEM_PUBLISH_BATCH);
+		uint64		i;
+
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "SPI_connect failed");
+		pgstat_report_activity(STATE_RUNNING, "reading the outbox");
+		if (SPI_execute(sql, true, 0) != SPI_OK_SELECT)
+			elog(ERROR, "could not read the outbox");
+		n = (int) SPI_processed;
+		*msgs = MemoryContextAlloc(publish_cxt, sizeof(PublishMessage) * Max(n, 1));
+		for (i = 0; i < SPI_processed; i++)
+		{
+			HeapTuple	tup = SPI_tuptable->vals[i];
+			TupleDesc	td = SPI_tuptable->tupdesc;
+			bool		isnull;
+			MemoryContext old = MemoryContextSwitchTo(publish_cxt);
+
+			(*msgs)[i].seq = DatumGetInt64(SPI_getbinval(tup, td, 1, &isnull));
+			(*msgs)[i].stream = SPI_getvalue(tup, td, 2);
+			(*msgs)[i].id = SPI_getvalue(tup, td, 3);
+			(*msgs)[i].body = publish_compact(SPI_getvalue(tup, td, 4));
+			MemoryContextSwitchTo(old);
+		}
+		SPI_finish();
+	}
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	pgstat_report_activity(STATE_IDLE, NULL);
+	/* after the snapshot: past the commit record of every row it saw */
+	*lsn = idem_insert_end_lsn();
+	return n;
+}
+
+/* Delete the first n messages, which went out. */
+static void
+publish_delete(PublishMessage *msgs, int n)
+{
+	Oid			nsp;
+	Datum	   *seqs;
+	Oid			argtypes[1] = {INT8ARRAYOID};
+	Datum		values[1];
+	int			i;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	nsp = publish_outbox_nsp();
+	if (OidIsValid(nsp))
+	{
+		char	   *sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
+								   quote_identifier(get_namespace_name(nsp)),
+								   IDEM_OUTBOX_TABLE);
+
+		seqs = palloc(sizeof(Datum) * n);
+		for (i = 0; i < n; i++)
+			seqs[i] = Int64GetDatum(msgs[i].seq);
+		values[0] = PointerGetDatum(construct_array(seqs, n, INT8OID, sizeof(int64),
+													FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "SPI_connect failed");
+		pgstat_report_activity(STATE_RUNNING, "deleting published messages");
+		if (SPI_execute_with_args(sql, 1, argtypes, values, NULL, false, 0) != SPI_OK_DELETE)
+			elog(ERROR, "could not delete published messages");
+		SPI_finish();
+	}
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/*
+ * Wait until WAL is durable up to lsn; false on shutdown.  A standby that
+ * holds it back is logged every IDEM_PUBLISH_LOG_MS.
+ */
+static bool
+publish_wait_durable(XLogRecPtr lsn)
+{
+	TimestampTz held_since = GetCurrentTimestamp();
+
+	worker_flush_wal(lsn);
+	for (;;)
+	{
+		TimeLineID	tli;
+		bool		problem;
+		XLogRecPtr	durable = worker_durable_lsn(&tli, &problem);
+		TimestampTz now;
+
+		if (!problem && durable >= lsn)
+			return true;
+		CHECK_FOR_INTERRUPTS();
+		if (ShutdownRequestPending)
+			return false;
+		now = GetCurrentTimestamp();
+		if (TimestampDifferenceExceeds(publish_logged_at, now, IDEM_PUBLISH_LOG_MS) &&
+			TimestampDifferenceExceeds(held_since, now, IDEM_PUBLISH_LOG_MS / 10))
+		{
+			char		what[256];
+
+			if (problem)
+				strlcpy(what, worker_errbuf, sizeof(what));
+			else
+				idem_standby_slots_holder(durable, what, sizeof(what));
+			ereport(LOG,
+					(errmsg("outgoing messages wait for their commit to be durable: %s", what)));
+			publish_logged_at = now;
+		}
+		worker_nap(worker_durable_poll_ms(held_since, now));
+	}
+}
+
+/* A failure: log it (at most every IDEM_PUBLISH_LOG_MS), count it. */
+static void
+publish_problem(const char *doing)
+{
+	TimestampTz now = GetCurrentTimestamp();
+
+	idem_stats_add_outbox(IDEM_STAT_PUBLISH_ERRORS, 1);
+	if (!TimestampDifferenceExceeds(publish_logged_at, now, IDEM_PUBLISH_LOG_MS))
+		return;
+	publish_logged_at = now;
+	ereport(WARNING,
+			(errmsg("could not publish outgoing messages %s Valkey at %s:%d: %s",
+					doing, worker_valkey_host ? worker_valkey_host : "",
+					worker_valkey_port, worker_errbuf),
+			 errdetail("The messages wait in the outbox and are sent again.")));
+}
+
+/*
+ * XADD each message in order; how many went out before the first failure
+ * (or all).  *shutdown: SIGTERM arrived.
+ */
+static int
+publish_send(PublishMessage *msgs, int n, bool *shutdown)
+{
+	int			i;
+
+	*shutdown = false;
+	for (i = 0; i < n; i++)
+	{
+		const char *argv[7];
+		size_t		argvlen[7];
+		redisReply *reply = NULL;
+		WorkerResult r;
+		bool		ok;
+
+		argv[0] = "XADD";
+		argv[1] = msgs[i].stream;
+		argv[2] = "*";
+		argv[3] = "id";
+		argv[4] = msgs[i].id;
+		argv[5] = "body";
+		argv[6] = msgs[i].body;
+		for (int a = 0; a < 7; a++)
+			argvlen[a] = strlen(argv[a]);
+		r = worker_command(argv[1], argvlen[1], 7, argv, argvlen, &reply);
+		if (r == WORKER_SHUTDOWN)
+		{
+			*shutdown = true;
+			return i;
+		}
+		if (r != WORKER_OK)
+		{
+			publish_problem("to");
+			worker_router_disconnect();
+			return i;
+		}
+		ok = reply->type != REDIS_REPLY_ERROR;
+		if (!ok)
+			snprintf(worker_errbuf, sizeof(worker_errbuf),
+					 "XADD to stream \"%.64s\": Valkey replied: %.*s",
+					 msgs[i].stream, (int) Min(reply->len, 100), reply->str);
+		freeReplyObject(reply);
+		if (!ok)
+		{
+			publish_problem("to");
+			return i;
+		}
+	}
+	return n;
+}
+
+void
+idem_outbox_publisher_main(Datum main_arg)
+{
+	int			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
+	TimestampTz idle_since = 0;
+
+	publish_dboid = DatumGetObjectId(main_arg);
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, SignalHandlerForShutdownRequest);
+	pqsignal(SIGPIPE, SIG_IGN);
+	BackgroundWorkerUnblockSignals();
+	before_shmem_exit(publish_on_exit, (Datum) 0);
+	if (!idem_outbox_publisher_attach(publish_dboid))
+	{
+		publish_done = true;	/* another one runs: leave it the flag */
+		proc_exit(0);
+	}
+	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
+	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
+										ALLOCSET_DEFAULT_SIZES);
+
+	while (!ShutdownRequestPending)
+	{
+		PublishMessage *msgs = NULL;
+		XLogRecPtr	lsn;
+		int			n;
+		int			sent;
+		bool		shutdown;
+
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+			if (worker_connected() && worker_settings_changed())
+				worker_router_disconnect();
+		}
+		MemoryContextReset(publish_cxt);
+		n = publish_read(&msgs, &lsn);
+		if (n <= 0)
+		{
+			TimestampTz now = GetCurrentTimestamp();
+
+			if (n < 0 || idle_since == 0)
+				idle_since = now;
+			if (n < 0 ||
+				TimestampDifferenceExceeds(idle_since, now, IDEM_PUBLISH_LINGER_MS))
+			{
+				if (idem_outbox_publisher_idle(publish_dboid))
+				{
+					publish_done = true;
+					break;
+				}
+				idle_since = 0;
+				continue;
+			}
+			worker_nap(IDEM_PUBLISH_LINGER_MS);
+			continue;
+		}
+		idle_since = 0;
+		if (!publish_wait_durable(lsn))
+			break;
+		if (!worker_connected())
+		{
+			WorkerResult r = worker_connect();
+
+			if (r == WORKER_SHUTDOWN)
+				break;
+			if (r != WORKER_OK)
+			{
+				publish_problem("connecting to");
+				worker_router_disconnect();
+				worker_nap(backoff_ms);
+				backoff_ms = Min(backoff_ms * 2, IDEM_PUBLISH_BACKOFF_MAX_MS);
+				continue;
+			}
+		}
+		sent = publish_send(msgs, n, &shutdown);
+		if (sent > 0)
+		{
+			publish_delete(msgs, sent);
+			idem_stats_add_outbox(IDEM_STAT_PUBLISHED, sent);
+			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
+		}
+		if (shutdown)
+			break;
+		if (sent < n)
+		{
+			worker_nap(backoff_ms);
+			backoff_ms = Min(backoff_ms * 2, IDEM_PUBLISH_BACKOFF_MAX_MS);
+		}
+	}
+	proc_exit(0);
+}
