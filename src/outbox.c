@@ -59,6 +59,7 @@
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/syscache.h"
+#include "utils/timestamp.h"
 
 #include "outbox.h"
 #include "digest.h"
@@ -392,7 +393,7 @@ idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
 										   SPI_tuptable->tupdesc, 1, &isnull));
 	d = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull);
 	if (!isnull)
-		*age = (Interval *) SPI_datumTransfer(d, false, -1);
+		*age = DatumGetIntervalP(SPI_datumTransfer(d, false, sizeof(Interval)));
 	SPI_finish();
 }
 
