@@ -4,7 +4,7 @@
  *	  idem_emit(): a handler's outgoing message, recorded in the outbox
  *	  table (idem_outbox, in the extension's schema) in the caller's
  *	  transaction, so that it commits or vanishes with the effect.  The
- *	  publisher (outbox_publish.c) sends it to a Valkey stream once the
+ *	  publisher (idem_outbox_publisher_main) sends it to a Valkey stream once the
  *	  commit is durable, and deletes it.
  *
  *	  A message belongs to a claim this transaction holds: a key it claimed

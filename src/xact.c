@@ -17,9 +17,10 @@
  *	  aborts and handed to its parent when it commits.
  *
  *	  The commit hook's copies go first; at PREPARE (two-phase commit:
- *	  nothing is copied, see idem_copies_xact_event()) and at COMMIT both
- *	  only drop their state, and at PRE_PREPARE pending.c writes the open
- *	  claims as at PRE_COMMIT.
+ *	  nothing is copied, see idem_copies_xact_event()) and at COMMIT the
+ *	  claims only drop their state, at COMMIT idem_outbox_xact_event flags
+ *	  the database for the publisher when messages were emitted, and at
+ *	  PRE_PREPARE pending.c writes the open claims as at PRE_COMMIT.
  *
  *-------------------------------------------------------------------------
  */
