@@ -62,6 +62,7 @@
 #include "utils/timestamp.h"
 
 #include "outbox.h"
+#include "compat.h"
 #include "digest.h"
 #include "ledger.h"
 #include "outbox_publish.h"
