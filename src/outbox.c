@@ -53,7 +53,6 @@
 #include "miscadmin.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
-#include "utils/hsearch.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -83,15 +82,20 @@ typedef struct OutboxEmit
 /* One claim this transaction took, and the messages emitted for it. */
 typedef struct OutboxClaim
 {
-	LedgerKey	lk;				/* hash key: must stay first */
+	LedgerKey	lk;
 	int			claim_level;	/* subtransaction that claimed it */
 	int			settled_level;	/* subtransaction that completed or failed
 								 * it; 0: held */
 	List	   *emits;			/* of OutboxEmit *, in emit order */
 } OutboxClaim;
 
-/* This transaction's claims; NULL when it took none. */
-static HTAB *outbox_claims = NULL;
+/*
+ * This transaction's claims, of OutboxClaim *, in claim order (a list: a
+ * transaction holds one claim, or a batch's few dozen).
+ */
+static List *outbox_claims = NIL;
+/* Messages of claims settled and forgotten at the top level survive. */
+static bool outbox_emitted = false;
 /* The schema of the outbox this transaction wrote (for idem_fail's delete). */
 static Oid	outbox_nsp = InvalidOid;
 
@@ -103,44 +107,44 @@ static void
 outbox_reset(void)
 {
 	/* in TopTransactionContext, which goes with the transaction */
-	outbox_claims = NULL;
+	outbox_claims = NIL;
+	outbox_emitted = false;
 	outbox_nsp = InvalidOid;
 }
 
+/* This transaction's claim of lk, or NULL. */
 static OutboxClaim *
-outbox_claim_entry(const LedgerKey *lk, HASHACTION action, bool *found)
+outbox_claim_find(const LedgerKey *lk)
 {
-	LedgerKey	k;
+	ListCell   *lc;
 
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
-	return (OutboxClaim *) hash_search(outbox_claims, &k, action, found);
+	foreach(lc, outbox_claims)
+	{
+		OutboxClaim *claim = lfirst(lc);
+
+		if (claim->lk.kind == lk->kind && claim->lk.tenant_id == lk->tenant_id &&
+			memcmp(claim->lk.key, lk->key, IDEM_DIGEST_LEN) == 0)
+			return claim;
+	}
+	return NULL;
 }
 
 /* A claim of lk by this transaction (from the decisions). */
 void
 idem_outbox_claim_taken(const LedgerKey *lk)
 {
-	OutboxClaim *claim;
-	bool		found;
+	OutboxClaim *claim = outbox_claim_find(lk);
 
-	if (outbox_claims == NULL)
+	if (claim == NULL)
 	{
-		HASHCTL		ctl;
+		MemoryContext oldcxt = MemoryContextSwitchTo(TopTransactionContext);
 
-		ctl.keysize = sizeof(LedgerKey);
-		ctl.entrysize = sizeof(OutboxClaim);
-		ctl.hcxt = TopTransactionContext;
-		outbox_claims = hash_create("idem outbox claims", 16, &ctl,
-									HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
-	}
-	claim = outbox_claim_entry(lk, HASH_ENTER, &found);
-	if (!found)
-	{
+		claim = palloc0(sizeof(OutboxClaim));
+		claim->lk = *lk;
 		claim->emits = NIL;
 		claim->claim_level = GetCurrentTransactionNestLevel();
+		outbox_claims = lappend(outbox_claims, claim);
+		MemoryContextSwitchTo(oldcxt);
 	}
 	/* claimed again after a retryable failure in this transaction */
 	claim->settled_level = 0;
@@ -260,16 +264,28 @@ outbox_discard(OutboxClaim *claim)
 void
 idem_outbox_claim_settled(const LedgerKey *lk, bool is_fail)
 {
-	OutboxClaim *claim;
-	bool		found;
+	OutboxClaim *claim = outbox_claim_find(lk);
 
-	if (outbox_claims == NULL)
-		return;
-	claim = outbox_claim_entry(lk, HASH_FIND, &found);
 	if (claim == NULL || claim->settled_level != 0)
 		return;
 	if (is_fail)
 		outbox_discard(claim);
+
+	/*
+	 * Settled by the top level: no rollback short of the transaction's
+	 * opens it again (and a claim of the key again starts its positions
+	 * afresh), so forget it, as pending_settle does, and remember only
+	 * whether its messages survive.
+	 */
+	if (GetCurrentTransactionNestLevel() <= 1)
+	{
+		if (outbox_live_emits(claim, NULL) > 0)
+			outbox_emitted = true;
+		list_free_deep(claim->emits);
+		outbox_claims = list_delete_ptr(outbox_claims, claim);
+		pfree(claim);
+		return;
+	}
 	claim->settled_level = GetCurrentTransactionNestLevel();
 }
 
@@ -277,20 +293,13 @@ idem_outbox_claim_settled(const LedgerKey *lk, bool is_fail)
 static bool
 outbox_any_live(void)
 {
-	HASH_SEQ_STATUS seq;
-	OutboxClaim *claim;
+	ListCell   *lc;
 
-	if (outbox_claims == NULL)
-		return false;
-	hash_seq_init(&seq, outbox_claims);
-	while ((claim = (OutboxClaim *) hash_seq_search(&seq)) != NULL)
-	{
-		if (outbox_live_emits(claim, NULL) > 0)
-		{
-			hash_seq_term(&seq);
+	if (outbox_emitted)
+		return true;
+	foreach(lc, outbox_claims)
+		if (outbox_live_emits(lfirst(lc), NULL) > 0)
 			return true;
-		}
-	}
 	return false;
 }
 
@@ -321,14 +330,11 @@ idem_outbox_xact_event(XactEvent event)
 void
 idem_outbox_subxact_end(bool committed, int level)
 {
-	HASH_SEQ_STATUS seq;
-	OutboxClaim *claim;
+	int			c;
 
-	if (outbox_claims == NULL)
-		return;
-	hash_seq_init(&seq, outbox_claims);
-	while ((claim = (OutboxClaim *) hash_seq_search(&seq)) != NULL)
+	for (c = list_length(outbox_claims) - 1; c >= 0; c--)
 	{
+		OutboxClaim *claim = list_nth(outbox_claims, c);
 		int			i;
 
 		for (i = list_length(claim->emits) - 1; i >= 0; i--)
@@ -348,7 +354,8 @@ idem_outbox_subxact_end(bool committed, int level)
 		if (!idem_subxact_follow(&claim->claim_level, committed, level))
 		{
 			list_free_deep(claim->emits);
-			hash_search(outbox_claims, &claim->lk, HASH_REMOVE, NULL);
+			pfree(claim);
+			outbox_claims = list_delete_nth_cell(outbox_claims, c);
 			continue;
 		}
 		if (claim->settled_level != 0 &&
@@ -404,25 +411,22 @@ idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
 static OutboxClaim *
 outbox_find_claim(const uint8 *key)
 {
-	HASH_SEQ_STATUS seq;
-	OutboxClaim *claim;
+	ListCell   *lc;
 	OutboxClaim *found = NULL;
 	int			held = 0;
 	int			matching = 0;
 
-	if (outbox_claims != NULL)
+	foreach(lc, outbox_claims)
 	{
-		hash_seq_init(&seq, outbox_claims);
-		while ((claim = (OutboxClaim *) hash_seq_search(&seq)) != NULL)
+		OutboxClaim *claim = lfirst(lc);
+
+		if (claim->settled_level != 0)
+			continue;
+		held++;
+		if (key == NULL || memcmp(claim->lk.key, key, IDEM_DIGEST_LEN) == 0)
 		{
-			if (claim->settled_level != 0)
-				continue;
-			held++;
-			if (key == NULL || memcmp(claim->lk.key, key, IDEM_DIGEST_LEN) == 0)
-			{
-				matching++;
-				found = claim;
-			}
+			matching++;
+			found = claim;
 		}
 	}
 	if (held == 0)
@@ -529,13 +533,15 @@ idem_emit(PG_FUNCTION_ARGS)
 	/* its position: one after the live emits of every claim of the key */
 	n = 1;
 	{
-		HASH_SEQ_STATUS hs;
-		OutboxClaim *c;
+		ListCell   *lc;
 
-		hash_seq_init(&hs, outbox_claims);
-		while ((c = (OutboxClaim *) hash_seq_search(&hs)) != NULL)
+		foreach(lc, outbox_claims)
+		{
+			OutboxClaim *c = lfirst(lc);
+
 			if (memcmp(c->lk.key, claim->lk.key, IDEM_DIGEST_LEN) == 0)
 				n += outbox_live_emits(c, NULL);
+		}
 	}
 	for (i = 0; i < IDEM_DIGEST_LEN; i++)
 		snprintf(id + i * 2, 3, "%02x", claim->lk.key[i]);
