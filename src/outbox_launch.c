@@ -14,7 +14,9 @@
  *	  - A committing backend whose transaction emitted flags its database
  *		(idem_outbox_notify, after the commit record: a spinlock, no
  *		allocation, no error, no wait) and sets the latch of the database's
- *		publisher, or of the launcher when none runs.
+ *		publisher if it sleeps (an awake one looks at the flag before it
+ *		sleeps: idem_outbox_publisher_sleepy), or of the launcher when none
+ *		runs.
  *	  - The launcher starts a publisher for every flagged database that has
  *		none; at its start (after a restart, a crash, a promotion: the
  *		flags live in shared memory) it flags every database that accepts
@@ -80,6 +82,7 @@ typedef struct IdemOutboxDb
 	bool		running;		/* a publisher is registered (launcher) and
 								 * has not left */
 	uint32		publisher_procno;	/* once it attached */
+	bool		publisher_sleeping; /* waits for a commit to wake it */
 } IdemOutboxDb;
 
 typedef struct IdemOutboxShared
@@ -118,6 +121,7 @@ idem_outbox_shmem_init(void)
 		outbox_shared->dbs[i].wanted = false;
 		outbox_shared->dbs[i].running = false;
 		outbox_shared->dbs[i].publisher_procno = IDEM_OUTBOX_NO_PROC;
+		outbox_shared->dbs[i].publisher_sleeping = false;
 	}
 }
 
@@ -143,6 +147,7 @@ outbox_slot(Oid dboid, bool take)
 	free_slot->wanted = false;
 	free_slot->running = false;
 	free_slot->publisher_procno = IDEM_OUTBOX_NO_PROC;
+	free_slot->publisher_sleeping = false;
 	return free_slot;
 }
 
@@ -158,8 +163,9 @@ outbox_flag(Oid dboid)
 		return outbox_shared->launcher_procno;
 	}
 	db->wanted = true;
+	/* an awake publisher looks again before it sleeps: no wakeup per commit */
 	if (db->running && db->publisher_procno != IDEM_OUTBOX_NO_PROC)
-		return db->publisher_procno;
+		return db->publisher_sleeping ? db->publisher_procno : IDEM_OUTBOX_NO_PROC;
 	return db->running ? IDEM_OUTBOX_NO_PROC : outbox_shared->launcher_procno;
 }
 
@@ -201,6 +207,46 @@ idem_outbox_publisher_attach(Oid dboid)
 	}
 	SpinLockRelease(&outbox_shared->mutex);
 	return ok;
+}
+
+/*
+ * The publisher found the outbox empty and would sleep until a commit
+ * wakes it: false if a commit flagged the database since its last look
+ * (look again at once), else true, and commits wake it from now on, until
+ * idem_outbox_publisher_awake.
+ */
+bool
+idem_outbox_publisher_sleepy(Oid dboid)
+{
+	IdemOutboxDb *db;
+	bool		sleep = true;
+
+	SpinLockAcquire(&outbox_shared->mutex);
+	db = outbox_slot(dboid, false);
+	if (db != NULL)
+	{
+		if (db->wanted)
+		{
+			db->wanted = false;
+			sleep = false;
+		}
+		else
+			db->publisher_sleeping = true;
+	}
+	SpinLockRelease(&outbox_shared->mutex);
+	return sleep;
+}
+
+void
+idem_outbox_publisher_awake(Oid dboid)
+{
+	IdemOutboxDb *db;
+
+	SpinLockAcquire(&outbox_shared->mutex);
+	db = outbox_slot(dboid, false);
+	if (db != NULL)
+		db->publisher_sleeping = false;
+	SpinLockRelease(&outbox_shared->mutex);
 }
 
 /*

@@ -10,20 +10,26 @@
  *	  once its commit is durable, and then deletes it.
  *
  * A round reads up to IDEM_PUBLISH_BATCH of the oldest messages (by seq)
- * in one transaction.  Every commit its snapshot sees has its commit
- * record before the WAL inserted at the end of that read, so the
- * publisher waits until WAL is durable that far by the rules of the
- * copies (worker_durable_lsn: flushed here, on the synchronous standbys
- * and on those of idem.standby_slots), flushing it itself first as a
- * committing backend would (an asynchronous commit's WAL).  Then it sends
- * the messages in seq order, one XADD at a time (on a Valkey Cluster
- * routed by the stream name's slot), and stops at the first that fails:
- * a later message of the same stream never overtakes it.  It deletes what
- * went out in a second transaction.  A crash between the XADD and the
- * delete sends those messages again after the restart, with the same ids:
- * at least once.  A message Valkey refuses (an error reply, say a stream
- * name that is a key of another type) is retried with the others, with
- * backoff, and counted in publish_errors: nothing is dropped.
+ * in one transaction, which first deletes what the round before sent.
+ * Every commit its snapshot sees has its commit record before the WAL
+ * inserted at the end of that read, so the publisher waits until WAL is
+ * durable that far by the rules of the copies (worker_durable_lsn: flushed
+ * here, on the synchronous standbys and on those of idem.standby_slots),
+ * flushing it itself, as a committing backend would, when no commit has
+ * within IDEM_PUBLISH_FLUSH_GRACE_MS (asynchronous commits' WAL).  Then it sends the messages in seq order, one XADD at a
+ * time (on a Valkey Cluster routed by the stream name's slot), and stops
+ * at the first that fails: no later message overtakes it.  A crash between
+ * an XADD and the delete sends those messages again after the restart,
+ * with the same ids: at least once.  A message Valkey refuses (an error
+ * reply, say a stream name that is a key of another type) is retried with
+ * the others, with backoff, and counted in publish_errors: nothing is
+ * dropped.
+ *
+ * Wakeups: a commit that emits sets the publisher's latch only while it
+ * sleeps (idem_outbox_publisher_sleepy); an awake publisher reads again
+ * after each round, idem.valkey_batch_delay after a round without a
+ * backlog, so that a round gathers the commits of that delay, as the
+ * worker's batches do.
  *
  * Order: seq is drawn when idem_emit() runs, so a transaction's messages
  * keep their order, and one whose transaction committed before another's
@@ -59,6 +65,7 @@
 #include "tcop/tcopprot.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
@@ -67,6 +74,7 @@
 #include "outbox_publish.h"
 #include "commit_copies.h"
 #include "ledger_guard.h"
+#include "guc.h"
 #include "outbox.h"
 #include "standby_slots.h"
 #include "stats.h"
@@ -77,6 +85,7 @@
 #define IDEM_PUBLISH_BACKOFF_MAX_MS	1000
 #define IDEM_PUBLISH_LINGER_MS		1000
 #define IDEM_PUBLISH_LOG_MS			10000
+#define IDEM_PUBLISH_FLUSH_GRACE_MS	5
 
 typedef struct PublishMessage
 {
@@ -142,13 +151,43 @@ publish_outbox_nsp(void)
 	return nsp;
 }
 
+/* The messages sent and not deleted yet (by their seq). */
+static int64 publish_sent[IDEM_PUBLISH_BATCH];
+static int	publish_nsent = 0;
+
+/* Delete the messages sent (SPI connected, in a transaction). */
+static void
+publish_delete_sent(Oid nsp)
+{
+	Datum	   *seqs;
+	Oid			argtypes[1] = {INT8ARRAYOID};
+	Datum		values[1];
+	char	   *sql;
+	int			i;
+
+	if (publish_nsent == 0)
+		return;
+	sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
+				   quote_identifier(get_namespace_name(nsp)), IDEM_OUTBOX_TABLE);
+	seqs = palloc(sizeof(Datum) * publish_nsent);
+	for (i = 0; i < publish_nsent; i++)
+		seqs[i] = Int64GetDatum(publish_sent[i]);
+	values[0] = PointerGetDatum(construct_array(seqs, publish_nsent, INT8OID,
+												sizeof(int64), FLOAT8PASSBYVAL,
+												TYPALIGN_DOUBLE));
+	pgstat_report_activity(STATE_RUNNING, "deleting published messages");
+	if (SPI_execute_with_args(sql, 1, argtypes, values, NULL, false, 0) != SPI_OK_DELETE)
+		elog(ERROR, "could not delete published messages");
+}
+
 /*
- * Read the oldest messages into *msgs (in publish_cxt); their count, or
- * -1 when this database has no outbox.  *lsn: where WAL must be durable
- * before they go out.
+ * One transaction: delete the messages sent last round, then (unless
+ * delete_only) read the oldest messages into *msgs (in publish_cxt).
+ * Returns their count, or -1 when this database has no outbox.  *lsn:
+ * where WAL must be durable before they go out.
  */
 static int
-publish_read(PublishMessage **msgs, XLogRecPtr *lsn)
+publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 {
 	Oid			nsp;
 	int			n = -1;
@@ -166,8 +205,18 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn)
 
 		if (SPI_connect() != SPI_OK_CONNECT)
 			elog(ERROR, "SPI_connect failed");
+		publish_delete_sent(nsp);
+		if (delete_only)
+		{
+			SPI_finish();
+			PopActiveSnapshot();
+			CommitTransactionCommand();
+			pgstat_report_activity(STATE_IDLE, NULL);
+			publish_nsent = 0;
+			return 0;
+		}
 		pgstat_report_activity(STATE_RUNNING, "reading the outbox");
-		if (SPI_execute(sql, true, 0) != SPI_OK_SELECT)
+		if (SPI_execute(sql, false, 0) != SPI_OK_SELECT)	/* after the delete */
 			elog(ERROR, "could not read the outbox");
 		n = (int) SPI_processed;
 		*msgs = MemoryContextAlloc(publish_cxt, sizeof(PublishMessage) * Max(n, 1));
@@ -189,46 +238,10 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn)
 	PopActiveSnapshot();
 	CommitTransactionCommand();
 	pgstat_report_activity(STATE_IDLE, NULL);
+	publish_nsent = 0;
 	/* after the snapshot: past the commit record of every row it saw */
 	*lsn = idem_insert_end_lsn();
 	return n;
-}
-
-/* Delete the first n messages, which went out. */
-static void
-publish_delete(PublishMessage *msgs, int n)
-{
-	Oid			nsp;
-	Datum	   *seqs;
-	Oid			argtypes[1] = {INT8ARRAYOID};
-	Datum		values[1];
-	int			i;
-
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
-	nsp = publish_outbox_nsp();
-	if (OidIsValid(nsp))
-	{
-		char	   *sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
-								   quote_identifier(get_namespace_name(nsp)),
-								   IDEM_OUTBOX_TABLE);
-
-		seqs = palloc(sizeof(Datum) * n);
-		for (i = 0; i < n; i++)
-			seqs[i] = Int64GetDatum(msgs[i].seq);
-		values[0] = PointerGetDatum(construct_array(seqs, n, INT8OID, sizeof(int64),
-													FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
-		if (SPI_connect() != SPI_OK_CONNECT)
-			elog(ERROR, "SPI_connect failed");
-		pgstat_report_activity(STATE_RUNNING, "deleting published messages");
-		if (SPI_execute_with_args(sql, 1, argtypes, values, NULL, false, 0) != SPI_OK_DELETE)
-			elog(ERROR, "could not delete published messages");
-		SPI_finish();
-	}
-	PopActiveSnapshot();
-	CommitTransactionCommand();
-	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
 /*
@@ -239,8 +252,8 @@ static bool
 publish_wait_durable(XLogRecPtr lsn)
 {
 	TimestampTz held_since = GetCurrentTimestamp();
+	bool		flushed = false;
 
-	worker_flush_wal(lsn);
 	for (;;)
 	{
 		TimeLineID	tli;
@@ -254,6 +267,21 @@ publish_wait_durable(XLogRecPtr lsn)
 		if (ShutdownRequestPending)
 			return false;
 		now = GetCurrentTimestamp();
+
+		/*
+		 * lsn may cover WAL of transactions still running, which their
+		 * commits flush soon (under load, within a few ms): flush it
+		 * ourselves only after IDEM_PUBLISH_FLUSH_GRACE_MS, so that a
+		 * round costs no fsync of its own then.  Asynchronous commits
+		 * wait for the WAL writer otherwise.
+		 */
+		if (!flushed &&
+			TimestampDifferenceExceeds(held_since, now, IDEM_PUBLISH_FLUSH_GRACE_MS))
+		{
+			worker_flush_wal(lsn);
+			flushed = true;
+			continue;
+		}
 		if (TimestampDifferenceExceeds(publish_logged_at, now, IDEM_PUBLISH_LOG_MS) &&
 			TimestampDifferenceExceeds(held_since, now, IDEM_PUBLISH_LOG_MS / 10))
 		{
@@ -360,6 +388,12 @@ idem_outbox_publisher_main(Datum main_arg)
 		proc_exit(0);
 	}
 	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
+	/*
+	 * The deletes of published messages need not be durable (a delete lost
+	 * in a crash sends its messages again, with the same ids), nor wait for
+	 * a synchronous standby that may be down.
+	 */
+	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 
@@ -380,15 +414,17 @@ idem_outbox_publisher_main(Datum main_arg)
 				worker_router_disconnect();
 		}
 		MemoryContextReset(publish_cxt);
-		n = publish_read(&msgs, &lsn);
+		n = publish_read(&msgs, &lsn, false);
 		if (n <= 0)
 		{
 			TimestampTz now = GetCurrentTimestamp();
+			long		left_ms;
 
 			if (n < 0 || idle_since == 0)
 				idle_since = now;
-			if (n < 0 ||
-				TimestampDifferenceExceeds(idle_since, now, IDEM_PUBLISH_LINGER_MS))
+			left_ms = n < 0 ? 0 : IDEM_PUBLISH_LINGER_MS -
+				TimestampDifferenceMilliseconds(idle_since, now);
+			if (left_ms <= 0)
 			{
 				if (idem_outbox_publisher_idle(publish_dboid))
 				{
@@ -398,7 +434,12 @@ idem_outbox_publisher_main(Datum main_arg)
 				idle_since = 0;
 				continue;
 			}
-			worker_nap(IDEM_PUBLISH_LINGER_MS);
+			/* a commit that emits wakes us, unless one came meanwhile */
+			if (idem_outbox_publisher_sleepy(publish_dboid))
+			{
+				worker_nap(left_ms);
+				idem_outbox_publisher_awake(publish_dboid);
+			}
 			continue;
 		}
 		idle_since = 0;
@@ -420,9 +461,11 @@ idem_outbox_publisher_main(Datum main_arg)
 			}
 		}
 		sent = publish_send(msgs, n, &shutdown);
+		/* deleted with the next round's read, in one transaction */
+		for (publish_nsent = 0; publish_nsent < sent; publish_nsent++)
+			publish_sent[publish_nsent] = msgs[publish_nsent].seq;
 		if (sent > 0)
 		{
-			publish_delete(msgs, sent);
 			idem_stats_add_outbox(IDEM_STAT_PUBLISHED, sent);
 			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
 		}
@@ -433,6 +476,22 @@ idem_outbox_publisher_main(Datum main_arg)
 			worker_nap(backoff_ms);
 			backoff_ms = Min(backoff_ms * 2, IDEM_PUBLISH_BACKOFF_MAX_MS);
 		}
+		else if (n < IDEM_PUBLISH_BATCH && idem_valkey_batch_delay_ms > 0)
+		{
+			/*
+			 * No backlog: let the commits of idem.valkey_batch_delay gather
+			 * into the next round (commits do not wake an awake publisher).
+			 */
+			worker_nap(idem_valkey_batch_delay_ms);
+		}
+	}
+	/* what went out is deleted, so that a restart does not send it again */
+	if (publish_nsent > 0)
+	{
+		PublishMessage *none;
+		XLogRecPtr	lsn;
+
+		(void) publish_read(&none, &lsn, true);
 	}
 	proc_exit(0);
 }

@@ -25,6 +25,8 @@ extern IDEM_EXPORT void idem_outbox_launcher_main(Datum main_arg);
 
 /* A publisher's life in the shared slots (outbox_launch.c). */
 extern bool idem_outbox_publisher_attach(Oid dboid);
+extern bool idem_outbox_publisher_sleepy(Oid dboid);
+extern void idem_outbox_publisher_awake(Oid dboid);
 extern bool idem_outbox_publisher_idle(Oid dboid);
 extern void idem_outbox_publisher_detach(Oid dboid, bool wanted);
 
