@@ -375,6 +375,7 @@ idem_outbox_publisher_main(Datum main_arg)
 {
 	int			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
 	TimestampTz idle_since = 0;
+	bool		published_any = false;
 
 	publish_dboid = DatumGetObjectId(main_arg);
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -422,7 +423,12 @@ idem_outbox_publisher_main(Datum main_arg)
 
 			if (n < 0 || idle_since == 0)
 				idle_since = now;
-			left_ms = n < 0 ? 0 : IDEM_PUBLISH_LINGER_MS -
+			/*
+			 * Linger after publishing, for the next commits; a publisher
+			 * that found nothing at all (the launcher's look at every
+			 * database after a start) leaves at once.
+			 */
+			left_ms = (n < 0 || !published_any) ? 0 : IDEM_PUBLISH_LINGER_MS -
 				TimestampDifferenceMilliseconds(idle_since, now);
 			if (left_ms <= 0)
 			{
@@ -466,6 +472,7 @@ idem_outbox_publisher_main(Datum main_arg)
 			publish_sent[publish_nsent] = msgs[publish_nsent].seq;
 		if (sent > 0)
 		{
+			published_any = true;
 			idem_stats_add_outbox(IDEM_STAT_PUBLISHED, sent);
 			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
 		}
