@@ -10,7 +10,6 @@ event loop's: share an AsyncRunner between tasks of that loop, and a
 connection between runs one at a time."""
 import contextlib
 import functools
-import hashlib
 from types import TracebackType
 from typing import (Any, AsyncIterator, Awaitable, Callable, Iterable, List, Optional, Tuple,
                     Type, TypeVar, cast)
@@ -29,7 +28,8 @@ from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of,
                  _session_ended, _simple_results, _simple_text, _values)
 from .result import FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
-from .runner import (CAD_SCRIPT, CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
+from .release import AsyncRelease
+from .runner import (CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
                      Runner, _KeyOf, _ms, _outcome_or_raise)
 from .trust import _ConnState
 
@@ -102,23 +102,6 @@ async def _asend(conn: AConn, statements: List[Statement],
         raise err from e
 
 
-class _AsyncCad:
-    """The compare-and-delete script (CAD_SCRIPT) by EVALSHA, run by EVAL
-    when the node answers NOSCRIPT, as the C client's release does:
-    redis.asyncio's RedisCluster (redis-py 4.3) has no register_script."""
-    sha = hashlib.sha1(CAD_SCRIPT.encode("ascii")).hexdigest()
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    async def __call__(self, keys: List[bytes], args: List[bytes]) -> Any:
-        from redis.exceptions import NoScriptError
-        try:
-            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(CAD_SCRIPT, len(keys), *keys, *args)
-
-
 class AsyncRunner(Runner):
     """The runner for asyncio: ``valkey`` is ``(host, port)`` (a Valkey,
     or any node of a Valkey Cluster), a ``redis.asyncio`` client, or None;
@@ -145,7 +128,7 @@ class AsyncRunner(Runner):
         else:
             self.valkey = valkey
         if self.valkey is not None:
-            self._cad = _AsyncCad(self.valkey)
+            self._cad = AsyncRelease(self.valkey)
 
     async def check(self, conn: Any) -> Check:  # type: ignore[override]
         """Runner.check, awaited: ``await runner.check(conn)`` on an idle
@@ -168,7 +151,7 @@ class AsyncRunner(Runner):
                 cluster = RedisCluster(host=self._seed[0], port=self._seed[1],
                                        socket_timeout=self._timeout,
                                        socket_connect_timeout=self._timeout)
-                self._cad = _AsyncCad(cluster)
+                self._cad = AsyncRelease(cluster)
                 self.valkey = cluster
         self._cluster_checked = True
 

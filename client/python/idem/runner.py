@@ -39,18 +39,10 @@ from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotAppli
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
 from .run import MARKER_CHEAP_MS
+from .release import CAD_SCRIPT, Release, load as _load_release
 
 F = TypeVar("F", bound=Callable[..., Any])
 Item = Tuple[Optional[int], str, str, Any]
-
-# KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
-# The same text as client/release.c, so the same SHA-1 for EVALSHA
-# (tests/test_unit.py compares the two, and that SHA-1, byte for byte).
-CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
-              "  return redis.call('DEL', KEYS[1])\n"
-              "end\n"
-              "return 0\n")
-
 
 # What a runner learns of a session: the extension's schema, and the
 # cache's keyspace and secrets (the epoch's owner key and token with them).
@@ -225,7 +217,7 @@ class Runner:
         else:
             self.valkey = valkey
         if self.valkey is not None:
-            self._cad = self.valkey.register_script(CAD_SCRIPT)
+            self._cad = Release(self.valkey)
             try:
                 self._check_cluster()
             except ValkeyClusterNotSupported:
@@ -244,6 +236,7 @@ class Runner:
             return
         from redis.cluster import RedisCluster
         if isinstance(self.valkey, RedisCluster):
+            _load_release(self.valkey)
             self._cluster_checked = True
             return
         info = self.valkey.info("cluster")
@@ -257,8 +250,9 @@ class Runner:
                                            socket_timeout=self._timeout,
                                            socket_connect_timeout=self._timeout,
                                            cluster_error_retry_attempts=1)
-                    self._cad = cluster.register_script(CAD_SCRIPT)
+                    self._cad = Release(cluster)
                     self.valkey = cluster
+        _load_release(self.valkey)
         self._cluster_checked = True
 
     def _valkey_ok(self) -> bool:
