@@ -22,13 +22,13 @@ from psycopg.rows import tuple_row
 from .check import Check, acheck
 from .apply import _ApplyContext
 from .batch import Batch, cache_answers, cache_keys, cache_reads
-from .errors import Failure, IdemError, ValkeyClusterNotSupported
+from .errors import IdemError, ValkeyClusterNotSupported
 from .lease import Lease, _LeaseContext, settle_failed, settle_statement
 from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of, _raise_ending,
                  _session_ended, _simple_results, _simple_text, _values)
-from .result import FailureSpec, Run, _make_run
-from .run import Gate, _RunContext
 from .release import AsyncRelease
+from .result import Failure, FailureSpec, Run, _make_run
+from .run import Gate, _RunContext
 from .runner import (CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
                      Runner, _KeyOf, _ms, _outcome_or_raise)
 from .trust import _ConnState

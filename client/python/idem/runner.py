@@ -6,8 +6,9 @@ application's transaction.  The protocol is the C client's (client/README.md,
 The top of the package: the Runner owns the Valkey client and what it
 learnt of each PostgreSQL session, and offers the forms as its methods:
 one run (run.py), a SQL handler (apply.py), lease mode (lease.py) and
-batches (batch.py).  They stand on result.py, errors.py, pg.py and
-trust.py, which import nothing above them."""
+batches (batch.py).  They see the runner through core.py's RunnerCore
+and stand on result.py, errors.py, pg.py and trust.py, which import
+nothing above them."""
 import datetime
 import functools
 import inspect
@@ -34,12 +35,12 @@ from .health import Health
 from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
-from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
-                     PermanentFailure, RetryableFailure, ValkeyClusterNotSupported)
+from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
-from .run import MARKER_CHEAP_MS
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Busy, Failure,
+                     Mismatch, NotApplied, PermanentFailure, RetryableFailure, Run)
 from .release import CAD_SCRIPT, Release, load as _load_release
+from .run import MARKER_CHEAP_MS
 
 F = TypeVar("F", bound=Callable[..., Any])
 Item = Tuple[Optional[int], str, str, Any]
