@@ -30,7 +30,7 @@ from .release import AsyncRelease
 from .result import Failure, FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
 from .runner import (CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
-                     Runner, _KeyOf, _ms, _outcome_or_raise)
+                     Runner, _check_idle, _KeyOf, _ms, _outcome_or_raise)
 from .trust import _ConnState
 
 AConn = psycopg.AsyncConnection[Any]
@@ -108,27 +108,18 @@ class AsyncRunner(Runner):
     the options are the synchronous Runner's.  Each form takes a
     ``psycopg.AsyncConnection``."""
 
-    def __init__(self, valkey: Any = None, *, lease: float = 30.0,
-                 retention: Optional[float] = None, lookup_first: bool = True,
-                 secrets_max_age: float = 5.0, valkey_timeout: float = 0.2,
-                 valkey_retry: float = 1.0, schema: Optional[str] = None,
-                 notice: Optional[Callable[[str], None]] = None,
-                 max_attempts: Optional[int] = None) -> None:
-        super().__init__(None, lease=lease, retention=retention, lookup_first=lookup_first,
-                         secrets_max_age=secrets_max_age, valkey_timeout=valkey_timeout,
-                         valkey_retry=valkey_retry, schema=schema, notice=notice,
-                         max_attempts=max_attempts)
-        if isinstance(valkey, tuple):
-            import redis.asyncio
-            host, port = valkey
-            self._seed = (host, int(port))
-            self.valkey = redis.asyncio.Redis(host=host, port=int(port),
-                                              socket_timeout=self._timeout,
-                                              socket_connect_timeout=self._timeout)
-        else:
-            self.valkey = valkey
-        if self.valkey is not None:
-            self._cad = AsyncRelease(self.valkey)
+    def _client(self, host: str, port: int) -> Any:
+        """Runner._client, redis.asyncio's."""
+        import redis.asyncio
+        return redis.asyncio.Redis(host=host, port=port, socket_timeout=self._timeout,
+                                   socket_connect_timeout=self._timeout)
+
+    def _release_of(self, client: Any) -> Any:
+        return AsyncRelease(client)
+
+    def _first_contact(self) -> None:
+        """Nothing at construction: the first round trip checks, awaited
+        (_acheck_cluster)."""
 
     async def check(self, conn: Any) -> Check:  # type: ignore[override]
         """Runner.check, awaited: ``await runner.check(conn)`` on an idle
@@ -151,7 +142,7 @@ class AsyncRunner(Runner):
                 cluster = RedisCluster(host=self._seed[0], port=self._seed[1],
                                        socket_timeout=self._timeout,
                                        socket_connect_timeout=self._timeout)
-                self._cad = AsyncRelease(cluster)
+                self._cad = self._release_of(cluster)
                 self.valkey = cluster
         self._cluster_checked = True
 
@@ -207,8 +198,12 @@ class AsyncRunner(Runner):
         return st
 
     async def _aidle_state(self, conn: AConn, whose: str) -> _ConnState:
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+        """Runner._idle_state."""
+        _check_idle(conn, whose)
+        return await self._alearnt_state(conn)
+
+    async def _alearnt_state(self, conn: AConn) -> _ConnState:
+        """_astate, a server error raised as an IdemError (rolled back)."""
         try:
             return await self._astate(conn)
         except psycopg.Error as e:
@@ -298,13 +293,7 @@ class AsyncRunner(Runner):
                        attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
                        fence: Optional[int] = None) -> None:
         _check_conn(conn, True)
-        try:
-            st = await self._astate(conn)
-        except psycopg.Error as e:
-            err = _pg_error_of(conn, e, "learning the schema")
-            if err.code == "server":
-                await _arollback(conn)
-            raise err from e
+        st = await self._alearnt_state(conn)
         try:
             await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
                                                  outcome, failure, fence))

@@ -121,6 +121,13 @@ class _KeyOf:
         return self._pick(self.tenant, args, kwargs), rid, req, dc or 0
 
 
+def _check_idle(conn: Any, whose: str) -> None:
+    """A form that begins and commits its own transaction (whose, say
+    which) is given an idle connection, or raises."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+
+
 def _outcome_or_raise(run: Run) -> Any:
     """What a decorated function answers: the outcome (applied or
     replayed), else an exception saying why not."""
@@ -206,29 +213,38 @@ class Runner:
         self._health = Health(self)
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
-        self.valkey: Any        # a redis.Redis or RedisCluster client, or None
-        if valkey is None:
-            self.valkey = None
-        elif isinstance(valkey, tuple):
-            import redis
+        self.valkey: Any = None     # a redis.Redis or RedisCluster client, or None
+        if isinstance(valkey, tuple):
             host, port = valkey
             self._seed = (host, int(port))
-            self.valkey = redis.Redis(host=host, port=int(port), socket_timeout=self._timeout,
-                                      socket_connect_timeout=self._timeout)
-        else:
+            valkey = self._client(host, int(port))
+        if valkey is not None:
             self.valkey = valkey
-        if self.valkey is not None:
-            self._cad = Release(self.valkey)
-            try:
-                self._check_cluster()
-            except ValkeyClusterNotSupported:
-                raise
-            except Exception as e:
-                # down, or AUTH refused: told now (as the C runner does at
-                # open), rested, checked again on a later contact
-                self._valkey_failed(e)
+            self._cad = self._release_of(valkey)
+            self._first_contact()
 
     # ---- Valkey ----
+    def _client(self, host: str, port: int) -> Any:
+        """The client of a Valkey given as (host, port)."""
+        import redis
+        return redis.Redis(host=host, port=port, socket_timeout=self._timeout,
+                           socket_connect_timeout=self._timeout)
+
+    def _release_of(self, client: Any) -> Any:
+        """The compare-and-delete of our marker on client."""
+        return Release(client)
+
+    def _first_contact(self) -> None:
+        """At construction: a plain client of a cluster node is refused;
+        a Valkey down, or refusing AUTH, is told now (as the C runner does
+        at open), rested, and checked again on a later contact."""
+        try:
+            self._check_cluster()
+        except ValkeyClusterNotSupported:
+            raise
+        except Exception as e:
+            self._valkey_failed(e)
+
     def _check_cluster(self) -> None:
         """On first contact: is this a Valkey Cluster node?  Then route by
         key with redis-py's RedisCluster (given (host, port), or a
@@ -251,7 +267,7 @@ class Runner:
                                            socket_timeout=self._timeout,
                                            socket_connect_timeout=self._timeout,
                                            cluster_error_retry_attempts=1)
-                    self._cad = Release(cluster)
+                    self._cad = self._release_of(cluster)
                     self.valkey = cluster
         _load_release(self.valkey)
         self._cluster_checked = True
@@ -363,8 +379,7 @@ class Runner:
     def _idle_state(self, conn: Conn, whose: str) -> _ConnState:
         """The session's state for a form that begins and commits its own
         transaction (whose, say which): conn must be idle."""
-        if conn.pgconn.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+        _check_idle(conn, whose)
         try:
             return self._state(conn)
         except psycopg.Error as e:
