@@ -15,10 +15,12 @@ from typing import Any, Awaitable, Callable, Generator, Optional, Tuple
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from . import cache
 from .errors import IdemError
 from .health import AUTH, DOWN, classify, describe
+from .pg import _exec
 
 OK = "ok"
 PG_UNREACHABLE = "pg_unreachable"
@@ -148,10 +150,9 @@ def _steps(runner: Any, conn: Any) -> Generator[Step, Any, Check]:
 
 def _do(runner: Any, conn: Any, step: Step) -> Any:
     what, arg = step
-    if what == "one":
-        return conn.execute(arg).fetchone()
-    if what == "all":
-        return conn.execute(arg).fetchall()
+    if what in ("one", "all"):
+        cur = _exec(conn, arg)
+        return cur.fetchone() if what == "one" else cur.fetchall()
     if what == "end":
         return runner._end_tx(conn)
     if what == "rollback":
@@ -169,10 +170,11 @@ def _do(runner: Any, conn: Any, step: Step) -> Any:
 
 async def _ado(runner: Any, conn: Any, step: Step) -> Any:
     what, arg = step
-    if what == "one":
-        return await (await conn.execute(arg)).fetchone()
-    if what == "all":
-        return await (await conn.execute(arg)).fetchall()
+    if what in ("one", "all"):
+        # as pg._exec: unnamed, rows as tuples whatever the connection's factory
+        cur = conn.cursor(row_factory=tuple_row)
+        await cur.execute(arg, prepare=False)
+        return await (cur.fetchone() if what == "one" else cur.fetchall())
     if what == "end":
         return await runner._aend_tx(conn)
     if what == "rollback":
