@@ -2,8 +2,8 @@
 # with its effect, keep their ids when the run runs again, and are
 # published to their Valkey stream (XADD <stream> * id <id> body <json>)
 # only once the commit is durable (a stopped synchronous standby holds
-# them), at least once across Valkey outages and kill -9 of the publisher
-# and of the server, in the promised order.
+# them), at least once across Valkey outages, kill -9 of the publisher
+# and of the server, and a dump restored elsewhere, in the promised order.
 use strict;
 use warnings;
 
@@ -240,5 +240,29 @@ my @t1 = grep { /"t":1/ } @order;
 is_deeply(\@t1, [ '{"n":1,"t":1}', '{"n":2,"t":1}' ], 'a transaction\'s messages keep their emit order');
 is_deeply([ @order[3, 4] ], [ '{"n":1,"t":3}', '{"n":2,"t":3}' ],
 	'a transaction that began after others committed comes after them');
+
+# --- a dump restored on another server: what waited goes out from there too ---
+$valkey->stop;
+my @rids = map {
+	(split /\n/, $primary->safe_psql('postgres', run_sql("r$_", 'st.restore', qq({"r": $_}))))[1]
+} 1 .. 3;
+my $dump = $primary->basedir . '/outbox.dump';
+$primary->command_ok([ 'pg_dump', '-Fc', '-f', $dump, '-d', $primary->connstr('postgres') ],
+	'pg_dump while messages wait');
+my $restored = PostgreSQL::Test::Cluster->new('restored');
+$restored->init;
+$restored->append_conf('postgresql.conf',
+	"shared_preload_libraries = 'idem'\nidem.valkey_port = " . $valkey->port . "\n");
+$restored->start;
+$restored->command_ok([ 'pg_restore', '-d', $restored->connstr('postgres'), $dump ], 'pg_restore');
+is($restored->safe_psql('postgres', 'SELECT count(*) FROM idem_outbox'), '3',
+	'the restored outbox holds the waiting messages');
+$restored->restart;
+$valkey->start;
+ok(wait_len('st.restore', 6, 30), 'Valkey back: both servers publish them');
+my %rseen;
+$rseen{ $_->[1] }++ foreach @{ entries('st.restore') };
+is_deeply([ sort keys %rseen ], [ sort @rids ], '... under their ids: at least once, nothing lost');
+$restored->stop;
 
 done_testing();
