@@ -32,8 +32,9 @@
  *	  At commit (XACT_EVENT_COMMIT, after the commit record) a transaction
  *	  whose messages survived flags its database for the publisher
  *	  (idem_outbox_notify: no allocation, no error, no wait).  A prepared
- *	  transaction flags nothing: its messages go out with the database's
- *	  next commit that emits, or after a restart.
+ *	  transaction that emitted flags it too (idem_outbox_notify_prepared):
+ *	  COMMIT PREPARED runs no callback of ours, so the publisher polls while
+ *	  the database has prepared transactions.
  *
  *	  The table is written through SPI as its owner (the extension's
  *	  owner), so that callers need no grant on it; its plan is kept per
@@ -315,8 +316,13 @@ idem_outbox_xact_event(XactEvent event)
 				idem_outbox_notify(MyDatabaseId);
 			outbox_reset();
 			break;
-		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PREPARE:
+			/* its COMMIT PREPARED wakes nobody: the publisher polls */
+			if (outbox_any_live())
+				idem_outbox_notify_prepared(MyDatabaseId);
+			outbox_reset();
+			break;
+		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 		case XACT_EVENT_PARALLEL_ABORT:
 			outbox_reset();

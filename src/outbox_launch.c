@@ -83,6 +83,9 @@ typedef struct IdemOutboxDb
 								 * has not left */
 	uint32		publisher_procno;	/* once it attached */
 	bool		publisher_sleeping; /* waits for a commit to wake it */
+	uint32		prepared;		/* bumped by each PREPARE TRANSACTION that
+								 * emitted; 0: none since the publisher saw
+								 * no prepared transaction left */
 } IdemOutboxDb;
 
 typedef struct IdemOutboxShared
@@ -122,6 +125,7 @@ idem_outbox_shmem_init(void)
 		outbox_shared->dbs[i].running = false;
 		outbox_shared->dbs[i].publisher_procno = IDEM_OUTBOX_NO_PROC;
 		outbox_shared->dbs[i].publisher_sleeping = false;
+		outbox_shared->dbs[i].prepared = 0;
 	}
 }
 
@@ -148,6 +152,7 @@ outbox_slot(Oid dboid, bool take)
 	free_slot->running = false;
 	free_slot->publisher_procno = IDEM_OUTBOX_NO_PROC;
 	free_slot->publisher_sleeping = false;
+	free_slot->prepared = 0;
 	return free_slot;
 }
 
@@ -187,7 +192,69 @@ idem_outbox_notify(Oid dboid)
 		SetLatch(&GetPGProcByNumber(procno)->procLatch);
 }
 
+/*
+ * The prepare path: a transaction of dboid that emitted was prepared.  Its
+ * COMMIT PREPARED, in any session or after a restart, wakes nobody: the
+ * database's publisher is started and polls while prepared transactions
+ * remain (idem_outbox_publisher_prepared).  As idem_outbox_notify: no
+ * allocation, no error, no wait.
+ */
+void
+idem_outbox_notify_prepared(Oid dboid)
+{
+	IdemOutboxDb *db;
+	uint32		procno;
+
+	if (outbox_shared == NULL)
+		return;
+	SpinLockAcquire(&outbox_shared->mutex);
+	procno = outbox_flag(dboid);
+	db = outbox_slot(dboid, false);
+	if (db != NULL)
+		db->prepared = db->prepared + 1 == 0 ? 1 : db->prepared + 1;
+	SpinLockRelease(&outbox_shared->mutex);
+	if (procno != IDEM_OUTBOX_NO_PROC)
+		SetLatch(&GetPGProcByNumber(procno)->procLatch);
+}
+
 /* ---------- the publisher's side ---------- */
+
+/*
+ * Whether prepared transactions of the database may hold messages: the
+ * generation to pass to idem_outbox_publisher_prepared_gone, or 0.
+ * some (the publisher found prepared transactions itself, after a start)
+ * marks it so.
+ */
+uint32
+idem_outbox_publisher_prepared(Oid dboid, bool some)
+{
+	IdemOutboxDb *db;
+	uint32		gen = 0;
+
+	SpinLockAcquire(&outbox_shared->mutex);
+	db = outbox_slot(dboid, false);
+	if (db != NULL)
+	{
+		if (some && db->prepared == 0)
+			db->prepared = 1;
+		gen = db->prepared;
+	}
+	SpinLockRelease(&outbox_shared->mutex);
+	return gen;
+}
+
+/* No prepared transaction was left once gen was read: stop polling. */
+void
+idem_outbox_publisher_prepared_gone(Oid dboid, uint32 gen)
+{
+	IdemOutboxDb *db;
+
+	SpinLockAcquire(&outbox_shared->mutex);
+	db = outbox_slot(dboid, false);
+	if (db != NULL && db->prepared == gen)
+		db->prepared = 0;
+	SpinLockRelease(&outbox_shared->mutex);
+}
 
 /* The publisher of dboid starts; false if another one runs already. */
 bool

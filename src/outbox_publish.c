@@ -25,6 +25,11 @@
  * the others, with backoff, and counted in publish_errors: nothing is
  * dropped.
  *
+ * Prepared transactions: COMMIT PREPARED runs no callback of idem's, so a
+ * database with prepared transactions that emitted (flagged at PREPARE,
+ * or found by the publisher's first look after it starts) is polled every
+ * IDEM_PUBLISH_PREPARED_POLL_MS while it has any.
+ *
  * Wakeups: a commit that emits sets the publisher's latch only while it
  * sleeps (idem_outbox_publisher_sleepy); an awake publisher reads again
  * after each round, idem.valkey_batch_delay after a round without a
@@ -86,6 +91,7 @@
 #define IDEM_PUBLISH_LINGER_MS		1000
 #define IDEM_PUBLISH_LOG_MS			10000
 #define IDEM_PUBLISH_FLUSH_GRACE_MS	5
+#define IDEM_PUBLISH_PREPARED_POLL_MS	1000
 
 typedef struct PublishMessage
 {
@@ -244,6 +250,28 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 	return n;
 }
 
+/* Whether this database has prepared transactions (their messages wait). */
+static bool
+publish_has_prepared(void)
+{
+	bool		some;
+	bool		isnull;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute("SELECT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts WHERE database OPERATOR(pg_catalog.=) pg_catalog.current_database())",
+					true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read pg_prepared_xacts");
+	some = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+	SPI_finish();
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	return some;
+}
+
 /*
  * Wait until WAL is durable up to lsn; false on shutdown.  A standby that
  * holds it back is logged every IDEM_PUBLISH_LOG_MS.
@@ -376,6 +404,7 @@ idem_outbox_publisher_main(Datum main_arg)
 	int			backoff_ms = IDEM_PUBLISH_BACKOFF_MIN_MS;
 	TimestampTz idle_since = 0;
 	bool		published_any = false;
+	bool		looked_prepared = false;
 
 	publish_dboid = DatumGetObjectId(main_arg);
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -416,6 +445,29 @@ idem_outbox_publisher_main(Datum main_arg)
 		}
 		MemoryContextReset(publish_cxt);
 		n = publish_read(&msgs, &lsn, false);
+		if (n == 0)
+		{
+			/*
+			 * Prepared transactions that emitted (flagged at PREPARE, or
+			 * any found after a start): their COMMIT PREPARED wakes nobody,
+			 * so look again every IDEM_PUBLISH_PREPARED_POLL_MS until none
+			 * is left, then once more.
+			 */
+			uint32		gen = idem_outbox_publisher_prepared(publish_dboid,
+															 !looked_prepared && publish_has_prepared());
+
+			looked_prepared = true;
+			if (gen != 0)
+			{
+				if (publish_has_prepared())
+				{
+					worker_nap(IDEM_PUBLISH_PREPARED_POLL_MS);
+					continue;
+				}
+				idem_outbox_publisher_prepared_gone(publish_dboid, gen);
+				continue;
+			}
+		}
 		if (n <= 0)
 		{
 			TimestampTz now = GetCurrentTimestamp();

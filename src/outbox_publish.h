@@ -18,6 +18,7 @@ extern void idem_outbox_shmem_init(void);
 
 /* A committing backend's messages of database dboid wait (commit path). */
 extern void idem_outbox_notify(Oid dboid);
+extern void idem_outbox_notify_prepared(Oid dboid);
 
 /* The launcher: registered by _PG_init, started by the postmaster. */
 extern void idem_outbox_launcher_register(void);
@@ -28,6 +29,8 @@ extern bool idem_outbox_publisher_attach(Oid dboid);
 extern bool idem_outbox_publisher_sleepy(Oid dboid);
 extern void idem_outbox_publisher_awake(Oid dboid);
 extern bool idem_outbox_publisher_idle(Oid dboid);
+extern uint32 idem_outbox_publisher_prepared(Oid dboid, bool some);
+extern void idem_outbox_publisher_prepared_gone(Oid dboid, uint32 gen);
 extern void idem_outbox_publisher_detach(Oid dboid, bool wanted);
 
 /* The publisher of one database (outbox_publish.c). */

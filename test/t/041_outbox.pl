@@ -20,7 +20,7 @@ my $valkey = IdemValkey->new(name => 'valkey')->start;
 # restart_after_crash: a kill -9 of the publisher restarts the server, as in
 # production (the TAP library turns it off).
 my $primary = IdemValkey::streaming_node('primary', $valkey, 'idem.standby_slots' => "''",
-	restart_after_crash => 'on');
+	restart_after_crash => 'on', max_prepared_transactions => 2);
 ok(IdemValkey::wait_connected($primary, 1), 'the worker connects');
 
 # The stream's entries as [id field, body field], in stream order.
@@ -240,6 +240,15 @@ my @t1 = grep { /"t":1/ } @order;
 is_deeply(\@t1, [ '{"n":1,"t":1}', '{"n":2,"t":1}' ], 'a transaction\'s messages keep their emit order');
 is_deeply([ @order[3, 4] ], [ '{"n":1,"t":3}', '{"n":2,"t":3}' ],
 	'a transaction that began after others committed comes after them');
+
+# --- two-phase commit: COMMIT PREPARED wakes nobody; the publisher polls ---
+my $prep = run_sql('p1', 'st.prep', '{"n": 1}');
+$prep =~ s/COMMIT;$/PREPARE TRANSACTION 'p1';/;
+$primary->safe_psql('postgres', $prep);
+usleep(1_500_000);
+is($valkey->command('XLEN', 'st.prep'), 0, 'a prepared transaction\'s message is not published');
+$primary->safe_psql('postgres', "COMMIT PREPARED 'p1'");
+ok(wait_len('st.prep', 1, 10), '... and is once COMMIT PREPARED commits it');
 
 # --- a dump restored on another server: what waited goes out from there too ---
 $valkey->stop;
