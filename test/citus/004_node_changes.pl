@@ -25,14 +25,8 @@ my $cl = IdemCitus->new(valkey => $valkey);
 my $c = $cl->coord;
 my ($w1, $w2) = ($cl->w1, $cl->w2);
 
-$c->safe_psql('postgres', q{
-	CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
-	SELECT create_distributed_table('tenants', 'id');
-	INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
-	CREATE EXTENSION idem;
-	SELECT idem_install('tenants');
-	CREATE TABLE effects (scope text, id text);
-});
+$cl->install_tenants;
+$c->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
 my $t1 = $cl->tenant_on($w1);
 my $t2 = $cl->tenant_on($w2);
 

@@ -60,6 +60,19 @@ sub start_node
 	return $node;
 }
 
+# Tenants 1 to 40 in a distributed tenants table, idem installed on it.
+sub install_tenants
+{
+	my ($self) = @_;
+	$self->{coord}->safe_psql('postgres', q{
+		CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
+		SELECT create_distributed_table('tenants', 'id');
+		INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
+		CREATE EXTENSION idem;
+		SELECT idem_install('tenants');
+	});
+}
+
 sub coord { $_[0]->{coord} }
 sub w1    { $_[0]->{w1} }
 sub w2    { $_[0]->{w2} }
