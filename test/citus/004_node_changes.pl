@@ -3,7 +3,7 @@
 # removing it, keep the cluster keyspace (no node lost anything it held),
 # so a runner keeps replaying from Valkey what the workers copied before.
 # A node that comes back with its history changed still gives the cluster
-# a new keyspace.
+# a new keyspace, and so does a user's subscription that writes a shard.
 use strict;
 use warnings;
 
@@ -14,6 +14,7 @@ use lib "$FindBin::RealBin/../t";
 use IdemCitus;
 use IdemValkey;
 use PostgreSQL::Test::Utils;
+use IPC::Run;
 use Test::More;
 use Time::HiRes qw(usleep);
 
@@ -91,9 +92,27 @@ is(replayed_from_valkey(@keys), 16, '... and every result still replays from Val
 my $id3 = identity_of($w3);
 my $sid = $c->safe_psql('postgres',
 	"SELECT get_shard_id_for_distribution_column('idempotency_keys', ${t1}::bigint)");
-$c->safe_psql('postgres', qq{
-	SELECT citus_move_shard_placement($sid, '127.0.0.1', ${\ $w1->port}, '127.0.0.1', ${\ $w3->port},
-		shard_transfer_mode => 'force_logical')});
+# results completed while it moves: Citus's subscription applies them
+my ($mout, $merr) = ('', '');
+my $move = IPC::Run::start(
+	[ 'psql', '-X', '-At', '-v', 'ON_ERROR_STOP=1', '-d', $c->connstr('postgres'), '-c',
+	  "SELECT citus_move_shard_placement($sid, '127.0.0.1', ${\ $w1->port}, '127.0.0.1', ${\ $w3->port},
+		shard_transfer_mode => 'force_logical')" ],
+	'>', \$mout, '2>', \$merr);
+my $during = 0;
+while ($move->pumpable && $during < 3000)
+{
+	# a call that waited for the move fails (the shard moved): not counted
+	$c->psql('postgres', qq{
+		BEGIN;
+		SELECT idem_claim($t1, idem_key('s', 'during$during'), idem_fingerprint('{}'));
+		SELECT idem_complete($t1, idem_key('s', 'during$during'), '{}');
+		COMMIT;});
+	$during++;
+	$move->pump_nb;
+}
+ok($move->finish, 'the shard moved by logical replication while results were completed')
+  or diag($merr);
 is($cl->coord->safe_psql('postgres', qq{
 	SELECT nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
 	WHERE p.shardid = $sid}), $w3->port, "tenant ${t1}'s shard is on the new worker");
@@ -126,6 +145,36 @@ $c->safe_psql('postgres', "SELECT citus_add_node('127.0.0.1', " . $w3->port . ")
 my $ks2 = ks();
 isnt($ks2, $ks, 'added again, it gives the cluster a new keyspace');
 is(IdemValkey::wait_keyspace($w3), $ks2, '... which it joins');
+
+# ---------- a user's subscription into a shard ----------
+# Citus's own move and split subscriptions renew nothing (the logical move
+# above); a user's that writes a ledger shard does, as for the ledger.
+my $pub = PostgreSQL::Test::Cluster->new('pub');
+$pub->init(allows_streaming => 'logical');
+$pub->start;
+my $node = $cl->node_of($t2);
+my $shard = $cl->shard_of($t2);
+my $cols = $node->safe_psql('postgres', qq{
+	SELECT string_agg(format('%I %s', attname, format_type(atttypid, atttypmod)), ', ' ORDER BY attnum)
+	FROM pg_attribute WHERE attrelid = 'public.$shard'::regclass AND attnum > 0 AND NOT attisdropped});
+$pub->safe_psql('postgres', qq{
+	CREATE TABLE public.$shard ($cols);
+	ALTER TABLE public.$shard REPLICA IDENTITY FULL;
+	INSERT INTO public.$shard (tenant_id, idempotency_key) VALUES ($t2, '\\x00');
+	CREATE PUBLICATION userpub FOR TABLE public.$shard;});
+$node->safe_psql('postgres', "CREATE SUBSCRIPTION usersub CONNECTION '" . $pub->connstr
+	  . " dbname=postgres' PUBLICATION userpub WITH (copy_data = false)");
+$pub->wait_for_catchup('usersub');
+my $ks3 = ks();
+my $idn = identity_of($node);
+$pub->safe_psql('postgres', "DELETE FROM public.$shard");
+$pub->wait_for_catchup('usersub');
+my $idn2;
+IdemValkey::poll_until(20, sub { $idn2 = identity_of($node); defined $idn2 && $idn2 ne $idn });
+isnt($idn2 // $idn, $idn, 'a DELETE a user\'s subscription applies to a ledger shard renews that node\'s epoch');
+isnt(ks(), $ks3, '... and gives the cluster a new keyspace');
+$node->safe_psql('postgres', 'DROP SUBSCRIPTION usersub');
+$pub->stop;
 
 IdemValkey::check_counters($_) foreach ($c, $w1, $w2, $w3);
 $_->stop foreach ($w3, $w1, $w2, $c);
