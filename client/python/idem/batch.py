@@ -24,7 +24,7 @@ from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipelin
                  sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Failure, FailureSpec, Run,
-                     _failure_of, _make_run, _outcome_text, _result_from_cache)
+                     _failure_of, _make_run, _recorded_ending, _result_from_cache)
 from .trust import _ConnState
 
 
@@ -262,9 +262,13 @@ class Batch:
         return True
 
     def _step_ended(self, run: Run) -> str:
-        """A step that raised nothing: the statement that ends it."""
+        """A step that raised nothing: the statement that ends it.  An
+        outcome that cannot be stored fails the run's attempt, its
+        statements rolled back, as a run's does (_recorded_ending)."""
         if self.conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
             run.fail({"error": "the step left the transaction in error"}, retryable=True)
+        if run._failure is None:
+            run._failure = _recorded_ending(run, None, None, False)[0]
         return ("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
                 else "RELEASE SAVEPOINT idem_step")
 
@@ -292,7 +296,7 @@ class Batch:
             return False, IdemError("connection", "connection lost during the batch (nothing "
                                     "committed)"), None
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
-            # a serialization failure, a deadlock, a cancelled statement...:
+            # a serialization failure, a deadlock, an operator's cancel...:
             # the server's state, not an answer; nothing recorded, raised again
             return ts != TransactionStatus.IDLE, None, None
         if ts == TransactionStatus.IDLE:
@@ -304,21 +308,28 @@ class Batch:
             return True, IdemError("handler", "the block left the transaction in error (a "
                                    "failed statement it caught): rolled back, nothing "
                                    "recorded"), None
-        # what each claimed run records; the block's failure (its statements
-        # rolled back) fails every run that did not fail by itself
-        done: List[Tuple[Run, str]] = []
-        failed: List[Tuple[Run, str, bool]] = []
-        try:
-            for run in self.claimed:
-                failure = run._failure or block_failure
-                if failure is None:
-                    done.append((run, _outcome_text({} if run.outcome is None else run.outcome,
-                                                    "the outcome")))
-                else:
-                    failed.append((run, _outcome_text(failure[0], "the failure detail"),
-                                   bool(failure[1])))
-        except IdemError as e:
-            return True, e, None
+        # what each claimed run records (_recorded_ending: an outcome or
+        # detail that cannot be stored fails the run's attempt); the block's
+        # failure (its statements rolled back) fails every run that did not
+        # fail by itself
+        ends = [(run,) + _recorded_ending(run, run._failure or block_failure,
+                                          None if run._failure else et, suppress)
+                for run in self.claimed]
+        unstorable = [f for run, f, _ in ends
+                      if block_failure is None and run._failure is None and f is not None]
+        if unstorable:
+            # a run's outcome that cannot be stored, outside a step: its
+            # statements cannot be told from the others', so the batch's
+            # roll back, and the runs that did not fail by themselves fail
+            # retryably with it, as after the block's exception
+            block_failure = ({"sqlstate": unstorable[0][0]["sqlstate"],
+                              "message": "the batch's statements rolled back: a run's "
+                              "outcome cannot be stored"}, True)
+            ends = [(run, f, t) if f is not None else
+                    (run,) + _recorded_ending(run, block_failure, None, False)
+                    for run, f, t in ends]
+        done = [(run, t) for run, f, t in ends if f is None]
+        failed = [(run, t, bool(f[1])) for run, f, t in ends if f is not None]
         return False, None, (block_failure, done, failed, suppress)
 
     def _exiting(self, et: Optional[Type[BaseException]],

@@ -18,7 +18,7 @@ from .errors import CommitUnknown, IdemError
 from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
 from .result import (FAILED_RETRYABLE, Failure, FailureSpec, Run, _failure_of, _outcome_text,
-                     _recorded_text)
+                     _recorded_ending)
 from .run import Ending, _RunContext
 
 
@@ -192,12 +192,13 @@ class _LeaseContext(_RunContext):
             return True, IdemError("handler", "the block left the connection's transaction in "
                                    "error: rolled back, nothing recorded (the lease ends it)"), \
                 None, None, False
-        rollback = ts == TransactionStatus.INERROR      # then the failure is recorded
-        text, err = _recorded_text(run, failure, et, suppress)
-        if err is not None:
-            return rollback or (failure is None and ts == TransactionStatus.INTRANS), err, \
-                None, None, False
-        return rollback, None, failure, text, suppress
+        # an outcome or detail that cannot be stored fails the attempt, as in
+        # a run (_recorded_ending); what the block left open rolls back
+        # with it, as a handler's writes do in idem_apply
+        recorded, text = _recorded_ending(run, failure, et, suppress)
+        rollback = ts == TransactionStatus.INERROR or (
+            recorded is not failure and ts == TransactionStatus.INTRANS)
+        return rollback, None, recorded, text, suppress
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """One round trip: the fenced completion (or failure) and COMMIT,

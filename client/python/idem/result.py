@@ -171,22 +171,6 @@ def _failure_of(run: Any, et: Optional[Type[BaseException]],
     return run._failure, False
 
 
-def _recorded_text(run: Run, failure: Optional[FailureSpec], et: Optional[Type[BaseException]],
-                   suppress: bool) -> Tuple[Optional[str], Optional[IdemError]]:
-    """What the end of a block records, checked before anything is sent:
-    the outcome as jsonb text, or the failure's detail (the exception's
-    type name when the detail is not JSON and the exception propagates
-    anyway); else None and the IdemError saying why not."""
-    try:
-        if failure is None:
-            return _outcome_text({} if run.outcome is None else run.outcome, "the outcome"), None
-        return _outcome_text(failure[0], "the failure detail"), None
-    except IdemError as e:
-        if failure is None or et is None or suppress:
-            return None, e
-        return _outcome_text({"error": et.__name__}, "the failure detail"), None
-
-
 def _unstorable(value: Any, what: str, retryable: bool) -> Optional[Tuple[Any, bool]]:
     """None when value can be stored as an outcome; else the failure the
     attempt records instead, as idem_apply does: (detail, retryable) with

@@ -450,7 +450,7 @@ class _RunContext:
             return False, IdemError("connection", "connection lost during the run (nothing "
                                     "committed)"), None, None, False
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
-            # a serialization failure, a deadlock, a cancelled statement...:
+            # a serialization failure, a deadlock, an operator's cancel...:
             # the server's state, not the block's answer (idem_apply's rule).
             # Not an attempt: rolled back, nothing recorded, raised again.
             return ts != TransactionStatus.IDLE, None, None, None, False
