@@ -1,0 +1,350 @@
+"""The stream consumer (idem.Consumer, idem.AsyncConsumer) and run.emit,
+against a real PostgreSQL with idem and a real Valkey.  The tests are the
+stream's producer: they XADD entries in the published format (``id <message
+id> body <message>``), as the server's worker does.  Each test checks what
+the servers hold: effects counted in the table, entries pending or
+acknowledged in the group."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+import psycopg
+import redis
+
+import idem
+from idem import emit as emit_mod
+from idem.consume import parse_entry
+import test_server
+from test_server import DSN, VPORT, admin, connect, effects, uid
+
+
+def setUpModule():
+    test_server.setUpModule()
+
+
+def xadd(v, stream, mid, body):
+    return v.xadd(stream, {"id": mid, "body": body if isinstance(body, str) else json.dumps(body)})
+
+
+def pending(v, stream, group):
+    """How many entries of the group are delivered and not acknowledged."""
+    return v.xpending(stream, group)["pending"]
+
+
+def effect(conn, run, message):
+    conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, 'consumer')",
+                 [run.scope, run.run_id])
+    return {"got": message.get("n")}
+
+
+def has_emit():
+    with admin() as a:
+        return a.execute("SELECT to_regproc('idem_emit') IS NOT NULL").fetchone()[0]
+
+
+class Units(unittest.TestCase):
+    def test_parse_entry(self):
+        """an entry's id and body are read as the published format has them; anything else is malformed"""
+        self.assertEqual(parse_entry({b"id": b"k-1", b"body": b'{"a": 1}'}, "s"), ("k-1", '{"a": 1}', None))
+        self.assertEqual(parse_entry({"id": "k-1", "body": "[1]"}, "s"), ("k-1", "[1]", None))
+        self.assertEqual(parse_entry({b"body": b"{}"}, "s")[2], "no id field")
+        self.assertEqual(parse_entry({b"id": b"k"}, "s")[2], "no body field")
+        self.assertEqual(parse_entry({b"id": b"\xff", b"body": b"{}"}, "s")[2],
+                         "the id is empty or not UTF-8")
+        self.assertEqual(parse_entry({b"id": b"k", b"body": b"{nope"}, "s")[2], "the body is not JSON")
+        self.assertEqual(parse_entry(None, "s")[2], "the entry has no fields")
+
+    def test_emit_array(self):
+        """run.emit's messages become one JSON array naming each run's key, in order"""
+        k = bytes(range(32))
+        text = emit_mod.array_text([(k, "a\"b", '{"x": 1}'), (k, "s", "[]")])
+        self.assertEqual(json.loads(text), [["a\"b", {"x": 1}, k.hex()], ["s", [], k.hex()]])
+        self.assertIsNone(emit_mod.array_text([]))
+        self.assertEqual(emit_mod.message_id(k, 3), k.hex() + "-3")
+        self.assertRaises(idem.IdemError, emit_mod.check, "", {})
+        self.assertRaises(idem.IdemError, emit_mod.check, "s", float("nan"))
+
+    def test_emit_needs_a_claim(self):
+        """run.emit is refused outside a claimed run, and in lease mode"""
+        from idem.result import _make_run
+        from idem.lease import Lease
+        run = _make_run(idem.Run, 1, "s", "r", {})
+        self.assertRaises(idem.IdemError, run.emit, "s", {})
+        run.claimed = True
+        self.assertEqual(run.emit("s", {"a": 1}), run.key.hex() + "-1")
+        self.assertEqual(run.emit("t", "[2]"), run.key.hex() + "-2")
+        lease = _make_run(Lease, 1, "s", "r", {})
+        lease.claimed = True
+        with self.assertRaises(idem.IdemError) as cm:
+            lease.emit("s", {})
+        self.assertIn("lease mode", str(cm.exception))
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        self.v = redis.Redis(host="127.0.0.1", port=VPORT, socket_timeout=5)
+        self.runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
+        self.scope = uid("consume")
+        self.stream = uid("stream")
+        self.conn = connect()
+
+    def tearDown(self):
+        self.conn.close()
+
+    def consumer(self, name="c1", **kw):
+        kw.setdefault("handler", effect)
+        kw.setdefault("claim_idle", 0.3)
+        kw.setdefault("block", 0.1)
+        return idem.Consumer(self.runner, self.conn, ("127.0.0.1", VPORT), stream=self.stream,
+                             group="g", consumer=name, scope=self.scope, tenant=1, **kw)
+
+    def drain(self, c, until, timeout=15):
+        end = time.time() + timeout
+        while not until():
+            self.assertLess(time.time(), end, "not drained in %d s: %r" % (timeout, c.stats))
+            c.poll()
+
+
+class Sync(Base):
+    def test_each_message_once(self):
+        """messages are applied once each, duplicates of an id (a republished message) once, and every entry acknowledged"""
+        for i in range(20):
+            xadd(self.v, self.stream, "m%d" % i, {"n": i})
+        for i in range(0, 20, 3):
+            xadd(self.v, self.stream, "m%d" % i, {"n": i})      # the publisher's repeat
+        c = self.consumer()
+        self.drain(c, lambda: c.stats["acked"] == 27)
+        self.assertEqual(effects(self.scope), 20)
+        for i in range(20):
+            self.assertEqual(effects(self.scope, "m%d" % i), 1)
+        self.assertEqual(pending(self.v, self.stream, "g"), 0)
+
+    def test_group_from_the_start(self):
+        """the group is created from the stream's first entry: what was published before the first consumer is consumed"""
+        xadd(self.v, self.stream, "early", {"n": 1})
+        c = self.consumer()
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.assertEqual(effects(self.scope, "early"), 1)
+
+    def test_retryable_redelivered(self):
+        """a retryable failure is not acknowledged: the entry comes back after claim_idle and is applied once"""
+        tries = []
+
+        def flaky(conn, run, message):
+            tries.append(run.attempt)
+            if len(tries) == 1:
+                raise idem.RetryableFailure({"why": "later"})
+            return effect(conn, run, message)
+        xadd(self.v, self.stream, "r1", {"n": 1})
+        c = self.consumer(handler=flaky)
+        c.poll()
+        self.assertEqual(tries, [1])
+        self.assertEqual(pending(self.v, self.stream, "g"), 1)     # left pending
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.assertEqual(tries, [1, 2])
+        self.assertEqual(effects(self.scope, "r1"), 1)
+        self.assertEqual(pending(self.v, self.stream, "g"), 0)
+
+    def test_error_not_acked(self):
+        """an exception of the handler (recorded retryable) and a server-state error are not acknowledged"""
+        def boom(conn, run, message):
+            if message.get("kind") == "deadlock":
+                conn.execute("DO $$ BEGIN RAISE EXCEPTION 'x' USING ERRCODE = '40P01'; END $$")
+            raise KeyError("no")
+        xadd(self.v, self.stream, "e1", {"n": 1})
+        xadd(self.v, self.stream, "e2", {"kind": "deadlock"})
+        seen = []
+        c = self.consumer(handler=boom, claim_idle=60, settled=lambda m, r, a: seen.append((m, a)))
+        c.poll()
+        self.assertEqual(sorted(seen), [("e1", False), ("e2", False)])
+        self.assertEqual(pending(self.v, self.stream, "g"), 2)
+        self.assertEqual(c.stats["acked"], 0)
+
+    def test_permanent_and_mismatch_acked(self):
+        """a permanent failure and a mismatch (the id with another body) are settled: acknowledged"""
+        def perm(conn, run, message):
+            if message.get("bad"):
+                raise idem.PermanentFailure({"why": "never"})
+            return effect(conn, run, message)
+        xadd(self.v, self.stream, "p1", {"bad": True})
+        xadd(self.v, self.stream, "p2", {"n": 2})
+        xadd(self.v, self.stream, "p2", {"n": 3})       # same id, another body
+        got = {}
+        c = self.consumer(handler=perm, settled=lambda m, r, a: got.setdefault(m, []).append((r.status, a)))
+        self.drain(c, lambda: c.stats["acked"] == 3)
+        self.assertEqual(got["p1"], [("failed_permanent", True)])
+        self.assertEqual(got["p2"], [("applied", True), ("mismatch", True)])
+        self.assertEqual(effects(self.scope), 1)
+
+    def test_malformed(self):
+        """a malformed entry is told, dead-lettered with its fields and why, and acknowledged"""
+        told = []
+        self.v.xadd(self.stream, {"body": "{}"})
+        self.v.xadd(self.stream, {"id": "x1", "body": "{not json"})
+        xadd(self.v, self.stream, "ok1", {"n": 1})
+        c = self.consumer(dead_letter=self.stream + ".dead", notice=told.append)
+        self.drain(c, lambda: c.stats["acked"] == 3)
+        self.assertEqual(c.stats["malformed"], 2)
+        dead = self.v.xrange(self.stream + ".dead")
+        self.assertEqual([f[b"reason"] for _, f in dead], [b"no id field", b"the body is not JSON"])
+        self.assertEqual(dead[1][1][b"id"], b"x1")
+        self.assertEqual(dead[1][1][b"body"], b"{not json")
+        self.assertEqual(len(told), 2)
+        self.assertEqual(effects(self.scope), 1)
+
+    def child(self, name, mode):
+        """A consumer process: 'hang' sleeps in the handler after its
+        effect; 'die_after_commit' exits when its first run is settled,
+        before the XACK."""
+        code = r"""
+import os, sys, time, json, idem, psycopg
+dsn, port, stream, scope, name, mode = sys.argv[1:]
+def h(conn, run, message):
+    conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, 'child')", [run.scope, run.run_id])
+    if mode == 'hang':
+        print('in', flush=True)
+        time.sleep(60)
+    return {}
+def settled(m, r, acked):
+    if mode == 'die_after_commit':
+        print('settled', r.status, flush=True)
+        os._exit(9)
+runner = idem.Runner(('127.0.0.1', int(port)), lease=5)
+c = idem.Consumer(runner, psycopg.connect(dsn), ('127.0.0.1', int(port)), stream=stream, group='g',
+                  consumer=name, scope=scope, tenant=1, handler=h, block=0.1, claim_idle=60,
+                  settled=settled)
+while True:
+    c.poll()
+"""
+        return subprocess.Popen([sys.executable, "-c", code, DSN, str(VPORT), self.stream,
+                                 self.scope, name, mode], stdout=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+    def test_killed_mid_message(self):
+        """a consumer SIGKILLed mid-message: XAUTOCLAIM hands its entry to another, whose run applies it once"""
+        xadd(self.v, self.stream, "k1", {"n": 1})
+        p = self.child("dying", "hang")
+        try:
+            self.assertEqual(p.stdout.readline().strip(), "in")
+            self.assertEqual(self.v.xpending(self.stream, "g")["consumers"][0]["name"], b"dying")
+        finally:
+            p.kill()
+            p.wait()
+        c = self.consumer("heir", claim_idle=0.5)
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.assertEqual(c.stats["claimed"], 1)
+        self.assertEqual(effects(self.scope, "k1"), 1)
+        self.assertEqual(pending(self.v, self.stream, "g"), 0)
+
+    def test_killed_after_commit(self):
+        """a consumer killed after its run committed, before its XACK: the entry taken over is replayed, not applied again"""
+        xadd(self.v, self.stream, "k2", {"n": 1})
+        p = self.child("dying2", "die_after_commit")
+        self.assertEqual(p.stdout.readline().strip(), "settled applied")
+        p.wait()
+        self.assertEqual(pending(self.v, self.stream, "g"), 1)
+        got = []
+        c = self.consumer("heir2", claim_idle=0.5, settled=lambda m, r, a: got.append(r.status))
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.assertEqual(got, ["replayed"])
+        self.assertEqual(effects(self.scope, "k2"), 1)
+
+    def test_valkey_flushed(self):
+        """the group is made again when Valkey lost the stream (a restart without persistence, FLUSHALL): the next entries are consumed"""
+        xadd(self.v, self.stream, "f1", {"n": 1})
+        c = self.consumer()
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.v.delete(self.stream)
+        self.assertEqual(c.poll(), -1)
+        xadd(self.v, self.stream, "f2", {"n": 2})
+        self.drain(c, lambda: c.stats["acked"] == 2)
+        self.assertEqual(effects(self.scope), 2)
+
+
+class Async(Base):
+    def test_async_consumer(self):
+        """the asyncio consumer: each message once, duplicates once, a retryable failure redelivered"""
+        import redis.asyncio
+        from idem.aio import AsyncRunner
+        tries = []
+
+        async def handler(conn, run, message):
+            tries.append(run.run_id)
+            if run.run_id == "a0" and tries.count("a0") == 1:
+                raise idem.RetryableFailure({})
+            await conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, 'aio')",
+                               [run.scope, run.run_id])
+            return {}
+
+        async def main():
+            for i in range(5):
+                xadd(self.v, self.stream, "a%d" % i, {"n": i})
+            xadd(self.v, self.stream, "a3", {"n": 3})
+            conn = await psycopg.AsyncConnection.connect(DSN)
+            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
+            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
+                                   group="g", consumer="ac", scope=self.scope, tenant=1,
+                                   handler=handler, block=0.1, claim_idle=0.3)
+            end = time.time() + 15
+            while c.stats["acked"] < 6:
+                self.assertLess(time.time(), end, repr(c.stats))
+                await c.poll()
+            await conn.close()
+        asyncio.run(main())
+        self.assertEqual(effects(self.scope), 5)
+        self.assertEqual(tries.count("a0"), 2)
+        self.assertEqual(pending(self.v, self.stream, "g"), 0)
+
+
+@unittest.skipUnless(DSN and has_emit() if DSN else False,
+                     "idem_emit is not in this extension yet")
+class Emit(Base):
+    def published(self, stream, n, timeout=15):
+        end = time.time() + timeout
+        while True:
+            got = self.v.xrange(stream)
+            if len(got) >= n or time.time() > end:
+                return [(f[b"id"].decode(), json.loads(f[b"body"])) for _, f in got]
+            time.sleep(0.05)
+
+    def test_emit_published_once_committed(self):
+        """run.emit: the messages of a committed run are published with ids <key>-1, <key>-2; a failed run's never"""
+        out = self.stream + ".out"
+
+        def h(conn, run, message):
+            run.emit(out, {"n": message["n"], "i": 1})
+            run.emit(out, {"n": message["n"], "i": 2})
+            if message.get("fail"):
+                raise idem.PermanentFailure({})
+            return effect(conn, run, message)
+        r1 = self.runner.call(self.conn, 1, self.scope, "e1", {"n": 1, "fail": True},
+                              lambda c, r: h(c, r, {"n": 1, "fail": True}))
+        self.assertEqual(r1.status, "failed_permanent")
+        r2 = self.runner.call(self.conn, 1, self.scope, "e2", {"n": 2}, lambda c, r: h(c, r, {"n": 2}))
+        self.assertEqual(r2.status, "applied")
+        key = idem.idem_key(self.scope, "e2").hex()
+        got = self.published(out, 2)
+        self.assertEqual(got, [(key + "-1", {"n": 2, "i": 1}), (key + "-2", {"n": 2, "i": 2})])
+
+    def test_pipeline_end_to_end(self):
+        """emit in stage 1, the worker publishes, a consumer applies in stage 2: each effect once in each stage"""
+        out = self.stream + ".out"
+
+        def stage1(conn, run):
+            effect(conn, run, {})
+            run.emit(out, {"from": run.run_id})
+            return {}
+        for i in range(10):
+            self.runner.call(self.conn, 1, self.scope, "s%d" % i, {"i": i}, stage1)
+            self.runner.call(self.conn, 1, self.scope, "s%d" % i, {"i": i}, stage1)  # redelivered
+        scope2 = self.scope + ".2"
+        c2 = idem.Consumer(self.runner, connect(), ("127.0.0.1", VPORT), stream=out, group="g2",
+                           consumer="c", scope=scope2, tenant=1, handler=effect, block=0.1)
+        self.drain(c2, lambda: effects(scope2) == 10)
+        self.assertEqual(effects(self.scope), 10)
+        self.assertEqual(pending(self.v, out, "g2"), 0)
