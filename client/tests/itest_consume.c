@@ -99,7 +99,7 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		if (idem_call_emit(call, h->emit_stream, "{nope") == -1 && errno == EINVAL)
 			h->emit_checks++;
 		if (idem_call_emit(call, h->emit_stream, "{\"i\": 1, \"q\": \"\\\"\"}") != 0 ||
-			idem_call_emit(call, h->emit_stream, "[2]") != 0)
+			idem_call_emit(call, h->emit_stream, "{\"i\": 2}") != 0)
 			return IDEM_HANDLER_PERMANENT;
 		if (strstr(req, "\"fail\""))
 			return IDEM_HANDLER_PERMANENT;
