@@ -3,7 +3,7 @@ for redis.asyncio and the AsyncRunner): a Valkey stream of idem_emit's
 messages (entries ``id <message id> body <message>``) read with a
 consumer group, each message run through the runner with its id as the run
 id and its body as the request, acknowledged (XACK) only once its run is
-settled.  The C client's consume.c follows the same rules:
+settled.  The C client's idem_consumer_poll follows the same rules:
 
 * settled, acknowledged: applied, replayed, failed_permanent, and mismatch
   (the id came with another body: the ledger's answer stands for good);

@@ -9,7 +9,7 @@ statement serves a run and a batch of runs alike: the messages are one
 JSON array, ``[[stream, message, key in hex], ...]``, recorded in order.
 The server gives each the id ``<key in hex>-<n>``, n = 1, 2, ... the
 message's position among its run's emits in the transaction.  The C
-client's emit.c does the same.  A leaf: it talks to no server."""
+client's idem_call_emit does the same.  A leaf: it talks to no server."""
 import json
 from typing import Any, Iterable, List, Optional, Tuple
 

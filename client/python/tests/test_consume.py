@@ -331,6 +331,35 @@ class Emit(Base):
         got = self.published(out, 2)
         self.assertEqual(got, [(key + "-1", {"n": 2, "i": 1}), (key + "-2", {"n": 2, "i": 2})])
 
+    def test_batch_and_asyncio_emit(self):
+        """run.emit in a batch (each run's messages under its own key, a failed step's dropped) and in the asyncio runner"""
+        out = self.stream + ".batch"
+        items = [(1, self.scope, "b%d" % i, {"i": i}) for i in range(3)]
+        with self.runner.batch(self.conn, items) as batch:
+            for run in batch.claimed:
+                with batch.step(run):
+                    run.emit(out, {"from": run.run_id})
+                    if run.run_id == "b1":
+                        raise idem.PermanentFailure({})
+        self.assertEqual([r.status for r in batch.runs], ["applied", "failed_permanent", "applied"])
+        import redis.asyncio
+        from idem.aio import AsyncRunner
+
+        async def main():
+            conn = await psycopg.AsyncConnection.connect(DSN)
+            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
+
+            async def h(c, run):
+                run.emit(out, {"from": run.run_id})
+                return {}
+            r = await runner.call(conn, 1, self.scope, "a1", {}, h)
+            await conn.close()
+            return r.status
+        self.assertEqual(asyncio.run(main()), "applied")
+        got = self.published(out, 3)
+        want = [(idem.idem_key(self.scope, rid).hex() + "-1", {"from": rid}) for rid in ("b0", "b2", "a1")]
+        self.assertEqual(sorted(got), sorted(want))
+
     def test_pipeline_end_to_end(self):
         """emit in stage 1, the worker publishes, a consumer applies in stage 2: each effect once in each stage"""
         out = self.stream + ".out"
@@ -348,3 +377,16 @@ class Emit(Base):
         self.drain(c2, lambda: effects(scope2) == 10)
         self.assertEqual(effects(self.scope), 10)
         self.assertEqual(pending(self.v, out, "g2"), 0)
+
+    def test_readme_example(self):
+        """the package README's emit and consume example runs as written"""
+        path = os.environ.get("IDEM_PACKAGE_README")
+        if not path or not os.path.exists(path):
+            self.skipTest("no README")
+        blocks = [b.split("```", 1)[0] for b in open(path).read().split("```python\n")[1:]]
+        code = [b for b in blocks if "idem.Consumer(" in b][0]
+        env = dict(os.environ, IDEM_DSN=DSN, VALKEY_PORT=str(VPORT))
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("notices: 3", p.stdout)
