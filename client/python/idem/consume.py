@@ -142,6 +142,16 @@ class _Base:
             fields["body"] = body
         return fields
 
+    def _read(self, eid: Any, fields: Any) -> Tuple[Optional[str], Optional[str],
+                                                     Optional[Dict[str, Any]]]:
+        """An entry read: (message id, body, None) to run, or (None, None,
+        the dead-letter fields) when it is malformed (told already)."""
+        self.stats["read"] += 1
+        mid, body, why = parse_entry(fields, self.scope)
+        if why is None and mid is not None and body is not None:
+            return mid, body, None
+        return None, None, self._malformed_fields(eid, mid, body, why or "malformed")
+
     def _judged(self, mid: str, run: Optional[Run], error: Optional[BaseException]) -> bool:
         """Acknowledge?  Told to ``settled`` (the run or the exception)."""
         ok = run is not None and error is None and run.status in SETTLED
@@ -224,13 +234,11 @@ class Consumer(_Base):
         self.group_ready = True
 
     def _run(self, eid: Any, fields: Any, first: bool, ack: List[Any]) -> None:
-        self.stats["read"] += 1
-        mid, body, why = parse_entry(fields, self.scope)
-        if why is not None or mid is None or body is None:
-            fields = self._malformed_fields(eid, mid, body, why or "malformed")
+        mid, body, dead = self._read(eid, fields)
+        if mid is None or body is None:
             if self.dead_letter:
                 try:
-                    self.valkey.xadd(self.dead_letter, fields)
+                    self.valkey.xadd(self.dead_letter, dead)
                 except Exception as e:
                     self._lost(e, "the dead-letter XADD")
                     self.stats["left_pending"] += 1
@@ -337,13 +345,11 @@ class AsyncConsumer(_Base):
         self.group_ready = True
 
     async def _run(self, eid: Any, fields: Any, first: bool, ack: List[Any]) -> None:
-        self.stats["read"] += 1
-        mid, body, why = parse_entry(fields, self.scope)
-        if why is not None or mid is None or body is None:
-            fields = self._malformed_fields(eid, mid, body, why or "malformed")
+        mid, body, dead = self._read(eid, fields)
+        if mid is None or body is None:
             if self.dead_letter:
                 try:
-                    await self.valkey.xadd(self.dead_letter, fields)
+                    await self.valkey.xadd(self.dead_letter, dead)
                 except Exception as e:
                     self._lost(e, "the dead-letter XADD")
                     self.stats["left_pending"] += 1
