@@ -7,9 +7,11 @@ acknowledged in the group."""
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import unittest
 
@@ -377,6 +379,89 @@ class Emit(Base):
         self.drain(c2, lambda: effects(scope2) == 10)
         self.assertEqual(effects(self.scope), 10)
         self.assertEqual(pending(self.v, out, "g2"), 0)
+
+    def test_pipeline_under_chaos(self):
+        """end to end under chaos: 40 runs emit, 3 consumers SIGKILLed mid-work and restarted, their backends terminated; each stage-2 effect once"""
+        out = self.stream + ".chaos"
+        scope2 = self.scope + ".2"
+
+        def stage1(conn, run):
+            effect(conn, run, {})
+            run.emit(out, {"from": run.run_id})
+            return {}
+        for i in range(40):
+            self.runner.call(self.conn, 1, self.scope, "c%d" % i, {"i": i}, stage1)
+            if i % 5 == 0:
+                self.runner.call(self.conn, 1, self.scope, "c%d" % i, {"i": i}, stage1)
+        # a consumer that says when it has started, and works slowly enough
+        # (3 entries a read, acknowledged together) to be killed mid-run
+        # and between a commit and its XACK
+        code = r"""
+import random, sys, time, idem, psycopg
+dsn, port, stream, scope = sys.argv[1:]
+def h(conn, run, message):
+    conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, 'chaos')", [run.scope, run.run_id])
+    time.sleep(0.05 + random.random() * 0.1)
+    return {}
+runner = idem.Runner(('127.0.0.1', int(port)), lease=5)
+c = idem.Consumer(runner, lambda: psycopg.connect(dsn, application_name='idem-consume-chaos'),
+                  ('127.0.0.1', int(port)), stream=stream, group='g', consumer='w%d' % random.randrange(1 << 30),
+                  scope=scope, tenant=1, handler=h, block=0.1, claim_idle=0.5, count=3)
+c.poll()
+print('ready', flush=True)
+while True:
+    c.poll()
+"""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+        def spawn():
+            p = subprocess.Popen([sys.executable, "-c", code, DSN, str(VPORT), out, scope2],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True)
+            p.ready = threading.Event()
+            threading.Thread(target=lambda: p.stdout.readline() and p.ready.set(),
+                             daemon=True).start()
+            return p
+        procs = [spawn() for _ in range(3)]
+        kills = terminated = 0
+        rnd = random.Random(7)
+        try:
+            end = time.time() + 40
+            while (effects(scope2) < 30 or kills < 8) and time.time() < end:
+                time.sleep(0.4)
+                ready = [i for i, p in enumerate(procs) if p.ready.is_set()]
+                if ready:
+                    i = rnd.choice(ready)
+                    procs[i].kill()
+                    procs[i].wait()
+                    procs[i] = spawn()
+                    kills += 1
+                with admin() as a:
+                    terminated += a.execute(
+                        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = 'idem-consume-chaos' AND random() < 0.3").fetchone()[0]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        by_children = effects(scope2)
+        c = idem.Consumer(self.runner, connect(), ("127.0.0.1", VPORT), stream=out, group="g",
+                          consumer="last", scope=scope2, tenant=1, handler=effect, block=0.1,
+                          claim_idle=0.5)
+        end = time.time() + 30
+        while True:
+            c.poll()
+            if effects(scope2) >= 40 and pending(self.v, out, "g") == 0:
+                break
+            self.assertLess(time.time(), end, "not drained: %r" % c.stats)
+        with admin() as a:
+            n, distinct = a.execute("SELECT count(*), count(DISTINCT id) FROM effects WHERE scope = %s",
+                                    [scope2]).fetchone()
+        why = "kills %d, backends terminated %d, %d applied before the last consumer" % (
+            kills, terminated, by_children)
+        self.assertGreaterEqual(kills, 5, why)
+        self.assertEqual((n, distinct), (40, 40), why)
+        self.assertEqual(effects(self.scope), 40)
 
     def test_readme_example(self):
         """the package README's emit and consume example runs as written"""
