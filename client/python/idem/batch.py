@@ -10,25 +10,24 @@ module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
 from types import TracebackType
-from typing import (TYPE_CHECKING, Any, Iterable, Iterator, List, NoReturn, Optional,
+from typing import (Any, Iterable, Iterator, List, NoReturn, Optional,
                     Tuple, Type)
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
+from .core import RunnerCore
 from .emit import statement as emit_statement
-from .errors import CommitUnknown, Failure, IdemError
+from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipeline,
                  _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
                  sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Failure, FailureSpec, Run,
                      _failure_of, _make_run, _outcome_text, _result_from_cache)
 from .trust import _ConnState
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 # What a batch's end records (Batch._closing): the block's failure, the
 # completed runs and their outcomes, the failed runs with their details
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 Closing = Tuple[Optional[FailureSpec], List[Tuple[Run, str]], List[Tuple[Run, str, bool]], bool]
 
 
-def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
+def from_cache(runner: RunnerCore, st: _ConnState, runs: List[Run]) -> int:
     """Decide from Valkey what it can: one pipelined GET for all of runs
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
@@ -48,7 +47,7 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     return 0 if values is None else cache_answers(runner, st, runs, ckeys, values)
 
 
-def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]:
+def cache_keys(runner: RunnerCore, st: _ConnState, runs: List[Run]) -> List[bytes]:
     """The cache keys from_cache reads (none: Valkey is not asked)."""
     if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
         return []
@@ -65,7 +64,7 @@ def cache_reads(pipe: Any, st: _ConnState, ckeys: List[bytes]) -> Any:
     return pipe
 
 
-def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List[bytes],
+def cache_answers(runner: RunnerCore, st: _ConnState, runs: List[Run], ckeys: List[bytes],
                   values: List[Any]) -> int:
     """What from_cache read (the keys' values, then the owner key's):
     the runs it decides.  Returns how many."""
@@ -92,7 +91,7 @@ def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List
     return decided
 
 
-def cached_many(runner: "Runner", conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
+def cached_many(runner: RunnerCore, conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
     _check_conn(conn)
@@ -117,7 +116,7 @@ class Batch:
     _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
     asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
-    def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
+    def __init__(self, runner: RunnerCore, conn: Conn, items: Iterable[Any]) -> None:
         _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn

@@ -28,8 +28,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .canonical import RequestError, canonical_json, idem_key
-from .errors import Failure, IdemError
-from .result import APPLIED, FAILED_PERMANENT, MISMATCH, REPLAYED, Run
+from .errors import IdemError
+from .result import APPLIED, FAILED_PERMANENT, MISMATCH, REPLAYED, Failure, Run
 
 log = logging.getLogger("idem")
 
@@ -118,6 +118,7 @@ class _Base:
         self.claim_idle_ms = max(1, int(claim_idle * 1000))
         self.dead_letter = dead_letter
         self.notice, self.on_settled = notice, settled
+        self.own_client = isinstance(valkey, tuple)     # made here: close() closes it
         self.group_ready = False
         self.next_claim = 0.0
         self.cursor = "0-0"
@@ -308,6 +309,12 @@ class Consumer(_Base):
         while not stop.is_set():
             self.poll()
 
+    def close(self) -> None:
+        """Close the Valkey client made from ``(host, port)`` (a client
+        given is the caller's)."""
+        if self.own_client:
+            self.valkey.close()
+
 
 class AsyncConsumer(_Base):
     """Consumer for redis.asyncio and idem.aio.AsyncRunner: ``await
@@ -417,3 +424,8 @@ class AsyncConsumer(_Base):
         """poll() until ``stop`` is set."""
         while not stop.is_set():
             await self.poll()
+
+    async def close(self) -> None:
+        """Consumer.close, awaited."""
+        if self.own_client:
+            await self.valkey.close()

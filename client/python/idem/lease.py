@@ -7,21 +7,20 @@ before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
+from typing import Any, List, Optional, Tuple, Type, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
-from .errors import CommitUnknown, Failure, IdemError
+from .core import RunnerCore
+from .errors import CommitUnknown, IdemError
 from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
-from .result import (FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text,
+from .result import (FAILED_RETRYABLE, Failure, FailureSpec, Run, _failure_of, _outcome_text,
                      _recorded_text)
 from .run import Ending, _RunContext
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 
 class LeaseLost(IdemError):
@@ -103,7 +102,7 @@ class _LeaseContext(_RunContext):
     block, the fenced completion (or failure) in a transaction of its own."""
     run_class: Type[Run] = Lease
 
-    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+    def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, lease_ms: Optional[int] = None,
                  delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
@@ -233,7 +232,7 @@ def _refused(e: psycopg.Error) -> IdemError:
     return IdemError("server", "completing the lease: %s" % str(e).strip(), state)
 
 
-def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+def settle(runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
            attempt: Optional[int], outcome: Any = None, failure: Optional[FailureSpec] = None,
            fence: Optional[int] = None) -> None:
     """runner.complete / runner.fail: the fenced statement in the
@@ -251,7 +250,7 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
         raise settle_failed(conn, e) from e
 
 
-def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope: str,
+def settle_statement(runner: RunnerCore, st: Any, tenant_id: Optional[int], scope: str,
                      run_id: str, attempt: Optional[int], outcome: Any,
                      failure: Optional[FailureSpec],
                      fence: Optional[int] = None) -> Tuple[str, List[Any]]:

@@ -296,6 +296,8 @@ class Async(Base):
             while c.stats["acked"] < 6:
                 self.assertLess(time.time(), end, repr(c.stats))
                 await c.poll()
+            await c.close()
+            await runner.valkey.close()
             await conn.close()
         asyncio.run(main())
         self.assertEqual(effects(self.scope), 5)
@@ -355,6 +357,7 @@ class Emit(Base):
                 run.emit(out, {"from": run.run_id})
                 return {}
             r = await runner.call(conn, 1, self.scope, "a1", {}, h)
+            await runner.valkey.close()
             await conn.close()
             return r.status
         self.assertEqual(asyncio.run(main()), "applied")

@@ -18,6 +18,7 @@ from psycopg.rows import class_row, dict_row, namedtuple_row
 
 import idem
 import test_server
+from idem.aio import AsyncRunner
 from test_forms import ledger
 from test_server import DSN, VPORT, admin, ckey, connect, effect, effects, uid, valkey
 
@@ -176,7 +177,7 @@ class Point:
 
 class RowFactories(unittest.TestCase):
     def test_any_row_factory(self):
-        """a connection with dict_row, namedtuple_row or class_row: run, first_sql, apply, lease, batch, cached and the lookup all work; the block's rows are in its factory"""
+        """a connection with dict_row, namedtuple_row or class_row: run, first_sql, apply, lease, batch, cached, the lookup and the start-up check (both runners) all work; the block's rows are in its factory"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
         down = idem.Runner(("127.0.0.1", test_server.free_port()), lease=5)  # lookup first
         for name, factory, want in (("dict", dict_row, {"x": 1, "y": 2}),
@@ -206,8 +207,19 @@ class RowFactories(unittest.TestCase):
                 self.assertEqual([r.status for r in b.runs], ["applied", "applied"], name)
                 test_server.wait_copy(ckey(1, scope, "r1"))
                 self.assertEqual(runner.cached(conn, 1, scope, "r1", {"a": 1}).status, "replayed")
+                check = runner.check(conn)
+                self.assertTrue(check, (name, check))
             finally:
                 conn.close()
+
+            async def acheck():
+                aconn = await psycopg.AsyncConnection.connect(DSN, row_factory=factory)
+                try:
+                    return await AsyncRunner(("127.0.0.1", VPORT)).check(aconn)
+                finally:
+                    await aconn.close()
+            check = asyncio.run(acheck())
+            self.assertTrue(check, (name, check))
 
 
 class Errors(unittest.TestCase):
