@@ -478,3 +478,37 @@ while True:
                            text=True, timeout=60)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("notices: 3", p.stdout)
+
+
+CLUSTER_DSN = os.environ.get("IDEM_PG_CLUSTER_DSN")
+CLUSTER_PORT = os.environ.get("IDEM_VALKEY_CLUSTER_PORT")
+
+
+@unittest.skipUnless(CLUSTER_DSN and CLUSTER_PORT,
+                     "no Valkey Cluster (IDEM_PG_CLUSTER_DSN, IDEM_VALKEY_CLUSTER_PORT)")
+class Cluster(unittest.TestCase):
+    def test_cluster_consumer(self):
+        """on a Valkey Cluster, (host, port) routes the consumer by the stream's slot: each message once, all acknowledged"""
+        from redis.cluster import RedisCluster
+        v = RedisCluster(host="127.0.0.1", port=int(CLUSTER_PORT), socket_timeout=5)
+        scope, stream = uid("cconsume"), uid("cstream")
+        for i in range(10):
+            xadd(v, stream, "m%d" % i, {"n": i})
+        xadd(v, stream, "m3", {"n": 3})
+        runner = idem.Runner(("127.0.0.1", int(CLUSTER_PORT)), lease=5)
+        conn = psycopg.connect(CLUSTER_DSN)
+        c = idem.Consumer(runner, conn, ("127.0.0.1", int(CLUSTER_PORT)), stream=stream,
+                          group="g", consumer="c1", scope=scope, tenant=1, handler=effect,
+                          block=0.1)
+        self.assertIsInstance(c.valkey, RedisCluster)
+        end = time.time() + 15
+        while c.stats["acked"] < 11:
+            self.assertLess(time.time(), end, repr(c.stats))
+            c.poll()
+        with psycopg.connect(CLUSTER_DSN, autocommit=True) as a:
+            n, d = a.execute("SELECT count(*), count(DISTINCT id) FROM effects WHERE scope = %s",
+                             [scope]).fetchone()
+        self.assertEqual((n, d), (10, 10))
+        self.assertEqual(v.xpending(stream, "g")["pending"], 0)
+        c.close()
+        conn.close()
