@@ -287,6 +287,7 @@ command(idem_consumer *c, int argc, const char **argv, int wait_ms)
 				 argv[0], idem_vc_last_error(c->vc));
 		c->stats.valkey_errors++;
 		idem_vc_close_all(c->vc);	/* the next poll connects again */
+		c->group_ready = 0;		/* to a Valkey that may have restarted empty */
 		return NULL;
 	}
 	if (cmd.reply->type == REDIS_REPLY_ERROR)

@@ -463,6 +463,50 @@ test_killed(void)
 	idem_runner_close(R);
 }
 
+/*
+ * Valkey restarted empty (no persistence) under a live consumer: its polls
+ * fail meanwhile (-1, after waiting), then it connects again, creates the
+ * group again (NOGROUP) and consumes what is published after.
+ */
+static void
+test_valkey_restart(void)
+{
+	idem_runner *R = open_runner();
+	char		stream[96];
+	hctx		h;
+	idem_consumer *c;
+	idem_consumer_stats st;
+	int			failed = 0;
+	int			i;
+
+	if (E.valkey_start == NULL || E.valkey_start[0] == '\0')
+	{
+		tap_skip_ext("Valkey restart: no start command");
+		idem_runner_close(R);
+		return;
+	}
+	snprintf(stream, sizeof(stream), "%s.restart", S);
+	xadd(stream, "v1", "{}");
+	memset(&h, 0, sizeof(h));
+	c = open_consumer(R, stream, "c1", &h, 30000, NULL);
+	drain(c, 1);
+	valkey_kill(SIGKILL);
+	for (i = 0; i < 3; i++)
+		failed += idem_consumer_poll(c) == -1;
+	valkey_start();
+	wait_owner_key();
+	xadd(stream, "v2", "{}");
+	drain(c, 2);
+	idem_consumer_stats_init(&st);
+	idem_consumer_get_stats(c, &st);
+	tap_ok_ext(failed == 3 && st.acked == 2 && effects_n(S, "v2") == 1 &&
+			   pending_n(stream, "g") == 0,
+			   "Valkey restarted empty under a live consumer: its polls fail meanwhile, then it creates the group again and applies what comes next (%d failed, %ld acked: %s)",
+			   failed, st.acked, idem_consumer_error_message(c));
+	idem_consumer_close(c);
+	idem_runner_close(R);
+}
+
 static void
 test_options(void)
 {
@@ -499,6 +543,7 @@ consume_main(int argc, char **argv)
 	test_consume_once();
 	test_retry_and_malformed();
 	test_killed();
+	test_valkey_restart();
 	if (emit_there)
 		test_pipeline();
 	else
