@@ -615,15 +615,11 @@ idem_consumer_poll(idem_consumer *c)
 {
 	char		count[16];
 	char		block[16];
-	const char *argv[10] = {"XREADGROUP", "GROUP", c->group, c->name, "COUNT",
-	count, "BLOCK", block, "STREAMS", c->stream};
-	const char *argv2[11];
+	const char *argv[11];
 	redisReply *r;
 	int			n = 0;
 
-	if (c == NULL)
-		return -1;
-	if (c->stream == NULL)
+	if (c == NULL || c->stream == NULL)
 		return -1;				/* invalid options: err says why */
 	c->err[0] = '\0';
 	if (vc_ready(c) != 0 || group_ready(c) != 0)
@@ -641,9 +637,18 @@ idem_consumer_poll(idem_consumer *c)
 	}
 	snprintf(count, sizeof(count), "%d", c->o.count);
 	snprintf(block, sizeof(block), "%d", c->o.block_ms);
-	memcpy(argv2, argv, sizeof(argv));
-	argv2[10] = ">";
-	r = command(c, 11, argv2, c->o.block_ms);
+	argv[0] = "XREADGROUP";
+	argv[1] = "GROUP";
+	argv[2] = c->group;
+	argv[3] = c->name;
+	argv[4] = "COUNT";
+	argv[5] = count;
+	argv[6] = "BLOCK";
+	argv[7] = block;
+	argv[8] = "STREAMS";
+	argv[9] = c->stream;
+	argv[10] = ">";
+	r = command(c, 11, argv, c->o.block_ms);
 	if (r == NULL)
 		return -1;
 	if (r->type == REDIS_REPLY_ERROR)

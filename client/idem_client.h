@@ -646,7 +646,8 @@ typedef struct idem_consumer_options
 	int			valkey_connect_timeout_ms;	/* default 200 */
 	int			valkey_command_timeout_ms;	/* beyond block_ms; default
 											 * 1000 */
-	/* NULL, or told what goes wrong (malformed entries, Valkey) */
+	/* NULL, or told each malformed entry and each failed dead-letter
+	 * copy (a Valkey that fails is a poll's -1 and its error message) */
 	void		(*notice) (void *arg, const char *message);
 	void	   *notice_arg;
 	/* NULL, or called after each run with its entry's message id, its
