@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# bench/outbox.sh: what emitting a message costs, how fast the publisher
+# sends, and the same against a hand-written outbox (issue 40).
+#
+#   1. a run (claim, effect, complete) that emits one message (idem_emit)
+#      against the same run without, and against the same run writing the
+#      message into a hand-written outbox table, pgbench side by side in
+#      alternating rounds, each with its publisher running; the backlog
+#      left when each run ends is printed beside it;
+#   2. publish throughput: a backlog of BENCH_OUTBOX_DRAIN messages put
+#      into idem's outbox (and into the hand-written one) while no publisher
+#      runs, then drained: messages/s from the first XADD to an empty table;
+#   3. commit -> stream lag (p50/p99) at steady rates: each message carries
+#      the clock_timestamp() of its emit, just before COMMIT, and a reader
+#      on the stream (XREAD BLOCK) stamps its arrival, on this machine's
+#      one clock.
+#
+# The hand-written outbox is what teams write: a table written in the
+# effect's transaction, drained by a polling publisher (bench/outbox_bench.py
+# publisher): SELECT ... ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED, XADD
+# each row (pipelined, or one round trip each as idem's publisher does),
+# DELETE, COMMIT; it sleeps BENCH_OUTBOX_POLL_MS when it found nothing.
+#
+# Run by `make bench` (bench/run passes its server in BENCH_WORK,
+# BENCH_PGPORT, BENCH_VKPORT), or alone: it then starts its own throwaway
+# PostgreSQL (preloading idem) and Valkey, and stops them at the end.
+#
+#   BENCH_SECONDS             seconds per pgbench run of part 1  (default 5)
+#   BENCH_ROUNDS              alternating rounds, median kept    (default 3)
+#   BENCH_OUTBOX_CLIENTS      pgbench clients                    (default 8)
+#   BENCH_OUTBOX_SYNC         synchronous_commit of part 1       (default "off on")
+#   BENCH_OUTBOX_DRAIN        messages in the backlog of part 2  (default 20000)
+#   BENCH_OUTBOX_RATE         offered commits/s of part 3        (default "500 2000")
+#   BENCH_OUTBOX_LAT_SECONDS  seconds per paced run of part 3    (default 10)
+#   BENCH_OUTBOX_POLL_MS      the hand-written publisher's poll  (default 10)
+#   BENCH_OUTBOX_BATCH        its rows per transaction           (default 256, as idem's)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/test/lib/common.sh"
+SECS=${BENCH_SECONDS:-5}
+ROUNDS=${BENCH_ROUNDS:-3}
+CLIENTS=${BENCH_OUTBOX_CLIENTS:-8}
+SYNCS=${BENCH_OUTBOX_SYNC:-off on}
+DRAIN_N=${BENCH_OUTBOX_DRAIN:-20000}
+RATES=${BENCH_OUTBOX_RATE:-500 2000}
+LAT_SECS=${BENCH_OUTBOX_LAT_SECONDS:-10}
+POLL_MS=${BENCH_OUTBOX_POLL_MS:-10}
+BATCH=${BENCH_OUTBOX_BATCH:-256}
+PY=${BENCH_PYTHON:-/usr/bin/python3}
+
+if [ -n "${BENCH_WORK:-}" ]; then
+	WORK=$BENCH_WORK
+	PGPORT=$BENCH_PGPORT
+	VKPORT=$BENCH_VKPORT
+else
+	idem_ensure_deps || exit 2
+	if [ -z "${IDEM_PG_ROOT:-}" ]; then
+		idem_serialize "$ROOT/tmp_pgroot.lock"
+		idem_pg_private_for "$ROOT" || exit 2
+	fi
+	idem_build_install "$ROOT" || exit 1
+	WORK=$(mktemp -d /tmp/idem-outbox.XXXXXX)
+	chmod 777 "$WORK"
+	cleanup() { idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"; }
+	trap cleanup EXIT
+	trap 'exit 130' INT TERM
+	PGPORT=$(idem_free_port)
+	VKPORT=$(idem_free_port)
+	idem_valkey_start "$WORK" "$VKPORT" || exit 1
+	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
+		"idem.valkey_port = $VKPORT" "max_wal_size = 4GB" || exit 1
+	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
+fi
+"$PY" -c 'import psycopg, redis' 2>/dev/null ||
+	{ echo "outbox.sh: needs python3-psycopg and python3-redis (make test installs them)" >&2; exit 1; }
+
+PG="host=$WORK port=$PGPORT user=postgres dbname=postgres"
+OB="$ROOT/bench/outbox_bench.py"
+PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -h "$WORK" -p "$PGPORT" -U postgres -d postgres)
+VKCLI=("$(idem_valkey_cli)" -p "$VKPORT")
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+med() { tr ' ' '\n' | grep . | median; }
+
+"$PY" "$OB" setup "$PG" || { echo "outbox.sh: setup failed" >&2; exit 1; }
+mkdir -p "$WORK/outbox"
+for v in plain emit hand; do
+	printf '\\set run random(1, 9000000000000000000)\nSELECT ob_%s(1, :run, 5);\n' "$v" \
+		>"$WORK/outbox/$v.sql"
+done
+chmod -R a+rX "$WORK/outbox"
+
+# pgb SYNC ARGS... -> pgbench's output
+pgb() {
+	local sync=$1
+	shift
+	idem_as_test_user env PGOPTIONS="-c synchronous_commit=$sync" \
+		"$(idem_pg_bindir)/pgbench" -n -M prepared -h "$WORK" -p "$PGPORT" -U postgres \
+		-c "$CLIENTS" -j 2 "$@" postgres 2>&1
+}
+tps() { sed -nE 's/^tps = ([0-9.]+) \(without initial connection time\)/\1/p'; }
+idem_waiting() { "${PSQL[@]}" -c "SELECT outbox_waiting FROM idem_stats()"; }
+hand_waiting() { "${PSQL[@]}" -c "SELECT count(*) FROM hand_outbox"; }
+# wait (at most 60 s) for both outboxes to be empty; the streams go
+wait_empty() {
+	for _ in $(seq 1 600); do
+		[ "$(idem_waiting)" = 0 ] && [ "$(hand_waiting)" = 0 ] && break
+		sleep 0.1
+	done
+	"${VKCLI[@]}" del bench.idem bench.hand bench.drain >/dev/null
+}
+hand_pub=""
+hand_start() {
+	rm -f "$WORK/outbox/ready"
+	OB_READY=$WORK/outbox/ready "$PY" "$OB" publisher "$PG" "$VKPORT" "$BATCH" "$POLL_MS" "${1:-pipe}" &
+	hand_pub=$!
+	# connected before the load starts
+	for _ in $(seq 1 300); do
+		[ -f "$WORK/outbox/ready" ] && break
+		sleep 0.05
+	done
+}
+hand_stop() {
+	# let it drain what its run left, then stop it
+	for _ in $(seq 1 600); do
+		[ "$(hand_waiting)" = 0 ] && break
+		sleep 0.1
+	done
+	kill "$hand_pub" 2>/dev/null
+	wait "$hand_pub" 2>/dev/null
+	hand_pub=""
+}
+trap '[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null' EXIT
+
+echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "idem at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'); hand-written publisher: batch $BATCH, poll ${POLL_MS} ms, pipelined XADDs"
+
+# 1. The write path: tps, and the backlog each run left.
+printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended)\n' \
+	"$CLIENTS" "$ROUNDS" "$SECS"
+printf '%-6s %12s %12s %9s %12s %9s %12s %12s\n' sync "no message" "idem_emit" backlog "hand outbox" backlog "emit/none" "emit/hand"
+for sync in $SYNCS; do
+	declare -A t=() b=()
+	for r in $(seq 1 "$ROUNDS"); do
+		t[plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
+		t[emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
+		b[emit]+="$(idem_waiting) "
+		hand_start pipe
+		t[hand]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/hand.sql" | tps) "
+		b[hand]+="$(hand_waiting) "
+		hand_stop
+		wait_empty
+		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
+	done
+	p=$(echo "${t[plain]}" | med) e=$(echo "${t[emit]}" | med) h=$(echo "${t[hand]}" | med)
+	printf '%-6s %12.0f %12.0f %9s %12.0f %9s %12.2f %12.2f\n' "$sync" "$p" "$e" \
+		"$(echo "${b[emit]}" | med)" "$h" "$(echo "${b[hand]}" | med)" \
+		"$(awk -v a="$e" -v b="$p" 'BEGIN { print a / b }')" \
+		"$(awk -v a="$e" -v b="$h" 'BEGIN { print a / b }')"
+	unset t b
+done
+echo "   target: idem_emit >= 0.90 x no message"
+
+# 2. Publish throughput: a backlog put into the table while no publisher
+# runs (rows written directly: what is measured is the publishing), then
+# drained.  idem's publisher is woken by one emitting commit.
+fill_idem() {
+	"${PSQL[@]}" -c "INSERT INTO idem_outbox (stream, message_id, body)
+		SELECT 'bench.drain', encode(sha256(g::text::bytea), 'hex') || '-1',
+		       jsonb_build_object('transfer_id', g, 'amount', 5, 'at', extract(epoch FROM clock_timestamp()))
+		FROM generate_series(1, $DRAIN_N) g" >/dev/null
+}
+fill_hand() {
+	"${PSQL[@]}" -c "INSERT INTO hand_outbox (stream, message)
+		SELECT 'bench.drain',
+		       jsonb_build_object('transfer_id', g, 'amount', 5, 'at', extract(epoch FROM clock_timestamp()))
+		FROM generate_series(1, $DRAIN_N) g" >/dev/null
+}
+rate() { awk '{ if ($2 > 0) printf "%.0f", $1 / $2; else print 0 }'; }
+declare -A d=()
+for r in $(seq 1 "$ROUNDS"); do
+	sleep 2 # idem's publisher leaves a second after its last message
+	fill_idem
+	"$PY" "$OB" idem-drain "$PG" >"$WORK/outbox/drain.out" &
+	watcher=$!
+	sleep 0.2
+	pgb on -t 1 -c 1 -f "$WORK/outbox/emit.sql" >/dev/null
+	wait "$watcher"
+	d[idem]+="$(rate <"$WORK/outbox/drain.out") "
+	wait_empty
+	for mode in one pipe; do
+		fill_hand
+		d[$mode]+="$("$PY" "$OB" publisher "$PG" "$VKPORT" "$BATCH" "$POLL_MS" "$mode" drain | rate) "
+		wait_empty
+	done
+done
+printf '\n2. publish throughput: a backlog of %s messages drained, median of %s rounds (messages/s)\n' "$DRAIN_N" "$ROUNDS"
+printf '   idem publisher %10.0f\n' "$(echo "${d[idem]}" | med)"
+printf '   hand-written, one XADD per round trip %10.0f\n' "$(echo "${d[one]}" | med)"
+printf '   hand-written, pipelined XADDs         %10.0f\n' "$(echo "${d[pipe]}" | med)"
+unset d
+
+# 3. Commit -> stream lag at steady rates, synchronous_commit=on.
+printf '\n3. emit -> on the stream, synchronous_commit=on, %s clients, %ss per run, median of %s rounds (ms)\n' \
+	"$CLIENTS" "$LAT_SECS" "$ROUNDS"
+printf '%8s %-12s %9s %9s %9s %9s %6s\n' rate outbox messages p50 p99 max dups
+for rate in $RATES; do
+	declare -A n=() p50=() p99=() mx=() dup=()
+	for r in $(seq 1 "$ROUNDS"); do
+		for v in idem hand; do
+			[ "$v" = hand ] && hand_start pipe
+			"$PY" "$OB" reader "$VKPORT" "bench.$v" 30 >"$WORK/outbox/lag.out" &
+			rd=$!
+			sleep 0.3
+			pgb on -T "$LAT_SECS" -R "$rate" -f "$WORK/outbox/$([ $v = idem ] && echo emit || echo hand).sql" >/dev/null
+			wait "$rd"
+			[ "$v" = hand ] && hand_stop
+			read -r a b c e f <"$WORK/outbox/lag.out"
+			n[$v]+="$a " p50[$v]+="$b " p99[$v]+="$c " mx[$v]+="$e " dup[$v]+="$f "
+			wait_empty
+		done
+	done
+	for v in idem hand; do
+		printf '%8s %-12s %9.0f %9.2f %9.2f %9.2f %6s\n' "$rate" "$v" "$(echo "${n[$v]}" | med)" \
+			"$(echo "${p50[$v]}" | med)" "$(echo "${p99[$v]}" | med)" "$(echo "${mx[$v]}" | med)" \
+			"$(echo "${dup[$v]}" | med)"
+	done
+	unset n p50 p99 mx dup
+done
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
