@@ -6,7 +6,9 @@
 #      against the same run without, and against the same run writing the
 #      message into a hand-written outbox table, pgbench side by side in
 #      alternating rounds, each with its publisher running; the backlog
-#      left when each run ends is printed beside it;
+#      left when each run ends is printed beside it; then the run with and
+#      without the message again, idem's worker and publisher pointed at a
+#      closed port (the emit's own cost);
 #   2. publish throughput: a backlog of BENCH_OUTBOX_DRAIN messages put
 #      into idem's outbox (and into the hand-written one) while no publisher
 #      runs, then drained: messages/s from the first XADD to an empty table;
@@ -48,6 +50,8 @@ POLL_MS=${BENCH_OUTBOX_POLL_MS:-10}
 BATCH=${BENCH_OUTBOX_BATCH:-256}
 PY=${BENCH_PYTHON:-/usr/bin/python3}
 
+OWN=""
+hand_pub=""
 if [ -n "${BENCH_WORK:-}" ]; then
 	WORK=$BENCH_WORK
 	PGPORT=$BENCH_PGPORT
@@ -61,8 +65,8 @@ else
 	idem_build_install "$ROOT" || exit 1
 	WORK=$(mktemp -d /tmp/idem-outbox.XXXXXX)
 	chmod 777 "$WORK"
-	cleanup() { idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"; }
-	trap cleanup EXIT
+	OWN=1
+	trap 'idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"' EXIT
 	trap 'exit 130' INT TERM
 	PGPORT=$(idem_free_port)
 	VKPORT=$(idem_free_port)
@@ -108,7 +112,6 @@ wait_empty() {
 	done
 	"${VKCLI[@]}" del bench.idem bench.hand bench.drain >/dev/null
 }
-hand_pub=""
 hand_start() {
 	rm -f "$WORK/outbox/ready"
 	OB_READY=$WORK/outbox/ready "$PY" "$OB" publisher "$PG" "$VKPORT" "$BATCH" "$POLL_MS" "${1:-pipe}" &
@@ -129,15 +132,33 @@ hand_stop() {
 	wait "$hand_pub" 2>/dev/null
 	hand_pub=""
 }
-trap '[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null' EXIT
+cleanup() {
+	[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null
+	if [ -n "$OWN" ]; then
+		idem_pg_stop "$WORK"
+		idem_valkey_stop "$WORK"
+		rm -rf "$WORK"
+	fi
+}
+trap cleanup EXIT
 
 echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "idem at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'); hand-written publisher: batch $BATCH, poll ${POLL_MS} ms, pipelined XADDs"
 
-# 1. The write path: tps, and the backlog each run left.
+# 1. The write path: tps, and the backlog each run left.  Then the same
+# two runs with idem's worker and publisher pointed at a closed port (they
+# send nothing): what the emit itself costs the committing transaction.
+away() {
+	if [ "$1" = on ]; then
+		"${PSQL[@]}" -c "ALTER SYSTEM SET idem.valkey_port = 1" -c "SELECT pg_reload_conf()" >/dev/null
+	else
+		"${PSQL[@]}" -c "ALTER SYSTEM RESET idem.valkey_port" -c "SELECT pg_reload_conf()" >/dev/null
+	fi
+	sleep 0.5
+}
 printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended)\n' \
 	"$CLIENTS" "$ROUNDS" "$SECS"
-printf '%-6s %12s %12s %9s %12s %9s %12s %12s\n' sync "no message" "idem_emit" backlog "hand outbox" backlog "emit/none" "emit/hand"
+printf '%-6s %-34s %9s %9s %12s\n' sync run tps backlog "/no message"
 for sync in $SYNCS; do
 	declare -A t=() b=()
 	for r in $(seq 1 "$ROUNDS"); do
@@ -149,14 +170,24 @@ for sync in $SYNCS; do
 		b[hand]+="$(hand_waiting) "
 		hand_stop
 		wait_empty
+		away on
+		t[plain_away]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
+		t[emit_away]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
+		away off
+		wait_empty
 		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
 	done
-	p=$(echo "${t[plain]}" | med) e=$(echo "${t[emit]}" | med) h=$(echo "${t[hand]}" | med)
-	printf '%-6s %12.0f %12.0f %9s %12.0f %9s %12.2f %12.2f\n' "$sync" "$p" "$e" \
-		"$(echo "${b[emit]}" | med)" "$h" "$(echo "${b[hand]}" | med)" \
-		"$(awk -v a="$e" -v b="$p" 'BEGIN { print a / b }')" \
-		"$(awk -v a="$e" -v b="$h" 'BEGIN { print a / b }')"
-	unset t b
+	declare -A m=()
+	for v in plain emit hand plain_away emit_away; do m[$v]=$(echo "${t[$v]}" | med); done
+	row() { # label tps backlog base
+		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
+	}
+	row "no message" "${m[plain]}" - "${m[plain]}"
+	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | med)" "${m[plain]}"
+	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | med)" "${m[plain]}"
+	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
+	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
+	unset t b m
 done
 echo "   target: idem_emit >= 0.90 x no message"
 
