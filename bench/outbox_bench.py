@@ -47,8 +47,13 @@ CREATE TABLE IF NOT EXISTS hand_outbox (
     stream text NOT NULL,
     message jsonb NOT NULL
 );
--- The run without a message: claim, effect, complete (variant 2).
-CREATE OR REPLACE FUNCTION ob_plain(t bigint, run bigint, amt bigint) RETURNS text
+"""
+
+# The three runs differ in one statement only, after the effect: none, the
+# idem_emit, or the INSERT into the hand-written outbox (the message stamped
+# with the time, just before COMMIT).
+RUN = r"""
+CREATE OR REPLACE FUNCTION ob_%s(t bigint, run bigint, amt bigint) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
   k  bytea := idem_key('bench.outbox', run::text);
@@ -58,48 +63,25 @@ BEGIN
   c := idem_claim(t, k, idem_fingerprint(jsonb_build_object('amount', amt)));
   IF c.decision <> 'claimed' THEN RETURN c.decision; END IF;
   INSERT INTO ob_effects (tenant_id, amount) VALUES (t, amt) RETURNING id INTO tid;
-  PERFORM idem_complete(t, k, jsonb_build_object('transfer_id', tid));
-  RETURN 'applied';
-END $$;
--- The same run emitting one message (idem_emit), stamped with the time.
-CREATE OR REPLACE FUNCTION ob_emit(t bigint, run bigint, amt bigint) RETURNS text
-LANGUAGE plpgsql AS $$
-DECLARE
-  k  bytea := idem_key('bench.outbox', run::text);
-  c  idem_claim_result;
-  tid bigint;
-BEGIN
-  c := idem_claim(t, k, idem_fingerprint(jsonb_build_object('amount', amt)));
-  IF c.decision <> 'claimed' THEN RETURN c.decision; END IF;
-  INSERT INTO ob_effects (tenant_id, amount) VALUES (t, amt) RETURNING id INTO tid;
-  PERFORM idem_emit('bench.idem', jsonb_build_object('transfer_id', tid, 'amount', amt,
-                    'at', extract(epoch FROM clock_timestamp())));
-  PERFORM idem_complete(t, k, jsonb_build_object('transfer_id', tid));
-  RETURN 'applied';
-END $$;
--- The same run writing the same message into the hand-written outbox.
-CREATE OR REPLACE FUNCTION ob_hand(t bigint, run bigint, amt bigint) RETURNS text
-LANGUAGE plpgsql AS $$
-DECLARE
-  k  bytea := idem_key('bench.outbox', run::text);
-  c  idem_claim_result;
-  tid bigint;
-BEGIN
-  c := idem_claim(t, k, idem_fingerprint(jsonb_build_object('amount', amt)));
-  IF c.decision <> 'claimed' THEN RETURN c.decision; END IF;
-  INSERT INTO ob_effects (tenant_id, amount) VALUES (t, amt) RETURNING id INTO tid;
-  INSERT INTO hand_outbox (stream, message) VALUES ('bench.hand',
-      jsonb_build_object('transfer_id', tid, 'amount', amt,
-                         'at', extract(epoch FROM clock_timestamp())));
+  %s
   PERFORM idem_complete(t, k, jsonb_build_object('transfer_id', tid));
   RETURN 'applied';
 END $$;
 """
+MESSAGE = ("jsonb_build_object('transfer_id', tid, 'amount', amt,"
+           " 'at', extract(epoch FROM clock_timestamp()))")
+RUNS = {
+    "plain": "",
+    "emit": "PERFORM idem_emit('bench.idem', %s);" % MESSAGE,
+    "hand": "INSERT INTO hand_outbox (stream, message) VALUES ('bench.hand', %s);" % MESSAGE,
+}
 
 
 def setup(pg):
     with psycopg.connect(pg, autocommit=True) as conn:
         conn.execute(SETUP)
+        for name, extra in RUNS.items():
+            conn.execute(RUN % (name, extra))
 
 
 def publisher(pg, vkport, batch, poll_ms, mode, drain=False):

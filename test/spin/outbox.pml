@@ -66,6 +66,13 @@
  *   CONSUMER_NO_CLAIM    the consumer applies the message without idem's
  *                        claim: a republished message (or one claimed from
  *                        a slow consumer) is applied twice
+ *
+ * A documented limit (a counterexample too):
+ *   DN_ASYNC             the consumer's runs commit on the same server with
+ *                        synchronous_commit = off: a crash after the XACK
+ *                        loses the downstream effect (a commit lost by a
+ *                        crash may have been acknowledged: PostgreSQL's own
+ *                        limit, as for any redelivery's acknowledgement)
  */
 
 #ifndef NDELIV
@@ -106,10 +113,15 @@ byte rd = 0;            /* the group's last delivered entry */
 byte work[NCONS];       /* the entry (index + 1) a consumer runs (0: none) */
 byte steals = 0;
 
-/* downstream PostgreSQL (synchronous_commit = on): the message id's key */
+/* downstream PostgreSQL (synchronous_commit = on, unless DN_ASYNC): the
+ * message id's key */
 byte dn_lock = 0;       /* the consumer (+ 1) holding the key's lock */
 byte dn_row = 0;        /* 0 none, 2 completed */
 byte dn_eff = 0;
+#ifdef DN_ASYNC
+byte d_dn_row = 0;
+byte d_dn_eff = 0;
+#endif
 
 inline xadd(m)
 {
@@ -193,10 +205,17 @@ proctype wal()
 {
 end:
 	do
-	:: atomic { !flushed -> d_row = row; d_eff = eff; d_ob = ob; flushed = true }
+	:: atomic { !flushed -> d_row = row; d_eff = eff; d_ob = ob;
+#ifdef DN_ASYNC
+		d_dn_row = dn_row; d_dn_eff = dn_eff;
+#endif
+		flushed = true }
 	:: atomic { faults < NFAULT -> faults++;                /* crash */
 		row = d_row; eff = d_eff; ob = d_ob; flushed = true;
 		up_lock = 0; crashes++;
+#ifdef DN_ASYNC
+		dn_row = d_dn_row; dn_eff = d_dn_eff; dn_lock = 0;
+#endif
 		no_orphan() }
 	od
 }
@@ -227,6 +246,7 @@ end:
 proctype consumer(byte me)
 {
 	byte e;
+	byte mc;        /* the restarts when the run began */
 end:
 	do
 	:: atomic { rd < slen ->            /* XREADGROUP: the next new entry */
@@ -263,10 +283,20 @@ running:
 	:: atomic { dn_row == 2 -> skip }                   /* replayed: settled */
 	:: atomic { dn_row != 2 && dn_lock != 0 ->          /* busy: stays pending */
 		work[me] = 0 }; goto end
-	:: atomic { dn_row != 2 && dn_lock == 0 -> dn_lock = me + 1 }
+	:: atomic { dn_row != 2 && dn_lock == 0 -> dn_lock = me + 1; mc = crashes }
 		if
-		:: atomic { dn_row = 2; dn_eff++; dn_lock = 0;  /* effect, complete, COMMIT */
+		:: atomic { mc == crashes ->                    /* effect, complete, COMMIT */
+			dn_row = 2; dn_eff++; dn_lock = 0;
+#ifdef DN_ASYNC
+			flushed = false;
+#endif
 			assert(dn_eff <= 1) }
+		:: atomic { mc != crashes ->                    /* aborted by a crash */
+			if
+			:: dn_lock == me + 1 -> dn_lock = 0
+			:: else -> skip
+			fi;
+			work[me] = 0 }; goto end
 		:: atomic { faults < NFAULT -> faults++;        /* dies: aborted */
 			dn_lock = 0; work[me] = 0 }; goto end
 		fi
