@@ -6,9 +6,10 @@
 #      against the same run without, and against the same run writing the
 #      message into a hand-written outbox table, pgbench side by side in
 #      alternating rounds, each with its publisher running; the backlog
-#      left when each run ends is printed beside it; then the run with and
-#      without the message again, idem's worker and publisher pointed at a
-#      closed port (the emit's own cost);
+#      left when each run ends is printed beside it; then the three again
+#      with no publisher sending (idem's worker and publisher pointed at a
+#      closed port, the hand-written one stopped): what the message costs
+#      the committing transaction itself;
 #   2. publish throughput: a backlog of BENCH_OUTBOX_DRAIN messages put
 #      into idem's outbox (and into the hand-written one) while no publisher
 #      runs, then drained: messages/s from the first XADD to an empty table;
@@ -173,12 +174,14 @@ for sync in $SYNCS; do
 		away on
 		t[plain_away]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
 		t[emit_away]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
+		t[hand_away]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/hand.sql" | tps) "
+		"${PSQL[@]}" -c "TRUNCATE hand_outbox" >/dev/null
 		away off
 		wait_empty
 		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
 	done
 	declare -A m=()
-	for v in plain emit hand plain_away emit_away; do m[$v]=$(echo "${t[$v]}" | med); done
+	for v in plain emit hand plain_away emit_away hand_away; do m[$v]=$(echo "${t[$v]}" | med); done
 	row() { # label tps backlog base
 		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
 	}
@@ -187,6 +190,7 @@ for sync in $SYNCS; do
 	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | med)" "${m[plain]}"
 	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
 	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
+	row "hand-written outbox, no publisher" "${m[hand_away]}" - "${m[plain_away]}"
 	unset t b m
 done
 echo "   target: idem_emit >= 0.90 x no message"
