@@ -29,7 +29,7 @@
 /*
  * After this many gates in a row found the key absent (new keys), a run
  * whose delivery count is unknown sends its gate with its claim, in one
- * wait (runner.c); the first gate that meets a value or a marker ends it.
+ * wait (run_full); the first gate that meets a value or a marker ends it.
  */
 #define IDEM_GATE_WITH_CLAIM_AFTER 32
 

@@ -181,7 +181,7 @@ idemc_run_gate(run_state *s)
 }
 
 /*
- * Step 2 sent with the claim (runner.c): the gate's commands go now, their
+ * Step 2 sent with the claim (run_full): the gate's commands go now, their
  * replies are read once the claim's pipeline has answered
  * (idemc_run_gate_collect).  1 if sent.
  */

@@ -38,7 +38,7 @@ struct idem_gate
 	long		round_trips;	/* calls of idemc_gate_pipeline and
 								 * idemc_gate_send */
 	int64_t		flight_deadline;	/* idemc_gate_send's: its collect's */
-	/* the gate's commands (gate.c), kept from its send to its collect */
+	/* idemc_gate_enter_send's commands, kept until idemc_gate_enter_collect */
 	const char *flight_set[7];
 	const char *flight_get[2];
 	idem_vc_cmd flight[2];
