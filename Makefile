@@ -19,7 +19,7 @@ OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/worker.o src/worker_valkey.o src/worker_epoch.o src/worker_encode.o \
 	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_router.o src/stats.o src/stats_sql.o src/cache_secret.o \
 	src/cache_keyspace.o src/cache_cluster.o src/cache_cluster_owner.o src/cache_cluster_seal.o \
-	src/cache_cluster_node.o src/cache_cluster_refresh.o src/cache_sql.o src/standby_slots.o src/citus.o \
+	src/cache_cluster_node.o src/cache_cluster_refresh.o src/cache_cluster_naming.o src/cache_sql.o src/standby_slots.o src/citus.o \
 	$(COMMON_OBJS)
 # src/common/: plain C with no server headers, compiled into both idem.so and
 # the client library (client/Makefile), as PostgreSQL's own src/common.

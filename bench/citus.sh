@@ -16,6 +16,9 @@
 #             the first replay of a key is answered by PostgreSQL and copied)
 #             against pg-replay: the same with Valkey down: target >= 2, with
 #             >= 90 % of the replays answered by Valkey
+#   node changes  a third worker added empty, shards rebalanced onto it,
+#             drained and removed: a replay pass after each, >= 90 % from
+#             Valkey (BENCH_CITUS_NODES=no skips them)
 #
 # All three nodes share this machine's cores: the figures show idem against
 # the hand-written ledger on one cluster, not how Citus scales out.
@@ -48,7 +51,7 @@ chmod 755 "$WORK"
 [ "$(id -u)" -ne 0 ] || chown "$(idem_test_user)" "$WORK"
 OWN_VK=
 cleanup() {
-	for n in coord w1 w2; do idem_pg_stop "$WORK/$n"; done
+	for n in coord w1 w2 w3; do [ ! -d "$WORK/$n" ] || idem_pg_stop "$WORK/$n"; done
 	[ -z "$OWN_VK" ] || idem_valkey_stop "$WORK"
 	rm -rf "$WORK"
 }
@@ -63,15 +66,17 @@ if [ -z "$VKPORT" ]; then
 fi
 
 declare -A PORT
-for n in coord w1 w2; do
+start_node() {
+	local n=$1
 	mkdir -p "$WORK/$n"
 	[ "$(id -u)" -ne 0 ] || chown "$(idem_test_user)" "$WORK/$n"
 	PORT[$n]=$(idem_free_port)
 	idem_pg_start "$WORK/$n" "${PORT[$n]}" "shared_preload_libraries = 'citus,idem'" \
 		"max_connections = 200" "shared_buffers = 128MB" "max_prepared_transactions = 100" \
 		"citus.shard_count = 8" "idem.valkey_port = $VKPORT" \
-		${BENCH_CITUS_DEBUG:+"log_min_duration_statement = 0"} || exit 1
-done
+		${BENCH_CITUS_DEBUG:+"log_min_duration_statement = 0"}
+}
+for n in coord w1 w2; do start_node "$n" || exit 1; done
 psql_on() {
 	local n=$1
 	shift
@@ -215,3 +220,28 @@ for c in $CLIENTS; do
 			"", c, n / h, v / p, 100 * s }'
 	unset runs vk med vmed
 done
+
+# Node changes (BENCH_CITUS_NODES=no skips them): a third worker added
+# empty, the shards rebalanced onto it, then drained off it and the node
+# removed; after each, one replay pass of BENCH_SECONDS at 8 clients, and
+# the share of replays Valkey answered (target >= 90 %: a node that holds
+# nothing it lost keeps the cache warm).
+if [ "${BENCH_CITUS_NODES:-yes}" != no ]; then
+	start_node w3 || exit 1
+	psql_on w3 -c 'CREATE EXTENSION citus' >/dev/null || exit 1
+	echo "Node changes: replays from Valkey after each, valkey-replay, 8 clients, ${SECS} s"
+	printf '%-34s %10s %10s\n' change ops/s from-valkey
+	node_change() {
+		local what=$1 sql=$2 out
+		psql_on coord <<<"$sql" >/dev/null || { echo "citus bench: $what failed" >&2; exit 1; }
+		out=$(bench valkey-replay 8 "$SECS") || { echo "client_bench valkey-replay failed" >&2; exit 1; }
+		printf '%-34s %10.0f %10s\n' "$what" \
+			"$(echo "$out" | awk '$1 == "valkey-replay" { print $3 }')" \
+			"$(echo "$out" | awk '$1 == "valkey" { printf "%.1f %%", ($4 > 0 ? 100 * $5 / $4 : 0) }')"
+	}
+	node_change "citus_add_node (empty worker)" "SELECT citus_add_node('127.0.0.1', ${PORT[w3]})"
+	node_change "rebalance onto it (block_writes)" \
+		"SELECT rebalance_table_shards(shard_transfer_mode => 'block_writes')"
+	node_change "drained and removed" \
+		"SELECT citus_drain_node('127.0.0.1', ${PORT[w3]}, shard_transfer_mode => 'block_writes'); SELECT citus_remove_node('127.0.0.1', ${PORT[w3]})"
+fi

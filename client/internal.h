@@ -187,7 +187,7 @@ typedef struct idem_pg
 	int			server_ended;	/* a FATAL arrived: this session is over */
 	int			watching;		/* a handler runs: its errors are seen */
 	char		handler_sqlstate[6];	/* the first error of the server's
-										 * state (idemc_sqlstate_is_servers)
+										 * state (idemc_error_is_servers)
 										 * a handler's statement met; "" */
 	char		handler_message[200];	/* ... its message */
 	long		round_trips;
@@ -251,9 +251,11 @@ void		idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n,
 							 pg_outcome *out);
 void		idemc_pg_outcome_clear(pg_outcome *o);
 /* An error that is the server's state, not a handler's answer: classes
- * 40 (serialization failure, deadlock), 53, 57 (a cancelled statement),
- * 58 and XX, as idem_apply judges them. */
-int			idemc_sqlstate_is_servers(const char *sqlstate);
+ * 40 (serialization failure, deadlock), 53, 57 (a shutdown; of the
+ * cancels, 57014, an operator's only: statement_timeout's is the
+ * handler's attempt), 58 and XX, as idem_apply judges them.  message: the
+ * error's primary message. */
+int			idemc_error_is_servers(const char *sqlstate, const char *message);
 /* Watch the errors of the handler's statements (on) until off. */
 void		idemc_pg_watch_handler(idem_pg *p, int on);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */

@@ -212,19 +212,31 @@ notice_receiver(void *arg, const PGresult *res)
 		p->server_ended = 1;
 }
 
+/*
+ * An operator's cancel (pg_cancel_backend, a client's cancel request) has
+ * statement_timeout's SQLSTATE, 57014; only the message tells them apart,
+ * in the session's lc_messages.  The English text is compared: with
+ * another language, an operator's cancel counts as the handler's attempt,
+ * as statement_timeout's does (idem_apply compares the untranslated id).
+ */
+#define OPERATOR_CANCEL "canceling statement due to user request"
+
 int
-idemc_sqlstate_is_servers(const char *st)
+idemc_error_is_servers(const char *st, const char *message)
 {
-	return st != NULL && strlen(st) == 5 &&
-		(strncmp(st, "40", 2) == 0 || strncmp(st, "53", 2) == 0 ||
-		 strncmp(st, "57", 2) == 0 || strncmp(st, "58", 2) == 0 ||
-		 strncmp(st, "XX", 2) == 0);
+	if (st == NULL || strlen(st) != 5)
+		return 0;
+	if (strcmp(st, "57014") == 0)
+		return message != NULL && strcmp(message, OPERATOR_CANCEL) == 0;
+	return strncmp(st, "40", 2) == 0 || strncmp(st, "53", 2) == 0 ||
+		strncmp(st, "57", 2) == 0 || strncmp(st, "58", 2) == 0 ||
+		strncmp(st, "XX", 2) == 0;
 }
 
 /*
  * libpq's event procedure on our connection: while a handler runs, the
  * first error result of the server's state (a serialization failure, a
- * deadlock, a cancelled statement) that one of its statements gets is
+ * deadlock, an operator's cancel) that one of its statements gets is
  * kept, so that the runner can tell the server's state from the handler's
  * answer (the handler sees the error; the runner never sees its results).
  */
@@ -237,11 +249,10 @@ result_event(PGEventId id, void *info, void *pass)
 	{
 		const PGresult *res = ((const PGEventResultCreate *) info)->result;
 		const char *st = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+		const char *m = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
 
-		if (PQresultStatus(res) == PGRES_FATAL_ERROR && idemc_sqlstate_is_servers(st))
+		if (PQresultStatus(res) == PGRES_FATAL_ERROR && idemc_error_is_servers(st, m))
 		{
-			const char *m = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
-
 			snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
 			snprintf(p->handler_message, sizeof(p->handler_message), "%s",
 					 m ? m : "");

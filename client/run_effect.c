@@ -93,7 +93,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 
 	/*
 	 * A statement of the handler met the server's state (a serialization
-	 * failure, a deadlock, a cancelled statement: idem_apply's rule), and
+	 * failure, a deadlock, an operator's cancel: idem_apply's rule), and
 	 * the handler reported a failure or left the transaction in error: not
 	 * an attempt.  Recorded, a few transient conflicts would spend the
 	 * key's attempts (idem.max_attempts) and dead-letter a healthy
@@ -380,7 +380,8 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		idemc_pg_watch_handler(pg, 1);
 		if (call.first != NULL &&
 			PQresultStatus(call.first) == PGRES_FATAL_ERROR &&
-			idemc_sqlstate_is_servers(PQresultErrorField(call.first, PG_DIAG_SQLSTATE)))
+			idemc_error_is_servers(PQresultErrorField(call.first, PG_DIAG_SQLSTATE),
+								   PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY)))
 		{
 			/* the handler's first statement, sent with the claim, met it */
 			const char *m = PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY);

@@ -96,6 +96,36 @@ SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
 RESET idem.max_attempts;
 RESET statement_timeout;
 SELECT count(*) AS rolled_back FROM transfers WHERE amount = 97;
+-- lock_timeout cancels with 55P03, not 57014: an attempt as well.
+CREATE TABLE apply_locked (id int PRIMARY KEY);
+INSERT INTO apply_locked VALUES (1);
+BEGIN;
+SELECT id FROM apply_locked FOR UPDATE;
+PREPARE TRANSACTION 'apply_lock_timeout';
+CREATE FUNCTION h_locked(jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ INSERT INTO transfers (amount) VALUES (96);
+        UPDATE apply_locked SET id = 1 WHERE id = 1; SELECT '{}'::jsonb $$;
+SET lock_timeout = '100ms';
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('locked'), f('{}'), 'h_locked(jsonb)', '{}');
+SET idem.max_attempts = 1;
+SELECT decision, attempt, outcome->>'sqlstate' AS sqlstate, ran
+  FROM idem_apply(1, k('locked'), f('{}'), 'h_locked(jsonb)', '{}');
+RESET idem.max_attempts;
+RESET lock_timeout;
+ROLLBACK PREPARED 'apply_lock_timeout';
+-- An operator's cancel (pg_cancel_backend, here the session's own) is the
+-- server's state, as a shutdown is: raised, nothing recorded (idem_apply
+-- compares the message's untranslated id, whatever lc_messages says).
+CREATE FUNCTION h_cancelled(jsonb) RETURNS jsonb LANGUAGE sql
+  AS $$ INSERT INTO transfers (amount) VALUES (95);
+        SELECT pg_cancel_backend(pg_backend_pid()), pg_sleep(10);
+        SELECT '{}'::jsonb $$;
+\set VERBOSITY sqlstate
+SELECT decision FROM idem_apply(1, k('cancelled'), f('{}'), 'h_cancelled(jsonb)', '{}');
+\set VERBOSITY default
+SELECT count(*) AS recorded FROM idem_lookup(1, k('cancelled'));
+SELECT count(*) AS rolled_back FROM transfers WHERE amount IN (95, 96);
 
 -- A handler's error message that quotes the request: clipped after JSON
 -- escaping (control characters take six bytes each escaped), so that the
@@ -202,8 +232,8 @@ SELECT status, attempt FROM idem_platform_lookup(k('plat'));
 DROP OWNED BY idem_apply_user;
 DROP ROLE idem_apply_user;
 DROP FUNCTION k(text), f(jsonb), transfer(jsonb), h_null(jsonb), h_array(jsonb), h_cast(jsonb),
-  h_array_write(jsonb), h_big(jsonb), h_slow(jsonb),
+  h_array_write(jsonb), h_big(jsonb), h_slow(jsonb), h_locked(jsonb), h_cancelled(jsonb),
   h_text(jsonb), h_two(jsonb, int), h_set(jsonb), h_definer(jsonb);
 DROP PROCEDURE h_proc(jsonb);
-DROP TABLE transfers, idempotency_keys, platform_idempotency_keys, tenants;
+DROP TABLE transfers, apply_locked, idempotency_keys, platform_idempotency_keys, tenants;
 DROP EXTENSION idem;

@@ -5,7 +5,8 @@
  *	  memory (cache_cluster.c owns them), and the node's identity.
  *
  * Locking: idem_cluster_shared->mutex, a spinlock, is held only to copy a
- * slot or the one-time key in or out (a few hundred bytes): no call, no
+ * slot or the one-time key in or out (a few hundred bytes; the
+ * coordinator's namings, a few kilobytes, only when it names): no call, no
  * allocation, no ERROR while it is held.  The idem worker takes it for
  * every batch it encodes.
  *
@@ -22,6 +23,24 @@
 #define CLUSTER_DBS			IDEM_CLUSTER_SLOTS
 /* "<system id>.<timeline>.<epoch as 16 hex>" */
 #define NODE_ID_MAX			(20 + 1 + 10 + 1 + 16 + 1)
+
+/* The coordinator only: a keyspace it named, and the nodes it named it with. */
+#define CLUSTER_MEMBERS		64
+#define CLUSTER_NAMINGS		2
+typedef struct ClusterMember
+{
+	uint64		addr;			/* a hash of its name and port */
+	uint64		sysid;			/* its system identifier */
+	uint64		ident;			/* a hash of its identity */
+} ClusterMember;
+
+typedef struct ClusterNaming
+{
+	uint64		epoch;			/* the cluster epoch; 0: none */
+	uint64		coord;			/* the coordinator's identity, hashed */
+	int			nmembers;
+	ClusterMember members[CLUSTER_MEMBERS];
+} ClusterNaming;
 
 /* One database's join of a cluster keyspace. */
 typedef struct ClusterSlot
@@ -40,6 +59,8 @@ typedef struct ClusterSlot
 	bool		owner_set;		/* the worker set it: runners may be told */
 	/* a keyspace whose owner key the worker must retire; "": none */
 	char		retire[IDEM_CACHE_KEYSPACE_MAX + 1];
+	/* the coordinator only: its last namings, the newest first */
+	ClusterNaming named[CLUSTER_NAMINGS];
 } ClusterSlot;
 
 typedef struct ClusterShared
@@ -62,5 +83,17 @@ extern bool idem_cluster_slot_join(Oid dboid, const char *keyspace,
 								   uint64 new_token);
 extern bool idem_cluster_node_identity(char *buf, size_t len, TimeLineID *tli,
 									   uint64 *epoch);
+
+/* Which keyspace the coordinator names (cache_cluster_naming.c). */
+extern void idem_cluster_naming_member(ClusterMember *m, const char *name,
+									   int port, const char *identity);
+extern uint64 idem_cluster_naming_epoch(const char *coord_id, char **ids, int n);
+extern uint64 idem_cluster_naming_choose(Oid dboid, uint64 coord,
+										 uint64 new_epoch,
+										 const ClusterMember *answered,
+										 int nanswered,
+										 const ClusterMember *silent,
+										 int nsilent,
+										 const ClusterMember *held, int nheld);
 
 #endif							/* IDEM_CACHE_CLUSTER_INT_H */

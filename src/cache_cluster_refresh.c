@@ -9,7 +9,8 @@
  * keyspace (runners ask at least every secrets_max_age_ms): one
  * run_command_on_workers to read each node's identity and one-time key
  * (idem_cache_node), and one master_run_on_worker for the nodes whose join
- * is missing or stale (idem_cache_node_join).  A node that does not answer
+ * is missing or stale (idem_cache_node_join).  Which keyspace it names is
+ * idem_cluster_naming_choose's choice.  A node that does not answer
  * (within CLUSTER_CONNECT_TIMEOUT_MS to connect) is left out of the hash
  * and not joined: its tenants are served by PostgreSQL alone until it
  * answers again.
@@ -74,12 +75,6 @@ seal_for_node(const uint8 *key, const IdemCacheSecrets *s,
 	return hex;
 }
 
-static int
-cmp_str(const void *a, const void *b)
-{
-	return strcmp(*(char *const *) a, *(char *const *) b);
-}
-
 /*
  * idem_cache_keyspace() on a database whose tenant ledger is distributed
  * by Citus (the caller has checked: idem_citus_distributed).  Returns 0
@@ -105,12 +100,16 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 	char	  **names;
 	int		   *ports;
 	bool	   *need;
+	ClusterMember *answered;
+	ClusterMember *silent;
+	ClusterMember *held;
+	int			nsilent = 0;
+	int			nheld = 0;
 	int			n = 0;
 	int			njoin = 0;
 	uint64		i;
-	idem_sha256 ctx;
-	uint8		digest[32];
-	uint64		cluster_epoch = 0;
+	uint64		cluster_epoch;
+	ClusterMember coord;
 	IdemCacheSecrets s;
 	char	   *node_fn;
 	int			guc_level;
@@ -173,6 +172,8 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 	names = palloc0(sizeof(char *) * (SPI_processed + 1));
 	ports = palloc0(sizeof(int) * (SPI_processed + 1));
 	need = palloc0(sizeof(bool) * (SPI_processed + 1));
+	answered = palloc0(sizeof(ClusterMember) * (SPI_processed + 1));
+	silent = palloc0(sizeof(ClusterMember) * (SPI_processed + 1));
 	for (i = 0; i < SPI_processed; i++)
 	{
 		HeapTuple	tup = SPI_tuptable->vals[i];
@@ -184,42 +185,68 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 		char	   *save = NULL;
 		char	   *tok;
 
+		char	   *name = SPI_getvalue(tup, desc, 1);
+		int			port = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
+
+		if (!(isnull || !ok || res == NULL))
+			for (tok = strtok_r(res, " ", &save); tok != NULL && nf < 4;
+				 tok = strtok_r(NULL, " ", &save))
+				f[nf++] = tok;
 		/* a node that fails or has no keyspace now is left out */
-		if (isnull || !ok || res == NULL)
-			continue;
-		for (tok = strtok_r(res, " ", &save); tok != NULL && nf < 4;
-			 tok = strtok_r(NULL, " ", &save))
-			f[nf++] = tok;
 		if (nf != 4 || strlen(f[0]) >= NODE_ID_MAX ||
 			strlen(f[1]) != 2 * IDEM_SEAL_KEY_LEN ||
 			strlen(f[2]) > IDEM_CACHE_KEYSPACE_MAX)
+		{
+			if (name != NULL)
+				idem_cluster_naming_member(&silent[nsilent++], name, port, "0");
 			continue;
+		}
 		ids[n] = pstrdup(f[0]);
 		/* the one-time key, the node's join and its key id */
 		keys[n] = psprintf("%s %s %s", f[1], f[2], f[3]);
-		names[n] = SPI_getvalue(tup, desc, 1);
-		ports[n] = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
+		names[n] = name;
+		ports[n] = port;
+		idem_cluster_naming_member(&answered[n], name, port, f[0]);
 		explicit_bzero(f[1], strlen(f[1]));
 		n++;
 	}
 
-	/* the cluster epoch: a hash of every node's identity */
+	/* the nodes that hold placements of the tenant ledger now */
 	{
-		char	  **sorted = palloc(sizeof(char *) * (n + 1));
+		Oid			argtypes[1] = {OIDOID};
+		Datum		args[1] = {ObjectIdGetDatum(ledger)};
 
-		memcpy(sorted, ids, sizeof(char *) * n);
-		qsort(sorted, n, sizeof(char *), cmp_str);
-		idem_sha256_init(&ctx);
-		idem_sha256_update(&ctx, "idem cluster epoch", 19);
-		idem_sha256_update(&ctx, id, strlen(id) + 1);
-		for (int j = 0; j < n; j++)
-			idem_sha256_update(&ctx, sorted[j], strlen(sorted[j]) + 1);
-		idem_sha256_final(&ctx, digest);
-		for (int j = 0; j < 8; j++)
-			cluster_epoch = (cluster_epoch << 8) | digest[j];
-		if (cluster_epoch == 0)
-			cluster_epoch = 1;
+		if (SPI_execute_with_args("SELECT DISTINCT n.nodename, n.nodeport"
+								  " FROM pg_catalog.pg_dist_shard s"
+								  " JOIN pg_catalog.pg_dist_placement p USING (shardid)"
+								  " JOIN pg_catalog.pg_dist_node n USING (groupid)"
+								  " WHERE s.logicalrelid OPERATOR(pg_catalog.=) $1",
+								  1, argtypes, args, NULL, true, 0) != SPI_OK_SELECT)
+			elog(ERROR, "could not read the placements of the tenant ledger");
+		held = palloc0(sizeof(ClusterMember) * (SPI_processed + 1));
+		for (i = 0; i < SPI_processed; i++)
+		{
+			char	   *name = SPI_getvalue(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1);
+			int			port = DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[i],
+														   SPI_tuptable->tupdesc, 2, &isnull));
+
+			if (name != NULL && !isnull)
+				idem_cluster_naming_member(&held[nheld++], name, port, "0");
+		}
 	}
+
+	/*
+	 * The cluster epoch: the one named before while no node it was named
+	 * with lost anything, else a hash of every node's identity
+	 * (idem_cluster_naming_choose).
+	 */
+	idem_cluster_naming_member(&coord, "coordinator", 0, id);
+	cluster_epoch = idem_cluster_naming_choose(MyDatabaseId, coord.ident,
+											   idem_cluster_naming_epoch(id, ids, n),
+											   answered, n, silent, nsilent,
+											   held, nheld);
+	if (cluster_epoch == 0)
+		cluster_epoch = idem_cluster_naming_epoch(id, ids, n);
 	if (idem_cache_keyspace_of(buf, buflen, MyDatabaseId, tli, cluster_epoch) < 0)
 		elog(ERROR, "idem.valkey_prefix is longer than %d bytes",
 			 IDEM_CACHE_PREFIX_MAX);

@@ -20,6 +20,10 @@
  *	  backend.  The distributed table on the coordinator and the shell
  *	  tables on workers are never read or written by idem: a call that
  *	  reaches a node without an active placement of the shard fails.
+ *	  idem_install delegates the functions the installed version has; a
+ *	  utility hook delegates those ALTER EXTENSION idem UPDATE creates, on
+ *	  the coordinator, once the update has run (Citus runs it on the
+ *	  workers after the coordinator).
  *
  *	  Locking: once it knows the tenant's shard, a call takes the lock
  *	  Citus's executor takes for a write to that shard, through Citus's own
@@ -59,6 +63,7 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "storage/lockdefs.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
@@ -71,10 +76,17 @@
 
 #include "citus.h"
 #include "cache_cluster.h"
+#include "ledger_row.h"
 
 /* The last relation asked about, and the answer. */
 static Oid	dist_relid = InvalidOid;
 static bool dist_answer = false;
+
+static ProcessUtility_hook_type citus_prev_utility = NULL;
+
+/* The tenant API functions Citus delegates to the node of the tenant's shard. */
+#define IDEM_CITUS_DELEGATED \
+	"idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced"
 
 static SPIPlanPtr shard_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
@@ -386,6 +398,100 @@ idem_citus_check_tenants(Oid tenants)
 }
 
 /*
+ * Distribute the tenant API functions of the extension's schema NSP that
+ * Citus does not know yet by their tenant_id argument, co-located with the
+ * distributed tenant ledger QLEDGER, with force_delegation (inside SPI).
+ * Returns how many it distributed.
+ */
+static uint64
+citus_delegate(const char *qledger, Oid nsp)
+{
+	StringInfoData sql;
+
+	initStringInfo(&sql);
+	appendStringInfo(&sql,
+					 "SELECT pg_catalog.create_distributed_function(p.oid::pg_catalog.regprocedure,"
+					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
+					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
+					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{" IDEM_CITUS_DELEGATED "}')"
+					 " AND NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object o"
+					 " WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass"
+					 " AND o.objid OPERATOR(pg_catalog.=) p.oid"
+					 " AND o.distribution_argument_index IS NOT NULL)",
+					 quote_literal_cstr(qledger), nsp);
+	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not distribute the idem tenant functions");
+	pfree(sql.data);
+	return SPI_processed;
+}
+
+/*
+ * After ALTER EXTENSION idem UPDATE on a Citus coordinator whose tenant
+ * ledger is distributed: the tenant API functions the update created
+ * (idem_complete_fenced and idem_fail_fenced from 0.4) are delegated as
+ * idem_install delegated those that existed then.  Citus has run the
+ * update on the workers by now (it propagates the statement after running
+ * it here), so they have the functions too.  Runs as the caller of the
+ * update, the extension's owner or a superuser, as idem_install does.
+ */
+static void
+citus_delegate_after_update(void)
+{
+	Oid			nsp = InvalidOid;
+	Oid			ledger;
+	bool		coordinator = false;
+	bool		isnull;
+
+	if (!citus_present())
+		return;
+	SPI_connect();
+	if (SPI_execute("SELECT e.extnamespace, pg_catalog.citus_is_coordinator()"
+					" FROM pg_catalog.pg_extension e WHERE e.extname OPERATOR(pg_catalog.=) 'idem'",
+					true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not ask Citus whether this node is the coordinator");
+	if (SPI_processed == 1)
+	{
+		nsp = DatumGetObjectId(SPI_getbinval(SPI_tuptable->vals[0],
+											 SPI_tuptable->tupdesc, 1, &isnull));
+		coordinator = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0],
+												 SPI_tuptable->tupdesc, 2, &isnull)) && !isnull;
+	}
+	ledger = coordinator ? get_relname_relid(ledger_table_name(LEDGER_TENANT), nsp) : InvalidOid;
+	if (OidIsValid(ledger) && idem_citus_distributed(ledger))
+		(void) citus_delegate(quote_qualified_identifier(get_namespace_name(nsp),
+														 get_rel_name(ledger)),
+							  nsp);
+	SPI_finish();
+}
+
+static void
+citus_process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
+					  ProcessUtilityContext context, ParamListInfo params,
+					  QueryEnvironment *queryEnv, DestReceiver *dest, QueryCompletion *qc)
+{
+	Node	   *stmt = pstmt->utilityStmt;
+	bool		idem_update = IsA(stmt, AlterExtensionStmt) &&
+		strcmp(((AlterExtensionStmt *) stmt)->extname, "idem") == 0;
+
+	if (citus_prev_utility)
+		citus_prev_utility(pstmt, queryString, readOnlyTree, context, params,
+						   queryEnv, dest, qc);
+	else
+		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context, params,
+								queryEnv, dest, qc);
+	if (idem_update)
+		citus_delegate_after_update();
+}
+
+/* From _PG_init. */
+void
+idem_citus_register(void)
+{
+	citus_prev_utility = ProcessUtility_hook;
+	ProcessUtility_hook = citus_process_utility;
+}
+
+/*
  * Distribute the tenant ledger (just created, its primary key made
  * (tenant_id, id) because Citus requires the distribution column in every
  * unique constraint) co-located with tenants, and the tenant API by its
@@ -404,15 +510,7 @@ idem_citus_distribute(const char *qledger, const char *qtenants, Oid nsp)
 					 quote_literal_cstr(qledger), quote_literal_cstr(qtenants));
 	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not distribute the idem tenant ledger");
-
-	resetStringInfo(&sql);
-	appendStringInfo(&sql,
-					 "SELECT pg_catalog.create_distributed_function(p.oid::pg_catalog.regprocedure,"
-					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
-					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
-					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced}')",
-					 quote_literal_cstr(qledger), nsp);
-	if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed < 5)
+	if (citus_delegate(qledger, nsp) < 5)
 		elog(ERROR, "could not distribute the idem tenant functions");
 }
 

@@ -13,6 +13,7 @@
 
 #include "utils/timestamp.h"
 
+extern void idem_citus_register(void);
 extern void idem_citus_relcache_cb(Datum arg, Oid relid);
 extern bool idem_citus_distributed(Oid relid);
 extern Oid	idem_citus_local_shard(Oid relid, int64 tenant_id, int64 *shardid);

@@ -17,6 +17,9 @@
  *						direct insert
  *		standby_slots.c	a log hook that drops the warning of a replay's
  *						cancelled wait for synchronous replication
+ *		citus.c			a utility hook that, after ALTER EXTENSION idem
+ *						UPDATE on a Citus coordinator, delegates the tenant
+ *						functions the update created
  *
  *-------------------------------------------------------------------------
  */
@@ -27,6 +30,7 @@
 #include "utils/syscache.h"
 
 #include "cache_secret.h"
+#include "citus.h"
 #include "compat.h"
 #include "guc.h"
 #include "ledger_guard.h"
@@ -55,6 +59,7 @@ _PG_init(void)
 	CacheRegisterSyscacheCallback(AUTHMEMROLEMEM, ledger_insert_syscache_cb, (Datum) 0);
 	idem_ledger_guard_register();
 	idem_standby_slots_register();
+	idem_citus_register();
 
 	if (process_shared_preload_libraries_in_progress)
 	{

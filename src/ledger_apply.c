@@ -24,13 +24,14 @@
  *	  an error it raises rolls its writes back and is recorded, with its
  *	  SQLSTATE and message as the detail, as failed_permanent (SQLSTATE
  *	  P0001, RAISE's default, and classes 22 and 23: the request cannot
- *	  succeed) or failed_retryable (any other, a cancel included:
- *	  statement_timeout).  An outcome that is not a JSON object of at most
- *	  4096 bytes fails the handler in the same way (22023: permanent; 54000:
- *	  retryable), so every run of a handler is an attempt that
- *	  idem.max_attempts counts.  Errors of classes 40, 53, 57 (but the
- *	  cancel), 58 and XX are the server's state, not the handler's answer:
- *	  they are re-raised and nothing is recorded (the statement fails).
+ *	  succeed) or failed_retryable (any other, statement_timeout's cancel
+ *	  and lock_timeout's 55P03 included).  An outcome that is not a JSON
+ *	  object of at most 4096 bytes fails the handler in the same way (22023:
+ *	  permanent; 54000: retryable), so every run of a handler is an attempt
+ *	  that idem.max_attempts counts.  Errors of classes 40, 53, 57 (but a
+ *	  cancel other than an operator's), 58 and XX are the server's state,
+ *	  not the handler's answer: they are re-raised and nothing is recorded
+ *	  (the statement fails).
  *
  *	  idem_attempt() answers, inside the handler, the attempt it runs as
  *	  (1 for the first, 2 after one retryable failure, ...), and NULL
@@ -140,18 +141,30 @@ apply_check_handler(Oid fn)
 }
 
 /*
+ * An operator's cancel (pg_cancel_backend, a client's cancel request):
+ * PostgreSQL raises it with the same SQLSTATE as statement_timeout's
+ * (57014) and tells the two apart only by the message.  Its id, the
+ * untranslated format string, is compared: whatever lc_messages says.
+ * The runners, which see only the translated text, compare that with the
+ * same English text (idemc_error_is_servers, server_state_error).
+ */
+#define APPLY_OPERATOR_CANCEL "canceling statement due to user request"
+
+/*
  * Not the handler's answer: the server's state.  Re-raised, nothing kept.
- * A cancel (57014: statement_timeout, pg_cancel_backend) that stopped the
- * handler is its attempt, recorded: a handler that overruns
- * statement_timeout on every run must still use up idem.max_attempts.
+ * A cancel (57014) that stopped the handler is its attempt, recorded (a
+ * handler that overruns statement_timeout on every run must still use up
+ * idem.max_attempts), unless an operator asked for it: then, as a
+ * shutdown's 57P01, it says nothing of the handler.
  */
 static bool
-apply_error_is_servers(int sqlerrcode)
+apply_error_is_servers(ErrorData *edata)
 {
-	char	   *state = unpack_sql_state(sqlerrcode);
+	char	   *state = unpack_sql_state(edata->sqlerrcode);
 
-	if (sqlerrcode == ERRCODE_QUERY_CANCELED)
-		return false;
+	if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+		return edata->message_id != NULL &&
+			strcmp(edata->message_id, APPLY_OPERATOR_CANCEL) == 0;
 	return strncmp(state, "40", 2) == 0 || strncmp(state, "53", 2) == 0 ||
 		strncmp(state, "57", 2) == 0 || strncmp(state, "58", 2) == 0 ||
 		strncmp(state, "XX", 2) == 0;
@@ -284,7 +297,7 @@ apply_run_handler(Oid fn, Datum args, Oid collation, int32 attempt,
 
 	if (edata != NULL)
 	{
-		if (apply_error_is_servers(edata->sqlerrcode))
+		if (apply_error_is_servers(edata))
 			ReThrowError(edata);
 		*failed = true;
 		*permanent = apply_error_is_permanent(edata->sqlerrcode);

@@ -64,6 +64,7 @@
 #include "miscadmin.h"
 #include "parser/parsetree.h"
 #include "replication/origin.h"
+#include "replication/worker_internal.h"
 #include "storage/lock.h"
 #include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
@@ -302,6 +303,76 @@ guard_extension_schema(void)
 }
 
 /*
+ * Is this process applying a Citus shard move's or split's own
+ * subscription?  Citus names them so (multi_logical_replication.c).  Such
+ * a subscription copies a shard's rows to their new placement and removes
+ * none: a row removed on the source while it runs renews the source
+ * node's epoch there, and changes the cluster keyspace with it.
+ */
+static bool
+guard_citus_own_subscription(void)
+{
+	static const char *const prefixes[] = {
+		"citus_shard_move_subscription_",
+		"citus_shard_split_subscription_"
+	};
+
+	if (MySubscription == NULL || MySubscription->name == NULL)
+		return false;
+	for (int i = 0; i < lengthof(prefixes); i++)
+		if (strncmp(MySubscription->name, prefixes[i], strlen(prefixes[i])) == 0)
+			return true;
+	return false;
+}
+
+/*
+ * Does this transaction hold a write lock on a Citus shard of the tenant
+ * ledger (idempotency_keys_<shard id> in schema nsp)?  The shards are
+ * found by name, in one range scan of pg_class's name index.
+ */
+static bool
+guard_replayed_into_shard(Oid nsp)
+{
+	const char *tenant = ledger_table_name(LEDGER_TENANT);
+	size_t		len = strlen(tenant);
+	NameData	lo;
+	NameData	hi;
+	Relation	rel;
+	ScanKeyData key[2];
+	SysScanDesc scan;
+	HeapTuple	tup;
+	bool		found = false;
+
+	/* idempotency_keys_0 .. idempotency_keys_: (':' follows '9') */
+	memset(&lo, 0, sizeof(lo));
+	memset(&hi, 0, sizeof(hi));
+	snprintf(NameStr(lo), NAMEDATALEN, "%s_0", tenant);
+	snprintf(NameStr(hi), NAMEDATALEN, "%s_:", tenant);
+	ScanKeyInit(&key[0], Anum_pg_class_relname, BTGreaterEqualStrategyNumber,
+				F_NAMEGE, NameGetDatum(&lo));
+	ScanKeyInit(&key[1], Anum_pg_class_relname, BTLessStrategyNumber,
+				F_NAMELT, NameGetDatum(&hi));
+	rel = table_open(RelationRelationId, AccessShareLock);
+	scan = systable_beginscan(rel, ClassNameNspIndexId, true, NULL, 2, key);
+	while (!found && HeapTupleIsValid(tup = systable_getnext(scan)))
+	{
+		Form_pg_class c = (Form_pg_class) GETSTRUCT(tup);
+		const char *suffix = NameStr(c->relname) + len + 1;
+		LOCKTAG		tag;
+
+		if (c->relnamespace != nsp ||
+			strspn(suffix, "0123456789") != strlen(suffix))
+			continue;
+		SET_LOCKTAG_RELATION(tag, MyDatabaseId, c->oid);
+		found = idem_lock_held_by_me(&tag, RowExclusiveLock) ||
+			idem_lock_held_by_me(&tag, AccessExclusiveLock);
+	}
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return found;
+}
+
+/*
  * Did this transaction, which replays changes made elsewhere, write a
  * ledger?  Logical replication's apply worker (and its table
  * synchronisation and parallel apply workers) writes rows below the
@@ -311,7 +382,10 @@ guard_extension_schema(void)
  * (AccessExclusiveLock for a TRUNCATE) on every table it wrote until the
  * transaction ends.  An applied INSERT cannot be told from a DELETE or an
  * UPDATE that way, so any write counts: a subscriber that applies changes
- * to a ledger starts a new epoch with each such transaction.
+ * to a ledger starts a new epoch with each such transaction.  So does one
+ * that applies changes to a Citus shard of the tenant ledger, except
+ * Citus's own subscriptions for a shard move or split
+ * (guard_citus_own_subscription), which move rows and remove none.
  */
 static bool
 guard_replayed_into_ledger(void)
@@ -338,7 +412,8 @@ guard_replayed_into_ledger(void)
 			idem_lock_held_by_me(&tag, AccessExclusiveLock))
 			return true;
 	}
-	return false;
+	/* a Citus node's shards, unless Citus itself moves them */
+	return !guard_citus_own_subscription() && guard_replayed_into_shard(nsp);
 }
 
 /* From the transaction callback (xact.c). */

@@ -12,11 +12,13 @@
  *	  - idem_runner_check(): each of those, an unreachable PostgreSQL, a
  *		database without the extension, and all well (versions, round
  *		trip times);
- *	  - a serialization failure (40001), a deadlock (40P01) and a
- *		cancelled statement (57014) inside the handler, which reports a
- *		retryable failure: nothing recorded, the server's error returned,
- *		so idem.max_attempts = 2 does not dead-letter the message; another
- *		error (22012) is still recorded.
+ *	  - a serialization failure (40001), a deadlock (40P01) and an
+ *		operator's cancel (57014, pg_cancel_backend) inside the handler,
+ *		which reports a retryable failure: nothing recorded, the server's
+ *		error returned, so idem.max_attempts = 2 does not dead-letter the
+ *		message; another error (22012) is still recorded, and so are
+ *		statement_timeout's cancel (57014) and lock_timeout's (55P03):
+ *		idem.max_attempts = 2 ends them at the third delivery.
  *
  *	  A second Valkey (valkey-server with requirepass) is started here on
  *	  a free loopback port and always stopped.
@@ -186,10 +188,17 @@ handler(PGconn *conn, idem_call *call, void *ud)
 		 * its backend then sees it was left, and rolls back */
 		PQfinish(other);
 	}
-	else if (strcmp(h->mode, "cancel") == 0)
+	else if (strcmp(h->mode, "cancel") == 0)	/* an operator's */
+		r = PQexec(conn, "SELECT pg_cancel_backend(pg_backend_pid()), pg_sleep(2)");
+	else if (strcmp(h->mode, "timeout") == 0)
 	{
 		PQclear(PQexec(conn, "SET LOCAL statement_timeout = '50ms'"));
 		r = PQexec(conn, "SELECT pg_sleep(2)");
+	}
+	else if (strcmp(h->mode, "lock_timeout") == 0)
+	{
+		PQclear(PQexec(conn, "SET LOCAL lock_timeout = '50ms'"));
+		r = PQexec(conn, "UPDATE health_rows SET n = n + 1 WHERE id = 4");
 	}
 	else if (strcmp(h->mode, "divide") == 0)
 		r = PQexec(conn, "SELECT 1 / 0");
@@ -524,7 +533,7 @@ test_servers_state(void)
 		}
 	}
 	tap_ok_ext(errors == 6,
-			   "a serialization failure, a deadlock, a cancelled statement in the handler (twice each, idem.max_attempts = 2): the server's error each time (%s)",
+			   "a serialization failure, a deadlock, an operator's cancel in the handler (twice each, idem.max_attempts = 2): the server's error each time (%s)",
 			   sqlstates);
 	for (i = 0; i < 3; i++)
 	{
@@ -553,6 +562,41 @@ test_servers_state(void)
 				   "another error (22012) the handler reports is recorded as before (%s; %s)",
 				   rs(&res), l ? l : "?");
 		free(l);
+	}
+	{
+		/* a timeout's cancel is the handler's attempt: max_attempts ends it */
+		const char *tmodes[2] = {"timeout", "lock_timeout"};
+		const char *twant[2] = {"57014", "55P03"};
+		PGconn	   *locker = pg_open(E.pg);
+
+		pg_ok(admin, "INSERT INTO health_rows VALUES (4, 0) ON CONFLICT DO NOTHING");
+		pg_ok(locker, "BEGIN");
+		pg_ok(locker, "SELECT * FROM health_rows WHERE id = 4 FOR UPDATE");
+		for (i = 0; i < 2; i++)
+		{
+			char		id[64];
+			char		got[200] = "";
+			int			k;
+
+			snprintf(id, sizeof(id), "state-%s-%d", tmodes[i], (int) getpid());
+			for (k = 0; k < 3; k++)
+			{
+				memset(&h, 0, sizeof(h));
+				h.mode = tmodes[i];
+				idem_result_init(&res);
+				idem_run(R, 1, S, id, "{}", handler, &h, &res);
+				snprintf(got + strlen(got), sizeof(got) - strlen(got), "%s%s/%d",
+						 k ? " " : "", idem_status_name(res.status), res.attempt);
+			}
+			l = ledger(id);
+			tap_ok_ext(strcmp(got, "failed_retryable/1 failed_retryable/2 failed_permanent/2") == 0 &&
+					   l && strcmp(l, "failed_permanent 2") == 0 && h.calls == 0 &&
+					   strstr(res.outcome, twant[i]) != NULL,
+					   "%s's cancel (%s) in the handler is its attempt: recorded, and idem.max_attempts = 2 ends it (%s; %s; %s)",
+					   tmodes[i], twant[i], got, l ? l : "?", rs(&res));
+			free(l);
+		}
+		PQfinish(locker);
 	}
 	idem_runner_close(R);
 }

@@ -30,13 +30,7 @@ my $cl = IdemCitus->new(valkey => $valkey, conf => { log_statement => q('all') }
 my $c = $cl->coord;
 my ($w1, $w2) = ($cl->w1, $cl->w2);
 
-$c->safe_psql('postgres', q{
-	CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
-	SELECT create_distributed_table('tenants', 'id');
-	INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
-	CREATE EXTENSION idem;
-	SELECT idem_install('tenants');
-});
+$cl->install_tenants;
 my $t1 = $cl->tenant_on($w1);
 my $t2 = $cl->tenant_on($w2);
 my $fp = $c->safe_psql('postgres', "SELECT encode(idem_fingerprint('{}'), 'hex')");

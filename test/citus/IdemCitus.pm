@@ -17,32 +17,8 @@ sub new
 {
 	my ($class, %args) = @_;
 	my $self = bless { valkey => $args{valkey} }, $class;
-	foreach my $name (qw(coord w1 w2))
-	{
-		my $node = PostgreSQL::Test::Cluster->new($name);
-		$node->init(allows_streaming => 'logical');
-		# Citus's nodes talk to each other over TCP on loopback.
-		$node->append_conf('pg_hba.conf', "host all all 127.0.0.1/32 trust\n");
-		$node->append_conf('postgresql.conf', join('',
-				"shared_preload_libraries = 'citus,idem'\n",
-				"listen_addresses = '127.0.0.1'\n",
-				"max_prepared_transactions = 50\n",
-				"max_connections = 100\n",
-				"max_worker_processes = 32\n",
-				"max_wal_senders = 20\n",
-				"max_replication_slots = 20\n",
-				"citus.shard_count = 8\n",
-				"citus.node_conninfo = 'sslmode=disable'\n",
-				"idem.min_retention = 0\n",
-				"citus.distributed_deadlock_detection_factor = 1.5\n",
-				"citus.background_task_queue_interval = '200ms'\n",
-				"citus.defer_shard_delete_interval = 1000\n",
-				"idem.valkey_port = " . $args{valkey}->port . "\n",
-				map { "$_ = $args{conf}{$_}\n" } sort keys %{ $args{conf} // {} }));
-		$node->start;
-		$node->safe_psql('postgres', 'CREATE EXTENSION citus');
-		$self->{$name} = $node;
-	}
+	$self->{conf} = $args{conf} // {};
+	$self->{$_} = $self->start_node($_) foreach qw(coord w1 w2);
 	my $c = $self->{coord};
 	$c->safe_psql('postgres',
 		"SELECT citus_set_coordinator_host('127.0.0.1', " . $c->port . ")");
@@ -52,6 +28,49 @@ sub new
 			"SELECT citus_add_node('127.0.0.1', " . $self->{$w}->port . ")");
 	}
 	return $self;
+}
+
+# A node named $name, started with citus and idem preloaded and the
+# cluster's settings, citus created; not yet added to the cluster.
+sub start_node
+{
+	my ($self, $name) = @_;
+	my $node = PostgreSQL::Test::Cluster->new($name);
+	$node->init(allows_streaming => 'logical');
+	# Citus's nodes talk to each other over TCP on loopback.
+	$node->append_conf('pg_hba.conf', "host all all 127.0.0.1/32 trust\n");
+	$node->append_conf('postgresql.conf', join('',
+			"shared_preload_libraries = 'citus,idem'\n",
+			"listen_addresses = '127.0.0.1'\n",
+			"max_prepared_transactions = 50\n",
+			"max_connections = 100\n",
+			"max_worker_processes = 32\n",
+			"max_wal_senders = 20\n",
+			"max_replication_slots = 20\n",
+			"citus.shard_count = 8\n",
+			"citus.node_conninfo = 'sslmode=disable'\n",
+			"idem.min_retention = 0\n",
+			"citus.distributed_deadlock_detection_factor = 1.5\n",
+			"citus.background_task_queue_interval = '200ms'\n",
+			"citus.defer_shard_delete_interval = 1000\n",
+			"idem.valkey_port = " . $self->{valkey}->port . "\n",
+			map { "$_ = $self->{conf}{$_}\n" } sort keys %{ $self->{conf} }));
+	$node->start;
+	$node->safe_psql('postgres', 'CREATE EXTENSION citus');
+	return $node;
+}
+
+# Tenants 1 to 40 in a distributed tenants table, idem installed on it.
+sub install_tenants
+{
+	my ($self) = @_;
+	$self->{coord}->safe_psql('postgres', q{
+		CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
+		SELECT create_distributed_table('tenants', 'id');
+		INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
+		CREATE EXTENSION idem;
+		SELECT idem_install('tenants');
+	});
 }
 
 sub coord { $_[0]->{coord} }

@@ -23,6 +23,8 @@
 #   idem_pg_private DIR   a private copy of PostgreSQL to install and test in
 #   idem_pg_private_for ROOT   that copy, in the checkout's private folder
 #   idem_pg_install_ledgers DIR PORT   idem, tenant 1 and the ledgers
+#   idem_stop_orphans     stop the test user's servers whose folder was
+#                         deleted (a run killed from outside)
 
 IDEM_PG_MAJOR=${IDEM_PG_MAJOR:-15}
 
@@ -575,26 +577,67 @@ idem_leftover_pids() {
 		}' "${dirs[@]}"
 }
 
-# idem_stop_leftovers DIR...: stop what a suite left running from under a
-# DIR (idem_leftover_pids): the servers of a suite that failed, or that hit
-# its time limit (timeout signals the suite's process group, which a
-# daemonized server has left).  SIGTERM, then SIGKILL to what remains
-# after 3 s.  Prints how many it stopped, if any, on stderr.
-idem_stop_leftovers() {
-	local pids i
-	pids=$(idem_leftover_pids "$@")
+# idem_stop_listed WHAT LISTER [ARG...]: stop the processes LISTER ARG...
+# prints (one pid a line): SIGTERM, then SIGKILL to what it still prints
+# after 3 s.  Says how many it stopped, and WHAT they are, on stderr.
+idem_stop_listed() {
+	local what=$1 pids i
+	shift
+	pids=$("$@")
 	[ -n "$pids" ] || return 0
-	echo "idem: stopping $(wc -w <<<"$pids") processes left running under $*" >&2
+	echo "idem: stopping $(wc -w <<<"$pids") processes $what" >&2
 	# shellcheck disable=SC2086
 	kill -TERM $pids 2>/dev/null
 	for i in $(seq 1 30); do
-		pids=$(idem_leftover_pids "$@")
+		pids=$("$@")
 		[ -n "$pids" ] || return 0
 		sleep 0.1
 	done
 	# shellcheck disable=SC2086
 	kill -KILL $pids 2>/dev/null
 	return 0
+}
+
+# idem_stop_leftovers DIR...: stop what a suite left running from under a
+# DIR (idem_leftover_pids): the servers of a suite that failed, or that hit
+# its time limit (timeout signals the suite's process group, which a
+# daemonized server has left).
+idem_stop_leftovers() {
+	idem_stop_listed "left running under $*" idem_leftover_pids "$@"
+}
+
+# idem_orphan_pids: the servers of the test user (idem_test_user: Valkey,
+# Redis, PostgreSQL, pgbouncer, RabbitMQ's beam.smp) whose folder no
+# longer exists: their working directory (a server's data or --dir) was
+# deleted, as when a run killed from outside never stopped them and its
+# temp folder was removed since.  A live run's servers have their folders;
+# other users' processes, and the test user's that are not servers, are
+# never listed.  With DIRs, only those whose folder was under one of them.
+idem_orphan_pids() {
+	local uid
+	uid=$(id -u "$(idem_test_user)" 2>/dev/null) || return 0
+	perl -e '
+		my $uid = shift;
+		my @dirs = @ARGV;
+		opendir(my $proc, "/proc") or exit 0;
+		foreach my $pid (grep { /^\d+$/ } readdir($proc)) {
+			my @st = stat("/proc/$pid") or next;
+			next unless $st[4] == $uid;
+			open(my $c, "<", "/proc/$pid/comm") or next;
+			my $comm = <$c> // "";
+			chomp $comm;
+			next unless $comm =~ /^(valkey-server|redis-server|postgres|pgbouncer|beam\.smp)$/;
+			my $cwd = readlink("/proc/$pid/cwd") // next;
+			next unless $cwd =~ /^(.*) \(deleted\)$/ && !-e $1;
+			my $gone = "$1/";
+			print "$pid\n" if !@dirs || grep { index($gone, "$_/") == 0 } @dirs;
+		}' "$uid" "$@"
+}
+
+# idem_stop_orphans [DIR...]: stop the test user's servers whose folder no
+# longer exists (idem_orphan_pids DIR...), at the start of a run.
+idem_stop_orphans() {
+	idem_stop_listed "of $(idem_test_user) whose folder no longer exists" idem_orphan_pids "$@"
 }
 
 # idem_limited SECONDS DIR COMMAND...: COMMAND with a time limit (timeout:

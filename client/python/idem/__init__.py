@@ -7,10 +7,10 @@ asyncio runner, for psycopg.AsyncConnection and redis.asyncio, is
 idem.aio.AsyncRunner.
 """
 from .canonical import RequestError, canonical_json, fingerprint, idem_key
-from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
-                     PermanentFailure, RetryableFailure, ValkeyClusterNotSupported)
+from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Busy, Failure,
+                     Mismatch, NotApplied, PermanentFailure, RetryableFailure, Run)
 from .runner import Runner
 from .lease import Lease, LeaseLost
 from .batch import Batch

@@ -10,7 +10,6 @@ event loop's: share an AsyncRunner between tasks of that loop, and a
 connection between runs one at a time."""
 import contextlib
 import functools
-import hashlib
 from types import TracebackType
 from typing import (Any, AsyncIterator, Awaitable, Callable, Iterable, List, Optional, Tuple,
                     Type, TypeVar, cast)
@@ -23,14 +22,15 @@ from psycopg.rows import tuple_row
 from .check import Check, acheck
 from .apply import _ApplyContext
 from .batch import Batch, cache_answers, cache_keys, cache_reads
-from .errors import Failure, IdemError, ValkeyClusterNotSupported
+from .errors import IdemError, ValkeyClusterNotSupported
 from .lease import Lease, _LeaseContext, settle_failed, settle_statement
 from .pg import (MAX_ATTEMPTS_SQL, Statement, _as_is, _check_conn, _pg_error_of, _raise_ending,
                  _session_ended, _simple_results, _simple_text, _values)
-from .result import FailureSpec, Run, _make_run
+from .release import AsyncRelease
+from .result import Failure, FailureSpec, Run, _make_run
 from .run import Gate, _RunContext
-from .runner import (CAD_SCRIPT, CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
-                     Runner, _KeyOf, _ms, _outcome_or_raise)
+from .runner import (CLUSTER_REFUSED, KEYSPACE_SQL, SCHEMA_SQL, SECRETS_SQL, Item,
+                     Runner, _check_idle, _KeyOf, _ms, _outcome_or_raise)
 from .trust import _ConnState
 
 AConn = psycopg.AsyncConnection[Any]
@@ -102,50 +102,24 @@ async def _asend(conn: AConn, statements: List[Statement],
         raise err from e
 
 
-class _AsyncCad:
-    """The compare-and-delete script (CAD_SCRIPT) by EVALSHA, run by EVAL
-    when the node answers NOSCRIPT, as the C client's release does:
-    redis.asyncio's RedisCluster (redis-py 4.3) has no register_script."""
-    sha = hashlib.sha1(CAD_SCRIPT.encode("ascii")).hexdigest()
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    async def __call__(self, keys: List[bytes], args: List[bytes]) -> Any:
-        from redis.exceptions import NoScriptError
-        try:
-            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(CAD_SCRIPT, len(keys), *keys, *args)
-
-
 class AsyncRunner(Runner):
     """The runner for asyncio: ``valkey`` is ``(host, port)`` (a Valkey,
     or any node of a Valkey Cluster), a ``redis.asyncio`` client, or None;
     the options are the synchronous Runner's.  Each form takes a
     ``psycopg.AsyncConnection``."""
 
-    def __init__(self, valkey: Any = None, *, lease: float = 30.0,
-                 retention: Optional[float] = None, lookup_first: bool = True,
-                 secrets_max_age: float = 5.0, valkey_timeout: float = 0.2,
-                 valkey_retry: float = 1.0, schema: Optional[str] = None,
-                 notice: Optional[Callable[[str], None]] = None,
-                 max_attempts: Optional[int] = None) -> None:
-        super().__init__(None, lease=lease, retention=retention, lookup_first=lookup_first,
-                         secrets_max_age=secrets_max_age, valkey_timeout=valkey_timeout,
-                         valkey_retry=valkey_retry, schema=schema, notice=notice,
-                         max_attempts=max_attempts)
-        if isinstance(valkey, tuple):
-            import redis.asyncio
-            host, port = valkey
-            self._seed = (host, int(port))
-            self.valkey = redis.asyncio.Redis(host=host, port=int(port),
-                                              socket_timeout=self._timeout,
-                                              socket_connect_timeout=self._timeout)
-        else:
-            self.valkey = valkey
-        if self.valkey is not None:
-            self._cad = _AsyncCad(self.valkey)
+    def _client(self, host: str, port: int) -> Any:
+        """Runner._client, redis.asyncio's."""
+        import redis.asyncio
+        return redis.asyncio.Redis(host=host, port=port, socket_timeout=self._timeout,
+                                   socket_connect_timeout=self._timeout)
+
+    def _release_of(self, client: Any) -> Any:
+        return AsyncRelease(client)
+
+    def _first_contact(self) -> None:
+        """Nothing at construction: the first round trip checks, awaited
+        (_acheck_cluster)."""
 
     async def check(self, conn: Any) -> Check:  # type: ignore[override]
         """Runner.check, awaited: ``await runner.check(conn)`` on an idle
@@ -168,7 +142,7 @@ class AsyncRunner(Runner):
                 cluster = RedisCluster(host=self._seed[0], port=self._seed[1],
                                        socket_timeout=self._timeout,
                                        socket_connect_timeout=self._timeout)
-                self._cad = _AsyncCad(cluster)
+                self._cad = self._release_of(cluster)
                 self.valkey = cluster
         self._cluster_checked = True
 
@@ -224,8 +198,12 @@ class AsyncRunner(Runner):
         return st
 
     async def _aidle_state(self, conn: AConn, whose: str) -> _ConnState:
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+        """Runner._idle_state."""
+        _check_idle(conn, whose)
+        return await self._alearnt_state(conn)
+
+    async def _alearnt_state(self, conn: AConn) -> _ConnState:
+        """_astate, a server error raised as an IdemError (rolled back)."""
         try:
             return await self._astate(conn)
         except psycopg.Error as e:
@@ -315,13 +293,7 @@ class AsyncRunner(Runner):
                        attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
                        fence: Optional[int] = None) -> None:
         _check_conn(conn, True)
-        try:
-            st = await self._astate(conn)
-        except psycopg.Error as e:
-            err = _pg_error_of(conn, e, "learning the schema")
-            if err.code == "server":
-                await _arollback(conn)
-            raise err from e
+        st = await self._alearnt_state(conn)
         try:
             await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
                                                  outcome, failure, fence))

@@ -5,19 +5,18 @@ runner's idem_run_options.sql_handler).  The gate in front is the one
 run's (run.py); this module owns only step 3b's one statement and the
 rules for what its failures prove."""
 import json
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import psycopg
 
 from .canonical import RequestError, canonical_json
 from . import cache
+from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
 from .pg import Conn, _exec, _one, _session_ended, sqlstate_of
 from .result import APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, SOURCE_HANDLER
 from .run import _RunContext
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 # An ERROR (not FATAL) of these classes, received before the connection was
 # lost, proves that the statement's transaction rolled back: no pooler makes
@@ -40,7 +39,7 @@ class _ApplyContext(_RunContext):
     """A run with a SQL handler: the gate, then (unless it decided) one
     idem_apply statement instead of the claim and a block."""
 
-    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+    def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, sql_handler: str, args: Any = None,
                  delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,

@@ -10,24 +10,23 @@ module sets no marker and leaves the gate (run.py) alone."""
 import contextlib
 import json
 from types import TracebackType
-from typing import (TYPE_CHECKING, Any, Iterable, Iterator, List, NoReturn, Optional,
+from typing import (Any, Iterable, Iterator, List, NoReturn, Optional,
                     Tuple, Type)
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache
-from .errors import CommitUnknown, Failure, IdemError
+from .core import RunnerCore
+from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipeline,
                  _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
                  sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, FailureSpec, Run,
-                     _failure_of, _make_run, _outcome_text, _result_from_cache)
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, Failure, FailureSpec, Run,
+                     _failure_of, _make_run, _recorded_ending, _result_from_cache)
 from .trust import _ConnState
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 # What a batch's end records (Batch._closing): the block's failure, the
 # completed runs and their outcomes, the failed runs with their details
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 Closing = Tuple[Optional[FailureSpec], List[Tuple[Run, str]], List[Tuple[Run, str, bool]], bool]
 
 
-def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
+def from_cache(runner: RunnerCore, st: _ConnState, runs: List[Run]) -> int:
     """Decide from Valkey what it can: one pipelined GET for all of runs
     (one per node on a cluster), no marker.  A run decided gets status
     replayed or failed_permanent and source valkey; the others are left
@@ -47,7 +46,7 @@ def from_cache(runner: "Runner", st: _ConnState, runs: List[Run]) -> int:
     return 0 if values is None else cache_answers(runner, st, runs, ckeys, values)
 
 
-def cache_keys(runner: "Runner", st: _ConnState, runs: List[Run]) -> List[bytes]:
+def cache_keys(runner: RunnerCore, st: _ConnState, runs: List[Run]) -> List[bytes]:
     """The cache keys from_cache reads (none: Valkey is not asked)."""
     if not runs or not runner._valkey_ok() or st.keyspace is None or st.owner_suspect:
         return []
@@ -64,7 +63,7 @@ def cache_reads(pipe: Any, st: _ConnState, ckeys: List[bytes]) -> Any:
     return pipe
 
 
-def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List[bytes],
+def cache_answers(runner: RunnerCore, st: _ConnState, runs: List[Run], ckeys: List[bytes],
                   values: List[Any]) -> int:
     """What from_cache read (the keys' values, then the owner key's):
     the runs it decides.  Returns how many."""
@@ -91,7 +90,7 @@ def cache_answers(runner: "Runner", st: _ConnState, runs: List[Run], ckeys: List
     return decided
 
 
-def cached_many(runner: "Runner", conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
+def cached_many(runner: RunnerCore, conn: Conn, items: Iterable[Any]) -> List[Optional[Run]]:
     """runner.cached_many: [Run or None] for items (tenant, scope, run_id,
     request), from Valkey alone."""
     _check_conn(conn)
@@ -116,7 +115,7 @@ class Batch:
     _failure: Optional[FailureSpec] = None  # the batch's own (none): each run records its own
     asynchronous = False        # the connection is an AsyncConnection (idem.aio)
 
-    def __init__(self, runner: "Runner", conn: Conn, items: Iterable[Any]) -> None:
+    def __init__(self, runner: RunnerCore, conn: Conn, items: Iterable[Any]) -> None:
         _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
@@ -263,9 +262,13 @@ class Batch:
         return True
 
     def _step_ended(self, run: Run) -> str:
-        """A step that raised nothing: the statement that ends it."""
+        """A step that raised nothing: the statement that ends it.  An
+        outcome that cannot be stored fails the run's attempt, its
+        statements rolled back, as a run's does (_recorded_ending)."""
         if self.conn.info.transaction_status == TransactionStatus.INERROR and run._failure is None:
             run.fail({"error": "the step left the transaction in error"}, retryable=True)
+        if run._failure is None:
+            run._failure = _recorded_ending(run, None, None, False)[0]
         return ("ROLLBACK TO SAVEPOINT idem_step" if run._failure is not None
                 else "RELEASE SAVEPOINT idem_step")
 
@@ -293,7 +296,7 @@ class Batch:
             return False, IdemError("connection", "connection lost during the batch (nothing "
                                     "committed)"), None
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
-            # a serialization failure, a deadlock, a cancelled statement...:
+            # a serialization failure, a deadlock, an operator's cancel...:
             # the server's state, not an answer; nothing recorded, raised again
             return ts != TransactionStatus.IDLE, None, None
         if ts == TransactionStatus.IDLE:
@@ -305,21 +308,28 @@ class Batch:
             return True, IdemError("handler", "the block left the transaction in error (a "
                                    "failed statement it caught): rolled back, nothing "
                                    "recorded"), None
-        # what each claimed run records; the block's failure (its statements
-        # rolled back) fails every run that did not fail by itself
-        done: List[Tuple[Run, str]] = []
-        failed: List[Tuple[Run, str, bool]] = []
-        try:
-            for run in self.claimed:
-                failure = run._failure or block_failure
-                if failure is None:
-                    done.append((run, _outcome_text({} if run.outcome is None else run.outcome,
-                                                    "the outcome")))
-                else:
-                    failed.append((run, _outcome_text(failure[0], "the failure detail"),
-                                   bool(failure[1])))
-        except IdemError as e:
-            return True, e, None
+        # what each claimed run records (_recorded_ending: an outcome or
+        # detail that cannot be stored fails the run's attempt); the block's
+        # failure (its statements rolled back) fails every run that did not
+        # fail by itself
+        ends = [(run,) + _recorded_ending(run, run._failure or block_failure,
+                                          None if run._failure else et, suppress)
+                for run in self.claimed]
+        unstorable = [f for run, f, _ in ends
+                      if block_failure is None and run._failure is None and f is not None]
+        if unstorable:
+            # a run's outcome that cannot be stored, outside a step: its
+            # statements cannot be told from the others', so the batch's
+            # roll back, and the runs that did not fail by themselves fail
+            # retryably with it, as after the block's exception
+            block_failure = ({"sqlstate": unstorable[0][0]["sqlstate"],
+                              "message": "the batch's statements rolled back: a run's "
+                              "outcome cannot be stored"}, True)
+            ends = [(run, f, t) if f is not None else
+                    (run,) + _recorded_ending(run, block_failure, None, False)
+                    for run, f, t in ends]
+        done = [(run, t) for run, f, t in ends if f is None]
+        failed = [(run, t, bool(f[1])) for run, f, t in ends if f is not None]
         return False, None, (block_failure, done, failed, suppress)
 
     def _exiting(self, et: Optional[Type[BaseException]],

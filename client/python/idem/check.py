@@ -7,17 +7,20 @@ token the server names (one GET, timed): the same Valkey the server's
 worker writes to.  The first problem is the report's status.
 
 The steps are written once (_steps, a generator that yields each
-statement or Valkey command it needs), and driven by check for a Runner
-and by acheck, awaiting each, for an AsyncRunner."""
+statement or Valkey command it needs) and driven once (_drive): by check
+for a Runner, each step done at once, and by acheck for an AsyncRunner,
+each awaited."""
 import time
-from typing import Any, Generator, Optional, Tuple
+from typing import Any, Awaitable, Callable, Generator, Optional, Tuple
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from . import cache
 from .errors import IdemError
 from .health import AUTH, DOWN, classify, describe
+from .pg import _exec
 
 OK = "ok"
 PG_UNREACHABLE = "pg_unreachable"
@@ -147,10 +150,9 @@ def _steps(runner: Any, conn: Any) -> Generator[Step, Any, Check]:
 
 def _do(runner: Any, conn: Any, step: Step) -> Any:
     what, arg = step
-    if what == "one":
-        return conn.execute(arg).fetchone()
-    if what == "all":
-        return conn.execute(arg).fetchall()
+    if what in ("one", "all"):
+        cur = _exec(conn, arg)
+        return cur.fetchone() if what == "one" else cur.fetchall()
     if what == "end":
         return runner._end_tx(conn)
     if what == "rollback":
@@ -168,10 +170,11 @@ def _do(runner: Any, conn: Any, step: Step) -> Any:
 
 async def _ado(runner: Any, conn: Any, step: Step) -> Any:
     what, arg = step
-    if what == "one":
-        return await (await conn.execute(arg)).fetchone()
-    if what == "all":
-        return await (await conn.execute(arg)).fetchall()
+    if what in ("one", "all"):
+        # as pg._exec: unnamed, rows as tuples whatever the connection's factory
+        cur = conn.cursor(row_factory=tuple_row)
+        await cur.execute(arg, prepare=False)
+        return await (cur.fetchone() if what == "one" else cur.fetchall())
     if what == "end":
         return await runner._aend_tx(conn)
     if what == "rollback":
@@ -187,35 +190,39 @@ async def _ado(runner: Any, conn: Any, step: Step) -> Any:
     return await runner.valkey.get(arg)
 
 
-def check(runner: Any, conn: Any) -> Check:
-    """Runner.check."""
-    gen = _steps(runner, conn)
+async def _drive(steps: Generator[Step, Any, Check],
+                 do: Callable[[Step], Awaitable[Any]]) -> Check:
+    """Each step done by do, its answer (or its exception) sent back into
+    the steps: their Check."""
     try:
-        step = next(gen)
+        step = next(steps)
         while True:
             try:
-                answer = _do(runner, conn, step)
+                answer = await do(step)
             except Exception as e:
-                step = gen.throw(e)
+                step = steps.throw(e)
             else:
-                step = gen.send(answer)
+                step = steps.send(answer)
     except StopIteration as stop:
         result: Check = stop.value
         return result
+
+
+def check(runner: Any, conn: Any) -> Check:
+    """Runner.check: _drive with _do, which never suspends, so that the
+    coroutine ends at its first send, with no event loop."""
+    async def do(step: Step) -> Any:
+        return _do(runner, conn, step)
+    driven = _drive(_steps(runner, conn), do)
+    try:
+        driven.send(None)
+    except StopIteration as stop:
+        result: Check = stop.value
+        return result
+    driven.close()
+    raise AssertionError("a step of the synchronous check suspended")
 
 
 async def acheck(runner: Any, conn: Any) -> Check:
     """AsyncRunner.check: the same steps, each awaited."""
-    gen = _steps(runner, conn)
-    try:
-        step = next(gen)
-        while True:
-            try:
-                answer = await _ado(runner, conn, step)
-            except Exception as e:
-                step = gen.throw(e)
-            else:
-                step = gen.send(answer)
-    except StopIteration as stop:
-        result: Check = stop.value
-        return result
+    return await _drive(_steps(runner, conn), lambda step: _ado(runner, conn, step))

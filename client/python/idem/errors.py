@@ -1,14 +1,9 @@
-"""What the package raises: the IdemError family (the run could not be
-decided), the decorator's answers other than an outcome (NotApplied:
-Busy, Mismatch), and Failure, which a handler raises to record a failure.
-Each has ``retryable``: whether redelivering the message may succeed.  A
-leaf: every form (runner.py, apply.py, lease.py, batch.py) raises these,
-and nothing here imports another module of the package."""
-import json
-from typing import TYPE_CHECKING, Any, Optional
-
-if TYPE_CHECKING:
-    from .result import Run
+"""The IdemError family: the run could not be decided.  Each has
+``retryable``: whether redelivering the message may succeed.  A leaf:
+every module of the package raises these, and nothing here imports
+another.  The decorator's answers other than an outcome (Busy, Mismatch)
+and Failure, which carry a Run, are result.py's."""
+from typing import Optional
 
 # Codes whose cause a redelivery does not change: a bug, a bad message or
 # the setup (dead-letter or alert, do not requeue for ever).
@@ -66,49 +61,3 @@ class ValkeyClusterNotSupported(IdemError):
 
     def __init__(self, message: str) -> None:
         super().__init__("valkey_cluster", message)
-
-
-# What a decorated function raises when it did not return an outcome.
-class NotApplied(Exception):
-    """Base of the decorator's answers other than an outcome; ``result``
-    is the Run."""
-    retryable = False
-
-    def __init__(self, result: "Run", message: str) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-class Busy(NotApplied):
-    """Another delivery holds the key: retry after ``retry_after`` seconds."""
-    retryable = True
-
-    @property
-    def retry_after(self) -> Optional[float]:
-        return self.result.retry_after
-
-
-class Mismatch(NotApplied):
-    """The key was used with another request."""
-    retryable = False
-
-
-class Failure(Exception):
-    """Raise from a handler to record a failure with ``detail`` (a JSON
-    object); the decorator raises its subclasses for recorded failures."""
-    retryable = False
-
-    def __init__(self, detail: Any = None, result: Optional["Run"] = None) -> None:
-        super().__init__(json.dumps(detail) if detail is not None else "")
-        self.detail = {} if detail is None else detail
-        self.result = result
-
-
-class PermanentFailure(Failure):
-    """Recorded as failed_permanent: replayed to every later delivery."""
-    retryable = False
-
-
-class RetryableFailure(Failure):
-    """Recorded as failed_retryable: the next delivery runs attempt + 1."""
-    retryable = True

@@ -7,21 +7,20 @@ before completing cannot be told from one that died before it), exactly
 one recorded outcome.  The gate in front is the one run's (run.py);
 this module owns the committed claim and the fenced completion."""
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
+from typing import Any, List, Optional, Tuple, Type, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from .canonical import idem_key
-from .errors import CommitUnknown, Failure, IdemError
+from .core import RunnerCore
+from .errors import CommitUnknown, IdemError
 from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
-from .result import (FAILED_RETRYABLE, FailureSpec, Run, _failure_of, _outcome_text,
-                     _recorded_text)
+from .result import (FAILED_RETRYABLE, Failure, FailureSpec, Run, _failure_of, _outcome_text,
+                     _recorded_ending)
 from .run import Ending, _RunContext
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 
 class LeaseLost(IdemError):
@@ -99,7 +98,7 @@ class _LeaseContext(_RunContext):
     block, the fenced completion (or failure) in a transaction of its own."""
     run_class: Type[Run] = Lease
 
-    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+    def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, lease_ms: Optional[int] = None,
                  delivery_count: int = 0) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
@@ -193,12 +192,13 @@ class _LeaseContext(_RunContext):
             return True, IdemError("handler", "the block left the connection's transaction in "
                                    "error: rolled back, nothing recorded (the lease ends it)"), \
                 None, None, False
-        rollback = ts == TransactionStatus.INERROR      # then the failure is recorded
-        text, err = _recorded_text(run, failure, et, suppress)
-        if err is not None:
-            return rollback or (failure is None and ts == TransactionStatus.INTRANS), err, \
-                None, None, False
-        return rollback, None, failure, text, suppress
+        # an outcome or detail that cannot be stored fails the attempt, as in
+        # a run (_recorded_ending); what the block left open rolls back
+        # with it, as a handler's writes do in idem_apply
+        recorded, text = _recorded_ending(run, failure, et, suppress)
+        rollback = ts == TransactionStatus.INERROR or (
+            recorded is not failure and ts == TransactionStatus.INTRANS)
+        return rollback, None, recorded, text, suppress
 
     def _ending_statements(self, failure: Optional[FailureSpec], text: str) -> List[Statement]:
         """One round trip: the fenced completion (or failure) and COMMIT,
@@ -229,7 +229,7 @@ def _refused(e: psycopg.Error) -> IdemError:
     return IdemError("server", "completing the lease: %s" % str(e).strip(), state)
 
 
-def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
+def settle(runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
            attempt: Optional[int], outcome: Any = None, failure: Optional[FailureSpec] = None,
            fence: Optional[int] = None) -> None:
     """runner.complete / runner.fail: the fenced statement in the
@@ -247,7 +247,7 @@ def settle(runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str, r
         raise settle_failed(conn, e) from e
 
 
-def settle_statement(runner: "Runner", st: Any, tenant_id: Optional[int], scope: str,
+def settle_statement(runner: RunnerCore, st: Any, tenant_id: Optional[int], scope: str,
                      run_id: str, attempt: Optional[int], outcome: Any,
                      failure: Optional[FailureSpec],
                      fence: Optional[int] = None) -> Tuple[str, List[Any]]:

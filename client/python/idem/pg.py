@@ -22,10 +22,19 @@ from .errors import IdemError
 
 # SQLSTATE classes that are the server's state, not the block's answer
 # (idem_apply's apply_error_is_servers): serialization failure and
-# deadlock (40), insufficient resources (53), operator intervention, a
-# cancelled statement among them (57), system errors (58), internal
-# errors (XX).  Raised again, nothing recorded.
+# deadlock (40), insufficient resources (53), operator intervention (57:
+# a shutdown, an operator's cancel), system errors (58), internal errors
+# (XX).  Raised again, nothing recorded.
 SERVER_STATE_CLASSES = ("40", "53", "57", "58", "XX")
+
+# Of the cancels (57014), only an operator's (pg_cancel_backend, a client's
+# cancel request) is the server's state: statement_timeout's is the block's
+# attempt, recorded, so that idem.max_attempts ends a block that overruns
+# on every delivery.  PostgreSQL tells them apart only by the message, in
+# the session's lc_messages: this English text is compared, so with
+# another language an operator's cancel counts as an attempt too (the C
+# runner's rule; idem_apply compares the message's untranslated id).
+OPERATOR_CANCEL_MESSAGE = "canceling statement due to user request"
 
 # The runner's idem.max_attempts, for its claims' transactions.
 MAX_ATTEMPTS_SQL = "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)"
@@ -92,14 +101,17 @@ def sqlstate_of(e: BaseException) -> Optional[str]:
 
 
 def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
-    """The psycopg error of a server-state class (SERVER_STATE_CLASSES) that
-    e is, or that e was raised from (its __cause__ or __context__ chain),
-    else None."""
+    """The psycopg error of a server-state class (SERVER_STATE_CLASSES, of
+    the cancels an operator's only) that e is, or that e was raised from
+    (its __cause__ or __context__ chain), else None."""
     seen = 0
     while e is not None and seen < 10:
         if isinstance(e, psycopg.Error):
             state = sqlstate_of(e)
-            if state is not None and state[:2] in SERVER_STATE_CLASSES:
+            if state == "57014":
+                if getattr(e.diag, "message_primary", None) == OPERATOR_CANCEL_MESSAGE:
+                    return e
+            elif state is not None and state[:2] in SERVER_STATE_CLASSES:
                 return e
         e = e.__cause__ or e.__context__
         seen += 1

@@ -1,15 +1,17 @@
 """A run's result as its caller receives it: the statuses and sources (the
-C client's idem_status_name), the Run, and what a block's end records (its
-outcome as jsonb text, or its failure).  A leaf under the forms: it knows
-the request and outcome rules (canonical.py, cache.py's OUTCOME_MAX) and
-talks to no server."""
+C client's idem_status_name), the Run, the decorator's answers other than
+an outcome (NotApplied: Busy, Mismatch; PermanentFailure and
+RetryableFailure) and Failure, which a handler raises, and what a block's
+end records (its outcome as jsonb text, or its failure).  A leaf under
+the forms: it knows the request and outcome rules (canonical.py,
+cache.py's OUTCOME_MAX) and talks to no server."""
 import hashlib
 import json
 from typing import Any, List, Optional, Tuple, Type, TypeVar
 
 from . import cache
 from .canonical import RequestError, canonical_json, idem_key
-from .errors import Failure, IdemError
+from .errors import IdemError
 
 R = TypeVar("R", bound="Run")
 # A recorded failure: (detail, retryable).
@@ -74,6 +76,53 @@ class Run:
             self.status, self.source, self.attempt, self.outcome, self.retry_after)
 
 
+# What a decorated function raises when it did not return an outcome, and
+# what a handler raises to record a failure.
+class NotApplied(Exception):
+    """Base of the decorator's answers other than an outcome; ``result``
+    is the Run."""
+    retryable = False
+
+    def __init__(self, result: Run, message: str) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class Busy(NotApplied):
+    """Another delivery holds the key: retry after ``retry_after`` seconds."""
+    retryable = True
+
+    @property
+    def retry_after(self) -> Optional[float]:
+        return self.result.retry_after
+
+
+class Mismatch(NotApplied):
+    """The key was used with another request."""
+    retryable = False
+
+
+class Failure(Exception):
+    """Raise from a handler to record a failure with ``detail`` (a JSON
+    object); the decorator raises its subclasses for recorded failures."""
+    retryable = False
+
+    def __init__(self, detail: Any = None, result: Optional[Run] = None) -> None:
+        super().__init__(json.dumps(detail) if detail is not None else "")
+        self.detail = {} if detail is None else detail
+        self.result = result
+
+
+class PermanentFailure(Failure):
+    """Recorded as failed_permanent: replayed to every later delivery."""
+    retryable = False
+
+
+class RetryableFailure(Failure):
+    """Recorded as failed_retryable: the next delivery runs attempt + 1."""
+    retryable = True
+
+
 def _make_run(cls: Type[R], tenant_id: Any, scope: str, run_id: str, request: Any) -> R:
     """A Run (or subclass) for one delivery: its key, canonical request and
     fingerprint."""
@@ -135,22 +184,6 @@ def _failure_of(run: Any, et: Optional[Type[BaseException]],
     if et is not None:
         return ({"error": et.__name__, "message": str(ev)[:1000]}, True), False
     return run._failure, False
-
-
-def _recorded_text(run: Run, failure: Optional[FailureSpec], et: Optional[Type[BaseException]],
-                   suppress: bool) -> Tuple[Optional[str], Optional[IdemError]]:
-    """What the end of a block records, checked before anything is sent:
-    the outcome as jsonb text, or the failure's detail (the exception's
-    type name when the detail is not JSON and the exception propagates
-    anyway); else None and the IdemError saying why not."""
-    try:
-        if failure is None:
-            return _outcome_text({} if run.outcome is None else run.outcome, "the outcome"), None
-        return _outcome_text(failure[0], "the failure detail"), None
-    except IdemError as e:
-        if failure is None or et is None or suppress:
-            return None, e
-        return _outcome_text({"error": et.__name__}, "the failure detail"), None
 
 
 def _unstorable(value: Any, what: str, retryable: bool) -> Optional[Tuple[Any, bool]]:

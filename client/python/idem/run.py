@@ -7,19 +7,20 @@ session's state."""
 import json
 import os
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple, Type
+from typing import Any, List, NoReturn, Optional, Sequence, Tuple, Type
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache, resp
-from .errors import CommitUnknown, Failure, IdemError
+from .core import RunnerCore
+from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
                  _pipeline, _raise_ending, _raise_pg_error, _send,
                  _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, FailureSpec, Run,
-                     _failure_of, _make_run, _recorded_ending, _result_from_cache)
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Failure,
+                     FailureSpec, Run, _failure_of, _make_run, _recorded_ending, _result_from_cache)
 from .trust import _ConnState, _wall_ms
 
 # The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
@@ -28,8 +29,6 @@ Gate = Tuple[bool, bool, bool, bool]
 # failure, text, suppress).
 Ending = Tuple[bool, Optional[IdemError], Optional[FailureSpec], Optional[str], bool]
 
-if TYPE_CHECKING:
-    from .runner import Runner
 
 # A context's session state before it is entered: a session of none.
 _UNENTERED = _ConnState(0)
@@ -51,7 +50,7 @@ class _RunContext:
     own_marker = False
     tx_open = False
 
-    def __init__(self, runner: "Runner", conn: Conn, tenant_id: Optional[int], scope: str,
+    def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, *, delivery_count: int = 0,
                  first_sql: Optional[str] = None,
                  first_params: Optional[Sequence[Any]] = None) -> None:
@@ -457,7 +456,7 @@ class _RunContext:
             return False, IdemError("connection", "connection lost during the run (nothing "
                                     "committed)"), None, None, False
         if not isinstance(ev, Failure) and server_state_error(ev) is not None:
-            # a serialization failure, a deadlock, a cancelled statement...:
+            # a serialization failure, a deadlock, an operator's cancel...:
             # the server's state, not the block's answer (idem_apply's rule).
             # Not an attempt: rolled back, nothing recorded, raised again.
             return ts != TransactionStatus.IDLE, None, None, None, False

@@ -6,8 +6,9 @@ application's transaction.  The protocol is the C client's (client/README.md,
 The top of the package: the Runner owns the Valkey client and what it
 learnt of each PostgreSQL session, and offers the forms as its methods:
 one run (run.py), a SQL handler (apply.py), lease mode (lease.py) and
-batches (batch.py).  They stand on result.py, errors.py, pg.py and
-trust.py, which import nothing above them."""
+batches (batch.py).  They see the runner through core.py's RunnerCore
+and stand on result.py, errors.py, pg.py and trust.py, which import
+nothing above them."""
 import datetime
 import functools
 import inspect
@@ -34,23 +35,15 @@ from .health import Health
 from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
-from .errors import (Busy, CommitUnknown, Failure, IdemError, Mismatch, NotApplied,
-                     PermanentFailure, RetryableFailure, ValkeyClusterNotSupported)
+from .errors import CommitUnknown, IdemError, ValkeyClusterNotSupported
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
-                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Run)
+                     REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Busy, Failure,
+                     Mismatch, NotApplied, PermanentFailure, RetryableFailure, Run)
+from .release import CAD_SCRIPT, Release, load as _load_release
 from .run import MARKER_CHEAP_MS
 
 F = TypeVar("F", bound=Callable[..., Any])
 Item = Tuple[Optional[int], str, str, Any]
-
-# KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
-# The same text as client/release.c, so the same SHA-1 for EVALSHA
-# (tests/test_unit.py compares the two, and that SHA-1, byte for byte).
-CAD_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
-              "  return redis.call('DEL', KEYS[1])\n"
-              "end\n"
-              "return 0\n")
-
 
 # What a runner learns of a session: the extension's schema, and the
 # cache's keyspace and secrets (the epoch's owner key and token with them).
@@ -126,6 +119,13 @@ class _KeyOf:
         dc = self._pick(self.delivery_count, args, kwargs, default=0) \
             if self.delivery_count else 0
         return self._pick(self.tenant, args, kwargs), rid, req, dc or 0
+
+
+def _check_idle(conn: Any, whose: str) -> None:
+    """A form that begins and commits its own transaction (whose, say
+    which) is given an idle connection, or raises."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
 
 
 def _outcome_or_raise(run: Run) -> Any:
@@ -213,29 +213,38 @@ class Runner:
         self._health = Health(self)
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
-        self.valkey: Any        # a redis.Redis or RedisCluster client, or None
-        if valkey is None:
-            self.valkey = None
-        elif isinstance(valkey, tuple):
-            import redis
+        self.valkey: Any = None     # a redis.Redis or RedisCluster client, or None
+        if isinstance(valkey, tuple):
             host, port = valkey
             self._seed = (host, int(port))
-            self.valkey = redis.Redis(host=host, port=int(port), socket_timeout=self._timeout,
-                                      socket_connect_timeout=self._timeout)
-        else:
+            valkey = self._client(host, int(port))
+        if valkey is not None:
             self.valkey = valkey
-        if self.valkey is not None:
-            self._cad = self.valkey.register_script(CAD_SCRIPT)
-            try:
-                self._check_cluster()
-            except ValkeyClusterNotSupported:
-                raise
-            except Exception as e:
-                # down, or AUTH refused: told now (as the C runner does at
-                # open), rested, checked again on a later contact
-                self._valkey_failed(e)
+            self._cad = self._release_of(valkey)
+            self._first_contact()
 
     # ---- Valkey ----
+    def _client(self, host: str, port: int) -> Any:
+        """The client of a Valkey given as (host, port)."""
+        import redis
+        return redis.Redis(host=host, port=port, socket_timeout=self._timeout,
+                           socket_connect_timeout=self._timeout)
+
+    def _release_of(self, client: Any) -> Any:
+        """The compare-and-delete of our marker on client."""
+        return Release(client)
+
+    def _first_contact(self) -> None:
+        """At construction: a plain client of a cluster node is refused;
+        a Valkey down, or refusing AUTH, is told now (as the C runner does
+        at open), rested, and checked again on a later contact."""
+        try:
+            self._check_cluster()
+        except ValkeyClusterNotSupported:
+            raise
+        except Exception as e:
+            self._valkey_failed(e)
+
     def _check_cluster(self) -> None:
         """On first contact: is this a Valkey Cluster node?  Then route by
         key with redis-py's RedisCluster (given (host, port), or a
@@ -244,6 +253,7 @@ class Runner:
             return
         from redis.cluster import RedisCluster
         if isinstance(self.valkey, RedisCluster):
+            _load_release(self.valkey)
             self._cluster_checked = True
             return
         info = self.valkey.info("cluster")
@@ -257,8 +267,9 @@ class Runner:
                                            socket_timeout=self._timeout,
                                            socket_connect_timeout=self._timeout,
                                            cluster_error_retry_attempts=1)
-                    self._cad = cluster.register_script(CAD_SCRIPT)
+                    self._cad = self._release_of(cluster)
                     self.valkey = cluster
+        _load_release(self.valkey)
         self._cluster_checked = True
 
     def _valkey_ok(self) -> bool:
@@ -379,8 +390,7 @@ class Runner:
     def _idle_state(self, conn: Conn, whose: str) -> _ConnState:
         """The session's state for a form that begins and commits its own
         transaction (whose, say which): conn must be idle."""
-        if conn.pgconn.transaction_status != TransactionStatus.IDLE:
-            raise IdemError("state", "the connection must be idle (no transaction open): " + whose)
+        _check_idle(conn, whose)
         try:
             return self._state(conn)
         except psycopg.Error as e:

@@ -228,6 +228,40 @@ class AsyncForms(unittest.TestCase):
         self.assertEqual(effects(scope, "s1"), 1)
 
 
+    def test_cancels(self):
+        """async: an operator's cancel (pg_cancel_backend) in the block is raised and not recorded; statement_timeout's cancel is an attempt, recorded failed_retryable, and max_attempts=2 ends it"""
+        scope = uid("aio-cancel")
+
+        async def main():
+            runner = AsyncRunner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
+            conn = await aconnect()
+            got = []
+            try:
+                with self.assertRaises(psycopg.errors.QueryCanceled):
+                    async with runner.run(conn, 1, scope, "c1", {}) as run:
+                        await aeffect(conn, run)
+                        await conn.execute("SELECT pg_cancel_backend(pg_backend_pid()), "
+                                           "pg_sleep(2)")
+                got.append(ledger(1, scope, "c1"))
+                for _ in range(3):
+                    try:
+                        async with runner.run(conn, 1, scope, "t1", {}) as run:
+                            if run.claimed:
+                                await aeffect(conn, run)
+                                await conn.execute("SET LOCAL statement_timeout = '50ms'")
+                                await conn.execute("SELECT pg_sleep(2)")
+                    except psycopg.errors.QueryCanceled:
+                        pass
+                    got.append(ledger(1, scope, "t1")[:2])
+            finally:
+                await conn.close()
+            return got
+        self.assertEqual(asyncio.run(main()),
+                         [None, ("failed_retryable", 1), ("failed_retryable", 2),
+                          ("failed_permanent", 2)])
+        self.assertEqual(effects(scope), 0)
+
+
 class AsyncConsumer(unittest.TestCase):
     def test_asyncio_consumer_exactly_once(self):
         """an asyncio consumer: 4 tasks, each with its own AsyncConnection, take 60 messages (20 published twice) from an asyncio.Queue and requeue busy ones after their retry_after: every effect exactly once"""

@@ -2,6 +2,8 @@
 master (redis-py's RedisCluster), with a server whose worker copies into
 the same cluster (test/python/run.sh starts both)."""
 import os
+import subprocess
+import sys
 import time
 import unittest
 
@@ -145,6 +147,74 @@ class Cluster(unittest.TestCase):
         self.assertEqual(asyncio.run(main(True)), [("replayed", "valkey")] * len(ids))
         self.assertGreaterEqual(len({self.vc.get_node_from_key(self.ckey(id)).name
                                      for id in ids}), 2, "the keys span several masters")
+
+    def test_no_stderr_noise_when_a_master_lost_the_script(self):
+        """on the cluster, sync and asyncio: masters that lost the compare-and-delete script (SCRIPT FLUSH, as after a restart or a failover) print nothing on stderr (no redis-py "No matching script" traceback); every marker is still deleted"""
+        # one id per master at least, for each runner and each round
+        masters = {n.name for n in self.vc.get_primaries()}
+        ids = {}
+        for prefix in ("s", "t", "a", "b"):
+            chosen, seen = [], set()
+            for i in range(1000):
+                node = self.vc.get_node_from_key(self.ckey("%s%d" % (prefix, i))).name
+                if node not in seen:
+                    seen.add(node)
+                    chosen.append("%s%d" % (prefix, i))
+                if seen == masters:
+                    break
+            ids[prefix] = chosen
+        code = """
+import asyncio, os, sys, psycopg, idem
+from redis.cluster import RedisCluster
+from idem.aio import AsyncRunner
+port, scope, ids = int(os.environ["VP"]), os.environ["SCOPE"], os.environ["IDS"].split(";")
+vc = RedisCluster(host="127.0.0.1", port=port)
+vc.script_flush()
+runner = idem.Runner(("127.0.0.1", port), lease=5)
+assert vc.script_exists(runner._cad.sha) == [True], "loaded on every master at first contact"
+conn = psycopg.connect(os.environ["DSN"])
+def retryable(group):
+    for id in group.split(","):
+        try:
+            with runner.run(conn, 1, scope, id, {}) as run:
+                assert run.claimed, id
+                raise RuntimeError("retry me")
+        except RuntimeError:
+            pass
+        assert run.status == "failed_retryable", (id, run)
+retryable(ids[0])
+vc.script_flush()               # every master forgets it again
+retryable(ids[1])
+async def aretryable(runner, conn, group):
+    for id in group.split(","):
+        try:
+            async with runner.run(conn, 1, scope, id, {}) as run:
+                assert run.claimed, id
+                raise RuntimeError("retry me")
+        except RuntimeError:
+            pass
+        assert run.status == "failed_retryable", (id, run)
+async def main():
+    runner = AsyncRunner(("127.0.0.1", port), lease=5)
+    conn = await psycopg.AsyncConnection.connect(os.environ["DSN"])
+    vc.script_flush()
+    await aretryable(runner, conn, ids[2])
+    vc.script_flush()
+    await aretryable(runner, conn, ids[3])
+    await conn.close()
+asyncio.run(main())
+print(runner.stats["valkey_errors"])
+"""
+        env = dict(os.environ, DSN=DSN, VP=PORT, SCOPE=self.scope,
+                   IDS=";".join(",".join(ids[p]) for p in ("s", "t", "a", "b")))
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=120)
+        self.maxDiff = None
+        self.assertEqual((p.returncode, p.stdout.strip(), p.stderr), (0, "0", ""))
+        for group in ids.values():
+            self.assertEqual(len(group), len(masters))
+            for id in group:
+                self.assertIsNone(self.vc.get(self.ckey(id)), id)     # the marker deleted
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What a developer meets without reading every paragraph, against the real
 servers (test/python/run.sh starts them): errors that are the server's
-state inside a block (a serialization failure, a deadlock, a cancelled
-statement) are not attempts; the decorator refuses a message without an
+state inside a block (a serialization failure, a deadlock, an operator's
+cancel) are not attempts, a timeout's cancel is; the decorator refuses a message without an
 id; any row factory works; every error says whether to redeliver;
 nothing on stderr after a server error."""
 import asyncio
@@ -18,6 +18,7 @@ from psycopg.rows import class_row, dict_row, namedtuple_row
 
 import idem
 import test_server
+from idem.aio import AsyncRunner
 from test_forms import ledger
 from test_server import DSN, VPORT, admin, ckey, connect, effect, effects, uid, valkey
 
@@ -108,24 +109,22 @@ class ServerState(unittest.TestCase):
         self.assertEqual((run.status, run.outcome), ("applied", {"ok": 1}))
 
     def test_cancelled_statement_decorator_lease_and_batch(self):
-        """a cancelled statement (57014) in a decorated function or a lease block, and a serialization failure in a batch step: raised, nothing recorded"""
+        """an operator's cancel (57014, pg_cancel_backend) in a decorated function or a lease block, and a serialization failure in a batch step: raised, nothing recorded"""
         @self.runner.idempotent(self.scope, run_id="msg_id", request="body", tenant=1)
-        def slow(conn, msg_id, body):
-            conn.execute("SET LOCAL statement_timeout = '50ms'")
-            conn.execute("SELECT pg_sleep(2)")
+        def cancelled(conn, msg_id, body):
+            conn.execute("SELECT pg_cancel_backend(pg_backend_pid()), pg_sleep(2)")
             return {}
         with self.assertRaises(psycopg.errors.QueryCanceled):
-            slow(self.conn, "c1", {})
+            cancelled(self.conn, "c1", {})
         self.assertIsNone(ledger(1, self.scope, "c1"))
         # lease mode: the claim has committed; the lease, not a failure, ends it
         with self.assertRaises(psycopg.errors.QueryCanceled):
             with self.runner.lease(self.conn, 1, self.scope, "c2", {}) as lease:
                 self.assertTrue(lease.claimed)
-                self.conn.execute("SET statement_timeout = '50ms'")
                 try:
-                    self.conn.execute("SELECT pg_sleep(2)")
+                    self.conn.execute("SELECT pg_cancel_backend(pg_backend_pid()), pg_sleep(2)")
                 finally:
-                    self.conn.rollback()    # the SET with it
+                    self.conn.rollback()
         self.assertEqual(ledger(1, self.scope, "c2")[:2], ("processing", 1))
         items = [(1, self.scope, "b%d" % i, {}) for i in range(3)]
         with self.assertRaises(psycopg.errors.SerializationFailure):
@@ -138,6 +137,63 @@ class ServerState(unittest.TestCase):
         for i in range(3):
             self.assertIsNone(ledger(1, self.scope, "b%d" % i))
         self.assertEqual(effects(self.scope), 0)
+
+
+    def test_timeouts_are_attempts(self):
+        """statement_timeout's cancel (57014) and lock_timeout's (55P03) in a decorated function, a lease block and a batch step: each an attempt, recorded failed_retryable; max_attempts=2 ends them (the third delivery answers failed_permanent, the block not run)"""
+        calls = []
+
+        @self.runner.idempotent(self.scope, run_id="msg_id", request="body", tenant=1)
+        def slow(conn, msg_id, body):
+            calls.append(msg_id)
+            conn.execute("SET LOCAL statement_timeout = '50ms'")
+            conn.execute("SELECT pg_sleep(2)")
+            return {}
+
+        @self.runner.idempotent(self.scope, run_id="msg_id", request="body", tenant=1)
+        def locked(conn, msg_id, body):
+            calls.append(msg_id)
+            conn.execute("SET LOCAL lock_timeout = '50ms'")
+            conn.execute("UPDATE contended SET v = v + 1 WHERE id = 2")
+            return {}
+        holder = connect()
+        try:
+            holder.execute("SELECT v FROM contended WHERE id = 2 FOR UPDATE")
+            for fn, id, exc, state in ((slow, "t1", psycopg.errors.QueryCanceled, "57014"),
+                                       (locked, "t2", psycopg.errors.LockNotAvailable, "55P03")):
+                for attempt in (1, 2):
+                    with self.assertRaises(exc):
+                        fn(self.conn, id, {})
+                    got = ledger(1, self.scope, id)
+                    self.assertEqual(got[:2], ("failed_retryable", attempt), id)
+                    self.assertEqual(got[2]["error"], exc.__name__)
+                with self.assertRaises(idem.PermanentFailure):
+                    fn(self.conn, id, {})
+                self.assertEqual(ledger(1, self.scope, id)[:2], ("failed_permanent", 2))
+            self.assertEqual(calls, ["t1", "t1", "t2", "t2"])
+            # lease mode: the fenced failure is recorded
+            with self.assertRaises(psycopg.errors.QueryCanceled):
+                with self.runner.lease(self.conn, 1, self.scope, "t3", {}) as lease:
+                    self.conn.execute("SET statement_timeout = '50ms'")
+                    try:
+                        self.conn.execute("SELECT pg_sleep(2)")
+                    finally:
+                        self.conn.rollback()    # the SET with it
+            self.assertEqual(ledger(1, self.scope, "t3")[:2], ("failed_retryable", 1))
+            # a batch step: its run fails, the batch goes on
+            with self.runner.batch(self.conn, [(1, self.scope, "t4", {}),
+                                               (1, self.scope, "t5", {})]) as batch:
+                for run in batch.claimed:
+                    with batch.step(run):
+                        effect(self.conn, run)
+                        if run.run_id == "t4":
+                            self.conn.execute("SET LOCAL statement_timeout = '50ms'")
+                            self.conn.execute("SELECT pg_sleep(2)")
+            self.assertEqual([r.status for r in batch.runs], ["failed_retryable", "applied"])
+            self.assertEqual(ledger(1, self.scope, "t4")[:2], ("failed_retryable", 1))
+            self.assertEqual(effects(self.scope, "t4"), 0)
+        finally:
+            holder.close()
 
 
 class DecoratorIds(unittest.TestCase):
@@ -176,7 +232,7 @@ class Point:
 
 class RowFactories(unittest.TestCase):
     def test_any_row_factory(self):
-        """a connection with dict_row, namedtuple_row or class_row: run, first_sql, apply, lease, batch, cached and the lookup all work; the block's rows are in its factory"""
+        """a connection with dict_row, namedtuple_row or class_row: run, first_sql, apply, lease, batch, cached, the lookup and the start-up check (both runners) all work; the block's rows are in its factory"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
         down = idem.Runner(("127.0.0.1", test_server.free_port()), lease=5)  # lookup first
         for name, factory, want in (("dict", dict_row, {"x": 1, "y": 2}),
@@ -206,8 +262,19 @@ class RowFactories(unittest.TestCase):
                 self.assertEqual([r.status for r in b.runs], ["applied", "applied"], name)
                 test_server.wait_copy(ckey(1, scope, "r1"))
                 self.assertEqual(runner.cached(conn, 1, scope, "r1", {"a": 1}).status, "replayed")
+                check = runner.check(conn)
+                self.assertTrue(check, (name, check))
             finally:
                 conn.close()
+
+            async def acheck():
+                aconn = await psycopg.AsyncConnection.connect(DSN, row_factory=factory)
+                try:
+                    return await AsyncRunner(("127.0.0.1", VPORT)).check(aconn)
+                finally:
+                    await aconn.close()
+            check = asyncio.run(acheck())
+            self.assertTrue(check, (name, check))
 
 
 class Errors(unittest.TestCase):

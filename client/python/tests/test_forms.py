@@ -199,6 +199,47 @@ class Options(Base):
         self.assertEqual((run.status, run.outcome["sqlstate"]), ("failed_permanent", "22023"))
         self.assertEqual(effects(self.scope, "u3"), 0)
 
+    def test_unstorable_outcome_lease_and_batch(self):
+        """lease mode and batches: an outcome over 4096 bytes or not a JSON object fails the attempt as a run's does (54000 retryable, 22023 permanent), recorded; max_attempts=2 ends an always-oversize lease; a batch step's effect rolls back alone, outside a step the batch's do and its other runs fail retryably"""
+        runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
+        got = []
+        for _ in range(3):
+            with runner.lease(self.conn, 1, self.scope, "l1", {}) as lease:
+                if lease.claimed:
+                    effect(self.conn, lease)    # left open: rolled back with the attempt
+                    lease.outcome = {"blob": "x" * 5000}
+            got.append((lease.status, lease.attempt, lease.outcome["sqlstate"]))
+        self.assertEqual(got, [("failed_retryable", 1, "54000"), ("failed_retryable", 2, "54000"),
+                               ("failed_permanent", 2, "54000")])
+        self.assertEqual(ledger(1, self.scope, "l1")[:2], ("failed_permanent", 2))
+        with self.runner.lease(self.conn, 1, self.scope, "l2", {}) as lease:
+            lease.outcome = [1]
+        self.assertEqual((lease.status, lease.outcome["sqlstate"]), ("failed_permanent", "22023"))
+        self.assertEqual(ledger(1, self.scope, "l2")[0], "failed_permanent")
+        # a step: that run's attempt fails, its effect rolled back; the batch goes on
+        with self.runner.batch(self.conn, [(1, self.scope, "b1", {}),
+                                           (1, self.scope, "b2", {})]) as batch:
+            for run in batch.claimed:
+                with batch.step(run):
+                    effect(self.conn, run)
+                    if run.run_id == "b1":
+                        run.outcome = {"blob": "x" * 5000}
+        self.assertEqual([(r.status, (r.outcome or {}).get("sqlstate")) for r in batch.runs],
+                         [("failed_retryable", "54000"), ("applied", None)])
+        self.assertEqual((effects(self.scope, "b1"), effects(self.scope, "b2")), (0, 1))
+        self.assertEqual(ledger(1, self.scope, "b1")[:2], ("failed_retryable", 1))
+        # outside a step: the batch's statements roll back, every run fails
+        with self.runner.batch(self.conn, [(1, self.scope, "b3", {}),
+                                           (1, self.scope, "b4", {})]) as batch:
+            for run in batch.claimed:
+                effect(self.conn, run)
+                if run.run_id == "b3":
+                    run.outcome = "text"
+        self.assertEqual([(r.status, r.outcome["sqlstate"]) for r in batch.runs],
+                         [("failed_permanent", "22023"), ("failed_retryable", "22023")])
+        self.assertEqual(effects(self.scope, "b3") + effects(self.scope, "b4"), 0)
+        self.assertEqual(ledger(1, self.scope, "b4")[:2], ("failed_retryable", 1))
+
     def test_max_attempts(self):
         """max_attempts=2: two retryable failures, then the third delivery is failed_permanent with the last detail, without running the handler"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
