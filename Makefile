@@ -15,7 +15,7 @@ MODULE_big = idem
 OBJS = src/idem.o src/shmem.o src/xact.o src/guc.o src/digest.o \
 	src/install.o src/ledger.o src/ledger_row.o src/ledger_registry.o src/ledger_probe.o \
 	src/ledger_store.o src/ledger_citus.o src/ledger_insert.o \
-	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/epoch_renewal.o src/pending.o src/commit_copies.o src/commit_ring.o \
+	src/ledger_batch.o src/ledger_apply.o src/ledger_guard.o src/epoch_renewal.o src/pending.o src/outbox.o src/outbox_launch.o src/outbox_publish.o src/commit_copies.o src/commit_ring.o \
 	src/worker.o src/worker_valkey.o src/worker_epoch.o src/worker_encode.o \
 	src/worker_durable.o src/worker_drain.o src/worker_report.o src/worker_router.o src/stats.o src/stats_sql.o src/cache_secret.o \
 	src/cache_keyspace.o src/cache_cluster.o src/cache_cluster_owner.o src/cache_cluster_seal.o \
@@ -37,7 +37,7 @@ SHLIB_LINK = -lhiredis -lcrypto
 
 # pg_regress suites: sql/NAME.sql against expected/NAME.out, on a throwaway
 # instance that preloads idem (test/regress.conf).
-REGRESS = install ledger errors security write hot upgrade stats cache batch apply retention deferred roles ddl persistence serverlog \
+REGRESS = install ledger errors security write hot upgrade stats cache batch apply outbox retention deferred roles ddl persistence serverlog \
 	attempts lease_purge partition
 REGRESS_OPTS = --temp-instance=tmp_check --temp-config=$(srcdir)/test/regress.conf
 

@@ -134,7 +134,11 @@ CREATE FUNCTION @extschema@.idem_stats(
     OUT skipped_expired bigint,            -- ... their row's retention ended in the ring
     OUT skipped_unjoined bigint,           -- ... (Citus) this node had not joined its cluster's keyspace
     OUT skipped_epoch bigint,              -- ... read or committed under an older history epoch
-    OUT queue_age interval)                -- how long the oldest copy in the ring has waited
+    OUT queue_age interval,                -- how long the oldest copy in the ring has waited
+    OUT outbox_waiting bigint,             -- messages of this database's idem_emit() not published yet
+    OUT outbox_age interval,               -- how long the oldest of them has waited
+    OUT published bigint,                  -- messages written to their streams (XADD), every database
+    OUT publish_errors bigint)             -- failed connects and XADDs of the publishers; their messages wait
 RETURNS record
 AS 'MODULE_PATHNAME', 'idem_stats'
 LANGUAGE C VOLATILE STRICT PARALLEL SAFE;
@@ -210,3 +214,31 @@ BEGIN
        AND objid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
 END $$;
 DROP FUNCTION @extschema@.idem_stats_0_3();
+
+-- The outbox: a handler's outgoing messages (idem_emit), written in the
+-- handler's transaction, so that they commit or vanish with its effect.
+-- The publisher of the database sends each to its Valkey stream once its
+-- commit is durable (XADD <stream> * id <message_id> body <message>), in
+-- seq order, then deletes it.  WAL-logged: a crash, a restore or a
+-- promotion keeps what waits.  Nobody but idem writes it.
+CREATE TABLE @extschema@.idem_outbox (
+    seq        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    stream     text NOT NULL,
+    message_id text NOT NULL,
+    body       jsonb NOT NULL,
+    emitted_at timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp()
+);
+REVOKE ALL ON TABLE @extschema@.idem_outbox FROM PUBLIC;
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.idem_outbox', '');
+SELECT pg_catalog.pg_extension_config_dump('@extschema@.idem_outbox_seq_seq', '');
+
+-- Record an outgoing message of the run whose claim this transaction
+-- holds (key: which one, when it holds more than one).  Returns the
+-- message's id, <the key in hex>-<n>: the n-th message of that run in this
+-- transaction, the same when the run runs again.
+CREATE FUNCTION @extschema@.idem_emit(stream text, message jsonb, key bytea DEFAULT NULL)
+RETURNS text
+AS 'MODULE_PATHNAME', 'idem_emit'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_emit(text, jsonb, bytea) FROM PUBLIC;

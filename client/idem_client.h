@@ -244,6 +244,27 @@ typedef idem_handler_status (*idem_handler_fn) (PGconn *conn,
 												idem_call *call,
 												void *user_data);
 
+/*
+ * (IDEMCLIENT_1.5) An outgoing message of this run: message_json (a JSON
+ * document) for the Valkey stream named stream, recorded by the extension's
+ * idem_emit in the run's transaction, so that it leaves when, and only
+ * when, the effect commits.  The server's worker then publishes it as
+ * XADD <stream> * id <message id> body <message>, at least once, the same
+ * id on a repeat; the id is "<the run's key in lowercase hex>-<n>", n = 1,
+ * 2, ... the order of the run's emits, so a run taken over or run again
+ * emits the same ids.  The messages are sent with the completion (no round
+ * trip of their own), only when the handler returns IDEM_HANDLER_OK: a
+ * failure emits nothing.  Do not also call idem_emit in SQL in the same
+ * run (the positions would interleave).  A SQL handler (sql_handler)
+ * calls idem_emit itself.  Returns 0, or -1 with errno EINVAL (an empty
+ * stream name, a name that is not UTF-8, a message that is not JSON) or
+ * ENOMEM (the run then fails with IDEM_ERR_OUT_OF_MEMORY).  The role needs
+ * EXECUTE on idem_emit; an emit the server refuses fails the run with
+ * IDEM_ERR_SERVER, nothing committed.
+ */
+int			idem_call_emit(idem_call *call, const char *stream,
+						   const char *message_json);
+
 /* ---------------------------------------------------------------------
  * Runs
  * ---------------------------------------------------------------------
@@ -569,6 +590,115 @@ void		idem_runner_stats_init_size(idem_runner_stats *stats, size_t struct_size);
 #define idem_runner_stats_init(stats) idem_runner_stats_init_size((stats), sizeof(idem_runner_stats))
 void		idem_runner_get_stats(const idem_runner *runner,
 								  idem_runner_stats *out);
+
+/* ---------------------------------------------------------------------
+ * Consuming a Valkey stream through the runner (IDEMCLIENT_1.5)
+ *
+ * A consumer reads a stream that idem_emit's messages are published to
+ * (entries "id <message id> body <message>") with a consumer group, runs
+ * each message through the runner with its id as the run id and its body
+ * as the request, and acknowledges it (XACK) only once its run is settled:
+ * applied, replayed, failed permanently, or a mismatch (the id came with
+ * another body).  A retryable failure, busy, or an error (the server's
+ * state, a connection lost, a commit whose outcome is unknown) is not
+ * acknowledged: the entry stays pending and comes back once it has been
+ * idle claim_idle_ms (XAUTOCLAIM, by this consumer or another of the
+ * group), which also takes over the entries of a consumer that died.  So
+ * with the runner's exactly-once effects, the pipeline is exactly once.
+ * An entry without an id or a body, or whose id or body is not
+ * acceptable (not UTF-8, not JSON), is malformed: told to the notice
+ * hook, copied to dead_letter_stream if one is set, and acknowledged (it
+ * can never succeed).  On a Valkey Cluster the stream's slot routes every
+ * command.  Uses a Valkey connection of its own; one thread at a time.
+ * ---------------------------------------------------------------------
+ */
+typedef struct idem_consumer idem_consumer;
+
+typedef struct idem_consumer_options
+{
+	size_t		struct_size;	/* set by idem_consumer_options_init() */
+	const char *stream;			/* required */
+	const char *group;			/* required: created (from the stream's
+								 * first entry, MKSTREAM) if missing */
+	const char *consumer;		/* required: this consumer's name in the
+								 * group, one per live process */
+	const char *task_scope;		/* required: the runs' scope */
+	int64_t		tenant_id;		/* the runs' tenant ... */
+	int			platform;		/* ... or 1: the platform ledger */
+	idem_handler_fn handler;	/* the runs' handler (NULL with
+								 * run_options->sql_handler) */
+	void	   *user_data;
+	const idem_run_options *run_options;	/* NULL: defaults; kept by
+											 * pointer: it must outlive the
+											 * consumer.  Its delivery_count
+											 * 0 is 1 for a first read (the
+											 * gate skipped) */
+	int			count;			/* entries per read (default 10) */
+	int			block_ms;		/* how long a read waits (default 1000) */
+	int			claim_idle_ms;	/* take over entries pending this long
+								 * (default 30000: a lease) */
+	const char *dead_letter_stream; /* NULL: a malformed entry is only
+									 * told and acknowledged */
+	const char *valkey_password;	/* NULL: no AUTH */
+	int			valkey_db;
+	const char *valkey_nodes;	/* a cluster's other seeds, "h:p,h:p" */
+	int			valkey_cluster; /* 0 ask (INFO cluster), 1 yes, -1 no */
+	int			valkey_connect_timeout_ms;	/* default 200 */
+	int			valkey_command_timeout_ms;	/* beyond block_ms; default
+											 * 1000 */
+	/* NULL, or told each malformed entry and each failed dead-letter
+	 * copy (a Valkey that fails is a poll's -1 and its error message) */
+	void		(*notice) (void *arg, const char *message);
+	void	   *notice_arg;
+	/* NULL, or called after each run with its entry's message id, its
+	 * result, and whether the entry is acknowledged */
+	void		(*settled) (void *arg, const char *message_id,
+							const idem_result *res, int acked);
+	void	   *settled_arg;
+} idem_consumer_options;
+
+void		idem_consumer_options_init_size(idem_consumer_options *opts,
+											size_t struct_size);
+#define idem_consumer_options_init(o) idem_consumer_options_init_size((o), sizeof(idem_consumer_options))
+
+/* Counters of a consumer since it was opened. */
+typedef struct idem_consumer_stats
+{
+	size_t		struct_size;	/* set by idem_consumer_stats_init() */
+	long		read;			/* entries read (new, or taken over) */
+	long		claimed;		/* of those, taken over (XAUTOCLAIM) */
+	long		acked;			/* acknowledged */
+	long		left_pending;	/* not acknowledged: they come back */
+	long		malformed;
+	long		dead_lettered;
+	long		valkey_errors;	/* reads, claims, acks that failed */
+} idem_consumer_stats;
+
+void		idem_consumer_stats_init_size(idem_consumer_stats *stats,
+										  size_t struct_size);
+#define idem_consumer_stats_init(s) idem_consumer_stats_init_size((s), sizeof(idem_consumer_stats))
+
+/*
+ * A consumer for runner (which it uses, and which must outlive it) on the
+ * Valkey at valkey_host:valkey_port.  Connects nothing yet.  NULL when
+ * memory is exhausted; invalid options make every poll fail (-1, and
+ * idem_consumer_error_message says why).
+ */
+idem_consumer *idem_consumer_open(idem_runner *runner, const char *valkey_host,
+								  int valkey_port,
+								  const idem_consumer_options *opts);
+/*
+ * One round: the entries idle for claim_idle_ms taken over (at most every
+ * claim_idle_ms / 2), else a read of new entries waiting up to block_ms;
+ * each run, then the settled ones acknowledged in one XACK.  Returns how
+ * many entries it ran, or -1 when Valkey failed (after waiting block_ms,
+ * so that a loop of polls does not spin): call it in a loop.
+ */
+int			idem_consumer_poll(idem_consumer *consumer);
+const char *idem_consumer_error_message(const idem_consumer *consumer);
+void		idem_consumer_get_stats(const idem_consumer *consumer,
+									idem_consumer_stats *out);
+void		idem_consumer_close(idem_consumer *consumer);
 
 /* ---------------------------------------------------------------------
  * Keys, fingerprints, canonical JSON (no servers needed)

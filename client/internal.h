@@ -153,6 +153,7 @@ typedef enum pg_stmt
 	STMT_LOOKUP_T, STMT_LOOKUP_P,
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
+	STMT_EMIT,					/* idem_emit: a C handler's messages (emit.c) */
 	/* the runner's transaction control, prepared like the rest */
 	STMT_BEGIN, STMT_SAVEPOINT, STMT_RELEASE, STMT_ROLLBACK_TO, STMT_COMMIT,
 	STMT_COUNT
@@ -455,6 +456,11 @@ struct idem_call
 	char	   *json;
 	int			oom;
 	PGresult   *first;			/* run option first_sql's result, or NULL */
+	char	   *emits;			/* idem_call_emit's messages, a JSON array
+								 * of [stream, message] (emit.c), or NULL */
+	size_t		emits_len;
+	size_t		emits_cap;
+	int			nemits;
 };
 
 /* The keyspace and secrets are known and current: the cache may be used

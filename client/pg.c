@@ -169,6 +169,13 @@ build_sql(idem_pg *p, const char *s)
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
 		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a",
 		/*
+		 * EMIT: a C handler's messages, [[stream, message], ...], for the
+		 * run's key, recorded in order (the function scan's rows, one
+		 * call each): their ids
+		 */
+		"SELECT %s.idem_emit(e.value->>0, e.value->1, $2::bytea) "
+		"FROM jsonb_array_elements($1::jsonb) AS e",
+		/*
 		 * BEGIN .. COMMIT: the runner's transaction around a C handler.
 		 * The savepoint's %s is its name, drawn for each connection
 		 * (savepoint_name).
@@ -489,6 +496,7 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_lookup_t", "idem_client_lookup_p",
 	"idem_client_keyspace", "idem_client_secrets",
 	"idem_client_apply_t", "idem_client_apply_p",
+	"idem_client_emit",
 	"idem_client_begin", "idem_client_savepoint", "idem_client_release",
 	"idem_client_rollback_to", "idem_client_commit"
 };

@@ -10,6 +10,8 @@
  *					step 3a, the lookup
  *	  run_effect.c	step 3b: the claim, the handler (C or SQL), its
  *					completion and the COMMIT
+ *	  emit.c		the handler's messages (idem_call_emit), sent with
+ *					the completion
  */
 #ifndef IDEM_CLIENT_RUN_H
 #define IDEM_CLIENT_RUN_H
@@ -86,5 +88,9 @@ extern int	idemc_run_busy_or_mismatch(run_state *s, const char *decision,
 extern idem_status idemc_run_effect(run_state *s, const idem_run_options *ro,
 									const char *scope, const char *id,
 									idem_handler_fn handler, void *user_data);
+
+/* emit.c: the handler's messages as one command of the run's last
+ * pipeline (the call has some) */
+extern void idemc_emit_cmd(idem_runner *r, const idem_call *call, pg_cmd *c);
 
 #endif

@@ -39,7 +39,9 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	char	   *canon;
 	size_t		clen;
 	char		err[200];
-	pg_cmd		cmds[3];
+	pg_cmd		cmds[4];
+	int			emit;
+	int			ncmds;
 	pg_outcome	o;
 
 	if (hs != IDEM_HANDLER_OK && hs != IDEM_HANDLER_RETRYABLE &&
@@ -170,13 +172,21 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		}
 	}
 
-	/* round trip 2: savepoint, record, COMMIT */
+	/*
+	 * Round trip 2: savepoint, the handler's messages (idem_call_emit:
+	 * only with its success, and while the claim is still open), record,
+	 * COMMIT.
+	 */
+	emit = hs == IDEM_HANDLER_OK && call->nemits > 0;
+	ncmds = emit ? 4 : 3;
 	cmds[0] = idemc_run_tx_cmd(s, hs == IDEM_HANDLER_OK ?
 					 STMT_RELEASE : STMT_ROLLBACK_TO);
-	idemc_run_params_finish(s, &cmds[1], hs == IDEM_HANDLER_OK,
+	if (emit)
+		idemc_emit_cmd(s->r, call, &cmds[1]);
+	idemc_run_params_finish(s, &cmds[emit + 1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
-	cmds[2] = idemc_run_tx_cmd(s, STMT_COMMIT);
-	idemc_pg_pipeline(pg, cmds, 3, &o);
+	cmds[ncmds - 1] = idemc_run_tx_cmd(s, STMT_COMMIT);
+	idemc_pg_pipeline(pg, cmds, ncmds, &o);
 
 	/*
 	 * A COMMIT whose result arrived has committed, even if the connection
@@ -189,11 +199,11 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	 * with an error of its own when the server connection dies under a
 	 * COMMIT that may have committed.
 	 */
-	if (!(o.completed == 3 && o.res[2] &&
-		  strcmp(PQcmdStatus(o.res[2]), "COMMIT") == 0))
+	if (!(o.completed == ncmds && o.res[ncmds - 1] &&
+		  strcmp(PQcmdStatus(o.res[ncmds - 1]), "COMMIT") == 0))
 	{
 		idem_status st;
-		int			definite = o.rc != PG_CONN_LOST || o.queued < 3 ||
+		int			definite = o.rc != PG_CONN_LOST || o.queued < ncmds ||
 			idemc_run_proves_rollback(&o);
 
 		if (!definite)
@@ -209,7 +219,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 			free(canon);
 			return handler_ended_tx(s);
 		}
-		else if (o.rc == PG_CONN_LOST && o.queued < 3)
+		else if (o.rc == PG_CONN_LOST && o.queued < ncmds)
 			st = idemc_run_error(s, IDEM_ERR_CONNECTION, o.sqlstate,
 							  "connection to PostgreSQL lost before COMMIT was sent; nothing was committed: %s",
 							  o.message);
@@ -222,8 +232,9 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 			idemc_run_rollback_quietly(s);
 			st = idemc_run_error(s, IDEM_ERR_SERVER, o.sqlstate,
 							  "%s failed; rolled back, nothing committed: %s",
-							  o.failed_cmd == 1 ?
+							  o.failed_cmd == emit + 1 ?
 							  (hs == IDEM_HANDLER_OK ? "idem_complete" : "idem_fail") :
+							  emit && o.failed_cmd == 1 ? "idem_emit" :
 							  o.failed_cmd == 0 ? "savepoint" : "commit",
 							  o.message[0] ? o.message : "COMMIT did not commit");
 		}
@@ -398,6 +409,7 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		call.first = NULL;
 		st = finish_claimed(s, hs, &call, attempt);
 		free(call.json);
+		free(call.emits);
 		return st;
 	}
 

@@ -5,7 +5,7 @@
  *	  server: it defines the settings, registers every callback (once per
  *	  process: _PG_init runs once per process), and, when idem is loaded
  *	  through shared_preload_libraries, hands shared memory to shmem.c and
- *	  registers the background worker.
+ *	  registers the background worker and the outbox launcher.
  *
  *	  Callbacks registered here:
  *		xact.c			the transaction and subtransaction callbacks
@@ -36,6 +36,7 @@
 #include "ledger_guard.h"
 #include "ledger_insert.h"
 #include "ledger_store.h"
+#include "outbox_publish.h"
 #include "shmem.h"
 #include "standby_slots.h"
 #include "worker.h"
@@ -65,6 +66,7 @@ _PG_init(void)
 	{
 		idem_shmem_register();
 		idem_worker_register();
+		idem_outbox_launcher_register();
 		idem_cache_secret_register_stop();
 	}
 }

@@ -49,6 +49,7 @@
 #include "ledger_row.h"
 #include "ledger_store.h"
 #include "commit_copies.h"
+#include "outbox.h"
 #include "pending.h"
 #include "sql_args.h"
 #include "standby_slots.h"
@@ -649,6 +650,8 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	}
 
 	idem_stats_count_claim(ans->decision);
+	if (ans->decision == IDEM_DECISION_CLAIMED)
+		idem_outbox_claim_taken(lk);
 	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
 							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
 		repopulate(store, lk, generation,
@@ -909,6 +912,8 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 	}
 	PG_END_TRY();
 
+	/* a failure deletes the messages the claim emitted in this transaction */
+	idem_outbox_claim_settled(lk, is_fail);
 	if (status != IDEM_STATUS_FAILED_RETRYABLE)
 		idem_copies_add(lk->kind == LEDGER_PLATFORM, lk->tenant_id, lk->key,
 						is_fail ? IDEM_CACHE_FAILED_PERMANENT : IDEM_CACHE_COMPLETED,

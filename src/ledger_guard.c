@@ -312,10 +312,10 @@ ledger_guard_own_end(void)
 
 /*
  * The schema of the extension idem in this database, or InvalidOid.  (15
- * does not export get_extension_schema.)
+ * does not export get_extension_schema.)  Also the outbox publisher's.
  */
-static Oid
-guard_extension_schema(void)
+Oid
+idem_extension_schema(void)
 {
 	Relation	rel;
 	ScanKeyData key;
@@ -429,7 +429,7 @@ guard_replayed_into_ledger(void)
 	if (replorigin_session_origin == InvalidRepOriginId ||
 		!IsTransactionState())
 		return false;
-	nsp = guard_extension_schema();
+	nsp = idem_extension_schema();
 	if (!OidIsValid(nsp))
 		return false;
 	for (kind = 0; kind < LEDGER_KINDS; kind++)

@@ -16,6 +16,7 @@ extern void idem_ledger_guard_register(void);
 extern void idem_ledger_guard_xact_event(XactEvent event);
 extern void ledger_guard_own_begin(void);
 extern void ledger_guard_own_end(void);
+extern Oid	idem_extension_schema(void);
 extern bool idem_ledger_guard_is_ledger(Oid relid, bool *shard);
 
 #endif							/* IDEM_LEDGER_GUARD_H */

@@ -12,6 +12,7 @@
  *		cache_secret.c	the shared copy of the cache secret
  *		epoch_renewal.c	the renewal generation and its waiters
  *		cache_cluster.c	the Citus cluster cache's joins
+ *		outbox_launch.c	the databases whose outbox waits, and the launcher
  *
  *	  Without preloading nothing is reserved: the areas' pointers stay NULL
  *	  and their files treat that as "not available".
@@ -30,6 +31,7 @@
 #include "cache_secret.h"
 #include "epoch_renewal.h"
 #include "commit_ring.h"
+#include "outbox_publish.h"
 #include "stats.h"
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
@@ -45,7 +47,8 @@ idem_shmem_request(void)
 															   idem_stats_shmem_size()),
 													  idem_cache_secret_shmem_size()),
 											 idem_cache_cluster_shmem_size()),
-									idem_renewal_shmem_size()));
+									add_size(idem_renewal_shmem_size(),
+											 idem_outbox_shmem_size())));
 	RequestNamedLWLockTranche(IDEM_CACHE_SECRET_TRANCHE, 1);
 }
 
@@ -61,6 +64,7 @@ idem_shmem_startup(void)
 	idem_cache_secret_shmem_init();
 	idem_cache_cluster_shmem_init();
 	idem_renewal_shmem_init();
+	idem_outbox_shmem_init();
 	LWLockRelease(AddinShmemInitLock);
 }
 

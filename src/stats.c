@@ -27,6 +27,7 @@ typedef struct IdemStatsShared
 	pg_atomic_uint64 counters[IDEM_STAT_COUNT];
 	pg_atomic_uint64 claims[IDEM_DECISION_COUNT];
 	pg_atomic_uint64 cluster_counters[IDEM_CLUSTER_STAT_COUNT];
+	pg_atomic_uint64 outbox_counters[IDEM_OUTBOX_STAT_COUNT];
 	pg_atomic_uint32 connected;
 	pg_atomic_uint32 cluster;	/* the worker talks to a Valkey Cluster */
 	slock_t		mutex;			/* protects last_error and nodes */
@@ -59,6 +60,8 @@ idem_stats_shmem_init(void)
 		pg_atomic_init_u64(&idem_stats_shared->claims[i], 0);
 	for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
 		pg_atomic_init_u64(&idem_stats_shared->cluster_counters[i], 0);
+	for (i = 0; i < IDEM_OUTBOX_STAT_COUNT; i++)
+		pg_atomic_init_u64(&idem_stats_shared->outbox_counters[i], 0);
 	pg_atomic_init_u32(&idem_stats_shared->connected, 0);
 	pg_atomic_init_u32(&idem_stats_shared->cluster, 0);
 	SpinLockInit(&idem_stats_shared->mutex);
@@ -114,6 +117,14 @@ idem_stats_add_cluster(IdemClusterStat stat, uint64 n)
 	pg_atomic_fetch_add_u64(&idem_stats_shared->cluster_counters[stat], n);
 }
 
+void
+idem_stats_add_outbox(IdemOutboxStat stat, uint64 n)
+{
+	if (idem_stats_shared == NULL || n == 0)
+		return;
+	pg_atomic_fetch_add_u64(&idem_stats_shared->outbox_counters[stat], n);
+}
+
 /* Cluster mode or not, and (if not NULL) the nodes' summary text. */
 void
 idem_stats_set_cluster(bool cluster, const char *nodes)
@@ -154,5 +165,8 @@ idem_stats_read(IdemStatsSnapshot *out)
 	for (i = 0; i < IDEM_CLUSTER_STAT_COUNT; i++)
 		out->cluster_counters[i] =
 			pg_atomic_read_u64(&idem_stats_shared->cluster_counters[i]);
+	for (i = 0; i < IDEM_OUTBOX_STAT_COUNT; i++)
+		out->outbox_counters[i] =
+			pg_atomic_read_u64(&idem_stats_shared->outbox_counters[i]);
 	return true;
 }

@@ -57,6 +57,16 @@ typedef enum IdemClusterStat
 extern void idem_stats_add_cluster(IdemClusterStat stat, uint64 n);
 extern void idem_stats_set_cluster(bool cluster, const char *nodes);
 
+/* The outbox publishers' counters (outbox_publish.c), idem_stats()'s too. */
+typedef enum IdemOutboxStat
+{
+	IDEM_STAT_PUBLISHED = 0,	/* messages written to their stream (XADD) */
+	IDEM_STAT_PUBLISH_ERRORS,	/* failed connects and XADDs (kept, resent) */
+	IDEM_OUTBOX_STAT_COUNT
+} IdemOutboxStat;
+
+extern void idem_stats_add_outbox(IdemOutboxStat stat, uint64 n);
+
 /* What idem_stats_read() copies out of the shared counters. */
 #define IDEM_LAST_ERROR_LEN 256
 #define IDEM_NODES_TEXT_LEN 1024
@@ -65,6 +75,7 @@ typedef struct IdemStatsSnapshot
 	uint64		counters[IDEM_STAT_COUNT];
 	uint64		claims[IDEM_DECISION_COUNT];
 	uint64		cluster_counters[IDEM_CLUSTER_STAT_COUNT];
+	uint64		outbox_counters[IDEM_OUTBOX_STAT_COUNT];
 	bool		connected;		/* the worker reaches Valkey */
 	bool		cluster;		/* ... a Valkey Cluster */
 	char		last_error[IDEM_LAST_ERROR_LEN];

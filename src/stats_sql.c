@@ -2,7 +2,8 @@
  *
  * stats_sql.c
  *	  idem_stats(): one row of the shared counters (stats.c) and the depth
- *	  of the commit ring (idem_ring_depth()).  It stands above both, so
+ *	  of the commit ring (idem_ring_depth()), and this database's outbox
+ *	  backlog (idem_outbox_backlog()).  It stands above them, so
  *	  that the counters stay a leaf that the ring counts into.
  *
  *-------------------------------------------------------------------------
@@ -12,12 +13,14 @@
 #include "access/htup_details.h"
 #include "funcapi.h"
 #include "utils/builtins.h"
+#include "utils/lsyscache.h"
 #include "utils/timestamp.h"
 
 #include "compat.h"
 #include "decision.h"
 #include "commit_ring.h"
 #include "stats.h"
+#include "outbox.h"
 
 /* Column order of idem_stats(); see idem--0.3--0.4.sql. */
 enum
@@ -39,7 +42,10 @@ enum
 	COL_SKIPPED,				/* the sum of the reasons that follow */
 	COL_SKIPPED_REASONS,		/* one column per IDEM_STAT_SKIPPED_* from here */
 	COL_QUEUE_AGE = COL_SKIPPED_REASONS + IDEM_STAT_COUNT - IDEM_STAT_SKIPPED_EXPIRED,
-	COL_COUNT
+	COL_OUTBOX_WAITING,			/* this database's outbox */
+	COL_OUTBOX_AGE,
+	COL_OUTBOX_COUNTERS,		/* one column per IdemOutboxStat from here */
+	COL_COUNT = COL_OUTBOX_COUNTERS + IDEM_OUTBOX_STAT_COUNT
 };
 
 #define IDEM_STAT_FIRST_SKIPPED IDEM_STAT_SKIPPED_EXPIRED
@@ -128,6 +134,25 @@ idem_stats(PG_FUNCTION_ARGS)
 			nulls[COL_NODES] = true;
 		else
 			values[COL_NODES] = CStringGetTextDatum(snap.nodes);
+	}
+
+	/* the messages waiting in this database's outbox, preloaded or not */
+	{
+		int64		waiting;
+		Interval   *age;
+
+		idem_outbox_backlog(get_func_namespace(fcinfo->flinfo->fn_oid),
+							&waiting, &age);
+		values[COL_OUTBOX_WAITING] = Int64GetDatum(waiting);
+		if (age)
+			values[COL_OUTBOX_AGE] = IntervalPGetDatum(age);
+		else
+			nulls[COL_OUTBOX_AGE] = true;
+		if (!idem_stats_read(&snap))
+			memset(snap.outbox_counters, 0, sizeof(snap.outbox_counters));
+		for (i = 0; i < IDEM_OUTBOX_STAT_COUNT; i++)
+			values[COL_OUTBOX_COUNTERS + i] =
+				Int64GetDatum((int64) snap.outbox_counters[i]);
 	}
 
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls)));

@@ -15,6 +15,9 @@
  *	  worker_report.c	problems in idem_stats() and the log
  *	  worker_router.c	the router (worker_router.h)
  *
+ *	  The outbox publisher (outbox_publish.c) is another process that uses
+ *	  the connection, durability and nap functions of this list.
+ *
  *	  Locking: none; the worker is one single-threaded process, and the
  *	  state declared here is process-local.  What it shares with other
  *	  processes (the commit ring, the stats, the cache secrets) has its

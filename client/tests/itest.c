@@ -2972,6 +2972,8 @@ main(int argc, char **argv)
 		return honesty_main(argc - 1, argv + 1);
 	if (argc >= 2 && strcmp(argv[1], "health") == 0)
 		return health_main(argc - 1, argv + 1);
-	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router|honesty ...\n");
+	if (argc >= 2 && strcmp(argv[1], "consume") == 0)
+		return consume_main(argc - 1, argv + 1);
+	fprintf(stderr, "usage: itest setup|diff|scenario|contention|trust|router|honesty|health|consume ...\n");
 	return 2;
 }

@@ -87,5 +87,6 @@ int			trust_main(int argc, char **argv);
 int			router_main(int argc, char **argv);
 int			honesty_main(int argc, char **argv);
 int			health_main(int argc, char **argv);
+int			consume_main(int argc, char **argv);
 
 #endif

@@ -249,6 +249,7 @@ if [ "$mode" != only ]; then
 	tap router "$bin/itest" router
 	tap honesty "$bin/itest" honesty
 	tap health "$bin/itest" health
+	tap consume "$bin/itest" consume
 fi
 if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	# the same programs (own keys) built with -fsanitize=address,undefined
@@ -267,6 +268,7 @@ if [ "$mode" != only ] && [ -x "$bin/itest-asan" ]; then
 	tap asan-router "$bin/itest-asan" router
 	tap asan-honesty "$bin/itest-asan" honesty
 	tap asan-health "$bin/itest-asan" health
+	tap asan-consume "$bin/itest-asan" consume
 	unset IDEM_TEST_SUFFIX ASAN_OPTIONS UBSAN_OPTIONS
 fi
 if [ "$mode" != 0 ]; then
@@ -287,6 +289,7 @@ if [ "$mode" != 0 ]; then
 		tap valgrind-trust "${vg[@]}" "$bin/itest" trust
 		tap valgrind-honesty "${vg[@]}" "$bin/itest" honesty
 		tap valgrind-health "${vg[@]}" "$bin/itest" health
+		tap valgrind-consume "${vg[@]}" "$bin/itest" consume
 	else
 		n=$((n + 1))
 		pass=$((pass + 1))

@@ -686,6 +686,36 @@ test_trust_max_age(void)
 		   "secrets_max_age_ms of an hour: the maximum");
 }
 
+/* idem_call_emit's messages: one JSON array, [[stream, message], ...], in
+ * order, the stream name escaped, the messages canonical; refusals. */
+static void
+test_emit_array(void)
+{
+	idem_call	call;
+	const char *want = "[[\"a\\\"b\\\\c\\u0001\", {\"x\": 1, \"yy\": [2]}], "
+		"[\"s\", {\"n\": \"\u00e9\"}]]";
+	int			rc1,
+				rc2,
+				bad1,
+				bad2,
+				bad3;
+
+	memset(&call, 0, sizeof(call));
+	rc1 = idem_call_emit(&call, "a\"b\\c\001", "{\"yy\":[2],  \"x\":1}");
+	rc2 = idem_call_emit(&call, "s", "{\"n\": \"\u00e9\"}");
+	bad1 = idem_call_emit(&call, "", "{}");
+	bad2 = idem_call_emit(&call, "s", "{nope");
+	bad3 = idem_call_emit(&call, "\xff", "{}");
+	tap_ok(rc1 == 0 && rc2 == 0 && call.nemits == 2 && call.emits &&
+		   strcmp(call.emits, want) == 0,
+		   "idem_call_emit: the messages as one JSON array, in order, names escaped, messages canonical (%s)",
+		   call.emits ? call.emits : "NULL");
+	tap_ok(bad1 == -1 && bad2 == -1 && bad3 == -1 && call.nemits == 2 && !call.oom &&
+		   strcmp(call.emits, want) == 0,
+		   "idem_call_emit refuses an empty stream, a message that is not JSON, a name that is not UTF-8, and keeps the others");
+	free(call.emits);
+}
+
 int
 main(void)
 {
@@ -700,5 +730,6 @@ main(void)
 	test_api_without_servers();
 	test_cluster();
 	test_trust_max_age();
+	test_emit_array();
 	return tap_done();
 }

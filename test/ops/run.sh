@@ -134,8 +134,8 @@ ok $? "... idem_preloaded is 1"
 claimed=$(sed -nE 's/^idem_claims_claimed(\{[^}]*\})? ([0-9.e+]+)$/\2/p' "$W/metrics.txt" | head -n 1)
 [ -n "$claimed" ] && awk -v c="$claimed" 'BEGIN { exit !(c >= 5) }'
 ok $? "... idem_claims_claimed counts the claims made ($claimed)"
-# Every column of idem_stats() but the two texts is a metric (queue_age, an
-# interval, as idem_queue_age_seconds).
+# Every column of idem_stats() but the two texts is a metric (queue_age and
+# outbox_age, intervals, as idem_queue_age_seconds and idem_outbox_age_seconds).
 cols=$(APP -c "SELECT string_agg(a.name, ' ' ORDER BY a.n)
 	FROM pg_proc p, unnest(p.proargnames, p.proargmodes::text[]) WITH ORDINALITY a(name, mode, n)
 	WHERE p.oid = 'idem_stats()'::regprocedure AND a.mode = 'o'
@@ -143,6 +143,7 @@ cols=$(APP -c "SELECT string_agg(a.name, ' ' ORDER BY a.n)
 missing=
 for m in $cols; do
 	[ "$m" != queue_age ] || m=queue_age_seconds
+	[ "$m" != outbox_age ] || m=outbox_age_seconds
 	grep -q "^idem_$m[{ ]" "$W/metrics.txt" || missing="$missing idem_$m"
 done
 [ -n "$cols" ] && [ -z "$missing" ]

@@ -15,11 +15,12 @@ from .runner import Runner
 from .lease import Lease, LeaseLost
 from .batch import Batch
 from .check import Check
+from .consume import AsyncConsumer, Consumer
 
 __version__ = "0.4.0"
 
 __all__ = [
-    "Runner", "Run", "Lease", "Batch", "Check", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
+    "Runner", "Run", "Lease", "Batch", "Check", "Consumer", "AsyncConsumer", "LeaseLost", "IdemError", "CommitUnknown", "ValkeyClusterNotSupported",
     "NotApplied", "Busy", "Mismatch", "Failure", "PermanentFailure",
     "RetryableFailure", "RequestError", "canonical_json", "fingerprint",
     "idem_key", "APPLIED", "REPLAYED", "BUSY", "MISMATCH", "FAILED_PERMANENT",

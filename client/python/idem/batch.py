@@ -18,6 +18,7 @@ from psycopg.pq import TransactionStatus
 
 from . import cache
 from .core import RunnerCore
+from .emit import statement as emit_statement
 from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _check_conn, _exec, _pipeline,
                  _raise_ending, _raise_pg_error, _send, _session_ended, server_state_error,
@@ -348,6 +349,11 @@ class Batch:
         stmts: List[Statement] = [
             ("ROLLBACK TO SAVEPOINT idem_batch" if block_failure
              else "RELEASE SAVEPOINT idem_batch", None)]
+        if not block_failure:
+            # the messages of the runs that complete (run.emit), each
+            # naming its run's key
+            stmts += emit_statement(self.st.schema,
+                                    [m for run, _ in done for m in run._emits])
         texts = dict((id(run), t) for run, t in done)
         for p, g in self._groups([run for run, _ in done]):
             stmts.append((self._sql("complete", p), self._keys(g, p) +

@@ -37,6 +37,10 @@ class Lease(Run):
     completion is fenced by), ``duration`` (the lease it holds, in seconds),
     and after the block the result."""
 
+    emit_refused = ("lease mode cannot emit: its claim committed before the effect, and the "
+                    "completion's transaction holds no claim; emit from a run whose effect is "
+                    "in PostgreSQL (runner.run, call, batch)")
+
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
         self.duration: Optional[float] = None

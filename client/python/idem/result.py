@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Tuple, Type, TypeVar
 
 from . import cache
 from .canonical import RequestError, canonical_json, idem_key
+from .emit import check as emit_check, message_id as emit_message_id
 from .errors import IdemError
 
 R = TypeVar("R", bound="Run")
@@ -53,6 +54,7 @@ class Run:
         self.first_error: Optional[BaseException] = None  # or its error (the transaction is in error)
         self.error: Optional[BaseException] = None  # the exception a batch step recorded
         self._failure: Optional[FailureSpec] = None  # (detail, retryable) from fail()
+        self._emits: List[Tuple[bytes, str, str]] = []  # emit(): (key, stream, message text)
 
     def _busy_for(self, ms: Optional[int]) -> None:
         """Busy for ms more milliseconds (at least one)."""
@@ -69,6 +71,26 @@ class Run:
         if not self.claimed:
             raise IdemError("state", "fail() on a run that was not claimed")
         self._failure = ({} if detail is None else detail, bool(retryable))
+
+    #: Why this form cannot emit (lease mode), or None.
+    emit_refused: Optional[str] = None
+
+    def emit(self, stream: str, message: Any) -> str:
+        """Inside the block: an outgoing message for the Valkey stream
+        ``stream`` (``message``: JSON text, or a value json.dumps takes),
+        recorded by the extension's idem_emit with the completion, so it
+        leaves when, and only when, the effect commits (a failure emits
+        nothing).  Returns the id it gets, ``<key in hex>-<n>`` (n: 1, 2,
+        ... this run's emits in order; do not also call idem_emit in SQL in
+        the same run).  The server's worker publishes it as ``XADD stream *
+        id <id> body <message>``, at least once, the same id on a repeat."""
+        if self.emit_refused is not None:
+            raise IdemError("state", self.emit_refused)
+        if not self.claimed:
+            raise IdemError("state", "emit() on a run that was not claimed")
+        stream, text = emit_check(stream, message)
+        self._emits.append((self.key, stream, text))
+        return emit_message_id(self.key, len(self._emits))
 
     def __repr__(self) -> str:
         return "Run(status=%r, source=%r, attempt=%r, outcome=%r, retry_after=%r)" % (

@@ -13,6 +13,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache, resp
+from .emit import statement as emit_statement
 from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
@@ -472,9 +473,11 @@ class _RunContext:
         (in the same query: conn.commit() would be a round trip more)."""
         retention = self.r.retention
         if failure is None:
-            return [("RELEASE SAVEPOINT idem_handler", None),
-                    (self._sql("complete"), self._key_params() + [text, retention]),
-                    ("COMMIT", None)]
+            # the block's messages (run.emit), while the claim is open
+            return [("RELEASE SAVEPOINT idem_handler", None)] + \
+                emit_statement(self.st.schema, self.run._emits) + \
+                [(self._sql("complete"), self._key_params() + [text, retention]),
+                 ("COMMIT", None)]
         return [("ROLLBACK TO SAVEPOINT idem_handler", None),
                 (self._sql("fail"), self._key_params() + [text, failure[1], retention]),
                 ("COMMIT", None)]

@@ -5,7 +5,7 @@ failure's traceback on stderr.  Exit status 1 on any failure.
     python3 tap.py [--first N] [module...]
 
 Without modules: test_unit, then test_server, test_health, test_forms, test_defaults,
-test_aio, test_pooler, test_cluster, test_rabbitmq and test_epoch (last:
+test_aio, test_consume, test_pooler, test_cluster, test_rabbitmq and test_epoch (last:
 it gives the server a new cache epoch) when IDEM_PG_DSN is set."""
 import os
 import sys
@@ -54,7 +54,7 @@ def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     mods = argv or (["test_unit"] + (["test_server", "test_health", "test_forms", "test_defaults", "test_aio",
-                                      "test_pooler", "test_cluster", "test_rabbitmq", "test_epoch"]
+                                      "test_consume", "test_pooler", "test_cluster", "test_rabbitmq", "test_epoch"]
                                      if os.environ.get("IDEM_PG_DSN") else []))
     suite = unittest.TestSuite()
     for m in mods:
