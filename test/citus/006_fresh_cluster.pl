@@ -74,6 +74,13 @@ foreach my $t ($t1, $t2)
 }
 is($c->safe_psql('postgres', 'SELECT count(*) FROM effects'), '0', '... and runs no effect');
 
+# The install renewed no node's epoch: each worker took one over, at its start.
+foreach my $node ($c, $w1, $w2)
+{
+	my @taken = slurp_file($node->logfile) =~ /took history epoch ([0-9a-f]+) over in Valkey/g;
+	is(scalar(@taken), 1, $node->name . ' kept the epoch it started with');
+}
+
 IdemValkey::check_counters($_) foreach ($c, $w1, $w2);
 
 done_testing();
