@@ -166,6 +166,7 @@ for sync in $SYNCS; do
 		t[plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
 		t[emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
 		b[emit]+="$(idem_waiting) "
+		wait_empty # its backlog drained before the next run, not during it
 		hand_start pipe
 		t[hand]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/hand.sql" | tps) "
 		b[hand]+="$(hand_waiting) "
