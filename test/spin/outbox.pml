@@ -4,7 +4,7 @@
  * consumers that run the message through idem keyed by its id.
  *
  *   runner     (two of them, NDELIV deliveries in all) the upstream run
- *              (client/runner.c): idem_claim's non-blocking key lock
+ *              (run_full, idem_call_emit): idem_claim's non-blocking key lock
  *              (ledger_claim: a completed row is a replay, a held lock
  *              busy), SAVEPOINT, the effect and idem_emit (idem_emit: an
  *              outbox row in the same transaction, its id the key and its
@@ -19,13 +19,13 @@
  *              commit durable; a crash (or kill -9 of any backend, the
  *              publisher included: PostgreSQL restarts) loses what was not
  *              flushed and aborts every open transaction.
- *   publisher  (publish_read, worker_durable_lsn, publish_send in
- *              outbox_publish.c) reads a committed message once its commit
+ *   publisher  (publish_read, publish_wait_durable, publish_send) reads
+ *              a committed message once its commit
  *              is durable, XADDs it (the id in a field), then deletes the
  *              row in a transaction of its own; a crash between the XADD
  *              and the delete's flush publishes it again, with the same id.
- *   consumer   (two of them; the stream consumers of the C and Python
- *              clients) XREADGROUP the next new entry, or XAUTOCLAIM a
+ *   consumer   (two of them; idem_consumer_poll, consumer_settled, and
+ *              the Python client's consumer) XREADGROUP the next new entry, or XAUTOCLAIM a
  *              pending entry nobody works on (its consumer died, or gave
  *              up on busy), or (at most NSTEAL times) one whose consumer is
  *              still running it, past the claim timeout; run it through
