@@ -168,6 +168,8 @@ main(int argc, char **argv)
 			   *notice_valkey = NULL;
 	int			nprocs,
 				stage_one_done = 0;
+	long		notice_seen = -1;
+	int64_t		notice_progress_at = 0;
 	queue	   *nq = NULL;
 	long		pending;
 
@@ -427,13 +429,19 @@ main(int argc, char **argv)
 			return 2;
 		}
 	}
-	else if (cfg.cache_host[0])
+	else if (cfg.cache_host[0] && cfg.cache_nodes == NULL)
 	{
 		snprintf(cfg.notice_host, sizeof(cfg.notice_host), "%s", cfg.cache_host);
 		cfg.notice_port = cfg.cache_port;
 	}
-	else
-		cfg.notices = 0;		/* no Valkey for the publisher */
+	else if (cfg.notices > 0)
+	{
+		/* no Valkey for the publisher, or a cluster the chaos fails over */
+		printf("idem-demo: no stage two: %s\n", cfg.cache_host[0] ?
+			   "the cache is a cluster; name a single Valkey for the notifications with --notice-valkey" :
+			   "no Valkey for the notifications (--notice-valkey)");
+		cfg.notices = 0;
+	}
 	cfg.notice_in_cache = cfg.cache_host[0] &&
 		strcmp(cfg.notice_host, cfg.cache_host) == 0 &&
 		cfg.notice_port == cfg.cache_port;
@@ -599,9 +607,26 @@ main(int argc, char **argv)
 				break;
 			if (stage_one_done)
 			{
+				long		seen = tot.notice_read + tot.notice_acked;
+
 				next_drain_check = demo_now_ms() + 200;
 				if (notices_drained(conn, nq, &cfg))
 					break;
+				/*
+				 * Stage two redelivers within a lease; nothing for 15 s is
+				 * a stall (--broken-consumer's lost entries): the check
+				 * says what is missing.
+				 */
+				if (seen != notice_seen)
+				{
+					notice_seen = seen;
+					notice_progress_at = demo_now_ms();
+				}
+				else if (demo_now_ms() - notice_progress_at > 15000)
+				{
+					printf("  stage two made no progress for 15 s: stopping\n");
+					break;
+				}
 			}
 		}
 		if (demo_now_ms() - started > (int64_t) cfg.max_seconds * 1000)
