@@ -95,20 +95,29 @@ chaos_free(chaos *c)
 	free(c);
 }
 
-static void
-terminate_backends(chaos *c)
+/* The chaos's own PostgreSQL connection, (re)made; 0 when down. */
+static int
+admin_conn(chaos *c)
 {
-	PGresult   *r;
-	char		sql[256];
-
 	if (c->admin == NULL || PQstatus(c->admin) != CONNECTION_OK)
 	{
 		if (c->admin)
 			PQfinish(c->admin);
 		c->admin = PQconnectdb(c->cfg->pg);
 		if (PQstatus(c->admin) != CONNECTION_OK)
-			return;
+			return 0;
 	}
+	return 1;
+}
+
+static void
+terminate_backends(chaos *c)
+{
+	PGresult   *r;
+	char		sql[256];
+
+	if (!admin_conn(c))
+		return;
 	snprintf(sql, sizeof(sql),
 			 "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM "
 			 "(SELECT pid FROM pg_stat_activity WHERE application_name ~ '^idem-demo-[wc]' "
@@ -308,14 +317,8 @@ kill_server_idem(chaos *c)
 	PGresult   *r;
 	pid_t		pid;
 
-	if (c->admin == NULL || PQstatus(c->admin) != CONNECTION_OK)
-	{
-		if (c->admin)
-			PQfinish(c->admin);
-		c->admin = PQconnectdb(c->cfg->pg);
-		if (PQstatus(c->admin) != CONNECTION_OK)
-			return;
-	}
+	if (!admin_conn(c))
+		return;
 	r = PQexec(c->admin,
 			   "SELECT pid FROM pg_stat_activity WHERE backend_type IN "
 			   "('idem worker', 'idem outbox publisher') ORDER BY random() LIMIT 1");
@@ -328,6 +331,9 @@ kill_server_idem(chaos *c)
 	PQclear(r);
 	if (kill(pid, SIGKILL) == 0)
 	{
+		/* the restart after the crash starts a new history epoch: what
+		 * Valkey held is never read again, as after a flush */
+		misses_note_event(DEMO_EV_FLUSH, demo_now_ms(), demo_now_ms());
 		g_shared->server_kills++;
 		PQfinish(c->admin);		/* the crash restart ends it */
 		c->admin = NULL;

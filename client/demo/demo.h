@@ -216,6 +216,7 @@ void		demo_shared_close(void);
 int64_t		demo_now_ms(void);
 void		demo_note_error(const char *fmt,...) __attribute__((format(printf, 1, 2)));
 void		demo_counters_sum(demo_counters *out);
+idem_runner *demo_runner_open(const demo_config *cfg);
 
 /* workload.c */
 int			plan_build(const demo_config *cfg, demo_plan *plan);

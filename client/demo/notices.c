@@ -242,7 +242,6 @@ void
 consumer_main(const demo_config *cfg, int slot, int gen)
 {
 	demo_counters *c = &g_shared->slot[slot];
-	idem_options opts;
 	idem_runner *runner;
 	idem_consumer_options co;
 	idem_consumer *consumer;
@@ -259,13 +258,7 @@ consumer_main(const demo_config *cfg, int slot, int gen)
 	h.cfg = cfg;
 	h.slot = slot;
 
-	idem_options_init(&opts);
-	opts.lease_ms = cfg->lease_ms;
-	opts.valkey_db = cfg->cache_db;
-	opts.valkey_retry_ms = 300;
-	opts.valkey_nodes = cfg->cache_nodes;
-	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
-							  cfg->cache_port, &opts);
+	runner = demo_runner_open(cfg);
 	if (runner == NULL)
 		_exit(3);
 	if (cfg->broken_consumer)

@@ -143,7 +143,7 @@ show_rows(PGconn *conn, const char *title, const char *sql)
 static void
 check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 {
-	long		v[4],
+	long		v[6],
 				transfers,
 				notices,
 				ids,
@@ -156,24 +156,23 @@ check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 				last[48] = "",
 				delivered[48] = "";
 
-	q_ints(conn, "SELECT count(*) FROM idem_demo.transfers", v, 1);
+	q_ints(conn,
+		   "SELECT (SELECT count(*) FROM idem_demo.transfers),"
+		   " count(*), count(DISTINCT message_id),"
+		   " (SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS"
+		   "   (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)),"
+		   " (SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices"
+		   "   GROUP BY 1 HAVING count(*) > 1) d),"
+		   " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.transfers t"
+		   "   WHERE t.task_key = n.task_key AND t.tenant_id = n.tenant_id"
+		   "   AND t.id = n.transfer_id))"
+		   " FROM idem_demo.notices n", v, 6);
 	transfers = v[0];
-	q_ints(conn, "SELECT count(*), count(DISTINCT message_id) FROM idem_demo.notices", v, 2);
-	notices = v[0];
-	ids = v[1];
-	q_ints(conn,
-		   "SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS "
-		   "(SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)", v, 1);
-	missing = v[0];
-	q_ints(conn,
-		   "SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices "
-		   "GROUP BY 1 HAVING count(*) > 1) d", v, 1);
-	doubled = v[0];
-	q_ints(conn,
-		   "SELECT count(*) FROM idem_demo.notices n WHERE NOT EXISTS "
-		   "(SELECT 1 FROM idem_demo.transfers t WHERE t.task_key = n.task_key "
-		   "AND t.tenant_id = n.tenant_id AND t.id = n.transfer_id)", v, 1);
-	orphans = v[0];
+	notices = v[1];
+	ids = v[2];
+	missing = v[3];
+	doubled = v[4];
+	orphans = v[5];
 	verdict(missing == 0 && doubled == 0 && orphans == 0 && notices == transfers &&
 			ids == transfers,
 			"notifications exactly once: %ld transfers applied, %ld notices (%ld message ids); %ld missing, %ld doubled, %ld without a committed transfer",
@@ -309,8 +308,9 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 		printf("    absent, commit unseen    %7ld  (its commit's worker was killed or lost\n"
 			   "                                       the COMMIT reply: no timing)\n",
 			   t.miss_unseen);
-		printf("    absent after a flush     %7ld  (a FLUSHALL since its commit)\n",
-			   t.miss_flushed);
+		printf("    absent after a flush     %7ld  (a FLUSHALL since its commit%s)\n",
+			   t.miss_flushed, g_shared->server_kills ?
+			   ",\n                                       or the server's crash: a new history epoch" : "");
 		printf("    absent after a %-9s %7ld  (since its commit: the copy lost with the\n"
 			   "                                       node or waiting for it)\n",
 			   cfg->cache_nodes ? "failover" : "restart", t.miss_failover);

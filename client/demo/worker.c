@@ -386,7 +386,6 @@ void
 worker_main(const demo_config *cfg, int slot, int gen)
 {
 	demo_counters *c = &g_shared->slot[slot];
-	idem_options opts;
 	idem_runner *runner;
 	PGconn	   *direct = NULL;	/* --without-idem only */
 	queue	   *q = NULL;
@@ -413,13 +412,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	if (cfg->batch > 1 && !cfg->without_idem)
 		batch = batch_new(cfg, slot);
 
-	idem_options_init(&opts);
-	opts.lease_ms = cfg->lease_ms;
-	opts.valkey_db = cfg->cache_db;
-	opts.valkey_retry_ms = 300;
-	opts.valkey_nodes = cfg->cache_nodes;
-	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
-							  cfg->cache_port, &opts);
+	runner = demo_runner_open(cfg);
 	if (runner == NULL || msgs == NULL || batched == NULL ||
 		(cfg->batch > 1 && !cfg->without_idem && batch == NULL))
 		_exit(3);
