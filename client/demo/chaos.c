@@ -40,6 +40,7 @@ struct chaos
 	int			nfired;
 	unsigned	rng;
 	pid_t		restart_pid;	/* a cache restart in progress */
+	int			server_kill_owed;	/* the last one could not be done */
 };
 
 static void reap_restart(chaos *c, int wait);
@@ -311,21 +312,24 @@ reap_restart(chaos *c, int wait)
  * the demo may not signal the server's processes (another user's server),
  * pg_terminate_backend instead.
  */
-static void
+static int
 kill_server_idem(chaos *c)
 {
 	PGresult   *r;
 	pid_t		pid;
 
 	if (!admin_conn(c))
-		return;
+		return 0;				/* down: the crash restart of the last one */
 	r = PQexec(c->admin,
 			   "SELECT pid FROM pg_stat_activity WHERE backend_type IN "
 			   "('idem worker', 'idem outbox publisher') ORDER BY random() LIMIT 1");
 	if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
 	{
+		demo_note_error("chaos: no idem process of the server to kill: %s",
+						PQresultStatus(r) == PGRES_TUPLES_OK ? "none running" :
+						PQerrorMessage(c->admin));
 		PQclear(r);
-		return;
+		return 0;
 	}
 	pid = (pid_t) atol(PQgetvalue(r, 0, 0));
 	PQclear(r);
@@ -348,6 +352,7 @@ kill_server_idem(chaos *c)
 			g_shared->server_terms++;
 		PQclear(r);
 	}
+	return 1;
 }
 
 int
@@ -363,6 +368,8 @@ chaos_tick(chaos *c, pid_t *pids, int n, int nworkers)
 	ev = c->nfired < EV_COUNT ? c->order[c->nfired] :
 		crand(c, 100) < 4 ? EV_SERVER_KILL : crand(c, 100) < 35 ? EV_KILL :
 		crand(c, 100) < 50 ? EV_TERMINATE : crand(c, 100) < 60 ? EV_FLUSH : EV_RESTART;
+	if (c->server_kill_owed)
+		ev = EV_SERVER_KILL;
 	if (ev == EV_SERVER_KILL && c->cfg->notices == 0)
 		ev = EV_KILL;			/* stage one's chaos, as before stage two */
 	c->nfired++;
@@ -384,7 +391,8 @@ chaos_tick(chaos *c, pid_t *pids, int n, int nworkers)
 				break;
 			}
 		case EV_SERVER_KILL:
-			kill_server_idem(c);
+			/* not done (the server still restarting): the next event */
+			c->server_kill_owed = !kill_server_idem(c);
 			break;
 		case EV_TERMINATE:
 			terminate_backends(c);

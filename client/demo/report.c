@@ -143,7 +143,8 @@ show_rows(PGconn *conn, const char *title, const char *sql)
 static void
 check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 {
-	long		v[6],
+	long		v[7],
+				other_ids,
 				transfers,
 				notices,
 				ids,
@@ -152,31 +153,36 @@ check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 				orphans,
 				outbox = -1,
 				pending = -1;
-	char		sql[256],
+	char		sql[1024],
 				last[48] = "",
 				delivered[48] = "";
 
-	q_ints(conn,
-		   "SELECT (SELECT count(*) FROM idem_demo.transfers),"
-		   " count(*), count(DISTINCT message_id),"
-		   " (SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS"
-		   "   (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)),"
-		   " (SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices"
-		   "   GROUP BY 1 HAVING count(*) > 1) d),"
-		   " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.transfers t"
-		   "   WHERE t.task_key = n.task_key AND t.tenant_id = n.tenant_id"
-		   "   AND t.id = n.transfer_id))"
-		   " FROM idem_demo.notices n", v, 6);
+	snprintf(sql, sizeof(sql),
+			 "SELECT (SELECT count(*) FROM idem_demo.transfers),"
+			 " count(*), count(DISTINCT message_id),"
+			 " (SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS"
+			 "   (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)),"
+			 " (SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices"
+			 "   GROUP BY 1 HAVING count(*) > 1) d),"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.transfers t"
+			 "   WHERE t.task_key = n.task_key AND t.tenant_id = n.tenant_id"
+			 "   AND t.id = n.transfer_id)),"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.expected e"
+			 "   WHERE e.task_key = n.task_key AND n.message_id ="
+			 "   encode(%s.idem_key(e.scope, e.id), 'hex') || '-1'))"
+			 " FROM idem_demo.notices n", cfg->schema);
+	q_ints(conn, sql, v, 7);
 	transfers = v[0];
 	notices = v[1];
 	ids = v[2];
 	missing = v[3];
 	doubled = v[4];
 	orphans = v[5];
-	verdict(missing == 0 && doubled == 0 && orphans == 0 && notices == transfers &&
-			ids == transfers,
-			"notifications exactly once: %ld transfers applied, %ld notices (%ld message ids); %ld missing, %ld doubled, %ld without a committed transfer",
-			transfers, notices, ids, missing, doubled, orphans);
+	other_ids = v[6];
+	verdict(missing == 0 && doubled == 0 && orphans == 0 && other_ids == 0 &&
+			notices == transfers && ids == transfers,
+			"notifications exactly once: %ld transfers applied, %ld notices (%ld message ids); %ld missing, %ld doubled, %ld without a committed transfer, %ld not under their run's stable id",
+			transfers, notices, ids, missing, doubled, orphans, other_ids);
 	if (missing)
 		show_rows(conn, "transfer without its notice",
 				  "SELECT task_key, run_id, attempt, worker FROM idem_demo.transfers t "
