@@ -40,7 +40,7 @@ struct chaos
 	int			nfired;
 	unsigned	rng;
 	pid_t		restart_pid;	/* a cache restart in progress */
-	int			server_kill_owed;	/* the last one could not be done */
+	int			server_kill_owed;	/* the last ones could not be done */
 };
 
 static void reap_restart(chaos *c, int wait);
@@ -368,7 +368,7 @@ chaos_tick(chaos *c, pid_t *pids, int n, int nworkers)
 	ev = c->nfired < EV_COUNT ? c->order[c->nfired] :
 		crand(c, 100) < 4 ? EV_SERVER_KILL : crand(c, 100) < 35 ? EV_KILL :
 		crand(c, 100) < 50 ? EV_TERMINATE : crand(c, 100) < 60 ? EV_FLUSH : EV_RESTART;
-	if (c->server_kill_owed)
+	if (c->server_kill_owed > 0)
 		ev = EV_SERVER_KILL;
 	if (ev == EV_SERVER_KILL && c->cfg->notices == 0)
 		ev = EV_KILL;			/* stage one's chaos, as before stage two */
@@ -391,8 +391,12 @@ chaos_tick(chaos *c, pid_t *pids, int n, int nworkers)
 				break;
 			}
 		case EV_SERVER_KILL:
-			/* not done (the server still restarting): the next event */
-			c->server_kill_owed = !kill_server_idem(c);
+			/*
+			 * Not done (the server still restarting, its idem worker not
+			 * back yet): the next event tries again, three times at most.
+			 */
+			if (kill_server_idem(c) || ++c->server_kill_owed > 3)
+				c->server_kill_owed = 0;
 			break;
 		case EV_TERMINATE:
 			terminate_backends(c);
