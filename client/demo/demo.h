@@ -2,17 +2,20 @@
  * demo.h
  *	  The main job of idem (make demo): a Valkey Streams queue delivering
  *	  money transfers at least once to K worker processes, each running its
- *	  handler through an idem runner, while chaos is injected; then a check,
- *	  from PostgreSQL, that every effect happened exactly once.
+ *	  handler through an idem runner, while chaos is injected; each transfer
+ *	  also emits a notification that a second stage of consumers applies;
+ *	  then a check, from PostgreSQL, that every effect of both stages
+ *	  happened exactly once.
  *
  *	  main.c      options, setup, the parent's loop (reaping, progress, end)
- *	  shared.c    what the processes share: counters, last error, clock
+ *	  shared.c    what the processes share: counters, last error, clock, runner
  *	  queue.c     Valkey Streams: XADD, XREADGROUP, XAUTOCLAIM, XACK, XPENDING
  *	  workload.c  the plan (tasks, duplicates), the schema, the handlers
  *	  worker.c    one worker process: read, run through the runner, ack
  *	  batch.c     a batch of new messages in one transaction (batch API)
  *	  notices.c   stage two: consumers of the transfers' notifications
- *	  chaos.c     kill -9 workers, restart/FLUSHALL the cache, kill backends
+ *	  chaos.c     kill -9 workers and consumers, restart/FLUSHALL the cache,
+ *	              kill backends, kill -9 the server's idem worker/publisher
  *	  misses.c    why a replay missed Valkey (buckets for the report)
  *	  report.c    progress line, final report, the exactly-once check
  */

@@ -1,9 +1,11 @@
 /*
  * main.c
  *	  idem-demo: the main job of idem.  Options, setup of the database and
- *	  the stream, the producer and K worker processes (fork), and the
- *	  parent's loop: restart killed workers, inject chaos, show progress,
- *	  stop when every message is acknowledged; then the report and the check.
+ *	  the stream, the producer, K worker processes and stage two's
+ *	  consumers (fork), and the parent's loop: restart killed workers and
+ *	  consumers, inject chaos, show progress, stop when every message is
+ *	  acknowledged and every notification published and acknowledged (or
+ *	  stage two stalls); then the report and the check.
  *	  Exit status: 0 when the check passes, 1 when it fails, 2 on a setup
  *	  error.
  */
