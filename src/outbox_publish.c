@@ -490,11 +490,13 @@ idem_outbox_publisher_main(Datum main_arg)
 	}
 	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
 	/*
-	 * The deletes of published messages need not be durable (a delete lost
-	 * in a crash sends its messages again, with the same ids), nor wait for
-	 * a synchronous standby that may be down.
+	 * The deletes of published messages must not wait for a synchronous
+	 * standby that may be down.  They are flushed locally, though: the
+	 * next round's read covers this commit record (publish_read's lsn),
+	 * and left to the WAL writer it would cost every round
+	 * IDEM_PUBLISH_FLUSH_GRACE_MS before publish_wait_durable flushes it.
 	 */
-	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("synchronous_commit", "local", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 

@@ -57,34 +57,30 @@ worker_valkey_use_outbox(void)
  * outbox's (whether it is a cluster asked at every connect; the timeouts
  * are the cache's); otherwise the cache's.
  */
+static inline const char *
+worker_setting(const char *value)
+{
+	return value ? value : "";
+}
+
 static void
 worker_target(WorkerValkeyTarget *t)
 {
+	bool		outbox = worker_for_outbox &&
+		(worker_setting(idem_outbox_valkey_host)[0] != '\0' ||
+		 worker_setting(idem_outbox_valkey_nodes)[0] != '\0');
+
 	memset(t, 0, sizeof(*t));
-	if (worker_for_outbox &&
-		((idem_outbox_valkey_host && idem_outbox_valkey_host[0] != '\0') ||
-		 (idem_outbox_valkey_nodes && idem_outbox_valkey_nodes[0] != '\0')))
-	{
-		t->host = idem_outbox_valkey_host ? idem_outbox_valkey_host : "";
-		t->port = idem_outbox_valkey_port;
-		t->nodes = idem_outbox_valkey_nodes ? idem_outbox_valkey_nodes : "";
-		t->password = idem_outbox_valkey_password ? idem_outbox_valkey_password : "";
-		t->password_file = idem_outbox_valkey_password_file ? idem_outbox_valkey_password_file : "";
-		t->prefix = "idem.outbox_valkey_";
-		t->db = idem_outbox_valkey_db;
-		t->cluster = IDEM_VALKEY_CLUSTER_AUTO;
-		t->report = false;
-		return;
-	}
-	t->host = idem_valkey_host ? idem_valkey_host : "";
-	t->port = idem_valkey_port;
-	t->nodes = idem_valkey_nodes ? idem_valkey_nodes : "";
-	t->password = idem_valkey_password ? idem_valkey_password : "";
-	t->password_file = idem_valkey_password_file ? idem_valkey_password_file : "";
-	t->prefix = "idem.valkey_";
-	t->db = idem_valkey_db;
-	t->cluster = idem_valkey_cluster;
-	/* a publisher on the cache's Valkey leaves its columns to the worker */
+	t->host = worker_setting(outbox ? idem_outbox_valkey_host : idem_valkey_host);
+	t->port = outbox ? idem_outbox_valkey_port : idem_valkey_port;
+	t->nodes = worker_setting(outbox ? idem_outbox_valkey_nodes : idem_valkey_nodes);
+	t->password = worker_setting(outbox ? idem_outbox_valkey_password : idem_valkey_password);
+	t->password_file = worker_setting(outbox ? idem_outbox_valkey_password_file :
+									  idem_valkey_password_file);
+	t->prefix = outbox ? "idem.outbox_valkey_" : "idem.valkey_";
+	t->db = outbox ? idem_outbox_valkey_db : idem_valkey_db;
+	t->cluster = outbox ? IDEM_VALKEY_CLUSTER_AUTO : idem_valkey_cluster;
+	/* a publisher leaves idem_stats()'s Valkey columns to the worker */
 	t->report = !worker_for_outbox;
 }
 
