@@ -38,6 +38,13 @@
  *		 answering busy.  Any other run removes its marker by
  *		 compare-and-delete on its token.
  *
+ *	  New keys in a row: after IDEM_GATE_WITH_CLAIM_AFTER gates in a row
+ *	  that set their marker, a run of unknown delivery count sends step 2's
+ *	  commands, then step 3b's first pipeline, and reads both answers in one
+ *	  wait; the claim decides (as for a first delivery), the gate's reply
+ *	  only says whether the marker is ours (step 4 as usual).  The first
+ *	  value or marker a gate meets ends the stretch.
+ *
  *	  Per-run options (idem_run_with): delivery_count 1 skips step 2 (the
  *	  claim guards a wrongly flagged duplicate); a redelivery (2 or more)
  *	  goes through the gate like an unknown count: SET NX GET answers a
@@ -110,6 +117,7 @@ run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	idem_run_options ro_full;
 	char		err[200];
 	idem_status st;
+	int			with_claim = 0;	/* the gate was tried with the claim */
 
 	idem_result_init(out);
 	memset(&s, 0, sizeof(s));
@@ -198,7 +206,20 @@ run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		r->stats.gate_skipped_first++;
 		st = idemc_run_effect(&s, ro, scope, id, handler, user_data);
 	}
-	else if (idemc_run_gate(&s))
+	else if ((with_claim = (ro == NULL || ro->delivery_count == 0) &&
+			  r->gate_new_streak >= IDEM_GATE_WITH_CLAIM_AFTER) &&
+			 idemc_run_gate_send(&s))
+	{
+		/*
+		 * New keys, run after run: the gate goes with the claim, and one
+		 * wait serves both.  PostgreSQL decides, as for a first delivery
+		 * (a duplicate is answered by the claim); the gate sets our marker
+		 * for the duplicates that come meanwhile.
+		 */
+		st = idemc_run_effect(&s, ro, scope, id, handler, user_data);
+		idemc_run_gate_collect(&s);	/* if the effect did not reach it */
+	}
+	else if (!with_claim && idemc_run_gate(&s))
 	{
 		st = out->status;
 

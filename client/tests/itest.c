@@ -1621,6 +1621,20 @@ cache_del(int platform, int64_t tenant, const char *scope, const char *id)
 	rv_cmd_ok("DEL %s", k);
 }
 
+/* Another session that holds the claim of tenant 1's key (scope, id) in
+ * an open transaction (ROLLBACK and PQfinish it). */
+static PGconn *
+claim_holder(const char *scope, const char *id)
+{
+	PGconn	   *holder = pg_open(E.pg);
+	const char *p[2] = {scope, id};
+
+	pg_ok(holder, "BEGIN");
+	PQclear(PQexecParams(holder, "SELECT decision FROM idem_claim(1, idem_key($1, $2), idem_fingerprint('{}'), '10 s')",
+						 2, NULL, p, NULL, NULL, 0));
+	return holder;
+}
+
 static const char *
 res_str(const idem_result *r)
 {
@@ -2051,14 +2065,8 @@ cmd_scenario(void)
 			   "a reuse of the key wrongly flagged first: mismatch from PostgreSQL (%s)", res_str(&res));
 		/* flagged first while another session holds the claim */
 		{
-			PGconn	   *holder = pg_open(E.pg);
-			PGresult   *r;
-			const char *p1[1] = {S};
+			PGconn	   *holder = claim_holder(S, "first2");
 
-			pg_ok(holder, "BEGIN");
-			r = PQexecParams(holder, "SELECT decision FROM idem_claim(1, idem_key($1, 'first2'), idem_fingerprint('{}'), '10 s')",
-							 1, NULL, p1, NULL, NULL, 0);
-			PQclear(r);
 			idem_run_with(R, 1, S, "first2", "{}", &ro, handler, &h, &res);
 			tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && h.calls == 1 &&
 				   effects_of(S, "first2") == 0,
@@ -2911,6 +2919,80 @@ cmd_scenario(void)
 	}
 	else
 		tap_skip_ext("Valkey pid unknown: slow/down tests");
+
+	/*
+	 * --- new keys in a row: the gate goes with the claim ---------------
+	 * After IDEM_GATE_WITH_CLAIM_AFTER (32) gates in a row that set their
+	 * marker, a run of unknown delivery count sends its gate with its
+	 * claim: PostgreSQL decides, the gate only sets the marker.
+	 */
+	{
+		idem_runner *RC = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, NULL);
+		char		id[32];
+		int			i,
+					ok = 1;
+
+		memset(&h, 0, sizeof(h));
+		for (i = 0; i < 40; i++)
+		{
+			snprintf(id, sizeof(id), "wc%d", i);
+			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
+			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) &&
+				res.valkey_used && effects_of(S, id) == 1 &&
+				ledger_is(1, S, id, "completed 1");
+		}
+		tap_ok(ok && h.calls == 40,
+			   "40 new keys in a row, the last 8 with the gate beside the claim: each applied once, with Valkey (%s)",
+			   res_str(&res));
+		cache_key_of(ck, sizeof(ck), 0, 1, S, "wc39");
+		await_worker_copy(ck, NULL, 3000);
+		tap_ok(cache_no_marker(0, 1, S, "wc39"),
+			   "the marker set beside the claim is replaced by the worker's copy");
+		/* another session holds a new key's claim (no marker): busy */
+		{
+			PGconn	   *holder = claim_holder(S, "wc-held");
+
+			idem_run(RC, 1, S, "wc-held", "{}", handler, &h, &res);
+			tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && h.calls == 40 &&
+				   effects_of(S, "wc-held") == 0 && cache_absent(0, 1, S, "wc-held"),
+				   "beside the claim, a key another session holds: busy from PostgreSQL, our marker released (%s)",
+				   res_str(&res));
+			pg_ok(holder, "ROLLBACK");
+			PQfinish(holder);
+		}
+		/* a duplicate: the claim answers it (the gate met the copy) ... */
+		worker_copy(0, 1, S, "wc38");
+		idem_run(RC, 1, S, "wc38", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 40 &&
+			   effects_of(S, "wc38") == 1,
+			   "a duplicate beside the claim: replay from PostgreSQL, effect once (%s)", res_str(&res));
+		/* ... and the runs after it go through the gate first again */
+		worker_copy(0, 1, S, "wc37");
+		idem_run(RC, 1, S, "wc37", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 40 &&
+			   effects_of(S, "wc37") == 1,
+			   "the next duplicate: replay from Valkey, no transaction (%s)", res_str(&res));
+		/* a failure beside the claim: recorded, the marker released */
+		ok = 1;
+		for (i = 40; i < 72; i++)
+		{
+			snprintf(id, sizeof(id), "wc%d", i);
+			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
+			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
+		}
+		h.mode = "retryable";
+		idem_run(RC, 1, S, "wc-fail", "{}", handler, &h, &res);
+		tap_ok(ok && res.status == IDEM_FAILED_RETRYABLE && h.calls == 73 &&
+			   ledger_is(1, S, "wc-fail", "failed_retryable 1") &&
+			   cache_absent(0, 1, S, "wc-fail"),
+			   "a retryable failure beside the claim: recorded, our marker released (%s)", res_str(&res));
+		h.mode = NULL;
+		idem_run(RC, 1, S, "wc-fail", "{}", handler, &h, &res);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && res.attempt == 2 &&
+			   effects_of(S, "wc-fail") == 1 && ledger_is(1, S, "wc-fail", "completed 2"),
+			   "its redelivery: attempt 2 applied, effect once (%s)", res_str(&res));
+		idem_runner_close(RC);
+	}
 
 	/* --- results written by the extension's worker ------------------- */
 	if (worker_writes_idem2())

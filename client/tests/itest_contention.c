@@ -173,6 +173,16 @@ whandler(PGconn *conn, idem_call *call, void *ud)
 	return IDEM_HANDLER_OK;
 }
 
+/* The warm-up's handler: no effect. */
+static idem_handler_status
+warm_handler(PGconn *conn, idem_call *call, void *ud)
+{
+	(void) conn;
+	(void) ud;
+	idem_call_set_json(call, "{}");
+	return IDEM_HANDLER_OK;
+}
+
 static void
 logline(int fd, const char *fmt,...) __attribute__((format(printf, 2, 3)));
 static void
@@ -269,6 +279,25 @@ worker(int idx)
 	r = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o);
 	if (r == NULL)
 		return 7;
+	/*
+	 * 32 new keys of its own first (another scope, no effect): the runner
+	 * then sends its gate beside the claim until a gate meets a value or a
+	 * marker, so the stream's first deliveries, and duplicates among them,
+	 * go that way.
+	 */
+	{
+		char		wscope[80],
+					wid[32];
+		idem_result wres;
+
+		snprintf(wscope, sizeof(wscope), "%s.warm", scope);
+		idem_result_init(&wres);
+		for (i = 0; i < 32; i++)
+		{
+			snprintf(wid, sizeof(wid), "%d-%d", (int) getpid(), i);
+			idem_run(r, 1, wscope, wid, "{}", warm_handler, NULL, &wres);
+		}
+	}
 	for (i = 0; i < ndel[idx]; i++)
 	{
 		q[tail] = del[idx][i];
