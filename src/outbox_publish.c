@@ -94,6 +94,8 @@
 #include "worker_int.h"
 
 #define IDEM_PUBLISH_BATCH			256
+/* a round's bodies, at most (but one message): sent within the timeout */
+#define IDEM_PUBLISH_ROUND_BYTES	(2 * 1024 * 1024)
 #define IDEM_PUBLISH_BACKOFF_MIN_MS	100
 #define IDEM_PUBLISH_BACKOFF_MAX_MS	1000
 #define IDEM_PUBLISH_LINGER_MS		1000
@@ -370,25 +372,36 @@ publish_problem(const char *doing)
  * master of its stream's slot).  A stream whose EVAL has no reply or an
  * error reply keeps all its messages of the round (sent again next round,
  * from the first: repeats possible, overtakes not); the others' are sent.
- * The seqs of the messages sent go to publish_sent; returns how many.
- * *failed: some stream's did not go out.  *shutdown: SIGTERM arrived.
+ * Only the oldest messages up to IDEM_PUBLISH_ROUND_BYTES (one at least)
+ * go in the round: *n is cut to them.  The seqs of the messages sent go to
+ * publish_sent; returns how many.  *failed: some stream's did not go out.
+ * *shutdown: SIGTERM arrived.
  */
 static int
-publish_send(PublishMessage *msgs, int n, bool *failed, bool *shutdown)
+publish_send(PublishMessage *msgs, int *n_inout, bool *failed, bool *shutdown)
 {
 	MemoryContext old = MemoryContextSwitchTo(publish_cxt);	/* reset each round */
-	int		   *stream_of = palloc(sizeof(int) * n);	/* message -> cmd */
-	int		   *count = palloc0(sizeof(int) * n);	/* per cmd */
-	idem_vc_cmd *cmds = palloc0(sizeof(idem_vc_cmd) * n);
+	int		   *stream_of = palloc(sizeof(int) * *n_inout);	/* message -> cmd */
+	int		   *count = palloc0(sizeof(int) * *n_inout);	/* per cmd */
+	idem_vc_cmd *cmds = palloc0(sizeof(idem_vc_cmd) * *n_inout);
 	int			ncmds = 0;
 	int			answered;
 	int			sent = 0;
 	char		problem[IDEM_ERRBUF_LEN] = "";
+	int			n;
+	size_t		bytes = 0;
 	int			i,
 				c;
 
 	*shutdown = false;
 	*failed = false;
+	for (n = 0; n < *n_inout; n++)
+	{
+		bytes += strlen(msgs[n].body);
+		if (n > 0 && bytes > IDEM_PUBLISH_ROUND_BYTES)
+			break;
+	}
+	*n_inout = n;
 	/* streams in order of their first message; n is small (a round) */
 	for (i = 0; i < n; i++)
 	{
@@ -506,6 +519,7 @@ idem_outbox_publisher_main(Datum main_arg)
 		XLogRecPtr	lsn;
 		int			n;
 		int			sent;
+		int			read;
 		bool		failed;
 		bool		shutdown;
 
@@ -593,7 +607,8 @@ idem_outbox_publisher_main(Datum main_arg)
 			}
 		}
 		/* what went out is deleted with the next round's read */
-		sent = publish_nsent = publish_send(msgs, n, &failed, &shutdown);
+		read = n;
+		sent = publish_nsent = publish_send(msgs, &n, &failed, &shutdown);
 		if (sent > 0)
 		{
 			published_any = true;
@@ -607,7 +622,7 @@ idem_outbox_publisher_main(Datum main_arg)
 			worker_nap(backoff_ms);
 			backoff_ms = Min(backoff_ms * 2, IDEM_PUBLISH_BACKOFF_MAX_MS);
 		}
-		else if (n < IDEM_PUBLISH_BATCH && idem_valkey_batch_delay_ms > 0)
+		else if (n == read && n < IDEM_PUBLISH_BATCH && idem_valkey_batch_delay_ms > 0)
 		{
 			/*
 			 * No backlog: let the commits of idem.valkey_batch_delay gather
