@@ -45,6 +45,7 @@ sqlsmith:/usr/bin/sqlsmith
 pkgconf:/usr/bin/pkg-config
 python3-psycopg:/usr/lib/python3/dist-packages/psycopg/__init__.py
 python3-redis:/usr/lib/python3/dist-packages/redis/__init__.py
+python3-hiredis:/usr/lib/python3/dist-packages/hiredis/__init__.py
 python3-setuptools:/usr/lib/python3/dist-packages/setuptools/__init__.py
 python3-pip:/usr/lib/python3/dist-packages/pip/__init__.py
 python3-wheel:/usr/lib/python3/dist-packages/wheel/__init__.py

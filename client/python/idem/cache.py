@@ -15,6 +15,7 @@ Values (one line of ASCII)::
 ``parse`` accepts exactly what the C parser accepts and returns None for
 anything else; it does not verify the MAC (``verify`` does).
 """
+import binascii
 import hashlib
 import hmac
 import re
@@ -29,6 +30,7 @@ KEY_ID_MAX = 2147483647
 INT32_MAX = 2147483647
 EXPIRES_MAX = 9007199254740992          # 2^53
 REST_OFFSET = 5 + 1 + 2 * MAC_LEN + 1   # after "idem2 " + 64 hex + " "
+_TAG = VERSION_TAG + b" "
 
 COMPLETED = "c"
 FAILED_PERMANENT = "f"
@@ -73,24 +75,25 @@ def _pads(secret: bytes) -> Tuple["hashlib._Hash", "hashlib._Hash"]:
     return pads
 
 
-def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
-    """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
-    inner, outer = _pads(secret)
+def _rest_mac(secret: bytes, full_key: bytes, rest: bytes) -> bytes:
+    """HMAC-SHA-256 over <full key> 0x00 <rest>."""
+    inner, outer = _PADS.get(secret) or _pads(secret)
     h = inner.copy()
-    h.update(full_key + b"\x00" + value[REST_OFFSET:])
+    h.update(full_key + b"\x00" + rest)
     o = outer.copy()
     o.update(h.digest())
     mac: bytes = o.digest()
     return mac
 
 
-def _with_mac(secret: bytes, full_key: bytes, unsigned: bytes) -> bytes:
-    mac = compute_mac(secret, full_key, unsigned)
-    return unsigned[:6] + mac.hex().encode("ascii") + unsigned[6 + 2 * MAC_LEN:]
+def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
+    """HMAC-SHA-256 over <full key> 0x00 <the value's rest>."""
+    return _rest_mac(secret, full_key, value[REST_OFFSET:])
 
 
-def _head() -> bytes:
-    return VERSION_TAG + b" " + b"0" * (2 * MAC_LEN) + b" "
+def _with_mac(secret: bytes, full_key: bytes, rest: bytes) -> bytes:
+    """The value: the version tag, rest's MAC in hex, rest."""
+    return _TAG + _rest_mac(secret, full_key, rest).hex().encode("ascii") + b" " + rest
 
 
 def encode_marker(secret: bytes, key_id: int, full_key: bytes, expires_ms: int,
@@ -99,8 +102,8 @@ def encode_marker(secret: bytes, key_id: int, full_key: bytes, expires_ms: int,
     if not (0 < key_id <= KEY_ID_MAX) or not (0 <= expires_ms <= EXPIRES_MAX) \
             or len(token) != TOKEN_LEN:
         raise ValueError("bad marker fields")
-    v = _head() + b"%d p %d " % (key_id, expires_ms) + token.hex().encode("ascii")
-    return _with_mac(secret, full_key, v)
+    return _with_mac(secret, full_key, b"%d p %d %s" % (key_id, expires_ms,
+                                                         token.hex().encode("ascii")))
 
 
 def encode_terminal(secret: bytes, key_id: int, full_key: bytes, kind: str, attempt: int,
@@ -113,9 +116,9 @@ def encode_terminal(secret: bytes, key_id: int, full_key: bytes, kind: str, atte
             outcome[-1:] != b"}" or not (0 < key_id <= KEY_ID_MAX) or \
             not (0 <= expires_ms <= EXPIRES_MAX) or len(fingerprint) != DIGEST_LEN:
         raise ValueError("bad terminal fields")
-    v = _head() + b"%d %s %d %d " % (key_id, kind.encode("ascii"), attempt, expires_ms) + \
-        fingerprint.hex().encode("ascii") + b" " + outcome
-    return _with_mac(secret, full_key, v)
+    return _with_mac(secret, full_key, b"%d %s %d %d " % (
+        key_id, kind.encode("ascii"), attempt, expires_ms) +
+        fingerprint.hex().encode("ascii") + b" " + outcome)
 
 
 class Entry:
@@ -153,6 +156,10 @@ _VALUE = re.compile(
     rb"|([cf]) ([1-9][0-9]{0,9}) (0|[1-9][0-9]{0,15}) ([0-9a-f]{64}) (\{.*\}))\Z", re.S)
 
 
+_KINDS = {b"c": COMPLETED, b"f": FAILED_PERMANENT}
+_unhex = binascii.unhexlify      # of lower-case hex digits (_VALUE matched them)
+
+
 def parse(value: bytes) -> Optional[Entry]:
     """Decode an idem2 value (bytes); None when malformed or another version."""
     m = _VALUE.match(value)
@@ -166,15 +173,11 @@ def parse(value: bytes) -> Optional[Entry]:
         expires = int(expires)
         if expires > EXPIRES_MAX:
             return None
-        return Entry(kind=MARKER, key_id=key_id, mac=bytes.fromhex(mac.decode("ascii")),
-                     expires_ms=expires, token=bytes.fromhex(token.decode("ascii")))
+        return Entry(MARKER, key_id, _unhex(mac), expires, None, None, None, _unhex(token))
     attempt, expires = int(attempt), int(t_expires)
     if attempt > INT32_MAX or expires > EXPIRES_MAX or len(outcome) > OUTCOME_MAX:
         return None
-    return Entry(kind=kind.decode("ascii"), key_id=key_id,
-                 mac=bytes.fromhex(mac.decode("ascii")), expires_ms=expires,
-                 attempt=attempt, fingerprint=bytes.fromhex(fp.decode("ascii")),
-                 outcome=bytes(outcome))
+    return Entry(_KINDS[kind], key_id, _unhex(mac), expires, attempt, _unhex(fp), bytes(outcome))
 
 
 def verify(secrets: Dict[int, bytes], full_key: bytes, value: bytes, entry: Entry) -> bool:
@@ -183,4 +186,5 @@ def verify(secrets: Dict[int, bytes], full_key: bytes, value: bytes, entry: Entr
     secret = secrets.get(entry.key_id)
     if secret is None:
         return False
-    return hmac.compare_digest(compute_mac(secret, full_key, bytes(value)), entry.mac)
+    return hmac.compare_digest(_rest_mac(secret, full_key, bytes(value[REST_OFFSET:])),
+                               entry.mac)

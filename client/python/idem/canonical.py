@@ -89,6 +89,8 @@ _NEEDS_ESC = re.compile(r'["\\\x00-\x1f]')
 
 
 def _string(s: str) -> str:
+    if s.isascii() and _NEEDS_ESC.search(s) is None:
+        return '"' + s + '"'        # the common text: nothing to check or escape
     if "\x00" in s:
         raise RequestError("unsupported Unicode escape sequence: \\u0000 cannot be converted to text")
     try:
@@ -169,9 +171,11 @@ def _direct(v: Any, depth: int) -> str:
                 raise _Other
             kb = k.encode("utf-8", "surrogatepass")
             enc.append((len(kb), kb, k, x))
-        enc.sort(key=lambda e: (e[0], e[1]))
-        return "{" + ", ".join(_string(e[2]) + ": " + _direct(e[3], depth + 1)
-                               for e in enc) + "}"
+        # by length, then bytes: distinct keys differ there, so the sort
+        # never compares the rest of a tuple
+        enc.sort()
+        return "{" + ", ".join([_string(e[2]) + ": " + _direct(e[3], depth + 1)
+                                for e in enc]) + "}"
     if t is int:
         return str(v)       # ValueError past Python's digit limit: the long way
     if t is list:
@@ -242,6 +246,8 @@ def fingerprint(request: Any) -> bytes:
 
 
 def _text_bytes(s: Any, what: str) -> bytes:
+    if type(s) is str and s.isascii() and "\x00" not in s:
+        return s.encode("ascii")    # the common text
     if not isinstance(s, str):
         raise TypeError("%s must be a str" % what)
     if "\x00" in s:
@@ -256,4 +262,7 @@ def idem_key(scope: str, id: str) -> bytes:
     """SQL ``idem_key(scope, id)``: 32 bytes."""
     a = _text_bytes(scope, "scope")
     b = _text_bytes(id, "id")
-    return hashlib.sha256(struct.pack(">I", len(a)) + a + struct.pack(">I", len(b)) + b).digest()
+    return hashlib.sha256(_be32(len(a)) + a + _be32(len(b)) + b).digest()
+
+
+_be32 = struct.Struct(">I").pack

@@ -34,6 +34,18 @@ class Run:
     """One run: what the block sees (``claimed``, ``attempt``, ``request``)
     and, once decided, the result (``status``, ``source``, ``outcome``,
     ``retry_after``)."""
+    # until decided (class defaults: a run sets only what it learns)
+    status: Optional[str] = None
+    source: Optional[str] = None
+    attempt: Optional[int] = None
+    outcome: Any = None
+    retry_after: Optional[float] = None     # seconds to wait before redelivering (busy)
+    valkey_used = False
+    claimed = False
+    first: Optional[List[Any]] = None       # first_sql's rows, once claimed
+    first_error: Optional[BaseException] = None  # or its error (the transaction is in error)
+    error: Optional[BaseException] = None   # the exception a batch step recorded
+    _failure: Optional[FailureSpec] = None  # (detail, retryable) from fail()
 
     def __init__(self, tenant_id: Optional[int], scope: str, run_id: str, request_text: str,
                  key: bytes, fp: bytes) -> None:
@@ -43,17 +55,6 @@ class Run:
         self.request = request_text         # canonical JSON text
         self.key = key
         self.fingerprint = fp
-        self.status: Optional[str] = None
-        self.source: Optional[str] = None
-        self.attempt: Optional[int] = None
-        self.outcome: Any = None
-        self.retry_after: Optional[float] = None   # seconds to wait before redelivering (busy)
-        self.valkey_used = False
-        self.claimed = False
-        self.first: Optional[List[Any]] = None     # first_sql's rows, once claimed
-        self.first_error: Optional[BaseException] = None  # or its error (the transaction is in error)
-        self.error: Optional[BaseException] = None  # the exception a batch step recorded
-        self._failure: Optional[FailureSpec] = None  # (detail, retryable) from fail()
         self._emits: List[Tuple[bytes, str, str]] = []  # emit(): (key, stream, message text)
 
     def _busy_for(self, ms: Optional[int]) -> None:
@@ -164,12 +165,26 @@ def _make_run(cls: Type[R], tenant_id: Any, scope: str, run_id: str, request: An
     return cls(tenant_id, scope, run_id, text, key, hashlib.sha256(text.encode("utf-8")).digest())
 
 
+_scan = json.JSONDecoder().scan_once     # type: ignore[attr-defined]
+
+
+def _json_object(text: str) -> Any:
+    """json.loads(text), for the outcome text of a value read from Valkey
+    (jsonb's, no space around it): the decoder's scanner straight, and
+    json.loads for anything else (its answer or its error)."""
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration:
+        return json.loads(text)
+    return value if end == len(text) else json.loads(text)
+
+
 def _result_from_cache(run: Run, e: cache.Entry) -> bool:
     """run replayed (or failed_permanent) from e, a trusted terminal value
     read from Valkey (the C client's idemc_result_from_cache).  False, run
     untouched, if its outcome is not JSON."""
     try:
-        outcome = json.loads((e.outcome or b"").decode("utf-8"))
+        outcome = _json_object((e.outcome or b"").decode("utf-8"))
     except ValueError:
         return False
     run.outcome = outcome

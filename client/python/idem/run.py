@@ -31,6 +31,9 @@ Gate = Tuple[bool, bool, bool, bool]
 Ending = Tuple[bool, Optional[IdemError], Optional[FailureSpec], Optional[str], bool]
 
 
+# A context's session state before it is entered: a session of none.
+_UNENTERED = _ConnState(0)
+
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
 MARKER_CHEAP_MS = 1000
@@ -41,6 +44,12 @@ class _RunContext:
     claim on entry, the completion or failure, and COMMIT, on exit."""
     run_class: Type[Run] = Run
     asynchronous = False        # the connection is an AsyncConnection (idem.aio)
+    # until the gate makes them: the cache key, our marker, whether it is
+    # ours to release; whether the run's transaction is open
+    ckey = b""
+    marker = b""
+    own_marker = False
+    tx_open = False
 
     def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, *, delivery_count: int = 0,
@@ -49,19 +58,16 @@ class _RunContext:
         _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
-        if delivery_count is None or int(delivery_count) < 0:
+        dc = -1 if delivery_count is None else int(delivery_count)
+        if dc < 0:
             raise IdemError("argument", "delivery_count must be 0 (unknown) or positive")
-        self.delivery_count = int(delivery_count)
+        self.delivery_count = dc
         if first_sql is not None and (not isinstance(first_sql, str) or not first_sql.strip()):
             raise IdemError("argument", "first_sql must be a non-empty statement")
         self.first_sql = first_sql
         self.first_params = first_params
         self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
-        self.ckey = b""
-        self.marker = b""
-        self.own_marker = False
-        self.tx_open = False
-        self.st = _ConnState(0)     # the session's, once entered
+        self.st = _UNENTERED        # the session's, once entered
 
     # -- SQL --
     def _sql(self, name: str) -> str:
@@ -161,8 +167,8 @@ class _RunContext:
         # the owner key did not hold the server's token: nothing read here
         # is trusted, PostgreSQL decides (lookup first); our marker is ours
         # all the same, and released as usual
-        held, (entry,) = self.st.judge(owner, [(self.ckey, None if own else value)],
-                                       r.lease_ms, r.stats)
+        held, entry = self.st.judge_one(owner, self.ckey, None if own else value,
+                                        r.lease_ms, r.stats)
         r._health.answered()
         r._health.owner(held, owner, self.st.owner_key)    # another Valkey: told, rested
         if own:

@@ -280,17 +280,25 @@ class Runner:
         counted, told to the "idem" logger, and rested (health.py)."""
         self._health.failed(e)
 
+    # the runner's own connections to a plain Valkey (resp.Direct), made
+    # on the first packed round trip to it
+    _direct: Optional[resp.Direct] = None
+
     def _round_trip(self, fill: Callable[[Any], Any],
                     packed: Optional[Tuple[bytes, int]] = None) -> Optional[List[Any]]:
         """One pipelined round trip to Valkey, fill(pipe) queueing its
         commands: the replies (an error reply among them as an exception),
         or None when Valkey failed (counted, and rested: PostgreSQL
         decides).  packed: the same commands in RESP and their count, sent
-        as they are on a plain client (resp.exchange)."""
+        as they are on a plain client, on a connection of the runner's own
+        (resp.Direct)."""
         try:
             self._check_cluster()
             if packed is not None and resp.plain(self.valkey):
-                return resp.exchange(self.valkey, packed[0], packed[1])
+                direct = self._direct
+                if direct is None or direct.client is not self.valkey:
+                    direct = self._direct = resp.Direct(self.valkey)
+                return direct.exchange(packed[0], packed[1])
             return list(fill(self.valkey.pipeline(transaction=False)).execute(
                 raise_on_error=False))
         except Exception as e:
@@ -324,6 +332,9 @@ class Runner:
     def _conn_state(self, conn: Any) -> _ConnState:
         """What the runner knows of conn's session (new if the session is)."""
         pid = conn.pgconn.backend_pid
+        st = self._conns.get(conn)
+        if st is not None and st.backend_pid == pid:
+            return st
         with self._lock:
             st = self._conns.get(conn)
             if st is None or st.backend_pid != pid:

@@ -95,15 +95,28 @@ class _ConnState:
         before its deadline, a marker before its MACed deadline and no
         further than our lease_ms + 1 s of skew (a farther one is counted
         too); Valkey's TTL is never consulted."""
+        if not self._held(owner, stats):
+            return False, [None] * len(reads)
+        now = _wall_ms()
+        return True, [self._check(key, value, lease_ms, now, stats) for key, value in reads]
+
+    def judge_one(self, owner: Any, key: bytes, value: Any, lease_ms: int,
+                  stats: Dict[str, int]) -> Tuple[bool, Optional[cache.Entry]]:
+        """judge for one read (the gate's): (held, entry)."""
+        if not self._held(owner, stats):
+            return False, None
+        return True, self._check(key, value, lease_ms, _wall_ms(), stats)
+
+    def _held(self, owner: Any, stats: Dict[str, int]) -> bool:
+        """Did the owner key hold the server's token?  (judge)"""
         if owner != self.owner_token:
             self.refresh_wanted = True
             if isinstance(owner, bytes):
                 self.owner_suspect = True
             stats["owner_mismatches"] += 1
-            return False, [None] * len(reads)
+            return False
         self.owner_relearnt = False
-        now = _wall_ms()
-        return True, [self._check(key, value, lease_ms, now, stats) for key, value in reads]
+        return True
 
     def _check(self, key: bytes, value: Any, lease_ms: int, now: int,
                stats: Dict[str, int]) -> Optional[cache.Entry]:

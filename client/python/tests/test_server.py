@@ -297,6 +297,50 @@ class RunnerTests(unittest.TestCase):
         run3 = self.go("r1", {"amount": 5})
         self.assertEqual((run3.status, run3.source), ("replayed", "valkey"))
 
+    def test_gate_connection_closed_while_idle(self):
+        """the gate's Valkey connection closed by Valkey while idle (CLIENT KILL, its idle timeout, a restart): the next run takes a new one at once, answered by Valkey, no failure counted"""
+        self.go("ci1", {"a": 1})
+        wait_copy(ckey(1, self.scope, "ci1"))
+        self.assertEqual(self.go("ci1", {"a": 1}).source, "valkey")
+        v = valkey()
+        idle = list(self.runner._direct.idle)
+        self.assertTrue(idle)
+        for c in idle:
+            v.execute_command("CLIENT", "KILL", "ADDR", "%s:%d" % c.sock.getsockname()[:2])
+        time.sleep(0.05)
+        for _ in range(2):
+            run = self.go("ci1", {"a": 1})
+            self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+        self.assertEqual((self.runner.stats["valkey_errors"], self.runner.stats["notices"]), (0, 0))
+        self.assertEqual(effects(self.scope, "ci1"), 1)
+
+    def test_gate_with_and_without_hiredis(self):
+        """the gate's replies read by hiredis, and by the package's own reader when python3-hiredis cannot be imported: applied, replayed from Valkey, and an error reply (WRONGTYPE) counted while PostgreSQL decides"""
+        from idem import resp
+        for blocked in (False, True):
+            saved = sys.modules.get("hiredis")
+            if blocked:
+                sys.modules["hiredis"] = None       # import hiredis: ImportError
+            try:
+                runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
+                id = "hr-%s" % blocked
+                self.assertEqual(self.go(id, {"a": 1}, runner=runner).status, "applied")
+                wait_copy(ckey(1, self.scope, id))
+                run = self.go(id, {"a": 1}, runner=runner)
+                self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+                self.assertEqual(isinstance(runner._direct.idle[0].reader, resp.Reader), blocked)
+                valkey().rpush(ckey(1, self.scope, id + "-list"), "x")
+                run = self.go(id + "-list", {"a": 1}, runner=runner)
+                self.assertEqual((run.status, run.source), ("applied", "handler"))
+                self.assertEqual(runner.stats["valkey_errors"], 1)
+                run = self.go(id, {"a": 1}, runner=runner)   # not rested: an error reply
+                self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+            finally:
+                if saved is not None:
+                    sys.modules["hiredis"] = saved
+                else:
+                    sys.modules.pop("hiredis", None)
+
     def test_autocommit_connection_and_platform_ledger(self):
         """an autocommit connection works the same; the platform ledger (tenant None) too"""
         conn = connect(autocommit=True)

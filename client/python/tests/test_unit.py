@@ -217,3 +217,46 @@ class RelearnBound(unittest.TestCase):
                              given)
         with self.assertRaises(idem.IdemError):
             idem.Runner(None, secrets_max_age=-1)
+
+
+class RespReader(unittest.TestCase):
+    REPLIES = (b"$5\r\nhello\r\n$-1\r\n+OK\r\n-ERR bad thing\r\n:42\r\n"
+               b"*3\r\n$1\r\na\r\n*1\r\n:-1\r\n$-1\r\n*-1\r\n$0\r\n\r\n"
+               b"-NOAUTH Authentication required.\r\n$12\r\nidem2 \r\n{}\r\n\r\n")
+
+    def read(self, reader, chunk):
+        out = []
+        for i in range(0, len(self.REPLIES), chunk):
+            reader.feed(self.REPLIES[i:i + chunk])
+            while True:
+                r = reader.gets()
+                if r is False:
+                    break
+                out.append(r)
+        return out
+
+    def shape(self, replies):
+        return [(type(r).__name__, str(r)) if isinstance(r, Exception) else r for r in replies]
+
+    def test_reader(self):
+        """the gate's own RESP reader (without python3-hiredis) reads what hiredis reads, whole or a byte at a time: bulk, nil, simple, integer, nested arrays, error replies as redis-py's exceptions"""
+        import redis.exceptions as rex
+        from redis.connection import BaseParser
+        from idem import resp
+        errors = BaseParser().parse_error
+        want = [b"hello", None, b"OK", ("ResponseError", "bad thing"), 42,
+                [b"a", [-1], None], None, b"", ("AuthenticationError", "Authentication required."),
+                b"idem2 \r\n{}\r\n"]
+        for chunk in (len(self.REPLIES), 7, 1):
+            got = self.read(resp.Reader(errors, rex.InvalidResponse), chunk)
+            self.assertEqual(self.shape(got), want, chunk)
+        try:
+            import hiredis
+        except ImportError:
+            return
+        got = self.read(hiredis.Reader(protocolError=rex.InvalidResponse, replyError=errors), 3)
+        self.assertEqual(self.shape(got), want)
+        with self.assertRaises(rex.InvalidResponse):
+            r = resp.Reader(errors, rex.InvalidResponse)
+            r.feed(b"?what\r\n")
+            r.gets()
