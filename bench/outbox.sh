@@ -21,7 +21,7 @@
 # The hand-written outbox is what teams write: a table written in the
 # effect's transaction, drained by a polling publisher (bench/outbox_bench.py
 # publisher): SELECT ... ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED, XADD
-# each row (pipelined, or one round trip each as idem's publisher does),
+# each row (pipelined, or one round trip each),
 # DELETE, COMMIT; it sleeps BENCH_OUTBOX_POLL_MS when it found nothing.
 #
 # Run by `make bench` (bench/run passes its server in BENCH_WORK,
