@@ -209,12 +209,12 @@ class _RunContext:
         mac, key_id, _, _, kind, attempt, expires, fp, outcome = m.groups()
         if kind is None:
             return self._gate_answer(replies)       # a marker
-        secret = secrets.get(int(key_id))
-        if secret is None or int(attempt) > cache.INT32_MAX or \
+        vsecret = secrets.get(int(key_id))
+        if vsecret is None or int(attempt) > cache.INT32_MAX or \
                 int(expires) > cache.EXPIRES_MAX or len(outcome) > cache.OUTCOME_MAX or \
                 _unhex(fp) != run.fingerprint:
             return self._gate_answer(replies)
-        inner, outer = cache._PADS.get(secret) or cache._pads(secret)
+        inner, outer = cache._PADS.get(vsecret) or cache._pads(vsecret)
         h = inner.copy()
         h.update(ckey + b"\x00" + value[cache.REST_OFFSET:])
         o = outer.copy()
@@ -503,13 +503,12 @@ class _RunContext:
         self.st = st
         try:
             if skip_gate:
-                gate: Optional[Gate] = (False,) * 4
+                gate: Gate = (False,) * 4
             else:
-                gate = self._gate_direct() if type(self) is _RunContext else None
-                if gate is _REPLAYED:
-                    return self.run         # verified, our marker ours no more
-                if gate is None:
-                    gate = self._gate()
+                direct = self._gate_direct() if type(self) is _RunContext else None
+                if direct is _REPLAYED:
+                    return self.run         # replayed: the value held, our marker unset
+                gate = self._gate() if direct is None else direct
             step = self._after_gate(gate)
             if step == "lookup":
                 self._lookup()
