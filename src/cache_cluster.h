@@ -31,6 +31,7 @@ extern int	idem_cache_cluster_joined(Oid dboid, char *keyspace,
 									  IdemCacheSecrets *s);
 extern int	idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger,
 										uint64 epoch);
+extern void idem_cache_cluster_join_now(Oid ledger);
 
 /* Databases of one server that may join a cluster cache at once. */
 #define IDEM_CLUSTER_SLOTS	8

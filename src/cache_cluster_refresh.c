@@ -15,6 +15,11 @@
  * and not joined: its tenants are served by PostgreSQL alone until it
  * answers again.
  *
+ * idem_install on the coordinator refreshes the joins too, as its last
+ * step (idem_cache_cluster_join_now), so that a fresh cluster's worker
+ * nodes copy from their first commit rather than from the first runner's
+ * learn.
+ *
  * Locking: none of its own; the joins' spinlock through
  * idem_cluster_slot_join.
  *
@@ -22,6 +27,8 @@
  */
 #include "postgres.h"
 
+#include "access/xact.h"
+#include "access/xlog.h"
 #include "catalog/pg_type.h"
 #include "commands/dbcommands.h"
 #include "executor/spi.h"
@@ -30,6 +37,7 @@
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
 
 #include "cache_cluster.h"
 #include "cache_cluster_int.h"
@@ -37,6 +45,7 @@
 #include "cache_format.h"
 #include "cache_keyspace.h"
 #include "cache_secret.h"
+#include "citus.h"
 #include "commit_ring.h"
 #include "sha256.h"
 
@@ -321,4 +330,31 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 	AtEOXact_GUC(true, guc_level);
 	SPI_finish();
 	return 1;
+}
+
+/*
+ * From idem_install, once the tenant ledger is created: if it is
+ * distributed, the coordinator names the cluster keyspace and joins every
+ * node that answers now, as a runner's first learn would, so that results
+ * committed on the worker nodes right after the install are copied, not
+ * skipped as unjoined.  Nothing to do until this server's worker has taken
+ * its epoch over (a runner's learn joins the nodes then); on a worker node,
+ * idem_cache_cluster_keyspace only marks the database.  Reads the catalogs
+ * with a snapshot that sees what the install has done (the ledger just
+ * distributed, its placements).
+ */
+void
+idem_cache_cluster_join_now(Oid ledger)
+{
+	char		buf[IDEM_CACHE_KEYSPACE_MAX + 1];
+	uint64		epoch;
+
+	if (idem_cluster_shared == NULL || !OidIsValid(ledger) ||
+		RecoveryInProgress() || !idem_cache_epoch_confirmed(&epoch))
+		return;
+	CommandCounterIncrement();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	if (idem_citus_distributed(ledger))
+		(void) idem_cache_cluster_keyspace(buf, sizeof(buf), ledger, epoch);
+	PopActiveSnapshot();
 }

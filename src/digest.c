@@ -104,6 +104,19 @@ sha256_update_prefixed(IdemSha256 *h, const text *t)
 	sha256_update(h, VARDATA_ANY(t), len);
 }
 
+/* A key or fingerprint given as an argument: exactly IDEM_DIGEST_LEN bytes. */
+void
+idem_digest_check(const bytea *d, const char *name, uint8 *out)
+{
+	if (VARSIZE_ANY_EXHDR(d) != IDEM_DIGEST_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be %d bytes, not %d",
+						name, IDEM_DIGEST_LEN, (int) VARSIZE_ANY_EXHDR(d)),
+				 errhint("Derive keys with idem_key(scope, id) and fingerprints with idem_fingerprint(request).")));
+	memcpy(out, VARDATA_ANY(d), IDEM_DIGEST_LEN);
+}
+
 /*
  * Refuse a database whose encoding is not UTF-8: there idem_key() and
  * idem_fingerprint() would hash other bytes than the clients, and one

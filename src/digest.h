@@ -19,6 +19,7 @@ typedef union IdemDigestBytea
 } IdemDigestBytea;
 
 extern bytea *idem_digest_bytea(const uint8 *digest, IdemDigestBytea *buf);
+extern void idem_digest_check(const bytea *d, const char *name, uint8 *out);
 extern void idem_require_utf8(void);
 
 #endif							/* IDEM_DIGEST_H */

@@ -16,6 +16,10 @@
  *		idem.valkey_db, idem.valkey_prefix, idem.valkey_connect_timeout,
  *		idem.valkey_command_timeout, idem.valkey_batch_delay,
  *		idem.standby_slots, idem.valkey_nodes, idem.valkey_cluster
+ *	  Publisher settings (postgresql.conf, applied on reload):
+ *		idem.outbox_valkey_host, idem.outbox_valkey_port,
+ *		idem.outbox_valkey_nodes, idem.outbox_valkey_password,
+ *		idem.outbox_valkey_password_file, idem.outbox_valkey_db
  *	  Server start only:
  *		idem.queue_size
  *
@@ -53,6 +57,12 @@ int			idem_valkey_command_timeout_ms = 1000;
 int			idem_valkey_batch_delay_ms = 1;
 char	   *idem_valkey_nodes = NULL;
 int			idem_valkey_cluster = IDEM_VALKEY_CLUSTER_AUTO;
+char	   *idem_outbox_valkey_host = NULL;
+int			idem_outbox_valkey_port = 6379;
+char	   *idem_outbox_valkey_nodes = NULL;
+char	   *idem_outbox_valkey_password = NULL;
+char	   *idem_outbox_valkey_password_file = NULL;
+int			idem_outbox_valkey_db = 0;
 
 static const struct config_enum_entry valkey_cluster_options[] = {
 	{"auto", IDEM_VALKEY_CLUSTER_AUTO, false},
@@ -72,6 +82,26 @@ check_valkey_host(char **newval, void **extra, GucSource source)
 	{
 		GUC_check_errdetail("idem.valkey_host must not be empty.");
 		return false;
+	}
+	return true;
+}
+
+/*
+ * idem.outbox_valkey_host: empty (the cache's Valkey publishes), or a host
+ * name or address without blanks.
+ */
+static bool
+check_outbox_valkey_host(char **newval, void **extra, GucSource source)
+{
+	const char *p;
+
+	for (p = *newval ? *newval : ""; *p; p++)
+	{
+		if (!isgraph((unsigned char) *p))
+		{
+			GUC_check_errdetail("idem.outbox_valkey_host may contain only printable ASCII characters other than space.");
+			return false;
+		}
 	}
 	return true;
 }
@@ -338,6 +368,54 @@ idem_define_gucs(void)
 							 valkey_cluster_options,
 							 PGC_SIGHUP, 0,
 							 NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.outbox_valkey_host",
+							   "Host name or address of the Valkey server the outbox publishers send messages to; empty: the cache's (idem.valkey_host).",
+							   "After the XADD a message lives only in its stream: give this Valkey persistence (appendonly) and replicas, unlike a cache.  With neither this nor idem.outbox_valkey_nodes set, the publishers use the cache's Valkey and all of its idem.valkey_* settings.",
+							   &idem_outbox_valkey_host,
+							   "",
+							   PGC_SIGHUP, 0,
+							   check_outbox_valkey_host, NULL, NULL);
+
+	DefineCustomIntVariable("idem.outbox_valkey_port",
+							"TCP port of the outbox's Valkey server.",
+							NULL,
+							&idem_outbox_valkey_port,
+							6379, 1, 65535,
+							PGC_SIGHUP, 0,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.outbox_valkey_nodes",
+							   "Nodes of the outbox's Valkey Cluster, tried after idem.outbox_valkey_host:idem.outbox_valkey_port (or alone).",
+							   "A list of host:port (a host alone takes idem.outbox_valkey_port), separated by commas.  Whether it is a cluster is asked at every connect.",
+							   &idem_outbox_valkey_nodes,
+							   "",
+							   PGC_SIGHUP, 0,
+							   check_valkey_nodes, NULL, NULL);
+
+	DefineCustomStringVariable("idem.outbox_valkey_password",
+							   "Password the outbox publishers send with AUTH to the outbox's Valkey; empty for none.",
+							   NULL,
+							   &idem_outbox_valkey_password,
+							   "",
+							   PGC_SIGHUP, GUC_SUPERUSER_ONLY | GUC_NO_SHOW_ALL | GUC_NOT_IN_SAMPLE,
+							   NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idem.outbox_valkey_password_file",
+							   "File whose first line is the outbox Valkey's AUTH password, read at each connect; used when idem.outbox_valkey_password is empty.",
+							   "Unlike idem.outbox_valkey_password, the password never appears in the server log when it changes.",
+							   &idem_outbox_valkey_password_file,
+							   "",
+							   PGC_SIGHUP, GUC_SUPERUSER_ONLY,
+							   NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idem.outbox_valkey_db",
+							"Valkey logical database the outbox publishers SELECT on the outbox's Valkey (0 on Valkey Cluster).",
+							NULL,
+							&idem_outbox_valkey_db,
+							0, 0, 1023,
+							PGC_SIGHUP, 0,
+							NULL, NULL, NULL);
 
 	/*
 	 * PostgreSQL refuses (FATAL) to define a PGC_POSTMASTER setting after

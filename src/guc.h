@@ -33,6 +33,14 @@ extern int	idem_valkey_batch_delay_ms;
 extern char *idem_valkey_nodes;
 extern int	idem_valkey_cluster;
 extern int	idem_queue_size;
+
+/* Publisher settings: the outbox's own Valkey (none: the cache's) */
+extern char *idem_outbox_valkey_host;
+extern int	idem_outbox_valkey_port;
+extern char *idem_outbox_valkey_nodes;
+extern char *idem_outbox_valkey_password;
+extern char *idem_outbox_valkey_password_file;
+extern int	idem_outbox_valkey_db;
 extern char *idem_standby_slots;
 
 /* idem.valkey_cluster */

@@ -29,6 +29,10 @@
  *	  the statuses (idem_status_names), the digest length (IDEM_DIGEST_LEN)
  *	  and the outcome limit (IDEM_OUTCOME_MAX).
  *
+ *	  On a Citus coordinator the tenant ledger is distributed
+ *	  (idem_citus_distribute), and the worker nodes join the cluster's
+ *	  Valkey cache before the install returns (idem_cache_cluster_join_now).
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -46,6 +50,7 @@
 #include "utils/lsyscache.h"
 #include "utils/syscache.h"
 
+#include "cache_cluster.h"
 #include "cache_format.h"
 #include "citus.h"
 #include "compat.h"
@@ -503,5 +508,13 @@ idem_install(PG_FUNCTION_ARGS)
 	/* Every backend looks its ledgers up again (ledger_registry.c). */
 	if (OidIsValid(registry))
 		CacheInvalidateRelcacheByRelid(registry);
+
+	/*
+	 * On Citus, the worker nodes join the cluster cache now, not at the
+	 * first runner's learn: they copy from their first commit.
+	 */
+	if (citus)
+		idem_cache_cluster_join_now(get_relname_relid(ledger_table_name(LEDGER_TENANT),
+													  nsp));
 	PG_RETURN_VOID();
 }

@@ -88,24 +88,11 @@ typedef struct CallCache
 
 /* ---------- arguments ---------- */
 
-/* A key or fingerprint: exactly IDEM_DIGEST_LEN bytes. */
-void
-ledger_check_digest(const bytea *d, const char *name, uint8 *out)
-{
-	if (VARSIZE_ANY_EXHDR(d) != IDEM_DIGEST_LEN)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be %d bytes, not %d",
-						name, IDEM_DIGEST_LEN, (int) VARSIZE_ANY_EXHDR(d)),
-				 errhint("Derive keys with idem_key(scope, id) and fingerprints with idem_fingerprint(request).")));
-	memcpy(out, VARDATA_ANY(d), IDEM_DIGEST_LEN);
-}
-
 static void
 digest_arg(FunctionCallInfo fcinfo, int argno, const char *name, uint8 *out)
 {
 	idem_require_arg(fcinfo, argno, name);
-	ledger_check_digest(PG_GETARG_BYTEA_PP(argno), name, out);
+	idem_digest_check(PG_GETARG_BYTEA_PP(argno), name, out);
 }
 
 /* (tenant_id,) key: returns the index of the next argument. */

@@ -64,7 +64,6 @@ extern void ledger_settle_key(LedgerStore *store, const LedgerKey *lk,
 							  Jsonb *outcome, const char *outcome_text,
 							  TimestampTz retention_end, int32 fence_attempt,
 							  int64 fence);
-extern void ledger_check_digest(const bytea *d, const char *name, uint8 *out);
 extern char *ledger_check_outcome(Jsonb *jb, const char *name);
 extern TimestampTz ledger_deadline(Interval *iv, const char *name,
 								   int64 default_ms, TimestampTz now);

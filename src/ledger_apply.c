@@ -71,6 +71,7 @@
 #include "compat.h"
 #include "decision.h"
 #include "guc.h"
+#include "digest.h"
 #include "ledger.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
@@ -342,10 +343,10 @@ ledger_apply(FunctionCallInfo fcinfo, LedgerKind kind)
 		a++;
 	}
 	idem_require_arg(fcinfo, a, "key");
-	ledger_check_digest(PG_GETARG_BYTEA_PP(a), "key", lk.key);
+	idem_digest_check(PG_GETARG_BYTEA_PP(a), "key", lk.key);
 	a++;
 	idem_require_arg(fcinfo, a, "fingerprint");
-	ledger_check_digest(PG_GETARG_BYTEA_PP(a), "fingerprint", fingerprint);
+	idem_digest_check(PG_GETARG_BYTEA_PP(a), "fingerprint", fingerprint);
 	a++;
 	idem_require_arg(fcinfo, a, "handler");
 	fn = PG_GETARG_OID(a);

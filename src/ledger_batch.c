@@ -45,6 +45,7 @@
 #include "cache_format.h"
 #include "compat.h"
 #include "guc.h"
+#include "digest.h"
 #include "ledger.h"
 #include "ledger_row.h"
 #include "ledger_store.h"
@@ -156,7 +157,7 @@ batch_key(LedgerKind kind, const BatchArray *tenants, const BatchArray *keys,
 	memset(lk, 0, sizeof(*lk));
 	lk->kind = kind;
 	lk->tenant_id = kind == LEDGER_TENANT ? DatumGetInt64(tenants->elems[i]) : 0;
-	ledger_check_digest(DatumGetByteaPP(keys->elems[i]), "key", lk->key);
+	idem_digest_check(DatumGetByteaPP(keys->elems[i]), "key", lk->key);
 }
 
 /* A call's arrays, its ledger, and its place in the error context. */
@@ -246,7 +247,7 @@ ledger_claim_many(FunctionCallInfo fcinfo, LedgerKind kind)
 		b.pos.i = i;
 		CHECK_FOR_INTERRUPTS();
 		batch_key(kind, &b.tenants, &b.keys, i, &lk);
-		ledger_check_digest(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
+		idem_digest_check(DatumGetByteaPP(b.values.elems[i]), "fingerprint", fingerprint);
 		ledger_claim_key_nowait(b.store, &lk, fingerprint, now, lease_end,
 								batch_interval_arg(fcinfo, b.interval_arg) != NULL,
 								idem_max_attempts, &ans);

@@ -36,7 +36,9 @@
  *	  placement after a move or split, and creates and alters the new one,
  *	  moving rows, never removing them; TRUNCATE of a shard does.  idem's
  *	  purge of the shards runs through idem_shard_purge(), bracketed like
- *	  idem's own writes.
+ *	  idem's own writes.  Nor does altering a ledger this transaction
+ *	  created and left empty (guard_new_and_empty): idem_install's, and the
+ *	  shell table Citus creates on each worker node.
  *
  *	  State: one process-local flag per transaction, with its reason (and
  *	  the depth of idem's own writes), reset at every transaction end; no
@@ -65,9 +67,11 @@
 #include "parser/parsetree.h"
 #include "replication/origin.h"
 #include "replication/worker_internal.h"
+#include "storage/bufmgr.h"
 #include "storage/lock.h"
 #include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
+#include "utils/rel.h"
 #include "utils/snapmgr.h"
 
 #include "ledger_guard.h"
@@ -228,6 +232,34 @@ guard_check_partition(Oid relid, Oid parent)
 				 errhint("Keep the ledger a table of its own.")));
 }
 
+/*
+ * Was relid created by this transaction, and does it hold no rows (not
+ * one page)?  Then altering it removes nothing Valkey may hold: no copy
+ * of it exists (copies are made after commit), and no row is there to be
+ * removed.  idem_install creates and alters a ledger so, and so does Citus
+ * on each worker node for the tenant ledger's shell table, when the ledger
+ * is distributed or a node added; such an install must not renew the
+ * epoch, or the nodes' joins made during it (idem_cache_cluster_join_now)
+ * would go stale at its commit.  A table created in this transaction and
+ * renamed into a ledger's place needs none either: the ledger it replaces
+ * was dropped or renamed away, which renews the epoch.
+ */
+static bool
+guard_new_and_empty(Oid relid)
+{
+	Relation	rel = RelationIdGetRelation(relid);
+	bool		r = false;
+
+	if (RelationIsValid(rel))
+	{
+		r = rel->rd_createSubid != InvalidSubTransactionId &&
+			rel->rd_rel->relkind == RELKIND_RELATION &&
+			RelationGetNumberOfBlocks(rel) == 0;
+		RelationClose(rel);
+	}
+	return r;
+}
+
 static void
 guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 					int subId, void *arg)
@@ -248,7 +280,8 @@ guard_object_access(ObjectAccessType access, Oid classId, Oid objectId,
 
 		/* Citus drops, creates and alters shards as it moves them */
 		if (guard_is_ledger_or_shard(objectId, &shard) &&
-			(!shard || access == OAT_TRUNCATE))
+			(!shard || access == OAT_TRUNCATE) &&
+			!(access == OAT_POST_ALTER && guard_new_and_empty(objectId)))
 			guard_mark(IDEM_EPOCH_LEDGER_ROWS_REMOVED);
 	}
 }

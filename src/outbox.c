@@ -64,7 +64,6 @@
 #include "outbox.h"
 #include "compat.h"
 #include "digest.h"
-#include "ledger.h"
 #include "outbox_publish.h"
 #include "sql_args.h"
 #include "subxact.h"
@@ -531,7 +530,7 @@ idem_emit(PG_FUNCTION_ARGS)
 				 errmsg("message must be at most %d bytes", IDEM_OUTBOX_MESSAGE_MAX)));
 	if (PG_NARGS() > 2 && !PG_ARGISNULL(2))
 	{
-		ledger_check_digest(PG_GETARG_BYTEA_PP(2), "key", keybuf);
+		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
 		key = keybuf;
 	}
 	claim = outbox_find_claim(key);

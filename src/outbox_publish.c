@@ -16,14 +16,18 @@
  * durable that far by the rules of the copies (worker_durable_lsn: flushed
  * here, on the synchronous standbys and on those of idem.standby_slots),
  * flushing it itself, as a committing backend would, when no commit has
- * within IDEM_PUBLISH_FLUSH_GRACE_MS (asynchronous commits' WAL).  Then it sends the messages in seq order, one XADD at a
- * time (on a Valkey Cluster routed by the stream name's slot), and stops
- * at the first that fails: no later message overtakes it.  A crash between
- * an XADD and the delete sends those messages again after the restart,
- * with the same ids: at least once.  A message Valkey refuses (an error
- * reply, say a stream name that is a key of another type) is retried with
- * the others, with backoff, and counted in publish_errors: nothing is
- * dropped.
+ * within IDEM_PUBLISH_FLUSH_GRACE_MS (asynchronous commits' WAL).  Then it
+ * sends them (publish_send): per stream one EVAL of a script that XADDs
+ * the stream's messages of the round in seq order, all or none, every
+ * stream's pipelined at once (on a Valkey Cluster each to the master of
+ * its stream's slot).  A stream whose script has no reply or an error
+ * reply keeps all its messages of the round, sent again from the first
+ * the next round: repeats of the same ids are possible, an overtake within
+ * a stream is not; other streams go on.  A crash between the EVAL and the
+ * delete sends those messages again after the restart, with the same ids:
+ * at least once.  A message Valkey refuses (an error reply, say a stream
+ * name that is a key of another type) is retried, with backoff, and
+ * counted in publish_errors: nothing is dropped.
  *
  * Prepared transactions: COMMIT PREPARED runs no callback of idem's, so a
  * database with prepared transactions that emitted (flagged at PREPARE,
@@ -43,7 +47,10 @@
  *
  * The Valkey connection is the worker's code (worker_valkey.c, the router
  * of worker_router.c: one Valkey or a cluster, AUTH, SELECT, timeouts),
- * in this process: its settings are the worker's idem.valkey_* settings.
+ * in this process: its settings are idem.outbox_valkey_* when
+ * idem.outbox_valkey_host or idem.outbox_valkey_nodes is set (the streams'
+ * own, durable Valkey), else the cache's idem.valkey_*; the timeouts are
+ * the cache's either way.  A reload that changes them reconnects.
  * Between failed attempts the publisher backs off from
  * IDEM_PUBLISH_BACKOFF_MIN_MS to IDEM_PUBLISH_BACKOFF_MAX_MS.
  *
@@ -83,9 +90,12 @@
 #include "outbox.h"
 #include "standby_slots.h"
 #include "stats.h"
+#include "valkey_router.h"
 #include "worker_int.h"
 
 #define IDEM_PUBLISH_BATCH			256
+/* a round's bodies, at most (but one message): sent within the timeout */
+#define IDEM_PUBLISH_ROUND_BYTES	(2 * 1024 * 1024)
 #define IDEM_PUBLISH_BACKOFF_MIN_MS	100
 #define IDEM_PUBLISH_BACKOFF_MAX_MS	1000
 #define IDEM_PUBLISH_LINGER_MS		1000
@@ -345,57 +355,130 @@ publish_problem(const char *doing)
 }
 
 /*
- * XADD each message in order; how many went out before the first failure
- * (or all).  *shutdown: SIGTERM arrived.
+ * The script that publishes one stream's messages of a round, KEYS[1] the
+ * stream, ARGV id, body, id, body, ...: their XADDs in order, all or none.
+ * A script runs alone, and its XADDs can only be refused before the first
+ * takes effect (the stream is a key of another type, Valkey is out of
+ * memory, read-only or loading: a script that has written is let finish).
+ */
+#define PUBLISH_SCRIPT \
+	"for i = 1, #ARGV, 2 do " \
+	"redis.call('XADD', KEYS[1], '*', 'id', ARGV[i], 'body', ARGV[i + 1]) " \
+	"end return #ARGV / 2"
+
+/*
+ * Publish a round: for each stream, one EVAL of PUBLISH_SCRIPT with its
+ * messages in seq order, all streams' pipelined (on a cluster, each to the
+ * master of its stream's slot).  A stream whose EVAL has no reply or an
+ * error reply keeps all its messages of the round (sent again next round,
+ * from the first: repeats possible, overtakes not); the others' are sent.
+ * Only the oldest messages up to IDEM_PUBLISH_ROUND_BYTES (one at least)
+ * go in the round: *n is cut to them.  The seqs of the messages sent go to
+ * publish_sent; returns how many.  *failed: some stream's did not go out.
+ * *shutdown: SIGTERM arrived.
  */
 static int
-publish_send(PublishMessage *msgs, int n, bool *shutdown)
+publish_send(PublishMessage *msgs, int *n_inout, bool *failed, bool *shutdown)
 {
-	int			i;
+	MemoryContext old = MemoryContextSwitchTo(publish_cxt);	/* reset each round */
+	int		   *stream_of = palloc(sizeof(int) * *n_inout);	/* message -> cmd */
+	int		   *count = palloc0(sizeof(int) * *n_inout);	/* per cmd */
+	idem_vc_cmd *cmds = palloc0(sizeof(idem_vc_cmd) * *n_inout);
+	int			ncmds = 0;
+	int			answered;
+	int			sent = 0;
+	char		problem[IDEM_ERRBUF_LEN] = "";
+	int			n;
+	size_t		bytes = 0;
+	int			i,
+				c;
 
 	*shutdown = false;
+	*failed = false;
+	for (n = 0; n < *n_inout; n++)
+	{
+		bytes += strlen(msgs[n].body);
+		if (n > 0 && bytes > IDEM_PUBLISH_ROUND_BYTES)
+			break;
+	}
+	*n_inout = n;
+	/* streams in order of their first message; n is small (a round) */
 	for (i = 0; i < n; i++)
 	{
-		const char *argv[7];
-		size_t		argvlen[7];
-		redisReply *reply = NULL;
-		WorkerResult r;
-		bool		ok;
-
-		argv[0] = "XADD";
-		argv[1] = msgs[i].stream;
-		argv[2] = "*";
-		argv[3] = "id";
-		argv[4] = msgs[i].id;
-		argv[5] = "body";
-		argv[6] = msgs[i].body;
-		for (int a = 0; a < 7; a++)
-			argvlen[a] = strlen(argv[a]);
-		r = worker_command(argv[1], argvlen[1], 7, argv, argvlen, &reply);
-		if (r == WORKER_SHUTDOWN)
+		for (c = 0; c < ncmds; c++)
+			if (strcmp(cmds[c].key, msgs[i].stream) == 0)
+				break;
+		if (c == ncmds)
 		{
-			*shutdown = true;
-			return i;
+			cmds[c].key = msgs[i].stream;
+			cmds[c].keylen = strlen(msgs[i].stream);
+			ncmds++;
 		}
-		if (r != WORKER_OK)
-		{
-			publish_problem("to");
-			worker_router_disconnect();
-			return i;
-		}
-		ok = reply->type != REDIS_REPLY_ERROR;
-		if (!ok)
-			snprintf(worker_errbuf, sizeof(worker_errbuf),
-					 "XADD to stream \"%.64s\": Valkey replied: %.*s",
-					 msgs[i].stream, (int) Min(reply->len, 100), reply->str);
-		freeReplyObject(reply);
-		if (!ok)
-		{
-			publish_problem("to");
-			return i;
-		}
+		stream_of[i] = c;
+		count[c]++;
 	}
-	return n;
+	for (c = 0; c < ncmds; c++)
+	{
+		int			argc = 4 + 2 * count[c];
+		const char **argv = palloc(sizeof(char *) * argc);
+		size_t	   *argvlen = palloc(sizeof(size_t) * argc);
+		int			a = 4;
+
+		argv[0] = "EVAL";
+		argv[1] = PUBLISH_SCRIPT;
+		argv[2] = "1";
+		argv[3] = cmds[c].key;
+		for (i = 0; i < n; i++)
+		{
+			if (stream_of[i] != c)
+				continue;
+			argv[a++] = msgs[i].id;
+			argv[a++] = msgs[i].body;
+		}
+		for (a = 0; a < argc; a++)
+			argvlen[a] = strlen(argv[a]);
+		cmds[c].argc = argc;
+		cmds[c].argv = argv;
+		cmds[c].argvlen = argvlen;
+	}
+	pgstat_report_activity(STATE_RUNNING, "publishing messages");
+	answered = worker_pipeline(cmds, ncmds, shutdown);
+	if (answered < ncmds)
+		strlcpy(problem, worker_errbuf, sizeof(problem));
+	for (c = 0; c < ncmds; c++)
+	{
+		redisReply *reply = cmds[c].reply;
+
+		if (reply == NULL)
+		{
+			count[c] = 0;		/* not sent */
+			continue;
+		}
+		if (reply->type == REDIS_REPLY_ERROR)
+		{
+			if (problem[0] == '\0')
+				snprintf(problem, sizeof(problem),
+						 "XADD to stream \"%.64s\": Valkey replied: %.*s",
+						 cmds[c].key, (int) Min(reply->len, 100), reply->str);
+			count[c] = 0;
+		}
+		freeReplyObject(reply);
+		cmds[c].reply = NULL;
+	}
+	pgstat_report_activity(STATE_IDLE, NULL);
+	MemoryContextSwitchTo(old);
+	for (i = 0; i < n; i++)
+		if (count[stream_of[i]] > 0)
+			publish_sent[sent++] = msgs[i].seq;
+	if (sent < n && !*shutdown)
+	{
+		*failed = true;
+		strlcpy(worker_errbuf, problem, sizeof(worker_errbuf));
+		publish_problem("to");
+		if (answered < ncmds)
+			worker_router_disconnect();
+	}
+	return sent;
 }
 
 void
@@ -407,6 +490,7 @@ idem_outbox_publisher_main(Datum main_arg)
 	bool		looked_prepared = false;
 
 	publish_dboid = DatumGetObjectId(main_arg);
+	worker_valkey_use_outbox();
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, SignalHandlerForShutdownRequest);
 	pqsignal(SIGPIPE, SIG_IGN);
@@ -419,11 +503,13 @@ idem_outbox_publisher_main(Datum main_arg)
 	}
 	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
 	/*
-	 * The deletes of published messages need not be durable (a delete lost
-	 * in a crash sends its messages again, with the same ids), nor wait for
-	 * a synchronous standby that may be down.
+	 * The deletes of published messages must not wait for a synchronous
+	 * standby that may be down.  They are flushed locally, though: the
+	 * next round's read covers this commit record (publish_read's lsn),
+	 * and left to the WAL writer it would cost every round
+	 * IDEM_PUBLISH_FLUSH_GRACE_MS before publish_wait_durable flushes it.
 	 */
-	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("synchronous_commit", "local", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 
@@ -433,6 +519,8 @@ idem_outbox_publisher_main(Datum main_arg)
 		XLogRecPtr	lsn;
 		int			n;
 		int			sent;
+		int			read;
+		bool		failed;
 		bool		shutdown;
 
 		CHECK_FOR_INTERRUPTS();
@@ -518,10 +606,9 @@ idem_outbox_publisher_main(Datum main_arg)
 				continue;
 			}
 		}
-		sent = publish_send(msgs, n, &shutdown);
-		/* deleted with the next round's read, in one transaction */
-		for (publish_nsent = 0; publish_nsent < sent; publish_nsent++)
-			publish_sent[publish_nsent] = msgs[publish_nsent].seq;
+		/* what went out is deleted with the next round's read */
+		read = n;
+		sent = publish_nsent = publish_send(msgs, &n, &failed, &shutdown);
 		if (sent > 0)
 		{
 			published_any = true;
@@ -530,12 +617,12 @@ idem_outbox_publisher_main(Datum main_arg)
 		}
 		if (shutdown)
 			break;
-		if (sent < n)
+		if (failed)
 		{
 			worker_nap(backoff_ms);
 			backoff_ms = Min(backoff_ms * 2, IDEM_PUBLISH_BACKOFF_MAX_MS);
 		}
-		else if (n < IDEM_PUBLISH_BATCH && idem_valkey_batch_delay_ms > 0)
+		else if (n == read && n < IDEM_PUBLISH_BATCH && idem_valkey_batch_delay_ms > 0)
 		{
 			/*
 			 * No backlog: let the commits of idem.valkey_batch_delay gather

@@ -119,6 +119,8 @@ extern WorkerResult worker_read_reply(int64 deadline_ms, bool read_first,
 extern bool worker_connected(void);
 extern void worker_disconnect(void);
 extern bool worker_settings_changed(void);
+extern void worker_valkey_use_outbox(void);
+extern int	worker_pipeline(struct idem_vc_cmd *cmds, int n, bool *shutdown);
 extern WorkerResult worker_connect(void);
 extern WorkerResult worker_command(const char *key, size_t keylen, int argc,
 								   const char **argv, const size_t *argvlen,

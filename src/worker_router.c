@@ -64,6 +64,7 @@ typedef struct WorkerRouterWait
 static idem_vc *worker_vc = NULL;
 static WorkerRouterWait worker_router_waits[IDEM_VC_MAX_NODES];
 static idem_vc_stats worker_router_reported;	/* what idem_stats() has seen */
+static bool worker_router_reports = true;	/* WorkerValkeyTarget.report */
 
 /*
  * Each node's errors under the routers closed before this one (the worker
@@ -234,24 +235,28 @@ worker_router_disconnect(void)
 	}
 }
 
-/* The nodes to try: idem.valkey_host:idem.valkey_port ([host]:port for an
- * IPv6 address), then idem.valkey_nodes. */
+/* The nodes to try: the target's host:port ([host]:port for an IPv6
+ * address), if it has a host, then its nodes. */
 static char *
-worker_router_seeds(void)
+worker_router_seeds(const WorkerValkeyTarget *t)
 {
 	StringInfoData s;
 	char		first[IDEM_VC_HOST_MAX + 8];
 
 	initStringInfo(&s);
-	idem_vc_format_endpoint(first, sizeof(first), idem_valkey_host, idem_valkey_port);
-	appendStringInfoString(&s, first);
-	if (idem_valkey_nodes != NULL && idem_valkey_nodes[0] != '\0')
-		appendStringInfo(&s, ",%s", idem_valkey_nodes);
+	if (t->host[0] != '\0')
+	{
+		idem_vc_format_endpoint(first, sizeof(first), t->host, t->port);
+		appendStringInfoString(&s, first);
+	}
+	if (t->nodes[0] != '\0')
+		appendStringInfo(&s, "%s%s", s.len > 0 ? "," : "", t->nodes);
 	return s.data;
 }
 
 WorkerRouterConnect
-worker_router_connect(const char *password, char *errbuf, size_t errlen)
+worker_router_connect(const WorkerValkeyTarget *t, const char *password,
+					  char *errbuf, size_t errlen)
 {
 	idem_vc_options opt;
 	idem_vc_io	io;
@@ -263,15 +268,16 @@ worker_router_connect(const char *password, char *errbuf, size_t errlen)
 	for (i = 0; i < IDEM_VC_MAX_NODES; i++)
 		if (worker_router_waits[i].wes == NULL)
 			worker_router_waits[i].fd = -1;
-	seeds = worker_router_seeds();
+	worker_router_reports = t->report;
+	seeds = worker_router_seeds(t);
 	memset(&opt, 0, sizeof(opt));
 	opt.seeds = seeds;
-	opt.default_port = idem_valkey_port;
+	opt.default_port = t->port;
 	opt.password = password;
-	opt.db = idem_valkey_db;
-	opt.mode = idem_valkey_cluster == IDEM_VALKEY_CLUSTER_ON ?
+	opt.db = t->db;
+	opt.mode = t->cluster == IDEM_VALKEY_CLUSTER_ON ?
 		IDEM_VC_MODE_CLUSTER :
-		idem_valkey_cluster == IDEM_VALKEY_CLUSTER_OFF ?
+		t->cluster == IDEM_VALKEY_CLUSTER_OFF ?
 		IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 	opt.connect_timeout_ms = idem_valkey_connect_timeout_ms;
 	opt.retry_ms = 100;
@@ -299,7 +305,8 @@ worker_router_connect(const char *password, char *errbuf, size_t errlen)
 		return WORKER_ROUTER_CLUSTER;
 	}
 	worker_router_publish_stats();
-	idem_stats_set_cluster(false, "");
+	if (worker_router_reports)
+		idem_stats_set_cluster(false, "");
 	if (rc == 0)
 		return WORKER_ROUTER_SINGLE;	/* the router's one node: worker_vc stays */
 	idem_vc_free(worker_vc);
@@ -309,8 +316,8 @@ worker_router_connect(const char *password, char *errbuf, size_t errlen)
 	if (rc == -2)
 	{
 		snprintf(errbuf, errlen,
-				 "idem.valkey_db is %d, but a Valkey Cluster has only database 0: set idem.valkey_db = 0",
-				 idem_valkey_db);
+				 "%sdb is %d, but a Valkey Cluster has only database 0: set %sdb = 0",
+				 t->prefix, t->db, t->prefix);
 		return WORKER_ROUTER_MISCONFIGURED;
 	}
 	return WORKER_ROUTER_FAILED;
@@ -327,6 +334,8 @@ worker_router_publish_nodes(void)
 	StringInfoData s;
 	int			i;
 
+	if (!worker_router_reports)
+		return;
 	initStringInfo(&s);
 	for (i = 0; i < idem_vc_nnodes(worker_vc); i++)
 		appendStringInfo(&s, "%s%s %s errors=%lld", i ? ", " : "",
@@ -353,7 +362,7 @@ worker_router_publish_stats(void)
 {
 	const idem_vc_stats *s;
 
-	if (worker_vc == NULL)
+	if (worker_vc == NULL || !worker_router_reports)
 		return;
 	s = idem_vc_get_stats(worker_vc);
 	if (s->refreshes != worker_router_reported.refreshes ||
@@ -460,6 +469,30 @@ worker_router_send(const IdemRingRecord **records, int n, bool *done,
 					 idem_vc_now_ms() + idem_valkey_command_timeout_ms) == -2)
 		return -1;
 	return nc;
+}
+
+/*
+ * Commands outside any batch (no batch is in flight), each routed by its
+ * key, pipelined per node: how many have a reply (the caller frees them;
+ * the others are NULL), with errbuf saying why when not all do (*shutdown
+ * if the process is stopping).
+ */
+int
+worker_router_pipeline(idem_vc_cmd *cmds, int n, bool *shutdown, char *errbuf,
+					   size_t errlen)
+{
+	int			answered;
+
+	answered = idem_vc_pipeline(worker_vc, cmds, n,
+								idem_vc_now_ms() + idem_valkey_command_timeout_ms);
+	worker_router_report_stats();
+	*shutdown = answered == -2;
+	if (answered < n)
+		snprintf(errbuf, errlen, "%d of %d commands without a reply from %s: %s",
+				 n - Max(answered, 0), n,
+				 idem_vc_is_cluster(worker_vc) ? "the cluster" : "Valkey",
+				 idem_vc_last_error(worker_vc));
+	return Max(answered, 0);
 }
 
 /*

@@ -11,6 +11,9 @@
 
 #include "commit_ring.h"
 
+struct idem_vc_cmd;				/* valkey_router.h */
+struct redisReply;
+
 /*
  * The most records one batch holds: the worker's drains take at most this many
  * from the commit ring at a time, and worker_router_send() and
@@ -18,6 +21,26 @@
  * that neither side can outgrow the other.
  */
 #define IDEM_BATCH_MAX			512
+
+/*
+ * The Valkey a process connects to (worker_valkey.c's worker_target): the
+ * cache's, from the idem.valkey_* settings, or in an outbox publisher the
+ * outbox's, from the idem.outbox_valkey_* settings when they name one.
+ */
+typedef struct WorkerValkeyTarget
+{
+	const char *host;			/* "": the nodes only */
+	int			port;
+	const char *nodes;			/* more seeds, "" for none */
+	const char *password;		/* the setting; "" for none */
+	const char *password_file;	/* the setting; "" for none */
+	const char *prefix;			/* "idem.valkey_" or "idem.outbox_valkey_",
+								 * to name the settings in messages */
+	int			db;
+	int			cluster;		/* IdemValkeyCluster */
+	bool		report;			/* idem_stats()'s cluster columns describe
+								 * this connection (the cache's) */
+} WorkerValkeyTarget;
 
 typedef enum WorkerRouterConnect
 {
@@ -44,7 +67,8 @@ typedef int (*WorkerRouterEncode) (void *arg, const IdemRingRecord *rec,
 								   char *key, int *keylen, char *value,
 								   int *valuelen, char *ttl, size_t ttllen);
 
-extern WorkerRouterConnect worker_router_connect(const char *password, char *errbuf,
+extern WorkerRouterConnect worker_router_connect(const WorkerValkeyTarget *target,
+												 const char *password, char *errbuf,
 												 size_t errlen);
 extern bool worker_router_active(void);	/* on a cluster */
 extern bool worker_router_connected(void);	/* on a cluster or a single Valkey */
@@ -60,6 +84,8 @@ extern WorkerRouterCopy worker_router_copy(const IdemRingRecord **records, int n
 										   WorkerRouterEncode encode, void *encode_arg,
 										   uint64 *copied,
 										   uint64 *rejected, char *errbuf, size_t errlen);
+extern int	worker_router_pipeline(struct idem_vc_cmd *cmds, int n, bool *shutdown,
+								   char *errbuf, size_t errlen);
 extern struct redisReply *worker_router_command(const char *key, size_t keylen, int argc,
 												const char **argv, const size_t *argvlen,
 												bool *shutdown, char *errbuf,

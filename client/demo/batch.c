@@ -11,7 +11,8 @@
  *	       effects touch, in one global order, so batches never deadlock;
  *	       one statement that runs each claimed message's effect
  *	       (transfer / pay_invoice) and settles the keys: idem_complete_many
- *	       for the applied ones, idem_fail for the refused (frozen,
+ *	       for the applied ones (after idem_emit of each one's
+ *	       notification, with stage two), idem_fail for the refused (frozen,
  *	       permanent); idem_fail_many for the flaky (retryable) ones; COMMIT
  *
  *	  Every statement but BEGIN and COMMIT is a named prepared statement,
@@ -79,7 +80,7 @@ struct batch_ctx
 	PGconn	   *conn;
 	unsigned	prepared;		/* bit per BSTMT_* prepared on conn */
 	char		claim_sql[256];
-	char		apply_sql[1536];
+	char		apply_sql[2560];
 	char		fail_sql[256];
 };
 
@@ -117,6 +118,7 @@ batch_ctx *
 batch_new(const demo_config *cfg, int slot)
 {
 	batch_ctx  *b = calloc(1, sizeof(batch_ctx));
+	char		emit_cte[640];
 
 	if (b == NULL)
 		return NULL;
@@ -131,9 +133,24 @@ batch_new(const demo_config *cfg, int slot)
 	 * The unused outputs of done and refused stay: their functions are
 	 * volatile, so PostgreSQL runs them.
 	 */
+	/*
+	 * With stage two, each applied transfer also emits its notification
+	 * (idem_emit naming its key, which the batch holds): em runs before
+	 * done, whose rows wait for em's count, since a key can emit only
+	 * until it is completed.
+	 */
+	if (cfg->notices > 0)
+		snprintf(emit_cte, sizeof(emit_cte),
+				 " em AS MATERIALIZED (SELECT %s.idem_emit('%s', jsonb_build_object("
+				 "   'task_key', CASE WHEN inv IS NULL THEN 'transfer:' || run ELSE 'invoice:' || inv END,"
+				 "   'tenant', t, 'transfer_id', tid), k) FROM e WHERE tid IS NOT NULL),",
+				 cfg->schema, cfg->notice_stream);
+	else
+		snprintf(emit_cte, sizeof(emit_cte),
+				 " em AS (SELECT 1 WHERE false),");
 	snprintf(b->apply_sql, sizeof(b->apply_sql),
 			 "WITH e AS MATERIALIZED ("
-			 " SELECT u.ord, u.t, u.k,"
+			 " SELECT u.ord, u.t, u.k, u.run, u.inv,"
 			 "  CASE WHEN u.inv IS NULL"
 			 "   THEN idem_demo.transfer(u.t, 'transfer:' || u.run, u.run, u.f, u.o, u.amt, u.att, $9::int)"
 			 "   ELSE idem_demo.pay_invoice(u.t, u.inv, u.run, u.att, $9::int) END AS tid"
@@ -141,15 +158,16 @@ batch_new(const demo_config *cfg, int slot)
 			 "   $6::bigint[], $7::int[], $8::text[])"
 			 "   WITH ORDINALITY AS u(t, k, run, f, o, amt, att, inv, ord)"
 			 " ORDER BY u.ord),"
+			 "%s"
 			 " done AS (SELECT %s.idem_complete_many(array_agg(t ORDER BY ord), array_agg(k ORDER BY ord),"
 			 "   array_agg(jsonb_build_object('transfer_id', tid) ORDER BY ord))"
-			 "  FROM e WHERE tid IS NOT NULL HAVING count(*) > 0),"
+			 "  FROM e CROSS JOIN (SELECT count(*) FROM em) x WHERE tid IS NOT NULL HAVING count(*) > 0),"
 			 " refused AS (SELECT %s.idem_fail(t, k, '{\"error\": \"account frozen\"}', false)"
 			 "  FROM e WHERE tid IS NULL)"
 			 " SELECT e.ord, e.tid FROM e"
 			 "  CROSS JOIN (SELECT count(*) FROM done) d CROSS JOIN (SELECT count(*) FROM refused) r"
 			 " ORDER BY e.ord",
-			 cfg->schema, cfg->schema);
+			 emit_cte, cfg->schema, cfg->schema);
 	/* the flaky first attempts of the batch, failed retryably at once */
 	snprintf(b->fail_sql, sizeof(b->fail_sql),
 			 "SELECT %s.idem_fail_many($1::bigint[], $2::bytea[], $3::jsonb[], $4::boolean[])",

@@ -6,8 +6,14 @@
  *	  by test/demo: SIGKILL, down for a moment, back empty; on a cluster it
  *	  kills a master), FLUSHALL of the cache Valkey (FLUSHDB when it shares
  *	  a server with the queue; on a cluster, of one master), and
- *	  pg_terminate_backend of random worker backends.  The queue's Valkey is
- *	  never touched: it is the at-least-once delivery that the demo relies on.
+ *	  pg_terminate_backend of random worker backends.  With stage two
+ *	  (notices.c) also kill -9 of its consumers, and kill -9 of the server's
+ *	  idem worker or outbox publisher (PostgreSQL then restarts every
+ *	  backend, as after any crash).  The queue's Valkey is never touched: it
+ *	  is the at-least-once delivery that the demo relies on; nor are the
+ *	  notifications' streams when the publisher puts them in the cache (its
+ *	  flushes then delete every key but the streams, and stand in for its
+ *	  restarts).
  */
 #include "demo.h"
 
@@ -22,7 +28,7 @@
 
 typedef enum
 {
-	EV_KILL = 0, EV_TERMINATE, EV_FLUSH, EV_RESTART, EV_COUNT
+	EV_KILL = 0, EV_TERMINATE, EV_FLUSH, EV_RESTART, EV_SERVER_KILL, EV_COUNT
 } chaos_event;
 
 struct chaos
@@ -34,6 +40,7 @@ struct chaos
 	int			nfired;
 	unsigned	rng;
 	pid_t		restart_pid;	/* a cache restart in progress */
+	int			server_kill_owed;	/* the last ones could not be done */
 };
 
 static void reap_restart(chaos *c, int wait);
@@ -89,23 +96,32 @@ chaos_free(chaos *c)
 	free(c);
 }
 
-static void
-terminate_backends(chaos *c)
+/* The chaos's own PostgreSQL connection, (re)made; 0 when down. */
+static int
+admin_conn(chaos *c)
 {
-	PGresult   *r;
-	char		sql[256];
-
 	if (c->admin == NULL || PQstatus(c->admin) != CONNECTION_OK)
 	{
 		if (c->admin)
 			PQfinish(c->admin);
 		c->admin = PQconnectdb(c->cfg->pg);
 		if (PQstatus(c->admin) != CONNECTION_OK)
-			return;
+			return 0;
 	}
+	return 1;
+}
+
+static void
+terminate_backends(chaos *c)
+{
+	PGresult   *r;
+	char		sql[256];
+
+	if (!admin_conn(c))
+		return;
 	snprintf(sql, sizeof(sql),
 			 "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM "
-			 "(SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'idem-demo-w%%' "
+			 "(SELECT pid FROM pg_stat_activity WHERE application_name ~ '^idem-demo-[wc]' "
 			 "AND pid <> pg_backend_pid() ORDER BY random() LIMIT %d) s",
 			 1 + crand(c, 2));
 	r = PQexec(c->admin, sql);
@@ -141,6 +157,16 @@ flush_node(chaos *c, const char *host, int port)
 		if (r)
 			freeReplyObject(r);
 		r = redisCommand(rc, "FLUSHDB");
+	}
+	else if (c->cfg->notices > 0 && c->cfg->notice_in_cache)
+	{
+		/* the notifications' streams live here: every other key goes */
+		r = redisCommand(rc, "EVAL %s 0",
+						 "for _, k in ipairs(redis.call('KEYS', '*')) do "
+						 "if redis.call('TYPE', k).ok ~= 'stream' then "
+						 "redis.call('DEL', k) end end return 'OK'");
+		if (r && r->type == REDIS_REPLY_STRING)
+			r->type = REDIS_REPLY_STATUS;
 	}
 	else
 		r = redisCommand(rc, "FLUSHALL");
@@ -240,7 +266,7 @@ restart_cache(chaos *c)
 	pid_t		pid;
 
 	if (c->cfg->cache_restart_cmd == NULL || c->cfg->shared_valkey ||
-		c->restart_pid > 0)
+		c->restart_pid > 0 || (c->cfg->notices > 0 && c->cfg->notice_in_cache))
 	{
 		flush_cache(c);			/* the closest thing we may do */
 		return;
@@ -281,8 +307,56 @@ reap_restart(chaos *c, int wait)
 	}
 }
 
+/*
+ * kill -9 of the server's idem worker or of a publisher, at random.  When
+ * the demo may not signal the server's processes (another user's server),
+ * pg_terminate_backend instead.
+ */
+static int
+kill_server_idem(chaos *c)
+{
+	PGresult   *r;
+	pid_t		pid;
+
+	if (!admin_conn(c))
+		return 0;				/* down: the crash restart of the last one */
+	r = PQexec(c->admin,
+			   "SELECT pid FROM pg_stat_activity WHERE backend_type IN "
+			   "('idem worker', 'idem outbox publisher') ORDER BY random() LIMIT 1");
+	if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1)
+	{
+		demo_note_error("chaos: no idem process of the server to kill: %s",
+						PQresultStatus(r) == PGRES_TUPLES_OK ? "none running" :
+						PQerrorMessage(c->admin));
+		PQclear(r);
+		return 0;
+	}
+	pid = (pid_t) atol(PQgetvalue(r, 0, 0));
+	PQclear(r);
+	if (kill(pid, SIGKILL) == 0)
+	{
+		/* the restart after the crash starts a new history epoch: what
+		 * Valkey held is never read again, as after a flush */
+		misses_note_event(DEMO_EV_FLUSH, demo_now_ms(), demo_now_ms());
+		g_shared->server_kills++;
+		PQfinish(c->admin);		/* the crash restart ends it */
+		c->admin = NULL;
+	}
+	else
+	{
+		char		sql[64];
+
+		snprintf(sql, sizeof(sql), "SELECT pg_terminate_backend(%d)", (int) pid);
+		r = PQexec(c->admin, sql);
+		if (PQresultStatus(r) == PGRES_TUPLES_OK)
+			g_shared->server_terms++;
+		PQclear(r);
+	}
+	return 1;
+}
+
 int
-chaos_tick(chaos *c, pid_t *pids, int n)
+chaos_tick(chaos *c, pid_t *pids, int n, int nworkers)
 {
 	int			ev,
 				killed = -1;
@@ -291,8 +365,13 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 	reap_restart(c, 0);
 	if (demo_now_ms() < c->next_at)
 		return -1;
-	ev = c->nfired < EV_COUNT ? c->order[c->nfired] : crand(c, 100) < 35 ? EV_KILL :
+	ev = c->nfired < EV_COUNT ? c->order[c->nfired] :
+		crand(c, 100) < 4 ? EV_SERVER_KILL : crand(c, 100) < 35 ? EV_KILL :
 		crand(c, 100) < 50 ? EV_TERMINATE : crand(c, 100) < 60 ? EV_FLUSH : EV_RESTART;
+	if (c->server_kill_owed > 0)
+		ev = EV_SERVER_KILL;
+	if (ev == EV_SERVER_KILL && c->cfg->notices == 0)
+		ev = EV_KILL;			/* stage one's chaos, as before stage two */
 	c->nfired++;
 	t0 = demo_now_ms();
 	switch (ev)
@@ -303,11 +382,22 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 
 				if (pids[s] > 0 && kill(pids[s], SIGKILL) == 0)
 				{
-					g_shared->kills++;
+					if (s < nworkers)
+						g_shared->kills++;
+					else
+						g_shared->notice_kills++;
 					killed = s;
 				}
 				break;
 			}
+		case EV_SERVER_KILL:
+			/*
+			 * Not done (the server still restarting, its idem worker not
+			 * back yet): the next event tries again, three times at most.
+			 */
+			if (kill_server_idem(c) || ++c->server_kill_owed > 3)
+				c->server_kill_owed = 0;
+			break;
 		case EV_TERMINATE:
 			terminate_backends(c);
 			break;
@@ -320,7 +410,9 @@ chaos_tick(chaos *c, pid_t *pids, int n)
 	}
 	if (c->cfg->verbose)
 		fprintf(stderr, "chaos: %s (%lld ms)\n",
-				ev == EV_KILL ? "kill -9 a worker" : ev == EV_TERMINATE ?
+				ev == EV_KILL ? "kill -9 a worker or consumer" :
+				ev == EV_SERVER_KILL ? "kill -9 the server's idem worker or publisher" :
+				ev == EV_TERMINATE ?
 				"terminate backends" : ev == EV_FLUSH ?
 				(c->cfg->cache_nodes && !c->cfg->flush_all_masters ?
 				 "flush a cache master" : "flush the cache") :

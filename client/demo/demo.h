@@ -2,16 +2,20 @@
  * demo.h
  *	  The main job of idem (make demo): a Valkey Streams queue delivering
  *	  money transfers at least once to K worker processes, each running its
- *	  handler through an idem runner, while chaos is injected; then a check,
- *	  from PostgreSQL, that every effect happened exactly once.
+ *	  handler through an idem runner, while chaos is injected; each transfer
+ *	  also emits a notification that a second stage of consumers applies;
+ *	  then a check, from PostgreSQL, that every effect of both stages
+ *	  happened exactly once.
  *
  *	  main.c      options, setup, the parent's loop (reaping, progress, end)
- *	  shared.c    what the processes share: counters, last error, clock
+ *	  shared.c    what the processes share: counters, last error, clock, runner
  *	  queue.c     Valkey Streams: XADD, XREADGROUP, XAUTOCLAIM, XACK, XPENDING
  *	  workload.c  the plan (tasks, duplicates), the schema, the handlers
  *	  worker.c    one worker process: read, run through the runner, ack
  *	  batch.c     a batch of new messages in one transaction (batch API)
- *	  chaos.c     kill -9 workers, restart/FLUSHALL the cache, kill backends
+ *	  notices.c   stage two: consumers of the transfers' notifications
+ *	  chaos.c     kill -9 workers and consumers, restart/FLUSHALL the cache,
+ *	              kill backends, kill -9 the server's idem worker/publisher
  *	  misses.c    why a replay missed Valkey (buckets for the report)
  *	  report.c    progress line, final report, the exactly-once check
  */
@@ -105,6 +109,18 @@ typedef struct demo_config
 	int			handler_sleep_ms;	/* up to this long inside the handler */
 	int			batch;			/* messages per XREADGROUP; > 1: batch runs */
 	int			without_idem;	/* negative control: no runner at all */
+	int			notices;		/* stage two's consumer processes (0: no
+								 * stage two: transfers emit nothing) */
+	int			broken_consumer;	/* stage two acks before the run: its
+									 * check must fail */
+	char		notice_host[128];	/* the Valkey the server's publisher
+									 * XADDs the notifications to */
+	int			notice_port;
+	int			notice_db;
+	int			notice_in_cache;	/* that is the cache Valkey: the chaos
+									 * spares streams there */
+	char		notice_stream[64];
+	char		notice_group[32];
 	char		tag[16];		/* this run's tag: run ids, stream name */
 	char		stream[64];
 	char		group[32];
@@ -151,6 +167,15 @@ typedef struct demo_counters
 	long		miss_copy_lag;
 	long		miss_not_refilled;
 	long		miss_unexplained;
+	/* stage two (notices.c): runs of a consumer's entries */
+	long		notice_read;
+	long		notice_applied;
+	long		notice_replayed;
+	long		notice_retryable;
+	long		notice_busy;
+	long		notice_errors;
+	long		notice_acked;
+	long		notice_valkey_errors;
 } demo_counters;
 
 /* A chaos event that empties (part of) the cache, for misses.c. */
@@ -171,6 +196,9 @@ typedef struct demo_shared
 	int			producer_done;
 	char		last_id[48];	/* the producer's last XADD */
 	long		kills;
+	long		notice_kills;	/* kill -9 of stage two's consumers */
+	long		server_kills;	/* kill -9 of the server's idem processes */
+	long		server_terms;	/* ... or pg_terminate_backend when not ours */
 	long		restarts;
 	long		backends_terminated;
 	long		terminate_events;
@@ -191,6 +219,7 @@ void		demo_shared_close(void);
 int64_t		demo_now_ms(void);
 void		demo_note_error(const char *fmt,...) __attribute__((format(printf, 1, 2)));
 void		demo_counters_sum(demo_counters *out);
+idem_runner *demo_runner_open(const demo_config *cfg);
 
 /* workload.c */
 int			plan_build(const demo_config *cfg, demo_plan *plan);
@@ -234,6 +263,7 @@ int			queue_ack_many(queue *q, const char *const *ids, int n);
 int			queue_group_state(queue *q, long *pending, char *last_delivered,
 							  size_t len);
 int			queue_drop_stream(queue *q);
+int			queue_last_id(queue *q, char *last, size_t len);
 
 /* worker.c */
 void		worker_main(const demo_config *cfg, int slot, int gen) __attribute__((noreturn));
@@ -248,12 +278,17 @@ int			batch_wants(const queue_msg *m);
 void		batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 					  const queue_msg *const *msgs, int n);
 
+/* notices.c */
+void		consumer_main(const demo_config *cfg, int slot, int gen) __attribute__((noreturn));
+int			notices_drained(PGconn *conn, queue *nq, const demo_config *cfg);
+
 /* chaos.c */
 typedef struct chaos chaos;
 chaos	   *chaos_new(const demo_config *cfg);
 void		chaos_free(chaos *c);
-/* Maybe inject one fault; pids of the workers; returns the slot killed or -1. */
-int			chaos_tick(chaos *c, pid_t *pids, int n);
+/* Maybe inject one fault; pids[0..n): the workers (the first nworkers),
+ * then stage two's consumers; returns the slot killed or -1. */
+int			chaos_tick(chaos *c, pid_t *pids, int n, int nworkers);
 void		chaos_describe(const chaos *c, char *buf, size_t len);
 
 /* misses.c */
@@ -269,6 +304,7 @@ void		progress_tick(const demo_config *cfg, const demo_plan *plan,
 						  int64_t started, int final);
 int			report_and_check(PGconn *conn, const demo_config *cfg,
 							 const demo_plan *plan, double seconds,
-							 long pending, int all_delivered, int timed_out);
+							 long pending, int all_delivered, int timed_out,
+							 queue *nq);
 
 #endif

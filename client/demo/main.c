@@ -1,9 +1,11 @@
 /*
  * main.c
  *	  idem-demo: the main job of idem.  Options, setup of the database and
- *	  the stream, the producer and K worker processes (fork), and the
- *	  parent's loop: restart killed workers, inject chaos, show progress,
- *	  stop when every message is acknowledged; then the report and the check.
+ *	  the stream, the producer, K worker processes and stage two's
+ *	  consumers (fork), and the parent's loop: restart killed workers and
+ *	  consumers, inject chaos, show progress, stop when every message is
+ *	  acknowledged and every notification published and acknowledged (or
+ *	  stage two stalls); then the report and the check.
  *	  Exit status: 0 when the check passes, 1 when it fails, 2 on a setup
  *	  error.
  */
@@ -25,6 +27,14 @@ static volatile sig_atomic_t interrupted = 0;
  * parent's PostgreSQL connection is left alone: PQfinish would end the
  * parent's session for it). */
 static queue *parent_q;
+static queue *parent_nq;		/* the notice stream's */
+
+static void
+quiet_notices(void *arg, const char *message)
+{
+	(void) arg;
+	(void) message;
+}
 
 static void
 on_interrupt(int sig)
@@ -80,6 +90,14 @@ usage(FILE *f)
 			"                          1: one message at a time through the runner\n"
 			"      --without-idem      negative control: the handlers' effects run\n"
 			"                          directly, without the runner; the check must FAIL\n"
+			"      --notices N         stage two: each transfer emits a notification that\n"
+			"                          N consumer processes apply to a ledger of notices\n"
+			"                          (default 2; 0: no stage two)\n"
+			"      --notice-valkey HOST:PORT  the Valkey the server's publisher XADDs the\n"
+			"                          notifications to (default: the cache's; then the\n"
+			"                          chaos spares its streams)\n"
+			"      --broken-consumer   stage two acks each entry before its run: a\n"
+			"                          negative control, the check must FAIL\n"
 			"  -v, --verbose           print every run error\n");
 }
 
@@ -98,6 +116,7 @@ parse_hostport(const char *s, char *host, size_t hostlen, int *port)
 	return *port > 0 && *port < 65536 ? 0 : -1;
 }
 
+/* slot < cfg->workers: a worker; above: one of stage two's consumers */
 static pid_t
 spawn_worker(const demo_config *cfg, int slot, int gen)
 {
@@ -110,6 +129,9 @@ spawn_worker(const demo_config *cfg, int slot, int gen)
 	{
 		prctl(PR_SET_PDEATHSIG, SIGTERM);	/* never outlive the parent */
 		queue_close(parent_q);
+		queue_close(parent_nq);
+		if (slot >= cfg->workers)
+			consumer_main(cfg, slot, gen);
 		worker_main(cfg, slot, gen);
 	}
 	return pid;
@@ -144,7 +166,14 @@ main(int argc, char **argv)
 				next_progress = 0,
 				next_drain_check = 0;
 	const char *valkey = NULL,
-			   *broker = NULL;
+			   *broker = NULL,
+			   *notice_valkey = NULL;
+	int			nprocs,
+				notices_asked,
+				stage_one_done = 0;
+	long		notice_seen = -1;
+	int64_t		notice_progress_at = 0;
+	queue	   *nq = NULL;
 	long		pending;
 
 	memset(&cfg, 0, sizeof(cfg));
@@ -160,6 +189,7 @@ main(int argc, char **argv)
 	cfg.chaos_interval_ms = 600;
 	cfg.purges = 6;
 	cfg.min_valkey_share = 50;
+	cfg.notices = 2;
 	cfg.seed = (unsigned) time(NULL) ^ (unsigned) getpid();
 
 	for (i = 1; i < argc; i++)
@@ -283,6 +313,18 @@ main(int argc, char **argv)
 		}
 		else if (strcmp(a, "--without-idem") == 0)
 			cfg.without_idem = 1;
+		else if (strcmp(a, "--notices") == 0)
+		{
+			NEEDV();
+			cfg.notices = atoi(v);
+		}
+		else if (strcmp(a, "--notice-valkey") == 0)
+		{
+			NEEDV();
+			notice_valkey = v;
+		}
+		else if (strcmp(a, "--broken-consumer") == 0)
+			cfg.broken_consumer = 1;
 		else if (strcmp(a, "--batch") == 0)
 		{
 			NEEDV();
@@ -338,9 +380,10 @@ main(int argc, char **argv)
 		cfg.tenants < 1 || cfg.accounts < 3 || cfg.dup_ratio < 0 ||
 		cfg.dup_ratio > 1 || cfg.lease_ms < 100 || cfg.purges < 0 ||
 		cfg.chaos_interval_ms < 10 || cfg.max_seconds < 1 ||
-		cfg.min_valkey_share < 0 || cfg.min_valkey_share > 100)
+		cfg.min_valkey_share < 0 || cfg.min_valkey_share > 100 ||
+		cfg.notices < 0 || cfg.workers + cfg.notices > DEMO_MAX_WORKERS)
 	{
-		fprintf(stderr, "idem-demo: an option is out of range (workers 1..%d, accounts >= 3, dup-ratio 0..1, lease >= 100)\n",
+		fprintf(stderr, "idem-demo: an option is out of range (workers + notices 1..%d, accounts >= 3, dup-ratio 0..1, lease >= 100)\n",
 				DEMO_MAX_WORKERS);
 		return 2;
 	}
@@ -377,9 +420,39 @@ main(int argc, char **argv)
 	}
 	if (cfg.shared_valkey)
 		cfg.broker_db = cfg.cache_db + 1;
+	/* stage two: its stream lives where the server's publisher puts it */
+	if (cfg.without_idem)
+		cfg.notices = 0;
+	if (notice_valkey)
+	{
+		if (parse_hostport(notice_valkey, cfg.notice_host, sizeof(cfg.notice_host),
+						   &cfg.notice_port) != 0)
+		{
+			fprintf(stderr, "idem-demo: --notice-valkey wants HOST:PORT\n");
+			return 2;
+		}
+	}
+	else if (cfg.cache_host[0] && cfg.cache_nodes == NULL)
+	{
+		snprintf(cfg.notice_host, sizeof(cfg.notice_host), "%s", cfg.cache_host);
+		cfg.notice_port = cfg.cache_port;
+	}
+	else if (cfg.notices > 0)
+	{
+		/* no Valkey for the publisher, or a cluster the chaos fails over */
+		printf("idem-demo: no stage two: %s\n", cfg.cache_host[0] ?
+			   "the cache is a cluster; name a single Valkey for the notifications with --notice-valkey" :
+			   "no Valkey for the notifications (--notice-valkey)");
+		cfg.notices = 0;
+	}
+	cfg.notice_in_cache = cfg.cache_host[0] &&
+		strcmp(cfg.notice_host, cfg.cache_host) == 0 &&
+		cfg.notice_port == cfg.cache_port;
 	snprintf(cfg.tag, sizeof(cfg.tag), "%06x", (cfg.seed * 2654435761u) & 0xffffff);
 	snprintf(cfg.stream, sizeof(cfg.stream), "idem-demo:%s", cfg.tag);
 	snprintf(cfg.group, sizeof(cfg.group), "workers");
+	snprintf(cfg.notice_stream, sizeof(cfg.notice_stream), "idem-demo:%s:notices", cfg.tag);
+	snprintf(cfg.notice_group, sizeof(cfg.notice_group), "notices");
 	setvbuf(stdout, NULL, _IOLBF, 0);
 
 	if (demo_shared_open() != 0)
@@ -398,6 +471,7 @@ main(int argc, char **argv)
 		PQfinish(conn);
 		return 2;
 	}
+	notices_asked = cfg.notices;
 	if (db_setup(conn, &cfg, &plan, err, sizeof(err)) != 0)
 	{
 		fprintf(stderr, "idem-demo: database setup failed: %s", err);
@@ -405,6 +479,8 @@ main(int argc, char **argv)
 		return 2;
 	}
 	setenv("IDEM_DEMO_SCHEMA", cfg.schema, 1);
+	/* the chaos's crash restarts would print a WARNING on it */
+	PQsetNoticeProcessor(conn, quiet_notices, NULL);
 
 	/* the queue */
 	q = queue_open(cfg.broker_host, cfg.broker_port, cfg.broker_db, cfg.stream,
@@ -415,6 +491,20 @@ main(int argc, char **argv)
 		PQfinish(conn);
 		return 2;
 	}
+
+	/* stage two's stream (db_setup turns stage two off on Citus) */
+	if (cfg.notices > 0)
+	{
+		nq = queue_open(cfg.notice_host, cfg.notice_port, cfg.notice_db,
+						cfg.notice_stream, cfg.notice_group, err, sizeof(err));
+		if (nq == NULL)
+		{
+			fprintf(stderr, "idem-demo: %s\n", err);
+			PQfinish(conn);
+			return 2;
+		}
+	}
+	nprocs = cfg.workers + cfg.notices;
 
 	printf("idem demo: exactly-once effects over at-least-once delivery\n");
 	printf("  queue    Valkey Streams at %s:%d%s, stream %s, group %s\n",
@@ -435,6 +525,14 @@ main(int argc, char **argv)
 	printf("  workers  %d processes, %d tenants x %d accounts, lease %d ms, chaos %s, seed %u%s\n",
 		   cfg.workers, cfg.tenants, cfg.accounts, cfg.lease_ms,
 		   cfg.chaos ? "on" : "off", cfg.seed, cfg.short_mode ? ", short run" : "");
+	if (cfg.notices > 0)
+		printf("  stage 2  each transfer emits a notification; %d consumers apply it to a\n"
+			   "           ledger of notices (stream %s at %s:%d%s)%s\n",
+			   cfg.notices, cfg.notice_stream, cfg.notice_host, cfg.notice_port,
+			   cfg.notice_in_cache ? ",\n           the cache's server: its chaos spares streams and restarts" : "",
+			   cfg.broken_consumer ? "\n           BROKEN CONSUMER: acks before the run, the check should fail" : "");
+	else if (notices_asked > 0)
+		printf("  stage 2  off: on Citus the outbox is not co-located with the ledger yet\n");
 	if (cfg.without_idem)
 		printf("  WITHOUT IDEM: a negative control; effects run directly, the check should fail\n");
 	printf("\n");
@@ -446,6 +544,7 @@ main(int argc, char **argv)
 	started = demo_now_ms();
 	fflush(stdout);
 	parent_q = q;
+	parent_nq = nq;
 	producer = fork();
 	if (producer == 0)
 	{
@@ -453,7 +552,7 @@ main(int argc, char **argv)
 		queue_close(parent_q);
 		producer_main(&cfg, &plan);
 	}
-	for (i = 0; i < cfg.workers; i++)
+	for (i = 0; i < nprocs; i++)
 	{
 		gens[i] = 0;
 		pids[i] = spawn_worker(&cfg, i, 0);
@@ -469,14 +568,16 @@ main(int argc, char **argv)
 		if (interrupted)
 			break;
 		/* reap: a worker that died is restarted (a killed one, or a crash) */
-		for (i = 0; i < cfg.workers; i++)
+		for (i = 0; i < nprocs; i++)
 		{
 			if (pids[i] > 0 && waitpid(pids[i], &st, WNOHANG) == pids[i])
 			{
 				if (!(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL))
 				{
 					g_shared->worker_exits_unexpected++;
-					demo_note_error("worker %d exited unexpectedly (status %d)", i, st);
+					demo_note_error("%s %d exited unexpectedly (status %d)",
+									i < cfg.workers ? "worker" : "consumer",
+									i < cfg.workers ? i : i - cfg.workers, st);
 				}
 				pids[i] = spawn_worker(&cfg, i, ++gens[i]);
 				g_shared->restarts++;
@@ -503,9 +604,36 @@ main(int argc, char **argv)
 			char		last[48];
 
 			next_drain_check = demo_now_ms() + 50;
-			if (queue_group_state(q, &pend, last, sizeof(last)) == 0 &&
+			if (!stage_one_done &&
+				queue_group_state(q, &pend, last, sizeof(last)) == 0 &&
 				pend == 0 && strcmp(last, g_shared->last_id) == 0)
+				stage_one_done = 1;
+			/* then stage two: every notification published and applied */
+			if (stage_one_done && nq == NULL)
 				break;
+			if (stage_one_done)
+			{
+				long		seen = tot.notice_read + tot.notice_acked;
+
+				next_drain_check = demo_now_ms() + 200;
+				if (notices_drained(conn, nq, &cfg))
+					break;
+				/*
+				 * Stage two redelivers within a lease; nothing for 15 s is
+				 * a stall (--broken-consumer's lost entries): the check
+				 * says what is missing.
+				 */
+				if (seen != notice_seen)
+				{
+					notice_seen = seen;
+					notice_progress_at = demo_now_ms();
+				}
+				else if (demo_now_ms() - notice_progress_at > 15000)
+				{
+					printf("  stage two made no progress for 15 s: stopping\n");
+					break;
+				}
+			}
 		}
 		if (demo_now_ms() - started > (int64_t) cfg.max_seconds * 1000)
 		{
@@ -513,7 +641,7 @@ main(int argc, char **argv)
 			break;
 		}
 		if (ch)
-			chaos_tick(ch, pids, cfg.workers);
+			chaos_tick(ch, pids, nprocs, cfg.workers);
 		if (demo_now_ms() >= next_progress)
 		{
 			progress_tick(&cfg, &plan, started, 0);
@@ -526,13 +654,13 @@ main(int argc, char **argv)
 		int64_t		deadline;
 
 		/* stop the workers; a clean exit after the message at hand */
-		for (i = 0; i < cfg.workers; i++)
+		for (i = 0; i < nprocs; i++)
 			if (pids[i] > 0)
 				kill(pids[i], SIGTERM);
 		if (producer > 0)
 			kill(producer, SIGTERM);
 		deadline = demo_now_ms() + 5000;
-		for (i = 0; i < cfg.workers; i++)
+		for (i = 0; i < nprocs; i++)
 		{
 			while (pids[i] > 0)
 			{
@@ -563,6 +691,9 @@ main(int argc, char **argv)
 			chaos_free(ch);
 			queue_drop_stream(q);
 			queue_close(q);
+			if (nq)
+				queue_drop_stream(nq);
+			queue_close(nq);
 			PQfinish(conn);
 			plan_free(&plan);
 			return 130;
@@ -578,11 +709,14 @@ main(int argc, char **argv)
 		if (PQstatus(conn) != CONNECTION_OK)
 			PQreset(conn);
 		rc = report_and_check(conn, &cfg, &plan, secs, pending, all_delivered,
-							  timed_out);
+							  timed_out, nq);
 	}
 	chaos_free(ch);
 	queue_drop_stream(q);
 	queue_close(q);
+	if (nq)
+		queue_drop_stream(nq);
+	queue_close(nq);
 	PQfinish(conn);
 	plan_free(&plan);
 	demo_shared_close();

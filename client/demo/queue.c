@@ -413,6 +413,30 @@ queue_drop_stream(queue *q)
 }
 
 /*
+ * The id of the stream's last entry (XREVRANGE ... COUNT 1) into last: ""
+ * when the stream is empty or missing.  0 on success.
+ */
+int
+queue_last_id(queue *q, char *last, size_t len)
+{
+	const char *argv[] = {"XREVRANGE", q->stream, "+", "-", "COUNT", "1"};
+	redisReply *r = command_argv(q, 6, argv);
+	int			rc = -1;
+
+	snprintf(last, len, "%s", "");
+	if (r && r->type == REDIS_REPLY_ARRAY)
+	{
+		rc = 0;
+		if (r->elements > 0 && r->element[0]->type == REDIS_REPLY_ARRAY &&
+			r->element[0]->elements > 0)
+			field_copy(last, len, r->element[0]->element[0]);
+	}
+	if (r)
+		freeReplyObject(r);
+	return rc;
+}
+
+/*
  * The group's state from the broker itself: pending count and the last id
  * handed out (XINFO GROUPS).  0 on success.  The broker is the authority on
  * what was acknowledged: a worker killed right after its XACK reached the

@@ -5,7 +5,10 @@
  *	  enqueued task applied exactly once (none doubled, none missing, none
  *	  on a frozen account), every balance equal to its opening plus the sum
  *	  of its unique transfers, every invoice paid once, a terminal ledger row
- *	  per task, the queue drained.
+ *	  per task, the queue drained; and for stage two (notices.c), every
+ *	  applied transfer's notification applied exactly once to the ledger of
+ *	  notices, none for a transfer that did not commit, the outbox and the
+ *	  notice stream drained.
  */
 #include "demo.h"
 
@@ -22,7 +25,8 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 	demo_counters t;
 	double		secs = (demo_now_ms() - started) / 1000.0;
 	long		chaos_events = g_shared->kills + g_shared->terminate_events +
-		g_shared->flushes + g_shared->cache_restarts;
+		g_shared->flushes + g_shared->cache_restarts + g_shared->notice_kills +
+		g_shared->server_kills + g_shared->server_terms;
 	double		frac;
 
 	(void) cfg;
@@ -45,11 +49,11 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 			bar[i] = i < w ? '#' : '.';
 		bar[20] = '\0';
 		snprintf(line, sizeof(line),
-				 "  [%s] %3d%% %ld/%d  applied %ld  replays %ld  busy %ld  errors %ld  chaos %ld  %.0f/s",
+				 "  [%s] %3d%% %ld/%d  applied %ld  replays %ld  busy %ld  errors %ld  notices %ld  chaos %ld  %.0f/s",
 				 bar, (int) (frac * 100), t.acks, plan->nmsgs, t.applied,
 				 t.replay_valkey + t.replay_pg + t.replay_twin, t.busy_valkey + t.busy_pg,
 				 t.err_connection + t.err_commit_unknown + t.err_other,
-				 chaos_events, secs > 0 ? t.deliveries / secs : 0.0);
+				 t.notice_applied, chaos_events, secs > 0 ? t.deliveries / secs : 0.0);
 		if ((int) strlen(line) > cols - 1)
 			line[cols - 1] = '\0';
 		printf("\r%s\033[K", line);
@@ -59,11 +63,11 @@ progress_tick(const demo_config *cfg, const demo_plan *plan, int64_t started,
 	}
 	else if (!final)
 	{
-		printf("  %5.1fs  acked %ld/%d (%d%%)  applied %ld  replays %ld  busy %ld  errors %ld  chaos events %ld\n",
+		printf("  %5.1fs  acked %ld/%d (%d%%)  applied %ld  replays %ld  busy %ld  errors %ld  notices %ld  chaos events %ld\n",
 			   secs, t.acks, plan->nmsgs, (int) (frac * 100), t.applied,
 			   t.replay_valkey + t.replay_pg + t.replay_twin, t.busy_valkey + t.busy_pg,
 			   t.err_connection + t.err_commit_unknown + t.err_other,
-			   chaos_events);
+			   t.notice_applied, chaos_events);
 		fflush(stdout);
 	}
 	else
@@ -130,9 +134,83 @@ show_rows(PGconn *conn, const char *title, const char *sql)
 	PQclear(r);
 }
 
+/*
+ * Stage two's check, from PostgreSQL: every transfers row (an applied
+ * transfer or invoice) has exactly one notice, carrying its transfer id;
+ * each message id applied once; no notice without a committed transfer;
+ * the outbox and the notice stream drained.  Counts into failures.
+ */
+static void
+check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
+{
+	long		v[7],
+				other_ids,
+				transfers,
+				notices,
+				ids,
+				missing,
+				doubled,
+				orphans,
+				outbox = -1,
+				pending = -1;
+	char		sql[1024],
+				last[48] = "",
+				delivered[48] = "";
+
+	snprintf(sql, sizeof(sql),
+			 "SELECT (SELECT count(*) FROM idem_demo.transfers),"
+			 " count(*), count(DISTINCT message_id),"
+			 " (SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS"
+			 "   (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)),"
+			 " (SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices"
+			 "   GROUP BY 1 HAVING count(*) > 1) d),"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.transfers t"
+			 "   WHERE t.task_key = n.task_key AND t.tenant_id = n.tenant_id"
+			 "   AND t.id = n.transfer_id)),"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.expected e"
+			 "   WHERE e.task_key = n.task_key AND n.message_id ="
+			 "   encode(%s.idem_key(e.scope, e.id), 'hex') || '-1'))"
+			 " FROM idem_demo.notices n", cfg->schema);
+	q_ints(conn, sql, v, 7);
+	transfers = v[0];
+	notices = v[1];
+	ids = v[2];
+	missing = v[3];
+	doubled = v[4];
+	orphans = v[5];
+	other_ids = v[6];
+	verdict(missing == 0 && doubled == 0 && orphans == 0 && other_ids == 0 &&
+			notices == transfers && ids == transfers,
+			"notifications exactly once: %ld transfers applied, %ld notices (%ld message ids); %ld missing, %ld doubled, %ld without a committed transfer, %ld not under their run's stable id",
+			transfers, notices, ids, missing, doubled, orphans, other_ids);
+	if (missing)
+		show_rows(conn, "transfer without its notice",
+				  "SELECT task_key, run_id, attempt, worker FROM idem_demo.transfers t "
+				  "WHERE NOT EXISTS (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key) LIMIT 5");
+	if (doubled)
+		show_rows(conn, "notice applied more than once",
+				  "SELECT message_id, task_key, attempt, consumer, applied_at FROM idem_demo.notices "
+				  "WHERE task_key IN (SELECT task_key FROM idem_demo.notices GROUP BY 1 "
+				  "HAVING count(*) > 1 LIMIT 5) ORDER BY task_key, id");
+	q_ints(conn,
+		   "SELECT count(*) FROM idem_demo.notices n JOIN idem_demo.expected e "
+		   "ON e.task_key = n.task_key WHERE NOT e.should_apply", v, 1);
+	verdict(v[0] == 0, "no notification for a refused transfer: %ld notices for frozen accounts", v[0]);
+	snprintf(sql, sizeof(sql), "SELECT count(*) FROM %s.idem_outbox", cfg->schema);
+	if (q_ints(conn, sql, v, 1) == 0)
+		outbox = v[0];
+	if (queue_last_id(nq, last, sizeof(last)) != 0 ||
+		queue_group_state(nq, &pending, delivered, sizeof(delivered)) != 0)
+		pending = -1;
+	verdict(outbox == 0 && pending == 0 && strcmp(last, delivered) == 0,
+			"notifications drained: %ld waiting in the outbox, %ld pending in the stream, all delivered: %s",
+			outbox, pending, strcmp(last, delivered) == 0 ? "yes" : "no");
+}
+
 int
 report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
-				 double secs, long pending, int all_delivered, int timed_out)
+				 double secs, long pending, int all_delivered, int timed_out,
+				 queue *nq)
 {
 	demo_counters t;
 	char		sql[2048];
@@ -182,11 +260,32 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 	printf("  Maintenance\n");
 	printf("    maintenance.purge runs   %7ld  (%ld expired ledger rows deleted, of %d seeded)\n",
 		   t.applied_purge, t.purge_deleted, cfg->seed_expired);
+	if (cfg->notices > 0)
+	{
+		printf("  Stage two: notifications (outbox -> stream -> %d consumers%s)\n",
+			   cfg->notices, cfg->broken_consumer ? ", BROKEN: ack first" : "");
+		printf("    entries read             %7ld  (acknowledged %ld; the rest came back)\n",
+			   t.notice_read, t.notice_acked);
+		printf("    applied / replayed       %7ld / %ld\n",
+			   t.notice_applied, t.notice_replayed);
+		printf("    left pending             %7ld  (%ld flaky first attempts, %ld busy, %ld errors)\n",
+			   t.notice_retryable + t.notice_busy + t.notice_errors,
+			   t.notice_retryable, t.notice_busy, t.notice_errors);
+	}
 	if (cfg->chaos)
 	{
 		printf("  Chaos\n");
 		printf("    workers killed (-9)      %7ld  (restarted; %ld unexpected exits)\n",
 			   g_shared->kills, g_shared->worker_exits_unexpected);
+		if (cfg->notices > 0)
+		{
+			printf("    consumers killed (-9)    %7ld  (stage two's; restarted)\n",
+				   g_shared->notice_kills);
+			printf("    server's idem killed (-9)%7ld  (its worker or publisher: PostgreSQL\n"
+				   "                                       restarts every backend%s)\n",
+				   g_shared->server_kills,
+				   g_shared->server_terms ? "; some only terminated" : "");
+		}
 		printf("    backends terminated      %7ld  (in %ld pg_terminate_backend rounds)\n",
 			   g_shared->backends_terminated, g_shared->terminate_events);
 		if (cfg->cache_nodes)
@@ -201,6 +300,8 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 			   cfg->cache_nodes ? "masters killed" : "restarts",
 			   g_shared->cache_restarts,
 			   g_shared->cache_restart_failures ? "  (some failed)" :
+			   cfg->notices > 0 && cfg->notice_in_cache ?
+			   "  (none: the notifications' streams live there; flushes instead)" :
 			   cfg->cache_nodes ? "  (SIGKILL; the replica promoted)" : "");
 	}
 	if (cfg->cache_host[0] && t.replay_pg > 0)
@@ -213,8 +314,9 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 		printf("    absent, commit unseen    %7ld  (its commit's worker was killed or lost\n"
 			   "                                       the COMMIT reply: no timing)\n",
 			   t.miss_unseen);
-		printf("    absent after a flush     %7ld  (a FLUSHALL since its commit)\n",
-			   t.miss_flushed);
+		printf("    absent after a flush     %7ld  (a FLUSHALL since its commit%s)\n",
+			   t.miss_flushed, g_shared->server_kills ?
+			   ",\n                                       or the server's crash: a new history epoch" : "");
 		printf("    absent after a %-9s %7ld  (since its commit: the copy lost with the\n"
 			   "                                       node or waiting for it)\n",
 			   cfg->cache_nodes ? "failover" : "restart", t.miss_failover);
@@ -379,10 +481,13 @@ report_and_check(PGconn *conn, const demo_config *cfg, const demo_plan *plan,
 			g_shared->enqueued == plan->nmsgs,
 			"queue drained: %ld of %d messages enqueued, all delivered: %s, %ld pending",
 			g_shared->enqueued, plan->nmsgs, all_delivered ? "yes" : "no", pending);
+	if (cfg->notices > 0)
+		check_notices(conn, cfg, nq);
 	if (g_shared->last_error[0] && (failures || cfg->verbose))
 		printf("    last error noted: %s\n", g_shared->last_error);
 	if (failures == 0)
-		printf("\nPASS: every task took effect exactly once, under at-least-once delivery%s.\n",
+		printf("\nPASS: every task took effect exactly once%s, under at-least-once delivery%s.\n",
+			   cfg->notices > 0 ? ", and so did its notification" : "",
 			   cfg->chaos ? " and chaos" : "");
 	else
 		printf("\nFAIL: the exactly-once check failed (see above).\n");

@@ -2,7 +2,8 @@
  * shared.c
  *	  What the parent and its worker processes share: the demo_shared block
  *	  (mapped before the first fork, so every child sees the same one), the
- *	  sum of the workers' counters, the last error, and the clock.  Every
+ *	  sum of the workers' counters, the last error, the clock, and the
+ *	  runner every worker and consumer opens.  Every
  *	  other file of the demo stands on it; it calls none of them.
  */
 #include "demo.h"
@@ -72,4 +73,19 @@ demo_counters_sum(demo_counters *out)
 		for (j = 0; j < n; j++)
 			dst[j] += __atomic_load_n(&src[j], __ATOMIC_RELAXED);
 	}
+}
+
+/* A runner with the demo's options (lease, cache); NULL on failure. */
+idem_runner *
+demo_runner_open(const demo_config *cfg)
+{
+	idem_options opts;
+
+	idem_options_init(&opts);
+	opts.lease_ms = cfg->lease_ms;
+	opts.valkey_db = cfg->cache_db;
+	opts.valkey_retry_ms = 300;
+	opts.valkey_nodes = cfg->cache_nodes;
+	return idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
+							cfg->cache_port, &opts);
 }

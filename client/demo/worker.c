@@ -37,6 +37,7 @@ on_term(int sig)
 
 typedef struct handler_ctx
 {
+	const demo_config *cfg;
 	const queue_msg *m;
 	int			slot;
 	long		purge_deleted;
@@ -132,6 +133,22 @@ money_handler(PGconn *conn, idem_call *call, void *arg)
 		snprintf(out, sizeof(out), "{\"transfer_id\": %s}", PQgetvalue(r, 0, 0));
 		idem_call_set_json(call, out);
 		hs = IDEM_HANDLER_OK;
+		/* stage two: the notification leaves when the transfer commits */
+		if (h->cfg->notices > 0)
+		{
+			char		body[256];
+
+			snprintf(body, sizeof(body),
+					 "{\"task_key\": \"%s:%s\", \"tenant\": %s, \"transfer_id\": %s}",
+					 strcmp(m->kind, "invoice.pay") == 0 ? "invoice" : "transfer",
+					 strcmp(m->kind, "invoice.pay") == 0 ? m->invoice : m->run_id,
+					 tenant, PQgetvalue(r, 0, 0));
+			if (idem_call_emit(call, h->cfg->notice_stream, body) != 0)
+			{
+				json_detail(call, "emit failed", conn, NULL);
+				hs = IDEM_HANDLER_RETRYABLE;
+			}
+		}
 	}
 	PQclear(r);
 	return hs;
@@ -253,6 +270,7 @@ process(const demo_config *cfg, idem_runner *runner, queue *q, int slot,
 	int			final = 0;
 
 	memset(&h, 0, sizeof(h));
+	h.cfg = cfg;
 	h.m = m;
 	h.slot = slot;
 	h.sleep_ms = cfg->handler_sleep_ms;
@@ -368,7 +386,6 @@ void
 worker_main(const demo_config *cfg, int slot, int gen)
 {
 	demo_counters *c = &g_shared->slot[slot];
-	idem_options opts;
 	idem_runner *runner;
 	PGconn	   *direct = NULL;	/* --without-idem only */
 	queue	   *q = NULL;
@@ -395,13 +412,7 @@ worker_main(const demo_config *cfg, int slot, int gen)
 	if (cfg->batch > 1 && !cfg->without_idem)
 		batch = batch_new(cfg, slot);
 
-	idem_options_init(&opts);
-	opts.lease_ms = cfg->lease_ms;
-	opts.valkey_db = cfg->cache_db;
-	opts.valkey_retry_ms = 300;
-	opts.valkey_nodes = cfg->cache_nodes;
-	runner = idem_runner_open(cfg->pg, cfg->cache_host[0] ? cfg->cache_host : NULL,
-							  cfg->cache_port, &opts);
+	runner = demo_runner_open(cfg);
 	if (runner == NULL || msgs == NULL || batched == NULL ||
 		(cfg->batch > 1 && !cfg->without_idem && batch == NULL))
 		_exit(3);
