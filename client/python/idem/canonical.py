@@ -260,8 +260,11 @@ def _text_bytes(s: Any, what: str) -> bytes:
 
 def idem_key(scope: str, id: str) -> bytes:
     """SQL ``idem_key(scope, id)``: 32 bytes."""
-    a = _text_bytes(scope, "scope")
-    b = _text_bytes(id, "id")
+    if type(scope) is str and type(id) is str and scope.isascii() and id.isascii() and \
+            "\x00" not in scope and "\x00" not in id:
+        a, b = scope.encode("ascii"), id.encode("ascii")    # _text_bytes's common text
+    else:
+        a, b = _text_bytes(scope, "scope"), _text_bytes(id, "id")
     return hashlib.sha256(_be32(len(a)) + a + _be32(len(b)) + b).digest()
 
 

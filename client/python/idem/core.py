@@ -6,6 +6,9 @@ them (runner.py imports the forms)."""
 import datetime
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+import weakref
+
+from . import resp
 from .health import Health
 from .pg import Conn
 from .trust import _ConnState
@@ -21,6 +24,15 @@ class RunnerCore(Protocol):
     lookup_first: bool
     stats: Dict[str, int]
     _health: Health
+    # what one run's replay reads directly (_RunContext._gate_direct)
+    _conns: "weakref.WeakKeyDictionary[Conn, _ConnState]"
+    _direct: Optional[resp.Direct]
+    _cluster_checked: bool
+    _rest_until: float
+
+    def _wants_learning(self, st: _ConnState) -> bool: ...
+
+    def _round_trip_failed(self, e: Exception) -> None: ...
 
     def _valkey_ok(self) -> bool: ...
 

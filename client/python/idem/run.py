@@ -4,8 +4,11 @@ lookup (3a), the claim (3b), the block, and the completion or failure
 committed with the effect.  apply.py and lease.py subclass it for their
 own step 3b; the Runner (runner.py) hands it its Valkey client and the
 session's state."""
+import binascii
+import hmac
 import json
 import os
+import time
 from types import TracebackType
 from typing import Any, List, NoReturn, Optional, Sequence, Tuple, Type
 
@@ -21,7 +24,8 @@ from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, 
                  _session_ended, _simple, _values, server_state_error, sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Failure,
-                     FailureSpec, Run, _failure_of, _make_run, _recorded_ending, _result_from_cache)
+                     FailureSpec, Run, _failure_of, _json_object, _make_run, _recorded_ending,
+                     _result_from_cache)
 from .trust import _ConnState, _wall_ms
 
 # The gate's answer: (decided, valkey_silent, mismatch_hint, marker_busy).
@@ -33,6 +37,18 @@ Ending = Tuple[bool, Optional[IdemError], Optional[FailureSpec], Optional[str], 
 
 # A context's session state before it is entered: a session of none.
 _UNENTERED = _ConnState(0)
+
+WHOSE_TX = "the run's transaction is the effect's, begun and committed by the runner"
+_IDLE = TransactionStatus.IDLE
+# _gate_direct's answer for a replay it decided; and what it calls
+_REPLAYED: Gate = tuple([True, False, False, False])   # type: ignore[assignment]
+_hexlify = binascii.hexlify
+_unhex = binascii.unhexlify
+_compare = hmac.compare_digest
+_match = cache._VALUE.match
+_monotonic = time.monotonic
+_time = time.time
+_urandom = os.urandom
 
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
@@ -139,6 +155,83 @@ class _RunContext:
         r = self.r
         packed = resp.gate(self.ckey, self.marker, r.lease_ms, self.st.owner_key or b"")
         return self._gate_answer(r._round_trip(self._gate_commands, (packed, 2)))
+
+    def _gate_direct(self) -> Optional[Gate]:
+        """_gate, flattened for the common case: a plain Valkey on the
+        runner's own connection (resp.Direct, made by an earlier round
+        trip), and a session that knows its cache.  The same bytes on the
+        wire; a verified terminal value of the same request is decided
+        here (_REPLAYED), anything else by _gate_answer from the same
+        replies.  None: not the common case, _gate decides."""
+        r, st = self.r, self.st
+        direct = r._direct
+        ks, current = st.keyspace, st.current
+        if direct is None or ks is None or current is None or st.owner_suspect or \
+                direct.client is not r.valkey or not r._cluster_checked or \
+                r._rest_until > _monotonic():
+            return None
+        run = self.run
+        tenant, key, lease_ms = run.tenant_id, run.key, r.lease_ms
+        # cache.cache_key, cache.encode_marker and resp.gate
+        self.ckey = ckey = (("%sp:%s" % (ks, key.hex())) if tenant is None else
+                            ("%st:%d:%s" % (ks, tenant, key.hex()))).encode("ascii")
+        rest = b"%d p %d %s" % (current, int(_time() * 1000) + lease_ms, _hexlify(_urandom(16)))
+        secrets = st.secrets
+        secret = secrets[current]
+        inner, outer = cache._PADS.get(secret) or cache._pads(secret)
+        h = inner.copy()
+        h.update(ckey + b"\x00" + rest)
+        o = outer.copy()
+        o.update(h.digest())
+        self.marker = marker = b"idem2 " + _hexlify(o.digest()) + b" " + rest
+        owner_key = st.owner_key or b""
+        lease = b"%d" % lease_ms
+        packed = b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n" \
+            b"$%d\r\n%s\r\n$3\r\nGET\r\n*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (
+                len(ckey), ckey, len(marker), marker, len(lease), lease, len(owner_key), owner_key)
+        try:
+            replies: Optional[List[Any]] = direct.exchange(packed, 2)
+        except Exception as e:
+            r._round_trip_failed(e)
+            replies = None
+        if replies is None:
+            return self._gate_answer(replies)
+        value, owner = replies
+        # trust.judge_one and cache.parse, verify, for a terminal value
+        # (cache._VALUE's groups: mac, key id, three marker groups, kind,
+        # attempt, expiry, fingerprint, outcome), _result_from_cache
+        health = r._health
+        m = None if type(value) is not bytes or owner != st.owner_token or \
+            type(owner) is not bytes or health.said is not None or \
+            health.owner_bad_since is not None else _match(value)
+        if m is None:
+            return self._gate_answer(replies)
+        mac, key_id, _, _, kind, attempt, expires, fp, outcome = m.groups()
+        if kind is None:
+            return self._gate_answer(replies)       # a marker
+        vsecret = secrets.get(int(key_id))
+        if vsecret is None or int(attempt) > cache.INT32_MAX or \
+                int(expires) > cache.EXPIRES_MAX or len(outcome) > cache.OUTCOME_MAX or \
+                _unhex(fp) != run.fingerprint:
+            return self._gate_answer(replies)
+        inner, outer = cache._PADS.get(vsecret) or cache._pads(vsecret)
+        h = inner.copy()
+        h.update(ckey + b"\x00" + value[cache.REST_OFFSET:])
+        o = outer.copy()
+        o.update(h.digest())
+        if not _compare(_hexlify(o.digest()), mac) or int(expires) <= int(_time() * 1000):
+            return self._gate_answer(replies)
+        try:
+            run.outcome = _json_object(outcome.decode("utf-8"))
+        except ValueError:
+            return self._gate_answer(replies)
+        st.owner_relearnt = False
+        run.valkey_used = True
+        run.status = REPLAYED if kind == b"c" else FAILED_PERMANENT
+        run.source = SOURCE_VALKEY
+        run.attempt = int(attempt)
+        r.stats["replayed_from_valkey"] += 1
+        return _REPLAYED
 
     def _gate_commands(self, pipe: Any) -> Any:
         """The gate's one round trip: our marker, set unless the key holds
@@ -402,10 +495,21 @@ class _RunContext:
     def __enter__(self) -> Run:
         r, conn = self.r, self.conn
         skip_gate = self._entering()
-        self.st = r._idle_state(conn, "the run's transaction is the effect's, begun and "
-                                "committed by the runner")
+        st = r._conns.get(conn)
+        pgconn = conn.pgconn
+        if st is None or not st.schema or pgconn.transaction_status != _IDLE or \
+                st.backend_pid != pgconn.backend_pid or r._wants_learning(st):
+            st = r._idle_state(conn, WHOSE_TX)
+        self.st = st
         try:
-            step = self._after_gate((False,) * 4 if skip_gate else self._gate())
+            if skip_gate:
+                gate: Gate = (False,) * 4
+            else:
+                direct = self._gate_direct() if type(self) is _RunContext else None
+                if direct is _REPLAYED:
+                    return self.run         # replayed: the value held, our marker unset
+                gate = self._gate() if direct is None else direct
+            step = self._after_gate(gate)
             if step == "lookup":
                 self._lookup()
             elif step == "claim" or (step == "lookup_or_claim" and not self._lookup()):
@@ -430,6 +534,8 @@ class _RunContext:
     def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
                  tb: Optional[TracebackType]) -> bool:
         if not self.run.claimed:
+            if type(self) is _RunContext and self.conn.pgconn.transaction_status == _IDLE:
+                return False        # _unclaimed_exit's common case
             rollback, err = self._unclaimed_exit(et)
             if rollback:
                 self.conn.rollback()
