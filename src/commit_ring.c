@@ -242,7 +242,7 @@ ring_append(const IdemRingRecord *rec, uint32 queued_ms)
 	 * preemption would, while others commit and the reader consumes past
 	 * the head read above.
 	 */
-	IDEM_INJECTION_POINT("idem-commit_ring-counted");
+	IDEM_INJECTION_POINT("idem-ring-counted");
 
 	for (;;)
 	{
@@ -279,7 +279,7 @@ ring_append(const IdemRingRecord *rec, uint32 queued_ms)
 	 * Reserved, not written: a test may hold this writer here (as a
 	 * preemption would) to check that the reader waits for it.
 	 */
-	IDEM_INJECTION_POINT("idem-commit_ring-reserved");
+	IDEM_INJECTION_POINT("idem-ring-reserved");
 
 	if (pad > 0)
 	{
