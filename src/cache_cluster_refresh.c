@@ -189,7 +189,7 @@ idem_cache_cluster_keyspace(char *buf, size_t buflen, Oid ledger, uint64 epoch)
 		TupleDesc	desc = SPI_tuptable->tupdesc;
 		bool		ok = DatumGetBool(SPI_getbinval(tup, desc, 3, &isnull));
 		char	   *res = SPI_getvalue(tup, desc, 4);
-		char	   *f[4];
+		char	   *f[4] = {NULL, NULL, NULL, NULL};
 		int			nf = 0;
 		char	   *save = NULL;
 		char	   *tok;
