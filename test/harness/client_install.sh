@@ -107,7 +107,7 @@ if [ -n "$SYSTEM" ]; then
 	echo "1..$n"
 	exit 0
 fi
-EXAMPLES="runner_sql_handler:README.md runner_c_handler:client/README.md"
+EXAMPLES="runner_sql_handler:client/README.md runner_c_handler:client/README.md"
 built=
 ln -s "$ROOT/examples" "$T/examples"
 for e in $EXAMPLES; do
