@@ -15,11 +15,7 @@ T=$(mktemp -d /tmp/idem-bench-smoke.XXXXXX)
 chmod 777 "$T"
 cleanup() { idem_pg_stop "$T"; idem_valkey_stop "$T"; rm -rf "$T"; }
 trap cleanup EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 
 cc -O2 -Wall -Wextra -Werror -Wno-missing-field-initializers \
 	-I"$ROOT/client" -I"$ROOT/src/common" -I"$("$(idem_pg_config)" --includedir)" \
