@@ -39,7 +39,7 @@
 #   BENCH_OUTBOX_BATCH        its rows per transaction           (default 256, as idem's)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_OUTBOX_CLIENTS:-8}
@@ -51,31 +51,8 @@ POLL_MS=${BENCH_OUTBOX_POLL_MS:-10}
 BATCH=${BENCH_OUTBOX_BATCH:-256}
 PY=${BENCH_PYTHON:-/usr/bin/python3}
 
-OWN=""
 hand_pub=""
-if [ -n "${BENCH_WORK:-}" ]; then
-	WORK=$BENCH_WORK
-	PGPORT=$BENCH_PGPORT
-	VKPORT=$BENCH_VKPORT
-else
-	idem_ensure_deps || exit 2
-	if [ -z "${IDEM_PG_ROOT:-}" ]; then
-		idem_serialize "$ROOT/tmp_pgroot.lock"
-		idem_pg_private_for "$ROOT" || exit 2
-	fi
-	idem_build_install "$ROOT" || exit 1
-	WORK=$(mktemp -d /tmp/idem-outbox.XXXXXX)
-	chmod 777 "$WORK"
-	OWN=1
-	trap 'idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"' EXIT
-	trap 'exit 130' INT TERM
-	PGPORT=$(idem_free_port)
-	VKPORT=$(idem_free_port)
-	idem_valkey_start "$WORK" "$VKPORT" || exit 1
-	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
-		"idem.valkey_port = $VKPORT" "max_wal_size = 4GB" || exit 1
-	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
-fi
+bench_server outbox "max_connections = 100" "shared_buffers = 256MB" "max_wal_size = 4GB"
 "$PY" -c 'import psycopg, redis' 2>/dev/null ||
 	{ echo "outbox.sh: needs python3-psycopg and python3-redis (make test installs them)" >&2; exit 1; }
 
@@ -83,8 +60,6 @@ PG="host=$WORK port=$PGPORT user=postgres dbname=postgres"
 OB="$ROOT/bench/outbox_bench.py"
 PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -h "$WORK" -p "$PGPORT" -U postgres -d postgres)
 VKCLI=("$(idem_valkey_cli)" -p "$VKPORT")
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-med() { tr ' ' '\n' | grep . | median; }
 
 "$PY" "$OB" setup "$PG" || { echo "outbox.sh: setup failed" >&2; exit 1; }
 mkdir -p "$WORK/outbox"
@@ -135,11 +110,7 @@ hand_stop() {
 }
 cleanup() {
 	[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null
-	if [ -n "$OWN" ]; then
-		idem_pg_stop "$WORK"
-		idem_valkey_stop "$WORK"
-		rm -rf "$WORK"
-	fi
+	bench_server_stop
 }
 trap cleanup EXIT
 
@@ -182,13 +153,13 @@ for sync in $SYNCS; do
 		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
 	done
 	declare -A m=()
-	for v in plain emit hand plain_away emit_away hand_away; do m[$v]=$(echo "${t[$v]}" | med); done
+	for v in plain emit hand plain_away emit_away hand_away; do m[$v]=$(echo "${t[$v]}" | median); done
 	row() { # label tps backlog base
 		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
 	}
 	row "no message" "${m[plain]}" - "${m[plain]}"
-	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | med)" "${m[plain]}"
-	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | med)" "${m[plain]}"
+	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | median)" "${m[plain]}"
+	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | median)" "${m[plain]}"
 	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
 	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
 	row "hand-written outbox, no publisher" "${m[hand_away]}" - "${m[plain_away]}"
@@ -230,9 +201,9 @@ for r in $(seq 1 "$ROUNDS"); do
 	done
 done
 printf '\n2. publish throughput: a backlog of %s messages drained, median of %s rounds (messages/s)\n' "$DRAIN_N" "$ROUNDS"
-printf '   idem publisher %10.0f\n' "$(echo "${d[idem]}" | med)"
-printf '   hand-written, one XADD per round trip %10.0f\n' "$(echo "${d[one]}" | med)"
-printf '   hand-written, pipelined XADDs         %10.0f\n' "$(echo "${d[pipe]}" | med)"
+printf '   idem publisher %10.0f\n' "$(echo "${d[idem]}" | median)"
+printf '   hand-written, one XADD per round trip %10.0f\n' "$(echo "${d[one]}" | median)"
+printf '   hand-written, pipelined XADDs         %10.0f\n' "$(echo "${d[pipe]}" | median)"
 unset d
 
 # 3. Commit -> stream lag at steady rates, synchronous_commit=on.
@@ -256,9 +227,9 @@ for rate in $RATES; do
 		done
 	done
 	for v in idem hand; do
-		printf '%8s %-12s %9.0f %9.2f %9.2f %9.2f %6s\n' "$rate" "$v" "$(echo "${n[$v]}" | med)" \
-			"$(echo "${p50[$v]}" | med)" "$(echo "${p99[$v]}" | med)" "$(echo "${mx[$v]}" | med)" \
-			"$(echo "${dup[$v]}" | med)"
+		printf '%8s %-12s %9.0f %9.2f %9.2f %9.2f %6s\n' "$rate" "$v" "$(echo "${n[$v]}" | median)" \
+			"$(echo "${p50[$v]}" | median)" "$(echo "${p99[$v]}" | median)" "$(echo "${mx[$v]}" | median)" \
+			"$(echo "${dup[$v]}" | median)"
 	done
 	unset n p50 p99 mx dup
 done
