@@ -13,7 +13,7 @@
  *	  again (store_check), whenever the relcache callback says one of them
  *	  changed.  ledger_store_relcache_cb is the one relcache callback of
  *	  idem, registered once by _PG_init; it also calls the others (the
- *	  direct write's, citus.c's, the Citus shard stores').
+ *	  direct write's, the outbox's, citus.c's, the Citus shard stores').
  *
  *	  Locking: every use locks the ledger, its key index and the tenants
  *	  table and index (AccessShareLock, to the end of the transaction)
