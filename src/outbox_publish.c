@@ -25,8 +25,9 @@
  * reply keeps all its messages of the round, sent again from the first
  * the next round: repeats of the same ids are possible, an overtake within
  * a stream is not; other streams go on.  A crash between the EVAL and the
- * delete sends those messages again after the restart, with the same ids:
- * at least once.  A message Valkey refuses (an error reply, say a stream
+ * delete, or before the delete's asynchronous commit is flushed, sends
+ * those messages again after the restart, with the same ids: at least
+ * once.  A message Valkey refuses (an error reply, say a stream
  * name that is a key of another type) is retried, with backoff, and
  * counted in publish_errors: nothing is dropped.
  *
@@ -270,6 +271,14 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 		pgstat_report_activity(STATE_RUNNING, "reading the outbox");
 		if (SPI_execute_plan(publish_read_plan, NULL, NULL, false, 0) != SPI_OK_SELECT)	/* after the delete */
 			elog(ERROR, "could not read the outbox");
+
+		/*
+		 * After the read's snapshot: past the commit record of every row it
+		 * saw (a commit's record is inserted before it is visible), and
+		 * before this transaction's own commit record, which nothing waits
+		 * for.
+		 */
+		*lsn = idem_insert_end_lsn();
 		n = (int) SPI_processed;
 		*msgs = MemoryContextAlloc(publish_cxt, sizeof(PublishMessage) * Max(n, 1));
 		for (i = 0; i < SPI_processed; i++)
@@ -291,8 +300,6 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 	CommitTransactionCommand();
 	pgstat_report_activity(STATE_IDLE, NULL);
 	publish_nsent = 0;
-	/* after the snapshot: past the commit record of every row it saw */
-	*lsn = idem_insert_end_lsn();
 	return n;
 }
 
@@ -539,13 +546,16 @@ idem_outbox_publisher_main(Datum main_arg)
 	}
 	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
 	/*
-	 * The deletes of published messages must not wait for a synchronous
-	 * standby that may be down.  They are flushed locally, though: the
-	 * next round's read covers this commit record (publish_read's lsn),
-	 * and left to the WAL writer it would cost every round
-	 * IDEM_PUBLISH_FLUSH_GRACE_MS before publish_wait_durable flushes it.
+	 * The deletes of published messages wait for no flush and no standby:
+	 * a delete lost in a crash sends its messages again, with their ids
+	 * (at least once).  A round waits only for the commits it read
+	 * (publish_read's lsn comes before its own commit record), which the
+	 * committing backends flush, or publish_wait_durable after
+	 * IDEM_PUBLISH_FLUSH_GRACE_MS (asynchronous commits): one flush per
+	 * round at most, and none of the publisher's own in the committers'
+	 * group commits.
 	 */
-	SetConfigOption("synchronous_commit", "local", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 
