@@ -75,6 +75,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
 
@@ -392,6 +393,8 @@ outbox_insert(Oid nsp, Datum stream, Datum id, Datum body)
 		TupleTableSlot *slot;
 
 		estate->es_output_cid = GetCurrentCommandId(true);
+		if (ActiveSnapshotSet())
+			estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
 		InitResultRelInfo(rri, rel, 0, NULL, 0);
 		estate->es_opened_result_relations =
 			lappend(estate->es_opened_result_relations, rri);
