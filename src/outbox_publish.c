@@ -556,6 +556,15 @@ idem_outbox_publisher_main(Datum main_arg)
 	 * group commits.
 	 */
 	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+
+	/*
+	 * Its two statements are planned once (publish_prepare), and a plan
+	 * made while the outbox was small (a scan of the whole table and a
+	 * sort) would read all of it every round once it grows, until the
+	 * next ANALYZE: they always take the oldest messages by the seq index.
+	 */
+	SetConfigOption("enable_seqscan", "off", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("enable_bitmapscan", "off", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 
