@@ -181,9 +181,9 @@ away() {
 	fi
 	sleep 0.5
 }
-printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended)\n' \
+printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended; paired: median of the rounds'"'"' own ratios)\n' \
 	"$CLIENTS" "$ROUNDS" "$SECS"
-printf '%-6s %-34s %9s %9s %12s\n' sync run tps backlog "/no message"
+printf '%-6s %-34s %9s %9s %12s %8s\n' sync run tps backlog "/no message" paired
 for sync in $SYNCS; do
 	declare -A t=() b=()
 	for r in $(seq 1 "$ROUNDS"); do
@@ -215,18 +215,27 @@ for sync in $SYNCS; do
 	done
 	declare -A m=()
 	for v in plain emit hand plain_away emit_away hand_away ${BASE:+base_plain base_emit}; do m[$v]=$(echo "${t[$v]}" | med); done
-	row() { # label tps backlog base
-		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
+	# paired: the median of each round's ratio to the run without a message
+	# of that round (run just before it): steadier than the ratio of the
+	# medians while the machine's speed drifts
+	paired() {
+		paste <(echo "${t[$1]}" | tr ' ' '\n' | grep .) <(echo "${t[$2]}" | tr ' ' '\n' | grep .) |
+			awk '$2 > 0 { print $1 / $2 }' | median
 	}
-	row "no message" "${m[plain]}" - "${m[plain]}"
-	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | med)" "${m[plain]}"
-	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | med)" "${m[plain]}"
-	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
-	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
-	row "hand-written outbox, no publisher" "${m[hand_away]}" - "${m[plain_away]}"
+	row() { # label run backlog base-run
+		printf '%-6s %-34s %9.0f %9s %12.2f %8.2f\n' "$sync" "$1" "${m[$2]}" "$3" \
+			"$(awk -v a="${m[$2]}" -v b="${m[$4]}" 'BEGIN { print a / b }')" "$(paired "$2" "$4")"
+	}
+	row "no message" plain - plain
+	row "idem_emit" emit "$(echo "${b[emit]}" | med)" plain
+	row "hand-written outbox" hand "$(echo "${b[hand]}" | med)" plain
+	row "no message, Valkey away" plain_away - plain_away
+	row "idem_emit, Valkey away" emit_away - plain_away
+	row "hand-written outbox, no publisher" hand_away - plain_away
 	if [ -n "$BASE" ]; then
-		row "no message, idem at $BASE" "${m[base_plain]}" - "${m[base_plain]}"
-		row "idem_emit, idem at $BASE" "${m[base_emit]}" "$(echo "${b[base_emit]}" | med)" "${m[base_plain]}"
+		row "no message, idem at $BASE" base_plain - base_plain
+		row "idem_emit, idem at $BASE" base_emit "$(echo "${b[base_emit]}" | med)" base_plain
+		row "no message at $BASE / this one" base_plain - plain
 	fi
 	unset t b m
 done
