@@ -92,6 +92,16 @@ pending_check_change(const char *what)
 				 errhint("Do not claim, complete or fail keys in triggers on the ledger; do it in the transaction before COMMIT.")));
 }
 
+/* The table's key of a claim: padding zeroed (the hash reads all bytes). */
+static void
+pending_hash_key(LedgerKey *k, LedgerKind kind, int64 tenant_id, const uint8 *key)
+{
+	memset(k, 0, sizeof(*k));
+	k->kind = kind;
+	k->tenant_id = tenant_id;
+	memcpy(k->key, key, IDEM_DIGEST_LEN);
+}
+
 /* The open (not yet written) claim of this key by this transaction. */
 PendingClaim *
 pending_find(const LedgerKey *lk)
@@ -101,10 +111,7 @@ pending_find(const LedgerKey *lk)
 
 	if (pending == NULL)
 		return NULL;
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
 	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
 	return (claim && claim->settled_level == 0 && !claim->taken) ? claim : NULL;
 }
@@ -131,10 +138,7 @@ pending_enter(const LedgerKey *lk)
 	}
 	else if (lk->kind != pending_kind || lk->tenant_id != pending_tenant)
 		pending_mixed = true;
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
 	return (PendingClaim *) hash_search(pending, &k, HASH_ENTER, NULL);
 }
 
@@ -209,10 +213,7 @@ pending_settle_taken(const LedgerKey *lk)
 
 	if (pending == NULL)
 		return;
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
 	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
 	if (claim == NULL || !claim->taken || claim->settled_level != 0)
 		return;
@@ -241,10 +242,7 @@ pending_held(const uint8 *key, LedgerKey *found)
 	{
 		LedgerKey	k;
 
-		memset(&k, 0, sizeof(k));
-		k.kind = pending_kind;
-		k.tenant_id = pending_tenant;
-		memcpy(k.key, key, IDEM_DIGEST_LEN);
+		pending_hash_key(&k, pending_kind, pending_tenant, key);
 		claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
 		if (claim == NULL || claim->settled_level != 0)
 			return 0;
