@@ -37,6 +37,11 @@
 #   BENCH_OUTBOX_LAT_SECONDS  seconds per paced run of part 3    (default 10)
 #   BENCH_OUTBOX_POLL_MS      the hand-written publisher's poll  (default 10)
 #   BENCH_OUTBOX_BATCH        its rows per transaction           (default 256, as idem's)
+#   BENCH_OUTBOX_BASE=<commit>  part 1 also runs the run without a message
+#                             and the emit with idem.so built at <commit>
+#                             (in a git worktree), in the same alternating
+#                             rounds: the server restarts with each library.
+#                             Only alone (its own server).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/bench/lib.sh"
@@ -55,6 +60,24 @@ hand_pub=""
 bench_server outbox "max_connections = 100" "shared_buffers = 256MB" "max_wal_size = 4GB"
 "$PY" -c 'import psycopg, redis' 2>/dev/null ||
 	{ echo "outbox.sh: needs python3-psycopg and python3-redis (make test installs them)" >&2; exit 1; }
+
+# BENCH_OUTBOX_BASE: the base's idem.so beside this tree's, swapped in by
+# a restart (a new file, never the mapped one overwritten).
+BASE=""
+if [ -n "${BENCH_OUTBOX_BASE:-}" ]; then
+	[ -n "$OWN" ] || { echo "outbox.sh: BENCH_OUTBOX_BASE needs its own server: run bench/outbox.sh alone" >&2; exit 2; }
+	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_OUTBOX_BASE^{commit}") || exit 2
+	LIBDIR=$("$(idem_pg_config)" --pkglibdir)
+	git -C "$ROOT" worktree add -q --detach "$WORK/base-src" "$BASE" || exit 1
+	make -C "$WORK/base-src" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$(idem_pg_config)" all >/dev/null 2>&1 ||
+		{ echo "outbox.sh: building idem at $BASE failed" >&2; git -C "$ROOT" worktree remove --force "$WORK/base-src"; exit 1; }
+	cp "$WORK/base-src/idem.so" "$WORK/idem-base.so" && cp "$LIBDIR/idem.so" "$WORK/idem-new.so" || exit 1
+	git -C "$ROOT" worktree remove --force "$WORK/base-src"
+fi
+use_so() {
+	cp "$WORK/idem-$1.so" "$LIBDIR/idem.so.bench" && mv -f "$LIBDIR/idem.so.bench" "$LIBDIR/idem.so" || return 1
+	idem_as_test_user "$(idem_pg_bindir)/pg_ctl" -D "$WORK/pg" -l "$WORK/pg.log" -w -t 60 restart >/dev/null 9>&-
+}
 
 PG="host=$WORK port=$PGPORT user=postgres dbname=postgres"
 OB="$ROOT/bench/outbox_bench.py"
@@ -110,6 +133,7 @@ hand_stop() {
 }
 cleanup() {
 	[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null
+	[ -z "$BASE" ] || use_so new
 	bench_server_stop
 }
 trap cleanup EXIT
@@ -128,12 +152,20 @@ away() {
 	fi
 	sleep 0.5
 }
-printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended)\n' \
+printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended; paired: median of the rounds'"'"' own ratios)\n' \
 	"$CLIENTS" "$ROUNDS" "$SECS"
-printf '%-6s %-34s %9s %9s %12s\n' sync run tps backlog "/no message"
+printf '%-6s %-34s %9s %9s %12s %8s\n' sync run tps backlog "/no message" paired
 for sync in $SYNCS; do
 	declare -A t=() b=()
 	for r in $(seq 1 "$ROUNDS"); do
+		if [ -n "$BASE" ]; then
+			use_so base
+			t[base_plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
+			t[base_emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
+			b[base_emit]+="$(idem_waiting) "
+			wait_empty
+			use_so new
+		fi
 		t[plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
 		t[emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
 		b[emit]+="$(idem_waiting) "
@@ -153,16 +185,29 @@ for sync in $SYNCS; do
 		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
 	done
 	declare -A m=()
-	for v in plain emit hand plain_away emit_away hand_away; do m[$v]=$(echo "${t[$v]}" | median); done
-	row() { # label tps backlog base
-		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
+	for v in plain emit hand plain_away emit_away hand_away ${BASE:+base_plain base_emit}; do m[$v]=$(echo "${t[$v]}" | median); done
+	# paired: the median of each round's ratio to the run without a message
+	# of that round (run just before it): steadier than the ratio of the
+	# medians while the machine's speed drifts
+	paired() {
+		paste <(echo "${t[$1]}" | tr ' ' '\n' | grep .) <(echo "${t[$2]}" | tr ' ' '\n' | grep .) |
+			awk '$2 > 0 { print $1 / $2 }' | median
 	}
-	row "no message" "${m[plain]}" - "${m[plain]}"
-	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | median)" "${m[plain]}"
-	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | median)" "${m[plain]}"
-	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
-	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
-	row "hand-written outbox, no publisher" "${m[hand_away]}" - "${m[plain_away]}"
+	row() { # label run backlog base-run
+		printf '%-6s %-34s %9.0f %9s %12.2f %8.2f\n' "$sync" "$1" "${m[$2]}" "$3" \
+			"$(awk -v a="${m[$2]}" -v b="${m[$4]}" 'BEGIN { print a / b }')" "$(paired "$2" "$4")"
+	}
+	row "no message" plain - plain
+	row "idem_emit" emit "$(echo "${b[emit]}" | median)" plain
+	row "hand-written outbox" hand "$(echo "${b[hand]}" | median)" plain
+	row "no message, Valkey away" plain_away - plain_away
+	row "idem_emit, Valkey away" emit_away - plain_away
+	row "hand-written outbox, no publisher" hand_away - plain_away
+	if [ -n "$BASE" ]; then
+		row "no message, idem at $BASE" base_plain - base_plain
+		row "idem_emit, idem at $BASE" base_emit "$(echo "${b[base_emit]}" | median)" base_plain
+		row "no message at $BASE / this one" base_plain - plain
+	fi
 	unset t b m
 done
 echo "   target: idem_emit >= 0.90 x no message"
