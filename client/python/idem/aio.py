@@ -278,27 +278,29 @@ class AsyncRunner(Runner):
 
     async def complete(self, conn: Any, tenant_id: Optional[int],  # type: ignore[override]
                        scope: str, run_id: str, outcome: Any = None, *,
-                       fence: Optional[int] = None, attempt: Optional[int] = None) -> None:
+                       fence: Optional[int] = None, attempt: Optional[int] = None) -> str:
         """Runner.complete."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
 
     async def fail(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                    run_id: str, detail: Any = None, *, fence: Optional[int] = None,
-                   attempt: Optional[int] = None, retryable: bool = False) -> None:
+                   attempt: Optional[int] = None, retryable: bool = False) -> str:
         """Runner.fail."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
                             ({} if detail is None else detail, retryable), fence)
 
     async def _asettle(self, conn: Any, tenant_id: Optional[int], scope: str, run_id: str,
                        attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
-                       fence: Optional[int] = None) -> None:
+                       fence: Optional[int] = None) -> str:
         _check_conn(conn, True)
         st = await self._alearnt_state(conn)
+        sql, params, status = settle_statement(self, st, tenant_id, scope, run_id, attempt,
+                                               outcome, failure, fence)
         try:
-            await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
-                                                 outcome, failure, fence))
+            await _aexec(conn, sql, params)
         except psycopg.Error as e:
             raise settle_failed(conn, e) from e
+        return status
 
     def batch(self, conn: Any, items: Iterable[Item]) -> "AsyncBatch":
         """``async with runner.batch(conn, items) as batch:`` (Runner.batch)."""

@@ -525,20 +525,25 @@ class Runner:
 
     def complete(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
                  outcome: Any = None, *, fence: Optional[int] = None,
-                 attempt: Optional[int] = None) -> None:
+                 attempt: Optional[int] = None) -> str:
         """Complete a key claimed in lease mode, fenced by the claim's
         ``fence`` (``lease.fence``), in the connection's transaction (it
         commits by itself on an autocommit connection).  LeaseLost if
         another claim took the key over.  ``attempt`` instead of ``fence``
         is the older, weaker fence: once the claim's row is purged, the
-        key's next claim is attempt 1 again."""
-        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
+        key's next claim is attempt 1 again.  Returns the status recorded:
+        ``applied``, or, for an outcome the ledger cannot store (not a
+        JSON object, over 4096 bytes), the failure a lease's block
+        records for it (``failed_permanent`` 22023, ``failed_retryable``
+        54000)."""
+        return settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
 
     def fail(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
              detail: Any = None, *, fence: Optional[int] = None,
-             attempt: Optional[int] = None, retryable: bool = False) -> None:
-        """Fail a key claimed in lease mode, as ``complete``."""
-        settle(self, conn, tenant_id, scope, run_id, attempt,
+             attempt: Optional[int] = None, retryable: bool = False) -> str:
+        """Fail a key claimed in lease mode, as ``complete``: returns the
+        status recorded (``failed_retryable`` or ``failed_permanent``)."""
+        return settle(self, conn, tenant_id, scope, run_id, attempt,
                failure=({} if detail is None else detail, retryable), fence=fence)
 
     def batch(self, conn: Conn, items: Iterable[Item]) -> Batch:
