@@ -12,13 +12,13 @@ nothing above them."""
 import datetime
 import functools
 import inspect
-from typing import Any
 import threading
 import time
 import uuid
 import weakref
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
-                    Union, cast)
+from types import TracebackType
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type,
+                    TypeVar, Union, cast)
 
 import psycopg
 import psycopg.sql
@@ -158,6 +158,19 @@ def relearn_bound_ms(ms: int) -> int:
     return ms
 
 
+def _close_client(client: Any) -> None:
+    """Close the connections of a redis-py client (a Redis or a
+    RedisCluster): redis-py 4's close() leaves its pools' connections
+    open."""
+    from redis.cluster import RedisCluster
+    nodes = [n.redis_connection for n in client.get_nodes()] \
+        if isinstance(client, RedisCluster) else [client]
+    for c in nodes:
+        if c is not None:
+            c.connection_pool.disconnect()
+    client.close()
+
+
 # A plain client of one node of a Valkey Cluster.
 CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
                    "speaks to one node: pass (host, port) or a cluster client, so that each "
@@ -177,6 +190,9 @@ class Runner:
 
     A runner may be shared by threads; each run uses the connection it is
     given, which must not be used by another thread meanwhile.
+
+    ``close()`` (or ``with idem.Runner(...) as runner:``) closes the
+    Valkey connections the runner made; a client given is the caller's.
     """
 
     def __init__(self, valkey: Any = None, *, lease: float = 30.0,
@@ -214,10 +230,13 @@ class Runner:
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         self.valkey: Any = None     # a redis.Redis or RedisCluster client, or None
+        # the clients made from (host, port): ours to close
+        self._own_clients: List[Any] = []
         if isinstance(valkey, tuple):
             host, port = valkey
             self._seed = (host, int(port))
             valkey = self._client(host, int(port))
+            self._own_clients.append(valkey)
         if valkey is not None:
             self.valkey = valkey
             self._cad = self._release_of(valkey)
@@ -268,9 +287,28 @@ class Runner:
                                            socket_connect_timeout=self._timeout,
                                            cluster_error_retry_attempts=1)
                     self._cad = self._release_of(cluster)
-                    self.valkey = cluster
+                    seed, self.valkey = self.valkey, cluster
+                    self._own_clients = [cluster]
+                    _close_client(seed)     # the seed node's plain client, ours
         _load_release(self.valkey)
         self._cluster_checked = True
+
+    def close(self) -> None:
+        """Close the Valkey connections the runner made: its client made
+        from ``(host, port)`` and its own direct connections (a client
+        given is the caller's to close).  A run after it connects again."""
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
+        for client in self._own_clients:
+            _close_client(client)
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.close()
 
     def _valkey_ok(self) -> bool:
         return self.valkey is not None and time.monotonic() >= self._rest_until

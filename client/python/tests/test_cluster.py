@@ -141,6 +141,7 @@ class Cluster(unittest.TestCase):
             finally:
                 await conn.close()
                 await other.close()
+                await runner.aclose()
         self.assertEqual(asyncio.run(main(False)), [("applied", "handler")] * len(ids))
         for id in ids:
             self.wait_copy(id)
@@ -202,6 +203,7 @@ async def main():
     vc.script_flush()
     await aretryable(runner, conn, ids[3])
     await conn.close()
+    await runner.aclose()
 asyncio.run(main())
 print(runner.stats["valkey_errors"])
 """

@@ -270,7 +270,8 @@ class RowFactories(unittest.TestCase):
             async def acheck():
                 aconn = await psycopg.AsyncConnection.connect(DSN, row_factory=factory)
                 try:
-                    return await AsyncRunner(("127.0.0.1", VPORT)).check(aconn)
+                    async with AsyncRunner(("127.0.0.1", VPORT)) as arunner:
+                        return await arunner.check(aconn)
                 finally:
                     await aconn.close()
             check = asyncio.run(acheck())
