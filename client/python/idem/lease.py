@@ -19,7 +19,7 @@ from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _se
                  server_state_error, sqlstate_of)
 from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, Failure, FailureSpec, Run,
                      _failure_of, _recorded, _recorded_ending)
-from .run import Ending, _RunContext
+from .run import Ending, _caught_timeout_failure, _RunContext
 
 
 
@@ -193,9 +193,13 @@ class _LeaseContext(_RunContext):
         if et is None and run.deferred:
             return False, None, None, None, False   # completed later, by its fence
         if ts == TransactionStatus.INERROR and et is None:
-            return True, IdemError("handler", "the block left the connection's transaction in "
-                                   "error: rolled back, nothing recorded (the lease ends it)"), \
-                None, None, False
+            # a timeout's cancel the block caught is its attempt (run.py)
+            caught = _caught_timeout_failure(conn) if failure is None else None
+            if caught is None:
+                return True, IdemError("handler", "the block left the connection's transaction "
+                                       "in error: rolled back, nothing recorded (the lease "
+                                       "ends it)"), None, None, False
+            failure = caught
         # an outcome or detail that cannot be stored fails the attempt, as in
         # a run (_recorded_ending); what the block left open rolls back
         # with it, as a handler's writes do in idem_apply
