@@ -32,6 +32,7 @@ from .pg import Conn, _exec, _raise_pg_error, sqlstate_of
 from .run import _RunContext
 from .trust import _ConnState
 from .health import Health
+from . import cluster as valkey_cluster
 from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
@@ -221,6 +222,8 @@ class Runner:
         self._conns: "weakref.WeakKeyDictionary[Conn, _ConnState]" = weakref.WeakKeyDictionary()
         self._rest_until = 0.0
         self._cluster_checked = False
+        self._is_cluster = False        # a RedisCluster: cluster.execute's round trips
+        self._refresh_map = False       # its slot map read again before the next
         self._cad: Any = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0, "gate_skipped_first": 0,
@@ -251,7 +254,9 @@ class Runner:
 
     def _release_of(self, client: Any) -> Any:
         """The compare-and-delete of our marker on client."""
-        return Release(client)
+        from redis.cluster import RedisCluster
+        return Release(client, valkey_cluster.execute if isinstance(client, RedisCluster)
+                       else None)
 
     def _first_contact(self) -> None:
         """At construction: a plain client of a cluster node is refused;
@@ -270,9 +275,15 @@ class Runner:
         RedisCluster), or refuse a plain client of one node."""
         if self._cluster_checked:
             return
+        with valkey_cluster.quiet():
+            self._route()
+
+    def _route(self) -> None:
+        """_check_cluster's work, the first time."""
         from redis.cluster import RedisCluster
         if isinstance(self.valkey, RedisCluster):
             _load_release(self.valkey)
+            self._is_cluster = True
             self._cluster_checked = True
             return
         info = self.valkey.info("cluster")
@@ -291,6 +302,7 @@ class Runner:
                     self._own_clients = [cluster]
                     _close_client(seed)     # the seed node's plain client, ours
         _load_release(self.valkey)
+        self._is_cluster = isinstance(self.valkey, RedisCluster)
         self._cluster_checked = True
 
     def close(self) -> None:
@@ -337,9 +349,15 @@ class Runner:
                 if direct is None or direct.client is not self.valkey:
                     direct = self._direct = resp.Direct(self.valkey)
                 return direct.exchange(packed[0], packed[1])
-            return list(fill(self.valkey.pipeline(transaction=False)).execute(
-                raise_on_error=False))
+            pipe = fill(self.valkey.pipeline(transaction=False))
+            if self._is_cluster:
+                if self._refresh_map:
+                    self._refresh_map = False
+                    valkey_cluster.refresh(self.valkey)
+                return valkey_cluster.execute(pipe)
+            return list(pipe.execute(raise_on_error=False))
         except Exception as e:
+            self._refresh_map = self._is_cluster    # a failover may have moved its slots
             self._round_trip_failed(e)
             return None
 
@@ -357,6 +375,7 @@ class Runner:
         try:
             self._cad(keys=[ckey], args=[marker])
         except Exception as e:
+            self._refresh_map = self._is_cluster
             self._valkey_failed(e)
 
     # ---- PostgreSQL: what the server says about its cache ----
