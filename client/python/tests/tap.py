@@ -1,13 +1,15 @@
 """Run the package's tests (unittest) and print one TAP line per test:
 "ok N - module: test's first docstring line" or "not ok N - ...", the
-failure's traceback on stderr.  Exit status 1 on any failure.
+failure's traceback after it as TAP diagnostics ("# " lines on stdout, which
+the suites print whole, however long the servers' logs after them).  Exit status 1 on any failure.
 
 What the tests (and the package, and the programs they start) write on
 stderr is caught (file descriptor 2) and must be nothing: a last line
-says so, or shows it with the test that was running.  The package's log
-(the "idem" logger: Valkey down, a malformed entry...), which fault tests
-provoke on purpose, goes to the file idem-python.log in the current
-directory instead of Python's last-resort handler on stderr.
+says so, or shows it (TAP diagnostics) with the test that was running.
+The package's log (the "idem" logger: Valkey down, a malformed
+entry...), which fault tests provoke on purpose, goes to the file
+idem-python.log in the current directory instead of Python's last-resort
+handler on stderr.
 
     python3 tap.py [--first N] [module...]
 
@@ -23,11 +25,10 @@ import unittest
 
 
 class TapResult(unittest.TestResult):
-    def __init__(self, first, err, caught):
+    def __init__(self, first, caught):
         super().__init__()
         self.n = first - 1
         self.bad = 0
-        self.err = err              # the real stderr
         self.caught = caught        # file descriptor 2 meanwhile
         self.read = 0               # how much of it was read
         self.noise = []             # (test, what it wrote on stderr)
@@ -61,8 +62,8 @@ class TapResult(unittest.TestResult):
     def addFailure(self, test, err):
         self.bad += 1
         self._line(False, test)
-        self.err.write("# %s\n%s\n" % (self._name(test), "".join(traceback.format_exception(*err))))
-        self.err.flush()
+        text = "".join(traceback.format_exception(*err))
+        print("".join("# " + line + "\n" for line in text.splitlines()), end="", flush=True)
 
     addError = addFailure
 
@@ -86,15 +87,15 @@ def main(argv):
     for m in mods:
         suite.addTests(unittest.defaultTestLoader.loadTestsFromName(m))
     caught = tempfile.TemporaryFile()
-    err = os.fdopen(os.dup(2), "w")
+    saved = os.dup(2)
     sys.stderr.flush()
     os.dup2(caught.fileno(), 2)
-    result = TapResult(first, err, caught)
+    result = TapResult(first, caught)
     try:
         suite.run(result)
     finally:
         sys.stderr.flush()
-        os.dup2(err.fileno(), 2)
+        os.dup2(saved, 2)
     if result.n < first:
         print("not ok %d - python: no test ran" % first)
         return 1
@@ -103,7 +104,9 @@ def main(argv):
         result.bad += 1
         print("not ok %d - python: the tests wrote nothing on stderr" % result.n)
         for name, text in result.noise:
-            err.write("# written on stderr during %s:\n%s\n" % (name, text))
+            print("# written on stderr during %s:" % name)
+            print("".join("# " + line + "\n" for line in text.splitlines()), end="",
+                  flush=True)
     else:
         print("ok %d - python: the tests wrote nothing on stderr" % result.n)
     return 1 if result.bad else 0
