@@ -9,7 +9,7 @@ says so, or shows it (TAP diagnostics) with the test that was running.
 The package's log (the "idem" logger: Valkey down, a malformed
 entry...), which fault tests provoke on purpose, goes to the file
 idem-python.log in the current directory instead of Python's last-resort
-handler on stderr.
+handler on stderr; any other logger's records still reach stderr.
 
     python3 tap.py [--first N] [module...]
 
@@ -81,8 +81,12 @@ def main(argv):
     mods = argv or (["test_unit"] + (["test_server", "test_health", "test_forms", "test_defaults", "test_aio",
                                       "test_consume", "test_pooler", "test_cluster", "test_rabbitmq", "test_epoch"]
                                      if os.environ.get("IDEM_PG_DSN") else []))
-    logging.basicConfig(filename="idem-python.log", level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the package's logger only: any other record (asyncio's "Task exception
+    # was never retrieved", redis-py's tracebacks) still reaches stderr
+    log = logging.FileHandler("idem-python.log")
+    log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("idem").addHandler(log)
+    logging.getLogger("idem").setLevel(logging.INFO)
     suite = unittest.TestSuite()
     for m in mods:
         suite.addTests(unittest.defaultTestLoader.loadTestsFromName(m))
