@@ -256,7 +256,7 @@ class ClusterFaults(_ClusterCase):
         raise AssertionError("the cluster is not ok again")
 
     def test_redis_py_logs_nothing_of_ours(self):
-        """redis-py's RedisCluster logs nothing while the runner's own commands meet a slot in migration (ASK), a slot moved (MOVED, the runner's map stale) and a master stopped (timeouts): every run decided, each effect once, and the stopped master told once through the idem logger"""
+        """redis-py's RedisCluster logs nothing while the runner's own commands meet a slot in migration (ASK), a slot moved (MOVED, the runner's map stale) and a master stopped (timeouts): every run decided, each effect once, the stopped master told once through the idem logger and given up at once, and Valkey used again after the rest"""
         records = []
 
         class Keep(logging.Handler):
@@ -312,6 +312,12 @@ class ClusterFaults(_ClusterCase):
         self.assertEqual((run.status, run.valkey_used), ("applied", False))
         self.assertEqual(len([r for r in records if r.startswith("idem WARNING")]), 1, records)
         self.wait_cluster_ok()
+        # after the rest, the map read again: that master's slots through Valkey again
+        time.sleep(1.1)
+        id = self.key_on("after", victim)
+        ids.append(id)
+        run = self.go(id, {})
+        self.assertEqual((run.status, run.valkey_used), ("applied", True))
         with admin() as c:
             n = c.execute("SELECT count(*), count(DISTINCT id) FROM effects WHERE scope = %s",
                           [self.scope]).fetchone()
