@@ -306,9 +306,12 @@ class ClusterFaults(_ClusterCase):
         ids.append(id)
         os.kill(pid, signal.SIGSTOP)
         try:
+            began = time.monotonic()
             run = self.go(id, {})
+            took = time.monotonic() - began
         finally:
             os.kill(pid, signal.SIGCONT)
+        print("# a run on a stopped master's slot: decided in %.2f s (valkey_timeout 0.2 s)" % took)
         self.assertEqual((run.status, run.valkey_used), ("applied", False))
         self.assertEqual(len([r for r in records if r.startswith("idem WARNING")]), 1, records)
         self.wait_cluster_ok()
