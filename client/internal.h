@@ -201,6 +201,11 @@ typedef struct idem_pg
 										 * state (idemc_error_is_servers)
 										 * a handler's statement met; "" */
 	char		handler_message[200];	/* ... its message */
+	char		handler_last_sqlstate[6];	/* the last error a handler's
+											 * statement met, but 25P02 (the
+											 * one that aborted its
+											 * transaction); "" */
+	char		handler_last_message[200];	/* ... its message */
 	long		round_trips;
 	long		connects;
 } idem_pg;
@@ -267,6 +272,13 @@ void		idemc_pg_outcome_clear(pg_outcome *o);
  * handler's attempt), 58 and XX, as idem_apply judges them.  message: the
  * error's primary message. */
 int			idemc_error_is_servers(const char *sqlstate, const char *message);
+/* A timeout's cancel: statement_timeout's 57014 (not an operator's) or
+ * lock_timeout's 55P03, the handler's attempt. */
+int			idemc_error_is_timeout(const char *sqlstate, const char *message);
+/* The error a handler's statement (or its first statement) met, seen by
+ * the runner (idem_pg.handler_sqlstate, .handler_last_sqlstate). */
+void		idemc_pg_handler_error(idem_pg *p, const char *sqlstate,
+								   const char *message);
 /* Watch the errors of the handler's statements (on) until off. */
 void		idemc_pg_watch_handler(idem_pg *p, int on);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */

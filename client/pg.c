@@ -240,30 +240,54 @@ idemc_error_is_servers(const char *st, const char *message)
 		strncmp(st, "XX", 2) == 0;
 }
 
+int
+idemc_error_is_timeout(const char *st, const char *message)
+{
+	if (st == NULL)
+		return 0;
+	return strcmp(st, "55P03") == 0 ||
+		(strcmp(st, "57014") == 0 && !idemc_error_is_servers(st, message));
+}
+
+void
+idemc_pg_handler_error(idem_pg *p, const char *st, const char *m)
+{
+	if (st == NULL || strlen(st) != 5)
+		return;
+	if (p->handler_sqlstate[0] == '\0' && idemc_error_is_servers(st, m))
+	{
+		snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
+		snprintf(p->handler_message, sizeof(p->handler_message), "%s",
+				 m ? m : "");
+	}
+	if (strcmp(st, "25P02") != 0)
+	{
+		snprintf(p->handler_last_sqlstate, sizeof(p->handler_last_sqlstate), "%s", st);
+		snprintf(p->handler_last_message, sizeof(p->handler_last_message), "%s",
+				 m ? m : "");
+	}
+}
+
 /*
  * libpq's event procedure on our connection: while a handler runs, the
- * first error result of the server's state (a serialization failure, a
- * deadlock, an operator's cancel) that one of its statements gets is
- * kept, so that the runner can tell the server's state from the handler's
- * answer (the handler sees the error; the runner never sees its results).
+ * errors its statements get are seen (idemc_pg_handler_error), so that the
+ * runner can tell the server's state (the first error of a serialization
+ * failure, a deadlock, an operator's cancel) from the handler's answer,
+ * and knows what aborted a transaction the handler left in error (the
+ * handler sees the errors; the runner never sees its results).
  */
 static int
 result_event(PGEventId id, void *info, void *pass)
 {
 	idem_pg    *p = pass;
 
-	if (id == PGEVT_RESULTCREATE && p->watching && p->handler_sqlstate[0] == '\0')
+	if (id == PGEVT_RESULTCREATE && p->watching)
 	{
 		const PGresult *res = ((const PGEventResultCreate *) info)->result;
-		const char *st = PQresultErrorField(res, PG_DIAG_SQLSTATE);
-		const char *m = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
 
-		if (PQresultStatus(res) == PGRES_FATAL_ERROR && idemc_error_is_servers(st, m))
-		{
-			snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
-			snprintf(p->handler_message, sizeof(p->handler_message), "%s",
-					 m ? m : "");
-		}
+		if (PQresultStatus(res) == PGRES_FATAL_ERROR)
+			idemc_pg_handler_error(p, PQresultErrorField(res, PG_DIAG_SQLSTATE),
+								   PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY));
 	}
 	return 1;
 }
@@ -275,6 +299,8 @@ idemc_pg_watch_handler(idem_pg *p, int on)
 	{
 		p->handler_sqlstate[0] = '\0';
 		p->handler_message[0] = '\0';
+		p->handler_last_sqlstate[0] = '\0';
+		p->handler_last_message[0] = '\0';
 	}
 	p->watching = on;
 }

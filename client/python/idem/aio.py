@@ -102,11 +102,46 @@ async def _asend(conn: AConn, statements: List[Statement],
         raise err from e
 
 
+async def _aclose_client(client: Any) -> None:
+    """Close a redis.asyncio client (a Redis or a RedisCluster) and its
+    connections (aclose since redis-py 5, close before)."""
+    close = getattr(client, "aclose", None) or client.close
+    await close()
+
+
 class AsyncRunner(Runner):
     """The runner for asyncio: ``valkey`` is ``(host, port)`` (a Valkey,
     or any node of a Valkey Cluster), a ``redis.asyncio`` client, or None;
     the options are the synchronous Runner's.  Each form takes a
-    ``psycopg.AsyncConnection``."""
+    ``psycopg.AsyncConnection``.
+
+    ``await runner.aclose()`` (or ``async with AsyncRunner(...) as
+    runner:``) closes the Valkey connections the runner made from
+    ``(host, port)``, in the event loop that used them (a client given is
+    the caller's to close).  Left open, redis.asyncio closes them when
+    they are garbage collected, possibly after their event loop ended
+    ("Event loop is closed" on stderr)."""
+
+    async def aclose(self) -> None:
+        """Close the Valkey connections the runner made (Runner.close).  A
+        run after it connects again."""
+        for client in self._own_clients:
+            await _aclose_client(client)
+
+    async def __aenter__(self) -> "AsyncRunner":
+        return self
+
+    async def __aexit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                        tb: Optional[TracebackType]) -> None:
+        await self.aclose()
+
+    def close(self) -> None:
+        """Refused: ``await runner.aclose()``."""
+        raise IdemError("state", "an AsyncRunner is closed by await runner.aclose() (or "
+                        "async with AsyncRunner(...) as runner:)")
+
+    def __enter__(self) -> "AsyncRunner":
+        raise IdemError("state", "an AsyncRunner is entered by async with")
 
     def _client(self, host: str, port: int) -> Any:
         """Runner._client, redis.asyncio's."""
@@ -143,7 +178,9 @@ class AsyncRunner(Runner):
                                        socket_timeout=self._timeout,
                                        socket_connect_timeout=self._timeout)
                 self._cad = self._release_of(cluster)
-                self.valkey = cluster
+                seed, self.valkey = self.valkey, cluster
+                self._own_clients = [cluster]
+                await _aclose_client(seed)      # the seed node's plain client, ours
         self._cluster_checked = True
 
     async def _around_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
@@ -278,27 +315,29 @@ class AsyncRunner(Runner):
 
     async def complete(self, conn: Any, tenant_id: Optional[int],  # type: ignore[override]
                        scope: str, run_id: str, outcome: Any = None, *,
-                       fence: Optional[int] = None, attempt: Optional[int] = None) -> None:
+                       fence: Optional[int] = None, attempt: Optional[int] = None) -> str:
         """Runner.complete."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
 
     async def fail(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                    run_id: str, detail: Any = None, *, fence: Optional[int] = None,
-                   attempt: Optional[int] = None, retryable: bool = False) -> None:
+                   attempt: Optional[int] = None, retryable: bool = False) -> str:
         """Runner.fail."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
                             ({} if detail is None else detail, retryable), fence)
 
     async def _asettle(self, conn: Any, tenant_id: Optional[int], scope: str, run_id: str,
                        attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
-                       fence: Optional[int] = None) -> None:
+                       fence: Optional[int] = None) -> str:
         _check_conn(conn, True)
         st = await self._alearnt_state(conn)
+        sql, params, status = settle_statement(self, st, tenant_id, scope, run_id, attempt,
+                                               outcome, failure, fence)
         try:
-            await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
-                                                 outcome, failure, fence))
+            await _aexec(conn, sql, params)
         except psycopg.Error as e:
             raise settle_failed(conn, e) from e
+        return status
 
     def batch(self, conn: Any, items: Iterable[Item]) -> "AsyncBatch":
         """``async with runner.batch(conn, items) as batch:`` (Runner.batch)."""

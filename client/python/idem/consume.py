@@ -210,6 +210,8 @@ class Consumer(_Base):
                                       socket_connect_timeout=1)
             if int(self.valkey.info("cluster").get("cluster_enabled", 0)) == 1:
                 from redis.cluster import RedisCluster
+                from .runner import _close_client
+                _close_client(self.valkey)      # the seed node's
                 self.valkey = RedisCluster(host=valkey[0], port=int(valkey[1]),
                                            socket_timeout=self.block_ms / 1000.0 + 5)
         self.conn: Any = None
@@ -313,7 +315,8 @@ class Consumer(_Base):
         """Close the Valkey client made from ``(host, port)`` (a client
         given is the caller's)."""
         if self.own_client:
-            self.valkey.close()
+            from .runner import _close_client
+            _close_client(self.valkey)
 
 
 class AsyncConsumer(_Base):
@@ -428,4 +431,5 @@ class AsyncConsumer(_Base):
     async def close(self) -> None:
         """Consumer.close, awaited."""
         if self.own_client:
-            await self.valkey.close()
+            from .aio import _aclose_client
+            await _aclose_client(self.valkey)

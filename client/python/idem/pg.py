@@ -118,6 +118,28 @@ def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
     return None
 
 
+# What statement_timeout's (57014) and lock_timeout's (55P03) cancels say,
+# in English (OPERATOR_CANCEL_MESSAGE's rule).
+TIMEOUT_MESSAGES = (("canceling statement due to statement timeout", "57014"),
+                    ("canceling statement due to lock timeout", "55P03"))
+
+
+def caught_timeout(conn: Any) -> Optional[Tuple[str, str]]:
+    """(sqlstate, message) of a timeout's cancel that a block caught, its
+    transaction left in error: the connection's last error (libpq's
+    PQerrorMessage, the only trace psycopg keeps of an error once the
+    block has dropped it), when it is one; else None.  A block that sent
+    more statements after it (each refused with 25P02) leaves no trace."""
+    try:
+        first = conn.pgconn.error_message.decode("utf-8", "replace").split("\n", 1)[0]
+    except Exception:
+        return None
+    for message, state in TIMEOUT_MESSAGES:
+        if first.endswith(message):
+            return state, message
+    return None
+
+
 # A statement and its parameters.
 Statement = Tuple[str, Optional[List[Any]]]
 

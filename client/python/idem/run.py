@@ -21,7 +21,8 @@ from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
 from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
                  _pipeline, _raise_ending, _raise_pg_error, _send,
-                 _session_ended, _simple, _values, server_state_error, sqlstate_of)
+                 _session_ended, _simple, _values, caught_timeout, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Failure,
                      FailureSpec, Run, _failure_of, _json_object, _make_run, _recorded_ending,
@@ -53,6 +54,19 @@ _urandom = os.urandom
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
 MARKER_CHEAP_MS = 1000
+
+
+def _caught_timeout_failure(conn: Any) -> Optional[FailureSpec]:
+    """A block that caught a timeout's cancel (statement_timeout's,
+    lock_timeout's) and ended without an answer, its transaction in error:
+    the effect cannot commit, and it is the attempt it would be had the
+    block let the cancel propagate, a retryable failure with {"sqlstate",
+    "message"} (the C runner's rule), so that max_attempts ends a block
+    that overruns on every delivery.  None if its error was another."""
+    timeout = caught_timeout(conn)
+    if timeout is None:
+        return None
+    return {"sqlstate": timeout[0], "message": timeout[1]}, True
 
 
 class _RunContext:
@@ -574,9 +588,11 @@ class _RunContext:
                 None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and ts == TransactionStatus.INERROR and failure is None:
-            return True, IdemError("handler", "the block left the transaction in error (a "
-                                   "failed statement it caught): rolled back, nothing "
-                                   "recorded"), None, None, False
+            failure = _caught_timeout_failure(conn)
+            if failure is None:
+                return True, IdemError("handler", "the block left the transaction in error (a "
+                                       "failed statement it caught): rolled back, nothing "
+                                       "recorded"), None, None, False
         failure, text = _recorded_ending(run, failure, et, suppress)
         return False, None, failure, text, suppress
 
