@@ -164,6 +164,8 @@ typedef enum pg_stmt
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
 	STMT_EMIT,					/* idem_emit: a C handler's messages (emit.c) */
+	STMT_DURABLE,				/* synchronous_commit at least on, for this
+								 * transaction (idem_pg.durable) */
 	/* the runner's transaction control, prepared like the rest */
 	STMT_BEGIN, STMT_SAVEPOINT, STMT_RELEASE, STMT_ROLLBACK_TO, STMT_COMMIT,
 	STMT_COUNT
@@ -196,6 +198,11 @@ typedef struct idem_pg
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */
+	int			durable;		/* each transaction a pipeline starts on
+								 * the idle connection runs STMT_DURABLE
+								 * first: its commit, and a replay it
+								 * answers, are durable when answered (the
+								 * stream consumer's runs, consume.c) */
 	int			watching;		/* a handler runs: its errors are seen */
 	char		handler_sqlstate[6];	/* the first error of the server's
 										 * state (idemc_error_is_servers)
@@ -223,7 +230,7 @@ typedef struct pg_cmd
 								 * in a first_sql slot when one is free */
 } pg_cmd;
 
-#define PG_MAX_CMDS 5
+#define PG_MAX_CMDS 6
 
 typedef enum pg_rc
 {
