@@ -521,10 +521,11 @@ test_valkey_restart(void)
 
 /*
  * A long WAL-writer cycle that starts now: an asynchronous commit, then
- * wal_writer_delay = 10s reloaded; once the WAL writer has written that
- * commit out it sleeps 10 s (not hibernating: it just did work), so that
- * an asynchronous commit made meanwhile is in shared memory only.  1 if
- * the cycle started.
+ * wal_writer_delay = 10s reloaded (and wal_writer_flush_after = 0: what
+ * it writes, it flushes, so that the flush position shows it); once the
+ * WAL writer has written that commit out it sleeps 10 s (not hibernating:
+ * it just did work), so that an asynchronous commit made meanwhile is in
+ * shared memory only.  1 if the cycle started.
  */
 static int
 long_wal_cycle(void)
@@ -540,6 +541,7 @@ long_wal_cycle(void)
 	pg_ok(admin, "INSERT INTO crash_marks VALUES ('cycle')");
 	lsn = pg_val(admin, "SELECT pg_current_wal_insert_lsn()::text", 0, NULL);
 	pg_ok(admin, "ALTER SYSTEM SET wal_writer_delay = '10s'");
+	pg_ok(admin, "ALTER SYSTEM SET wal_writer_flush_after = 0");
 	pg_ok(admin, "SELECT pg_reload_conf()");
 	while (lsn && !ok && now_ms() < end)
 	{
@@ -564,6 +566,7 @@ crash_server(void)
 	PQfinish(admin);
 	admin = pg_open(E.pg);
 	pg_ok(admin, "ALTER SYSTEM RESET wal_writer_delay");
+	pg_ok(admin, "ALTER SYSTEM RESET wal_writer_flush_after");
 	pg_ok(admin, "SELECT pg_reload_conf()");
 }
 
