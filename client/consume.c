@@ -251,29 +251,19 @@ idem_consumer_get_stats(const idem_consumer *c, idem_consumer_stats *out)
 static int
 vc_ready(idem_consumer *c)
 {
-	char		seeds[1024];
-	char		first[IDEM_VC_HOST_MAX + 8];
 	char		e[256];
 
 	if (c->vc == NULL)
 	{
 		idem_vc_options opt;
-		idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
 
-		idem_vc_format_endpoint(first, sizeof(first), c->host, c->port);
-		snprintf(seeds, sizeof(seeds), "%s%s%s", first,
-				 c->nodes ? "," : "", c->nodes ? c->nodes : "");
 		memset(&opt, 0, sizeof(opt));
-		opt.seeds = seeds;
-		opt.default_port = c->port;
 		opt.password = c->password;
 		opt.db = c->o.valkey_db;
-		opt.mode = c->o.valkey_cluster > 0 ? IDEM_VC_MODE_CLUSTER :
-			c->o.valkey_cluster < 0 ? IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 		opt.connect_timeout_ms = c->o.valkey_connect_timeout_ms;
 		opt.retry_ms = 0;
-		opt.blocking_reads = 1;
-		c->vc = idem_vc_new(&opt, &io, e, sizeof(e));
+		c->vc = idemc_vc_client_new(c->host, c->port, c->nodes,
+									c->o.valkey_cluster, &opt, e, sizeof(e));
 		if (c->vc == NULL)
 		{
 			snprintf(c->err, sizeof(c->err), "Valkey: %s", e);

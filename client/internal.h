@@ -40,6 +40,20 @@ int64_t		idem_vc_now_ms(void);
 #define idemc_now_ms idem_vc_now_ms
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
+/*
+ * A router of the client's (valkey_conn.c; it connects nothing yet): the
+ * gate's, or a stream consumer's.  Seeds host:port, then nodes
+ * ("host:port,..." or NULL); cluster > 0 a Valkey Cluster, < 0 a single
+ * Valkey, 0 INFO cluster decides (a cluster asked for with a db other
+ * than 0 is asked all the same: idem_vc_open then says -2); blocking
+ * reads, waited for with poll().  *opt holds the rest (password, db,
+ * timeouts, retry, setup); the seeds, port, mode and reads are set here.
+ * NULL with err set.
+ */
+struct idem_vc_options;
+struct idem_vc *idemc_vc_client_new(const char *host, int port, const char *nodes,
+									int cluster, struct idem_vc_options *opt,
+									char *err, size_t errlen);
 
 /* ---- the Valkey side: valkey_conn.c (the connections, on the shared
  * router), gate.c (the gate, lookups), release.c (compare-and-delete) ---- */

@@ -44,7 +44,8 @@ connection is not in the new server's WAL to flush.
 Consumer and AsyncConsumer share their steps (_Base: each poll is one
 generator of steps, driven by _drive or _adrive).  A step is a callable
 the driver calls; AsyncConsumer's return awaitables, which its driver
-awaits; an exception a step raises is raised at its yield."""
+awaits (Consumer's none: _drive is _adrive run without an event loop); an
+exception a step raises is raised at its yield."""
 import asyncio
 import inspect
 import json
@@ -119,23 +120,9 @@ def _entries(reply: Any) -> List[Entry]:
 Steps = Generator[Callable[[], Any], Any, Any]
 
 
-def _drive(steps: Steps) -> Any:
-    """Run steps, calling each callable they yield; their return value."""
-    try:
-        step = next(steps)
-        while True:
-            try:
-                value = step()
-            except Exception as e:
-                step = steps.throw(e)
-            else:
-                step = steps.send(value)
-    except StopIteration as done:
-        return done.value
-
-
 async def _adrive(steps: Steps) -> Any:
-    """_drive, awaiting what the callables return."""
+    """Run steps, calling each callable they yield and awaiting what it
+    returns if that is awaitable; their return value."""
     try:
         step = next(steps)
         while True:
@@ -149,6 +136,18 @@ async def _adrive(steps: Steps) -> Any:
                 step = steps.send(value)
     except StopIteration as done:
         return done.value
+
+
+def _drive(steps: Steps) -> Any:
+    """_adrive for steps whose callables return nothing awaitable: it never
+    suspends, so one send runs it to its end."""
+    coro = _adrive(steps)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a step of a synchronous consumer returned an awaitable")
 
 
 class _Base:

@@ -111,6 +111,29 @@ class Base(unittest.TestCase):
             self.assertLess(time.time(), end, "not drained in %d s: %r" % (timeout, c.stats))
             c.poll()
 
+    def drain_async(self, handler, acked, before=lambda: None, options="", **kw):
+        """An AsyncConsumer (AsyncRunner, redis.asyncio) polled until it
+        has acknowledged ``acked`` entries; before() first."""
+        import redis.asyncio
+        from idem.aio import AsyncRunner
+
+        async def main():
+            conn = await psycopg.AsyncConnection.connect(DSN, **({"options": options}
+                                                                 if options else {}))
+            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
+            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
+                                   group="g", consumer="ac", scope=self.scope, tenant=1,
+                                   handler=handler, block=0.1, **kw)
+            before()
+            end = time.time() + 15
+            while c.stats["acked"] < acked:
+                self.assertLess(time.time(), end, repr(c.stats))
+                await c.poll()
+            await c.close()
+            await runner.valkey.close()
+            await conn.close()
+        asyncio.run(main())
+
 
 class Sync(Base):
     def test_each_message_once(self):
@@ -356,8 +379,6 @@ class Crash(Base):
 
     def test_async_applied(self):
         """the asyncio consumer: a run applied with synchronous_commit = off, acknowledged, then a crash: the run survives"""
-        import redis.asyncio
-        from idem.aio import AsyncRunner
         got = []
 
         async def handler(conn, run, message):
@@ -365,31 +386,17 @@ class Crash(Base):
                                [run.scope, run.run_id])
             return {}
 
-        async def main():
-            conn = await psycopg.AsyncConnection.connect(DSN, options="-c synchronous_commit=off")
-            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
-            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
-                                   group="g", consumer="ac", scope=self.scope, tenant=1,
-                                   handler=handler, block=0.1,
-                                   settled=lambda m, r, a: got.append(r.status))
+        def before():
             long_wal_cycle()
             xadd(self.v, self.stream, "d3", {"n": 3})
-            end = time.time() + 15
-            while c.stats["acked"] < 1:
-                self.assertLess(time.time(), end, repr(c.stats))
-                await c.poll()
-            await c.close()
-            await runner.valkey.close()
-            await conn.close()
-        asyncio.run(main())
+        self.drain_async(handler, 1, before, options="-c synchronous_commit=off",
+                         settled=lambda m, r, a: got.append(r.status))
         self.survives("d3", got, "applied")
 
 
 class Async(Base):
     def test_async_consumer(self):
         """the asyncio consumer: each message once, duplicates once, a retryable failure redelivered"""
-        import redis.asyncio
-        from idem.aio import AsyncRunner
         tries = []
 
         async def handler(conn, run, message):
@@ -400,23 +407,10 @@ class Async(Base):
                                [run.scope, run.run_id])
             return {}
 
-        async def main():
-            for i in range(5):
-                xadd(self.v, self.stream, "a%d" % i, {"n": i})
-            xadd(self.v, self.stream, "a3", {"n": 3})
-            conn = await psycopg.AsyncConnection.connect(DSN)
-            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
-            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
-                                   group="g", consumer="ac", scope=self.scope, tenant=1,
-                                   handler=handler, block=0.1, claim_idle=0.3)
-            end = time.time() + 15
-            while c.stats["acked"] < 6:
-                self.assertLess(time.time(), end, repr(c.stats))
-                await c.poll()
-            await c.close()
-            await runner.valkey.close()
-            await conn.close()
-        asyncio.run(main())
+        for i in range(5):
+            xadd(self.v, self.stream, "a%d" % i, {"n": i})
+        xadd(self.v, self.stream, "a3", {"n": 3})
+        self.drain_async(handler, 6, claim_idle=0.3)
         self.assertEqual(effects(self.scope), 5)
         self.assertEqual(tries.count("a0"), 2)
         self.assertEqual(pending(self.v, self.stream, "g"), 0)
