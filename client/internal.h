@@ -40,6 +40,20 @@ int64_t		idem_vc_now_ms(void);
 #define idemc_now_ms idem_vc_now_ms
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
+/*
+ * A router of the client's (valkey_conn.c; it connects nothing yet): the
+ * gate's, or a stream consumer's.  Seeds host:port, then nodes
+ * ("host:port,..." or NULL); cluster > 0 a Valkey Cluster, < 0 a single
+ * Valkey, 0 INFO cluster decides (a cluster asked for with a db other
+ * than 0 is asked all the same: idem_vc_open then says -2); blocking
+ * reads, waited for with poll().  *opt holds the rest (password, db,
+ * timeouts, retry, setup); the seeds, port, mode and reads are set here.
+ * NULL with err set.
+ */
+struct idem_vc_options;
+struct idem_vc *idemc_vc_client_new(const char *host, int port, const char *nodes,
+									int cluster, struct idem_vc_options *opt,
+									char *err, size_t errlen);
 
 /* ---- the Valkey side: valkey_conn.c (the connections, on the shared
  * router), gate.c (the gate, lookups), release.c (compare-and-delete) ---- */
@@ -164,6 +178,8 @@ typedef enum pg_stmt
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
 	STMT_EMIT,					/* idem_emit: a C handler's messages (emit.c) */
+	STMT_DURABLE,				/* synchronous_commit at least on, for this
+								 * transaction (idem_pg.durable) */
 	/* the runner's transaction control, prepared like the rest */
 	STMT_BEGIN, STMT_SAVEPOINT, STMT_RELEASE, STMT_ROLLBACK_TO, STMT_COMMIT,
 	STMT_COUNT
@@ -196,6 +212,11 @@ typedef struct idem_pg
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */
+	int			durable;		/* each transaction a pipeline starts on
+								 * the idle connection runs STMT_DURABLE
+								 * first: its commit, and a replay it
+								 * answers, are durable when answered (the
+								 * stream consumer's runs, consume.c) */
 	int			watching;		/* a handler runs: its errors are seen */
 	char		handler_sqlstate[6];	/* the first error of the server's
 										 * state (idemc_error_is_servers)
@@ -228,7 +249,7 @@ typedef struct pg_cmd
 								 * in a first_sql slot when one is free */
 } pg_cmd;
 
-#define PG_MAX_CMDS 5
+#define PG_MAX_CMDS 6
 
 typedef enum pg_rc
 {

@@ -253,21 +253,22 @@ class AsyncRunner(Runner):
     def run(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
             run_id: str, request: Any, *, delivery_count: int = 0,
             first_sql: Optional[str] = None,
-            first_params: Optional[List[Any]] = None) -> "_AsyncRunContext":
+            first_params: Optional[List[Any]] = None,
+            durable: bool = False) -> "_AsyncRunContext":
         """``async with runner.run(conn, ...) as run:`` (Runner.run)."""
         _check_conn(conn, True)
         return _AsyncRunContext(self, conn, tenant_id, scope, run_id, request,
                                 delivery_count=delivery_count, first_sql=first_sql,
-                                first_params=first_params)
+                                first_params=first_params, durable=durable)
 
     async def call(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                    run_id: str, request: Any, handler: Callable[[Any, Run], Awaitable[Any]], *,
                    delivery_count: int = 0, first_sql: Optional[str] = None,
-                   first_params: Optional[List[Any]] = None) -> Run:
+                   first_params: Optional[List[Any]] = None, durable: bool = False) -> Run:
         """``await handler(conn, run)`` at most once per key (Runner.call)."""
         async with self.run(conn, tenant_id, scope, run_id, request,
                             delivery_count=delivery_count, first_sql=first_sql,
-                            first_params=first_params) as run:
+                            first_params=first_params, durable=durable) as run:
             if run.claimed:
                 try:
                     out = await handler(conn, run)
@@ -296,11 +297,12 @@ class AsyncRunner(Runner):
 
     async def apply(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                     run_id: str, request: Any, sql_handler: str, *, args: Any = None,
-                    delivery_count: int = 0) -> Run:
+                    delivery_count: int = 0, durable: bool = False) -> Run:
         """Runner.apply."""
         _check_conn(conn, True)
         async with _AsyncApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
-                                      args=args, delivery_count=delivery_count) as run:
+                                      args=args, delivery_count=delivery_count,
+                                      durable=durable) as run:
             pass
         return run
 
@@ -396,10 +398,13 @@ class _AsyncRunContext(_RunContext):
     async def _alookup(self) -> bool:
         row = None
         try:
-            cur = await _aexec(self.conn, self._sql("lookup"),
-                               [self.run.fingerprint] + self._key_params())
-            row = await cur.fetchone()
-            await self.r._aend_tx(self.conn)
+            params = [self.run.fingerprint] + self._key_params()
+            if self.durable:
+                row = await (await self._acommitted_alone(self._sql("lookup"), params)).fetchone()
+            else:
+                cur = await _aexec(self.conn, self._sql("lookup"), params)
+                row = await cur.fetchone()
+                await self.r._aend_tx(self.conn)
         except psycopg.Error as e:
             if self._lookup_refused(e):
                 await self.conn.rollback()
@@ -407,9 +412,9 @@ class _AsyncRunContext(_RunContext):
             await self._apg_error(e, "idem_lookup")
         return self._lookup_answer(row)
 
-    async def _aset_max_attempts(self) -> None:
-        if self.r.max_attempts is not None:
-            await _aexec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
+    async def _aset_settings(self) -> None:
+        for sql, params in self._settings():
+            await _aexec(self.conn, sql, params)
 
     async def _acommitted_alone(self, sql: str, params: List[Any]) -> ACursor:
         """_RunContext._committed_alone."""
@@ -442,7 +447,7 @@ class _AsyncRunContext(_RunContext):
                     if conn.autocommit:
                         await _aexec(conn, "BEGIN")
                     self.tx_open = True
-                    await self._aset_max_attempts()
+                    await self._aset_settings()
                     cur = await _aexec(conn, self._sql("claim"), self._claim_params())
                     await _aexec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
@@ -521,13 +526,13 @@ class _AsyncApplyContext(_AsyncRunContext, _ApplyContext):
     """runner.apply: the gate, then one idem_apply statement."""
 
     async def _aclaim(self) -> None:
-        conn, r = self.conn, self.r
+        conn = self.conn
         if _session_ended(conn):
             await self._adrop_marker()
             raise IdemError("connection", "connection lost before idem_apply was sent "
                             "(nothing committed)")
         try:
-            if conn.autocommit and r.max_attempts is None:
+            if conn.autocommit and not self._settings():
                 cur = await _aexec(conn, self._apply_sql(), self._apply_params())
             else:
                 cur = await self._acommitted_alone(self._apply_sql(), self._apply_params())

@@ -39,6 +39,12 @@ OPERATOR_CANCEL_MESSAGE = "canceling statement due to user request"
 # The runner's idem.max_attempts, for its claims' transactions.
 MAX_ATTEMPTS_SQL = "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)"
 
+# A durable run's (durable=True): synchronous_commit at least on (remote_apply
+# is kept) until its transaction ends, so that its commit, and a replay it is
+# answered (the server's durable replays), survive a crash once answered.
+DURABLE_SQL = ("SELECT pg_catalog.set_config('synchronous_commit', 'on', true) "
+               "WHERE pg_catalog.current_setting('synchronous_commit') <> 'remote_apply'")
+
 # The connection every form is given (any row factory).
 Conn = psycopg.Connection[Any]
 

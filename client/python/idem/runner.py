@@ -481,7 +481,7 @@ class Runner:
     # ---- the run ----
     def run(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
             request: Any, *, delivery_count: int = 0, first_sql: Optional[str] = None,
-            first_params: Optional[Sequence[Any]] = None) -> _RunContext:
+            first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> _RunContext:
         """A context manager: ``with runner.run(conn, 42, "billing.charge",
         run_id, request) as run:`` then ``if run.claimed:`` do the effect on
         ``conn`` and set ``run.outcome``.  See the package README.
@@ -490,15 +490,19 @@ class Runner:
         message, this one included (0: unknown); 1 skips the Valkey gate.
         ``first_sql`` (with ``first_params``): the block's first statement,
         sent with the claim; its rows are ``run.first`` (None unless
-        claimed)."""
+        claimed).  ``durable``: the run's transaction sets
+        synchronous_commit to at least on, locally, whatever the session's:
+        its answer (applied, failed, or replayed from PostgreSQL) survives
+        a crash of the server once returned, so the message may be
+        acknowledged; the stream consumers' runs are durable."""
         return _RunContext(self, conn, tenant_id, scope, run_id, request,
                            delivery_count=delivery_count, first_sql=first_sql,
-                           first_params=first_params)
+                           first_params=first_params, durable=durable)
 
     def call(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
              request: Any, handler: Callable[[Conn, Run], Any], *, delivery_count: int = 0,
              first_sql: Optional[str] = None,
-             first_params: Optional[Sequence[Any]] = None) -> Run:
+             first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> Run:
         """Run ``handler(conn, run)`` at most once per key, in the run's
         transaction; it returns the outcome (a dict; None means {}) or
         raises PermanentFailure / RetryableFailure to record a failure.
@@ -506,7 +510,7 @@ class Runner:
         is recorded as a retryable failure and propagates (one of the
         server's state, a serialization failure say, is not recorded)."""
         with self.run(conn, tenant_id, scope, run_id, request, delivery_count=delivery_count,
-                      first_sql=first_sql, first_params=first_params) as run:
+                      first_sql=first_sql, first_params=first_params, durable=durable) as run:
             if run.claimed:
                 try:
                     out = handler(conn, run)
@@ -551,7 +555,7 @@ class Runner:
     # ---- the forms beyond one run in the runner's transaction ----
     def apply(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
               request: Any, sql_handler: str, *, args: Any = None,
-              delivery_count: int = 0) -> Run:
+              delivery_count: int = 0, durable: bool = False) -> Run:
         """The effect is the SQL function ``sql_handler`` (regprocedure
         text, ``"charge(jsonb)"``: ``(args jsonb) RETURNS jsonb``, the
         outcome), run by the extension's idem_apply: claim, effect and
@@ -559,9 +563,9 @@ class Runner:
         itself.  ``args`` (JSON) is passed to it; None: the request.
         Returns the Run; an error the function raises is recorded as a
         failure (failed_permanent or failed_retryable, its sqlstate and
-        message as the detail)."""
+        message as the detail).  ``durable``: as for ``run``."""
         with _ApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
-                           args=args, delivery_count=delivery_count) as run:
+                           args=args, delivery_count=delivery_count, durable=durable) as run:
             pass
         return run
 
