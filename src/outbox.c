@@ -29,6 +29,16 @@
  *	  so that rolling the failure back brings them and their positions
  *	  back, as it brings back their rows.
  *
+ *	  idem_emit(tenant_id, key, stream, message) names the tenant ledger's
+ *	  claim outright.  On Citus that form is delegated by tenant_id like
+ *	  idem_claim, so it runs in the worker backend that holds the claim and
+ *	  its shard lock: the message goes into that node's own outbox (a local
+ *	  table on every node, never distributed), commits with the claim on
+ *	  that node, and that node's publisher publishes it.  A shard moved
+ *	  afterwards leaves it where it is.  An emit that
+ *	  finds no claim in a database whose tenant ledger is distributed says
+ *	  so (outbox_no_claim).
+ *
  *	  At commit (XACT_EVENT_COMMIT, after the commit record) a transaction
  *	  whose messages survived flags its database for the publisher
  *	  (idem_outbox_notify: no allocation, no error, no wait).  A prepared
@@ -62,6 +72,7 @@
 #include "utils/timestamp.h"
 
 #include "outbox.h"
+#include "citus.h"
 #include "compat.h"
 #include "digest.h"
 #include "outbox_publish.h"
@@ -69,6 +80,7 @@
 #include "subxact.h"
 
 PG_FUNCTION_INFO_V1(idem_emit);
+PG_FUNCTION_INFO_V1(idem_emit_tenant);
 
 /* One message emitted in this transaction. */
 typedef struct OutboxEmit
@@ -412,9 +424,45 @@ idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
 
 /* ---------- idem_emit ---------- */
 
-/* The held claim the message belongs to: the one, or the one of key. */
+/*
+ * The refusal of an emit for which this transaction holds no claim.  On a
+ * Citus node whose tenant ledger is distributed, a tenant's claim was
+ * taken on the worker node that holds its shard (idem_claim is delegated
+ * there), so the message must be recorded there too: the hint says how.
+ */
+static void
+outbox_no_claim(Oid nsp, bool tenant_form, const char *what)
+{
+	Oid			ledger = get_relname_relid(ledger_table_name(LEDGER_TENANT), nsp);
+
+	if (OidIsValid(ledger) && idem_citus_distributed(ledger))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message%s: this transaction holds no claim%s on this node", what[0] ? " for this key" : "", what),
+				 errdetail("On Citus, a tenant's claim is taken on the worker node that holds the tenant's shard, and its messages are recorded and published there."),
+				 tenant_form ?
+				 errhint("Call idem_emit(tenant_id, key, stream, message) as a statement of its own, with tenant_id a constant or a parameter, so that Citus delegates it to that node; not from a PL/pgSQL expression or a query's FROM.") :
+				 errhint("Call idem_emit(tenant_id, key, stream, message): Citus delegates it to the node of the tenant's claim, as it does idem_claim.")));
+	if (what[0] == '\0')
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message: this transaction holds no claim"),
+				 errdetail("A message belongs to the run of a key this transaction claimed and has not completed or failed yet."),
+				 errhint("Call idem_emit() in the handler's transaction, after idem_claim() and before idem_complete().")));
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("cannot emit a message for this key: this transaction holds no claim%s", what),
+			 tenant_form ?
+			 errhint("Pass the tenant and the key of a claim this transaction took and has not completed or failed yet.") :
+			 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
+}
+
+/*
+ * The held claim the message belongs to: the one, or the one of key, or
+ * (tenant_form) the tenant ledger's claim of key for tenant_id.
+ */
 static OutboxClaim *
-outbox_find_claim(const uint8 *key)
+outbox_find_claim(Oid nsp, const uint8 *key, bool tenant_form, int64 tenant_id)
 {
 	ListCell   *lc;
 	OutboxClaim *found = NULL;
@@ -427,6 +475,9 @@ outbox_find_claim(const uint8 *key)
 
 		if (claim->settled_level != 0)
 			continue;
+		if (tenant_form && (claim->lk.kind != LEDGER_TENANT ||
+							claim->lk.tenant_id != tenant_id))
+			continue;
 		held++;
 		if (key == NULL || memcmp(claim->lk.key, key, IDEM_DIGEST_LEN) == 0)
 		{
@@ -434,23 +485,18 @@ outbox_find_claim(const uint8 *key)
 			found = claim;
 		}
 	}
+	if (tenant_form && matching == 0)
+		outbox_no_claim(nsp, true, " of it for this tenant");
 	if (held == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message: this transaction holds no claim"),
-				 errdetail("A message belongs to the run of a key this transaction claimed and has not completed or failed yet."),
-				 errhint("Call idem_emit() in the handler's transaction, after idem_claim() and before idem_complete().")));
+		outbox_no_claim(nsp, false, "");
 	if (key != NULL && matching == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message for this key: this transaction holds no claim of it"),
-				 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
+		outbox_no_claim(nsp, false, " of it");
 	if (matching > 1)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("cannot emit a message: this transaction holds %d claims%s",
 						matching, key ? " of this key" : ""),
-				 errhint(key ? "The key is claimed in both ledgers or for two tenants; emit from one transaction per claim." :
+				 errhint(key ? "The key is claimed in both ledgers or for two tenants; name the tenant: idem_emit(tenant_id, key, stream, message)." :
 						 "Name the run's key: idem_emit(stream, message, key).")));
 	return found;
 }
@@ -483,17 +529,17 @@ outbox_insert_prepare(Oid nsp)
 }
 
 /*
- * idem_emit(stream text, message jsonb, key bytea DEFAULT NULL) RETURNS
- * text: the message's id.
+ * Record the message of arguments stream_arg and stream_arg + 1 for the
+ * claim outbox_find_claim finds (key: NULL or the key's digest; tenant_form:
+ * the tenant ledger's claim of tenant_id), in the outbox of schema nsp.
+ * Returns the message's id.
  */
-Datum
-idem_emit(PG_FUNCTION_ARGS)
+static text *
+outbox_record(FunctionCallInfo fcinfo, Oid nsp, int stream_arg,
+			  const uint8 *key, bool tenant_form, int64 tenant_id)
 {
-	Oid			nsp = get_func_namespace(fcinfo->flinfo->fn_oid);
 	text	   *stream;
 	Jsonb	   *message;
-	uint8		keybuf[IDEM_DIGEST_LEN];
-	const uint8 *key = NULL;
 	OutboxClaim *claim;
 	OutboxEmit *emit;
 	char		id[IDEM_DIGEST_LEN * 2 + 1 + 12];
@@ -503,11 +549,10 @@ idem_emit(PG_FUNCTION_ARGS)
 	int			n;
 	int			i;
 	MemoryContext oldcxt;
+	ListCell   *lc;
 
-	idem_require_arg(fcinfo, 0, "stream");
-	idem_require_arg(fcinfo, 1, "message");
-	stream = PG_GETARG_TEXT_PP(0);
-	message = PG_GETARG_JSONB_P(1);
+	stream = PG_GETARG_TEXT_PP(stream_arg);
+	message = PG_GETARG_JSONB_P(stream_arg + 1);
 	len = VARSIZE_ANY_EXHDR(stream);
 	if (len == 0)
 		ereport(ERROR,
@@ -528,25 +573,16 @@ idem_emit(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
 				 errmsg("message must be at most %d bytes", IDEM_OUTBOX_MESSAGE_MAX)));
-	if (PG_NARGS() > 2 && !PG_ARGISNULL(2))
-	{
-		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
-		key = keybuf;
-	}
-	claim = outbox_find_claim(key);
+	claim = outbox_find_claim(nsp, key, tenant_form, tenant_id);
 
 	/* its position: one after the live emits of every claim of the key */
 	n = 1;
+	foreach(lc, outbox_claims)
 	{
-		ListCell   *lc;
+		OutboxClaim *c = lfirst(lc);
 
-		foreach(lc, outbox_claims)
-		{
-			OutboxClaim *c = lfirst(lc);
-
-			if (memcmp(c->lk.key, claim->lk.key, IDEM_DIGEST_LEN) == 0)
-				n += outbox_live_emits(c, NULL);
-		}
+		if (memcmp(c->lk.key, claim->lk.key, IDEM_DIGEST_LEN) == 0)
+			n += outbox_live_emits(c, NULL);
 	}
 	for (i = 0; i < IDEM_DIGEST_LEN; i++)
 		snprintf(id + i * 2, 3, "%02x", claim->lk.key[i]);
@@ -569,5 +605,48 @@ idem_emit(PG_FUNCTION_ARGS)
 	claim->emits = lappend(claim->emits, emit);
 	MemoryContextSwitchTo(oldcxt);
 
-	PG_RETURN_TEXT_P(cstring_to_text(id));
+	return cstring_to_text(id);
+}
+
+/*
+ * idem_emit(stream text, message jsonb, key bytea DEFAULT NULL) RETURNS
+ * text: the message's id.
+ */
+Datum
+idem_emit(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = get_func_namespace(fcinfo->flinfo->fn_oid);
+	uint8		keybuf[IDEM_DIGEST_LEN];
+	const uint8 *key = NULL;
+
+	idem_require_arg(fcinfo, 0, "stream");
+	idem_require_arg(fcinfo, 1, "message");
+	if (PG_NARGS() > 2 && !PG_ARGISNULL(2))
+	{
+		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
+		key = keybuf;
+	}
+	PG_RETURN_TEXT_P(outbox_record(fcinfo, nsp, 0, key, false, 0));
+}
+
+/*
+ * idem_emit(tenant_id bigint, key bytea, stream text, message jsonb)
+ * RETURNS text: the same, for the tenant ledger's claim of key for
+ * tenant_id.  On Citus it is delegated by tenant_id, as idem_claim is
+ * (idem_citus_distribute), so it runs in the worker backend that holds
+ * the claim, and the message is recorded in that node's outbox and
+ * published by that node's publisher.
+ */
+Datum
+idem_emit_tenant(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = get_func_namespace(fcinfo->flinfo->fn_oid);
+	uint8		key[IDEM_DIGEST_LEN];
+
+	idem_require_arg(fcinfo, 0, "tenant_id");
+	idem_require_arg(fcinfo, 1, "key");
+	idem_require_arg(fcinfo, 2, "stream");
+	idem_require_arg(fcinfo, 3, "message");
+	idem_digest_check(PG_GETARG_BYTEA_PP(1), "key", key);
+	PG_RETURN_TEXT_P(outbox_record(fcinfo, nsp, 2, key, true, PG_GETARG_INT64(0)));
 }
