@@ -153,6 +153,16 @@ like($err, qr/ERROR:  55000: cannot emit a message: this transaction holds no cl
 	'the key form on the coordinator after a delegated claim: 55000');
 like($err, qr/HINT:  Call idem_emit\(tenant_id, key, stream, message\): Citus delegates it/,
 	'... whose hint names the tenant form');
+# The runners' statement (idem_call_emit, run.emit): a run's messages in one
+# statement of the key form, which runs on the coordinator: refused alike.
+($rc, $out, $err) = $c->psql('postgres', qq{
+	BEGIN;
+	SELECT idem_claim($t1, idem_key('ob', 'k'), idem_fingerprint('{}'));
+	SELECT idem_emit(e.value->>0, e.value->1, idem_key('ob', 'k'))
+	  FROM jsonb_array_elements('[["cit.k", {"n": 1}]]') AS e;
+	COMMIT;}, extra_params => [ '-v', 'VERBOSITY=verbose' ]);
+like($err, qr/ERROR:  55000: cannot emit a message: this transaction holds no claim on this node/,
+	'the runners\' emit statement on the coordinator: 55000, the same hint');
 ($rc, $out, $err) = $c->psql('postgres', qq{
 	BEGIN;
 	SELECT idem_claim($t1, idem_key('ob', 'k'), idem_fingerprint('{}'));
