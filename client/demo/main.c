@@ -532,7 +532,7 @@ main(int argc, char **argv)
 			   cfg.notice_in_cache ? ",\n           the cache's server: its chaos spares streams and restarts" : "",
 			   cfg.broken_consumer ? "\n           BROKEN CONSUMER: acks before the run, the check should fail" : "");
 	else if (notices_asked > 0)
-		printf("  stage 2  off: on Citus the outbox is not co-located with the ledger yet\n");
+		printf("  stage 2  off: on Citus the runner's idem_call_emit is refused (docs/citus.md)\n");
 	if (cfg.without_idem)
 		printf("  WITHOUT IDEM: a negative control; effects run directly, the check should fail\n");
 	printf("\n");

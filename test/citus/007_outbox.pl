@@ -8,7 +8,7 @@
 # cannot record is refused with 55000 and a hint; a shard moved while its
 # messages wait (the streams' Valkey down) loses none and sends none twice:
 # those committed before the move go out from the old node, those after it
-# from the new one.
+# from the new one; and so does a split.
 use strict;
 use warnings;
 
@@ -227,6 +227,24 @@ ok(IdemValkey::poll_until(10, sub { waiting($w1) eq '0' && waiting($w2) eq '0' }
 	'... and both outboxes are empty');
 sleep 2;
 is(stream_len('cit.m'), 8, '... and nothing is sent again later');
+
+# ---------- a shard split while its messages wait ----------
+$streams->stop;
+$c->safe_psql('postgres', run_sql($t2, "s$_", 'cit.sp', 'COMMIT', qq({"s": $_})))
+  foreach 1 .. 3;
+my $old_shard = $c->safe_psql('postgres',
+	"SELECT get_shard_id_for_distribution_column('tenants', ${t2}::bigint)");
+$c->safe_psql('postgres',
+	"SELECT isolate_tenant_to_new_shard('tenants', $t2, 'CASCADE', shard_transfer_mode => 'block_writes')");
+isnt($c->safe_psql('postgres', "SELECT get_shard_id_for_distribution_column('tenants', ${t2}::bigint)"),
+	$old_shard, 'the tenant was isolated into a new shard while 3 of its messages waited');
+$c->safe_psql('postgres', run_sql($t2, 's4', 'cit.sp', 'COMMIT', '{"s": 4}'));
+is(waiting($cl->node_of($t2)), '4', '... they and one emitted after the split wait in its node\'s outbox');
+$streams->start;
+ok(wait_len('cit.sp', 4), 'the streams\' Valkey back: they are published');
+is_deeply([ sort @{ entries('cit.sp') } ],
+	[ sort map { key_hex("s$_") . qq(-1 {"s":$_}) } 1 .. 4 ],
+	'... each once, with its id');
 
 IdemValkey::check_counters($_) foreach $cl->nodes;
 done_testing();
