@@ -74,6 +74,21 @@ sub run_sql
 my $t1 = $cl->tenant_on($w1);
 my $t2 = $cl->tenant_on($w2);
 
+# One transaction, claims on both workers (Citus commits it in two phases):
+# key $k1 for $t1 and $k2 for $t2, emitting {"n": $n} and {"n": $n + 1}.
+sub both_sql
+{
+	my ($k1, $k2, $stream, $n, $end) = @_;
+	my ($n2, $sql) = ($n + 1, 'BEGIN;');
+	$sql .= " SELECT idem_claim($_->[0], idem_key('ob', '$_->[1]'), idem_fingerprint('{}'));"
+	  foreach ([ $t1, $k1 ], [ $t2, $k2 ]);
+	$sql .= " SELECT idem_emit($t1, idem_key('ob', '$k1'), '$stream', '{\"n\": $n}');"
+	  . " SELECT idem_emit($t2, idem_key('ob', '$k2'), '$stream', '{\"n\": $n2}');";
+	$sql .= " SELECT idem_complete($_->[0], idem_key('ob', '$_->[1]'), '{}');"
+	  foreach ([ $t1, $k1 ], [ $t2, $k2 ]);
+	return "$sql $end;";
+}
+
 # ---------- set up by idem_install ----------
 is( $c->safe_psql('postgres', q{
 		SELECT string_agg(pg_get_function_identity_arguments(p.oid) || ': '
@@ -97,16 +112,7 @@ is($c->safe_psql('postgres', run_sql($t1, 'a', 'cit.s', 'COMMIT', '{"n": 1}', '{
 	'through the coordinator, for a tenant on w1: the ids are <key hex>-<n>');
 $c->safe_psql('postgres', run_sql($t2, 'b', 'cit.s', 'COMMIT', '{"n": 3}'));
 # One transaction, claims on both workers: Citus commits it in two phases.
-$c->safe_psql('postgres', qq{
-	BEGIN;
-	SELECT idem_claim($t1, idem_key('ob', 'c1'), idem_fingerprint('{}'));
-	SELECT idem_claim($t2, idem_key('ob', 'c2'), idem_fingerprint('{}'));
-	SELECT idem_emit($t1, idem_key('ob', 'c1'), 'cit.s', '{"n": 4}');
-	SELECT idem_emit($t2, idem_key('ob', 'c2'), 'cit.s', '{"n": 5}');
-	SELECT idem_complete($t1, idem_key('ob', 'c1'), '{}');
-	SELECT idem_complete($t2, idem_key('ob', 'c2'), '{}');
-	COMMIT;
-});
+$c->safe_psql('postgres', both_sql('c1', 'c2', 'cit.s', 4, 'COMMIT'));
 my @want = sort(
 	key_hex('a') . '-1 {"n":1}', key_hex('a') . '-2 {"n":2}', key_hex('b') . '-1 {"n":3}',
 	key_hex('c1') . '-1 {"n":4}', key_hex('c2') . '-1 {"n":5}');
@@ -119,14 +125,7 @@ is(join(' ', map { waiting($_) } $c, $w1, $w2), '0 0 0', '... and no outbox hold
 
 # ---------- rollbacks publish nothing ----------
 $c->safe_psql('postgres', run_sql($t1, 'r1', 'cit.r', 'ROLLBACK', '{"n": 1}'));
-$c->safe_psql('postgres', qq{
-	BEGIN;
-	SELECT idem_claim($t1, idem_key('ob', 'r2'), idem_fingerprint('{}'));
-	SELECT idem_claim($t2, idem_key('ob', 'r3'), idem_fingerprint('{}'));
-	SELECT idem_emit($t1, idem_key('ob', 'r2'), 'cit.r', '{"n": 2}');
-	SELECT idem_emit($t2, idem_key('ob', 'r3'), 'cit.r', '{"n": 3}');
-	ROLLBACK;
-});
+$c->safe_psql('postgres', both_sql('r2', 'r3', 'cit.r', 2, 'ROLLBACK'));
 # a failed effect says nothing either
 $c->safe_psql('postgres', qq{
 	BEGIN;
