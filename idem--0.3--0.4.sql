@@ -253,3 +253,14 @@ AS 'MODULE_PATHNAME', 'idem_emit_tenant'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_emit(bigint, bytea, text, jsonb) FROM PUBLIC;
+
+-- The messages of one run, [[stream, message], ...], for the tenant
+-- ledger's claim of key for tenant_id, recorded in order as idem_emit
+-- records each; their ids.  The runners send a run's messages with it in
+-- one statement, which Citus delegates by tenant_id like the rest.
+CREATE FUNCTION @extschema@.idem_emit_many(tenant_id bigint, key bytea, messages jsonb)
+RETURNS text[]
+AS 'MODULE_PATHNAME', 'idem_emit_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_emit_many(bigint, bytea, jsonb) FROM PUBLIC;

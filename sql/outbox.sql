@@ -115,6 +115,27 @@ ROLLBACK TO a;
 SELECT idem_emit(1, k('t'), 's.t', '[]');
 ROLLBACK TO a;
 \set VERBOSITY default
+-- idem_emit_many: a run's messages in one call, in order, its ids.
+SELECT idem_emit_many(1, k('t'), '[["s.t", {"x": 3}], ["s.t", {"x": 4}]]')
+       = ARRAY[encode(k('t'), 'hex') || '-3', encode(k('t'), 'hex') || '-4'] AS many;
+SELECT idem_emit_many(1, k('t'), '[]') AS none;
+SAVEPOINT a;
+SELECT idem_emit_many(1, k('t'), '{}');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[["s.t", {}], ["s.t"]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[[1, {}]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(3, k('t'), '[["s.t", {}]]');
+ROLLBACK TO a;
+\set VERBOSITY sqlstate
+SELECT idem_emit_many(1, k('t'), '[["s.t", [1]]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[["", {}]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), NULL);
+ROLLBACK TO a;
+\set VERBOSITY default
 SELECT idem_complete(1, k('t'), '{}');
 SELECT idem_complete(2, k('t'), '{}');
 SELECT idem_platform_complete(k('u'), '{}');

@@ -91,7 +91,7 @@ static ProcessUtility_hook_type citus_prev_utility = NULL;
  * message, key).
  */
 #define IDEM_CITUS_DELEGATED \
-	"idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced,idem_emit"
+	"idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced,idem_emit,idem_emit_many"
 
 static SPIPlanPtr shard_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
@@ -434,8 +434,8 @@ citus_delegate(const char *qledger, Oid nsp)
 /*
  * After ALTER EXTENSION idem UPDATE on a Citus coordinator whose tenant
  * ledger is distributed: the tenant API functions the update created
- * (idem_complete_fenced, idem_fail_fenced and the tenant form of idem_emit
- * from 0.4) are delegated as
+ * (idem_complete_fenced, idem_fail_fenced, the tenant form of idem_emit and
+ * idem_emit_many from 0.4) are delegated as
  * idem_install delegated those that existed then.  Citus has run the
  * update on the workers by now (it propagates the statement after running
  * it here), so they have the functions too.  Runs as the caller of the

@@ -81,6 +81,7 @@
 
 PG_FUNCTION_INFO_V1(idem_emit);
 PG_FUNCTION_INFO_V1(idem_emit_tenant);
+PG_FUNCTION_INFO_V1(idem_emit_many);
 
 /* One message emitted in this transaction. */
 typedef struct OutboxEmit
@@ -529,18 +530,12 @@ outbox_insert_prepare(Oid nsp)
 }
 
 /*
- * Record the message of arguments stream_arg and stream_arg + 1 for the
- * claim outbox_find_claim finds (key: NULL or the key's digest; tenant_form:
- * the tenant ledger's claim of tenant_id), in the outbox of schema nsp.
- * Returns the message's id.
+ * Record one message of the claim (found by outbox_find_claim) in the
+ * outbox of schema nsp.  Returns the message's id.
  */
 static text *
-outbox_record(FunctionCallInfo fcinfo, Oid nsp, int stream_arg,
-			  const uint8 *key, bool tenant_form, int64 tenant_id)
+outbox_record(Oid nsp, OutboxClaim *claim, text *stream, Jsonb *message)
 {
-	text	   *stream;
-	Jsonb	   *message;
-	OutboxClaim *claim;
 	OutboxEmit *emit;
 	char		id[IDEM_DIGEST_LEN * 2 + 1 + 12];
 	Datum		values[3];
@@ -551,8 +546,6 @@ outbox_record(FunctionCallInfo fcinfo, Oid nsp, int stream_arg,
 	MemoryContext oldcxt;
 	ListCell   *lc;
 
-	stream = PG_GETARG_TEXT_PP(stream_arg);
-	message = PG_GETARG_JSONB_P(stream_arg + 1);
 	len = VARSIZE_ANY_EXHDR(stream);
 	if (len == 0)
 		ereport(ERROR,
@@ -573,7 +566,6 @@ outbox_record(FunctionCallInfo fcinfo, Oid nsp, int stream_arg,
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
 				 errmsg("message must be at most %d bytes", IDEM_OUTBOX_MESSAGE_MAX)));
-	claim = outbox_find_claim(nsp, key, tenant_form, tenant_id);
 
 	/* its position: one after the live emits of every claim of the key */
 	n = 1;
@@ -626,7 +618,8 @@ idem_emit(PG_FUNCTION_ARGS)
 		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
 		key = keybuf;
 	}
-	PG_RETURN_TEXT_P(outbox_record(fcinfo, nsp, 0, key, false, 0));
+	PG_RETURN_TEXT_P(outbox_record(nsp, outbox_find_claim(nsp, key, false, 0),
+								   PG_GETARG_TEXT_PP(0), PG_GETARG_JSONB_P(1)));
 }
 
 /*
@@ -648,5 +641,70 @@ idem_emit_tenant(PG_FUNCTION_ARGS)
 	idem_require_arg(fcinfo, 2, "stream");
 	idem_require_arg(fcinfo, 3, "message");
 	idem_digest_check(PG_GETARG_BYTEA_PP(1), "key", key);
-	PG_RETURN_TEXT_P(outbox_record(fcinfo, nsp, 2, key, true, PG_GETARG_INT64(0)));
+	PG_RETURN_TEXT_P(outbox_record(nsp, outbox_find_claim(nsp, key, true, PG_GETARG_INT64(0)),
+								   PG_GETARG_TEXT_PP(2), PG_GETARG_JSONB_P(3)));
+}
+
+/* A refused element of idem_emit_many's messages. */
+static void
+outbox_bad_element(int i)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("element %d of messages is not a [stream, message] pair", i + 1),
+			 errhint("Pass a JSON array of [stream name, message object] arrays: '[[\"payments.charged\", {\"amount\": 5}]]'.")));
+}
+
+/*
+ * idem_emit_many(tenant_id bigint, key bytea, messages jsonb) RETURNS
+ * text[]: the messages of the tenant ledger's claim of key for tenant_id,
+ * [[stream, message], ...], recorded in order as idem_emit records each;
+ * their ids.  One call for a run's messages, delegated on Citus as the
+ * tenant form of idem_emit is (the runners send it with the completion).
+ */
+Datum
+idem_emit_many(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = get_func_namespace(fcinfo->flinfo->fn_oid);
+	uint8		key[IDEM_DIGEST_LEN];
+	Jsonb	   *messages;
+	OutboxClaim *claim;
+	Datum	   *ids;
+	int			n;
+	int			i;
+
+	idem_require_arg(fcinfo, 0, "tenant_id");
+	idem_require_arg(fcinfo, 1, "key");
+	idem_require_arg(fcinfo, 2, "messages");
+	idem_digest_check(PG_GETARG_BYTEA_PP(1), "key", key);
+	messages = PG_GETARG_JSONB_P(2);
+	if (!JB_ROOT_IS_ARRAY(messages) || JB_ROOT_IS_SCALAR(messages))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("messages must be a JSON array"),
+				 errhint("Pass a JSON array of [stream name, message object] arrays: '[[\"payments.charged\", {\"amount\": 5}]]'.")));
+	claim = outbox_find_claim(nsp, key, true, PG_GETARG_INT64(0));
+	n = JB_ROOT_COUNT(messages);
+	ids = palloc(sizeof(Datum) * Max(n, 1));
+	for (i = 0; i < n; i++)
+	{
+		JsonbValue *pair = getIthJsonbValueFromContainer(&messages->root, i);
+		JsonbValue *stream;
+		JsonbValue *message;
+
+		if (pair == NULL || pair->type != jbvBinary ||
+			!JsonContainerIsArray(pair->val.binary.data) ||
+			JsonContainerIsScalar(pair->val.binary.data) ||
+			JsonContainerSize(pair->val.binary.data) != 2)
+			outbox_bad_element(i);
+		stream = getIthJsonbValueFromContainer(pair->val.binary.data, 0);
+		message = getIthJsonbValueFromContainer(pair->val.binary.data, 1);
+		if (stream == NULL || stream->type != jbvString || message == NULL)
+			outbox_bad_element(i);
+		ids[i] = PointerGetDatum(outbox_record(nsp, claim,
+											   cstring_to_text_with_len(stream->val.string.val,
+																		stream->val.string.len),
+											   JsonbValueToJsonb(message)));
+	}
+	PG_RETURN_ARRAYTYPE_P(construct_array(ids, n, TEXTOID, -1, false, TYPALIGN_INT));
 }

@@ -447,9 +447,6 @@ db_setup(PGconn *conn, demo_config *cfg, const demo_plan *plan, char *err,
 		return -1;
 	if (citus && db_exec(conn, DEMO_CITUS, err, errlen) != 0)
 		return -1;
-	/* Citus: the runner's idem_call_emit is refused there (the key form) */
-	if (citus)
-		cfg->notices = 0;
 	if (cfg->notices > 0 && db_exec(conn, DEMO_NOTICES, err, errlen) != 0)
 		return -1;
 	snprintf(sql, sizeof(sql),

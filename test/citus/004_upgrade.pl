@@ -44,11 +44,11 @@ is( $c->safe_psql('postgres', q{SELECT extversion FROM pg_extension WHERE extnam
 	'0.4 0.4', 'ALTER EXTENSION idem UPDATE: 0.4 on the coordinator and the workers');
 is($c->safe_psql('postgres', $delegated),
 	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
-	  . 'idem_emit 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
+	  . 'idem_emit 0 true, idem_emit_many 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'... and the functions it created are delegated by tenant_id with force_delegation');
 is($cl->w1->safe_psql('postgres', $delegated),
 	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
-	  . 'idem_emit 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
+	  . 'idem_emit 0 true, idem_emit_many 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'... in the workers\' metadata too');
 
 # Lease mode through the coordinator: the claim commits alone, the fenced
@@ -107,7 +107,7 @@ $c->safe_psql('postgres', 'ALTER EXTENSION idem UPDATE');
 is($c->safe_psql('postgres', q{
 		SELECT count(*) FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid
 		WHERE d.classid = 'pg_proc'::regclass AND p.proname LIKE 'idem%'}),
-	'8', 'a second ALTER EXTENSION idem UPDATE changes nothing');
+	'9', 'a second ALTER EXTENSION idem UPDATE changes nothing');
 
 IdemValkey::check_counters($_) foreach $cl->nodes;
 $_->stop foreach reverse $cl->nodes;

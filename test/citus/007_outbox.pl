@@ -1,7 +1,9 @@
 # The outbox on Citus: a tenant's messages are recorded by the tenant form
 # idem_emit(tenant_id, key, stream, message), which Citus delegates like
-# idem_claim, into the outbox of the worker node that holds the claim; they
-# commit with the claim there and that node's publisher publishes them.
+# idem_claim (and a run's messages in one call of idem_emit_many, as the
+# runners send them), into the outbox of the worker node that holds the
+# claim; they commit with the claim there and that node's publisher
+# publishes them.
 # Emits through the coordinator for tenants on both workers (one node, and
 # two nodes in one two-phase transaction) are published exactly once by
 # id, each by its node; rollbacks publish nothing; an emit the coordinator
@@ -96,9 +98,10 @@ is( $c->safe_psql('postgres', q{
 		                  ' | ' ORDER BY p.pronargs)
 		FROM pg_proc p LEFT JOIN pg_dist_object d
 		  ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid
-		WHERE p.proname = 'idem_emit'}),
-	'stream text, message jsonb, key bytea: local | tenant_id bigint, key bytea, stream text, message jsonb: 0 true',
-	'install: the tenant form of idem_emit is delegated by tenant_id, the other runs where it is called');
+		WHERE p.proname IN ('idem_emit', 'idem_emit_many')}),
+	'stream text, message jsonb, key bytea: local | tenant_id bigint, key bytea, messages jsonb: 0 true'
+	  . ' | tenant_id bigint, key bytea, stream text, message jsonb: 0 true',
+	'install: the tenant form of idem_emit and idem_emit_many are delegated by tenant_id, the other runs where it is called');
 is( $c->safe_psql('postgres', q{
 		SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = 'idem_outbox'::regclass}),
 	'0', 'the outbox is a local table of each node, not a Citus table');
@@ -152,16 +155,6 @@ like($err, qr/ERROR:  55000: cannot emit a message: this transaction holds no cl
 	'the key form on the coordinator after a delegated claim: 55000');
 like($err, qr/HINT:  Call idem_emit\(tenant_id, key, stream, message\): Citus delegates it/,
 	'... whose hint names the tenant form');
-# The runners' statement (idem_call_emit, run.emit): a run's messages in one
-# statement of the key form, which runs on the coordinator: refused alike.
-($rc, $out, $err) = $c->psql('postgres', qq{
-	BEGIN;
-	SELECT idem_claim($t1, idem_key('ob', 'k'), idem_fingerprint('{}'));
-	SELECT idem_emit(e.value->>0, e.value->1, idem_key('ob', 'k'))
-	  FROM jsonb_array_elements('[["cit.k", {"n": 1}]]') AS e;
-	COMMIT;}, extra_params => [ '-v', 'VERBOSITY=verbose' ]);
-like($err, qr/ERROR:  55000: cannot emit a message: this transaction holds no claim on this node/,
-	'the runners\' emit statement on the coordinator: 55000, the same hint');
 ($rc, $out, $err) = $c->psql('postgres', qq{
 	BEGIN;
 	SELECT idem_claim($t1, idem_key('ob', 'k'), idem_fingerprint('{}'));
@@ -172,6 +165,19 @@ like($err, qr/ERROR:  55000: cannot emit a message for this key: this transactio
 like($err, qr/HINT:  Call idem_emit\(tenant_id, key, stream, message\) as a statement of its own/,
 	'... whose hint says how Citus delegates it');
 is(stream_len('cit.k'), 0, '... and nothing is published');
+
+# The runners' statement for a tenant's run (idem_call_emit, run.emit): its
+# messages in one call of idem_emit_many, delegated likewise.
+my $hrn = key_hex('rn');
+is( $c->safe_psql('postgres', qq{
+		BEGIN;
+		SELECT decision FROM idem_claim($t2, idem_key('ob', 'rn'), idem_fingerprint('{}'));
+		SELECT idem_emit_many($t2, idem_key('ob', 'rn'), '[["cit.rn", {"n": 1}], ["cit.rn", {"n": 2}]]');
+		SELECT idem_complete($t2, idem_key('ob', 'rn'), '{}');
+		COMMIT;}),
+	"claimed\n{$hrn-1,$hrn-2}\n", 'idem_emit_many through the coordinator: the ids, in order');
+ok(wait_len('cit.rn', 2), '... published');
+is_deeply(entries('cit.rn'), [ "$hrn-1 {\"n\":1}", "$hrn-2 {\"n\":2}" ], '... once each, in order');
 
 # idem_apply's SQL handler runs on the tenant's node: the key form works there.
 $c->safe_psql('postgres', q{
