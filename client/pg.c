@@ -498,7 +498,7 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_lookup_t", "idem_client_lookup_p",
 	"idem_client_keyspace", "idem_client_secrets",
 	"idem_client_apply_t", "idem_client_apply_p",
-	"idem_client_emit",
+	"idem_client_emit_t", "idem_client_emit_p",
 	"idem_client_begin", "idem_client_savepoint", "idem_client_release",
 	"idem_client_rollback_to", "idem_client_commit"
 };

@@ -196,7 +196,7 @@ check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 		   "SELECT count(*) FROM idem_demo.notices n JOIN idem_demo.expected e "
 		   "ON e.task_key = n.task_key WHERE NOT e.should_apply", v, 1);
 	verdict(v[0] == 0, "no notification for a refused transfer: %ld notices for frozen accounts", v[0]);
-	snprintf(sql, sizeof(sql), "SELECT count(*) FROM %s.idem_outbox", cfg->schema);
+	notices_outbox_sql(cfg, sql, sizeof(sql));
 	if (q_ints(conn, sql, v, 1) == 0)
 		outbox = v[0];
 	if (queue_last_id(nq, last, sizeof(last)) != 0 ||
