@@ -242,3 +242,25 @@ AS 'MODULE_PATHNAME', 'idem_emit'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
 REVOKE ALL ON FUNCTION @extschema@.idem_emit(text, jsonb, bytea) FROM PUBLIC;
+
+-- The same for the tenant ledger's claim of key for tenant_id, named
+-- outright.  On Citus idem_install (and this update, on the coordinator)
+-- delegates it by tenant_id, as idem_claim: it runs on the worker node
+-- that holds the claim, whose own outbox and publisher take the message.
+CREATE FUNCTION @extschema@.idem_emit(tenant_id bigint, key bytea, stream text, message jsonb)
+RETURNS text
+AS 'MODULE_PATHNAME', 'idem_emit_tenant'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_emit(bigint, bytea, text, jsonb) FROM PUBLIC;
+
+-- The messages of one run, [[stream, message], ...], for the tenant
+-- ledger's claim of key for tenant_id, recorded in order as idem_emit
+-- records each; their ids.  The runners send a run's messages with it in
+-- one statement, which Citus delegates by tenant_id like the rest.
+CREATE FUNCTION @extschema@.idem_emit_many(tenant_id bigint, key bytea, messages jsonb)
+RETURNS text[]
+AS 'MODULE_PATHNAME', 'idem_emit_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_emit_many(bigint, bytea, jsonb) FROM PUBLIC;

@@ -8,9 +8,11 @@
  *	  its messages are dropped with its writes.
  *
  *	  The messages are one JSON array parameter, [[stream, message], ...],
- *	  which one statement (STMT_EMIT) records in order, naming the run's
- *	  key (idem_emit's key argument): each message's id
- *	  is then "<the run's key in hex>-<n>", n its position among the run's
+ *	  which one statement records in order, naming the run's key:
+ *	  idem_emit_many(tenant, key, messages) for a tenant's run (on Citus,
+ *	  delegated to the node that holds the claim), idem_emit(stream,
+ *	  message, key) per element for the platform's.  Each message's id is
+ *	  then "<the run's key in hex>-<n>", n its position among the run's
  *	  emits in the transaction.
  *
  *	  Nothing here talks to a server.  Locking: none (a call is its
@@ -147,10 +149,10 @@ idem_call_emit(idem_call *c, const char *stream, const char *message_json)
 }
 
 void
-idemc_emit_cmd(idem_runner *r, const idem_call *call, pg_cmd *c)
+idemc_emit_cmd(run_state *s, const idem_call *call, pg_cmd *c)
 {
-	memset(c, 0, sizeof(*c));
-	c->sql = r->pg.sql[STMT_EMIT];
-	c->values[0] = call->emits;
-	c->nparams = idemc_run_param_digest(c, 1, call->key);
+	int			i = idemc_run_params_key(s, c, STMT_EMIT_T);
+
+	c->values[i++] = call->emits;
+	c->nparams = i;
 }

@@ -177,7 +177,7 @@ typedef enum pg_stmt
 	STMT_LOOKUP_T, STMT_LOOKUP_P,
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
-	STMT_EMIT,					/* idem_emit: a C handler's messages (emit.c) */
+	STMT_EMIT_T, STMT_EMIT_P,	/* idem_emit: a C handler's messages (emit.c) */
 	STMT_DURABLE,				/* synchronous_commit at least on, for this
 								 * transaction (idem_pg.durable) */
 	/* the runner's transaction control, prepared like the rest */

@@ -169,12 +169,14 @@ build_sql(idem_pg *p, const char *s)
 		"floor(extract(epoch FROM a.expires_at - clock_timestamp()) * 1000)::bigint, a.ran "
 		"FROM %s.idem_platform_apply($1::bytea, $2::bytea, $3::regprocedure, $4::jsonb, $5::interval) AS a",
 		/*
-		 * EMIT: a C handler's messages, [[stream, message], ...], for the
-		 * run's key, recorded in order (the function scan's rows, one
-		 * call each): their ids
+		 * EMIT_*: a C handler's messages, [[stream, message], ...], for the
+		 * run's key, recorded in order: the tenant's in one call, which
+		 * Citus delegates to the tenant's node; the platform's by the key
+		 * form, one call per row of the function scan
 		 */
-		"SELECT %s.idem_emit(e.value->>0, e.value->1, $2::bytea) "
-		"FROM jsonb_array_elements($1::jsonb) AS e",
+		"SELECT %s.idem_emit_many($1::bigint, $2::bytea, $3::jsonb)",
+		"SELECT %s.idem_emit(e.value->>0, e.value->1, $1::bytea) "
+		"FROM jsonb_array_elements($2::jsonb) AS e",
 		/*
 		 * DURABLE: synchronous_commit at least on (remote_apply is kept)
 		 * until the transaction ends (no schema, as transaction control).
@@ -528,7 +530,7 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_lookup_t", "idem_client_lookup_p",
 	"idem_client_keyspace", "idem_client_secrets",
 	"idem_client_apply_t", "idem_client_apply_p",
-	"idem_client_emit", "idem_client_durable",
+	"idem_client_emit_t", "idem_client_emit_p", "idem_client_durable",
 	"idem_client_begin", "idem_client_savepoint", "idem_client_release",
 	"idem_client_rollback_to", "idem_client_commit"
 };

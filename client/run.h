@@ -102,6 +102,6 @@ extern idem_status idemc_run_effect(run_state *s, const idem_run_options *ro,
 
 /* emit.c: the handler's messages as one command of the run's last
  * pipeline (the call has some) */
-extern void idemc_emit_cmd(idem_runner *r, const idem_call *call, pg_cmd *c);
+extern void idemc_emit_cmd(run_state *s, const idem_call *call, pg_cmd *c);
 
 #endif

@@ -225,7 +225,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	cmds[0] = idemc_run_tx_cmd(s, hs == IDEM_HANDLER_OK ?
 					 STMT_RELEASE : STMT_ROLLBACK_TO);
 	if (emit)
-		idemc_emit_cmd(s->r, call, &cmds[1]);
+		idemc_emit_cmd(s, call, &cmds[1]);
 	idemc_run_params_finish(s, &cmds[emit + 1], hs == IDEM_HANDLER_OK,
 				  hs == IDEM_HANDLER_RETRYABLE, canon);
 	cmds[ncmds - 1] = idemc_run_tx_cmd(s, STMT_COMMIT);

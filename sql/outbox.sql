@@ -86,6 +86,61 @@ SELECT idem_complete_many(ARRAY[1, 2]::bigint[], ARRAY[k('c'), k('d')],
                           ARRAY['{}', '{}']::jsonb[]);
 COMMIT;
 
+-- The tenant form names the tenant ledger's claim: the same ids, one
+-- sequence per key digest.  Another tenant's key, or a platform claim: no
+-- claim of it for this tenant, refused.
+BEGIN;
+SELECT (idem_claim(1, k('t'), f('{}'))).decision;
+SELECT (idem_claim(2, k('t'), f('{}'))).decision;
+SELECT (idem_platform_claim(k('u'), f('{}'))).decision;
+SELECT idem_emit(1, k('t'), 's.t', '{"x": 1}') = encode(k('t'), 'hex') || '-1' AS t1;
+SELECT idem_emit(2, k('t'), 's.t', '{"x": 2}') = encode(k('t'), 'hex') || '-2' AS t2;
+SAVEPOINT a;
+SELECT idem_emit(3, k('t'), 's.t', '{}');
+ROLLBACK TO a;
+SELECT idem_emit(1, k('u'), 's.u', '{}');
+ROLLBACK TO a;
+-- the key form cannot tell the two claims of k('t') apart
+SELECT idem_emit('s.t', '{}', k('t'));
+ROLLBACK TO a;
+\set VERBOSITY sqlstate
+SELECT idem_emit(NULL, k('t'), 's.t', '{}');
+ROLLBACK TO a;
+SELECT idem_emit(1, NULL, 's.t', '{}');
+ROLLBACK TO a;
+SELECT idem_emit(1, '\x00', 's.t', '{}');
+ROLLBACK TO a;
+SELECT idem_emit(1, k('t'), NULL, '{}');
+ROLLBACK TO a;
+SELECT idem_emit(1, k('t'), 's.t', '[]');
+ROLLBACK TO a;
+\set VERBOSITY default
+-- idem_emit_many: a run's messages in one call, in order, its ids.
+SELECT idem_emit_many(1, k('t'), '[["s.t", {"x": 3}], ["s.t", {"x": 4}]]')
+       = ARRAY[encode(k('t'), 'hex') || '-3', encode(k('t'), 'hex') || '-4'] AS many;
+SELECT idem_emit_many(1, k('t'), '[]') AS none;
+SAVEPOINT a;
+SELECT idem_emit_many(1, k('t'), '{}');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[["s.t", {}], ["s.t"]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[[1, {}]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(3, k('t'), '[["s.t", {}]]');
+ROLLBACK TO a;
+\set VERBOSITY sqlstate
+SELECT idem_emit_many(1, k('t'), '[["s.t", [1]]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), '[["", {}]]');
+ROLLBACK TO a;
+SELECT idem_emit_many(1, k('t'), NULL);
+ROLLBACK TO a;
+\set VERBOSITY default
+SELECT idem_complete(1, k('t'), '{}');
+SELECT idem_complete(2, k('t'), '{}');
+SELECT idem_platform_complete(k('u'), '{}');
+COMMIT;
+
 -- The platform ledger too.
 BEGIN;
 SELECT (idem_platform_claim(k('p'), f('{}'))).decision;
@@ -131,15 +186,15 @@ SELECT count(*) AS messages, count(DISTINCT message_id) AS ids,
 
 -- The same key claimed for two tenants: it must name one claim.
 BEGIN;
-SELECT decision FROM idem_claim_many(ARRAY[1, 2]::bigint[], ARRAY[k('t'), k('t')],
+SELECT decision FROM idem_claim_many(ARRAY[1, 2]::bigint[], ARRAY[k('two'), k('two')],
                                      ARRAY[f('{}'), f('{}')]);
 \set VERBOSITY sqlstate
 SAVEPOINT a;
-SELECT idem_emit('s.t', '{}', k('t'));
+SELECT idem_emit('s.t', '{}', k('two'));
 ROLLBACK TO a;
 \set VERBOSITY default
-SELECT idem_complete(1, k('t'), '{}');
-SELECT idem_emit('s.t', '{}', k('t')) = encode(k('t'), 'hex') || '-1' AS t2_first;
+SELECT idem_complete(1, k('two'), '{}');
+SELECT idem_emit('s.t', '{}', k('two')) = encode(k('two'), 'hex') || '-1' AS t2_first;
 ROLLBACK;
 
 -- A key failed retryably and taken over again in the same transaction is

@@ -84,9 +84,14 @@ static bool dist_answer = false;
 
 static ProcessUtility_hook_type citus_prev_utility = NULL;
 
-/* The tenant API functions Citus delegates to the node of the tenant's shard. */
+/*
+ * The tenant API functions Citus delegates to the node of the tenant's
+ * shard: those of these names whose first argument is tenant_id (bigint),
+ * so idem_emit(tenant_id, key, stream, message) and not idem_emit(stream,
+ * message, key).
+ */
 #define IDEM_CITUS_DELEGATED \
-	"idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced"
+	"idem_claim,idem_complete,idem_fail,idem_lookup,idem_apply,idem_complete_fenced,idem_fail_fenced,idem_emit,idem_emit_many"
 
 static SPIPlanPtr shard_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
@@ -414,6 +419,7 @@ citus_delegate(const char *qledger, Oid nsp)
 					 " '$1'::pg_catalog.text, colocate_with => %s::pg_catalog.text, force_delegation => true)"
 					 " FROM pg_catalog.pg_proc p WHERE p.pronamespace OPERATOR(pg_catalog.=) %u"
 					 " AND p.proname OPERATOR(pg_catalog.=) ANY ('{" IDEM_CITUS_DELEGATED "}')"
+					 " AND p.proargtypes[0] OPERATOR(pg_catalog.=) 'pg_catalog.int8'::pg_catalog.regtype"
 					 " AND NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object o"
 					 " WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass"
 					 " AND o.objid OPERATOR(pg_catalog.=) p.oid"
@@ -428,7 +434,8 @@ citus_delegate(const char *qledger, Oid nsp)
 /*
  * After ALTER EXTENSION idem UPDATE on a Citus coordinator whose tenant
  * ledger is distributed: the tenant API functions the update created
- * (idem_complete_fenced and idem_fail_fenced from 0.4) are delegated as
+ * (idem_complete_fenced, idem_fail_fenced, the tenant form of idem_emit and
+ * idem_emit_many from 0.4) are delegated as
  * idem_install delegated those that existed then.  Citus has run the
  * update on the workers by now (it propagates the statement after running
  * it here), so they have the functions too.  Runs as the caller of the

@@ -22,6 +22,17 @@
  *	  this transaction, so that a run re-run after a lost commit, or taken
  *	  over after its lease, emits the same ids again.
  *
+ *	  idem_emit(tenant_id, key, stream, message) names the tenant ledger's
+ *	  claim outright (pending_holds), and idem_emit_many(tenant_id, key,
+ *	  messages) records a run's messages in one call.  On Citus both are
+ *	  delegated by tenant_id like idem_claim, so they run in the worker
+ *	  backend that holds the claim and its shard lock: the message goes
+ *	  into that node's own outbox (a local table on every node, never
+ *	  distributed), commits with the claim on that node, and that node's
+ *	  publisher publishes it.  A shard moved afterwards leaves it where it
+ *	  is.  An emit that finds no claim in a database whose tenant ledger is
+ *	  distributed says so (outbox_no_claim).
+ *
  *	  What this file keeps, the emits per key, follows subtransactions by
  *	  xact.c's rule (idem_subxact_follow): a rolled-back savepoint forgets
  *	  the emits made inside it (PostgreSQL rolls back their rows with it);
@@ -80,14 +91,18 @@
 #include "utils/timestamp.h"
 
 #include "outbox.h"
+#include "citus.h"
 #include "compat.h"
 #include "digest.h"
+#include "ledger_row.h"
 #include "outbox_publish.h"
 #include "pending.h"
 #include "sql_args.h"
 #include "subxact.h"
 
 PG_FUNCTION_INFO_V1(idem_emit);
+PG_FUNCTION_INFO_V1(idem_emit_tenant);
+PG_FUNCTION_INFO_V1(idem_emit_many);
 
 /* One message emitted in this transaction. */
 typedef struct OutboxEmit
@@ -653,31 +668,71 @@ idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
 /* ---------- idem_emit ---------- */
 
 /*
- * The held claim the message belongs to: the one, or the one of key
- * (pending_held); the 55000 errors when there is none or more than one.
+ * The refusal of an emit for which this transaction holds no claim.  On a
+ * Citus node whose tenant ledger is distributed, a tenant's claim was
+ * taken on the worker node that holds its shard (idem_claim is delegated
+ * there), so the message must be recorded there too: the hint says how.
  */
 static void
-outbox_find_claim(const uint8 *key, LedgerKey *lk)
+outbox_no_claim(Oid nsp, bool tenant_form, const char *what)
 {
-	int			matching = pending_held(key, lk);
+	Oid			ledger = get_relname_relid(ledger_table_name(LEDGER_TENANT), nsp);
 
-	if (matching == 0 && (key == NULL || pending_held(NULL, lk) == 0))
+	if (OidIsValid(ledger) && idem_citus_distributed(ledger))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message%s: this transaction holds no claim%s on this node", what[0] ? " for this key" : "", what),
+				 errdetail("On Citus, a tenant's claim is taken on the worker node that holds the tenant's shard, and its messages are recorded and published there."),
+				 tenant_form ?
+				 errhint("Call idem_emit(tenant_id, key, stream, message) as a statement of its own, with tenant_id a constant or a parameter, so that Citus delegates it to that node; not from a PL/pgSQL expression or a query's FROM.") :
+				 errhint("Call idem_emit(tenant_id, key, stream, message): Citus delegates it to the node of the tenant's claim, as it does idem_claim.")));
+	if (what[0] == '\0')
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("cannot emit a message: this transaction holds no claim"),
 				 errdetail("A message belongs to the run of a key this transaction claimed and has not completed or failed yet."),
 				 errhint("Call idem_emit() in the handler's transaction, after idem_claim() and before idem_complete().")));
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("cannot emit a message for this key: this transaction holds no claim%s", what),
+			 tenant_form ?
+			 errhint("Pass the tenant and the key of a claim this transaction took and has not completed or failed yet.") :
+			 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
+}
+
+/*
+ * The held claim the message belongs to, in *lk: the one, or the one of
+ * key (pending_held), or (tenant_form) the tenant ledger's claim of key
+ * for tenant_id (pending_holds); the 55000 errors when there is none or
+ * more than one.
+ */
+static void
+outbox_find_claim(Oid nsp, const uint8 *key, bool tenant_form, int64 tenant_id,
+				  LedgerKey *lk)
+{
+	int			matching;
+
+	if (tenant_form)
+	{
+		memset(lk, 0, sizeof(*lk));
+		lk->kind = LEDGER_TENANT;
+		lk->tenant_id = tenant_id;
+		memcpy(lk->key, key, IDEM_DIGEST_LEN);
+		if (!pending_holds(lk))
+			outbox_no_claim(nsp, true, " of it for this tenant");
+		return;
+	}
+	matching = pending_held(key, lk);
+	if (matching == 0 && (key == NULL || pending_held(NULL, lk) == 0))
+		outbox_no_claim(nsp, false, "");
 	if (matching == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message for this key: this transaction holds no claim of it"),
-				 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
+		outbox_no_claim(nsp, false, " of it");
 	if (matching > 1)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("cannot emit a message: this transaction holds %d claims%s",
 						matching, key ? " of this key" : ""),
-				 errhint(key ? "The key is claimed in both ledgers or for two tenants; emit from one transaction per claim." :
+				 errhint(key ? "The key is claimed in both ledgers or for two tenants; name the tenant: idem_emit(tenant_id, key, stream, message)." :
 						 "Name the run's key: idem_emit(stream, message, key).")));
 }
 
@@ -708,19 +763,26 @@ outbox_message_id(const uint8 *key, int n)
 	return cstring_to_text_with_len(buf, len);
 }
 
-/*
- * idem_emit(stream text, message jsonb, key bytea DEFAULT NULL) RETURNS
- * text: the message's id.
- */
-Datum
-idem_emit(PG_FUNCTION_ARGS)
+/* The schema of the function called, once per call site (as the decisions' call_cache). */
+static Oid
+outbox_call_nsp(FunctionCallInfo fcinfo)
 {
-	Oid			nsp;
-	text	   *stream;
-	Jsonb	   *message;
-	uint8		keybuf[IDEM_DIGEST_LEN];
-	const uint8 *key = NULL;
-	LedgerKey	lk;
+	if (fcinfo->flinfo->fn_extra == NULL)
+		fcinfo->flinfo->fn_extra =
+			MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(Oid));
+	if (!OidIsValid(*(Oid *) fcinfo->flinfo->fn_extra))
+		*(Oid *) fcinfo->flinfo->fn_extra =
+			get_func_namespace(fcinfo->flinfo->fn_oid);
+	return *(Oid *) fcinfo->flinfo->fn_extra;
+}
+
+/*
+ * Record one message of the claim lk (found by outbox_find_claim) in the
+ * outbox of schema nsp.  Returns the message's id.
+ */
+static text *
+outbox_record(Oid nsp, const LedgerKey *lk, text *stream, Jsonb *message)
+{
 	OutboxKey  *entry;
 	OutboxEmit *emit;
 	text	   *id;
@@ -729,10 +791,6 @@ idem_emit(PG_FUNCTION_ARGS)
 	bool		found;
 	MemoryContext oldcxt;
 
-	idem_require_arg(fcinfo, 0, "stream");
-	idem_require_arg(fcinfo, 1, "message");
-	stream = PG_GETARG_TEXT_PP(0);
-	message = PG_GETARG_JSONB_P(1);
 	len = VARSIZE_ANY_EXHDR(stream);
 	if (len == 0)
 		ereport(ERROR,
@@ -753,21 +811,6 @@ idem_emit(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
 				 errmsg("message must be at most %d bytes", IDEM_OUTBOX_MESSAGE_MAX)));
-	if (PG_NARGS() > 2 && !PG_ARGISNULL(2))
-	{
-		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
-		key = keybuf;
-	}
-	outbox_find_claim(key, &lk);
-
-	/* the schema, once per call site (as the decisions' call_cache) */
-	if (fcinfo->flinfo->fn_extra == NULL)
-		fcinfo->flinfo->fn_extra =
-			MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(Oid));
-	if (!OidIsValid(*(Oid *) fcinfo->flinfo->fn_extra))
-		*(Oid *) fcinfo->flinfo->fn_extra =
-			get_func_namespace(fcinfo->flinfo->fn_oid);
-	nsp = *(Oid *) fcinfo->flinfo->fn_extra;
 
 	/* this transaction's first emit: the table of emits by key */
 	if (outbox_keys == NULL)
@@ -780,7 +823,7 @@ idem_emit(PG_FUNCTION_ARGS)
 		outbox_keys = hash_create("idem outbox emits", 16, &ctl,
 								  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	entry = hash_search(outbox_keys, lk.key, HASH_ENTER, &found);
+	entry = hash_search(outbox_keys, lk->key, HASH_ENTER, &found);
 	if (!found)
 		entry->emits = NIL;
 
@@ -788,7 +831,7 @@ idem_emit(PG_FUNCTION_ARGS)
 	 * Its position: one after the live emits of every claim of the key.  On
 	 * an error below the entry may stay empty, which nothing minds.
 	 */
-	id = outbox_message_id(lk.key, outbox_live_emits(entry, NULL) + 1);
+	id = outbox_message_id(lk->key, outbox_live_emits(entry, NULL) + 1);
 	seq = outbox_insert(nsp, PointerGetDatum(stream), PointerGetDatum(id),
 						JsonbPGetDatum(message));
 
@@ -796,12 +839,125 @@ idem_emit(PG_FUNCTION_ARGS)
 	oldcxt = MemoryContextSwitchTo(TopTransactionContext);
 	emit = palloc(sizeof(OutboxEmit));
 	emit->seq = seq;
-	emit->kind = lk.kind;
-	emit->tenant_id = lk.tenant_id;
+	emit->kind = lk->kind;
+	emit->tenant_id = lk->tenant_id;
 	emit->level = GetCurrentTransactionNestLevel();
 	emit->discarded_level = 0;
 	entry->emits = lappend(entry->emits, emit);
 	MemoryContextSwitchTo(oldcxt);
 
-	PG_RETURN_TEXT_P(id);
+	return id;
+}
+
+/*
+ * idem_emit(stream text, message jsonb, key bytea DEFAULT NULL) RETURNS
+ * text: the message's id.
+ */
+Datum
+idem_emit(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = outbox_call_nsp(fcinfo);
+	uint8		keybuf[IDEM_DIGEST_LEN];
+	const uint8 *key = NULL;
+	LedgerKey	lk;
+
+	idem_require_arg(fcinfo, 0, "stream");
+	idem_require_arg(fcinfo, 1, "message");
+	if (PG_NARGS() > 2 && !PG_ARGISNULL(2))
+	{
+		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
+		key = keybuf;
+	}
+	outbox_find_claim(nsp, key, false, 0, &lk);
+	PG_RETURN_TEXT_P(outbox_record(nsp, &lk, PG_GETARG_TEXT_PP(0),
+								   PG_GETARG_JSONB_P(1)));
+}
+
+/*
+ * idem_emit(tenant_id bigint, key bytea, stream text, message jsonb)
+ * RETURNS text: the same, for the tenant ledger's claim of key for
+ * tenant_id.  On Citus it is delegated by tenant_id, as idem_claim is
+ * (idem_citus_distribute), so it runs in the worker backend that holds
+ * the claim, and the message is recorded in that node's outbox and
+ * published by that node's publisher.
+ */
+Datum
+idem_emit_tenant(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = outbox_call_nsp(fcinfo);
+	uint8		key[IDEM_DIGEST_LEN];
+	LedgerKey	lk;
+
+	idem_require_arg(fcinfo, 0, "tenant_id");
+	idem_require_arg(fcinfo, 1, "key");
+	idem_require_arg(fcinfo, 2, "stream");
+	idem_require_arg(fcinfo, 3, "message");
+	idem_digest_check(PG_GETARG_BYTEA_PP(1), "key", key);
+	outbox_find_claim(nsp, key, true, PG_GETARG_INT64(0), &lk);
+	PG_RETURN_TEXT_P(outbox_record(nsp, &lk, PG_GETARG_TEXT_PP(2),
+								   PG_GETARG_JSONB_P(3)));
+}
+
+/* A refused element of idem_emit_many's messages. */
+static void
+outbox_bad_element(int i)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("element %d of messages is not a [stream, message] pair", i + 1),
+			 errhint("Pass a JSON array of [stream name, message object] arrays: '[[\"payments.charged\", {\"amount\": 5}]]'.")));
+}
+
+/*
+ * idem_emit_many(tenant_id bigint, key bytea, messages jsonb) RETURNS
+ * text[]: the messages of the tenant ledger's claim of key for tenant_id,
+ * [[stream, message], ...], recorded in order as idem_emit records each;
+ * their ids.  One call for a run's messages, delegated on Citus as the
+ * tenant form of idem_emit is (the runners send it with the completion).
+ */
+Datum
+idem_emit_many(PG_FUNCTION_ARGS)
+{
+	Oid			nsp = outbox_call_nsp(fcinfo);
+	uint8		key[IDEM_DIGEST_LEN];
+	Jsonb	   *messages;
+	LedgerKey	lk;
+	Datum	   *ids;
+	int			n;
+	int			i;
+
+	idem_require_arg(fcinfo, 0, "tenant_id");
+	idem_require_arg(fcinfo, 1, "key");
+	idem_require_arg(fcinfo, 2, "messages");
+	idem_digest_check(PG_GETARG_BYTEA_PP(1), "key", key);
+	messages = PG_GETARG_JSONB_P(2);
+	if (!JB_ROOT_IS_ARRAY(messages) || JB_ROOT_IS_SCALAR(messages))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("messages must be a JSON array"),
+				 errhint("Pass a JSON array of [stream name, message object] arrays: '[[\"payments.charged\", {\"amount\": 5}]]'.")));
+	outbox_find_claim(nsp, key, true, PG_GETARG_INT64(0), &lk);
+	n = JB_ROOT_COUNT(messages);
+	ids = palloc(sizeof(Datum) * Max(n, 1));
+	for (i = 0; i < n; i++)
+	{
+		JsonbValue *pair = getIthJsonbValueFromContainer(&messages->root, i);
+		JsonbValue *stream;
+		JsonbValue *message;
+
+		if (pair == NULL || pair->type != jbvBinary ||
+			!JsonContainerIsArray(pair->val.binary.data) ||
+			JsonContainerIsScalar(pair->val.binary.data) ||
+			JsonContainerSize(pair->val.binary.data) != 2)
+			outbox_bad_element(i);
+		stream = getIthJsonbValueFromContainer(pair->val.binary.data, 0);
+		message = getIthJsonbValueFromContainer(pair->val.binary.data, 1);
+		if (stream == NULL || stream->type != jbvString || message == NULL)
+			outbox_bad_element(i);
+		ids[i] = PointerGetDatum(outbox_record(nsp, &lk,
+											   cstring_to_text_with_len(stream->val.string.val,
+																		stream->val.string.len),
+											   JsonbValueToJsonb(message)));
+	}
+	PG_RETURN_ARRAYTYPE_P(construct_array(ids, n, TEXTOID, -1, false, TYPALIGN_INT));
 }

@@ -14,7 +14,8 @@
  *	  that ran out) writes its row at once; it is recorded here too, marked
  *	  taken, so that this table is the one list of the claims a transaction
  *	  holds: idem_emit asks it which run a message belongs to
- *	  (pending_held), at the emit, so that a claim costs the outbox nothing.
+ *	  (pending_held, or pending_holds for the tenant form), at the emit, so
+ *	  that a claim costs the outbox nothing.
  *	  pending_find and the write at commit pass taken claims by.
  *
  *	  Claims follow their subtransaction: a rolled-back savepoint forgets
@@ -259,6 +260,23 @@ pending_held(const uint8 *key, LedgerKey *found)
 		n++;
 	}
 	return n;
+}
+
+/*
+ * Whether this transaction holds the claim lk (not completed or failed):
+ * one lookup, for the tenant form of idem_emit, which names the claim.
+ */
+bool
+pending_holds(const LedgerKey *lk)
+{
+	LedgerKey	k;
+	PendingClaim *claim;
+
+	if (pending == NULL)
+		return false;
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
+	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+	return claim != NULL && claim->settled_level == 0;
 }
 
 /* Write every open claim as a processing row (lease mode). */

@@ -44,6 +44,7 @@ extern void pending_add_taken(const LedgerKey *lk, Oid relid);
 extern void pending_settle(PendingClaim *claim);
 extern void pending_settle_taken(const LedgerKey *lk);
 extern int	pending_held(const uint8 *key, LedgerKey *found);
+extern bool pending_holds(const LedgerKey *lk);
 extern void pending_check_change(const char *what);
 
 #endif							/* IDEM_PENDING_H */

@@ -125,6 +125,7 @@ typedef struct demo_config
 	char		stream[64];
 	char		group[32];
 	char		schema[128];	/* the extension's schema, quoted */
+	int			citus;			/* the database is a Citus coordinator's */
 } demo_config;
 
 /* Counters; one block per worker slot in shared memory, plus totals. */
@@ -281,6 +282,7 @@ void		batch_run(batch_ctx *b, idem_runner *runner, queue *q,
 /* notices.c */
 void		consumer_main(const demo_config *cfg, int slot, int gen) __attribute__((noreturn));
 int			notices_drained(PGconn *conn, queue *nq, const demo_config *cfg);
+void		notices_outbox_sql(const demo_config *cfg, char *sql, size_t len);
 
 /* chaos.c */
 typedef struct chaos chaos;

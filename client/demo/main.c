@@ -169,7 +169,6 @@ main(int argc, char **argv)
 			   *broker = NULL,
 			   *notice_valkey = NULL;
 	int			nprocs,
-				notices_asked,
 				stage_one_done = 0;
 	long		notice_seen = -1;
 	int64_t		notice_progress_at = 0;
@@ -471,7 +470,6 @@ main(int argc, char **argv)
 		PQfinish(conn);
 		return 2;
 	}
-	notices_asked = cfg.notices;
 	if (db_setup(conn, &cfg, &plan, err, sizeof(err)) != 0)
 	{
 		fprintf(stderr, "idem-demo: database setup failed: %s", err);
@@ -492,7 +490,7 @@ main(int argc, char **argv)
 		return 2;
 	}
 
-	/* stage two's stream (db_setup turns stage two off on Citus) */
+	/* stage two's stream */
 	if (cfg.notices > 0)
 	{
 		nq = queue_open(cfg.notice_host, cfg.notice_port, cfg.notice_db,
@@ -531,8 +529,6 @@ main(int argc, char **argv)
 			   cfg.notices, cfg.notice_stream, cfg.notice_host, cfg.notice_port,
 			   cfg.notice_in_cache ? ",\n           the cache's server: its chaos spares streams and restarts" : "",
 			   cfg.broken_consumer ? "\n           BROKEN CONSUMER: acks before the run, the check should fail" : "");
-	else if (notices_asked > 0)
-		printf("  stage 2  off: on Citus the outbox is not co-located with the ledger yet\n");
 	if (cfg.without_idem)
 		printf("  WITHOUT IDEM: a negative control; effects run directly, the check should fail\n");
 	printf("\n");

@@ -305,6 +305,21 @@ consumer_main(const demo_config *cfg, int slot, int gen)
 }
 
 /*
+ * The statement that counts the messages waiting in the outbox: on Citus,
+ * in every node's (each node records and publishes its tenants' own).
+ */
+void
+notices_outbox_sql(const demo_config *cfg, char *sql, size_t len)
+{
+	if (cfg->citus)
+		snprintf(sql, len, "SELECT CASE WHEN bool_and(success) THEN sum(result::bigint) ELSE -1 END "
+				 "FROM run_command_on_all_nodes('SELECT count(*) FROM %s.idem_outbox')",
+				 cfg->schema);
+	else
+		snprintf(sql, len, "SELECT count(*) FROM %s.idem_outbox", cfg->schema);
+}
+
+/*
  * Stage two is done when the outbox is empty (every committed notification
  * published) and the notice stream's group has handed out its last entry
  * and has nothing pending.  1: done; 0: not yet (or cannot tell).
@@ -312,18 +327,17 @@ consumer_main(const demo_config *cfg, int slot, int gen)
 int
 notices_drained(PGconn *conn, queue *nq, const demo_config *cfg)
 {
-	char		sql[256],
+	char		sql[512],
 				last[48],
 				delivered[48];
 	long		pending;
 	PGresult   *r;
 	int			empty;
 
-	snprintf(sql, sizeof(sql), "SELECT NOT EXISTS (SELECT 1 FROM %s.idem_outbox)",
-			 cfg->schema);
+	notices_outbox_sql(cfg, sql, sizeof(sql));
 	r = PQexec(conn, sql);
 	empty = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
-		PQgetvalue(r, 0, 0)[0] == 't';
+		strcmp(PQgetvalue(r, 0, 0), "0") == 0;
 	PQclear(r);
 	if (PQstatus(conn) != CONNECTION_OK)
 		PQreset(conn);

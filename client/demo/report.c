@@ -153,24 +153,32 @@ check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 				orphans,
 				outbox = -1,
 				pending = -1;
-	char		sql[1024],
+	char		sql[2048],
 				last[48] = "",
 				delivered[48] = "";
 
+	/*
+	 * The tables read once each (CTEs), so that on Citus the correlated
+	 * subqueries join the distributed tables' rows on the coordinator
+	 */
 	snprintf(sql, sizeof(sql),
-			 "SELECT (SELECT count(*) FROM idem_demo.transfers),"
+			 "WITH tr AS MATERIALIZED (SELECT task_key, tenant_id, id FROM idem_demo.transfers),"
+			 " ex AS MATERIALIZED (SELECT task_key, scope, id FROM idem_demo.expected),"
+			 " no AS MATERIALIZED (SELECT task_key, tenant_id, transfer_id, message_id"
+			 "   FROM idem_demo.notices)"
+			 " SELECT (SELECT count(*) FROM tr),"
 			 " count(*), count(DISTINCT message_id),"
-			 " (SELECT count(*) FROM idem_demo.transfers t WHERE NOT EXISTS"
-			 "   (SELECT 1 FROM idem_demo.notices n WHERE n.task_key = t.task_key)),"
-			 " (SELECT count(*) FROM (SELECT task_key FROM idem_demo.notices"
+			 " (SELECT count(*) FROM tr t WHERE NOT EXISTS"
+			 "   (SELECT 1 FROM no n WHERE n.task_key = t.task_key)),"
+			 " (SELECT count(*) FROM (SELECT task_key FROM no"
 			 "   GROUP BY 1 HAVING count(*) > 1) d),"
-			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.transfers t"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM tr t"
 			 "   WHERE t.task_key = n.task_key AND t.tenant_id = n.tenant_id"
 			 "   AND t.id = n.transfer_id)),"
-			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem_demo.expected e"
+			 " count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM ex e"
 			 "   WHERE e.task_key = n.task_key AND n.message_id ="
 			 "   encode(%s.idem_key(e.scope, e.id), 'hex') || '-1'))"
-			 " FROM idem_demo.notices n", cfg->schema);
+			 " FROM no n", cfg->schema);
 	q_ints(conn, sql, v, 7);
 	transfers = v[0];
 	notices = v[1];
@@ -196,7 +204,7 @@ check_notices(PGconn *conn, const demo_config *cfg, queue *nq)
 		   "SELECT count(*) FROM idem_demo.notices n JOIN idem_demo.expected e "
 		   "ON e.task_key = n.task_key WHERE NOT e.should_apply", v, 1);
 	verdict(v[0] == 0, "no notification for a refused transfer: %ld notices for frozen accounts", v[0]);
-	snprintf(sql, sizeof(sql), "SELECT count(*) FROM %s.idem_outbox", cfg->schema);
+	notices_outbox_sql(cfg, sql, sizeof(sql));
 	if (q_ints(conn, sql, v, 1) == 0)
 		outbox = v[0];
 	if (queue_last_id(nq, last, sizeof(last)) != 0 ||

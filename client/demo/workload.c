@@ -447,11 +447,17 @@ db_setup(PGconn *conn, demo_config *cfg, const demo_plan *plan, char *err,
 		return -1;
 	if (citus && db_exec(conn, DEMO_CITUS, err, errlen) != 0)
 		return -1;
-	/* Citus: the outbox is not co-located with the tenants' ledger yet */
-	if (citus)
-		cfg->notices = 0;
 	if (cfg->notices > 0 && db_exec(conn, DEMO_NOTICES, err, errlen) != 0)
 		return -1;
+	/*
+	 * Citus: the notices (stage two's runs are the coordinator's, on the
+	 * platform ledger) in a reference table, which the report joins to
+	 * the distributed transfers
+	 */
+	if (cfg->notices > 0 && citus &&
+		db_exec(conn, "SELECT create_reference_table('idem_demo.notices')", err, errlen) != 0)
+		return -1;
+	cfg->citus = citus;
 	snprintf(sql, sizeof(sql),
 			 "INSERT INTO idem_demo.accounts (tenant_id, account_no, opening, balance, frozen) "
 			 "SELECT t, a, 10000, 10000, t %% 5 = 0 AND a = %d "

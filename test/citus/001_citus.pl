@@ -65,7 +65,7 @@ is( $c->safe_psql('postgres', q{
 		FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid
 		WHERE d.classid = 'pg_proc'::regclass AND p.proname LIKE 'idem%'}),
 	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
-	  . 'idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
+	  . 'idem_emit 0 true, idem_emit_many 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'install: the tenant API is distributed by tenant_id with force_delegation');
 
 my $w1 = $cl->w1;

@@ -1,8 +1,9 @@
 # idem 0.3 installed on a Citus cluster, then ALTER EXTENSION idem UPDATE
 # to 0.4: the tenant functions the update creates (idem_complete_fenced,
-# idem_fail_fenced) are delegated to the tenant's node like those
-# idem_install delegated, so a lease-mode completion by the claim's fence
-# works through the coordinator at once (it was refused there, 55000).
+# idem_fail_fenced, the tenant form of idem_emit) are delegated to the
+# tenant's node like those idem_install delegated, so a lease-mode
+# completion by the claim's fence works through the coordinator at once (it
+# was refused there, 55000), and so does an emit, published by the worker.
 use strict;
 use warnings;
 
@@ -43,11 +44,11 @@ is( $c->safe_psql('postgres', q{SELECT extversion FROM pg_extension WHERE extnam
 	'0.4 0.4', 'ALTER EXTENSION idem UPDATE: 0.4 on the coordinator and the workers');
 is($c->safe_psql('postgres', $delegated),
 	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
-	  . 'idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
+	  . 'idem_emit 0 true, idem_emit_many 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'... and the functions it created are delegated by tenant_id with force_delegation');
 is($cl->w1->safe_psql('postgres', $delegated),
 	'idem_apply 0 true, idem_claim 0 true, idem_complete 0 true, idem_complete_fenced 0 true, '
-	  . 'idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
+	  . 'idem_emit 0 true, idem_emit_many 0 true, idem_fail 0 true, idem_fail_fenced 0 true, idem_lookup 0 true',
 	'... in the workers\' metadata too');
 
 # Lease mode through the coordinator: the claim commits alone, the fenced
@@ -75,12 +76,38 @@ foreach my $t ($t1, $t2)
 	  or diag($err);
 }
 
+# The tenant form of idem_emit, delegated by the update: a message emitted
+# through the coordinator is recorded in the tenant's worker's outbox and
+# published by that worker (the key form, run on the coordinator, finds no
+# claim there).
+my %ids;
+foreach my $t ($t1, $t2)
+{
+	my ($rc, $out, $err) = $c->psql('postgres', qq{
+		BEGIN;
+		SELECT decision FROM idem_claim($t, idem_key('up', 'e'), idem_fingerprint('{}'));
+		SELECT idem_emit($t, idem_key('up', 'e'), 'up.s', '{"t": $t}');
+		SELECT idem_complete($t, idem_key('up', 'e'), '{}');
+		COMMIT;});
+	is($rc, 0, "tenant $t: idem_emit(tenant_id, key, stream, message) through the coordinator works")
+	  or diag($err);
+}
+my $hex = $c->safe_psql('postgres', "SELECT encode(idem_key('up', 'e'), 'hex')");
+ok( IdemValkey::poll_until(20, sub { ($valkey->command('XLEN', 'up.s') // 0) >= 2 }),
+	'... and both messages are published');
+is( join(' ', sort map { my %f = @{ $_->[1] }; "$f{id}:$f{body}" }
+		  @{ $valkey->command('XRANGE', 'up.s', '-', '+') }),
+	join(' ', sort("$hex-1:{\"t\":$t1}", "$hex-1:{\"t\":$t2}")),
+	'... once each, with their ids');
+is( join(' ', map { IdemValkey::stats_col($_, 'published') } $cl->nodes),
+	'0 1 1', '... each by the publisher of its tenant\'s worker');
+
 # Updating again (nothing to update) delegates nothing twice.
 $c->safe_psql('postgres', 'ALTER EXTENSION idem UPDATE');
 is($c->safe_psql('postgres', q{
 		SELECT count(*) FROM pg_dist_object d JOIN pg_proc p ON p.oid = d.objid
 		WHERE d.classid = 'pg_proc'::regclass AND p.proname LIKE 'idem%'}),
-	'7', 'a second ALTER EXTENSION idem UPDATE changes nothing');
+	'9', 'a second ALTER EXTENSION idem UPDATE changes nothing');
 
 IdemValkey::check_counters($_) foreach $cl->nodes;
 $_->stop foreach reverse $cl->nodes;

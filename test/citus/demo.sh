@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # test/citus/demo.sh: the main job (client/demo, unchanged C runner) against
 # a Citus coordinator with two workers, all preloading citus and idem, each
-# idem worker copying into the cache Valkey.  idem-demo distributes its
-# tables itself when it finds Citus.  Besides the demo's own chaos (worker
-# processes killed, coordinator backends terminated, the cache restarted and
-# flushed), this script terminates the worker nodes' backends that serve the
+# idem worker copying into the cache Valkey and each node's publisher
+# sending stage two's notifications (emitted on the tenant's worker) to the
+# broker.  idem-demo distributes its tables itself when it finds Citus.
+# Besides the demo's own chaos (worker processes killed, coordinator
+# backends terminated, the cache restarted and flushed), this script terminates the worker nodes' backends that serve the
 # coordinator, and moves a shard between the workers mid-run.
 #
 #   bash test/citus/demo.sh [idem-demo options, e.g. --short]
@@ -62,7 +63,8 @@ for n in coord w1 w2; do
 		"max_prepared_transactions = 200" "wal_level = logical" \
 		"max_wal_senders = 20" "max_replication_slots = 20" "citus.shard_count = 8" \
 		"citus.node_conninfo = 'sslmode=disable'" "idem.min_retention = 0" \
-		"idem.valkey_host = '127.0.0.1'" "idem.valkey_port = $CACHE_PORT" || exit 2
+		"idem.valkey_host = '127.0.0.1'" "idem.valkey_port = $CACHE_PORT" \
+		"idem.outbox_valkey_host = '127.0.0.1'" "idem.outbox_valkey_port = $BROKER_PORT" || exit 2
 done
 psql_on() { local n=$1; shift; "$(idem_pg_bindir)/psql" -X -At -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "${PORT[$n]}" -U postgres -d postgres "$@"; }
 for n in coord w1 w2; do psql_on "$n" -c 'CREATE EXTENSION citus' >/dev/null || exit 2; done
@@ -131,6 +133,7 @@ BG+=($MOVER)
 "$ROOT/client/demo/build/idem-demo" --batch 1 \
 	--pg "host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres" \
 	--valkey "127.0.0.1:$CACHE_PORT" --broker "127.0.0.1:$BROKER_PORT" \
+	--notice-valkey "127.0.0.1:$BROKER_PORT" \
 	--cache-restart-cmd "bash '$WORK/restart-cache.sh'" "$@" | tee "$WORK/demo.out"
 status=${PIPESTATUS[0]}
 wait "$MOVER"

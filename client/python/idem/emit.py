@@ -7,6 +7,9 @@ at no round trip of their own.  A run that fails emits nothing.
 Every message names its run's key (idem_emit's ``key`` argument), so one
 statement serves a run and a batch of runs alike: the messages are one
 JSON array, ``[[stream, message, key in hex], ...]``, recorded in order.
+A tenant's single run records its messages with idem_emit_many(tenant,
+key, [[stream, message], ...]) instead, which Citus delegates to the node
+that holds the run's claim (the key form would run on the coordinator).
 The server gives each the id ``<key in hex>-<n>``, n = 1, 2, ... the
 message's position among its run's emits in the transaction.  The C
 client's idem_call_emit does the same.  A leaf: it talks to no server."""
@@ -15,6 +18,9 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from .canonical import RequestError, canonical_json
 from .errors import IdemError
+
+# One statement for a tenant's run (%s: the schema).
+RUN_SQL = "SELECT %s.idem_emit_many(%%s::bigint, %%s::bytea, %%s::jsonb)"
 
 # One statement for all the messages of a transaction (%s: the schema).
 EMIT_SQL = ("SELECT %s.idem_emit(e.value->>0, e.value->1, decode(e.value->>2, 'hex')) "
@@ -54,3 +60,15 @@ def statement(schema: str, messages: List[Tuple[bytes, str, str]]
     """The statements (none, or one) that record messages."""
     text = array_text(messages)
     return [] if text is None else [(EMIT_SQL % schema, [text])]
+
+
+def run_statement(schema: str, tenant_id: Optional[int], key: bytes,
+                  messages: List[Tuple[bytes, str, str]]
+                  ) -> List[Tuple[str, Optional[List[Any]]]]:
+    """The statements (none, or one) that record one run's messages: for a
+    tenant, one call Citus delegates; for the platform, statement()'s."""
+    if tenant_id is None or not messages:
+        return statement(schema, messages)
+    pairs = ["[%s, %s]" % (json.dumps(stream, ensure_ascii=False), text)
+             for _, stream, text in messages]
+    return [(RUN_SQL % schema, [tenant_id, key, "[%s]" % ", ".join(pairs)])]

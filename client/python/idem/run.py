@@ -16,7 +16,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import cache, resp
-from .emit import statement as emit_statement
+from .emit import run_statement as emit_run_statement
 from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
 from .pg import (DURABLE_SQL, MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
@@ -615,7 +615,8 @@ class _RunContext:
         if failure is None:
             # the block's messages (run.emit), while the claim is open
             return [("RELEASE SAVEPOINT idem_handler", None)] + \
-                emit_statement(self.st.schema, self.run._emits) + \
+                emit_run_statement(self.st.schema, self.run.tenant_id, self.run.key,
+                                   self.run._emits) + \
                 [(self._sql("complete"), self._key_params() + [text, retention]),
                  ("COMMIT", None)]
         return [("ROLLBACK TO SAVEPOINT idem_handler", None),

@@ -46,7 +46,7 @@ def effect(conn, run, message):
 
 def has_emit():
     with admin() as a:
-        return a.execute("SELECT to_regproc('idem_emit') IS NOT NULL").fetchone()[0]
+        return a.execute("SELECT EXISTS (SELECT FROM pg_proc WHERE proname = 'idem_emit')").fetchone()[0]
 
 
 class Units(unittest.TestCase):
