@@ -103,17 +103,24 @@ pending_hash_key(LedgerKey *k, LedgerKind kind, int64 tenant_id, const uint8 *ke
 	memcpy(k->key, key, IDEM_DIGEST_LEN);
 }
 
-/* The open (not yet written) claim of this key by this transaction. */
-PendingClaim *
-pending_find(const LedgerKey *lk)
+/* The entry of lk, if any (settled or not, taken or not). */
+static PendingClaim *
+pending_lookup(const LedgerKey *lk)
 {
 	LedgerKey	k;
-	PendingClaim *claim;
 
 	if (pending == NULL)
 		return NULL;
 	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
-	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+	return (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+}
+
+/* The open (not yet written) claim of this key by this transaction. */
+PendingClaim *
+pending_find(const LedgerKey *lk)
+{
+	PendingClaim *claim = pending_lookup(lk);
+
 	return (claim && claim->settled_level == 0 && !claim->taken) ? claim : NULL;
 }
 
@@ -269,13 +276,8 @@ pending_held(const uint8 *key, LedgerKey *found)
 bool
 pending_holds(const LedgerKey *lk)
 {
-	LedgerKey	k;
-	PendingClaim *claim;
+	PendingClaim *claim = pending_lookup(lk);
 
-	if (pending == NULL)
-		return false;
-	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
-	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
 	return claim != NULL && claim->settled_level == 0;
 }
 
