@@ -477,10 +477,12 @@ class _RunContext:
         run can have committed this key, so the gate could only answer
         "absent"; the claim decides."""
         r = self.r
-        r.stats["runs"] += 1
-        skip_gate = self.delivery_count == 1 and r.valkey is not None
-        r.stats["gate_skipped_first"] += skip_gate
-        return skip_gate
+        stats = r.stats
+        stats["runs"] += 1
+        if self.delivery_count == 1 and r.valkey is not None:
+            stats["gate_skipped_first"] += 1
+            return True
+        return False
 
     def _after_gate(self, gate: Gate) -> str:
         """What follows the gate: "done", "lookup" (a committed run's
