@@ -1,6 +1,7 @@
 """Run the package's tests (unittest) and print one TAP line per test:
 "ok N - module: test's first docstring line" or "not ok N - ...", the
-failure's traceback on stderr.  Exit status 1 on any failure.
+failure's traceback after it as TAP diagnostics ("# " lines on stdout, which
+the suites print whole, however long the servers' logs after them).  Exit status 1 on any failure.
 
     python3 tap.py [--first N] [module...]
 
@@ -38,7 +39,8 @@ class TapResult(unittest.TestResult):
     def addFailure(self, test, err):
         self.bad += 1
         self._line(False, test)
-        sys.stderr.write("# %s\n%s\n" % (self._name(test), "".join(traceback.format_exception(*err))))
+        text = "".join(traceback.format_exception(*err))
+        print("".join("# " + line + "\n" for line in text.splitlines()), end="", flush=True)
 
     addError = addFailure
 

@@ -9,6 +9,7 @@ import sys
 import subprocess
 import threading
 import time
+import traceback
 import unittest
 
 import psycopg
@@ -838,15 +839,22 @@ class MixedFleet(unittest.TestCase):
         py_request = {"tags": ["a", "b"], "currency": "EUR", "amount": 1.5}
         py_request_text = '{"currency":"EUR","tags":["a","b"],"amount":15e-1, "amount":15E-1}'
         results = []
+        crashes = []
         lock = threading.Lock()
         stop = threading.Event()
 
         def c_worker(seed):
             order = ids * 2
             random.Random(seed).shuffle(order)
-            p = subprocess.run([RUN_ONCE, DSN, str(VPORT), "1", scope, "-", c_request],
-                               input="\n".join(order) + "\n", capture_output=True, text=True,
-                               timeout=120)
+            try:
+                p = subprocess.run([RUN_ONCE, DSN, str(VPORT), "1", scope, "-", c_request],
+                                   input="\n".join(order) + "\n", capture_output=True, text=True,
+                                   timeout=300)
+            except BaseException:
+                # a thread's exception would only be printed: the test must see it
+                with lock:
+                    crashes.append("C runner %d: %s" % (seed, traceback.format_exc()))
+                return
             with lock:
                 results.extend(("c", l.split(" ", 1)[0]) for l in p.stdout.splitlines())
 
@@ -855,6 +863,13 @@ class MixedFleet(unittest.TestCase):
             random.Random(seed).shuffle(order)
             runner = idem.Runner(("127.0.0.1", VPORT), lease=5)
             conn = connect()
+            try:
+                py_deliver(runner, conn, order)
+            except BaseException:
+                with lock:
+                    crashes.append("Python runner %d: %s" % (seed, traceback.format_exc()))
+
+        def py_deliver(runner, conn, order):
             try:
                 for n, id in enumerate(order):
                     req = py_request if n % 2 else py_request_text
@@ -908,6 +923,7 @@ class MixedFleet(unittest.TestCase):
         stop.set()
         if faults:
             ct.join()
+        self.assertEqual(crashes, [])
         statuses = [s for _, s in results]
         self.assertNotIn("mismatch", statuses)
         if not faults:
