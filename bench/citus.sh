@@ -27,7 +27,7 @@
 #   BENCH_VKPORT (a Valkey to use; one is started otherwise)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 . "$ROOT/test/lib/citus.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
@@ -35,12 +35,7 @@ CLIENTS=${BENCH_CITUS_CLIENTS:-1 8}
 
 # Alone (not from bench/run): build and install idem into the private
 # PostgreSQL copy first, as bench/run does.
-if [ -z "${BENCH_WORK:-}" ]; then
-	idem_serialize "$ROOT/tmp_pgroot.lock"
-	idem_ensure_deps || exit 2
-	idem_pg_private_for "$ROOT" || exit 2
-	idem_build_install "$ROOT" || exit 1
-fi
+bench_prepare
 if ! idem_citus_prepare "$ROOT"; then
 	echo "citus bench skipped: $IDEM_CITUS_SKIP"
 	exit 0
@@ -170,11 +165,8 @@ psql_on coord -c 'VACUUM ANALYZE' >/dev/null
 
 BIN=$WORK/client_bench
 [ -f "$ROOT/client/build/libidemclient.a" ] || make -s -C "$ROOT/client" >/dev/null || exit 1
-cc -O2 -I"$ROOT/client" -I"$ROOT/src" -I"$ROOT/src/common" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
-	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
-	-lpq -lhiredis -lcrypto -pthread || exit 1
+bench_client_bench "$BIN" || exit 1
 PG="host=127.0.0.1 port=${PORT[coord]} user=postgres dbname=postgres"
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 bench() { idem_as_test_user "$BIN" "$1" "$2" "$3" "$PG" 127.0.0.1 "$VKPORT"; }
 
 # Warm-up: replays until Valkey answers at least 95 % of them (each key's
@@ -209,8 +201,8 @@ for c in $CLIENTS; do
 	done
 	declare -A med=() vmed=()
 	for m in $MODES; do
-		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
-		vmed[$m]=$(echo "${vk[$m]}" | tr ' ' '\n' | grep . | median)
+		med[$m]=$(echo "${runs[$m]}" | median)
+		vmed[$m]=$(echo "${vk[$m]}" | median)
 		printf '%-18s %7s %10.0f %10s\n' "$m" "$c" "${med[$m]}" \
 			"$([ -n "${vmed[$m]}" ] && awk -v s="${vmed[$m]}" 'BEGIN { printf "%.1f %%", 100 * s }')"
 	done

@@ -15,16 +15,13 @@
 #                                (callgrind_annotate them)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 BIN=$BENCH_WORK/client_bench
-cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
-	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
-	-lpq -lhiredis -lcrypto -pthread || exit 1
+bench_client_bench "$BIN" || exit 1
 # synchronous_commit=off, as the pgbench variants run at their headline figure.
 PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=off"
-
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 # the idem2 copies of the replay keys, as the worker writes them (where absent)
 "$BIN" fill-cache 1 0 "$PG" 127.0.0.1 "$BENCH_VKPORT" >/dev/null || { echo "client_bench fill-cache failed" >&2; exit 1; }
@@ -33,14 +30,8 @@ declare -A med=() cmed=()
 MODES=${BENCH_CLIENT_MODES:-valkey-replay valkey-replay-redelivery raw-get pg-replay pg-select run-new run-dup}
 BASE=""
 if [ -n "${BENCH_CLIENT_BASE:-}" ]; then
-	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_CLIENT_BASE^{commit}") || exit 2
-	SRC=$BENCH_WORK/client-base
-	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
-	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
-	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "client.sh: building the client at $BASE failed" >&2; exit 1; }
-	cc -O2 -I"$SRC/client" -I"$SRC/src/common" -I"$SRC/src" -I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
-		-o "$BIN-base" "$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
-		-lpq -lhiredis -lcrypto -pthread || exit 1
+	bench_base_tree "$BENCH_CLIENT_BASE" client
+	bench_client_bench "$BIN-base" "$SRC" || exit 1
 	for m in $MODES; do
 		case $m in raw-get|pg-select) ;; *) MODES="$MODES base:$m" ;; esac
 	done
@@ -59,8 +50,8 @@ for c in ${BENCH_CLIENTS:-1 8 32}; do
 	# ops/s, and the clients' own CPU per operation (user + system: less
 	# sensitive to other load on the machine than the rate)
 	for m in $MODES; do
-		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
-		cmed[$m]=$(echo "${cpus[$m]}" | tr ' ' '\n' | grep . | median)
+		med[$m]=$(echo "${runs[$m]}" | median)
+		cmed[$m]=$(echo "${cpus[$m]}" | median)
 		printf '%-15s %7s %10.0f %14.2f\n' "$m" "$c" "${med[$m]}" "${cmed[$m]}"
 	done
 	for m in $MODES; do

@@ -11,7 +11,7 @@
 #              reference the replay is built on
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 DRAIN=${BENCH_DRAIN:-20000}
@@ -25,17 +25,12 @@ idem_valkey_cluster_start "$CL" 3 || exit 1
 CL_PORT=$(idem_valkey_cluster_first "$CL")
 CL_NODES=$(idem_valkey_cluster_others "$CL")
 BIN=$BENCH_WORK/client_bench
-[ -x "$BIN" ] || cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" \
-	-I"$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)" \
-	-o "$BIN" "$ROOT/bench/client_bench.c" "$ROOT/client/build/libidemclient.a" \
-	-lpq -lhiredis -lcrypto -pthread || exit 1
+[ -x "$BIN" ] || bench_client_bench "$BIN" || exit 1
 PG="host=$BENCH_WORK port=$BENCH_PGPORT user=postgres dbname=postgres options=-csynchronous_commit=off"
 PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -h "$BENCH_WORK" -p "$BENCH_PGPORT" -U postgres -d postgres)
 "${PSQL[@]}" -f "$BENCH_WORK/drain.sql" >/dev/null || exit 1
 CLI=$(idem_valkey_cli)
 BENCHER=${CLI%-cli}-benchmark
-
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 # Point the worker at the single server or the cluster; wait until it is there.
 use() {
@@ -109,7 +104,7 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 use "$BENCH_VKPORT" "" false
 
-m() { echo "${runs[$1]}" | tr ' ' '\n' | grep . | median; }
+m() { echo "${runs[$1]}" | median; }
 printf '%-28s %12s %12s %8s\n' "" single cluster ratio
 printf '%-28s %12.0f %12.0f %8.2f\n' "worker drain (copies/s)" "$(m drain-single)" "$(m drain-cluster)" \
 	"$(awk -v a="$(m drain-single)" -v b="$(m drain-cluster)" 'BEGIN { print b / a }')"

@@ -22,34 +22,9 @@
 #   BENCH_SYNC_COMMIT       synchronous_commit of the load (default on)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 
-if [ -n "${BENCH_WORK:-}" ]; then
-	WORK=$BENCH_WORK
-	PGPORT=$BENCH_PGPORT
-	VKPORT=$BENCH_VKPORT
-	OWN=""
-else
-	idem_ensure_deps || exit 2
-	# Never the system PostgreSQL: the checkout's private copy (test/run).
-	if [ -z "${IDEM_PG_ROOT:-}" ]; then
-		idem_serialize "$ROOT/tmp_pgroot.lock"
-		idem_pg_private_for "$ROOT" || exit 2
-	fi
-	idem_build_install "$ROOT" || exit 1
-	WORK=$(mktemp -d /tmp/idem-latency.XXXXXX)
-	chmod 777 "$WORK"
-	OWN=1
-	cleanup() { idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"; }
-	trap cleanup EXIT
-	trap 'exit 130' INT TERM
-	PGPORT=$(idem_free_port)
-	VKPORT=$(idem_free_port)
-	idem_valkey_start "$WORK" "$VKPORT" || exit 1
-	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
-		"idem.valkey_port = $VKPORT" || exit 1
-	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
-fi
+bench_server latency "max_connections = 100" "shared_buffers = 256MB"
 
 BENCHMARK=$(dirname "$(idem_valkey_server)")/valkey-benchmark
 [ -x "$BENCHMARK" ] || BENCHMARK=$(command -v valkey-benchmark)

@@ -37,9 +37,14 @@
 #   BENCH_OUTBOX_LAT_SECONDS  seconds per paced run of part 3    (default 10)
 #   BENCH_OUTBOX_POLL_MS      the hand-written publisher's poll  (default 10)
 #   BENCH_OUTBOX_BATCH        its rows per transaction           (default 256, as idem's)
+#   BENCH_OUTBOX_BASE=<commit>  part 1 also runs the run without a message
+#                             and the emit with idem.so built at <commit>
+#                             (in a git worktree), in the same alternating
+#                             rounds: the server restarts with each library.
+#                             Only alone (its own server).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_OUTBOX_CLIENTS:-8}
@@ -51,40 +56,33 @@ POLL_MS=${BENCH_OUTBOX_POLL_MS:-10}
 BATCH=${BENCH_OUTBOX_BATCH:-256}
 PY=${BENCH_PYTHON:-/usr/bin/python3}
 
-OWN=""
 hand_pub=""
-if [ -n "${BENCH_WORK:-}" ]; then
-	WORK=$BENCH_WORK
-	PGPORT=$BENCH_PGPORT
-	VKPORT=$BENCH_VKPORT
-else
-	idem_ensure_deps || exit 2
-	if [ -z "${IDEM_PG_ROOT:-}" ]; then
-		idem_serialize "$ROOT/tmp_pgroot.lock"
-		idem_pg_private_for "$ROOT" || exit 2
-	fi
-	idem_build_install "$ROOT" || exit 1
-	WORK=$(mktemp -d /tmp/idem-outbox.XXXXXX)
-	chmod 777 "$WORK"
-	OWN=1
-	trap 'idem_pg_stop "$WORK"; idem_valkey_stop "$WORK"; rm -rf "$WORK"' EXIT
-	trap 'exit 130' INT TERM
-	PGPORT=$(idem_free_port)
-	VKPORT=$(idem_free_port)
-	idem_valkey_start "$WORK" "$VKPORT" || exit 1
-	idem_pg_start "$WORK" "$PGPORT" "max_connections = 100" "shared_buffers = 256MB" \
-		"idem.valkey_port = $VKPORT" "max_wal_size = 4GB" || exit 1
-	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
-fi
+bench_server outbox "max_connections = 100" "shared_buffers = 256MB" "max_wal_size = 4GB"
 "$PY" -c 'import psycopg, redis' 2>/dev/null ||
 	{ echo "outbox.sh: needs python3-psycopg and python3-redis (make test installs them)" >&2; exit 1; }
+
+# BENCH_OUTBOX_BASE: the base's idem.so beside this tree's, swapped in by
+# a restart (a new file, never the mapped one overwritten).
+BASE=""
+if [ -n "${BENCH_OUTBOX_BASE:-}" ]; then
+	[ -n "$OWN" ] || { echo "outbox.sh: BENCH_OUTBOX_BASE needs its own server: run bench/outbox.sh alone" >&2; exit 2; }
+	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_OUTBOX_BASE^{commit}") || exit 2
+	LIBDIR=$("$(idem_pg_config)" --pkglibdir)
+	git -C "$ROOT" worktree add -q --detach "$WORK/base-src" "$BASE" || exit 1
+	make -C "$WORK/base-src" -s -j"$(nproc 2>/dev/null || echo 2)" PG_CONFIG="$(idem_pg_config)" all >/dev/null 2>&1 ||
+		{ echo "outbox.sh: building idem at $BASE failed" >&2; git -C "$ROOT" worktree remove --force "$WORK/base-src"; exit 1; }
+	cp "$WORK/base-src/idem.so" "$WORK/idem-base.so" && cp "$LIBDIR/idem.so" "$WORK/idem-new.so" || exit 1
+	git -C "$ROOT" worktree remove --force "$WORK/base-src"
+fi
+use_so() {
+	cp "$WORK/idem-$1.so" "$LIBDIR/idem.so.bench" && mv -f "$LIBDIR/idem.so.bench" "$LIBDIR/idem.so" || return 1
+	idem_as_test_user "$(idem_pg_bindir)/pg_ctl" -D "$WORK/pg" -l "$WORK/pg.log" -w -t 60 restart >/dev/null 9>&-
+}
 
 PG="host=$WORK port=$PGPORT user=postgres dbname=postgres"
 OB="$ROOT/bench/outbox_bench.py"
 PSQL=(idem_as_test_user "$(idem_pg_bindir)/psql" -X -q -At -h "$WORK" -p "$PGPORT" -U postgres -d postgres)
 VKCLI=("$(idem_valkey_cli)" -p "$VKPORT")
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-med() { tr ' ' '\n' | grep . | median; }
 
 "$PY" "$OB" setup "$PG" || { echo "outbox.sh: setup failed" >&2; exit 1; }
 mkdir -p "$WORK/outbox"
@@ -135,11 +133,8 @@ hand_stop() {
 }
 cleanup() {
 	[ -z "$hand_pub" ] || kill "$hand_pub" 2>/dev/null
-	if [ -n "$OWN" ]; then
-		idem_pg_stop "$WORK"
-		idem_valkey_stop "$WORK"
-		rm -rf "$WORK"
-	fi
+	[ -z "$BASE" ] || use_so new
+	bench_server_stop
 }
 trap cleanup EXIT
 
@@ -157,12 +152,20 @@ away() {
 	fi
 	sleep 0.5
 }
-printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended)\n' \
+printf '\n1. claim + effect + complete, %s clients, median of %s x %ss rounds (backlog: messages waiting when the run ended; paired: median of the rounds'"'"' own ratios)\n' \
 	"$CLIENTS" "$ROUNDS" "$SECS"
-printf '%-6s %-34s %9s %9s %12s\n' sync run tps backlog "/no message"
+printf '%-6s %-34s %9s %9s %12s %8s\n' sync run tps backlog "/no message" paired
 for sync in $SYNCS; do
 	declare -A t=() b=()
 	for r in $(seq 1 "$ROUNDS"); do
+		if [ -n "$BASE" ]; then
+			use_so base
+			t[base_plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
+			t[base_emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
+			b[base_emit]+="$(idem_waiting) "
+			wait_empty
+			use_so new
+		fi
 		t[plain]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/plain.sql" | tps) "
 		t[emit]+="$(pgb "$sync" -T "$SECS" -f "$WORK/outbox/emit.sql" | tps) "
 		b[emit]+="$(idem_waiting) "
@@ -182,16 +185,29 @@ for sync in $SYNCS; do
 		"${PSQL[@]}" -c "VACUUM ob_effects, hand_outbox" >/dev/null
 	done
 	declare -A m=()
-	for v in plain emit hand plain_away emit_away hand_away; do m[$v]=$(echo "${t[$v]}" | med); done
-	row() { # label tps backlog base
-		printf '%-6s %-34s %9.0f %9s %12.2f\n' "$sync" "$1" "$2" "$3" "$(awk -v a="$2" -v b="$4" 'BEGIN { print a / b }')"
+	for v in plain emit hand plain_away emit_away hand_away ${BASE:+base_plain base_emit}; do m[$v]=$(echo "${t[$v]}" | median); done
+	# paired: the median of each round's ratio to the run without a message
+	# of that round (run just before it): steadier than the ratio of the
+	# medians while the machine's speed drifts
+	paired() {
+		paste <(echo "${t[$1]}" | tr ' ' '\n' | grep .) <(echo "${t[$2]}" | tr ' ' '\n' | grep .) |
+			awk '$2 > 0 { print $1 / $2 }' | median
 	}
-	row "no message" "${m[plain]}" - "${m[plain]}"
-	row "idem_emit" "${m[emit]}" "$(echo "${b[emit]}" | med)" "${m[plain]}"
-	row "hand-written outbox" "${m[hand]}" "$(echo "${b[hand]}" | med)" "${m[plain]}"
-	row "no message, Valkey away" "${m[plain_away]}" - "${m[plain_away]}"
-	row "idem_emit, Valkey away" "${m[emit_away]}" - "${m[plain_away]}"
-	row "hand-written outbox, no publisher" "${m[hand_away]}" - "${m[plain_away]}"
+	row() { # label run backlog base-run
+		printf '%-6s %-34s %9.0f %9s %12.2f %8.2f\n' "$sync" "$1" "${m[$2]}" "$3" \
+			"$(awk -v a="${m[$2]}" -v b="${m[$4]}" 'BEGIN { print a / b }')" "$(paired "$2" "$4")"
+	}
+	row "no message" plain - plain
+	row "idem_emit" emit "$(echo "${b[emit]}" | median)" plain
+	row "hand-written outbox" hand "$(echo "${b[hand]}" | median)" plain
+	row "no message, Valkey away" plain_away - plain_away
+	row "idem_emit, Valkey away" emit_away - plain_away
+	row "hand-written outbox, no publisher" hand_away - plain_away
+	if [ -n "$BASE" ]; then
+		row "no message, idem at $BASE" base_plain - base_plain
+		row "idem_emit, idem at $BASE" base_emit "$(echo "${b[base_emit]}" | median)" base_plain
+		row "no message at $BASE / this one" base_plain - plain
+	fi
 	unset t b m
 done
 echo "   target: idem_emit >= 0.90 x no message"
@@ -230,9 +246,9 @@ for r in $(seq 1 "$ROUNDS"); do
 	done
 done
 printf '\n2. publish throughput: a backlog of %s messages drained, median of %s rounds (messages/s)\n' "$DRAIN_N" "$ROUNDS"
-printf '   idem publisher %10.0f\n' "$(echo "${d[idem]}" | med)"
-printf '   hand-written, one XADD per round trip %10.0f\n' "$(echo "${d[one]}" | med)"
-printf '   hand-written, pipelined XADDs         %10.0f\n' "$(echo "${d[pipe]}" | med)"
+printf '   idem publisher %10.0f\n' "$(echo "${d[idem]}" | median)"
+printf '   hand-written, one XADD per round trip %10.0f\n' "$(echo "${d[one]}" | median)"
+printf '   hand-written, pipelined XADDs         %10.0f\n' "$(echo "${d[pipe]}" | median)"
 unset d
 
 # 3. Commit -> stream lag at steady rates, synchronous_commit=on.
@@ -256,9 +272,9 @@ for rate in $RATES; do
 		done
 	done
 	for v in idem hand; do
-		printf '%8s %-12s %9.0f %9.2f %9.2f %9.2f %6s\n' "$rate" "$v" "$(echo "${n[$v]}" | med)" \
-			"$(echo "${p50[$v]}" | med)" "$(echo "${p99[$v]}" | med)" "$(echo "${mx[$v]}" | med)" \
-			"$(echo "${dup[$v]}" | med)"
+		printf '%8s %-12s %9.0f %9.2f %9.2f %9.2f %6s\n' "$rate" "$v" "$(echo "${n[$v]}" | median)" \
+			"$(echo "${p50[$v]}" | median)" "$(echo "${p99[$v]}" | median)" "$(echo "${mx[$v]}" | median)" \
+			"$(echo "${dup[$v]}" | median)"
 	done
 	unset n p50 p99 mx dup
 done

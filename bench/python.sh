@@ -17,6 +17,7 @@
 # Prints the load average before and after: the machine may be shared.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 PY=${BENCH_PYTHON:-/usr/bin/python3}
@@ -27,7 +28,6 @@ BENCH=$ROOT/bench/python_bench.py
 
 "$PY" -c 'import psycopg, redis' 2>/dev/null ||
 	{ echo "python.sh: needs python3-psycopg and python3-redis (make test installs them)" >&2; exit 1; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
 "$PY" "$BENCH" fill "$PG" "$BENCH_VKPORT" || { echo "python_bench fill failed" >&2; exit 1; }
@@ -44,8 +44,8 @@ for c in ${BENCH_CLIENTS:-1 8}; do
 		done
 	done
 	for m in $MODES; do
-		med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
-		medc[$m]=$(echo "${cpus[$m]}" | tr ' ' '\n' | grep . | median)
+		med[$m]=$(echo "${runs[$m]}" | median)
+		medc[$m]=$(echo "${cpus[$m]}" | median)
 		printf '%-15s %7s %10.0f %14.1f\n' "$m" "$c" "${med[$m]}" "${medc[$m]}"
 	done
 	# the targets are on the clients' CPU per operation, measured in the

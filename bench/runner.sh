@@ -13,15 +13,14 @@
 #                                lacks the options the others use)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_SECONDS:-5}
 ROUNDS=${BENCH_ROUNDS:-3}
 CLIENTS=${BENCH_CLIENTS:-1 8 32}
 SYNCS=${BENCH_SYNC:-off on}
 BIN=$BENCH_WORK/runner_bench
 PSQL=$(command -v psql || echo "$(pg_config --bindir)/psql")
-CFLAGS_PG="-I$(pg_config --includedir 2>/dev/null || echo /usr/include/postgresql)"
-cc -O2 -I"$ROOT/client" -I"$ROOT/src/common" "$CFLAGS_PG" -o "$BIN" "$ROOT/bench/client_bench.c" \
-	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread || exit 1
+bench_client_bench "$BIN" || exit 1
 # BENCH_RUNNER_MODES: which columns (client_bench modes; hand-new and
 # hand-dup are always run, as the references of new-key and duplicate
 # modes, and hand-late with any -late mode).  A -dup mode runs every key
@@ -41,22 +40,14 @@ MODES="hand-new hand-dup"
 MODES="$MODES $RMODES"
 BASE=""
 if [ -n "${BENCH_RUNNER_BASE:-}" ]; then
-	BASE=$(git -C "$ROOT" rev-parse --short "$BENCH_RUNNER_BASE^{commit}") || exit 2
-	SRC=$BENCH_WORK/runner-base
-	git -C "$ROOT" worktree add -q --detach "$SRC" "$BASE" || exit 1
-	trap 'git -C "$ROOT" worktree remove --force "$SRC" >/dev/null 2>&1' EXIT
-	make -C "$SRC/client" -s >/dev/null 2>&1 || { echo "runner.sh: building the client at $BASE failed" >&2; exit 1; }
+	bench_base_tree "$BENCH_RUNNER_BASE" runner
 	# A base whose library has every option the modes use runs each mode
 	# asked for; an older one (built with -DBENCH_BASELINE) run-new and
 	# run-dup only.
-	if cc -O2 -I"$SRC/client" -I"$SRC/src" -I"$SRC/src/common" "$CFLAGS_PG" -o "$BIN-base" \
-		"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
-		-lpq -lhiredis -lcrypto -pthread 2>/dev/null; then
+	if bench_client_bench "$BIN-base" "$SRC" 2>/dev/null; then
 		for m in $RMODES; do MODES="$MODES base:$m"; done
 	else
-		cc -O2 -DBENCH_BASELINE -I"$SRC/client" -I"$SRC/src" -I"$SRC/src/common" "$CFLAGS_PG" -o "$BIN-base" \
-			"$ROOT/bench/client_bench.c" "$SRC/client/build/libidemclient.a" \
-			-lpq -lhiredis -lcrypto -pthread || exit 1
+		bench_client_bench "$BIN-base" "$SRC" -DBENCH_BASELINE || exit 1
 		MODES="$MODES base:run-new base:run-dup"
 	fi
 fi
@@ -108,7 +99,6 @@ fresh() {
 # µs of CPU per run: TICKS over a round at RATE runs/s
 us_per_run() { awk -v t="$1" -v hz="$HZ" -v r="$2" -v s="$SECS" \
 	'BEGIN { printf "%.1f", (r > 0 ? t / hz * 1e6 / (r * s) : 0) }'; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "runner vs the hand-written ledger (3): runs/s, median of $ROUNDS x ${SECS}s, ratios to (3) in the same run (hand-new for new keys, hand-dup for duplicates, hand-late for late redeliveries)${BASE:+; base = the runner at $BASE}"
 COLS=""
@@ -160,7 +150,7 @@ for sync in $SYNCS; do
 		done
 		declare -A med=()
 		for m in $MODES; do
-			med[$m]=$(echo "${runs[$m]}" | tr ' ' '\n' | grep . | median)
+			med[$m]=$(echo "${runs[$m]}" | median)
 		done
 		cell() { awk -v v="${med[$1]}" -v b="${med[$2]}" 'BEGIN { printf "%.0f (%.2f)", v, v / b }'; }
 		# a C-handler run (no -sql) also against the C client's ledger
@@ -181,7 +171,7 @@ for sync in $SYNCS; do
 		echo "$row"
 		row="| $sync | $c | CPU µs/run |"
 		for m in $REFS $COLS; do
-			row="$row $(echo "${cpu[$m]}" | tr ' ' '\n' | grep . | median) (w $(echo "${wcpu[$m]}" | tr ' ' '\n' | grep . | median), v $(echo "${vcpu[$m]}" | tr ' ' '\n' | grep . | median)) |"
+			row="$row $(echo "${cpu[$m]}" | median) (w $(echo "${wcpu[$m]}" | median), v $(echo "${vcpu[$m]}" | median)) |"
 		done
 		cpus+=("$row")
 		for m in "${!late_runs[@]}"; do

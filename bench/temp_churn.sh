@@ -19,27 +19,12 @@
 #   BENCH_CHURN_CLIENTS   claim+complete clients (default 2)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"
 SECS=${BENCH_CHURN_SECONDS:-5}
 ROUNDS=${BENCH_CHURN_ROUNDS:-3}
 CLIENTS=${BENCH_CHURN_CLIENTS:-2}
 
-if [ -n "${BENCH_WORK:-}" ]; then
-	WORK=$BENCH_WORK
-	PGPORT=$BENCH_PGPORT
-else
-	idem_ensure_deps || exit 2
-	idem_pg_private_for "$ROOT" || exit 2
-	idem_build_install "$ROOT" || exit 1
-	WORK=$(mktemp -d /tmp/idem-churn.XXXXXX)
-	chmod 777 "$WORK"
-	cleanup() { idem_pg_stop "$WORK"; rm -rf "$WORK"; }
-	trap cleanup EXIT
-	trap 'exit 130' INT TERM
-	PGPORT=$(idem_free_port)
-	idem_pg_start "$WORK" "$PGPORT" "max_connections = 50" "idem.valkey_port = 1" || exit 1
-	idem_pg_install_ledgers "$WORK" "$PGPORT" || exit 1
-fi
+bench_server churn --no-valkey "max_connections = 50" "idem.valkey_port = 1"
 
 mkdir -p "$WORK/churn"
 cat >"$WORK/churn/idem.sql" <<'EOF2'
@@ -60,7 +45,6 @@ pgb() {
 		"$(idem_pg_bindir)/pgbench" -n -h "$WORK" -p "$PGPORT" -U postgres "$@" postgres 2>&1
 }
 tps() { sed -nE 's/^tps = ([0-9.]+) \(without initial connection time\)/\1/p'; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 quiet="" churning="" churn_tps=""
 for r in $(seq 1 "$ROUNDS"); do
@@ -72,9 +56,9 @@ for r in $(seq 1 "$ROUNDS"); do
 	wait "$churner"
 	churn_tps+="$(tps <"$WORK/churn/temp.out") "
 done
-q=$(echo "$quiet" | tr ' ' '\n' | grep . | median)
-c=$(echo "$churning" | tr ' ' '\n' | grep . | median)
-t=$(echo "$churn_tps" | tr ' ' '\n' | grep . | median)
+q=$(echo "$quiet" | median)
+c=$(echo "$churning" | median)
+t=$(echo "$churn_tps" | median)
 printf 'claim+complete, %s clients, synchronous_commit=off, median of %s x %ss runs:\n' "$CLIENTS" "$ROUNDS" "$SECS"
 printf '  quiet                                        %10.0f tps\n' "$q"
 printf '  beside a session creating temp tables (%5.0f/s) %7.0f tps\n' "$t" "$c"

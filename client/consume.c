@@ -6,6 +6,32 @@
  *	  settled.  idem_client.h says what is acknowledged and what is left
  *	  pending; the rule is consumer_settled().
  *
+ *	  Durable before acknowledged.  An XACK removes the entry from the
+ *	  group's pending list for good, so the answer it acts on must survive
+ *	  a crash of the server; the session's synchronous_commit (off on the
+ *	  consumer's connection, say) must not decide that.  Each run's
+ *	  transaction therefore runs with synchronous_commit at least on, set
+ *	  locally (idem_pg.durable: one statement in the pipeline that starts
+ *	  the transaction, no round trip of its own).  Every answer the
+ *	  consumer acknowledges is then durable when idem_run_with returns:
+ *	    - applied, failed_permanent recorded by this run: its COMMIT
+ *	      flushed, and waited for the synchronous standbys, as with on;
+ *	    - replayed, failed_permanent or mismatch answered from PostgreSQL
+ *	      (the claim, idem_apply, the lookup of step 3a): read from another
+ *	      transaction's row, perhaps committed with off and not flushed;
+ *	      the server answers only once that commit is as durable as the
+ *	      asking transaction's would be (idem_replay_durable), so on
+ *	      flushes it first;
+ *	    - replayed from Valkey: the worker copies a result only after its
+ *	      commit is flushed and on the standbys idem waits for; no
+ *	      PostgreSQL statement ran, and none is needed.
+ *	  Cheaper ways were weighed: a flush per round (one transaction with
+ *	  an xid, committed with on, before the round's XACK) saves flushes
+ *	  only for a session set to off, costs every consumer a round trip
+ *	  per round, and is wrong after a reconnect (a commit lost with the
+ *	  old connection is not in the new server's WAL to flush).  With on,
+ *	  the default, the setting costs nothing: the commit flushed anyway.
+ *
  *	  Its Valkey connection is a router of its own (the shared router: a
  *	  single Valkey as a one-node map, or a cluster whose stream's slot
  *	  routes every command), with blocking reads bounded by block_ms and
@@ -225,29 +251,19 @@ idem_consumer_get_stats(const idem_consumer *c, idem_consumer_stats *out)
 static int
 vc_ready(idem_consumer *c)
 {
-	char		seeds[1024];
-	char		first[IDEM_VC_HOST_MAX + 8];
 	char		e[256];
 
 	if (c->vc == NULL)
 	{
 		idem_vc_options opt;
-		idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
 
-		idem_vc_format_endpoint(first, sizeof(first), c->host, c->port);
-		snprintf(seeds, sizeof(seeds), "%s%s%s", first,
-				 c->nodes ? "," : "", c->nodes ? c->nodes : "");
 		memset(&opt, 0, sizeof(opt));
-		opt.seeds = seeds;
-		opt.default_port = c->port;
 		opt.password = c->password;
 		opt.db = c->o.valkey_db;
-		opt.mode = c->o.valkey_cluster > 0 ? IDEM_VC_MODE_CLUSTER :
-			c->o.valkey_cluster < 0 ? IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 		opt.connect_timeout_ms = c->o.valkey_connect_timeout_ms;
 		opt.retry_ms = 0;
-		opt.blocking_reads = 1;
-		c->vc = idem_vc_new(&opt, &io, e, sizeof(e));
+		c->vc = idemc_vc_client_new(c->host, c->port, c->nodes,
+									c->o.valkey_cluster, &opt, e, sizeof(e));
 		if (c->vc == NULL)
 		{
 			snprintf(c->err, sizeof(c->err), "Valkey: %s", e);
@@ -457,6 +473,7 @@ run_entry(idem_consumer *c, const redisReply *entry, int first_read)
 	idem_result res;
 	uint8_t		key[IDEM_DIGEST_BYTES];
 	int			settled;
+	int			was_durable;
 
 	if (entry == NULL || entry->type != REDIS_REPLY_ARRAY || entry->elements < 2 ||
 		entry->element[0]->type != REDIS_REPLY_STRING)
@@ -490,12 +507,16 @@ run_entry(idem_consumer *c, const redisReply *entry, int first_read)
 	if (ro.delivery_count == 0)
 		ro.delivery_count = first_read ? 1 : 2;
 	idem_result_init(&res);
+	/* durable before it is acknowledged: see the header */
+	was_durable = c->runner->pg.durable;
+	c->runner->pg.durable = 1;
 	if (c->o.platform)
 		idem_run_platform_with(c->runner, c->scope, id->str, body->str, &ro,
 							   c->o.handler, c->o.user_data, &res);
 	else
 		idem_run_with(c->runner, c->o.tenant_id, c->scope, id->str, body->str,
 					  &ro, c->o.handler, c->o.user_data, &res);
+	c->runner->pg.durable = was_durable;
 	settled = consumer_settled(&res);
 	if (settled && ack_later(c, eid->str) != 0)
 		settled = 0;

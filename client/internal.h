@@ -40,6 +40,20 @@ int64_t		idem_vc_now_ms(void);
 #define idemc_now_ms idem_vc_now_ms
 /* idem_vc_io.wait for the client's routers (valkey_conn.c): poll(), or sleep. */
 int			idemc_vc_poll_wait(void *arg, int fd, int for_write, int64_t deadline);
+/*
+ * A router of the client's (valkey_conn.c; it connects nothing yet): the
+ * gate's, or a stream consumer's.  Seeds host:port, then nodes
+ * ("host:port,..." or NULL); cluster > 0 a Valkey Cluster, < 0 a single
+ * Valkey, 0 INFO cluster decides (a cluster asked for with a db other
+ * than 0 is asked all the same: idem_vc_open then says -2); blocking
+ * reads, waited for with poll().  *opt holds the rest (password, db,
+ * timeouts, retry, setup); the seeds, port, mode and reads are set here.
+ * NULL with err set.
+ */
+struct idem_vc_options;
+struct idem_vc *idemc_vc_client_new(const char *host, int port, const char *nodes,
+									int cluster, struct idem_vc_options *opt,
+									char *err, size_t errlen);
 
 /* ---- the Valkey side: valkey_conn.c (the connections, on the shared
  * router), gate.c (the gate, lookups), release.c (compare-and-delete) ---- */
@@ -164,6 +178,8 @@ typedef enum pg_stmt
 	STMT_KEYSPACE, STMT_SECRETS,	/* trust.c: what the cache may be */
 	STMT_APPLY_T, STMT_APPLY_P, /* idem_apply: a run with a SQL handler */
 	STMT_EMIT,					/* idem_emit: a C handler's messages (emit.c) */
+	STMT_DURABLE,				/* synchronous_commit at least on, for this
+								 * transaction (idem_pg.durable) */
 	/* the runner's transaction control, prepared like the rest */
 	STMT_BEGIN, STMT_SAVEPOINT, STMT_RELEASE, STMT_ROLLBACK_TO, STMT_COMMIT,
 	STMT_COUNT
@@ -196,11 +212,21 @@ typedef struct idem_pg
 	int			named_opt;		/* idem_options.prepared_statements */
 	int			named;			/* this connection uses named statements */
 	int			server_ended;	/* a FATAL arrived: this session is over */
+	int			durable;		/* each transaction a pipeline starts on
+								 * the idle connection runs STMT_DURABLE
+								 * first: its commit, and a replay it
+								 * answers, are durable when answered (the
+								 * stream consumer's runs, consume.c) */
 	int			watching;		/* a handler runs: its errors are seen */
 	char		handler_sqlstate[6];	/* the first error of the server's
 										 * state (idemc_error_is_servers)
 										 * a handler's statement met; "" */
 	char		handler_message[200];	/* ... its message */
+	char		handler_last_sqlstate[6];	/* the last error a handler's
+											 * statement met, but 25P02 (the
+											 * one that aborted its
+											 * transaction); "" */
+	char		handler_last_message[200];	/* ... its message */
 	long		round_trips;
 	long		connects;
 } idem_pg;
@@ -223,7 +249,7 @@ typedef struct pg_cmd
 								 * in a first_sql slot when one is free */
 } pg_cmd;
 
-#define PG_MAX_CMDS 5
+#define PG_MAX_CMDS 6
 
 typedef enum pg_rc
 {
@@ -267,6 +293,13 @@ void		idemc_pg_outcome_clear(pg_outcome *o);
  * handler's attempt), 58 and XX, as idem_apply judges them.  message: the
  * error's primary message. */
 int			idemc_error_is_servers(const char *sqlstate, const char *message);
+/* A timeout's cancel: statement_timeout's 57014 (not an operator's) or
+ * lock_timeout's 55P03, the handler's attempt. */
+int			idemc_error_is_timeout(const char *sqlstate, const char *message);
+/* The error a handler's statement (or its first statement) met, seen by
+ * the runner (idem_pg.handler_sqlstate, .handler_last_sqlstate). */
+void		idemc_pg_handler_error(idem_pg *p, const char *sqlstate,
+								   const char *message);
 /* Watch the errors of the handler's statements (on) until off. */
 void		idemc_pg_watch_handler(idem_pg *p, int on);
 /* Simple statement (ROLLBACK, COMMIT): one round trip.  0 ok, -1 failed. */

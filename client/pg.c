@@ -176,6 +176,12 @@ build_sql(idem_pg *p, const char *s)
 		"SELECT %s.idem_emit(e.value->>0, e.value->1, $2::bytea) "
 		"FROM jsonb_array_elements($1::jsonb) AS e",
 		/*
+		 * DURABLE: synchronous_commit at least on (remote_apply is kept)
+		 * until the transaction ends (no schema, as transaction control).
+		 */
+		"SELECT pg_catalog.set_config('synchronous_commit', 'on', true) "
+		"WHERE pg_catalog.current_setting('synchronous_commit') <> 'remote_apply'",
+		/*
 		 * BEGIN .. COMMIT: the runner's transaction around a C handler.
 		 * The savepoint's %s is its name, drawn for each connection
 		 * (savepoint_name).
@@ -240,30 +246,54 @@ idemc_error_is_servers(const char *st, const char *message)
 		strncmp(st, "XX", 2) == 0;
 }
 
+int
+idemc_error_is_timeout(const char *st, const char *message)
+{
+	if (st == NULL)
+		return 0;
+	return strcmp(st, "55P03") == 0 ||
+		(strcmp(st, "57014") == 0 && !idemc_error_is_servers(st, message));
+}
+
+void
+idemc_pg_handler_error(idem_pg *p, const char *st, const char *m)
+{
+	if (st == NULL || strlen(st) != 5)
+		return;
+	if (p->handler_sqlstate[0] == '\0' && idemc_error_is_servers(st, m))
+	{
+		snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
+		snprintf(p->handler_message, sizeof(p->handler_message), "%s",
+				 m ? m : "");
+	}
+	if (strcmp(st, "25P02") != 0)
+	{
+		snprintf(p->handler_last_sqlstate, sizeof(p->handler_last_sqlstate), "%s", st);
+		snprintf(p->handler_last_message, sizeof(p->handler_last_message), "%s",
+				 m ? m : "");
+	}
+}
+
 /*
  * libpq's event procedure on our connection: while a handler runs, the
- * first error result of the server's state (a serialization failure, a
- * deadlock, an operator's cancel) that one of its statements gets is
- * kept, so that the runner can tell the server's state from the handler's
- * answer (the handler sees the error; the runner never sees its results).
+ * errors its statements get are seen (idemc_pg_handler_error), so that the
+ * runner can tell the server's state (the first error of a serialization
+ * failure, a deadlock, an operator's cancel) from the handler's answer,
+ * and knows what aborted a transaction the handler left in error (the
+ * handler sees the errors; the runner never sees its results).
  */
 static int
 result_event(PGEventId id, void *info, void *pass)
 {
 	idem_pg    *p = pass;
 
-	if (id == PGEVT_RESULTCREATE && p->watching && p->handler_sqlstate[0] == '\0')
+	if (id == PGEVT_RESULTCREATE && p->watching)
 	{
 		const PGresult *res = ((const PGEventResultCreate *) info)->result;
-		const char *st = PQresultErrorField(res, PG_DIAG_SQLSTATE);
-		const char *m = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
 
-		if (PQresultStatus(res) == PGRES_FATAL_ERROR && idemc_error_is_servers(st, m))
-		{
-			snprintf(p->handler_sqlstate, sizeof(p->handler_sqlstate), "%s", st);
-			snprintf(p->handler_message, sizeof(p->handler_message), "%s",
-					 m ? m : "");
-		}
+		if (PQresultStatus(res) == PGRES_FATAL_ERROR)
+			idemc_pg_handler_error(p, PQresultErrorField(res, PG_DIAG_SQLSTATE),
+								   PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY));
 	}
 	return 1;
 }
@@ -275,6 +305,8 @@ idemc_pg_watch_handler(idem_pg *p, int on)
 	{
 		p->handler_sqlstate[0] = '\0';
 		p->handler_message[0] = '\0';
+		p->handler_last_sqlstate[0] = '\0';
+		p->handler_last_message[0] = '\0';
 	}
 	p->watching = on;
 }
@@ -496,7 +528,7 @@ static const char *const stmt_names[STMT_COUNT] = {
 	"idem_client_lookup_t", "idem_client_lookup_p",
 	"idem_client_keyspace", "idem_client_secrets",
 	"idem_client_apply_t", "idem_client_apply_p",
-	"idem_client_emit",
+	"idem_client_emit", "idem_client_durable",
 	"idem_client_begin", "idem_client_savepoint", "idem_client_release",
 	"idem_client_rollback_to", "idem_client_commit"
 };
@@ -632,8 +664,8 @@ resync_prepared(idem_pg *p)
 	PQclear(r);
 }
 
-void
-idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
+static void
+pipeline_run(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 {
 	PGconn	   *conn = p->conn;
 	int			stmt[PG_MAX_CMDS];
@@ -833,6 +865,44 @@ idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
 		}
 	}
 	out->rc = out->failed_cmd >= 0 ? PG_SERVER_ERROR : PG_OK;
+}
+
+/*
+ * A pipeline that starts a transaction on a durable connection
+ * (idem_pg.durable) runs STMT_DURABLE first, in the same transaction: an
+ * explicit one its BEGIN takes over, or the implicit one of autocommit
+ * statements that lasts until the Sync.  The caller sees only its own
+ * commands: their results, indexes and counts are as without it; should
+ * the setting fail, the error is its first command's.
+ */
+void
+idemc_pg_pipeline(idem_pg *p, const pg_cmd *cmds, int n, pg_outcome *out)
+{
+	pg_cmd		all[PG_MAX_CMDS];
+	int			set_ok;
+
+	if (!p->durable || n < 1 || n >= PG_MAX_CMDS || p->conn == NULL ||
+		PQtransactionStatus(p->conn) != PQTRANS_IDLE)
+	{
+		pipeline_run(p, cmds, n, out);
+		return;
+	}
+	memset(&all[0], 0, sizeof(all[0]));
+	all[0].sql = p->sql[STMT_DURABLE];
+	memcpy(&all[1], cmds, sizeof(pg_cmd) * n);
+	pipeline_run(p, all, n + 1, out);
+	set_ok = out->res[0] != NULL &&
+		PQresultStatus(out->res[0]) == PGRES_TUPLES_OK;
+	if (out->res[0])
+		PQclear(out->res[0]);
+	memmove(&out->res[0], &out->res[1], sizeof(PGresult *) * n);
+	out->res[n] = NULL;
+	if (out->failed_cmd > 0)
+		out->failed_cmd--;
+	if (set_ok && out->completed > 0)
+		out->completed--;
+	if (out->queued > 0)
+		out->queued--;
 }
 
 int

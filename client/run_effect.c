@@ -26,6 +26,32 @@ handler_ended_tx(run_state *s)
 						"the handler ended the runner's transaction (COMMIT, ROLLBACK or COMMIT; BEGIN) or released its savepoint: its effect may have committed without its idempotency key, and a redelivery after the lease may run it again");
 }
 
+/*
+ * {"sqlstate": st, "message": m} in out (m escaped as a JSON string; out
+ * is large enough for every character of m escaped as \u00XX).
+ */
+static void
+timeout_detail(char *out, size_t n, const char *st, const char *m)
+{
+	size_t		k = (size_t) snprintf(out, n, "{\"sqlstate\": \"%s\", \"message\": \"", st);
+
+	for (; *m != '\0' && k + 8 < n; m++)
+	{
+		unsigned char c = (unsigned char) *m;
+
+		if (c == '"' || c == '\\')
+		{
+			out[k++] = '\\';
+			out[k++] = (char) c;
+		}
+		else if (c < 0x20)
+			k += (size_t) snprintf(out + k, n - k, "\\u%04x", (unsigned) c);
+		else
+			out[k++] = (char) c;
+	}
+	snprintf(out + k, n - k, "\"}");
+}
+
 /* The handler ran and said hs; finish the transaction.  The savepoint is
  * there, the claim is ours. */
 static idem_status
@@ -36,6 +62,7 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 	PGconn	   *conn = pg->conn;
 	PGTransactionStatusType ts;
 	const char *json = call->json ? call->json : "{}";
+	char		tdetail[sizeof(s->r->pg.handler_last_message) * 6 + 64];
 	char	   *canon;
 	size_t		clen;
 	char		err[200];
@@ -115,6 +142,22 @@ finish_claimed(run_state *s, idem_handler_status hs, idem_call *call,
 		return idemc_run_error(s, IDEM_ERR_SERVER, st,
 							"a statement of the handler failed with SQLSTATE %s (%s): the server's state, not the handler's answer; rolled back, nothing recorded (redeliver: the same attempt runs again)",
 							st, m);
+	}
+	if (ts == PQTRANS_INERROR && hs == IDEM_HANDLER_OK &&
+		idemc_error_is_timeout(pg->handler_last_sqlstate, pg->handler_last_message))
+	{
+		/*
+		 * The handler caught a timeout's cancel (statement_timeout's 57014,
+		 * lock_timeout's 55P03) and returned success: its transaction is
+		 * aborted, the effect cannot commit.  It is the attempt it would be
+		 * had the handler reported it: a retryable failure, recorded with
+		 * {"sqlstate", "message"} as idem_apply records one, so that
+		 * idem.max_attempts ends a handler that overruns on every delivery.
+		 */
+		timeout_detail(tdetail, sizeof(tdetail), pg->handler_last_sqlstate,
+					   pg->handler_last_message);
+		json = tdetail;
+		hs = IDEM_HANDLER_RETRYABLE;
 	}
 	if (ts == PQTRANS_INERROR && hs == IDEM_HANDLER_OK)
 	{
@@ -392,18 +435,9 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		call.key = s->key;
 		idemc_pg_watch_handler(pg, 1);
 		if (call.first != NULL &&
-			PQresultStatus(call.first) == PGRES_FATAL_ERROR &&
-			idemc_error_is_servers(PQresultErrorField(call.first, PG_DIAG_SQLSTATE),
-								   PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY)))
-		{
-			/* the handler's first statement, sent with the claim, met it */
-			const char *m = PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY);
-
-			snprintf(pg->handler_sqlstate, sizeof(pg->handler_sqlstate), "%s",
-					 PQresultErrorField(call.first, PG_DIAG_SQLSTATE));
-			snprintf(pg->handler_message, sizeof(pg->handler_message), "%s",
-					 m ? m : "");
-		}
+			PQresultStatus(call.first) == PGRES_FATAL_ERROR)	/* sent with the claim */
+			idemc_pg_handler_error(pg, PQresultErrorField(call.first, PG_DIAG_SQLSTATE),
+								   PQresultErrorField(call.first, PG_DIAG_MESSAGE_PRIMARY));
 		hs = handler(pg->conn, &call, user_data);
 		idemc_pg_watch_handler(pg, 0);
 		if (call.first)

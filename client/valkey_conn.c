@@ -216,44 +216,48 @@ open_problem(const char *err)
 	return VALKEY_DOWN;
 }
 
-/* The router, made once (it connects nothing yet).  0 or -1. */
+idem_vc *
+idemc_vc_client_new(const char *host, int port, const char *nodes, int cluster,
+					idem_vc_options *opt, char *err, size_t errlen)
+{
+	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
+	char		first[IDEM_VC_HOST_MAX + 8];
+	char		seeds[1024];
+
+	idem_vc_format_endpoint(first, sizeof(first), host, port);
+	snprintf(seeds, sizeof(seeds), "%s%s%s", first,
+			 nodes ? "," : "", nodes ? nodes : "");
+	opt->seeds = seeds;
+	opt->default_port = port;
+	if (cluster > 0)
+		opt->mode = opt->db != 0 ? IDEM_VC_MODE_AUTO : IDEM_VC_MODE_CLUSTER;
+	else
+		opt->mode = cluster < 0 ? IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
+	opt->blocking_reads = 1;
+	return idem_vc_new(opt, &io, err, errlen);
+}
+
+/* The gate's router, made once (it connects nothing yet).  0 or -1. */
 static int
 router_make(idem_gate *g)
 {
 	idem_vc_options opt;
-	idem_vc_io	io = {idemc_vc_poll_wait, NULL, NULL};
-	char		first[IDEM_VC_HOST_MAX + 8];
-	char		seeds[1024];
 	char		err[256];
 
 	if (g->vc != NULL)
 		return 0;
-	idem_vc_format_endpoint(first, sizeof(first), g->host, g->port);
-	snprintf(seeds, sizeof(seeds), "%s%s%s", first,
-			 g->nodes ? "," : "", g->nodes ? g->nodes : "");
 	memset(&opt, 0, sizeof(opt));
-	opt.seeds = seeds;
-	opt.default_port = g->port;
 	opt.password = g->password;
 	opt.db = g->db;
-
-	/*
-	 * A forced cluster with a database other than 0 is asked all the same:
-	 * idem_vc_open says -2 if the nodes are a cluster's.
-	 */
-	if (g->cluster_mode > 0)
-		opt.mode = g->db != 0 ? IDEM_VC_MODE_AUTO : IDEM_VC_MODE_CLUSTER;
-	else
-		opt.mode = g->cluster_mode < 0 ? IDEM_VC_MODE_SINGLE : IDEM_VC_MODE_AUTO;
 	opt.connect_timeout_ms = g->connect_timeout_ms;
 	opt.retry_ms = g->retry_ms;
-	opt.blocking_reads = 1;
 	opt.reconnect_dead = 1;
 	opt.nsetup = 1;
 	opt.setup_argc = setup_argc;
 	opt.setup_argv = setup_argv;
 	opt.setup_check = check_setup;
-	g->vc = idem_vc_new(&opt, &io, err, sizeof(err));
+	g->vc = idemc_vc_client_new(g->host, g->port, g->nodes, g->cluster_mode,
+								&opt, err, sizeof(err));
 	return g->vc != NULL ? 0 : -1;
 }
 

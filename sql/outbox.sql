@@ -100,6 +100,80 @@ SELECT decision, outcome->>'id' = encode(k('h'), 'hex') || '-1' AS h1
   FROM idem_apply(1, k('h'), f('{"n": 1}'), 'notify_handler(jsonb)', '{"n": 1}');
 SELECT * FROM outbox;
 
+-- A batch of 64 keys with messages on some: each key numbers its own; a
+-- failed key's messages go, the completed keys' stay.
+BEGIN;
+SELECT count(*) AS claimed
+  FROM idem_claim_many(array_fill(1::bigint, ARRAY[64]),
+                       ARRAY(SELECT k('m' || i) FROM generate_series(1, 64) i),
+                       array_fill(f('{}'), ARRAY[64]))
+ WHERE decision = 'claimed';
+SELECT bool_and(idem_emit('s.m', jsonb_build_object('i', i), k('m' || i))
+                = encode(k('m' || i), 'hex') || '-1') AS firsts
+  FROM generate_series(1, 64, 3) i;
+SELECT bool_and(idem_emit('s.m', jsonb_build_object('i', i, 'n', 2), k('m' || i))
+                = encode(k('m' || i), 'hex') || '-2') AS seconds
+  FROM generate_series(1, 64, 9) i;
+\set VERBOSITY sqlstate
+SAVEPOINT a;
+SELECT idem_emit('s.m', '{}');
+ROLLBACK TO a;
+\set VERBOSITY default
+SELECT idem_fail_many(ARRAY[1, 1]::bigint[], ARRAY[k('m1'), k('m2')],
+                      ARRAY['{}', '{}']::jsonb[], ARRAY[false, false]);
+SELECT idem_complete_many(array_fill(1::bigint, ARRAY[62]),
+                          ARRAY(SELECT k('m' || i) FROM generate_series(3, 64) i),
+                          array_fill('{}'::jsonb, ARRAY[62]));
+COMMIT;
+SELECT count(*) AS messages, count(DISTINCT message_id) AS ids,
+       bool_and(body->>'i' NOT IN ('1', '2')) AS failed_gone
+  FROM idem_outbox WHERE stream = 's.m';
+
+-- The same key claimed for two tenants: it must name one claim.
+BEGIN;
+SELECT decision FROM idem_claim_many(ARRAY[1, 2]::bigint[], ARRAY[k('t'), k('t')],
+                                     ARRAY[f('{}'), f('{}')]);
+\set VERBOSITY sqlstate
+SAVEPOINT a;
+SELECT idem_emit('s.t', '{}', k('t'));
+ROLLBACK TO a;
+\set VERBOSITY default
+SELECT idem_complete(1, k('t'), '{}');
+SELECT idem_emit('s.t', '{}', k('t')) = encode(k('t'), 'hex') || '-1' AS t2_first;
+ROLLBACK;
+
+-- A key failed retryably and taken over again in the same transaction is
+-- held until it completes.
+BEGIN;
+SELECT (idem_claim(1, k('r'), f('{}'))).decision;
+SELECT idem_fail(1, k('r'), '{}', true);
+SELECT (idem_claim(1, k('r'), f('{}'))).attempt;
+SELECT idem_emit('s.r', '{}') = encode(k('r'), 'hex') || '-1' AS r1;
+SELECT idem_complete(1, k('r'), '{}');
+\set VERBOSITY sqlstate
+SELECT idem_emit('s.r', '{}');
+\set VERBOSITY default
+ROLLBACK;
+
+-- A change to the outbox table is seen by the next emit of this session:
+-- a trigger fires, and no more once dropped; a new column gets its default.
+CREATE FUNCTION outbox_seen() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE NOTICE 'outbox trigger: %', NEW.stream; RETURN NEW; END $$;
+BEGIN;
+SELECT (idem_claim(1, k('x'), f('{}'))).decision;
+SELECT idem_emit('s.x', '{}') = encode(k('x'), 'hex') || '-1' AS x1;
+CREATE TRIGGER seen BEFORE INSERT ON idem_outbox FOR EACH ROW EXECUTE FUNCTION outbox_seen();
+SELECT idem_emit('s.x', '{}') = encode(k('x'), 'hex') || '-2' AS x2;
+DROP TRIGGER seen ON idem_outbox;
+SELECT idem_emit('s.x', '{}') = encode(k('x'), 'hex') || '-3' AS x3;
+ALTER TABLE idem_outbox ADD COLUMN extra int;
+ALTER TABLE idem_outbox ALTER COLUMN extra SET DEFAULT 7;
+SELECT idem_emit('s.x', '{}') = encode(k('x'), 'hex') || '-4' AS x4;
+SELECT message_id = encode(k('x'), 'hex') || '-' || seq - min(seq) OVER () + 1 AS in_order, extra
+  FROM idem_outbox WHERE stream = 's.x' ORDER BY seq;
+ROLLBACK;
+DROP FUNCTION outbox_seen();
+
 -- Bad arguments.
 BEGIN;
 SELECT (idem_claim(1, k('e'), f('{}'))).decision;

@@ -11,7 +11,8 @@
  *		xact.c			the transaction and subtransaction callbacks
  *		ledger_registry.c
  *						a relcache callback that forgets a ledger's cached
- *						identity when the ledger changes
+ *						identity when the ledger changes (and calls the
+ *						direct write's and the outbox's)
  *		ledger_insert.c	relcache and syscache (functions, types, role
  *						membership) callbacks that invalidate the prepared
  *						direct insert

@@ -487,6 +487,8 @@ claim_locked(LedgerStore *store, const LedgerKey *lk, const uint8 *fingerprint,
 		{
 			if (ledger_reclaim(store, lk, &row, lease_end, &attempt, &fence))
 			{
+				/* held until completed or failed, as a new key's claim */
+				pending_add_taken(lk, ledger_store_relid(store));
 				answer_claimed(ans, attempt, fence, lease_end);
 				return;
 			}
@@ -637,8 +639,6 @@ ledger_claim_key_nowait(LedgerStore *store, const LedgerKey *lk,
 	}
 
 	idem_stats_count_claim(ans->decision);
-	if (ans->decision == IDEM_DECISION_CLAIMED)
-		idem_outbox_claim_taken(lk);
 	if (ans->committed_row && (ans->decision == IDEM_DECISION_COMPLETED ||
 							   ans->decision == IDEM_DECISION_FAILED_PERMANENT))
 		repopulate(store, lk, generation,
@@ -891,6 +891,8 @@ ledger_settle_key(LedgerStore *store, const LedgerKey *lk, const char *what,
 						 row.status == IDEM_STATUS_FAILED_RETRYABLE ?
 						 errhint("Claim the key again before completing or failing it.") : 0));
 			}
+			/* taken over by this transaction: held no more */
+			pending_settle_taken(lk);
 		}
 	}
 	PG_FINALLY();

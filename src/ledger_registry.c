@@ -13,7 +13,7 @@
  *	  again (store_check), whenever the relcache callback says one of them
  *	  changed.  ledger_store_relcache_cb is the one relcache callback of
  *	  idem, registered once by _PG_init; it also calls the others (the
- *	  direct write's, citus.c's, the Citus shard stores').
+ *	  direct write's, the outbox's, citus.c's, the Citus shard stores').
  *
  *	  Locking: every use locks the ledger, its key index and the tenants
  *	  table and index (AccessShareLock, to the end of the transaction)
@@ -44,6 +44,7 @@
 #include "citus.h"
 #include "ledger_insert.h"
 #include "ledger_row.h"
+#include "outbox.h"
 
 const StoreColumnDef store_columns[COL_COUNT] = {
 	{"status", TEXTOID},
@@ -77,6 +78,7 @@ ledger_store_relcache_cb(Datum arg, Oid relid)
 	 * split's walsender (Citus's decoder over pgoutput) needs the others.
 	 */
 	ledger_insert_relcache_cb(arg, relid);
+	idem_outbox_relcache_cb(arg, relid);
 	idem_citus_relcache_cb(arg, relid);
 	ledger_citus_invalidate(relid);
 }

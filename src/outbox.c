@@ -8,11 +8,13 @@
  *	  commit is durable, and deletes it.
  *
  *	  A message belongs to a claim this transaction holds: a key it claimed
- *	  (new, retried or taken over) and has not completed or failed yet.
- *	  The decisions report both ends (idem_outbox_claim_taken from the
- *	  claim, idem_outbox_claim_settled from complete / fail), for the
- *	  tenant and the platform ledger, one key at a time or in batches.  The
- *	  message's id is
+ *	  (new, retried or taken over) and has not completed or failed yet,
+ *	  in the tenant or the platform ledger, one key at a time or in
+ *	  batches.  Which claims a transaction holds is the claim table's
+ *	  (pending_held), asked at each emit: a claim costs this file nothing,
+ *	  and nothing is kept here until the transaction's first emit.  The
+ *	  decisions report a completion or failure (idem_outbox_claim_settled),
+ *	  which costs one test while nothing was emitted.  The message's id is
  *
  *		<the key, 64 lowercase hex digits>-<n>
  *
@@ -20,10 +22,10 @@
  *	  this transaction, so that a run re-run after a lost commit, or taken
  *	  over after its lease, emits the same ids again.
  *
- *	  What this file keeps follows subtransactions by xact.c's rule
- *	  (idem_subxact_follow): a rolled-back savepoint forgets the claims,
- *	  settlements and emits made inside it (PostgreSQL rolls back their
- *	  rows with it); a released one hands them to its parent.  idem_fail of
+ *	  What this file keeps, the emits per key, follows subtransactions by
+ *	  xact.c's rule (idem_subxact_follow): a rolled-back savepoint forgets
+ *	  the emits made inside it (PostgreSQL rolls back their rows with it);
+ *	  a released one hands them to its parent.  idem_fail of
  *	  a key deletes the key's messages emitted in this transaction (a
  *	  failed effect says nothing): marked discarded at the failing level,
  *	  so that rolling the failure back brings them and their positions
@@ -36,9 +38,16 @@
  *	  COMMIT PREPARED runs no callback of ours, so the publisher polls while
  *	  the database has prepared transactions.
  *
- *	  The table is written through SPI as its owner (the extension's
- *	  owner), so that callers need no grant on it; its plan is kept per
- *	  backend and replanned by PostgreSQL when the table changes.
+ *	  The table is written as its owner (the extension's owner), so that
+ *	  callers need no grant on it: a message's row is inserted directly
+ *	  (ExecSimpleRelationInsert, as ledger_insert_direct writes a ledger
+ *	  row), with the table's oid, owner and identity sequence kept per
+ *	  backend until a relcache invalidation of the table
+ *	  (idem_outbox_relcache_cb).  A table that is no longer exactly the
+ *	  one idem made (a column, a default, a trigger, a rule, row-level
+ *	  security, a CHECK) or a read-only transaction gets the INSERT through
+ *	  SPI instead, whose plan is kept per backend and replanned by
+ *	  PostgreSQL when the table changes.
  *
  *	  Locking: none of its own; the state is backend-local, in
  *	  TopTransactionContext.
@@ -47,17 +56,26 @@
  */
 #include "postgres.h"
 
+#include "access/relation.h"
+#include "access/table.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
+#include "commands/sequence.h"
+#include "executor/executor.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
+#include "nodes/primnodes.h"
+#include "rewrite/rewriteHandler.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/hsearch.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
 
@@ -65,6 +83,7 @@
 #include "compat.h"
 #include "digest.h"
 #include "outbox_publish.h"
+#include "pending.h"
 #include "sql_args.h"
 #include "subxact.h"
 
@@ -74,28 +93,30 @@ PG_FUNCTION_INFO_V1(idem_emit);
 typedef struct OutboxEmit
 {
 	int64		seq;			/* its row's seq */
+	LedgerKind	kind;			/* the claim it belongs to: ledger, */
+	int64		tenant_id;		/* tenant (and the entry's key) */
 	int			level;			/* subtransaction that emitted it */
 	int			discarded_level;	/* subtransaction whose idem_fail deleted
 									 * it; 0: live */
 } OutboxEmit;
 
-/* One claim this transaction took, and the messages emitted for it. */
-typedef struct OutboxClaim
-{
-	LedgerKey	lk;
-	int			claim_level;	/* subtransaction that claimed it */
-	int			settled_level;	/* subtransaction that completed or failed
-								 * it; 0: held */
-	List	   *emits;			/* of OutboxEmit *, in emit order */
-} OutboxClaim;
-
 /*
- * This transaction's claims, of OutboxClaim *, in claim order (a list: a
- * transaction holds one claim, or a batch's few dozen).
+ * The messages of one key emitted in this transaction, in emit order, of
+ * every claim of the key (the id names the key only: claims of one key in
+ * both ledgers, or for two tenants, number their messages together).
  */
-static List *outbox_claims = NIL;
+typedef struct OutboxKey
+{
+	uint8		key[IDEM_DIGEST_LEN];	/* hash key: must stay first */
+	List	   *emits;			/* of OutboxEmit * */
+} OutboxKey;
+
+/* This transaction's emits by key; NULL until its first emit. */
+static HTAB *outbox_keys = NULL;
 /* Messages of claims settled and forgotten at the top level survive. */
 static bool outbox_emitted = false;
+/* Some message survives at commit or prepare (set at PRE_COMMIT). */
+static bool outbox_live_at_commit = false;
 /* The schema of the outbox this transaction wrote (for idem_fail's delete). */
 static Oid	outbox_nsp = InvalidOid;
 
@@ -103,76 +124,86 @@ static Oid	outbox_nsp = InvalidOid;
 static SPIPlanPtr outbox_insert_plan = NULL;
 static Oid	outbox_insert_nsp = InvalidOid;
 
+/* The outbox table's columns, in the order idem made them. */
+enum
+{
+	OC_SEQ = 0,
+	OC_STREAM,
+	OC_MESSAGE_ID,
+	OC_BODY,
+	OC_EMITTED_AT,
+	OC_COUNT
+};
+
+static const struct
+{
+	const char *name;
+	Oid			type;
+}			outbox_columns[OC_COUNT] = {
+	{"seq", INT8OID},
+	{"stream", TEXTOID},
+	{"message_id", TEXTOID},
+	{"body", JSONBOID},
+	{"emitted_at", TIMESTAMPTZOID},
+};
+
+/*
+ * The outbox table of one schema, per backend, kept across transactions
+ * until a relcache invalidation of the table (or of every relation).
+ */
+typedef struct OutboxRel
+{
+	Oid			nsp;			/* InvalidOid: nothing kept */
+	Oid			relid;
+	Oid			owner;
+	bool		direct;			/* the direct insert applies */
+	Oid			seqid;			/* seq's identity sequence (direct) */
+	bool		stale;			/* an invalidation arrived: look again */
+} OutboxRel;
+
+static OutboxRel outbox_rel;
+
 static void
 outbox_reset(void)
 {
 	/* in TopTransactionContext, which goes with the transaction */
-	outbox_claims = NIL;
+	outbox_keys = NULL;
 	outbox_emitted = false;
+	outbox_live_at_commit = false;
 	outbox_nsp = InvalidOid;
 }
 
-/* This transaction's claim of lk, or NULL. */
-static OutboxClaim *
-outbox_claim_find(const LedgerKey *lk)
-{
-	ListCell   *lc;
-
-	foreach(lc, outbox_claims)
-	{
-		OutboxClaim *claim = lfirst(lc);
-
-		if (claim->lk.kind == lk->kind && claim->lk.tenant_id == lk->tenant_id &&
-			memcmp(claim->lk.key, lk->key, IDEM_DIGEST_LEN) == 0)
-			return claim;
-	}
-	return NULL;
-}
-
-/* A claim of lk by this transaction (from the decisions). */
+/* Called by ledger_store_relcache_cb: the outbox (or every relation) changed. */
 void
-idem_outbox_claim_taken(const LedgerKey *lk)
+idem_outbox_relcache_cb(Datum arg, Oid relid)
 {
-	OutboxClaim *claim = outbox_claim_find(lk);
-
-	if (claim == NULL)
-	{
-		MemoryContext oldcxt = MemoryContextSwitchTo(TopTransactionContext);
-
-		claim = palloc0(sizeof(OutboxClaim));
-		claim->lk = *lk;
-		claim->emits = NIL;
-		claim->claim_level = GetCurrentTransactionNestLevel();
-		outbox_claims = lappend(outbox_claims, claim);
-		MemoryContextSwitchTo(oldcxt);
-	}
-	/* claimed again after a retryable failure in this transaction */
-	claim->settled_level = 0;
+	if (!OidIsValid(relid) || relid == outbox_rel.relid)
+		outbox_rel.stale = true;
 }
 
-/* The messages of the claim that are live (not deleted by idem_fail). */
+/* The live (not deleted by idem_fail) emits of key's entry, of lk if given. */
 static int
-outbox_live_emits(const OutboxClaim *claim, List **seqs)
+outbox_live_emits(const OutboxKey *entry, const LedgerKey *lk)
 {
 	ListCell   *lc;
 	int			n = 0;
 
-	foreach(lc, claim->emits)
+	foreach(lc, entry->emits)
 	{
 		OutboxEmit *e = lfirst(lc);
 
 		if (e->discarded_level != 0)
 			continue;
+		if (lk != NULL && (e->kind != lk->kind || e->tenant_id != lk->tenant_id))
+			continue;
 		n++;
-		if (seqs)
-			*seqs = lappend(*seqs, e);
 	}
 	return n;
 }
 
 /* The owner of the outbox of schema nsp (the extension's owner). */
 static Oid
-outbox_owner(Oid nsp)
+outbox_owner(Oid nsp, Oid *relid_out)
 {
 	Oid			relid = get_relname_relid(IDEM_OUTBOX_TABLE, nsp);
 	HeapTuple	tup;
@@ -189,270 +220,87 @@ outbox_owner(Oid nsp)
 		elog(ERROR, "cache lookup failed for relation %u", relid);
 	owner = ((Form_pg_class) GETSTRUCT(tup))->relowner;
 	ReleaseSysCache(tup);
+	if (relid_out)
+		*relid_out = relid;
 	return owner;
 }
 
-/* Run one statement of the outbox as the table's owner, through SPI. */
-static void
-outbox_spi_as_owner(Oid nsp, SPIPlanPtr plan, Datum *values, const char *nulls,
-					int expect, int64 *seq_out)
-{
-	Oid			owner = outbox_owner(nsp);
-	Oid			save_userid;
-	int			save_sec;
-	int			rc;
-
-	GetUserIdAndSecContext(&save_userid, &save_sec);
-	SetUserIdAndSecContext(owner, save_sec | SECURITY_LOCAL_USERID_CHANGE |
-						   SECURITY_RESTRICTED_OPERATION);
-	rc = SPI_execute_plan(plan, values, nulls, false, 0);
-	SetUserIdAndSecContext(save_userid, save_sec);
-	if (rc != expect)
-		elog(ERROR, "the outbox statement failed: %s", SPI_result_code_string(rc));
-	if (seq_out)
-	{
-		bool		isnull;
-
-		*seq_out = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-											   SPI_tuptable->tupdesc, 1, &isnull));
-	}
-}
-
 /*
- * idem_fail of a held claim: delete its messages emitted in this
- * transaction, at the current level.
+ * Whether rel is exactly the outbox idem made, so that the direct insert
+ * writes what the INSERT would: its five columns of their types, seq an
+ * identity (*seqid: its sequence), emitted_at's default clock_timestamp(),
+ * no CHECK, trigger, rule or row-level security, a plain table.
  */
-static void
-outbox_discard(OutboxClaim *claim)
-{
-	List	   *live = NIL;
-	Datum	   *seqs;
-	ArrayType  *arr;
-	ListCell   *lc;
-	int			n = outbox_live_emits(claim, &live);
-	int			i = 0;
-	int			level = GetCurrentTransactionNestLevel();
-	SPIPlanPtr	plan;
-	Oid			argtypes[1] = {INT8ARRAYOID};
-	Datum		values[1];
-	char	   *sql;
-
-	if (n == 0)
-		return;
-	seqs = palloc(sizeof(Datum) * n);
-	foreach(lc, live)
-		seqs[i++] = Int64GetDatum(((OutboxEmit *) lfirst(lc))->seq);
-	arr = construct_array(seqs, n, INT8OID, sizeof(int64), FLOAT8PASSBYVAL,
-						  TYPALIGN_DOUBLE);
-	values[0] = PointerGetDatum(arr);
-	sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
-				   quote_identifier(get_namespace_name(outbox_nsp)),
-				   IDEM_OUTBOX_TABLE);
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	plan = SPI_prepare(sql, 1, argtypes);
-	if (plan == NULL)
-		elog(ERROR, "could not prepare the outbox delete: %s",
-			 SPI_result_code_string(SPI_result));
-	outbox_spi_as_owner(outbox_nsp, plan, values, " ", SPI_OK_DELETE, NULL);
-	SPI_finish();
-	foreach(lc, live)
-		((OutboxEmit *) lfirst(lc))->discarded_level = level;
-}
-
-/* Completed or failed (is_fail) by this transaction (from the decisions). */
-void
-idem_outbox_claim_settled(const LedgerKey *lk, bool is_fail)
-{
-	OutboxClaim *claim = outbox_claim_find(lk);
-
-	if (claim == NULL || claim->settled_level != 0)
-		return;
-	if (is_fail)
-		outbox_discard(claim);
-
-	/*
-	 * Settled by the top level: no rollback short of the transaction's
-	 * opens it again (and a claim of the key again starts its positions
-	 * afresh), so forget it, as pending_settle does, and remember only
-	 * whether its messages survive.
-	 */
-	if (GetCurrentTransactionNestLevel() <= 1)
-	{
-		if (outbox_live_emits(claim, NULL) > 0)
-			outbox_emitted = true;
-		list_free_deep(claim->emits);
-		outbox_claims = list_delete_ptr(outbox_claims, claim);
-		pfree(claim);
-		return;
-	}
-	claim->settled_level = GetCurrentTransactionNestLevel();
-}
-
-/* Whether any message of this transaction is live. */
 static bool
-outbox_any_live(void)
+outbox_rel_plain(Relation rel, Oid *seqid)
 {
-	ListCell   *lc;
+	TupleDesc	desc = RelationGetDescr(rel);
+	Node	   *def;
+	int			i;
 
-	if (outbox_emitted)
-		return true;
-	foreach(lc, outbox_claims)
-		if (outbox_live_emits(lfirst(lc), NULL) > 0)
-			return true;
-	return false;
-}
-
-/* A transaction event, from xact.c. */
-void
-idem_outbox_xact_event(XactEvent event)
-{
-	switch (event)
+	if (rel->rd_rel->relkind != RELKIND_RELATION ||
+		rel->rd_rel->relispartition || rel->rd_rel->relrowsecurity ||
+		rel->rd_rules != NULL || rel->trigdesc != NULL ||
+		(desc->constr && desc->constr->num_check > 0) ||
+		desc->natts != OC_COUNT)
+		return false;
+	for (i = 0; i < OC_COUNT; i++)
 	{
-		case XACT_EVENT_COMMIT:
-			/* After the commit record: no ERROR, no allocation, no wait. */
-			if (outbox_any_live())
-				idem_outbox_notify(MyDatabaseId);
-			outbox_reset();
-			break;
-		case XACT_EVENT_PREPARE:
-			/* its COMMIT PREPARED wakes nobody: the publisher polls */
-			if (outbox_any_live())
-				idem_outbox_notify_prepared(MyDatabaseId);
-			outbox_reset();
-			break;
-		case XACT_EVENT_ABORT:
-		case XACT_EVENT_PARALLEL_COMMIT:
-		case XACT_EVENT_PARALLEL_ABORT:
-			outbox_reset();
-			break;
-		default:
-			break;
+		Form_pg_attribute att = TupleDescAttr(desc, i);
+
+		if (att->attisdropped || att->atttypid != outbox_columns[i].type ||
+			att->atttypmod != -1 || att->attgenerated ||
+			strcmp(NameStr(att->attname), outbox_columns[i].name) != 0 ||
+			(i == OC_SEQ) != (att->attidentity == ATTRIBUTE_IDENTITY_ALWAYS))
+			return false;
 	}
-}
-
-/* The subtransaction at level ended (committed or aborted), from xact.c. */
-void
-idem_outbox_subxact_end(bool committed, int level)
-{
-	int			c;
-
-	for (c = list_length(outbox_claims) - 1; c >= 0; c--)
-	{
-		OutboxClaim *claim = list_nth(outbox_claims, c);
-		int			i;
-
-		for (i = list_length(claim->emits) - 1; i >= 0; i--)
-		{
-			OutboxEmit *e = list_nth(claim->emits, i);
-
-			if (!idem_subxact_follow(&e->level, committed, level))
-			{
-				pfree(e);
-				claim->emits = list_delete_nth_cell(claim->emits, i);
-				continue;
-			}
-			if (e->discarded_level != 0 &&
-				!idem_subxact_follow(&e->discarded_level, committed, level))
-				e->discarded_level = 0;	/* its deletion was rolled back */
-		}
-		if (!idem_subxact_follow(&claim->claim_level, committed, level))
-		{
-			list_free_deep(claim->emits);
-			pfree(claim);
-			outbox_claims = list_delete_nth_cell(outbox_claims, c);
-			continue;
-		}
-		if (claim->settled_level != 0 &&
-			!idem_subxact_follow(&claim->settled_level, committed, level))
-			claim->settled_level = 0;	/* its completion was rolled back */
-	}
+	def = build_column_default(rel, OC_SEQ + 1);
+	if (def == NULL || !IsA(def, NextValueExpr))
+		return false;
+	*seqid = ((NextValueExpr *) def)->seqid;
+	def = build_column_default(rel, OC_EMITTED_AT + 1);
+	return def != NULL && IsA(def, FuncExpr) &&
+		((FuncExpr *) def)->funcid == F_CLOCK_TIMESTAMP &&
+		((FuncExpr *) def)->args == NIL;
 }
 
 /*
- * How many messages wait in the outbox of schema nsp, and how long the
- * oldest has (NULL: none), for idem_stats().  No outbox (an extension not
- * updated yet): none.
+ * The outbox of schema nsp, opened RowExclusiveLock, with outbox_rel
+ * describing it (looked up again after an invalidation).
  */
-void
-idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
+static Relation
+outbox_open(Oid nsp)
 {
-	Oid			relid = get_relname_relid(IDEM_OUTBOX_TABLE, nsp);
-	char	   *sql;
-	bool		isnull;
-	Datum		d;
-	Oid			save_userid;
-	int			save_sec;
-	int			rc;
+	Relation	rel = NULL;
 
-	*waiting = 0;
-	*age = NULL;
-	if (!OidIsValid(relid))
-		return;
-	sql = psprintf("SELECT count(*), pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) min(emitted_at) FROM %s.%s",
-				   quote_identifier(get_namespace_name(nsp)), IDEM_OUTBOX_TABLE);
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	/* as the owner: a monitoring role needs no grant on the table */
-	GetUserIdAndSecContext(&save_userid, &save_sec);
-	SetUserIdAndSecContext(outbox_owner(nsp), save_sec |
-						   SECURITY_LOCAL_USERID_CHANGE |
-						   SECURITY_RESTRICTED_OPERATION);
-	rc = SPI_execute(sql, true, 1);
-	SetUserIdAndSecContext(save_userid, save_sec);
-	if (rc != SPI_OK_SELECT || SPI_processed != 1)
-		elog(ERROR, "could not read the outbox's backlog");
-	*waiting = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-										   SPI_tuptable->tupdesc, 1, &isnull));
-	d = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull);
-	if (!isnull)
-		*age = DatumGetIntervalP(SPI_datumTransfer(d, false, sizeof(Interval)));
-	SPI_finish();
-}
-
-/* ---------- idem_emit ---------- */
-
-/* The held claim the message belongs to: the one, or the one of key. */
-static OutboxClaim *
-outbox_find_claim(const uint8 *key)
-{
-	ListCell   *lc;
-	OutboxClaim *found = NULL;
-	int			held = 0;
-	int			matching = 0;
-
-	foreach(lc, outbox_claims)
+	if (outbox_rel.nsp == nsp && !outbox_rel.stale)
 	{
-		OutboxClaim *claim = lfirst(lc);
-
-		if (claim->settled_level != 0)
-			continue;
-		held++;
-		if (key == NULL || memcmp(claim->lk.key, key, IDEM_DIGEST_LEN) == 0)
-		{
-			matching++;
-			found = claim;
-		}
+		/* an invalidation processed while locking makes it stale */
+		rel = try_relation_open(outbox_rel.relid, RowExclusiveLock);
+		if (rel != NULL && !outbox_rel.stale)
+			return rel;
+		if (rel != NULL)
+			relation_close(rel, RowExclusiveLock);
 	}
-	if (held == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message: this transaction holds no claim"),
-				 errdetail("A message belongs to the run of a key this transaction claimed and has not completed or failed yet."),
-				 errhint("Call idem_emit() in the handler's transaction, after idem_claim() and before idem_complete().")));
-	if (key != NULL && matching == 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message for this key: this transaction holds no claim of it"),
-				 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
-	if (matching > 1)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("cannot emit a message: this transaction holds %d claims%s",
-						matching, key ? " of this key" : ""),
-				 errhint(key ? "The key is claimed in both ledgers or for two tenants; emit from one transaction per claim." :
-						 "Name the run's key: idem_emit(stream, message, key).")));
-	return found;
+	for (;;)
+	{
+		Oid			relid;
+
+		outbox_rel.nsp = InvalidOid;
+		outbox_rel.stale = false;
+		outbox_rel.owner = outbox_owner(nsp, &relid);
+		outbox_rel.relid = relid;
+		rel = table_open(relid, RowExclusiveLock);
+		if (outbox_rel.stale)
+		{
+			/* changed while we waited for the lock: look again */
+			table_close(rel, RowExclusiveLock);
+			continue;
+		}
+		outbox_rel.direct = outbox_rel_plain(rel, &outbox_rel.seqid);
+		outbox_rel.nsp = nsp;
+		return rel;
+	}
 }
 
 /* The prepared INSERT into the outbox of schema nsp (SPI connected). */
@@ -482,6 +330,384 @@ outbox_insert_prepare(Oid nsp)
 	return plan;
 }
 
+/* Run one statement of the outbox as owner, through SPI (connected). */
+static void
+outbox_spi_as_owner(Oid owner, SPIPlanPtr plan, Datum *values, const char *nulls,
+					int expect, int64 *seq_out)
+{
+	Oid			save_userid;
+	int			save_sec;
+	int			rc;
+
+	GetUserIdAndSecContext(&save_userid, &save_sec);
+	SetUserIdAndSecContext(owner, save_sec | SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+	rc = SPI_execute_plan(plan, values, nulls, false, 0);
+	SetUserIdAndSecContext(save_userid, save_sec);
+	if (rc != expect)
+		elog(ERROR, "the outbox statement failed: %s", SPI_result_code_string(rc));
+	if (seq_out)
+	{
+		bool		isnull;
+
+		*seq_out = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
+											   SPI_tuptable->tupdesc, 1, &isnull));
+	}
+}
+
+/*
+ * The message's row, in the outbox of schema nsp, as its owner: its seq.
+ * Direct when the table is as idem made it, else the INSERT through SPI.
+ */
+static int64
+outbox_insert(Oid nsp, Datum stream, Datum id, Datum body)
+{
+	Relation	rel = outbox_open(nsp);
+	Oid			owner = outbox_rel.owner;
+	Oid			save_userid;
+	int			save_sec;
+	int64		seq;
+
+	if (!outbox_rel.direct || XactReadOnly || ExecutorCheckPerms_hook != NULL)
+	{
+		Datum		values[3] = {stream, id, body};
+
+		/* the INSERT refuses a read-only transaction, or uses the layout */
+		table_close(rel, NoLock);
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "SPI_connect failed");
+		outbox_spi_as_owner(owner, outbox_insert_prepare(nsp), values, NULL,
+							SPI_OK_INSERT_RETURNING, &seq);
+		SPI_finish();
+		return seq;
+	}
+
+	GetUserIdAndSecContext(&save_userid, &save_sec);
+	SetUserIdAndSecContext(owner, save_sec | SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+	PG_TRY();
+	{
+		EState	   *estate = CreateExecutorState();
+		MemoryContext old = MemoryContextSwitchTo(estate->es_query_cxt);
+		ResultRelInfo *rri = makeNode(ResultRelInfo);
+		TupleTableSlot *slot;
+
+		estate->es_output_cid = GetCurrentCommandId(true);
+		if (ActiveSnapshotSet())
+			estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
+		InitResultRelInfo(rri, rel, 0, NULL, 0);
+		estate->es_opened_result_relations =
+			lappend(estate->es_opened_result_relations, rri);
+		ExecOpenIndices(rri, false);
+		slot = table_slot_create(rel, &estate->es_tupleTable);
+		ExecClearTuple(slot);
+		seq = nextval_internal(outbox_rel.seqid, false);
+		memset(slot->tts_isnull, 0, sizeof(bool) * OC_COUNT);
+		slot->tts_values[OC_SEQ] = Int64GetDatum(seq);
+		slot->tts_values[OC_STREAM] = stream;
+		slot->tts_values[OC_MESSAGE_ID] = id;
+		slot->tts_values[OC_BODY] = body;
+		slot->tts_values[OC_EMITTED_AT] = TimestampTzGetDatum(GetCurrentTimestamp());
+		ExecStoreVirtualTuple(slot);
+		ExecSimpleRelationInsert(rri, estate, slot);
+		ExecCloseIndices(rri);
+		ExecResetTupleTable(estate->es_tupleTable, false);
+		MemoryContextSwitchTo(old);
+		FreeExecutorState(estate);
+	}
+	PG_FINALLY();
+	{
+		SetUserIdAndSecContext(save_userid, save_sec);
+	}
+	PG_END_TRY();
+	table_close(rel, NoLock);
+	/* Later commands of the transaction see the row. */
+	CommandCounterIncrement();
+	return seq;
+}
+
+/*
+ * idem_fail of a held claim (lk): delete its messages emitted in this
+ * transaction, at the current level.
+ */
+static void
+outbox_discard(OutboxKey *entry, const LedgerKey *lk)
+{
+	Datum	   *seqs;
+	ArrayType  *arr;
+	ListCell   *lc;
+	int			n = outbox_live_emits(entry, lk);
+	int			i = 0;
+	int			level = GetCurrentTransactionNestLevel();
+	SPIPlanPtr	plan;
+	Oid			argtypes[1] = {INT8ARRAYOID};
+	Datum		values[1];
+	char	   *sql;
+
+	if (n == 0)
+		return;
+	seqs = palloc(sizeof(Datum) * n);
+	foreach(lc, entry->emits)
+	{
+		OutboxEmit *e = lfirst(lc);
+
+		if (e->discarded_level == 0 && e->kind == lk->kind &&
+			e->tenant_id == lk->tenant_id)
+			seqs[i++] = Int64GetDatum(e->seq);
+	}
+	arr = construct_array(seqs, n, INT8OID, sizeof(int64), FLOAT8PASSBYVAL,
+						  TYPALIGN_DOUBLE);
+	values[0] = PointerGetDatum(arr);
+	sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
+				   quote_identifier(get_namespace_name(outbox_nsp)),
+				   IDEM_OUTBOX_TABLE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	plan = SPI_prepare(sql, 1, argtypes);
+	if (plan == NULL)
+		elog(ERROR, "could not prepare the outbox delete: %s",
+			 SPI_result_code_string(SPI_result));
+	outbox_spi_as_owner(outbox_owner(outbox_nsp, NULL), plan, values, " ",
+						SPI_OK_DELETE, NULL);
+	SPI_finish();
+	foreach(lc, entry->emits)
+	{
+		OutboxEmit *e = lfirst(lc);
+
+		if (e->discarded_level == 0 && e->kind == lk->kind &&
+			e->tenant_id == lk->tenant_id)
+			e->discarded_level = level;
+	}
+}
+
+/*
+ * Completed or failed (is_fail) by this transaction (from the decisions).
+ * Nothing to do unless it emitted.
+ */
+void
+idem_outbox_claim_settled(const LedgerKey *lk, bool is_fail)
+{
+	OutboxKey  *entry;
+	ListCell   *lc;
+
+	if (outbox_keys == NULL)
+		return;
+	entry = hash_search(outbox_keys, lk->key, HASH_FIND, NULL);
+	if (entry == NULL)
+		return;
+	if (is_fail)
+		outbox_discard(entry, lk);
+
+	/*
+	 * Settled by the top level: no rollback short of the transaction's
+	 * opens it again (and a claim of the key again starts its positions
+	 * afresh), so forget its emits, as pending_settle forgets the claim,
+	 * and remember only whether its messages survive.
+	 */
+	if (GetCurrentTransactionNestLevel() > 1)
+		return;
+	foreach(lc, entry->emits)
+	{
+		OutboxEmit *e = lfirst(lc);
+
+		if (e->kind != lk->kind || e->tenant_id != lk->tenant_id)
+			continue;
+		if (e->discarded_level == 0)
+			outbox_emitted = true;
+		entry->emits = foreach_delete_current(entry->emits, lc);
+		pfree(e);
+	}
+	if (entry->emits == NIL)
+		hash_search(outbox_keys, lk->key, HASH_REMOVE, NULL);
+}
+
+/* Whether any message of this transaction is live. */
+static bool
+outbox_any_live(void)
+{
+	HASH_SEQ_STATUS seq;
+	OutboxKey  *entry;
+
+	if (outbox_emitted)
+		return true;
+	if (outbox_keys == NULL)
+		return false;
+	hash_seq_init(&seq, outbox_keys);
+	while ((entry = hash_seq_search(&seq)) != NULL)
+		if (outbox_live_emits(entry, NULL) > 0)
+		{
+			hash_seq_term(&seq);
+			return true;
+		}
+	return false;
+}
+
+/* A transaction event, from xact.c. */
+void
+idem_outbox_xact_event(XactEvent event)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			/* after pending_flush, the last write of the transaction */
+			outbox_live_at_commit = outbox_any_live();
+			break;
+		case XACT_EVENT_COMMIT:
+			/* After the commit record: no ERROR, no allocation, no wait. */
+			if (outbox_live_at_commit)
+				idem_outbox_notify(MyDatabaseId);
+			outbox_reset();
+			break;
+		case XACT_EVENT_PREPARE:
+			/* its COMMIT PREPARED wakes nobody: the publisher polls */
+			if (outbox_live_at_commit)
+				idem_outbox_notify_prepared(MyDatabaseId);
+			outbox_reset();
+			break;
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_PARALLEL_ABORT:
+			outbox_reset();
+			break;
+		default:
+			break;
+	}
+}
+
+/* The subtransaction at level ended (committed or aborted), from xact.c. */
+void
+idem_outbox_subxact_end(bool committed, int level)
+{
+	HASH_SEQ_STATUS seq;
+	OutboxKey  *entry;
+
+	if (outbox_keys == NULL)
+		return;
+	hash_seq_init(&seq, outbox_keys);
+	while ((entry = hash_seq_search(&seq)) != NULL)
+	{
+		ListCell   *lc;
+
+		foreach(lc, entry->emits)
+		{
+			OutboxEmit *e = lfirst(lc);
+
+			if (!idem_subxact_follow(&e->level, committed, level))
+			{
+				entry->emits = foreach_delete_current(entry->emits, lc);
+				pfree(e);
+				continue;
+			}
+			if (e->discarded_level != 0 &&
+				!idem_subxact_follow(&e->discarded_level, committed, level))
+				e->discarded_level = 0; /* its deletion was rolled back */
+		}
+		/* the current entry may go during the scan */
+		if (entry->emits == NIL)
+			hash_search(outbox_keys, entry->key, HASH_REMOVE, NULL);
+	}
+}
+
+/*
+ * How many messages wait in the outbox of schema nsp, and how long the
+ * oldest has (NULL: none), for idem_stats().  No outbox (an extension not
+ * updated yet): none.
+ */
+void
+idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age)
+{
+	Oid			relid = get_relname_relid(IDEM_OUTBOX_TABLE, nsp);
+	char	   *sql;
+	bool		isnull;
+	Datum		d;
+	Oid			save_userid;
+	int			save_sec;
+	int			rc;
+
+	*waiting = 0;
+	*age = NULL;
+	if (!OidIsValid(relid))
+		return;
+	sql = psprintf("SELECT count(*), pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) min(emitted_at) FROM %s.%s",
+				   quote_identifier(get_namespace_name(nsp)), IDEM_OUTBOX_TABLE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	/* as the owner: a monitoring role needs no grant on the table */
+	GetUserIdAndSecContext(&save_userid, &save_sec);
+	SetUserIdAndSecContext(outbox_owner(nsp, NULL), save_sec |
+						   SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+	rc = SPI_execute(sql, true, 1);
+	SetUserIdAndSecContext(save_userid, save_sec);
+	if (rc != SPI_OK_SELECT || SPI_processed != 1)
+		elog(ERROR, "could not read the outbox's backlog");
+	*waiting = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
+										   SPI_tuptable->tupdesc, 1, &isnull));
+	d = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull);
+	if (!isnull)
+		*age = DatumGetIntervalP(SPI_datumTransfer(d, false, sizeof(Interval)));
+	SPI_finish();
+}
+
+/* ---------- idem_emit ---------- */
+
+/*
+ * The held claim the message belongs to: the one, or the one of key
+ * (pending_held); the 55000 errors when there is none or more than one.
+ */
+static void
+outbox_find_claim(const uint8 *key, LedgerKey *lk)
+{
+	int			matching = pending_held(key, lk);
+
+	if (matching == 0 && (key == NULL || pending_held(NULL, lk) == 0))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message: this transaction holds no claim"),
+				 errdetail("A message belongs to the run of a key this transaction claimed and has not completed or failed yet."),
+				 errhint("Call idem_emit() in the handler's transaction, after idem_claim() and before idem_complete().")));
+	if (matching == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message for this key: this transaction holds no claim of it"),
+				 errhint("Pass the key of a claim this transaction took and has not completed or failed yet.")));
+	if (matching > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot emit a message: this transaction holds %d claims%s",
+						matching, key ? " of this key" : ""),
+				 errhint(key ? "The key is claimed in both ledgers or for two tenants; emit from one transaction per claim." :
+						 "Name the run's key: idem_emit(stream, message, key).")));
+}
+
+/* The id <key, 64 lowercase hex digits>-<n>, as text. */
+static text *
+outbox_message_id(const uint8 *key, int n)
+{
+	static const char hex[] = "0123456789abcdef";
+	char		buf[IDEM_DIGEST_LEN * 2 + 1 + 12];
+	char		digits[12];
+	int			len = IDEM_DIGEST_LEN * 2;
+	int			d = 0;
+	int			i;
+
+	for (i = 0; i < IDEM_DIGEST_LEN; i++)
+	{
+		buf[i * 2] = hex[key[i] >> 4];
+		buf[i * 2 + 1] = hex[key[i] & 0xf];
+	}
+	buf[len++] = '-';
+	do
+	{
+		digits[d++] = '0' + n % 10;
+		n /= 10;
+	} while (n > 0);
+	while (d > 0)
+		buf[len++] = digits[--d];
+	return cstring_to_text_with_len(buf, len);
+}
+
 /*
  * idem_emit(stream text, message jsonb, key bytea DEFAULT NULL) RETURNS
  * text: the message's id.
@@ -489,19 +715,18 @@ outbox_insert_prepare(Oid nsp)
 Datum
 idem_emit(PG_FUNCTION_ARGS)
 {
-	Oid			nsp = get_func_namespace(fcinfo->flinfo->fn_oid);
+	Oid			nsp;
 	text	   *stream;
 	Jsonb	   *message;
 	uint8		keybuf[IDEM_DIGEST_LEN];
 	const uint8 *key = NULL;
-	OutboxClaim *claim;
+	LedgerKey	lk;
+	OutboxKey  *entry;
 	OutboxEmit *emit;
-	char		id[IDEM_DIGEST_LEN * 2 + 1 + 12];
-	Datum		values[3];
+	text	   *id;
 	int64		seq;
 	int			len;
-	int			n;
-	int			i;
+	bool		found;
 	MemoryContext oldcxt;
 
 	idem_require_arg(fcinfo, 0, "stream");
@@ -533,41 +758,50 @@ idem_emit(PG_FUNCTION_ARGS)
 		idem_digest_check(PG_GETARG_BYTEA_PP(2), "key", keybuf);
 		key = keybuf;
 	}
-	claim = outbox_find_claim(key);
+	outbox_find_claim(key, &lk);
 
-	/* its position: one after the live emits of every claim of the key */
-	n = 1;
+	/* the schema, once per call site (as the decisions' call_cache) */
+	if (fcinfo->flinfo->fn_extra == NULL)
+		fcinfo->flinfo->fn_extra =
+			MemoryContextAllocZero(fcinfo->flinfo->fn_mcxt, sizeof(Oid));
+	if (!OidIsValid(*(Oid *) fcinfo->flinfo->fn_extra))
+		*(Oid *) fcinfo->flinfo->fn_extra =
+			get_func_namespace(fcinfo->flinfo->fn_oid);
+	nsp = *(Oid *) fcinfo->flinfo->fn_extra;
+
+	/* this transaction's first emit: the table of emits by key */
+	if (outbox_keys == NULL)
 	{
-		ListCell   *lc;
+		HASHCTL		ctl;
 
-		foreach(lc, outbox_claims)
-		{
-			OutboxClaim *c = lfirst(lc);
-
-			if (memcmp(c->lk.key, claim->lk.key, IDEM_DIGEST_LEN) == 0)
-				n += outbox_live_emits(c, NULL);
-		}
+		ctl.keysize = IDEM_DIGEST_LEN;
+		ctl.entrysize = sizeof(OutboxKey);
+		ctl.hcxt = TopTransactionContext;
+		outbox_keys = hash_create("idem outbox emits", 16, &ctl,
+								  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	for (i = 0; i < IDEM_DIGEST_LEN; i++)
-		snprintf(id + i * 2, 3, "%02x", claim->lk.key[i]);
-	snprintf(id + IDEM_DIGEST_LEN * 2, sizeof(id) - IDEM_DIGEST_LEN * 2, "-%d", n);
+	entry = hash_search(outbox_keys, lk.key, HASH_ENTER, &found);
+	if (!found)
+		entry->emits = NIL;
 
-	values[0] = PointerGetDatum(stream);
-	values[1] = CStringGetTextDatum(id);
-	values[2] = JsonbPGetDatum(message);
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	outbox_spi_as_owner(nsp, outbox_insert_prepare(nsp), values, NULL,
-						SPI_OK_INSERT_RETURNING, &seq);
-	SPI_finish();
+	/*
+	 * Its position: one after the live emits of every claim of the key.  On
+	 * an error below the entry may stay empty, which nothing minds.
+	 */
+	id = outbox_message_id(lk.key, outbox_live_emits(entry, NULL) + 1);
+	seq = outbox_insert(nsp, PointerGetDatum(stream), PointerGetDatum(id),
+						JsonbPGetDatum(message));
 
 	outbox_nsp = nsp;
 	oldcxt = MemoryContextSwitchTo(TopTransactionContext);
-	emit = palloc0(sizeof(OutboxEmit));
+	emit = palloc(sizeof(OutboxEmit));
 	emit->seq = seq;
+	emit->kind = lk.kind;
+	emit->tenant_id = lk.tenant_id;
 	emit->level = GetCurrentTransactionNestLevel();
-	claim->emits = lappend(claim->emits, emit);
+	emit->discarded_level = 0;
+	entry->emits = lappend(entry->emits, emit);
 	MemoryContextSwitchTo(oldcxt);
 
-	PG_RETURN_TEXT_P(cstring_to_text(id));
+	PG_RETURN_TEXT_P(id);
 }

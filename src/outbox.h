@@ -1,9 +1,11 @@
 /*-------------------------------------------------------------------------
  *
  * outbox.h
- *	  Outgoing messages (outbox.c): idem_emit(), the claims this transaction
- *	  holds (which the decisions in ledger.c report), and how the emits
- *	  follow the transaction's ends (xact.c, by the rule of subxact.h).
+ *	  Outgoing messages (outbox.c): idem_emit(), the completions and
+ *	  failures of claims that emitted (which the decisions in ledger.c
+ *	  report), how the emits follow the transaction's ends (xact.c, by the
+ *	  rule of subxact.h), and the invalidation of the outbox table kept per
+ *	  backend (from ledger_store_relcache_cb).
  *	  The publisher's side is in outbox_publish.h.
  *
  *-------------------------------------------------------------------------
@@ -24,9 +26,9 @@
 #define IDEM_OUTBOX_MESSAGE_MAX	(1024 * 1024)
 
 extern void idem_outbox_backlog(Oid nsp, int64 *waiting, Interval **age);
-extern void idem_outbox_claim_taken(const LedgerKey *lk);
 extern void idem_outbox_claim_settled(const LedgerKey *lk, bool is_fail);
 extern void idem_outbox_xact_event(XactEvent event);
 extern void idem_outbox_subxact_end(bool committed, int level);
+extern void idem_outbox_relcache_cb(Datum arg, Oid relid);
 
 #endif							/* IDEM_OUTBOX_H */

@@ -10,7 +10,8 @@
  *	  once its commit is durable, and then deletes it.
  *
  * A round reads up to IDEM_PUBLISH_BATCH of the oldest messages (by seq)
- * in one transaction, which first deletes what the round before sent.
+ * in one transaction, which first deletes what the round before sent (two
+ * statements prepared once, publish_prepare).
  * Every commit its snapshot sees has its commit record before the WAL
  * inserted at the end of that read, so the publisher waits until WAL is
  * durable that far by the rules of the copies (worker_durable_lsn: flushed
@@ -24,8 +25,9 @@
  * reply keeps all its messages of the round, sent again from the first
  * the next round: repeats of the same ids are possible, an overtake within
  * a stream is not; other streams go on.  A crash between the EVAL and the
- * delete sends those messages again after the restart, with the same ids:
- * at least once.  A message Valkey refuses (an error reply, say a stream
+ * delete, or before the delete's asynchronous commit is flushed, sends
+ * those messages again after the restart, with the same ids: at least
+ * once.  A message Valkey refuses (an error reply, say a stream
  * name that is a key of another type) is retried, with backoff, and
  * counted in publish_errors: nothing is dropped.
  *
@@ -171,20 +173,57 @@ publish_outbox_nsp(void)
 static int64 publish_sent[IDEM_PUBLISH_BATCH];
 static int	publish_nsent = 0;
 
+/*
+ * The round's two statements, prepared once per backend for the outbox of
+ * one schema (PostgreSQL replans them when the table changes): the delete
+ * of what was sent, and the read of the oldest messages.
+ */
+static SPIPlanPtr publish_delete_plan = NULL;
+static SPIPlanPtr publish_read_plan = NULL;
+static Oid	publish_plans_nsp = InvalidOid;
+
+/* The statements of the outbox of schema nsp (SPI connected). */
+static void
+publish_prepare(Oid nsp)
+{
+	Oid			argtypes[1] = {INT8ARRAYOID};
+	const char *schema;
+	SPIPlanPtr	del;
+	SPIPlanPtr	rd;
+
+	if (publish_plans_nsp == nsp && publish_delete_plan && publish_read_plan)
+		return;
+	if (publish_delete_plan)
+		SPI_freeplan(publish_delete_plan);
+	if (publish_read_plan)
+		SPI_freeplan(publish_read_plan);
+	publish_delete_plan = publish_read_plan = NULL;
+	publish_plans_nsp = InvalidOid;
+	schema = quote_identifier(get_namespace_name(nsp));
+	del = SPI_prepare(psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
+							   schema, IDEM_OUTBOX_TABLE), 1, argtypes);
+	rd = SPI_prepare(psprintf("SELECT seq, stream, message_id, body::text FROM %s.%s ORDER BY seq LIMIT %d",
+							  schema, IDEM_OUTBOX_TABLE, IDEM_PUBLISH_BATCH), 0, NULL);
+	if (del == NULL || rd == NULL)
+		elog(ERROR, "could not prepare the publisher's statements: %s",
+			 SPI_result_code_string(SPI_result));
+	SPI_keepplan(del);
+	SPI_keepplan(rd);
+	publish_delete_plan = del;
+	publish_read_plan = rd;
+	publish_plans_nsp = nsp;
+}
+
 /* Delete the messages sent (SPI connected, in a transaction). */
 static void
-publish_delete_sent(Oid nsp)
+publish_delete_sent(void)
 {
 	Datum	   *seqs;
-	Oid			argtypes[1] = {INT8ARRAYOID};
 	Datum		values[1];
-	char	   *sql;
 	int			i;
 
 	if (publish_nsent == 0)
 		return;
-	sql = psprintf("DELETE FROM %s.%s WHERE seq = ANY ($1)",
-				   quote_identifier(get_namespace_name(nsp)), IDEM_OUTBOX_TABLE);
 	seqs = palloc(sizeof(Datum) * publish_nsent);
 	for (i = 0; i < publish_nsent; i++)
 		seqs[i] = Int64GetDatum(publish_sent[i]);
@@ -192,7 +231,7 @@ publish_delete_sent(Oid nsp)
 												sizeof(int64), FLOAT8PASSBYVAL,
 												TYPALIGN_DOUBLE));
 	pgstat_report_activity(STATE_RUNNING, "deleting published messages");
-	if (SPI_execute_with_args(sql, 1, argtypes, values, NULL, false, 0) != SPI_OK_DELETE)
+	if (SPI_execute_plan(publish_delete_plan, values, NULL, false, 0) != SPI_OK_DELETE)
 		elog(ERROR, "could not delete published messages");
 }
 
@@ -214,14 +253,12 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 	nsp = publish_outbox_nsp();
 	if (OidIsValid(nsp))
 	{
-		char	   *sql = psprintf("SELECT seq, stream, message_id, body::text FROM %s.%s ORDER BY seq LIMIT %d",
-								   quote_identifier(get_namespace_name(nsp)),
-								   IDEM_OUTBOX_TABLE, IDEM_PUBLISH_BATCH);
 		uint64		i;
 
 		if (SPI_connect() != SPI_OK_CONNECT)
 			elog(ERROR, "SPI_connect failed");
-		publish_delete_sent(nsp);
+		publish_prepare(nsp);
+		publish_delete_sent();
 		if (delete_only)
 		{
 			SPI_finish();
@@ -232,8 +269,16 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 			return 0;
 		}
 		pgstat_report_activity(STATE_RUNNING, "reading the outbox");
-		if (SPI_execute(sql, false, 0) != SPI_OK_SELECT)	/* after the delete */
+		if (SPI_execute_plan(publish_read_plan, NULL, NULL, false, 0) != SPI_OK_SELECT)	/* after the delete */
 			elog(ERROR, "could not read the outbox");
+
+		/*
+		 * After the read's snapshot: past the commit record of every row it
+		 * saw (a commit's record is inserted before it is visible), and
+		 * before this transaction's own commit record, which nothing waits
+		 * for.
+		 */
+		*lsn = idem_insert_end_lsn();
 		n = (int) SPI_processed;
 		*msgs = MemoryContextAlloc(publish_cxt, sizeof(PublishMessage) * Max(n, 1));
 		for (i = 0; i < SPI_processed; i++)
@@ -255,8 +300,6 @@ publish_read(PublishMessage **msgs, XLogRecPtr *lsn, bool delete_only)
 	CommitTransactionCommand();
 	pgstat_report_activity(STATE_IDLE, NULL);
 	publish_nsent = 0;
-	/* after the snapshot: past the commit record of every row it saw */
-	*lsn = idem_insert_end_lsn();
 	return n;
 }
 
@@ -503,13 +546,25 @@ idem_outbox_publisher_main(Datum main_arg)
 	}
 	BackgroundWorkerInitializeConnectionByOid(publish_dboid, InvalidOid, 0);
 	/*
-	 * The deletes of published messages must not wait for a synchronous
-	 * standby that may be down.  They are flushed locally, though: the
-	 * next round's read covers this commit record (publish_read's lsn),
-	 * and left to the WAL writer it would cost every round
-	 * IDEM_PUBLISH_FLUSH_GRACE_MS before publish_wait_durable flushes it.
+	 * The deletes of published messages wait for no flush and no standby:
+	 * a delete lost in a crash sends its messages again, with their ids
+	 * (at least once).  A round waits only for the commits it read
+	 * (publish_read's lsn comes before its own commit record), which the
+	 * committing backends flush, or publish_wait_durable after
+	 * IDEM_PUBLISH_FLUSH_GRACE_MS (asynchronous commits): one flush per
+	 * round at most, and none of the publisher's own in the committers'
+	 * group commits.
 	 */
-	SetConfigOption("synchronous_commit", "local", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+
+	/*
+	 * Its two statements are planned once (publish_prepare), and a plan
+	 * made while the outbox was small (a scan of the whole table and a
+	 * sort) would read all of it every round once it grows, until the
+	 * next ANALYZE: they always take the oldest messages by the seq index.
+	 */
+	SetConfigOption("enable_seqscan", "off", PGC_SUSET, PGC_S_OVERRIDE);
+	SetConfigOption("enable_bitmapscan", "off", PGC_SUSET, PGC_S_OVERRIDE);
 	publish_cxt = AllocSetContextCreate(TopMemoryContext, "idem publisher",
 										ALLOCSET_DEFAULT_SIZES);
 

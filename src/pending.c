@@ -1,13 +1,21 @@
 /*-------------------------------------------------------------------------
  *
  * pending.c
- *	  Claims of the running transaction whose ledger row is not written yet.
+ *	  The claims the running transaction holds: those whose ledger row is
+ *	  not written yet, and those taken over.
  *
  *	  A claim of a new key holds the key lock and records the claim here;
  *	  idem_complete / idem_fail then write the row once, with its final
  *	  status.  A claim still open when the transaction commits (lease mode:
  *	  the effect happens outside PostgreSQL) is written at pre-commit as a
  *	  processing row, so it is durable exactly when the transaction is.
+ *
+ *	  A claim that takes a key over (ledger_reclaim: a retry, or a lease
+ *	  that ran out) writes its row at once; it is recorded here too, marked
+ *	  taken, so that this table is the one list of the claims a transaction
+ *	  holds: idem_emit asks it which run a message belongs to
+ *	  (pending_held), at the emit, so that a claim costs the outbox nothing.
+ *	  pending_find and the write at commit pass taken claims by.
  *
  *	  Claims follow their subtransaction: a rolled-back savepoint forgets
  *	  the claims made inside it (and PostgreSQL releases their key locks
@@ -50,6 +58,15 @@ static HTAB *pending = NULL;
 /* pending_flush is walking the table (and firing the ledger's triggers). */
 static bool pending_walking = false;
 
+/*
+ * The ledger (kind, tenant) of the table's first claim, and whether any
+ * claim since was of another: while not, a key names at most one claim,
+ * found by one lookup (pending_held).
+ */
+static LedgerKind pending_kind;
+static int64 pending_tenant;
+static bool pending_mixed = false;
+
 static void
 pending_reset(void)
 {
@@ -75,6 +92,16 @@ pending_check_change(const char *what)
 				 errhint("Do not claim, complete or fail keys in triggers on the ledger; do it in the transaction before COMMIT.")));
 }
 
+/* The table's key of a claim: padding zeroed (the hash reads all bytes). */
+static void
+pending_hash_key(LedgerKey *k, LedgerKind kind, int64 tenant_id, const uint8 *key)
+{
+	memset(k, 0, sizeof(*k));
+	k->kind = kind;
+	k->tenant_id = tenant_id;
+	memcpy(k->key, key, IDEM_DIGEST_LEN);
+}
+
 /* The open (not yet written) claim of this key by this transaction. */
 PendingClaim *
 pending_find(const LedgerKey *lk)
@@ -84,21 +111,16 @@ pending_find(const LedgerKey *lk)
 
 	if (pending == NULL)
 		return NULL;
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
 	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
-	return (claim && claim->settled_level == 0) ? claim : NULL;
+	return (claim && claim->settled_level == 0 && !claim->taken) ? claim : NULL;
 }
 
-void
-pending_add(const LedgerKey *lk, const uint8 *fingerprint,
-			TimestampTz lease_end, bool lease_given, Oid relid)
+/* The entry of lk, made if missing. */
+static PendingClaim *
+pending_enter(const LedgerKey *lk)
 {
 	LedgerKey	k;
-	PendingClaim *claim;
-	bool		found;
 
 	pending_check_change("claim");
 	if (pending == NULL)
@@ -110,12 +132,22 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 		ctl.hcxt = TopTransactionContext;
 		pending = hash_create("idem pending claims", 16, &ctl,
 							  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+		pending_kind = lk->kind;
+		pending_tenant = lk->tenant_id;
+		pending_mixed = false;
 	}
-	memset(&k, 0, sizeof(k));
-	k.kind = lk->kind;
-	k.tenant_id = lk->tenant_id;
-	memcpy(k.key, lk->key, IDEM_DIGEST_LEN);
-	claim = (PendingClaim *) hash_search(pending, &k, HASH_ENTER, &found);
+	else if (lk->kind != pending_kind || lk->tenant_id != pending_tenant)
+		pending_mixed = true;
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
+	return (PendingClaim *) hash_search(pending, &k, HASH_ENTER, NULL);
+}
+
+void
+pending_add(const LedgerKey *lk, const uint8 *fingerprint,
+			TimestampTz lease_end, bool lease_given, Oid relid)
+{
+	PendingClaim *claim = pending_enter(lk);
+
 	/* found: settled before, and its row since deleted (idem_purge in this
 	 * transaction): the key is new again */
 	memcpy(claim->fingerprint, fingerprint, IDEM_DIGEST_LEN);
@@ -125,6 +157,26 @@ pending_add(const LedgerKey *lk, const uint8 *fingerprint,
 	claim->relid = relid;
 	claim->nest_level = GetCurrentTransactionNestLevel();
 	claim->settled_level = 0;
+	claim->taken = false;
+}
+
+/*
+ * A claim that took lk over (its processing row written by ledger_reclaim):
+ * held until completed or failed (pending_settle_taken).
+ */
+void
+pending_add_taken(const LedgerKey *lk, Oid relid)
+{
+	PendingClaim *claim = pending_enter(lk);
+
+	memset(claim->fingerprint, 0, IDEM_DIGEST_LEN);
+	claim->lease_end = 0;
+	claim->lease_given = true;
+	claim->fence = 0;
+	claim->relid = relid;
+	claim->nest_level = GetCurrentTransactionNestLevel();
+	claim->settled_level = 0;
+	claim->taken = true;
 }
 
 /*
@@ -145,6 +197,70 @@ pending_settle(PendingClaim *claim)
 		claim->settled_level = level;
 }
 
+/*
+ * A key completed or failed through its row (ledger_finish): if this
+ * transaction took it over, it holds it no more.  Not refused while
+ * pending_flush walks the table (a trigger may settle such a key, as
+ * before taken claims were recorded here): marked settled then, not
+ * removed, which the walk allows.
+ */
+void
+pending_settle_taken(const LedgerKey *lk)
+{
+	PendingClaim *claim;
+	LedgerKey	k;
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (pending == NULL)
+		return;
+	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
+	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+	if (claim == NULL || !claim->taken || claim->settled_level != 0)
+		return;
+	if (level <= 1 && !pending_walking)
+		hash_search(pending, &k, HASH_REMOVE, NULL);
+	else
+		claim->settled_level = level;
+}
+
+/*
+ * The claims this transaction holds (not completed or failed) of key, or
+ * of any key when key is NULL: how many, and one of them in *found.  One
+ * lookup while every claim is of one ledger (and tenant); a walk of the
+ * table otherwise, or for key NULL with more than one claim.
+ */
+int
+pending_held(const uint8 *key, LedgerKey *found)
+{
+	HASH_SEQ_STATUS seq;
+	PendingClaim *claim;
+	int			n = 0;
+
+	if (pending == NULL)
+		return 0;
+	if (key != NULL && !pending_mixed)
+	{
+		LedgerKey	k;
+
+		pending_hash_key(&k, pending_kind, pending_tenant, key);
+		claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
+		if (claim == NULL || claim->settled_level != 0)
+			return 0;
+		*found = claim->lk;
+		return 1;
+	}
+	hash_seq_init(&seq, pending);
+	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
+	{
+		if (claim->settled_level != 0 ||
+			(key != NULL && memcmp(claim->lk.key, key, IDEM_DIGEST_LEN) != 0))
+			continue;
+		*found = claim->lk;
+		n++;
+	}
+	return n;
+}
+
 /* Write every open claim as a processing row (lease mode). */
 static void
 pending_flush(void)
@@ -163,7 +279,7 @@ pending_flush(void)
 	hash_seq_init(&seq, pending);
 	while ((claim = (PendingClaim *) hash_seq_search(&seq)) != NULL)
 	{
-		if (claim->settled_level != 0)
+		if (claim->settled_level != 0 || claim->taken)
 			continue;
 		ledger_insert(ledger_store_for(claim->lk.kind, claim->relid), &claim->lk,
 					  claim->fence, claim->fingerprint, IDEM_STATUS_PROCESSING,

@@ -2,8 +2,9 @@
  *
  * subxact.h
  *	  The one rule by which per-transaction state follows subtransactions,
- *	  for every file that keeps such state (commit_copies.c, pending.c); xact.c
- *	  calls them as each subtransaction ends.  A leaf: no state, no call.
+ *	  for every file that keeps such state (commit_copies.c, pending.c,
+ *	  outbox.c); xact.c calls them as each subtransaction ends.  A leaf: no
+ *	  state, no call.
  *
  *-------------------------------------------------------------------------
  */

@@ -6,8 +6,9 @@
  *	  pass each event on to the three holders of per-transaction state, in a
  *	  fixed order:
  *		commit_copies.c	the copies of terminal results for the Valkey cache
- *		pending.c	the claims whose ledger row is not written yet
- *		outbox.c	the claims held and the messages they emitted
+ *		pending.c	the claims held: those whose ledger row is not written
+ *				yet, and those taken over
+ *		outbox.c	the messages emitted, by key
  *	  and, last, to ledger_guard.c, which renews the history epoch when the
  *	  transaction removed ledger rows outside idem.
  *

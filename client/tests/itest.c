@@ -104,6 +104,7 @@ itest_env_load(void)
 	E.valkey_port = atoi(env_or("IDEM_TEST_VALKEY_PORT", "6379"));
 	E.valkey_start = env_or("IDEM_TEST_VALKEY_START", "");
 	E.valkey_pidfile = env_or("IDEM_TEST_VALKEY_PIDFILE", "");
+	E.pg_crash = env_or("IDEM_TEST_PG_CRASH", "");
 	E.slow = atoi(env_or("IDEM_TEST_SLOW", "0"));
 	E.suffix = env_or("IDEM_TEST_SUFFIX", "");
 }

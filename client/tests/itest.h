@@ -19,6 +19,8 @@ typedef struct itest_env
 	int			valkey_port;
 	const char *valkey_start;	/* shell command: start the RESP server */
 	const char *valkey_pidfile;
+	const char *pg_crash;		/* shell command: kill -9 PostgreSQL's
+								 * processes, then start it (recovery) */
 	int			slow;			/* under valgrind: fewer iterations */
 	const char *suffix;			/* appended to task scopes: one pass's keys
 								 * never meet another's */

@@ -14,7 +14,11 @@
  *		acknowledged; malformed entries dead-lettered and acknowledged; a
  *		consumer SIGKILLed mid-message, its entry taken over (XAUTOCLAIM)
  *		by another and applied once; one killed after its commit, before
- *		its XACK, replayed.
+ *		its XACK, replayed;
+ *	  - durable before acknowledged: a consumer whose connection has
+ *		synchronous_commit = off, the server killed (-9) right after the
+ *		XACK: the run applied, or replayed from a row not yet written
+ *		out, is there after the restart.
  */
 #include <errno.h>
 #include <signal.h>
@@ -115,13 +119,19 @@ handler(PGconn *conn, idem_call *call, void *ud)
 }
 
 static idem_runner *
-open_runner(void)
+open_runner_on(const char *conninfo)
 {
 	idem_options o;
 
 	idem_options_init(&o);
 	o.lease_ms = 5000;
-	return idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, &o);
+	return idem_runner_open(conninfo, "127.0.0.1", E.valkey_port, &o);
+}
+
+static idem_runner *
+open_runner(void)
+{
+	return open_runner_on(E.pg);
 }
 
 /* ---- emit ---- */
@@ -507,6 +517,130 @@ test_valkey_restart(void)
 	idem_runner_close(R);
 }
 
+/* ---- a crash of the server right after the XACK ---- */
+
+/*
+ * A long WAL-writer cycle that starts now: an asynchronous commit, then
+ * wal_writer_delay = 10s reloaded (and wal_writer_flush_after = 0: what
+ * it writes, it flushes, so that the flush position shows it); once the
+ * WAL writer has written that commit out it sleeps 10 s (not hibernating:
+ * it just did work), so that an asynchronous commit made meanwhile is in
+ * shared memory only.  1 if the cycle started.
+ */
+static int
+long_wal_cycle(void)
+{
+	char	   *lsn;
+	int64_t		end = now_ms() + 5000;
+	int			ok = 0;
+
+	pg_ok(admin, "SET synchronous_commit = on");
+	pg_ok(admin, "SET client_min_messages = warning");
+	pg_ok(admin, "CREATE TABLE IF NOT EXISTS crash_marks (id text)");
+	pg_ok(admin, "SET synchronous_commit = off");
+	pg_ok(admin, "INSERT INTO crash_marks VALUES ('cycle')");
+	lsn = pg_val(admin, "SELECT pg_current_wal_insert_lsn()::text", 0, NULL);
+	pg_ok(admin, "ALTER SYSTEM SET wal_writer_delay = '10s'");
+	pg_ok(admin, "ALTER SYSTEM SET wal_writer_flush_after = 0");
+	pg_ok(admin, "SELECT pg_reload_conf()");
+	while (lsn && !ok && now_ms() < end)
+	{
+		const char *p[1] = {lsn};
+
+		ok = pg_int(admin, "SELECT (pg_current_wal_flush_lsn() >= $1::pg_lsn)::int", 1, p) == 1;
+		if (!ok)
+			sleep_ms(10);
+	}
+	free(lsn);
+	return ok;
+}
+
+/* The crash: kill -9 of every process of the server, then its start. */
+static void
+crash_server(void)
+{
+	int			rc = system(E.pg_crash);
+
+	if (rc != 0)
+		tap_diag_ext("%s: status %d", E.pg_crash, rc);
+	PQfinish(admin);
+	admin = pg_open(E.pg);
+	pg_ok(admin, "ALTER SYSTEM RESET wal_writer_delay");
+	pg_ok(admin, "ALTER SYSTEM RESET wal_writer_flush_after");
+	pg_ok(admin, "SELECT pg_reload_conf()");
+}
+
+static long long
+mark_n(const char *id)
+{
+	const char *p[1] = {id};
+
+	return pg_int(admin, "SELECT count(*) FROM crash_marks WHERE id = $1", 1, p);
+}
+
+/*
+ * A consumer whose connection has synchronous_commit = off acknowledges
+ * an entry; the server is killed (-9) right after the XACK, with a 10 s
+ * WAL-writer cycle, and restarts.  The entry's run must be there (or the
+ * entry still pending): applied by this consumer (its commit), or
+ * replayed from a row another session committed with off, not flushed
+ * (its answer).  An asynchronous commit made just before the crash is
+ * lost: the crash did lose what was not written out.
+ */
+static void
+test_crash_after_ack(int replay)
+{
+	char		conninfo[600];
+	char		stream[96];
+	const char *mid = replay ? "crash-replay" : "crash-applied";
+	idem_runner *R;
+	idem_consumer *c;
+	idem_result res;
+	hctx		h;
+	seen		s;
+	long		acked;
+	long long	effects;
+	long long	pending;
+	long long	lost_mark;
+
+	if (E.pg_crash[0] == '\0')
+	{
+		tap_skip_ext("a crash after the XACK: no crash command");
+		return;
+	}
+	snprintf(conninfo, sizeof(conninfo), "%s options='-csynchronous_commit=off'", E.pg);
+	snprintf(stream, sizeof(stream), "%s.crash%d", S, replay);
+	R = open_runner_on(conninfo);
+	memset(&h, 0, sizeof(h));
+	memset(&s, 0, sizeof(s));
+	c = open_consumer(R, stream, "c1", &h, 30000, &s);
+	if (!long_wal_cycle())
+		tap_diag_ext("the WAL writer did not write out a commit within 5 s");
+	if (replay)
+	{
+		/* another session completes the id with off: not written out */
+		idem_result_init(&res);
+		idem_run(R, 1, S, mid, "{}", handler, &h, &res);
+	}
+	xadd(stream, mid, "{}");
+	acked = drain(c, 1);
+	pg_ok(admin, "INSERT INTO crash_marks VALUES ('lost')");	/* off */
+	crash_server();
+	effects = effects_n(S, mid);
+	pending = pending_n(stream, "g");
+	lost_mark = mark_n("lost");
+	tap_ok_ext(acked == 1 && s.n == 1 &&
+			   strcmp(s.status[0], replay ? "replayed" : "applied") == 0 &&
+			   (effects == 1 || pending == 1) && lost_mark == 0,
+			   "%s with synchronous_commit = off, acknowledged, then a crash of the server: the run survives (effects %lld, pending %lld; %s; an asynchronous commit just before the crash was %s)",
+			   replay ? "a replay of a row committed by another session" : "a run applied",
+			   effects, pending, s.n ? s.status[0] : "no run",
+			   lost_mark == 0 ? "lost, as it should" : "kept: the crash proved nothing");
+	pg_ok(admin, "DELETE FROM crash_marks");
+	idem_consumer_close(c);
+	idem_runner_close(R);
+}
+
 static void
 test_options(void)
 {
@@ -548,6 +682,8 @@ consume_main(int argc, char **argv)
 		test_pipeline();
 	else
 		tap_skip_ext("end to end: idem_emit is not in this extension yet");
+	test_crash_after_ack(0);
+	test_crash_after_ack(1);
 	PQfinish(admin);
 	return tap_finish();
 }

@@ -18,7 +18,8 @@
  *		error returned, so idem.max_attempts = 2 does not dead-letter the
  *		message; another error (22012) is still recorded, and so are
  *		statement_timeout's cancel (57014) and lock_timeout's (55P03):
- *		idem.max_attempts = 2 ends them at the third delivery.
+ *		idem.max_attempts = 2 ends them at the third delivery, also when the
+ *		handler catches them and returns success.
  *
  *	  A second Valkey (valkey-server with requirepass) is started here on
  *	  a free loopback port and always stopped.
@@ -160,8 +161,15 @@ handler(PGconn *conn, idem_call *call, void *ud)
 	hctx	   *h = ud;
 	PGresult   *r = NULL;
 	idem_handler_status st = IDEM_HANDLER_OK;
+	int			swallow = 0;
 
 	h->calls++;
+	if (h->mode != NULL && strstr(h->mode, "-swallowed") != NULL)
+	{
+		/* the timeout's statement, its error caught */
+		swallow = 1;
+		h->mode = strncmp(h->mode, "lock_", 5) == 0 ? "lock_timeout" : "timeout";
+	}
 	if (h->mode == NULL)
 		r = PQexec(conn, "SELECT 1");
 	else if (strcmp(h->mode, "serialize") == 0)
@@ -202,6 +210,13 @@ handler(PGconn *conn, idem_call *call, void *ud)
 	}
 	else if (strcmp(h->mode, "divide") == 0)
 		r = PQexec(conn, "SELECT 1 / 0");
+	if (swallow)
+	{
+		/* the error caught, the handler answers success anyway */
+		PQclear(r);
+		idem_call_set_json(call, "{\"done\": true}");
+		return IDEM_HANDLER_OK;
+	}
 	if (r == NULL || (PQresultStatus(r) != PGRES_TUPLES_OK &&
 					  PQresultStatus(r) != PGRES_COMMAND_OK))
 	{
@@ -594,6 +609,42 @@ test_servers_state(void)
 					   strstr(res.outcome, twant[i]) != NULL,
 					   "%s's cancel (%s) in the handler is its attempt: recorded, and idem.max_attempts = 2 ends it (%s; %s; %s)",
 					   tmodes[i], twant[i], got, l ? l : "?", rs(&res));
+			free(l);
+		}
+		/*
+		 * The same cancels caught by the handler, which returns success:
+		 * its transaction is aborted, so it is the same attempt, recorded
+		 * with the server's sqlstate and message; not a handler error
+		 * with nothing recorded (redelivered for ever).
+		 */
+		for (i = 0; i < 2; i++)
+		{
+			char		id[64];
+			char		mode[64];
+			char		got[200] = "";
+			char		first[IDEM_OUTCOME_MAX_BYTES + 1] = "";
+			int			k;
+
+			snprintf(id, sizeof(id), "state-%s-swallowed-%d", tmodes[i], (int) getpid());
+			snprintf(mode, sizeof(mode), "%s-swallowed", tmodes[i]);
+			for (k = 0; k < 3; k++)
+			{
+				memset(&h, 0, sizeof(h));
+				h.mode = mode;
+				idem_result_init(&res);
+				idem_run(R, 1, S, id, "{}", handler, &h, &res);
+				snprintf(got + strlen(got), sizeof(got) - strlen(got), "%s%s/%d",
+						 k ? " " : "", idem_status_name(res.status), res.attempt);
+				if (k == 0)
+					snprintf(first, sizeof(first), "%s", rs(&res));
+			}
+			l = ledger(id);
+			tap_ok_ext(strcmp(got, "failed_retryable/1 failed_retryable/2 failed_permanent/2") == 0 &&
+					   l && strcmp(l, "failed_permanent 2") == 0 &&
+					   strstr(res.outcome, twant[i]) != NULL &&
+					   strstr(res.outcome, "canceling statement due to") != NULL,
+					   "%s's cancel caught by the handler, which returns success: the same attempt, recorded with the server's error, and idem.max_attempts = 2 ends it (%s; %s; first %s; last %s)",
+					   tmodes[i], got, l ? l : "?", first, rs(&res));
 			free(l);
 		}
 		PQfinish(locker);

@@ -165,6 +165,11 @@ export IDEM_TEST_PGHOST=127.0.0.1 IDEM_TEST_PGPORT=$pgport IDEM_TEST_DB=idemtest
 export IDEM_TEST_VALKEY_PORT=$vport IDEM_TEST_VALKEY_START="$work/valkey-start.sh"
 export IDEM_TEST_VALKEY_PIDFILE="$work/valkey.pid" IDEM_TEST_WORKDIR=$work IDEM_TEST_PGBIN=$pgbin
 export IDEM_TEST_VALKEY_SERVER=$resp_server
+# a crash of PostgreSQL and its restart (itest consume)
+printf '#!/bin/bash\n. "%s/common.sh"\nidem_pg_crash "%s/pg" "%s" "%s/pg.log"\n' \
+	"$bin" "$work" "$pgbin" "$work" >"$work/pg-crash.sh"
+chmod +x "$work/pg-crash.sh"
+export IDEM_TEST_PG_CRASH="$work/pg-crash.sh"
 export PGCONNECT_TIMEOUT=10
 
 "$bin/itest" setup >"$work/setup.log" 2>&1 || { echo "Bail out! test database setup failed"; cat "$work/setup.log"; exit 1; }

@@ -23,19 +23,7 @@ my $cl = IdemCitus->new(valkey => $valkey);
 my $c = $cl->coord;
 
 # ---------- install ----------
-$c->safe_psql('postgres', q{
-	CREATE TABLE tenants (id bigint PRIMARY KEY, name text NOT NULL DEFAULT '',
-		n bigint NOT NULL DEFAULT 0);
-	SELECT create_distributed_table('tenants', 'id');
-	INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
-	CREATE TABLE effects (id bigserial, tenant_id bigint NOT NULL, k text NOT NULL,
-		PRIMARY KEY (tenant_id, id));
-	SELECT create_distributed_table('effects', 'tenant_id', colocate_with => 'tenants');
-	CREATE TABLE audit (tenant_id bigint, note text);
-	SELECT create_reference_table('audit');
-	CREATE EXTENSION idem;
-	SELECT idem_install('tenants');
-});
+$cl->install_tenants(columns => "name text NOT NULL DEFAULT '', ", effects => 1);
 
 is( $c->safe_psql('postgres', q{
 		SELECT partmethod::text || ' ' || column_to_column_name(logicalrelid, partkey) || ' '

@@ -27,18 +27,7 @@ my $cl = IdemCitus->new(valkey => $valkey,
 my $c = $cl->coord;
 my ($w1, $w2) = ($cl->w1, $cl->w2);
 
-$c->safe_psql('postgres', q{
-	CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
-	SELECT create_distributed_table('tenants', 'id');
-	INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
-	CREATE TABLE effects (id bigserial, tenant_id bigint NOT NULL, k text NOT NULL,
-		PRIMARY KEY (tenant_id, id));
-	SELECT create_distributed_table('effects', 'tenant_id', colocate_with => 'tenants');
-	CREATE TABLE audit (tenant_id bigint, note text);
-	SELECT create_reference_table('audit');
-	CREATE EXTENSION idem;
-	SELECT idem_install('tenants');
-});
+$cl->install_tenants(effects => 1);
 
 my $connstr = $c->connstr('postgres');
 my $opstr = "$connstr application_name=idem_op";

@@ -61,13 +61,26 @@ sub start_node
 }
 
 # Tenants 1 to 40 in a distributed tenants table, idem installed on it.
+# columns => "name text, ": more columns of tenants, after id;
+# effects => 1: before idem, a table effects (id, tenant_id, k) distributed
+# by tenant and co-located with tenants, and a reference table audit
+# (tenant_id, note).
 sub install_tenants
 {
-	my ($self) = @_;
-	$self->{coord}->safe_psql('postgres', q{
-		CREATE TABLE tenants (id bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
+	my ($self, %opt) = @_;
+	my $columns = $opt{columns} // '';
+	my $effects = $opt{effects} ? q{
+		CREATE TABLE effects (id bigserial, tenant_id bigint NOT NULL, k text NOT NULL,
+			PRIMARY KEY (tenant_id, id));
+		SELECT create_distributed_table('effects', 'tenant_id', colocate_with => 'tenants');
+		CREATE TABLE audit (tenant_id bigint, note text);
+		SELECT create_reference_table('audit');
+	} : '';
+	$self->{coord}->safe_psql('postgres', qq{
+		CREATE TABLE tenants (id bigint PRIMARY KEY, ${columns}n bigint NOT NULL DEFAULT 0);
 		SELECT create_distributed_table('tenants', 'id');
 		INSERT INTO tenants (id) SELECT g FROM generate_series(1, 40) g;
+		$effects
 		CREATE EXTENSION idem;
 		SELECT idem_install('tenants');
 	});

@@ -19,12 +19,8 @@ use Test::More;
 use Time::HiRes qw(time usleep);
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 1);
-my @nodes = $vc->nodes;
-my $first = $nodes[0];
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
 
-my $node = IdemValkey::idem_node('cluster', $first,
-	'idem.valkey_nodes' => "'$others'",
+my $node = $vc->idem_node('cluster',
 	'idem.valkey_connect_timeout' => 300,
 	'idem.valkey_command_timeout' => 2000);
 ok(IdemValkey::wait_connected($node, 1), 'worker connects through a cluster node');

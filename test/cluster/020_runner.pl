@@ -16,17 +16,14 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
-  . '/cluster_runner';
-plan skip_all => "$bin is not built" unless -x $bin;
+my $bin = IdemValkeyCluster::client_binary('cluster_runner');
 
 # No automatic failover while a master hangs for a moment.
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 1, node_timeout => 15000);
 my @nodes = $vc->nodes;
 my $first = $nodes[0];
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
-my $node = IdemValkey::idem_node('runner', $first,
-	'idem.valkey_nodes' => "'$others'");
+my $others = $vc->others;
+my $node = $vc->idem_node('runner');
 ok(IdemValkey::wait_connected($node, 1), 'worker connects');
 my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
 

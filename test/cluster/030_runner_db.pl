@@ -17,9 +17,7 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
-  . '/cluster_runner';
-plan skip_all => "$bin is not built" unless -x $bin;
+my $bin = IdemValkeyCluster::client_binary('cluster_runner');
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0);
 my $first = ($vc->nodes)[0];

@@ -15,14 +15,12 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
-  . '/cluster_runner';
-plan skip_all => "$bin is not built" unless -x $bin;
+my $bin = IdemValkeyCluster::client_binary('cluster_runner');
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0);
 my @nodes = $vc->nodes;
 my $first = $nodes[0];
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
+my $others = $vc->others;
 
 # Calls and refused calls of a CLUSTER subcommand, over every node.
 sub map_calls
@@ -40,8 +38,7 @@ sub map_calls
 	return ($calls, $rejected);
 }
 
-my $node = IdemValkey::idem_node('map', $first,
-	'idem.valkey_nodes' => "'$others'");
+my $node = $vc->idem_node('map');
 my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
 
 # Run ids 1..n of scope through the client's runner: (applied, from Valkey).

@@ -16,9 +16,7 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
-  . '/cluster_runner';
-plan skip_all => "$bin is not built" unless -x $bin;
+my $bin = IdemValkeyCluster::client_binary('cluster_runner');
 {
 	my $probe = IO::Socket::IP->new(LocalHost => '::1', LocalPort => 0,
 		Listen => 1);
@@ -29,11 +27,11 @@ plan skip_all => "$bin is not built" unless -x $bin;
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0, ipv6 => 1);
 my @nodes = $vc->nodes;
 my $first = $nodes[0];
-my $others = join(',', map { '[::1]:' . $_->port } @nodes[ 1 .. $#nodes ]);
+my $others = $vc->others('[::1]');
 like($first->command('CLUSTER', 'SLOTS')->[0][2][0], qr/^::1$/,
 	'the cluster announces its nodes as ::1');
 
-my $node = IdemValkey::idem_node('v6', $first,
+my $node = $vc->idem_node('v6',
 	'idem.valkey_host' => "'::1'",
 	'idem.valkey_nodes' => "'$others'");
 ok(IdemValkey::wait_connected($node, 1), 'the worker connects over IPv6');

@@ -19,11 +19,8 @@ use Time::HiRes qw(usleep);
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0,
 	extra => [ '--cluster-require-full-coverage', 'no' ]);
-my @nodes = $vc->nodes;
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
 
-my $node = IdemValkey::idem_node('down', $nodes[0],
-	'idem.valkey_nodes' => "'$others'",
+my $node = $vc->idem_node('down',
 	'idem.valkey_connect_timeout' => 300,
 	'idem.valkey_command_timeout' => 2000);
 ok(IdemValkey::wait_connected($node, 1), 'worker connects through a cluster node');

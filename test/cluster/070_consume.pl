@@ -18,16 +18,13 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build")
-  . '/cluster_consumer';
-plan skip_all => "$bin is not built" unless -x $bin;
+my $bin = IdemValkeyCluster::client_binary('cluster_consumer');
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0);
 my @nodes = $vc->nodes;
 my $first = $nodes[0];
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
-my $node = IdemValkey::idem_node('consume', $first,
-	'idem.valkey_nodes' => "'$others'");
+my $others = $vc->others;
+my $node = $vc->idem_node('consume');
 $node->safe_psql('postgres', 'CREATE TABLE effects (scope text, id text)');
 my $conninfo = $node->connstr('postgres') . ' connect_timeout=5';
 

@@ -17,12 +17,8 @@ use PostgreSQL::Test::Utils;
 use Test::More;
 
 my $vc = IdemValkeyCluster->new(masters => 3, replicas => 0);
-my @nodes = $vc->nodes;
-my $first = $nodes[0];
-my $others = join(',', map { '127.0.0.1:' . $_->port } @nodes[ 1 .. $#nodes ]);
 
-my $node = IdemValkey::idem_node('cluster', $first,
-	'idem.valkey_nodes' => "'$others'",
+my $node = $vc->idem_node('cluster',
 	'idem.valkey_connect_timeout' => 300,
 	'idem.valkey_command_timeout' => 2000);
 ok(IdemValkey::wait_connected($node, 1), 'the worker connects through a cluster node');
@@ -65,9 +61,8 @@ $node->stop;
 
 # --- the cluster as the streams' own Valkey, the cache a single Valkey ---
 my $cache = IdemValkey->new(name => 'cache')->start;
-my $all = join(',', map { '127.0.0.1:' . $_->port } @nodes);
 my $node2 = IdemValkey::idem_node('single_cache', $cache,
-	'idem.outbox_valkey_nodes' => "'$all'",
+	'idem.outbox_valkey_nodes' => "'" . $vc->seeds . "'",
 	'idem.valkey_command_timeout' => 2000);
 ok(IdemValkey::wait_connected($node2, 1), 'a node whose cache is a single Valkey');
 $node2->safe_psql('postgres', qq{

@@ -10,6 +10,11 @@
 #   cluster announces every node as ::1; the helpers below still talk to
 #   them over 127.0.0.1; extra => [...]: more valkey-server arguments)
 #   $c->seeds                  "127.0.0.1:p1,127.0.0.1:p2,..." (every node)
+#   $c->others                 the same without the first node
+#   $c->idem_node($name, %conf)  a PostgreSQL node preloading idem, its
+#                              cache the cluster (idem.valkey_nodes)
+#   IdemValkeyCluster::client_binary($name)
+#                              client/build/$name, or the test skipped
 #   $c->get($key)              GET on the key's master, following MOVED
 #   $c->master_of_key($key)    the IdemValkey node serving the key now
 #   $c->masters                the nodes that are masters now
@@ -27,6 +32,7 @@ package IdemValkeyCluster;
 use strict;
 use warnings;
 
+use FindBin;
 use IdemValkey;
 use IPC::Run;
 use PostgreSQL::Test::Utils;
@@ -79,6 +85,36 @@ sub new
 }
 
 sub nodes { return @{ $_[0]->{nodes} }; }
+
+# The nodes but the first, "127.0.0.1:p2,127.0.0.1:p3,..." (with $host
+# '[::1]': "[::1]:p2,..."), as idem.valkey_nodes lists them beside the
+# first node's port.
+sub others
+{
+	my ($self, $host) = @_;
+	my @n = $self->nodes;
+	return join(',', map { ($host // '127.0.0.1') . ':' . $_->port } @n[ 1 .. $#n ]);
+}
+
+# A started PostgreSQL node that preloads idem (IdemValkey::idem_node)
+# with the cluster as its cache: the first node, the others in
+# idem.valkey_nodes.  %conf adds settings (or replaces that one).
+sub idem_node
+{
+	my ($self, $name, %conf) = @_;
+	return IdemValkey::idem_node($name, ($self->nodes)[0],
+		'idem.valkey_nodes' => "'" . $self->others . "'", %conf);
+}
+
+# The path of the client's test program $name in client/build (or in
+# $IDEM_CLIENT_BUILD); the whole test is skipped when it is not built.
+sub client_binary
+{
+	my ($name) = @_;
+	my $bin = ($ENV{IDEM_CLIENT_BUILD} // "$FindBin::RealBin/../../client/build") . "/$name";
+	Test::More::plan(skip_all => "$bin is not built") unless -x $bin;
+	return $bin;
+}
 
 sub seeds
 {

@@ -10,21 +10,14 @@
 # IDEM_PG_BINDIR, the extension installed there, the client built).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-. "$ROOT/test/lib/common.sh"
+. "$ROOT/bench/lib.sh"	# test/lib/common.sh, and how make bench builds client_bench
 T=$(mktemp -d /tmp/idem-bench-smoke.XXXXXX)
 chmod 777 "$T"
 cleanup() { idem_pg_stop "$T"; idem_valkey_stop "$T"; rm -rf "$T"; }
 trap cleanup EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 
-cc -O2 -Wall -Wextra -Werror -Wno-missing-field-initializers \
-	-I"$ROOT/client" -I"$ROOT/src/common" -I"$("$(idem_pg_config)" --includedir)" \
-	-o "$T/client_bench" "$ROOT/bench/client_bench.c" \
-	"$ROOT/client/build/libidemclient.a" -lpq -lhiredis -lcrypto -pthread 2>"$T/cc.err"
+bench_client_bench "$T/client_bench" "$ROOT" -Wall -Wextra -Werror -Wno-missing-field-initializers 2>"$T/cc.err"
 ok $? "bench/client_bench.c builds with -Wall -Wextra -Werror"
 sed 's/^/# /' "$T/cc.err"
 [ -x "$T/client_bench" ] || { echo "1..$n"; exit 1; }

@@ -8,11 +8,7 @@
 # where that user can read and run it.  TAP; skipped when not root.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 if [ "$(id -u)" -ne 0 ]; then
 	echo "1..0 # SKIP needs root (make test runs it as root)"
 	exit 0

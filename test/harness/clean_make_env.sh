@@ -11,11 +11,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$ROOT/test/lib/cache.sh"
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-clean-make.XXXXXX")
 trap 'rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 
 # The fake third party: like PostgreSQL's src/Makefile.global, it makes
 # what the rest needs only at MAKELEVEL 0, and it must not see the calling

@@ -32,11 +32,7 @@ fi
 . "$ROOT/test/lib/common.sh"
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-client-install.XXXXXX")
 trap '[ -z "$SYSTEM" ] || umount /usr/local /etc 2>/dev/null; idem_pg_stop "$T"; idem_valkey_stop "$T"; rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 
 if [ -n "$SYSTEM" ]; then
 	for d in /usr/local /etc; do

@@ -10,11 +10,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MAP=${1:-$ROOT/CONTRIBUTING.md}
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 # make_var DIR VAR: the value of VAR as the Makefile in DIR computes it
 make_var() {
 	make -s --no-print-directory -C "$1" --eval "idem-print-var: ; @echo \$($2)" \

@@ -17,11 +17,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PGC=$(idem_pg_config)
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 CC=$("$PGC" --cc 2>/dev/null | awk '{print $1}')
 CC=${CC:-cc}
 FLAGS="-fsyntax-only $IDEM_WARNING_FLAGS -Wno-unused-function"

@@ -14,11 +14,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 idem_clean_make_env	# make test runs this from inside make
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-make-objects.XXXXXX")
 trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 PGC=$(idem_pg_config)
 # the copy keeps the mtimes of the build test/run made (if any)
 mkdir -p "$T/tree"

@@ -14,11 +14,7 @@ mkdir "$T/gone" "$T/live" "$T/other"
 [ "$(id -u)" -eq 0 ] && chown "$(idem_test_user)" "$T/gone" "$T/live" "$T/other"
 other_pid=""
 trap 'idem_stop_leftovers "$T" 2>/dev/null; [ -n "$other_pid" ] && kill "$other_pid" 2>/dev/null; rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 answers() { "$(idem_valkey_cli)" -p "$1" ping 2>/dev/null | grep -q PONG; }
 
 # Two servers of the test user, as two runs' suites start them.

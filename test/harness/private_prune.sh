@@ -13,11 +13,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-private-prune.XXXXXX")
 holder=""
 trap '[ -z "$holder" ] || kill "$holder" 2>/dev/null; rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 export IDEM_PRIVATE_BASE=$T/base
 mkdir -p "$IDEM_PRIVATE_BASE" "$T/co/a" "$T/co/b" "$T/co/c" "$T/co/d" "$T/co/e" "$T/elsewhere"
 P() { _idem_private_path "$T/co/$1"; }

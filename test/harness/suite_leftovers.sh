@@ -14,11 +14,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$ROOT/test/lib/common.sh"
 T=$(mktemp -d "${TMPDIR:-/tmp}/idem-leftovers.XXXXXX")
 trap 'idem_stop_leftovers "$T" 2>/dev/null; rm -rf "$T"' EXIT
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 answers() { "$(idem_valkey_cli)" -p "$1" ping 2>/dev/null | grep -q PONG; }
 
 # fake_suite DIR PORT hang|fail: a suite's script that starts a Valkey on

@@ -686,6 +686,34 @@ idem_pg_install_ledgers() {
 	SQL
 }
 
+# idem_pg_crash DATADIR BINDIR LOG: a crash of the server started on
+# DATADIR: kill -9 of its postmaster and of each of its processes at once
+# (what only shared memory held, WAL not yet written out among it, is
+# lost), then a start, which recovers from the WAL written.  Run as the
+# server's user.
+idem_pg_crash() {
+	local data=$1 bindir=$2 log=$3 pm pids p alive
+	pm=$(head -n 1 "$data/postmaster.pid" 2>/dev/null) && [ -n "$pm" ] || return 1
+	pids="$pm $(ps -o pid= --ppid "$pm")"
+	# shellcheck disable=SC2086
+	kill -9 $pids 2>/dev/null
+	# gone, the postmaster reaped too (a new one refuses to start while
+	# its pid answers kill -0, even as a zombie)
+	for _ in $(seq 1 1000); do
+		alive=no
+		kill -0 "$pm" 2>/dev/null && alive=yes
+		for p in $pids; do
+			case $(ps -o stat= -p "$p" 2>/dev/null) in
+				""|Z*) ;;
+				*) alive=yes ;;
+			esac
+		done
+		[ "$alive" = no ] && break
+		sleep 0.02
+	done
+	"$bindir/pg_ctl" -D "$data" -l "$log" -w -t 120 start >/dev/null 2>&1
+}
+
 idem_pg_stop() {
 	local dir=$1
 	[ -f "$dir/pg/postmaster.pid" ] || return 0

@@ -24,11 +24,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 . "$ROOT/test/lib/common.sh"
 W=$(mktemp -d "${1:-/tmp}/ops.XXXXXX")
 BIN=$(idem_pg_bindir)
-n=0
-ok() {
-	n=$((n + 1))
-	if [ "$1" -eq 0 ]; then echo "ok $n - $2"; else echo "not ok $n - $2"; fi
-}
+. "$ROOT/test/lib/tap.sh"
 cleanup() {
 	[ -f "$W/exporter.pid" ] && kill "$(cat "$W/exporter.pid")" 2>/dev/null
 	[ -f "$W/pgbouncer.pid" ] && kill "$(cat "$W/pgbouncer.pid")" 2>/dev/null

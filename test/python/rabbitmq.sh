@@ -22,6 +22,8 @@ idem_rabbitmq_start() {
 		exec /usr/lib/rabbitmq/bin/rabbitmq-server >"$dir/server.log" 2>&1 9>&-
 	) &
 	echo $! >"$dir/script.pid"
+	# not the shell's job: its SIGKILL at the end is not reported ("Killed")
+	disown $!
 	# Up to three minutes: Erlang's boot took over a minute on a 2-core
 	# machine at load 19.
 	for _ in $(seq 1 720); do

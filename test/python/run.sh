@@ -157,6 +157,13 @@ if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
 	fi
 fi
 
+# ... and a crash of the first server (kill -9 of its processes), then its
+# start: tests/test_consume.py's Crash
+printf '#!/bin/bash\n. "%s/test/lib/common.sh"\nidem_pg_crash "%s/pg" "%s" "%s/pg.log"\n' \
+	"$TREE" "$dir" "$(idem_pg_bindir)" "$dir" >"$dir/pg-crash.sh"
+chmod +x "$dir/pg-crash.sh"
+export IDEM_PG_CRASH="$dir/pg-crash.sh"
+
 # 5. the tests, on the package pip installed (else on the checkout's)
 py=$PY
 pypath=$TREE/client/python/tests:$TREE/client/python

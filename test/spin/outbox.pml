@@ -30,9 +30,15 @@
  *              up on busy), or (at most NSTEAL times) one whose consumer is
  *              still running it, past the claim timeout; run it through
  *              idem keyed by the message id (claim, effect, complete,
- *              COMMIT: durable); XACK only once the run settled (applied,
- *              or a replay); busy leaves it pending.  It may die at any
- *              step (pending entries stay, its transaction aborts).
+ *              COMMIT); XACK only once the run settled (applied, or a
+ *              replay); busy leaves it pending.  It may die at any step
+ *              (pending entries stay, its transaction aborts).  Its
+ *              session has synchronous_commit = off, on the upstream's
+ *              server; its runs are durable all the same (the consumer's
+ *              durable runs: synchronous_commit at least on for the run's
+ *              transaction): its COMMIT returns once flushed, and a replay
+ *              of a row not flushed yet flushes it before it answers
+ *              (idem_replay_durable).  A flush writes all WAL before it.
  *   faults     at most NFAULT: crashes and deaths.
  *
  * Properties:
@@ -67,12 +73,20 @@
  *                        claim: a republished message (or one claimed from
  *                        a slow consumer) is applied twice
  *
- * A documented limit (a counterexample too):
- *   DN_ASYNC             the consumer's runs commit on the same server with
- *                        synchronous_commit = off: a crash after the XACK
- *                        loses the downstream effect (a commit lost by a
- *                        crash may have been acknowledged: PostgreSQL's own
- *                        limit, as for any redelivery's acknowledgement)
+ *   NO_DURABLE_RUN       the consumer's runs as its session has them
+ *                        (synchronous_commit = off; idem before the
+ *                        durable runs): a crash after the XACK loses the
+ *                        downstream effect, and the message is gone
+ *   NO_DURABLE_REPLAY    with DN_FOREIGN, a replay answered without
+ *                        flushing the row's commit first: the foreign
+ *                        writer's row, not flushed, is replayed and
+ *                        acknowledged, then lost in a crash
+ *
+ *   DN_FOREIGN           consumer 1 is a writer of the message's key that
+ *                        is not a durable consumer (a session with off
+ *                        running the id; it never XACKs, reads only new
+ *                        entries): what consumer 0 replays from its row
+ *                        may not be flushed (the real model passes)
  */
 
 #ifndef NDELIV
@@ -86,6 +100,17 @@
 #define NSTEAL 1
 #endif
 #define SLEN 4          /* one XADD, and one more per crash: NFAULT <= 2 */
+#ifdef DN_FOREIGN
+#define FOREIGN(c) (c == 1)
+#else
+#define FOREIGN(c) false
+#endif
+#ifdef NO_DURABLE_RUN
+#define NO_DURABLE_REPLAY
+#define DURABLE(c) false
+#else
+#define DURABLE(c) (!FOREIGN(c))
+#endif
 #if NFAULT > 2
 #error "outbox.pml: SLEN holds NFAULT + 2 entries"
 #endif
@@ -113,21 +138,26 @@ byte rd = 0;            /* the group's last delivered entry */
 byte work[NCONS];       /* the entry (index + 1) a consumer runs (0: none) */
 byte steals = 0;
 
-/* downstream PostgreSQL (synchronous_commit = on, unless DN_ASYNC): the
- * message id's key */
+/* downstream: the message id's key, on the same server (one WAL) */
 byte dn_lock = 0;       /* the consumer (+ 1) holding the key's lock */
 byte dn_row = 0;        /* 0 none, 2 completed */
 byte dn_eff = 0;
-#ifdef DN_ASYNC
 byte d_dn_row = 0;
 byte d_dn_eff = 0;
-#endif
 
 inline xadd(m)
 {
 	assert(m == 1);     /* (id==1) */
 	assert(slen < SLEN);
 	sid[slen] = m; st[slen] = 0; slen++
+}
+
+/* a flush: every commit so far durable (WAL is written in order) */
+inline flush_all()
+{
+	d_row = row; d_eff = eff; d_ob = ob;
+	d_dn_row = dn_row; d_dn_eff = dn_eff;
+	flushed = true
 }
 
 /* an effect that may have gone: no message may stay on the stream for it */
@@ -205,17 +235,11 @@ proctype wal()
 {
 end:
 	do
-	:: atomic { !flushed -> d_row = row; d_eff = eff; d_ob = ob;
-#ifdef DN_ASYNC
-		d_dn_row = dn_row; d_dn_eff = dn_eff;
-#endif
-		flushed = true }
+	:: atomic { !flushed -> flush_all() }
 	:: atomic { faults < NFAULT -> faults++;                /* crash */
 		row = d_row; eff = d_eff; ob = d_ob; flushed = true;
 		up_lock = 0; crashes++;
-#ifdef DN_ASYNC
 		dn_row = d_dn_row; dn_eff = d_dn_eff; dn_lock = 0;
-#endif
 		no_orphan() }
 	od
 }
@@ -254,15 +278,15 @@ end:
 		goto running
 	:: atomic {                         /* XAUTOCLAIM: a pending entry nobody runs */
 		if
-		:: IDLE(0) -> e = 1
-		:: IDLE(1) -> e = 2
-		:: IDLE(2) -> e = 3
-		:: IDLE(3) -> e = 4
+		:: !FOREIGN(me) && IDLE(0) -> e = 1
+		:: !FOREIGN(me) && IDLE(1) -> e = 2
+		:: !FOREIGN(me) && IDLE(2) -> e = 3
+		:: !FOREIGN(me) && IDLE(3) -> e = 4
 		fi;
 		work[me] = e }
 		goto running
 	:: atomic {                         /* XAUTOCLAIM past the timeout of a live one */
-		steals < NSTEAL && work[1 - me] != 0 && st[work[1 - me] - 1] == 1 ->
+		!FOREIGN(me) && steals < NSTEAL && work[1 - me] != 0 && st[work[1 - me] - 1] == 1 ->
 		steals++; e = work[1 - me]; work[me] = e }
 		goto running
 	od;
@@ -280,16 +304,24 @@ running:
 	atomic { dn_eff++; dn_row = 2; assert(dn_eff <= 1) };
 #else
 	if
-	:: atomic { dn_row == 2 -> skip }                   /* replayed: settled */
+	:: atomic { dn_row == 2 ->                          /* replayed: settled */
+#ifndef NO_DURABLE_REPLAY
+		if
+		:: DURABLE(me) && d_dn_row != 2 -> flush_all()  /* idem_replay_durable */
+		:: else -> skip
+		fi;
+#endif
+		skip }
 	:: atomic { dn_row != 2 && dn_lock != 0 ->          /* busy: stays pending */
 		work[me] = 0 }; goto end
 	:: atomic { dn_row != 2 && dn_lock == 0 -> dn_lock = me + 1; mc = crashes }
 		if
 		:: atomic { mc == crashes ->                    /* effect, complete, COMMIT */
 			dn_row = 2; dn_eff++; dn_lock = 0;
-#ifdef DN_ASYNC
-			flushed = false;
-#endif
+			if
+			:: DURABLE(me) -> flush_all()             /* returns once flushed */
+			:: else -> flushed = false
+			fi;
 			assert(dn_eff <= 1) }
 		:: atomic { mc != crashes ->                    /* aborted by a crash */
 			if
@@ -298,13 +330,18 @@ running:
 			fi;
 			work[me] = 0 }; goto end
 		:: atomic { faults < NFAULT -> faults++;        /* dies: aborted */
-			dn_lock = 0; work[me] = 0 }; goto end
+			if                                          /* its lock, unless a crash */
+			:: dn_lock == me + 1 -> dn_lock = 0         /* released it already */
+			:: else -> skip
+			fi;
+			work[me] = 0 }; goto end
 		fi
 	fi;
 #endif
 	if
 	:: atomic { faults < NFAULT -> faults++; work[me] = 0 }; goto end  /* dies before XACK */
-	:: atomic { st[e - 1] = 2; work[me] = 0 }           /* XACK */
+	:: atomic { !FOREIGN(me) -> st[e - 1] = 2; work[me] = 0 }  /* XACK */
+	:: atomic { FOREIGN(me) -> work[me] = 0 }           /* left pending */
 	fi;
 	goto end
 }

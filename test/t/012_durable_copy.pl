@@ -28,41 +28,12 @@ my $node = IdemValkey::idem_node(
 	checkpoint_timeout => "'1h'");
 ok(IdemValkey::wait_connected($node, 1), 'worker connects to Valkey');
 
-sub lsn_num
-{
-	my ($hi, $lo) = $_[0] =~ m{^([0-9A-F]+)/([0-9A-F]+)$}i or die "not an LSN: $_[0]";
-	return hex($hi) * 2**32 + hex($lo);
-}
-sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
-
-sub flush_lsn { $node->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
-
-# Wait for the WAL writer to flush, so that the next asynchronous commit has
-# most of a 10 s cycle (on a slow machine, each psql call here can take a
-# second) before its flush.
-sub wait_for_wal_writer
-{
-	# An asynchronous commit record and nothing else (dropping a relation,
-	# as a temporary table does at exit, would force a synchronous commit).
-	my $out = $node->safe_psql('postgres',
-		'SET synchronous_commit = off; BEGIN; '
-		  . 'SELECT pg_current_wal_insert_lsn(), txid_current(); COMMIT;');
-	my ($insert) = split /\|/, $out;
-	return IdemValkey::poll_until(30, sub { lsn_gt(flush_lsn(), $insert) });
-}
-
-# Complete key $id with synchronous_commit = off; returns the insert LSN
-# just before COMMIT: the commit record ends after it, so the commit is not
-# flushed while the flush position is not past it.
-sub commit_async
-{
-	my ($id, $outcome) = @_;
-	my $out = $node->safe_psql('postgres',
-		'SET synchronous_commit = off; BEGIN; '
-		  . IdemValkey::complete_sql('d', $id, $outcome, '1 hour')
-		  . ' SELECT pg_current_wal_insert_lsn(); COMMIT;');
-	return (split /\n/, $out)[-1];
-}
+# WAL positions, and an asynchronous commit (synchronous_commit = off) of
+# tenant 1's key ('d', $id) that returns the insert LSN before its COMMIT.
+sub lsn_gt { IdemValkey::lsn_gt(@_) }
+sub flush_lsn { IdemValkey::flush_lsn($node) }
+sub wait_for_wal_writer { IdemValkey::wait_for_wal_writer($node) }
+sub commit_async { IdemValkey::commit_async($node, 'd', $_[0], $_[1], '1 hour') }
 
 # --- a copy appears only once its commit is flushed ---
 ok(wait_for_wal_writer(), 'the WAL writer has just flushed');

@@ -28,11 +28,7 @@ sub commit_key
 # --- idem.standby_slots ---
 my $primary = IdemValkey::streaming_node('primary', $valkey, 'idem.standby_slots' => "'sb1'");
 $primary->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('sb1')");
-$primary->backup('b1');
-my $standby = PostgreSQL::Test::Cluster->new('standby');
-$standby->init_from_backup($primary, 'b1', has_streaming => 1);
-$standby->append_conf('postgresql.conf', "primary_slot_name = 'sb1'\n");
-$standby->start;
+my $standby = IdemValkey::standby_of($primary, 'standby', 'b1', "primary_slot_name = 'sb1'\n");
 ok(-f $standby->data_dir . '/idem_cache_secret',
 	'pg_basebackup copied the cache secret to the standby');
 ok(IdemValkey::wait_connected($primary, 1), 'the primary\'s worker connects');

@@ -19,14 +19,12 @@ use Test::More;
 
 my $valkey = IdemValkey->new(name => 'valkey')->start;
 my $node = IdemValkey::idem_node('ring', $valkey);
-if ($node->safe_psql('postgres',
-		"SELECT count(*) FROM pg_available_extensions WHERE name = 'injection_points'") ne '1')
+if (!IdemValkey::injection_points($node))
 {
 	$node->stop;
 	plan skip_all => 'no injection points (PostgreSQL 17 or later, --enable-injection-points)';
 }
 ok(IdemValkey::wait_connected($node, 1), 'worker connects to Valkey');
-$node->safe_psql('postgres', 'CREATE EXTENSION injection_points');
 
 sub commit_sql
 {
@@ -43,13 +41,8 @@ $node->safe_psql('postgres', commit_sql('first'));
 ok(defined $valkey->wait_for_key(key_of('first'), 10), 'a first copy goes through');
 
 # Session A commits and stops after reserving its record.
-my $a = $node->background_psql('postgres');
-$a->query_safe('SELECT injection_points_set_local()');
-$a->query_safe("SELECT injection_points_attach('idem-ring-reserved', 'wait')");
-$a->query_until(qr/committing/, "\\echo committing\n" . commit_sql('a'));
-ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-reserved'"),
-	'session A committed and is held after reserving its record');
+my ($a, $held) = IdemValkey::held_session($node, 'idem-ring-reserved', commit_sql('a'));
+ok($held, 'session A committed and is held after reserving its record');
 is($node->safe_psql('postgres',
 		"SELECT status FROM idem_lookup(1, idem_key('ring', 'a'))"),
 	'completed', "A's commit is visible");

@@ -33,38 +33,12 @@ IdemValkey::install($node);
 $node->safe_psql('postgres',
 	'CREATE FUNCTION echo(jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT $1 $$');
 
-sub lsn_num
-{
-	my ($hi, $lo) = $_[0] =~ m{^([0-9A-F]+)/([0-9A-F]+)$}i or die "not an LSN: $_[0]";
-	return hex($hi) * 2**32 + hex($lo);
-}
-sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
-
-sub flush_lsn { $node->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
-
-# Wait for the WAL writer to flush, so that what follows has most of a
-# 10 s cycle before the next flush.
-sub wait_for_wal_writer
-{
-	my $out = $node->safe_psql('postgres',
-		'SET synchronous_commit = off; BEGIN; '
-		  . 'SELECT pg_current_wal_insert_lsn(), txid_current(); COMMIT;');
-	my ($insert) = split /\|/, $out;
-	return IdemValkey::poll_until(30, sub { lsn_gt(flush_lsn(), $insert) });
-}
-
-# Complete key $id with synchronous_commit = off; returns the insert LSN
-# just before COMMIT: the commit is not flushed while the flush position is
-# not past it.
-sub commit_async
-{
-	my ($id) = @_;
-	my $out = $node->safe_psql('postgres',
-		'SET synchronous_commit = off; BEGIN; '
-		  . IdemValkey::complete_sql('r', $id)
-		  . ' SELECT pg_current_wal_insert_lsn(); COMMIT;');
-	return (split /\n/, $out)[-1];
-}
+# WAL positions, and an asynchronous commit (synchronous_commit = off) of
+# tenant 1's key ('r', $id) that returns the insert LSN before its COMMIT.
+sub lsn_gt { IdemValkey::lsn_gt(@_) }
+sub flush_lsn { IdemValkey::flush_lsn($node) }
+sub wait_for_wal_writer { IdemValkey::wait_for_wal_writer($node) }
+sub commit_async { IdemValkey::commit_async($node, 'r', $_[0]) }
 
 # In a new session with synchronous_commit = $sc: $sql's answer, and the
 # flush position right after it.

@@ -23,17 +23,7 @@ my $valkey = IdemValkey->new(name => 'valkey')->start;
 
 # No standby slot at all: only synchronous replication is in play.
 my $primary = IdemValkey::streaming_node('primary', $valkey, 'idem.standby_slots' => "''");
-$primary->backup('b1');
-my $standby = PostgreSQL::Test::Cluster->new('standby');
-$standby->init_from_backup($primary, 'b1', has_streaming => 1);
-$standby->start;
-$primary->safe_psql('postgres', "ALTER SYSTEM SET synchronous_standby_names = 'standby'");
-$primary->reload;
-ok(IdemValkey::poll_until(30, sub {
-			$primary->safe_psql('postgres',
-				"SELECT sync_state FROM pg_stat_replication WHERE application_name = 'standby'") eq 'sync'
-		}),
-	'the standby is synchronous');
+my $standby = IdemValkey::sync_standby($primary);
 ok(IdemValkey::wait_connected($primary, 1), 'the primary\'s worker connects');
 
 my $claim = q{SELECT decision FROM idem_claim(1, idem_key('s', 'k2'), idem_fingerprint('{}'))};

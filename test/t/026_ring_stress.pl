@@ -140,26 +140,19 @@ is(dropped() - $d0, 6, 'those of released subtransactions are counted');
 ok( $node->poll_query_until('postgres', 'SELECT queue_depth = 0 FROM idem_stats()'),
 	'the queue empties');
 
-if ($node->safe_psql('postgres',
-		"SELECT count(*) FROM pg_available_extensions WHERE name = 'injection_points'") ne '1')
+if (!IdemValkey::injection_points($node))
 {
 	$node->stop;
 	$valkey->stop;
 	done_testing();
 	exit 0;
 }
-$node->safe_psql('postgres', 'CREATE EXTENSION injection_points');
 my $free_lag = copy_lag('free');
 
 # --- a committer held after counting its record, before reserving -------
 $d0 = dropped();
-my $a = $node->background_psql('postgres');
-$a->query_safe('SELECT injection_points_set_local()');
-$a->query_safe("SELECT injection_points_attach('idem-ring-counted', 'wait')");
-$a->query_until(qr/committing/, "\\echo committing\n" . commit_sql('a'));
-ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-counted'"),
-	'session A committed and is held after counting its copy in, before reserving it');
+my ($a, $held) = IdemValkey::held_session($node, 'idem-ring-counted', commit_sql('a'));
+ok($held, 'session A committed and is held after counting its copy in, before reserving it');
 
 # Others commit, one at a time; the worker copies each and moves tail past
 # the head A read.
@@ -204,13 +197,9 @@ ok( $node->poll_query_until('postgres', 'SELECT queue_depth = 0 FROM idem_stats(
 
 # --- a committer held between reserving and publishing ------------------
 is(IdemValkey::stats_col($node, 'queue_stalls'), '0', 'no stall counted so far');
-my $c = $node->background_psql('postgres');
-$c->query_safe('SELECT injection_points_set_local()');
-$c->query_safe("SELECT injection_points_attach('idem-ring-reserved', 'wait')");
-$c->query_until(qr/committing/, "\\echo committing\n" . commit_sql('c'));
-ok( $node->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'idem-ring-reserved'"),
-	'session C committed and is held after reserving its copy');
+my $c;
+($c, $held) = IdemValkey::held_session($node, 'idem-ring-reserved', commit_sql('c'));
+ok($held, 'session C committed and is held after reserving its copy');
 $node->safe_psql('postgres', commit_sql('d'));
 ok($node->poll_query_until('postgres', 'SELECT queue_stalls = 1 FROM idem_stats()'),
 	'the stall is counted in idem_stats().queue_stalls once it lasts over a second');

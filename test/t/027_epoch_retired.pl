@@ -15,10 +15,8 @@ use warnings;
 use FindBin;
 use lib $FindBin::RealBin;
 
-use File::Path qw(rmtree);
 use IdemValkey;
 use PostgreSQL::Test::Cluster;
-use PostgreSQL::Test::RecursiveCopy;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
@@ -87,11 +85,7 @@ SKIP:
 
 		# The server is replaced by its backup, taken before r1: same port,
 		# the pooler and the runner's connection to it stay.
-		$node->stop('immediate');
-		rmtree($node->data_dir);
-		PostgreSQL::Test::RecursiveCopy::copypath($node->backup_dir . '/before_r1', $node->data_dir);
-		chmod 0700, $node->data_dir;
-		$node->start;
+		IdemValkey::restore_backup($node, 'before_r1');
 		my $new = new_keyspace($node, $old);
 		isnt($new, $old, 'restored: a new epoch');
 		like($valkey->command('GET', owner_key_of($old)), qr/^retired /,

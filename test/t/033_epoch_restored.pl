@@ -15,10 +15,8 @@ use warnings;
 use FindBin;
 use lib $FindBin::RealBin;
 
-use File::Path qw(rmtree);
 use IdemValkey;
 use PostgreSQL::Test::Cluster;
-use PostgreSQL::Test::RecursiveCopy;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
@@ -37,21 +35,7 @@ sub applied_and_cached
 }
 
 # Replace the server by its backup $name (same port), with more settings.
-sub restore
-{
-	my ($name, $conf, $signal) = @_;
-	$node->stop('immediate');
-	rmtree($node->data_dir);
-	PostgreSQL::Test::RecursiveCopy::copypath($node->backup_dir . "/$name", $node->data_dir);
-	chmod 0700, $node->data_dir;
-	$node->append_conf('postgresql.conf', $conf) if $conf;
-	if ($signal)
-	{
-		open(my $f, '>', $node->data_dir . '/recovery.signal') or die;
-		close $f;
-	}
-	$node->start;
-}
+sub restore { IdemValkey::restore_backup($node, @_) }
 
 # The original's epoch changes after the backup ($change), a runner learns
 # the new epoch and caches $id, then the backup replaces the server.

@@ -18,10 +18,8 @@ use FindBin;
 use lib $FindBin::RealBin;
 
 use File::Copy qw(copy);
-use File::Path qw(rmtree);
 use IdemValkey;
 use PostgreSQL::Test::Cluster;
-use PostgreSQL::Test::RecursiveCopy;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
@@ -107,11 +105,7 @@ sub retired
 
 	# The server is replaced by its backup, taken before v1; it retires the
 	# epoch v1 was copied under.  Then Valkey comes back from the snapshot.
-	$node->stop('immediate');
-	rmtree($node->data_dir);
-	PostgreSQL::Test::RecursiveCopy::copypath($node->backup_dir . '/before_v1', $node->data_dir);
-	chmod 0700, $node->data_dir;
-	$node->start;
+	IdemValkey::restore_backup($node, 'before_v1');
 	my $ks2 = new_keyspace($node, $ks);
 	ok(retired(owner_key_of($ks)), 'RDB: the restored server retires the old epoch');
 	$valkey->stop;
@@ -132,10 +126,7 @@ $node->stop;
 $node = IdemValkey::streaming_node('old', $valkey, wal_log_hints => 'on',
 	wal_keep_size => "'256MB'");
 {
-	$node->backup('for_standby');
-	my $standby = PostgreSQL::Test::Cluster->new('standby');
-	$standby->init_from_backup($node, 'for_standby', has_streaming => 1);
-	$standby->start;
+	my $standby = IdemValkey::standby_of($node, 'standby', 'for_standby');
 	$node->wait_for_catchup($standby);
 	my $ks = IdemValkey::keyspace($node);
 

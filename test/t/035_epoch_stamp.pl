@@ -143,11 +143,8 @@ is(IdemValkey::stats_col($node, 'skipped_epoch'), '1', '... and idem_stats().ski
 
 # --- 2. copies held for a stopped standby, the ledger truncated ---
 $node->safe_psql('postgres', "SELECT pg_create_physical_replication_slot('standby1')");
-$node->backup('b1');
-my $standby = PostgreSQL::Test::Cluster->new('standby');
-$standby->init_from_backup($node, 'b1', has_streaming => 1);
-$standby->append_conf('postgresql.conf', "primary_slot_name = 'standby1'\nidem.valkey_port = 1\n");
-$standby->start;
+my $standby = IdemValkey::standby_of($node, 'standby', 'b1',
+	"primary_slot_name = 'standby1'\nidem.valkey_port = 1\n");
 $node->wait_for_catchup($standby);
 $standby->stop;
 $ks = IdemValkey::keyspace($node);

@@ -130,17 +130,7 @@ is($taken[1], $first, '... and the takeover emits the same id');
 ok(wait_len('st.lease', 2), 'both are published (at least once, the same id)');
 
 # --- nothing before the commit is durable: a stopped synchronous standby ---
-$primary->backup('b1');
-my $standby = PostgreSQL::Test::Cluster->new('standby');
-$standby->init_from_backup($primary, 'b1', has_streaming => 1);
-$standby->start;
-$primary->safe_psql('postgres', "ALTER SYSTEM SET synchronous_standby_names = 'standby'");
-$primary->reload;
-ok(IdemValkey::poll_until(30, sub {
-			$primary->safe_psql('postgres',
-				"SELECT sync_state FROM pg_stat_replication WHERE application_name = 'standby'") eq 'sync'
-		}),
-	'the standby is synchronous');
+my $standby = IdemValkey::sync_standby($primary);
 $standby->stop;
 $primary->safe_psql('postgres',
 	'SET synchronous_commit = local; ' . run_sql('f', 'st.sync', '{"n": 1}'));

@@ -1,7 +1,8 @@
 # IdemValkey: a throwaway RESP server (valkey-server, or the server named
 # by IDEM_VALKEY_SERVER) for idem's TAP tests, a tiny RESP client to
 # look at it, and the helpers the tests share (a node that preloads idem,
-# polling with a deadline, finding the worker's pid).
+# its standbys and restores, WAL positions, polling with a deadline,
+# finding the worker's pid).
 #
 # The server binary is $ENV{IDEM_VALKEY_SERVER} if set, else valkey-server on
 # PATH.  Each server listens on a free loopback
@@ -21,6 +22,7 @@ use Time::HiRes qw(time usleep);
 
 use IdemResp;
 use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::RecursiveCopy;
 use PostgreSQL::Test::Utils;
 
 my @started;
@@ -224,6 +226,121 @@ sub promote_and_wait
 	$node->promote;
 	return poll_until(30,
 		sub { $node->safe_psql('postgres', 'SELECT NOT pg_is_in_recovery()') eq 't' });
+}
+
+# A started streaming standby $name of $primary, made from a new backup
+# $backup of it; $conf (if given) is appended to its postgresql.conf first.
+sub standby_of
+{
+	my ($primary, $name, $backup, $conf) = @_;
+	$primary->backup($backup);
+	my $standby = PostgreSQL::Test::Cluster->new($name);
+	$standby->init_from_backup($primary, $backup, has_streaming => 1);
+	$standby->append_conf('postgresql.conf', $conf) if defined $conf;
+	$standby->start;
+	return $standby;
+}
+
+# standby_of($primary, 'standby', 'b1'), made $primary's synchronous
+# standby (synchronous_standby_names): one check, that it is.
+sub sync_standby
+{
+	my ($primary) = @_;
+	my $standby = standby_of($primary, 'standby', 'b1');
+	$primary->safe_psql('postgres', "ALTER SYSTEM SET synchronous_standby_names = 'standby'");
+	$primary->reload;
+	Test::More::ok(poll_until(30, sub {
+				$primary->safe_psql('postgres',
+					"SELECT sync_state FROM pg_stat_replication WHERE application_name = 'standby'") eq 'sync'
+			}),
+		'the standby is synchronous');
+	return $standby;
+}
+
+# Replace $node's data directory by its backup $backup (an immediate stop
+# first) and start it again, on the same port; $conf (if given) appended
+# to its postgresql.conf, and with $recovery a recovery.signal written.
+sub restore_backup
+{
+	my ($node, $backup, $conf, $recovery) = @_;
+	$node->stop('immediate');
+	File::Path::rmtree($node->data_dir);
+	PostgreSQL::Test::RecursiveCopy::copypath($node->backup_dir . "/$backup", $node->data_dir);
+	chmod 0700, $node->data_dir;
+	$node->append_conf('postgresql.conf', $conf) if $conf;
+	if ($recovery)
+	{
+		open(my $f, '>', $node->data_dir . '/recovery.signal') or die "recovery.signal: $!";
+		close $f;
+	}
+	$node->start;
+}
+
+# WAL positions: an LSN ("0/16B3748") as a number; whether LSN $x is past
+# $y; $node's flush position.
+sub lsn_num
+{
+	my ($hi, $lo) = $_[0] =~ m{^([0-9A-F]+)/([0-9A-F]+)$}i or die "not an LSN: $_[0]";
+	return hex($hi) * 2**32 + hex($lo);
+}
+sub lsn_gt { return lsn_num($_[0]) > lsn_num($_[1]); }
+sub flush_lsn { $_[0]->safe_psql('postgres', 'SELECT pg_current_wal_flush_lsn()') }
+
+# Wait until $node's WAL writer has flushed (true), so that what follows
+# has most of a cycle before the next flush (the tests that use it set
+# wal_writer_delay = 10s: on a slow machine, each psql call can take a
+# second).  It commits an asynchronous commit record and
+# nothing else (dropping a relation, as a temporary table does at exit,
+# would force a synchronous commit), then polls for the flush past it.
+sub wait_for_wal_writer
+{
+	my ($node) = @_;
+	my $out = $node->safe_psql('postgres',
+		'SET synchronous_commit = off; BEGIN; '
+		  . 'SELECT pg_current_wal_insert_lsn(), txid_current(); COMMIT;');
+	my ($insert) = split /\|/, $out;
+	return poll_until(30, sub { lsn_gt(flush_lsn($node), $insert) });
+}
+
+# Complete tenant 1's key ($scope, $id) on $node with synchronous_commit =
+# off (complete_sql's $outcome and $retention); returns the insert LSN just
+# before COMMIT: the commit record ends after it, so the commit is not
+# flushed while the flush position is not past it.
+sub commit_async
+{
+	my ($node, $scope, $id, $outcome, $retention) = @_;
+	my $out = $node->safe_psql('postgres',
+		'SET synchronous_commit = off; BEGIN; '
+		  . complete_sql($scope, $id, $outcome, $retention)
+		  . ' SELECT pg_current_wal_insert_lsn(); COMMIT;');
+	return (split /\n/, $out)[-1];
+}
+
+# Whether $node has the injection_points module (PostgreSQL 17 or later,
+# built with --enable-injection-points); if so, it is created.
+sub injection_points
+{
+	my ($node) = @_;
+	return 0
+	  if $node->safe_psql('postgres',
+		"SELECT count(*) FROM pg_available_extensions WHERE name = 'injection_points'") ne '1';
+	$node->safe_psql('postgres', 'CREATE EXTENSION injection_points');
+	return 1;
+}
+
+# A background session of $node that runs $sql (a transaction to commit)
+# and stops at the injection point $point, attached for that session
+# alone; returns the session and whether it was seen waiting there.
+# injection_points_wakeup($point) lets it go on.
+sub held_session
+{
+	my ($node, $point, $sql) = @_;
+	my $s = $node->background_psql('postgres');
+	$s->query_safe('SELECT injection_points_set_local()');
+	$s->query_safe("SELECT injection_points_attach('$point', 'wait')");
+	$s->query_until(qr/committing/, "\\echo committing\n" . $sql);
+	return ($s, $node->poll_query_until('postgres',
+			"SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = '$point'"));
 }
 
 # One idem_stats() column.

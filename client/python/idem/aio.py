@@ -102,11 +102,46 @@ async def _asend(conn: AConn, statements: List[Statement],
         raise err from e
 
 
+async def _aclose_client(client: Any) -> None:
+    """Close a redis.asyncio client (a Redis or a RedisCluster) and its
+    connections (aclose since redis-py 5, close before)."""
+    close = getattr(client, "aclose", None) or client.close
+    await close()
+
+
 class AsyncRunner(Runner):
     """The runner for asyncio: ``valkey`` is ``(host, port)`` (a Valkey,
     or any node of a Valkey Cluster), a ``redis.asyncio`` client, or None;
     the options are the synchronous Runner's.  Each form takes a
-    ``psycopg.AsyncConnection``."""
+    ``psycopg.AsyncConnection``.
+
+    ``await runner.aclose()`` (or ``async with AsyncRunner(...) as
+    runner:``) closes the Valkey connections the runner made from
+    ``(host, port)``, in the event loop that used them (a client given is
+    the caller's to close).  Left open, redis.asyncio closes them when
+    they are garbage collected, possibly after their event loop ended
+    ("Event loop is closed" on stderr)."""
+
+    async def aclose(self) -> None:
+        """Close the Valkey connections the runner made (Runner.close).  A
+        run after it connects again."""
+        for client in self._own_clients:
+            await _aclose_client(client)
+
+    async def __aenter__(self) -> "AsyncRunner":
+        return self
+
+    async def __aexit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                        tb: Optional[TracebackType]) -> None:
+        await self.aclose()
+
+    def close(self) -> None:
+        """Refused: ``await runner.aclose()``."""
+        raise IdemError("state", "an AsyncRunner is closed by await runner.aclose() (or "
+                        "async with AsyncRunner(...) as runner:)")
+
+    def __enter__(self) -> "AsyncRunner":
+        raise IdemError("state", "an AsyncRunner is entered by async with")
 
     def _client(self, host: str, port: int) -> Any:
         """Runner._client, redis.asyncio's."""
@@ -143,7 +178,9 @@ class AsyncRunner(Runner):
                                        socket_timeout=self._timeout,
                                        socket_connect_timeout=self._timeout)
                 self._cad = self._release_of(cluster)
-                self.valkey = cluster
+                seed, self.valkey = self.valkey, cluster
+                self._own_clients = [cluster]
+                await _aclose_client(seed)      # the seed node's plain client, ours
         self._cluster_checked = True
 
     async def _around_trip(self, fill: Callable[[Any], Any]) -> Optional[List[Any]]:
@@ -216,21 +253,22 @@ class AsyncRunner(Runner):
     def run(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
             run_id: str, request: Any, *, delivery_count: int = 0,
             first_sql: Optional[str] = None,
-            first_params: Optional[List[Any]] = None) -> "_AsyncRunContext":
+            first_params: Optional[List[Any]] = None,
+            durable: bool = False) -> "_AsyncRunContext":
         """``async with runner.run(conn, ...) as run:`` (Runner.run)."""
         _check_conn(conn, True)
         return _AsyncRunContext(self, conn, tenant_id, scope, run_id, request,
                                 delivery_count=delivery_count, first_sql=first_sql,
-                                first_params=first_params)
+                                first_params=first_params, durable=durable)
 
     async def call(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                    run_id: str, request: Any, handler: Callable[[Any, Run], Awaitable[Any]], *,
                    delivery_count: int = 0, first_sql: Optional[str] = None,
-                   first_params: Optional[List[Any]] = None) -> Run:
+                   first_params: Optional[List[Any]] = None, durable: bool = False) -> Run:
         """``await handler(conn, run)`` at most once per key (Runner.call)."""
         async with self.run(conn, tenant_id, scope, run_id, request,
                             delivery_count=delivery_count, first_sql=first_sql,
-                            first_params=first_params) as run:
+                            first_params=first_params, durable=durable) as run:
             if run.claimed:
                 try:
                     out = await handler(conn, run)
@@ -259,11 +297,12 @@ class AsyncRunner(Runner):
 
     async def apply(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                     run_id: str, request: Any, sql_handler: str, *, args: Any = None,
-                    delivery_count: int = 0) -> Run:
+                    delivery_count: int = 0, durable: bool = False) -> Run:
         """Runner.apply."""
         _check_conn(conn, True)
         async with _AsyncApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
-                                      args=args, delivery_count=delivery_count) as run:
+                                      args=args, delivery_count=delivery_count,
+                                      durable=durable) as run:
             pass
         return run
 
@@ -278,27 +317,29 @@ class AsyncRunner(Runner):
 
     async def complete(self, conn: Any, tenant_id: Optional[int],  # type: ignore[override]
                        scope: str, run_id: str, outcome: Any = None, *,
-                       fence: Optional[int] = None, attempt: Optional[int] = None) -> None:
+                       fence: Optional[int] = None, attempt: Optional[int] = None) -> str:
         """Runner.complete."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, outcome, None, fence)
 
     async def fail(self, conn: Any, tenant_id: Optional[int], scope: str,  # type: ignore[override]
                    run_id: str, detail: Any = None, *, fence: Optional[int] = None,
-                   attempt: Optional[int] = None, retryable: bool = False) -> None:
+                   attempt: Optional[int] = None, retryable: bool = False) -> str:
         """Runner.fail."""
-        await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
+        return await self._asettle(conn, tenant_id, scope, run_id, attempt, None,
                             ({} if detail is None else detail, retryable), fence)
 
     async def _asettle(self, conn: Any, tenant_id: Optional[int], scope: str, run_id: str,
                        attempt: Optional[int], outcome: Any, failure: Optional[FailureSpec],
-                       fence: Optional[int] = None) -> None:
+                       fence: Optional[int] = None) -> str:
         _check_conn(conn, True)
         st = await self._alearnt_state(conn)
+        sql, params, status = settle_statement(self, st, tenant_id, scope, run_id, attempt,
+                                               outcome, failure, fence)
         try:
-            await _aexec(conn, *settle_statement(self, st, tenant_id, scope, run_id, attempt,
-                                                 outcome, failure, fence))
+            await _aexec(conn, sql, params)
         except psycopg.Error as e:
             raise settle_failed(conn, e) from e
+        return status
 
     def batch(self, conn: Any, items: Iterable[Item]) -> "AsyncBatch":
         """``async with runner.batch(conn, items) as batch:`` (Runner.batch)."""
@@ -357,10 +398,13 @@ class _AsyncRunContext(_RunContext):
     async def _alookup(self) -> bool:
         row = None
         try:
-            cur = await _aexec(self.conn, self._sql("lookup"),
-                               [self.run.fingerprint] + self._key_params())
-            row = await cur.fetchone()
-            await self.r._aend_tx(self.conn)
+            params = [self.run.fingerprint] + self._key_params()
+            if self.durable:
+                row = await (await self._acommitted_alone(self._sql("lookup"), params)).fetchone()
+            else:
+                cur = await _aexec(self.conn, self._sql("lookup"), params)
+                row = await cur.fetchone()
+                await self.r._aend_tx(self.conn)
         except psycopg.Error as e:
             if self._lookup_refused(e):
                 await self.conn.rollback()
@@ -368,9 +412,9 @@ class _AsyncRunContext(_RunContext):
             await self._apg_error(e, "idem_lookup")
         return self._lookup_answer(row)
 
-    async def _aset_max_attempts(self) -> None:
-        if self.r.max_attempts is not None:
-            await _aexec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
+    async def _aset_settings(self) -> None:
+        for sql, params in self._settings():
+            await _aexec(self.conn, sql, params)
 
     async def _acommitted_alone(self, sql: str, params: List[Any]) -> ACursor:
         """_RunContext._committed_alone."""
@@ -403,7 +447,7 @@ class _AsyncRunContext(_RunContext):
                     if conn.autocommit:
                         await _aexec(conn, "BEGIN")
                     self.tx_open = True
-                    await self._aset_max_attempts()
+                    await self._aset_settings()
                     cur = await _aexec(conn, self._sql("claim"), self._claim_params())
                     await _aexec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
@@ -482,13 +526,13 @@ class _AsyncApplyContext(_AsyncRunContext, _ApplyContext):
     """runner.apply: the gate, then one idem_apply statement."""
 
     async def _aclaim(self) -> None:
-        conn, r = self.conn, self.r
+        conn = self.conn
         if _session_ended(conn):
             await self._adrop_marker()
             raise IdemError("connection", "connection lost before idem_apply was sent "
                             "(nothing committed)")
         try:
-            if conn.autocommit and r.max_attempts is None:
+            if conn.autocommit and not self._settings():
                 cur = await _aexec(conn, self._apply_sql(), self._apply_params())
             else:
                 cur = await self._acommitted_alone(self._apply_sql(), self._apply_params())

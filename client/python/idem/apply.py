@@ -41,9 +41,9 @@ class _ApplyContext(_RunContext):
 
     def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, sql_handler: str, args: Any = None,
-                 delivery_count: int = 0) -> None:
+                 delivery_count: int = 0, durable: bool = False) -> None:
         super().__init__(runner, conn, tenant_id, scope, run_id, request,
-                         delivery_count=delivery_count)
+                         delivery_count=delivery_count, durable=durable)
         if not isinstance(sql_handler, str) or not sql_handler.strip():
             raise IdemError("argument", "sql_handler must name a function, as regprocedure "
                             "text: \"charge(jsonb)\"")
@@ -103,16 +103,16 @@ class _ApplyContext(_RunContext):
 
     # step 3b: instead of the claim, the whole run in one statement
     def _claim(self) -> None:
-        conn, r = self.conn, self.r
+        conn = self.conn
         if _session_ended(conn):
             self._drop_marker()
             raise IdemError("connection", "connection lost before idem_apply was sent "
                             "(nothing committed)")
-        # one statement, one round trip; with max_attempts (SET LOCAL) or
-        # autocommit off, BEGIN, the setting, idem_apply and COMMIT are
+        # one statement, one round trip; with settings (SET LOCAL) or
+        # autocommit off, BEGIN, the settings, idem_apply and COMMIT are
         # still one round trip (pipelined)
         try:
-            if conn.autocommit and r.max_attempts is None:
+            if conn.autocommit and not self._settings():
                 cur = _exec(conn, self._apply_sql(), self._apply_params())
             else:
                 cur = self._committed_alone(self._apply_sql(), self._apply_params())

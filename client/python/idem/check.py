@@ -19,6 +19,7 @@ from psycopg.rows import tuple_row
 
 from . import cache
 from .errors import IdemError
+from .cluster import quiet
 from .health import AUTH, DOWN, classify, describe
 from .pg import _exec
 
@@ -165,7 +166,8 @@ def _do(runner: Any, conn: Any, step: Step) -> Any:
         return runner._state(conn).schema
     if what == "cluster":
         return runner._check_cluster()
-    return runner.valkey.get(arg)
+    with quiet():
+        return runner.valkey.get(arg)
 
 
 async def _ado(runner: Any, conn: Any, step: Step) -> Any:

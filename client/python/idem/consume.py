@@ -20,12 +20,38 @@ settled.  The C client's idem_consumer_poll follows the same rules:
 The group is created from the stream's start (``XGROUP CREATE ... 0
 MKSTREAM``) when missing, so nothing published before the first consumer
 is lost.  A new entry runs with delivery_count 1 (the Valkey gate
-skipped: the claim decides), a taken-over one with 2."""
+skipped: the claim decides), a taken-over one with 2.
+
+Durable before acknowledged: an XACK removes the entry from the group's
+pending list for good, so each run is durable (the runner's ``durable``:
+its transaction sets synchronous_commit to at least on, locally,
+whatever the connection's).  Every answer acknowledged has then survived
+a crash of the server once the run returns: applied or failed_permanent
+by this run (its COMMIT flushed, and waited for the synchronous standbys,
+as with on); replayed, failed_permanent or mismatch read from another
+transaction's row, perhaps committed with off and not flushed (the
+server answers once that commit is as durable as the asking
+transaction's would be: on flushes it first); replayed from Valkey (the
+server's worker copies a result only once its commit is flushed and on
+the standbys idem waits for).  The setting is one more statement in the
+round trip that begins the run's transaction; with on, the default, it
+costs nothing more.  A flush per round instead (one transaction with an
+xid, committed with on, before the round's XACK) would save flushes only
+for a connection set to off, cost every consumer a round trip per round,
+and prove nothing after a reconnect: a commit lost with the old
+connection is not in the new server's WAL to flush.
+
+Consumer and AsyncConsumer share their steps (_Base: each poll is one
+generator of steps, driven by _drive or _adrive).  A step is a callable
+the driver calls; AsyncConsumer's return awaitables, which its driver
+awaits (Consumer's none: _drive is _adrive run without an event loop); an
+exception a step raises is raised at its yield."""
 import asyncio
+import inspect
 import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 from .canonical import RequestError, canonical_json, idem_key
 from .errors import IdemError
@@ -90,8 +116,43 @@ def _entries(reply: Any) -> List[Entry]:
     return [e for _, es in reply for e in es]
 
 
+# A poll's steps: each yields callables (the I/O), and is sent their results.
+Steps = Generator[Callable[[], Any], Any, Any]
+
+
+async def _adrive(steps: Steps) -> Any:
+    """Run steps, calling each callable they yield and awaiting what it
+    returns if that is awaitable; their return value."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                value = step()
+                if inspect.isawaitable(value):
+                    value = await value
+            except Exception as e:
+                step = steps.throw(e)
+            else:
+                step = steps.send(value)
+    except StopIteration as done:
+        return done.value
+
+
+def _drive(steps: Steps) -> Any:
+    """_adrive for steps whose callables return nothing awaitable: it never
+    suspends, so one send runs it to its end."""
+    coro = _adrive(steps)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a step of a synchronous consumer returned an awaitable")
+
+
 class _Base:
-    """What both consumers share: their options, the rules, the counters."""
+    """What both consumers share: their options, the rules, the counters,
+    and a poll's steps."""
 
     def __init__(self, runner: Any, conn: Any, valkey: Any, *, stream: str, group: str,
                  consumer: str, scope: str, handler: Any = None, tenant: Optional[int] = None,
@@ -111,6 +172,7 @@ class _Base:
             raise IdemError("argument", "block and claim_idle are positive durations in seconds")
         self.runner, self.valkey = runner, valkey
         self._conn = conn
+        self.conn: Any = None
         self.stream, self.group, self.consumer, self.scope = stream, group, consumer, scope
         self.handler, self.sql_handler, self.tenant = handler, sql_handler, tenant
         self.count = int(count)
@@ -124,6 +186,10 @@ class _Base:
         self.cursor = "0-0"
         self.stats = {"read": 0, "claimed": 0, "acked": 0, "left_pending": 0,
                       "malformed": 0, "dead_lettered": 0, "valkey_errors": 0}
+
+    def _pause(self) -> Any:
+        """Wait ``block`` (after Valkey failed): the consumer's own sleep."""
+        raise NotImplementedError
 
     def _tell(self, message: str) -> None:
         log.warning("%s", message)
@@ -184,6 +250,104 @@ class _Base:
             self.group_ready = False
         self._tell("stream %s: %s failed: %s" % (self.stream, what, e))
 
+    # ---- a poll's steps ----
+    def _connection_steps(self) -> Steps:
+        """The consumer's connection, made again (``conn`` a factory) when
+        lost."""
+        c = self.conn
+        if c is None or c.closed or c.broken:
+            if not callable(self._conn) or hasattr(self._conn, "execute"):
+                c = self._conn
+            else:
+                c = yield self._conn
+            self.conn = c
+        return c
+
+    def _group_steps(self) -> Steps:
+        if self.group_ready:
+            return
+        try:
+            yield lambda: self.valkey.xgroup_create(self.stream, self.group, id="0",
+                                                    mkstream=True)
+        except Exception as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self.group_ready = True
+
+    def _run_steps(self, eid: Any, fields: Any, first: bool, ack: List[Any]) -> Steps:
+        """One entry: run (durable), or dead-lettered when malformed; its
+        id added to ack when settled."""
+        mid, body, dead = self._read(eid, fields)
+        if mid is None or body is None:
+            if self.dead_letter:
+                try:
+                    yield lambda: self.valkey.xadd(self.dead_letter, dead)
+                except Exception as e:
+                    self._lost(e, "the dead-letter XADD")
+                    self.stats["left_pending"] += 1
+                    return
+                self.stats["dead_lettered"] += 1
+            ack.append(eid)
+            return
+        run: Optional[Run] = None
+        error: Optional[BaseException] = None
+        dc = 1 if first else 2
+        try:
+            conn = yield from self._connection_steps()
+            if self.sql_handler is not None:
+                sql_handler = self.sql_handler
+                run = yield lambda: self.runner.apply(conn, self.tenant, self.scope, mid, body,
+                                                      sql_handler, delivery_count=dc,
+                                                      durable=True)
+            else:
+                message = json.loads(body)
+                handler = self.handler
+                run = yield lambda: self.runner.call(
+                    conn, self.tenant, self.scope, mid, body,
+                    lambda c, r: handler(c, r, message), delivery_count=dc, durable=True)
+        except Exception as e:
+            error = e
+        if self._judged(mid, run, error):
+            ack.append(eid)
+
+    def _ack_steps(self, ack: List[Any]) -> Steps:
+        """The round's settled entries acknowledged in one XACK."""
+        if not ack:
+            return
+        try:
+            yield lambda: self.valkey.xack(self.stream, self.group, *ack)
+            self.stats["acked"] += len(ack)
+        except Exception as e:
+            self.stats["left_pending"] += len(ack)     # they come back: replayed
+            self._lost(e, "XACK")
+
+    def _poll_steps(self) -> Steps:
+        ack: List[Any] = []
+        try:
+            yield from self._group_steps()
+            if self._claim_due():
+                es = self._claimed((yield lambda: self.valkey.xautoclaim(
+                    self.stream, self.group, self.consumer, self.claim_idle_ms,
+                    self.cursor, count=self.count)))
+                for eid, fields in es:
+                    yield from self._run_steps(eid, fields, False, ack)
+                yield from self._ack_steps(ack)
+                ack = []
+                if es:
+                    return len(es)
+            es = _entries((yield lambda: self.valkey.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=self.count,
+                block=self.block_ms)))
+        except Exception as e:
+            self._lost(e, "reading")
+            yield from self._ack_steps(ack)
+            yield self._pause
+            return -1
+        for eid, fields in es:
+            yield from self._run_steps(eid, fields, True, ack)
+        yield from self._ack_steps(ack)
+        return len(es)
+
 
 class Consumer(_Base):
     """``idem.Consumer(runner, conn, valkey, stream=..., group=...,
@@ -210,69 +374,13 @@ class Consumer(_Base):
                                       socket_connect_timeout=1)
             if int(self.valkey.info("cluster").get("cluster_enabled", 0)) == 1:
                 from redis.cluster import RedisCluster
+                from .runner import _close_client
+                _close_client(self.valkey)      # the seed node's
                 self.valkey = RedisCluster(host=valkey[0], port=int(valkey[1]),
                                            socket_timeout=self.block_ms / 1000.0 + 5)
-        self.conn: Any = None
 
-    def _connection(self) -> Any:
-        c = self.conn
-        if c is None or c.closed or c.broken:
-            if not callable(self._conn) or hasattr(self._conn, "execute"):
-                c = self._conn
-            else:
-                c = self._conn()
-            self.conn = c
-        return c
-
-    def _ensure_group(self) -> None:
-        if self.group_ready:
-            return
-        try:
-            self.valkey.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except Exception as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self.group_ready = True
-
-    def _run(self, eid: Any, fields: Any, first: bool, ack: List[Any]) -> None:
-        mid, body, dead = self._read(eid, fields)
-        if mid is None or body is None:
-            if self.dead_letter:
-                try:
-                    self.valkey.xadd(self.dead_letter, dead)
-                except Exception as e:
-                    self._lost(e, "the dead-letter XADD")
-                    self.stats["left_pending"] += 1
-                    return
-                self.stats["dead_lettered"] += 1
-            ack.append(eid)
-            return
-        run: Optional[Run] = None
-        error: Optional[BaseException] = None
-        try:
-            conn = self._connection()
-            if self.sql_handler is not None:
-                run = self.runner.apply(conn, self.tenant, self.scope, mid, body,
-                                        self.sql_handler, delivery_count=1 if first else 2)
-            else:
-                message = json.loads(body)
-                run = self.runner.call(conn, self.tenant, self.scope, mid, body,
-                                       lambda c, r: self.handler(c, r, message),
-                                       delivery_count=1 if first else 2)
-        except Exception as e:
-            error = e
-        if self._judged(mid, run, error):
-            ack.append(eid)
-
-    def _ack(self, ack: List[Any]) -> None:
-        if not ack:
-            return
-        try:
-            self.valkey.xack(self.stream, self.group, *ack)
-            self.stats["acked"] += len(ack)
-        except Exception as e:
-            self.stats["left_pending"] += len(ack)     # they come back: replayed
-            self._lost(e, "XACK")
+    def _pause(self) -> None:
+        time.sleep(self.block_ms / 1000.0)
 
     def poll(self) -> int:
         """One round: the entries idle for claim_idle taken over (at most
@@ -280,29 +388,8 @@ class Consumer(_Base):
         ``block``; each run, the settled ones acknowledged in one XACK.
         How many entries ran; -1 when Valkey failed (after waiting
         ``block``, so that a loop of polls does not spin)."""
-        ack: List[Any] = []
-        try:
-            self._ensure_group()
-            if self._claim_due():
-                es = self._claimed(self.valkey.xautoclaim(
-                    self.stream, self.group, self.consumer, self.claim_idle_ms,
-                    self.cursor, count=self.count))
-                for eid, fields in es:
-                    self._run(eid, fields, False, ack)
-                self._ack(ack)
-                if es:
-                    return len(es)
-            es = _entries(self.valkey.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                                 count=self.count, block=self.block_ms))
-        except Exception as e:
-            self._lost(e, "reading")
-            self._ack(ack)
-            time.sleep(self.block_ms / 1000.0)
-            return -1
-        for eid, fields in es:
-            self._run(eid, fields, True, ack)
-        self._ack(ack)
-        return len(es)
+        n: int = _drive(self._poll_steps())
+        return n
 
     def run(self, stop: Any) -> None:
         """poll() until ``stop`` (a threading.Event) is set."""
@@ -313,7 +400,8 @@ class Consumer(_Base):
         """Close the Valkey client made from ``(host, port)`` (a client
         given is the caller's)."""
         if self.own_client:
-            self.valkey.close()
+            from .runner import _close_client
+            _close_client(self.valkey)
 
 
 class AsyncConsumer(_Base):
@@ -329,96 +417,14 @@ class AsyncConsumer(_Base):
             self.valkey = redis.asyncio.Redis(host=valkey[0], port=int(valkey[1]),
                                               socket_timeout=self.block_ms / 1000.0 + 5,
                                               socket_connect_timeout=1)
-        self.conn: Any = None
 
-    async def _connection(self) -> Any:
-        c = self.conn
-        if c is None or c.closed or c.broken:
-            if not callable(self._conn) or hasattr(self._conn, "execute"):
-                c = self._conn
-            else:
-                c = await self._conn()
-            self.conn = c
-        return c
-
-    async def _ensure_group(self) -> None:
-        if self.group_ready:
-            return
-        try:
-            await self.valkey.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except Exception as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self.group_ready = True
-
-    async def _run(self, eid: Any, fields: Any, first: bool, ack: List[Any]) -> None:
-        mid, body, dead = self._read(eid, fields)
-        if mid is None or body is None:
-            if self.dead_letter:
-                try:
-                    await self.valkey.xadd(self.dead_letter, dead)
-                except Exception as e:
-                    self._lost(e, "the dead-letter XADD")
-                    self.stats["left_pending"] += 1
-                    return
-                self.stats["dead_lettered"] += 1
-            ack.append(eid)
-            return
-        run: Optional[Run] = None
-        error: Optional[BaseException] = None
-        try:
-            conn = await self._connection()
-            if self.sql_handler is not None:
-                run = await self.runner.apply(conn, self.tenant, self.scope, mid, body,
-                                              self.sql_handler, delivery_count=1 if first else 2)
-            else:
-                message = json.loads(body)
-
-                async def handler(c: Any, r: Run) -> Any:
-                    return await self.handler(c, r, message)
-                run = await self.runner.call(conn, self.tenant, self.scope, mid, body, handler,
-                                             delivery_count=1 if first else 2)
-        except Exception as e:
-            error = e
-        if self._judged(mid, run, error):
-            ack.append(eid)
-
-    async def _ack(self, ack: List[Any]) -> None:
-        if not ack:
-            return
-        try:
-            await self.valkey.xack(self.stream, self.group, *ack)
-            self.stats["acked"] += len(ack)
-        except Exception as e:
-            self.stats["left_pending"] += len(ack)
-            self._lost(e, "XACK")
+    def _pause(self) -> Any:
+        return asyncio.sleep(self.block_ms / 1000.0)
 
     async def poll(self) -> int:
         """Consumer.poll, awaited."""
-        ack: List[Any] = []
-        try:
-            await self._ensure_group()
-            if self._claim_due():
-                es = self._claimed(await self.valkey.xautoclaim(
-                    self.stream, self.group, self.consumer, self.claim_idle_ms,
-                    self.cursor, count=self.count))
-                for eid, fields in es:
-                    await self._run(eid, fields, False, ack)
-                await self._ack(ack)
-                if es:
-                    return len(es)
-            es = _entries(await self.valkey.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=self.count,
-                block=self.block_ms))
-        except Exception as e:
-            self._lost(e, "reading")
-            await self._ack(ack)
-            await asyncio.sleep(self.block_ms / 1000.0)
-            return -1
-        for eid, fields in es:
-            await self._run(eid, fields, True, ack)
-        await self._ack(ack)
-        return len(es)
+        n: int = await _adrive(self._poll_steps())
+        return n
 
     async def run(self, stop: "asyncio.Event") -> None:
         """poll() until ``stop`` is set."""
@@ -428,4 +434,5 @@ class AsyncConsumer(_Base):
     async def close(self) -> None:
         """Consumer.close, awaited."""
         if self.own_client:
-            await self.valkey.close()
+            from .aio import _aclose_client
+            await _aclose_client(self.valkey)

@@ -17,9 +17,9 @@ from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
 from .pg import (Conn, Statement, _check_conn, _exec, _one, _raise_pg_error, _session_ended,
                  server_state_error, sqlstate_of)
-from .result import (FAILED_RETRYABLE, Failure, FailureSpec, Run, _failure_of, _outcome_text,
-                     _recorded_ending)
-from .run import Ending, _RunContext
+from .result import (APPLIED, FAILED_PERMANENT, FAILED_RETRYABLE, Failure, FailureSpec, Run,
+                     _failure_of, _recorded, _recorded_ending)
+from .run import Ending, _caught_timeout_failure, _RunContext
 
 
 
@@ -193,9 +193,13 @@ class _LeaseContext(_RunContext):
         if et is None and run.deferred:
             return False, None, None, None, False   # completed later, by its fence
         if ts == TransactionStatus.INERROR and et is None:
-            return True, IdemError("handler", "the block left the connection's transaction in "
-                                   "error: rolled back, nothing recorded (the lease ends it)"), \
-                None, None, False
+            # a timeout's cancel the block caught is its attempt (run.py)
+            caught = _caught_timeout_failure(conn) if failure is None else None
+            if caught is None:
+                return True, IdemError("handler", "the block left the connection's transaction "
+                                       "in error: rolled back, nothing recorded (the lease "
+                                       "ends it)"), None, None, False
+            failure = caught
         # an outcome or detail that cannot be stored fails the attempt, as in
         # a run (_recorded_ending); what the block left open rolls back
         # with it, as a handler's writes do in idem_apply
@@ -235,28 +239,32 @@ def _refused(e: psycopg.Error) -> IdemError:
 
 def settle(runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
            attempt: Optional[int], outcome: Any = None, failure: Optional[FailureSpec] = None,
-           fence: Optional[int] = None) -> None:
+           fence: Optional[int] = None) -> str:
     """runner.complete / runner.fail: the fenced statement in the
     connection's transaction (committed by itself on an autocommit
-    connection; else the caller commits)."""
+    connection; else the caller commits); the status it records."""
     _check_conn(conn)
     try:
         st = runner._state(conn)
     except psycopg.Error as e:
         _raise_pg_error(conn, e, "learning the schema")
+    sql, params, status = settle_statement(runner, st, tenant_id, scope, run_id, attempt,
+                                           outcome, failure, fence)
     try:
-        _exec(conn, *settle_statement(runner, st, tenant_id, scope, run_id, attempt, outcome,
-                                      failure, fence))
+        _exec(conn, sql, params)
     except psycopg.Error as e:
         raise settle_failed(conn, e) from e
+    return status
 
 
 def settle_statement(runner: RunnerCore, st: Any, tenant_id: Optional[int], scope: str,
                      run_id: str, attempt: Optional[int], outcome: Any,
                      failure: Optional[FailureSpec],
-                     fence: Optional[int] = None) -> Tuple[str, List[Any]]:
-    """runner.complete's (or fail's) fenced statement and parameters: by the
-    claim's fence, or (older callers) by its attempt."""
+                     fence: Optional[int] = None) -> Tuple[str, List[Any], str]:
+    """runner.complete's (or fail's) fenced statement, its parameters, and
+    the status it records: by the claim's fence, or (older callers) by its
+    attempt.  An outcome or failure detail the ledger cannot store fails
+    the attempt, as at the end of a lease's block (_recorded)."""
     if (attempt is None) == (fence is None):
         raise IdemError("argument", "give the claim's fence (or, for callers that kept only "
                         "its attempt, attempt), not both")
@@ -266,12 +274,10 @@ def settle_statement(runner: RunnerCore, st: Any, tenant_id: Optional[int], scop
         key = idem_key(scope, run_id)
     except (TypeError, ValueError) as e:
         raise IdemError("argument", str(e)) from None
-    if failure is None:
-        text = _outcome_text({} if outcome is None else outcome, "the outcome")
-    else:
-        text = _outcome_text(failure[0], "the failure detail")
+    failure, text = _recorded(outcome, failure)
+    status = APPLIED if failure is None else FAILED_RETRYABLE if failure[1] else FAILED_PERMANENT
     return (_fenced_sql(st.schema, tenant_id, failure, fence),
-            fenced_params(tenant_id, key, text, failure, runner.retention, attempt, fence))
+            fenced_params(tenant_id, key, text, failure, runner.retention, attempt, fence), status)
 
 
 def settle_failed(conn: Any, e: psycopg.Error) -> IdemError:

@@ -39,6 +39,12 @@ OPERATOR_CANCEL_MESSAGE = "canceling statement due to user request"
 # The runner's idem.max_attempts, for its claims' transactions.
 MAX_ATTEMPTS_SQL = "SELECT pg_catalog.set_config('idem.max_attempts', %s, true)"
 
+# A durable run's (durable=True): synchronous_commit at least on (remote_apply
+# is kept) until its transaction ends, so that its commit, and a replay it is
+# answered (the server's durable replays), survive a crash once answered.
+DURABLE_SQL = ("SELECT pg_catalog.set_config('synchronous_commit', 'on', true) "
+               "WHERE pg_catalog.current_setting('synchronous_commit') <> 'remote_apply'")
+
 # The connection every form is given (any row factory).
 Conn = psycopg.Connection[Any]
 
@@ -115,6 +121,28 @@ def server_state_error(e: Optional[BaseException]) -> Optional[BaseException]:
                 return e
         e = e.__cause__ or e.__context__
         seen += 1
+    return None
+
+
+# What statement_timeout's (57014) and lock_timeout's (55P03) cancels say,
+# in English (OPERATOR_CANCEL_MESSAGE's rule).
+TIMEOUT_MESSAGES = (("canceling statement due to statement timeout", "57014"),
+                    ("canceling statement due to lock timeout", "55P03"))
+
+
+def caught_timeout(conn: Any) -> Optional[Tuple[str, str]]:
+    """(sqlstate, message) of a timeout's cancel that a block caught, its
+    transaction left in error: the connection's last error (libpq's
+    PQerrorMessage, the only trace psycopg keeps of an error once the
+    block has dropped it), when it is one; else None.  A block that sent
+    more statements after it (each refused with 25P02) leaves no trace."""
+    try:
+        first = conn.pgconn.error_message.decode("utf-8", "replace").split("\n", 1)[0]
+    except Exception:
+        return None
+    for message, state in TIMEOUT_MESSAGES:
+        if first.endswith(message):
+            return state, message
     return None
 
 

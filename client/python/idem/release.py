@@ -12,7 +12,7 @@ contact (load) the script is loaded on every master, each through its
 node's own client, which logs nothing: a release then takes one round
 trip on each master from the first."""
 import hashlib
-from typing import Any, List
+from typing import Any, Callable, List, Optional
 
 # KEYS[1] = key, ARGV[1] = our marker: delete it only if it is still ours.
 # The same text as client/release.c, so the same SHA-1 for EVALSHA
@@ -38,14 +38,22 @@ def load(client: Any) -> None:
             pass        # down now: the gate's round trips say so
 
 
+def _execute(pipe: Any) -> List[Any]:
+    return list(pipe.execute(raise_on_error=False))
+
+
 class Release:
     """The synchronous runner's compare-and-delete on ``client`` (a
     redis.Redis or RedisCluster): ``release(keys=[key], args=[marker])``
     answers 1 (deleted) or 0 (not ours), or raises the error."""
     sha = CAD_SHA
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any,
+                 execute: Optional[Callable[[Any], List[Any]]] = None) -> None:
+        """execute(pipe): its replies (the runner's for a RedisCluster);
+        None: pipe.execute(raise_on_error=False)."""
         self.client = client
+        self._execute = execute or _execute
 
     def __call__(self, keys: List[bytes], args: List[bytes]) -> Any:
         from redis.exceptions import NoScriptError
@@ -61,7 +69,7 @@ class Release:
         as an exception, routed by key on a cluster."""
         pipe = self.client.pipeline(transaction=False)
         pipe.execute_command(command, script, len(keys), *keys, *args)
-        return pipe.execute(raise_on_error=False)[0]
+        return self._execute(pipe)[0]
 
 
 class AsyncRelease:

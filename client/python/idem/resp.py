@@ -195,6 +195,12 @@ class Direct:
         self.idle.append(c)
         return out
 
+    def close(self) -> None:
+        """Close the idle connections (a later exchange opens another)."""
+        idle, self.idle = self.idle, []
+        for c in idle:
+            c.close()
+
 
 class _Conn:
     """One connection of Direct's, connected on creation."""

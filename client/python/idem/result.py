@@ -208,11 +208,12 @@ def _failure_of(run: Any, et: Optional[Type[BaseException]],
     return run._failure, False
 
 
-def _unstorable(value: Any, what: str, retryable: bool) -> Optional[Tuple[Any, bool]]:
-    """None when value can be stored as an outcome; else the failure the
-    attempt records instead, as idem_apply does: (detail, retryable) with
-    detail {"sqlstate", "message"}, 22023 (not a JSON object: permanent)
-    or 54000 (too long: retryable unless the handler's failure was not)."""
+def _stored(value: Any, what: str, retryable: bool) -> Tuple[Optional[FailureSpec], str]:
+    """(None, value's jsonb text) when value can be stored as an outcome;
+    else (the failure the attempt records instead, its text), as
+    idem_apply does: (detail, retryable) with detail {"sqlstate",
+    "message"}, 22023 (not a JSON object, NUL in a text: permanent) or
+    54000 (too long: retryable unless the handler's failure was not)."""
     try:
         text: Optional[str] = canonical_json(value)
     except RequestError:
@@ -220,32 +221,36 @@ def _unstorable(value: Any, what: str, retryable: bool) -> Optional[Tuple[Any, b
     if text is not None and text.startswith("{"):
         n = len(text.encode("utf-8"))
         if n <= cache.OUTCOME_MAX:
-            return None
-        return {"sqlstate": "54000",
-                "message": "%s is %d bytes as JSON text, over the limit of %d bytes"
-                % (what, n, cache.OUTCOME_MAX)}, retryable
-    return {"sqlstate": "22023", "message": "%s must be a JSON object" % what}, False
+            return None, text
+        bad: FailureSpec = ({"sqlstate": "54000",
+                             "message": "%s is %d bytes as JSON text, over the limit of %d bytes"
+                             % (what, n, cache.OUTCOME_MAX)}, retryable)
+    else:
+        bad = ({"sqlstate": "22023", "message": "%s must be a JSON object" % what}, False)
+    return bad, canonical_json(bad[0])
+
+
+def _recorded(outcome: Any, failure: Optional[FailureSpec]) -> Tuple[Optional[FailureSpec], str]:
+    """What completing with outcome (failure None) or failing with failure
+    records: (failure, text).  An outcome or failure detail that cannot
+    be stored fails the attempt instead (_stored), so that
+    idem.max_attempts ends a handler that always returns one; the failure
+    given is returned as it is when it can be stored."""
+    if failure is None:
+        return _stored({} if outcome is None else outcome, "handler outcome", True)
+    bad, text = _stored(failure[0], "failure detail", failure[1])
+    return (failure if bad is None else bad), text
 
 
 def _recorded_ending(run: Run, failure: Optional[FailureSpec], et: Optional[Type[BaseException]],
                      suppress: bool) -> Tuple[Optional[FailureSpec], str]:
-    """What the end of a runner's block records: (failure, text).  An
-    outcome or failure detail that cannot be stored fails the attempt
-    (_unstorable), so that idem.max_attempts ends a handler that always
-    returns one; a propagating exception's detail falls back to its type
-    name."""
-    if failure is None:
-        outcome = {} if run.outcome is None else run.outcome
-        bad = _unstorable(outcome, "handler outcome", True)
-        if bad is None:
-            return None, canonical_json(outcome)
-    else:
-        bad = _unstorable(failure[0], "failure detail", failure[1])
-        if bad is None:
-            return failure, canonical_json(failure[0])
-        if et is not None and not suppress:
-            return failure, _outcome_text({"error": et.__name__}, "the failure detail")
-    return bad, canonical_json(bad[0])
+    """What the end of a runner's block records: (failure, text), as
+    _recorded; a propagating exception's detail that cannot be stored
+    falls back to its type name."""
+    recorded, text = _recorded(run.outcome, failure)
+    if failure is not None and recorded is not failure and et is not None and not suppress:
+        return failure, _outcome_text({"error": et.__name__}, "the failure detail")
+    return recorded, text
 
 
 def _outcome_text(outcome: Any, what: str) -> str:

@@ -18,9 +18,10 @@ from . import cache, resp
 from .emit import statement as emit_statement
 from .core import RunnerCore
 from .errors import CommitUnknown, IdemError
-from .pg import (MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
+from .pg import (DURABLE_SQL, MAX_ATTEMPTS_SQL, Conn, Statement, _as_is, _check_conn, _exec, _one,
                  _pipeline, _raise_ending, _raise_pg_error, _send,
-                 _session_ended, _simple, _values, server_state_error, sqlstate_of)
+                 _session_ended, _simple, _values, caught_timeout, server_state_error,
+                 sqlstate_of)
 from .result import (APPLIED, BUSY, FAILED_PERMANENT, FAILED_RETRYABLE, MISMATCH,
                      REPLAYED, SOURCE_HANDLER, SOURCE_POSTGRES, SOURCE_VALKEY, Failure,
                      FailureSpec, Run, _failure_of, _json_object, _make_run, _recorded_ending,
@@ -69,6 +70,19 @@ def _token() -> bytes:
 MARKER_CHEAP_MS = 1000
 
 
+def _caught_timeout_failure(conn: Any) -> Optional[FailureSpec]:
+    """A block that caught a timeout's cancel (statement_timeout's,
+    lock_timeout's) and ended without an answer, its transaction in error:
+    the effect cannot commit, and it is the attempt it would be had the
+    block let the cancel propagate, a retryable failure with {"sqlstate",
+    "message"} (the C runner's rule), so that max_attempts ends a block
+    that overruns on every delivery.  None if its error was another."""
+    timeout = caught_timeout(conn)
+    if timeout is None:
+        return None
+    return {"sqlstate": timeout[0], "message": timeout[1]}, True
+
+
 class _RunContext:
     """``with runner.run(...) as run:`` (Runner.run): the gate and the
     claim on entry, the completion or failure, and COMMIT, on exit."""
@@ -89,11 +103,12 @@ class _RunContext:
     def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, *, delivery_count: int = 0,
                  first_sql: Optional[str] = None,
-                 first_params: Optional[Sequence[Any]] = None) -> None:
+                 first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> None:
         if type(conn) is not _Connection or self.asynchronous:
             _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
+        self.durable = bool(durable)
         dc = delivery_count if type(delivery_count) is int else \
             -1 if delivery_count is None else int(delivery_count)
         if dc < 0:
@@ -298,13 +313,18 @@ class _RunContext:
         r.stats["replayed_from_valkey"] += 1
         return True, False, False, False
 
-    # -- step 3a: a lookup outside any transaction --
+    # -- step 3a: a lookup outside any transaction (a durable run's: in
+    # one of its own, with DURABLE_SQL) --
     def _lookup(self) -> bool:
         run = self.run
         try:
-            row = _exec(self.conn, self._sql("lookup"),
-                        [run.fingerprint] + self._key_params()).fetchone()
-            self.r._end_tx(self.conn)
+            if self.durable:
+                row = self._committed_alone(self._sql("lookup"),
+                                            [run.fingerprint] + self._key_params()).fetchone()
+            else:
+                row = _exec(self.conn, self._sql("lookup"),
+                            [run.fingerprint] + self._key_params()).fetchone()
+                self.r._end_tx(self.conn)
         except psycopg.Error as e:
             if self._lookup_refused(e):
                 self.conn.rollback()
@@ -335,18 +355,26 @@ class _RunContext:
         return True
 
     # -- step 3b: the claim --
-    def _set_max_attempts(self) -> None:
-        """In the claim's transaction (pipelined): the runner's max_attempts."""
-        if self.r.max_attempts is not None:
-            _exec(self.conn, MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)])
-
-    def _alone(self, sql: str, params: List[Any]) -> List[Statement]:
-        """One statement in a transaction of its own, with the runner's
-        max_attempts: one round trip (the statement is the last but one)."""
-        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+    def _settings(self) -> List[Statement]:
+        """What the run's transaction sets first: the runner's
+        max_attempts, and a durable run's synchronous_commit."""
+        stmts: List[Statement] = []
         if self.r.max_attempts is not None:
             stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
-        return stmts + [(sql, params), ("COMMIT", None)]
+        if self.durable:
+            stmts.append((DURABLE_SQL, None))
+        return stmts
+
+    def _set_settings(self) -> None:
+        """In the claim's transaction (pipelined): _settings."""
+        for sql, params in self._settings():
+            _exec(self.conn, sql, params)
+
+    def _alone(self, sql: str, params: List[Any]) -> List[Statement]:
+        """One statement in a transaction of its own, with the run's
+        settings: one round trip (the statement is the last but one)."""
+        stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
+        return stmts + self._settings() + [(sql, params), ("COMMIT", None)]
 
     def _committed_alone(self, sql: str, params: List[Any]) -> "psycopg.Cursor[Tuple[Any, ...]]":
         """_alone's round trip: the statement's cursor."""
@@ -380,14 +408,12 @@ class _RunContext:
         return False
 
     def _claim_statements(self) -> List[Statement]:
-        """BEGIN (psycopg's, autocommit off: _simple), the runner's
-        max_attempts, the claim, the handler's savepoint (harmless when
+        """BEGIN (psycopg's, autocommit off: _simple), the run's
+        settings, the claim, the handler's savepoint (harmless when
         the key is not ours: COMMIT follows)."""
         stmts: List[Statement] = [("BEGIN", None)] if self.conn.autocommit else []
-        if self.r.max_attempts is not None:
-            stmts.append((MAX_ATTEMPTS_SQL, [str(self.r.max_attempts)]))
-        return stmts + [(self._sql("claim"), self._claim_params()),
-                        ("SAVEPOINT idem_handler", None)]
+        return stmts + self._settings() + [(self._sql("claim"), self._claim_params()),
+                                           ("SAVEPOINT idem_handler", None)]
 
     def _claim_row(self, values: List[Optional[str]]) -> Tuple[Any, ...]:
         """The claim's row from its text (_values)."""
@@ -426,7 +452,7 @@ class _RunContext:
                     if conn.autocommit:
                         _exec(conn, "BEGIN")
                     self.tx_open = True
-                    self._set_max_attempts()
+                    self._set_settings()
                     cur = _exec(conn, self._sql("claim"), self._claim_params())
                     _exec(conn, "SAVEPOINT idem_handler")
                     if self.first_sql is not None:
@@ -581,9 +607,11 @@ class _RunContext:
                 None, None, False
         failure, suppress = _failure_of(run, et, ev)
         if et is None and ts == TransactionStatus.INERROR and failure is None:
-            return True, IdemError("handler", "the block left the transaction in error (a "
-                                   "failed statement it caught): rolled back, nothing "
-                                   "recorded"), None, None, False
+            failure = _caught_timeout_failure(conn)
+            if failure is None:
+                return True, IdemError("handler", "the block left the transaction in error (a "
+                                       "failed statement it caught): rolled back, nothing "
+                                       "recorded"), None, None, False
         failure, text = _recorded_ending(run, failure, et, suppress)
         return False, None, failure, text, suppress
 

@@ -12,13 +12,13 @@ nothing above them."""
 import datetime
 import functools
 import inspect
-from typing import Any
 import threading
 import time
 import uuid
 import weakref
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
-                    Union, cast)
+from types import TracebackType
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type,
+                    TypeVar, Union, cast)
 
 import psycopg
 import psycopg.sql
@@ -32,6 +32,7 @@ from .pg import Conn, _exec, _raise_pg_error, sqlstate_of
 from .run import _RunContext
 from .trust import _ConnState
 from .health import Health
+from . import cluster as valkey_cluster
 from .check import Check, check as _check
 # Defined below this module and importable from here as before (idem.runner
 # was once the whole runner): the statuses, sources, Run and exceptions.
@@ -158,6 +159,19 @@ def relearn_bound_ms(ms: int) -> int:
     return ms
 
 
+def _close_client(client: Any) -> None:
+    """Close the connections of a redis-py client (a Redis or a
+    RedisCluster): redis-py 4's close() leaves its pools' connections
+    open."""
+    from redis.cluster import RedisCluster
+    nodes = [n.redis_connection for n in client.get_nodes()] \
+        if isinstance(client, RedisCluster) else [client]
+    for c in nodes:
+        if c is not None:
+            c.connection_pool.disconnect()
+    client.close()
+
+
 # A plain client of one node of a Valkey Cluster.
 CLUSTER_REFUSED = ("this Valkey is a cluster node (cluster_enabled:1) and the client given "
                    "speaks to one node: pass (host, port) or a cluster client, so that each "
@@ -177,6 +191,9 @@ class Runner:
 
     A runner may be shared by threads; each run uses the connection it is
     given, which must not be used by another thread meanwhile.
+
+    ``close()`` (or ``with idem.Runner(...) as runner:``) closes the
+    Valkey connections the runner made; a client given is the caller's.
     """
 
     def __init__(self, valkey: Any = None, *, lease: float = 30.0,
@@ -205,6 +222,8 @@ class Runner:
         self._conns: "weakref.WeakKeyDictionary[Conn, _ConnState]" = weakref.WeakKeyDictionary()
         self._rest_until = 0.0
         self._cluster_checked = False
+        self._is_cluster = False        # a RedisCluster: cluster.execute's round trips
+        self._refresh_map = False       # its slot map read again before the next
         self._cad: Any = None
         self.stats = {"runs": 0, "cache_rejected": 0, "valkey_errors": 0,
                       "replayed_from_valkey": 0, "gate_skipped_first": 0,
@@ -214,10 +233,13 @@ class Runner:
         self._seed = None                   # (host, port): ours to route if a cluster
         self._timeout = valkey_timeout_ms / 1000.0
         self.valkey: Any = None     # a redis.Redis or RedisCluster client, or None
+        # the clients made from (host, port): ours to close
+        self._own_clients: List[Any] = []
         if isinstance(valkey, tuple):
             host, port = valkey
             self._seed = (host, int(port))
             valkey = self._client(host, int(port))
+            self._own_clients.append(valkey)
         if valkey is not None:
             self.valkey = valkey
             self._cad = self._release_of(valkey)
@@ -232,7 +254,9 @@ class Runner:
 
     def _release_of(self, client: Any) -> Any:
         """The compare-and-delete of our marker on client."""
-        return Release(client)
+        from redis.cluster import RedisCluster
+        return Release(client, valkey_cluster.execute if isinstance(client, RedisCluster)
+                       else None)
 
     def _first_contact(self) -> None:
         """At construction: a plain client of a cluster node is refused;
@@ -251,9 +275,15 @@ class Runner:
         RedisCluster), or refuse a plain client of one node."""
         if self._cluster_checked:
             return
+        with valkey_cluster.quiet():
+            self._route()
+
+    def _route(self) -> None:
+        """_check_cluster's work, the first time."""
         from redis.cluster import RedisCluster
         if isinstance(self.valkey, RedisCluster):
             _load_release(self.valkey)
+            self._is_cluster = True
             self._cluster_checked = True
             return
         info = self.valkey.info("cluster")
@@ -268,9 +298,29 @@ class Runner:
                                            socket_connect_timeout=self._timeout,
                                            cluster_error_retry_attempts=1)
                     self._cad = self._release_of(cluster)
-                    self.valkey = cluster
+                    seed, self.valkey = self.valkey, cluster
+                    self._own_clients = [cluster]
+                    _close_client(seed)     # the seed node's plain client, ours
         _load_release(self.valkey)
+        self._is_cluster = isinstance(self.valkey, RedisCluster)
         self._cluster_checked = True
+
+    def close(self) -> None:
+        """Close the Valkey connections the runner made: its client made
+        from ``(host, port)`` and its own direct connections (a client
+        given is the caller's to close).  A run after it connects again."""
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
+        for client in self._own_clients:
+            _close_client(client)
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.close()
 
     def _valkey_ok(self) -> bool:
         return self.valkey is not None and time.monotonic() >= self._rest_until
@@ -299,9 +349,15 @@ class Runner:
                 if direct is None or direct.client is not self.valkey:
                     direct = self._direct = resp.Direct(self.valkey)
                 return direct.exchange(packed[0], packed[1])
-            return list(fill(self.valkey.pipeline(transaction=False)).execute(
-                raise_on_error=False))
+            pipe = fill(self.valkey.pipeline(transaction=False))
+            if self._is_cluster:
+                if self._refresh_map:
+                    self._refresh_map = False
+                    valkey_cluster.refresh(self.valkey)
+                return valkey_cluster.execute(pipe)
+            return list(pipe.execute(raise_on_error=False))
         except Exception as e:
+            self._refresh_map = self._is_cluster    # a failover may have moved its slots
             self._round_trip_failed(e)
             return None
 
@@ -319,6 +375,7 @@ class Runner:
         try:
             self._cad(keys=[ckey], args=[marker])
         except Exception as e:
+            self._refresh_map = self._is_cluster
             self._valkey_failed(e)
 
     # ---- PostgreSQL: what the server says about its cache ----
@@ -424,7 +481,7 @@ class Runner:
     # ---- the run ----
     def run(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
             request: Any, *, delivery_count: int = 0, first_sql: Optional[str] = None,
-            first_params: Optional[Sequence[Any]] = None) -> _RunContext:
+            first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> _RunContext:
         """A context manager: ``with runner.run(conn, 42, "billing.charge",
         run_id, request) as run:`` then ``if run.claimed:`` do the effect on
         ``conn`` and set ``run.outcome``.  See the package README.
@@ -433,15 +490,19 @@ class Runner:
         message, this one included (0: unknown); 1 skips the Valkey gate.
         ``first_sql`` (with ``first_params``): the block's first statement,
         sent with the claim; its rows are ``run.first`` (None unless
-        claimed)."""
+        claimed).  ``durable``: the run's transaction sets
+        synchronous_commit to at least on, locally, whatever the session's:
+        its answer (applied, failed, or replayed from PostgreSQL) survives
+        a crash of the server once returned, so the message may be
+        acknowledged; the stream consumers' runs are durable."""
         return _RunContext(self, conn, tenant_id, scope, run_id, request,
                            delivery_count=delivery_count, first_sql=first_sql,
-                           first_params=first_params)
+                           first_params=first_params, durable=durable)
 
     def call(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
              request: Any, handler: Callable[[Conn, Run], Any], *, delivery_count: int = 0,
              first_sql: Optional[str] = None,
-             first_params: Optional[Sequence[Any]] = None) -> Run:
+             first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> Run:
         """Run ``handler(conn, run)`` at most once per key, in the run's
         transaction; it returns the outcome (a dict; None means {}) or
         raises PermanentFailure / RetryableFailure to record a failure.
@@ -449,7 +510,7 @@ class Runner:
         is recorded as a retryable failure and propagates (one of the
         server's state, a serialization failure say, is not recorded)."""
         with self.run(conn, tenant_id, scope, run_id, request, delivery_count=delivery_count,
-                      first_sql=first_sql, first_params=first_params) as run:
+                      first_sql=first_sql, first_params=first_params, durable=durable) as run:
             if run.claimed:
                 try:
                     out = handler(conn, run)
@@ -494,7 +555,7 @@ class Runner:
     # ---- the forms beyond one run in the runner's transaction ----
     def apply(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
               request: Any, sql_handler: str, *, args: Any = None,
-              delivery_count: int = 0) -> Run:
+              delivery_count: int = 0, durable: bool = False) -> Run:
         """The effect is the SQL function ``sql_handler`` (regprocedure
         text, ``"charge(jsonb)"``: ``(args jsonb) RETURNS jsonb``, the
         outcome), run by the extension's idem_apply: claim, effect and
@@ -502,9 +563,9 @@ class Runner:
         itself.  ``args`` (JSON) is passed to it; None: the request.
         Returns the Run; an error the function raises is recorded as a
         failure (failed_permanent or failed_retryable, its sqlstate and
-        message as the detail)."""
+        message as the detail).  ``durable``: as for ``run``."""
         with _ApplyContext(self, conn, tenant_id, scope, run_id, request, sql_handler,
-                           args=args, delivery_count=delivery_count) as run:
+                           args=args, delivery_count=delivery_count, durable=durable) as run:
             pass
         return run
 
@@ -525,20 +586,25 @@ class Runner:
 
     def complete(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
                  outcome: Any = None, *, fence: Optional[int] = None,
-                 attempt: Optional[int] = None) -> None:
+                 attempt: Optional[int] = None) -> str:
         """Complete a key claimed in lease mode, fenced by the claim's
         ``fence`` (``lease.fence``), in the connection's transaction (it
         commits by itself on an autocommit connection).  LeaseLost if
         another claim took the key over.  ``attempt`` instead of ``fence``
         is the older, weaker fence: once the claim's row is purged, the
-        key's next claim is attempt 1 again."""
-        settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
+        key's next claim is attempt 1 again.  Returns the status recorded:
+        ``applied``, or, for an outcome the ledger cannot store (not a
+        JSON object, over 4096 bytes), the failure a lease's block
+        records for it (``failed_permanent`` 22023, ``failed_retryable``
+        54000)."""
+        return settle(self, conn, tenant_id, scope, run_id, attempt, outcome=outcome, fence=fence)
 
     def fail(self, conn: Conn, tenant_id: Optional[int], scope: str, run_id: str,
              detail: Any = None, *, fence: Optional[int] = None,
-             attempt: Optional[int] = None, retryable: bool = False) -> None:
-        """Fail a key claimed in lease mode, as ``complete``."""
-        settle(self, conn, tenant_id, scope, run_id, attempt,
+             attempt: Optional[int] = None, retryable: bool = False) -> str:
+        """Fail a key claimed in lease mode, as ``complete``: returns the
+        status recorded (``failed_retryable`` or ``failed_permanent``)."""
+        return settle(self, conn, tenant_id, scope, run_id, attempt,
                failure=({} if detail is None else detail, retryable), fence=fence)
 
     def batch(self, conn: Conn, items: Iterable[Item]) -> Batch:

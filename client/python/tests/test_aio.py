@@ -127,10 +127,70 @@ class AsyncForms(unittest.TestCase):
             finally:
                 await conn.close()
                 await other.close()
+                await runner.aclose()
         asyncio.run(main())
         for id, want in (("r1", 1), ("c1", 1), ("7", 1), ("a1", 1), ("b0", 1), ("b1", 0),
                          ("b2", 1)):
             self.assertEqual(effects(scope, id), want, id)
+
+    def test_close(self):
+        """async with AsyncRunner((host, port)) closes the Valkey connections it made when the block ends, in their event loop (left open, redis.asyncio closed them when collected, after their loop had ended: "Event loop is closed" on stderr); a client given stays the caller's; with idem.Runner(...) closes the synchronous runner's"""
+        import gc
+        import redis.asyncio
+        scope = uid("aio-close")
+
+        def connected(client):
+            pool = client.connection_pool
+            return [c for c in list(pool._available_connections) + list(pool._in_use_connections)
+                    if c.is_connected]
+
+        async def main():
+            given = redis.asyncio.Redis(host="127.0.0.1", port=VPORT)
+            conn = await aconnect()
+            try:
+                async with AsyncRunner(("127.0.0.1", VPORT), lease=5) as runner:
+                    async with runner.run(conn, 1, scope, "r1", {}) as run:
+                        await aeffect(conn, run)
+                    made = runner.valkey
+                    self.assertNotEqual(connected(made), [])
+                async with AsyncRunner(given, lease=5) as runner:
+                    async with runner.run(conn, 1, scope, "r2", {}) as run:
+                        await aeffect(conn, run)
+                self.assertEqual(connected(made), [])
+                self.assertNotEqual(connected(given), [])
+                with self.assertRaises(idem.IdemError):
+                    runner.close()              # awaited: aclose()
+            finally:
+                await conn.close()
+                await given.close()
+
+        async def collect():
+            told = []
+            asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: told.append(ctx))
+            gc.collect()
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+            gc.collect()
+            return [ctx.get("message") for ctx in told]
+        asyncio.run(main())
+        self.assertEqual(asyncio.run(collect()), [])
+        self.assertEqual((effects(scope, "r1"), effects(scope, "r2")), (1, 1))
+        with idem.Runner(("127.0.0.1", VPORT), lease=5) as runner:
+            sc = connect()
+            try:
+                for _ in range(2):      # applied, then replayed through its own connection
+                    with runner.run(sc, 1, scope, "s1", {}) as run:
+                        if run.claimed:
+                            test_server.effect(sc, run)
+                    wait_copy(ckey(1, scope, "s1"))
+            finally:
+                sc.close()
+            self.assertEqual((run.status, run.source), ("replayed", "valkey"))
+            self.assertTrue(runner._direct.idle)
+            direct = runner._direct
+        self.assertEqual((direct.idle, runner._direct), ([], None))
+        self.assertEqual([c for c in runner.valkey.connection_pool._available_connections
+                          if c._sock is not None], [])
 
     def test_same_protocol_as_the_sync_runner(self):
         """the same protocol: the async runner's marker verifies with the server's secret; each runner replays from Valkey what the other applied"""
@@ -165,10 +225,12 @@ class AsyncForms(unittest.TestCase):
                 self.assertEqual((run.status, run.source), ("replayed", "valkey"))
             finally:
                 await conn.close()
+                await runner.aclose()
         asyncio.run(main())
+        sync_runner.close()
 
     def test_unstorable_outcome(self):
-        """async: an outcome over 4096 bytes fails the attempt retryably (54000), its effect rolled back; max_attempts=2 ends it as failed_permanent; a non-object fails permanently (22023)"""
+        """async: an outcome over 4096 bytes fails the attempt retryably (54000), its effect rolled back; max_attempts=2 ends it as failed_permanent; a non-object fails permanently (22023); a deferred lease completed with one is recorded the same way"""
         scope = uid("aio-big")
 
         async def main():
@@ -186,12 +248,20 @@ class AsyncForms(unittest.TestCase):
                     await aeffect(conn, run)
                     run.outcome = [1]
                 got.append((run.status, run.attempt, run.outcome["sqlstate"]))
+                async with runner.lease(conn, 1, scope, "d1", {}) as lease:
+                    lease.defer()
+                status = await runner.complete(conn, 1, scope, "d1", {"blob": "x" * 5000},
+                                               fence=lease.fence)
+                await conn.commit()     # in the connection's transaction: the caller commits
+                got.append((status, lease.attempt, ledger(1, scope, "d1")[2]["sqlstate"]))
             finally:
                 await conn.close()
+                await runner.aclose()
             return got
         self.assertEqual(asyncio.run(main()),
                          [("failed_retryable", 1, "54000"), ("failed_retryable", 2, "54000"),
-                          ("failed_permanent", 2, "54000"), ("failed_permanent", 1, "22023")])
+                          ("failed_permanent", 2, "54000"), ("failed_permanent", 1, "22023"),
+                          ("failed_retryable", 1, "54000")])
         self.assertEqual(effects(scope), 0)
         self.assertEqual(ledger(1, scope, "b1")[0], "failed_permanent")
 
@@ -221,6 +291,8 @@ class AsyncForms(unittest.TestCase):
                     self.assertEqual((run.status, run.valkey_used), (want, False))
             finally:
                 await conn.close()
+                await runner.aclose()
+                await down.aclose()
         with test_server.admin() as a:
             a.execute("CREATE TABLE IF NOT EXISTS contended (id int PRIMARY KEY, v int NOT NULL)")
             a.execute("INSERT INTO contended VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING")
@@ -255,6 +327,7 @@ class AsyncForms(unittest.TestCase):
                     got.append(ledger(1, scope, "t1")[:2])
             finally:
                 await conn.close()
+                await runner.aclose()
             return got
         self.assertEqual(asyncio.run(main()),
                          [None, ("failed_retryable", 1), ("failed_retryable", 2),
@@ -298,6 +371,7 @@ class AsyncConsumer(unittest.TestCase):
                 finally:
                     await conn.close()
             await asyncio.gather(*(consumer(k) for k in range(4)))
+            await runner.aclose()
             return ids, statuses
         ids, statuses = asyncio.run(main())
         for m in ids:
@@ -359,7 +433,10 @@ class AioPika(unittest.TestCase):
                 finally:
                     await conn.close()
                     await mq.close()
-            await asyncio.wait_for(asyncio.gather(*(consumer(k) for k in range(3))), 120)
+            try:
+                await asyncio.wait_for(asyncio.gather(*(consumer(k) for k in range(3))), 120)
+            finally:
+                await runner.aclose()
             return acked
         acked = asyncio.run(main())
         self.assertEqual(sorted(set(acked)), ["applied", "replayed"])

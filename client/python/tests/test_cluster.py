@@ -1,13 +1,16 @@
 """The Python runner on a Valkey Cluster: each key routed to its slot's
 master (redis-py's RedisCluster), with a server whose worker copies into
 the same cluster (test/python/run.sh starts both)."""
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 import unittest
 
 import psycopg
+import redis
 from redis.cluster import RedisCluster
 
 import idem
@@ -21,8 +24,8 @@ def admin():
     return psycopg.connect(DSN, autocommit=True)
 
 
-@unittest.skipUnless(DSN and PORT, "no Valkey Cluster (IDEM_PG_CLUSTER_DSN, IDEM_VALKEY_CLUSTER_PORT)")
-class Cluster(unittest.TestCase):
+class _ClusterCase(unittest.TestCase):
+    """What the cluster tests share (no test of its own)."""
     @classmethod
     def setUpClass(cls):
         end = time.time() + 60
@@ -65,6 +68,10 @@ class Cluster(unittest.TestCase):
                 return e
             time.sleep(0.02)
         raise AssertionError("no copy of %s" % id)
+
+
+@unittest.skipUnless(DSN and PORT, "no Valkey Cluster (IDEM_PG_CLUSTER_DSN, IDEM_VALKEY_CLUSTER_PORT)")
+class Cluster(_ClusterCase):
 
     def test_routed_by_slot(self):
         """(host, port) of a cluster node: each key goes to its slot's master; the worker's copies replay from the cluster"""
@@ -141,6 +148,7 @@ class Cluster(unittest.TestCase):
             finally:
                 await conn.close()
                 await other.close()
+                await runner.aclose()
         self.assertEqual(asyncio.run(main(False)), [("applied", "handler")] * len(ids))
         for id in ids:
             self.wait_copy(id)
@@ -202,6 +210,7 @@ async def main():
     vc.script_flush()
     await aretryable(runner, conn, ids[3])
     await conn.close()
+    await runner.aclose()
 asyncio.run(main())
 print(runner.stats["valkey_errors"])
 """
@@ -215,6 +224,107 @@ print(runner.stats["valkey_errors"])
             self.assertEqual(len(group), len(masters))
             for id in group:
                 self.assertIsNone(self.vc.get(self.ckey(id)), id)     # the marker deleted
+
+
+@unittest.skipUnless(DSN and PORT, "no Valkey Cluster (IDEM_PG_CLUSTER_DSN, IDEM_VALKEY_CLUSTER_PORT)")
+class ClusterFaults(_ClusterCase):
+    """After Cluster's tests (the loader sorts the classes): faults that
+    change the cluster's map."""
+
+    def node(self, cnode):
+        """A plain client of one cluster node."""
+        return redis.Redis(host=cnode.host, port=cnode.port, socket_timeout=5)
+
+    def key_on(self, prefix, master=None):
+        """A fresh id whose key lives on master (any master: None)."""
+        for i in range(1000):
+            id = "%s%d" % (prefix, i)
+            if master is None or self.vc.get_node_from_key(self.ckey(id)).name == master.name:
+                return id
+        raise AssertionError("no key on %s" % master.name)
+
+    def wait_cluster_ok(self):
+        end = time.time() + 30
+        while time.time() < end:
+            try:
+                if all(self.node(n).cluster("INFO")["cluster_state"] == "ok"
+                       for n in self.vc.get_nodes()):
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the cluster is not ok again")
+
+    def test_redis_py_logs_nothing_of_ours(self):
+        """redis-py's RedisCluster logs nothing while the runner's own commands meet a slot in migration (ASK), a slot moved (MOVED, the runner's map stale) and a master stopped (timeouts): every run decided, each effect once, the stopped master told once through the idem logger and given up at once, and Valkey used again after the rest"""
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append("%s %s: %s%s" % (record.name, record.levelname,
+                                                 record.getMessage(),
+                                                 " (with a traceback)" if record.exc_info else ""))
+        keep = Keep(logging.WARNING)
+        loggers = [logging.getLogger("redis"), logging.getLogger("idem")]
+        for log in loggers:
+            log.addHandler(keep)
+        try:
+            self.migrate_and_stop(records)
+        finally:
+            for log in loggers:
+                log.removeHandler(keep)
+        self.assertEqual([r for r in records if not r.startswith("idem")], [])
+
+    def migrate_and_stop(self, records):
+        self.go(self.key_on("w"), {})                   # the runner knows the map now
+        masters = self.vc.get_primaries()
+        src = self.vc.get_node_from_key(self.ckey(self.key_on("m")))
+        dst = [m for m in masters if m.name != src.name][0]
+        src_c, dst_c = self.node(src), self.node(dst)
+        src_id, dst_id = src_c.execute_command("CLUSTER MYID"), dst_c.execute_command("CLUSTER MYID")
+        ids = []
+        # ASK: the slot of a new key migrating from src to dst
+        id = self.key_on("m")
+        slot = self.vc.keyslot(self.ckey(id))
+        dst_c.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src_c.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        try:
+            ids.append(id)
+            self.assertEqual(self.go(id, {}).status, "applied")
+        finally:
+            # the slot's keys to dst, then the slot
+            for k in src_c.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+                src_c.execute_command("MIGRATE", dst.host, dst.port, k, 0, 5000, "REPLACE")
+            for m in masters:
+                self.node(m).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        # MOVED: the runner's map says src
+        self.assertEqual(self.go(id, {}).status, "replayed")
+        # a master stopped (SIGSTOP): its keys time out, PostgreSQL decides
+        victim = self.vc.get_node_from_key(self.ckey(self.key_on("v")))
+        pid = int(self.node(victim).info("server")["process_id"])
+        id = self.key_on("v", victim)
+        ids.append(id)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            run = self.go(id, {})
+            took = time.monotonic() - began
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print("# a run on a stopped master's slot: decided in %.2f s (valkey_timeout 0.2 s)" % took)
+        self.assertEqual((run.status, run.valkey_used), ("applied", False))
+        self.assertEqual(len([r for r in records if r.startswith("idem WARNING")]), 1, records)
+        self.wait_cluster_ok()
+        # after the rest, the map read again: that master's slots through Valkey again
+        time.sleep(1.1)
+        id = self.key_on("after", victim)
+        ids.append(id)
+        run = self.go(id, {})
+        self.assertEqual((run.status, run.valkey_used), ("applied", True))
+        with admin() as c:
+            n = c.execute("SELECT count(*), count(DISTINCT id) FROM effects WHERE scope = %s",
+                          [self.scope]).fetchone()
+        self.assertEqual(n, (len(ids) + 1, len(ids) + 1))
 
 
 if __name__ == "__main__":

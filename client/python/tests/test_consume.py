@@ -111,6 +111,29 @@ class Base(unittest.TestCase):
             self.assertLess(time.time(), end, "not drained in %d s: %r" % (timeout, c.stats))
             c.poll()
 
+    def drain_async(self, handler, acked, before=lambda: None, options="", **kw):
+        """An AsyncConsumer (AsyncRunner, redis.asyncio) polled until it
+        has acknowledged ``acked`` entries; before() first."""
+        import redis.asyncio
+        from idem.aio import AsyncRunner
+
+        async def main():
+            conn = await psycopg.AsyncConnection.connect(DSN, **({"options": options}
+                                                                 if options else {}))
+            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
+            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
+                                   group="g", consumer="ac", scope=self.scope, tenant=1,
+                                   handler=handler, block=0.1, **kw)
+            before()
+            end = time.time() + 15
+            while c.stats["acked"] < acked:
+                self.assertLess(time.time(), end, repr(c.stats))
+                await c.poll()
+            await c.close()
+            await runner.valkey.close()
+            await conn.close()
+        asyncio.run(main())
+
 
 class Sync(Base):
     def test_each_message_once(self):
@@ -268,11 +291,112 @@ while True:
         self.assertEqual(effects(self.scope), 2)
 
 
+CRASH = os.environ.get("IDEM_PG_CRASH")
+
+
+def long_wal_cycle():
+    """A 10 s WAL-writer cycle that starts now: an asynchronous commit,
+    then wal_writer_delay = 10s reloaded (and wal_writer_flush_after = 0:
+    what it writes, it flushes, so that the flush position shows it); once
+    the WAL writer has written that commit out it sleeps 10 s (not
+    hibernating: it just did work), so that an asynchronous commit made
+    meanwhile is in shared memory only."""
+    with admin() as a:
+        a.execute("SET client_min_messages = warning")
+        a.execute("CREATE TABLE IF NOT EXISTS crash_marks (id text)")     # on: flushed
+        a.execute("SET synchronous_commit = off")
+        a.execute("INSERT INTO crash_marks VALUES ('cycle')")
+        lsn = a.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
+        a.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        a.execute("ALTER SYSTEM SET wal_writer_flush_after = 0")
+        a.execute("SELECT pg_reload_conf()")
+        end = time.time() + 5
+        while not a.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn",
+                            [str(lsn)]).fetchone()[0]:
+            if time.time() > end:
+                raise AssertionError("the WAL writer did not write a commit out within 5 s")
+            time.sleep(0.01)
+
+
+def crash():
+    """An asynchronous commit (it must be lost), then kill -9 of every
+    process of the server and its start; the WAL writer's cycle reset.
+    Whether that commit was lost: the crash did lose what was not written
+    out."""
+    with admin() as a:
+        a.execute("SET synchronous_commit = off")
+        a.execute("INSERT INTO crash_marks VALUES ('lost')")
+    subprocess.run([CRASH], check=True)
+    test_server.setUpModule()       # the worker's epoch again
+    with admin() as a:
+        a.execute("ALTER SYSTEM RESET wal_writer_delay")
+        a.execute("ALTER SYSTEM RESET wal_writer_flush_after")
+        a.execute("SELECT pg_reload_conf()")
+        lost = a.execute("SELECT count(*) = 0 FROM crash_marks WHERE id = 'lost'").fetchone()[0]
+        a.execute("DELETE FROM crash_marks")
+    return lost
+
+
+@unittest.skipUnless(CRASH, "no command that crashes the server (IDEM_PG_CRASH)")
+class Crash(Base):
+    """A consumer whose connection has synchronous_commit = off
+    acknowledges an entry, and the server is killed (-9) right after the
+    XACK: its run must be there after the restart (or the entry still
+    pending)."""
+
+    def setUp(self):
+        super().setUp()
+        self.conn.close()
+        self.conn = connect(options="-c synchronous_commit=off")
+
+    def survives(self, mid, got, status):
+        lost = crash()
+        self.assertTrue(lost, "an asynchronous commit just before the crash was kept: "
+                        "the crash proved nothing")
+        self.assertEqual(got, [status])
+        self.assertTrue(effects(self.scope, mid) == 1 or pending(self.v, self.stream, "g") == 1,
+                        "the run of an acknowledged entry was lost in the crash")
+
+    def test_applied(self):
+        """a run applied on a connection with synchronous_commit = off, acknowledged, then a crash of the server: the run survives"""
+        got = []
+        c = self.consumer(settled=lambda m, r, a: got.append(r.status))
+        long_wal_cycle()
+        xadd(self.v, self.stream, "d1", {"n": 1})
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.survives("d1", got, "applied")
+
+    def test_replayed(self):
+        """a replay of a row another session committed with synchronous_commit = off (not written out yet), acknowledged, then a crash: the row survives"""
+        got = []
+        c = self.consumer(settled=lambda m, r, a: got.append(r.status))
+        long_wal_cycle()
+        self.runner.call(self.conn, 1, self.scope, "d2", json.dumps({"n": 2}),
+                         lambda conn, run: effect(conn, run, {"n": 2}))
+        xadd(self.v, self.stream, "d2", {"n": 2})
+        self.drain(c, lambda: c.stats["acked"] == 1)
+        self.survives("d2", got, "replayed")
+
+    def test_async_applied(self):
+        """the asyncio consumer: a run applied with synchronous_commit = off, acknowledged, then a crash: the run survives"""
+        got = []
+
+        async def handler(conn, run, message):
+            await conn.execute("INSERT INTO effects (scope, id, node) VALUES (%s, %s, 'aio')",
+                               [run.scope, run.run_id])
+            return {}
+
+        def before():
+            long_wal_cycle()
+            xadd(self.v, self.stream, "d3", {"n": 3})
+        self.drain_async(handler, 1, before, options="-c synchronous_commit=off",
+                         settled=lambda m, r, a: got.append(r.status))
+        self.survives("d3", got, "applied")
+
+
 class Async(Base):
     def test_async_consumer(self):
         """the asyncio consumer: each message once, duplicates once, a retryable failure redelivered"""
-        import redis.asyncio
-        from idem.aio import AsyncRunner
         tries = []
 
         async def handler(conn, run, message):
@@ -283,23 +407,10 @@ class Async(Base):
                                [run.scope, run.run_id])
             return {}
 
-        async def main():
-            for i in range(5):
-                xadd(self.v, self.stream, "a%d" % i, {"n": i})
-            xadd(self.v, self.stream, "a3", {"n": 3})
-            conn = await psycopg.AsyncConnection.connect(DSN)
-            runner = AsyncRunner(redis.asyncio.Redis(host="127.0.0.1", port=VPORT), lease=5)
-            c = idem.AsyncConsumer(runner, conn, ("127.0.0.1", VPORT), stream=self.stream,
-                                   group="g", consumer="ac", scope=self.scope, tenant=1,
-                                   handler=handler, block=0.1, claim_idle=0.3)
-            end = time.time() + 15
-            while c.stats["acked"] < 6:
-                self.assertLess(time.time(), end, repr(c.stats))
-                await c.poll()
-            await c.close()
-            await runner.valkey.close()
-            await conn.close()
-        asyncio.run(main())
+        for i in range(5):
+            xadd(self.v, self.stream, "a%d" % i, {"n": i})
+        xadd(self.v, self.stream, "a3", {"n": 3})
+        self.drain_async(handler, 6, claim_idle=0.3)
         self.assertEqual(effects(self.scope), 5)
         self.assertEqual(tries.count("a0"), 2)
         self.assertEqual(pending(self.v, self.stream, "g"), 0)

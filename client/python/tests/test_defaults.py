@@ -195,6 +195,58 @@ class ServerState(unittest.TestCase):
         finally:
             holder.close()
 
+    def test_caught_timeouts_are_attempts(self):
+        """statement_timeout's and lock_timeout's cancels caught by a decorated function (or a lease block) that then returns: its transaction is aborted, so it is the same attempt, recorded failed_retryable with the server's sqlstate and message, and max_attempts=2 ends it; another error caught is still the block's mistake, nothing recorded"""
+        calls = []
+
+        @self.runner.idempotent(self.scope, run_id="msg_id", request="body", tenant=1)
+        def swallows(conn, msg_id, body):
+            calls.append(msg_id)
+            try:
+                if msg_id == "s2":
+                    conn.execute("SET LOCAL lock_timeout = '50ms'")
+                    conn.execute("UPDATE contended SET v = v + 1 WHERE id = 2")
+                elif msg_id == "s3":
+                    conn.execute("SELECT 1 / 0")
+                else:
+                    conn.execute("SET LOCAL statement_timeout = '50ms'")
+                    conn.execute("SELECT pg_sleep(2)")
+            except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
+                    psycopg.errors.DivisionByZero):
+                pass                    # caught: "best effort"
+            return {"done": True}
+        holder = connect()
+        try:
+            holder.execute("SELECT v FROM contended WHERE id = 2 FOR UPDATE")
+            for id, state, message in (
+                    ("s1", "57014", "canceling statement due to statement timeout"),
+                    ("s2", "55P03", "canceling statement due to lock timeout")):
+                for attempt in (1, 2):
+                    with self.assertRaises(idem.RetryableFailure) as cm:
+                        swallows(self.conn, id, {})
+                    self.assertEqual(cm.exception.detail, {"sqlstate": state, "message": message})
+                    self.assertEqual(ledger(1, self.scope, id)[:2], ("failed_retryable", attempt))
+                with self.assertRaises(idem.PermanentFailure):
+                    swallows(self.conn, id, {})
+                self.assertEqual(ledger(1, self.scope, id)[:3],
+                                 ("failed_permanent", 2, {"sqlstate": state, "message": message}))
+            self.assertEqual(calls, ["s1", "s1", "s2", "s2"])
+            with self.assertRaises(idem.IdemError) as cm:
+                swallows(self.conn, "s3", {})
+            self.assertEqual((cm.exception.code, ledger(1, self.scope, "s3")), ("handler", None))
+            # lease mode: the fenced failure is recorded
+            with self.runner.lease(self.conn, 1, self.scope, "s4", {}) as lease:
+                self.conn.execute("SET LOCAL statement_timeout = '50ms'")
+                try:
+                    self.conn.execute("SELECT pg_sleep(2)")
+                except psycopg.errors.QueryCanceled:
+                    lease.outcome = {"sent": "maybe"}
+            self.assertEqual((lease.status, ledger(1, self.scope, "s4")[:2]),
+                             ("failed_retryable", ("failed_retryable", 1)))
+            self.assertEqual(self.conn.info.transaction_status, psycopg.pq.TransactionStatus.IDLE)
+        finally:
+            holder.close()
+
 
 class DecoratorIds(unittest.TestCase):
     def test_missing_or_empty_id_refused(self):
@@ -270,7 +322,8 @@ class RowFactories(unittest.TestCase):
             async def acheck():
                 aconn = await psycopg.AsyncConnection.connect(DSN, row_factory=factory)
                 try:
-                    return await AsyncRunner(("127.0.0.1", VPORT)).check(aconn)
+                    async with AsyncRunner(("127.0.0.1", VPORT)) as arunner:
+                        return await arunner.check(aconn)
                 finally:
                     await aconn.close()
             check = asyncio.run(acheck())

@@ -240,6 +240,48 @@ class Options(Base):
         self.assertEqual(effects(self.scope, "b3") + effects(self.scope, "b4"), 0)
         self.assertEqual(ledger(1, self.scope, "b4")[:2], ("failed_retryable", 1))
 
+    def test_unstorable_outcome_deferred(self):
+        """a deferred lease settled by runner.complete / runner.fail with an outcome or detail the ledger cannot store (over 4096 bytes, not an object, a NUL in a text) records the failure a lease's block records (54000 retryable, 22023 permanent) and returns its status; max_attempts=2 ends an always-oversize one"""
+        runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)
+        got = []
+        with admin() as a:          # autocommit: each settle commits by itself
+            for _ in range(3):
+                with runner.lease(self.conn, 1, self.scope, "d1", {}) as lease:
+                    if lease.claimed:
+                        lease.defer()
+                if lease.claimed:
+                    got.append((runner.complete(a, 1, self.scope, "d1", {"blob": "x" * 5000},
+                                                fence=lease.fence),) + ledger(1, self.scope, "d1")[:2])
+                else:
+                    got.append((lease.status, lease.attempt))
+            self.assertEqual(got, [("failed_retryable", "failed_retryable", 1),
+                                   ("failed_retryable", "failed_retryable", 2),
+                                   ("failed_permanent", 2)])
+            self.assertEqual(ledger(1, self.scope, "d1")[2]["sqlstate"], "54000")
+            for id, settle, sqlstate in (
+                    ("d2", lambda l: runner.complete(a, 1, self.scope, "d2", [1], fence=l.fence),
+                     "22023"),
+                    ("d3", lambda l: runner.complete(a, 1, self.scope, "d3", {"t": "a\x00b"},
+                                                     attempt=l.attempt), "22023"),
+                    ("d4", lambda l: runner.fail(a, 1, self.scope, "d4", {"blob": "x" * 5000},
+                                                 fence=l.fence, retryable=False), "54000"),
+                    ("d5", lambda l: runner.fail(a, 1, self.scope, "d5", "text", fence=l.fence,
+                                                 retryable=True), "22023")):
+                with runner.lease(self.conn, 1, self.scope, id, {}) as lease:
+                    lease.defer()
+                self.assertEqual(settle(lease), "failed_permanent", id)
+                row = ledger(1, self.scope, id)
+                self.assertEqual((row[0], row[2]["sqlstate"]), ("failed_permanent", sqlstate), id)
+            with runner.lease(self.conn, 1, self.scope, "d6", {}) as lease:
+                lease.defer()
+            self.assertEqual(runner.complete(a, 1, self.scope, "d6", {"ok": 1}, fence=lease.fence),
+                             "applied")
+            with runner.lease(self.conn, 1, self.scope, "d7", {}) as lease:
+                lease.defer()
+            self.assertEqual(runner.fail(a, 1, self.scope, "d7", {"no": 1}, fence=lease.fence,
+                                         retryable=True), "failed_retryable")
+        self.assertEqual(ledger(1, self.scope, "d7")[:3], ("failed_retryable", 1, {"no": 1}))
+
     def test_max_attempts(self):
         """max_attempts=2: two retryable failures, then the third delivery is failed_permanent with the last detail, without running the handler"""
         runner = idem.Runner(("127.0.0.1", VPORT), lease=5, max_attempts=2)

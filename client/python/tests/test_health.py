@@ -198,10 +198,14 @@ class TestValkeyHealth(Base):
 
         async def go(valkey):
             conn = await psycopg.AsyncConnection.connect(DSN)
+            runner = idem.aio.AsyncRunner(valkey)
             try:
-                return await idem.aio.AsyncRunner(valkey).check(conn)
+                return await runner.check(conn)
             finally:
                 await conn.close()
+                await runner.aclose()
+                if not isinstance(valkey, tuple):
+                    await valkey.close()        # a client given is ours
 
         ok = asyncio.run(go(("127.0.0.1", VPORT)))
         self.assertTrue(ok, ok)

@@ -208,8 +208,8 @@ class TransactionPooler(unittest.TestCase):
                 await conn.close()
 
         async def main():
-            runner = AsyncRunner(("127.0.0.1", VPORT), lease=10)
-            await asyncio.gather(*(client(runner, k) for k in range(3)))
+            async with AsyncRunner(("127.0.0.1", VPORT), lease=10) as runner:
+                await asyncio.gather(*(client(runner, k) for k in range(3)))
         asyncio.run(main())
         time.sleep(0.5)
         with admin() as a:
