@@ -76,14 +76,22 @@ cmd_init(idem_vc_cmd *c, int argc, const char **argv)
 	c->argv = argv;
 }
 
-/* The gate's commands for key into g->flight (argv kept in g). */
-static int
-enter_cmds(idem_gate *g, const char *key, const char *marker,
-		   const char *lease_ms, const char *check_key,
-		   const char *check_value)
+void
+idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
+				const char *lease_ms, const char *check_key,
+				const char *check_value, gate_reply *out)
 {
-	const char **argv = g->flight_set;
+	const char *argv[7];
+	const char *get[2];
+	idem_vc_cmd cmds[2];
+	size_t		marker_len = strlen(marker);
+	redisReply *r;
 
+	memset(out, 0, sizeof(*out));
+	out->answer = GATE_SKIPPED;
+	out->checked = GATE_CHECK_NOREPLY;
+	if (g == NULL || idemc_gate_resting(g))
+		return;
 	argv[0] = "SET";
 	argv[1] = key;
 	argv[2] = marker;
@@ -91,32 +99,19 @@ enter_cmds(idem_gate *g, const char *key, const char *marker,
 	argv[4] = "PX";
 	argv[5] = lease_ms;
 	argv[6] = "GET";
-	g->flight_get[0] = "GET";
-	g->flight_get[1] = check_key;
-	cmd_init(&g->flight[0], 7, argv);
+	get[0] = "GET";
+	get[1] = check_key;
+	cmd_init(&cmds[0], 7, argv);
 	if (check_key)
-		cmd_init(&g->flight[1], 2, g->flight_get);
-	g->flight_marker = marker;
-	g->flight_check = check_value;
-	return check_key ? 2 : 1;
-}
-
-/* What the replies in g->flight (n commands) say, into out; frees them. */
-static void
-enter_reply(idem_gate *g, int n, gate_reply *out)
-{
-	size_t		marker_len = strlen(g->flight_marker);
-	redisReply *r;
-
-	if (n == 2)
+		cmd_init(&cmds[1], 2, get);
+	idemc_gate_pipeline(g, cmds, check_key ? 2 : 1);
+	if (check_key)
 	{
-		out->checked = check_holds(g->flight[1].reply, g->flight_check);
-		if (g->flight[1].reply)
-			freeReplyObject(g->flight[1].reply);
-		g->flight[1].reply = NULL;
+		out->checked = check_holds(cmds[1].reply, check_value);
+		if (cmds[1].reply)
+			freeReplyObject(cmds[1].reply);
 	}
-	r = g->flight[0].reply;
-	g->flight[0].reply = NULL;
+	r = cmds[0].reply;
 	if (r == NULL)
 		return;
 	if (r->type == REDIS_REPLY_NIL)
@@ -126,7 +121,7 @@ enter_reply(idem_gate *g, int n, gate_reply *out)
 		take_value(out, r);
 		/* our own marker, from a command resent after a dead connection */
 		if (out->answer == GATE_VALUE && out->value_len == marker_len &&
-			memcmp(out->value, g->flight_marker, out->value_len) == 0)
+			memcmp(out->value, marker, out->value_len) == 0)
 		{
 			free(out->value);
 			out->value = NULL;
@@ -141,58 +136,6 @@ enter_reply(idem_gate *g, int n, gate_reply *out)
 	 * answered but has nothing usable; skip the gate.
 	 */
 	freeReplyObject(r);
-}
-
-static void
-reply_init(gate_reply *out)
-{
-	memset(out, 0, sizeof(*out));
-	out->answer = GATE_SKIPPED;
-	out->checked = GATE_CHECK_NOREPLY;
-}
-
-void
-idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
-				const char *lease_ms, const char *check_key,
-				const char *check_value, gate_reply *out)
-{
-	int			n;
-
-	reply_init(out);
-	if (g == NULL || idemc_gate_resting(g))
-		return;
-	n = enter_cmds(g, key, marker, lease_ms, check_key, check_value);
-	idemc_gate_pipeline(g, g->flight, n);
-	enter_reply(g, n, out);
-}
-
-int
-idemc_gate_enter_send(idem_gate *g, const char *key, const char *marker,
-					 const char *lease_ms, const char *check_key,
-					 const char *check_value)
-{
-	int			n;
-
-	if (g == NULL || idemc_gate_resting(g))
-		return -1;
-	n = enter_cmds(g, key, marker, lease_ms, check_key, check_value);
-	if (idemc_gate_send(g, g->flight, n) != 0)
-		return -1;
-	g->flight_n = n;
-	return 0;
-}
-
-void
-idemc_gate_enter_collect(idem_gate *g, gate_reply *out)
-{
-	int			n = g->flight_n;
-
-	reply_init(out);
-	if (n == 0)
-		return;
-	g->flight_n = 0;
-	idemc_gate_collect(g, g->flight, n);
-	enter_reply(g, n, out);
 }
 
 void

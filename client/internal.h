@@ -132,16 +132,6 @@ int			idemc_gate_get_now(idem_gate *g, const char *key, char *buf,
 void		idemc_gate_enter(idem_gate *g, const char *key, const char *marker,
 							const char *lease_ms, const char *check_key,
 							const char *check_value, gate_reply *out);
-/* idemc_gate_enter in two steps, for a run that sends its claim before it
- * waits: _send returns 0 when the commands went (then _collect must come,
- * before any other command of this gate), -1 when they did not (the gate
- * is skipped); _collect reads the replies into out (key, marker, lease_ms,
- * check_key and check_value must live until then). */
-int			idemc_gate_enter_send(idem_gate *g, const char *key,
-								 const char *marker, const char *lease_ms,
-								 const char *check_key,
-								 const char *check_value);
-void		idemc_gate_enter_collect(idem_gate *g, gate_reply *out);
 /* GET of n keys and of check_key in one pipeline (per node on a cluster),
  * no marker: out[i] GATE_VALUE, GATE_ABSENT (nil), or GATE_SKIPPED;
  * *checked as out->checked above. */
@@ -469,8 +459,8 @@ struct idem_runner
 	char		retention_txt[32];	/* "<retention_ms> milliseconds", or "" */
 	int			lookup_first;	/* option; cleared if idem_lookup is refused */
 	int			gate_new_streak;	/* gates in a row that set our marker
-									 * (runner.c: the gate goes with the
-									 * claim past IDEM_GATE_WITH_CLAIM_AFTER) */
+									 * (run_full: no gate past
+									 * IDEM_NEW_KEYS_NO_GATE_AFTER) */
 	int			broken;			/* invalid options: every run fails */
 	uint64_t	token_counter;	/* markers made since token_base */
 	uint8_t		token_base[IDEM_TOKEN_LEN];	/* random, per runner and fork */

@@ -30,10 +30,11 @@
 
 /*
  * After this many gates in a row found the key absent (new keys), a run
- * whose delivery count is unknown sends its gate with its claim, in one
- * wait (run_full); the first gate that meets a value or a marker ends it.
+ * whose delivery count is unknown goes without the gate, as a first
+ * delivery does (run_full); the first claim that does not take its key (a
+ * duplicate) ends the stretch.
  */
-#define IDEM_GATE_WITH_CLAIM_AFTER 32
+#define IDEM_NEW_KEYS_NO_GATE_AFTER 32
 
 typedef struct run_state
 {
@@ -54,8 +55,6 @@ typedef struct run_state
 	int			marker_busy;	/* the gate met another run's marker */
 	int			marker_old;		/* ... older than IDEM_MARKER_CHEAP_MS:
 								 * PostgreSQL decides */
-	int			gate_flying;	/* the gate went with the claim: its reply
-								 * is still to be read (idemc_run_gate_collect) */
 	/* parameters as text */
 	char		tenant_txt[24];	/* of PostgreSQL's statements: params_key */
 } run_state;
@@ -72,8 +71,6 @@ extern void idemc_run_token(idem_runner *r, uint8_t tok[IDEM_TOKEN_LEN]);
 extern void idemc_run_release_marker(run_state *s);
 extern void idemc_run_leave_marker(run_state *s);
 extern int	idemc_run_gate(run_state *s);
-extern int	idemc_run_gate_send(run_state *s);
-extern void idemc_run_gate_collect(run_state *s);
 
 /* run_pg.c */
 extern int	idemc_run_param_digest(pg_cmd *c, int i, const uint8_t *digest);

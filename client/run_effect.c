@@ -368,8 +368,6 @@ pg_step(run_state *s, const idem_run_options *ro, const char *scope,
 		}
 		break;
 	}
-	/* a gate sent with the claim: its reply is in by now */
-	idemc_run_gate_collect(s);
 	/* an error of the handler's first statement is the handler's to
 	 * report (when the key is ours) */
 	if (o.rc != PG_OK && !(o.rc == PG_SERVER_ERROR && o.failed_cmd == 3))
@@ -554,7 +552,6 @@ apply_step(run_state *s, const idem_run_options *ro)
 	cmd.nparams = i;
 	idemc_pg_pipeline(pg, &cmd, 1, &o);
 	free(args);
-	idemc_run_gate_collect(s);	/* a gate sent with the claim */
 	if (o.rc != PG_OK)
 	{
 		idem_status st;

@@ -1,9 +1,8 @@
 /*
  * run_gate.c
- *	  Step 2 of a run (runner.c): the Valkey gate, one SET NX PX GET (or
- *	  sent beside the claim after new keys in a row), and the run's marker
- *	  (released by compare-and-delete, or left for the worker's copy to
- *	  overwrite).
+ *	  Step 2 of a run (runner.c): the Valkey gate, one SET NX PX GET, and
+ *	  the run's marker (released by compare-and-delete, or left for the
+ *	  worker's copy to overwrite).
  */
 #include "run.h"
 
@@ -69,13 +68,13 @@ gate_prepare(run_state *s)
 	return 1;
 }
 
-/* The gate's answer: counted towards IDEM_GATE_WITH_CLAIM_AFTER. */
+/* The gate's answer: counted towards IDEM_NEW_KEYS_NO_GATE_AFTER. */
 static void
 gate_streak(run_state *s, const gate_reply *g)
 {
 	if (g->answer == GATE_ACQUIRED)
 	{
-		if (s->r->gate_new_streak < IDEM_GATE_WITH_CLAIM_AFTER)
+		if (s->r->gate_new_streak < IDEM_NEW_KEYS_NO_GATE_AFTER)
 			s->r->gate_new_streak++;
 	}
 	else
@@ -178,59 +177,4 @@ idemc_run_gate(run_state *s)
 	}
 	free(g.value);
 	return decided;
-}
-
-/*
- * Step 2 sent with the claim (run_full): the gate's commands go now, their
- * replies are read once the claim's pipeline has answered
- * (idemc_run_gate_collect).  1 if sent.
- */
-int
-idemc_run_gate_send(run_state *s)
-{
-	if (!gate_prepare(s))
-		return 0;
-	if (idemc_gate_enter_send(s->r->gate, s->ckey, s->marker,
-							 s->r->lease_ms_txt, s->r->trust.owner_key,
-							 s->r->trust.owner_token) != 0)
-	{
-		s->r->stats.valkey_skipped++;
-		s->valkey_silent = 1;
-		return 0;
-	}
-	s->gate_flying = 1;
-	return 1;
-}
-
-/*
- * The reply of a gate sent with the claim.  PostgreSQL's claim decides the
- * run (as for a first delivery); the gate only says whether our marker is
- * set (then it is ours to leave or release, as after a gate of its own),
- * and a value or a marker met ends the streak.  The owner check counts as
- * after any gate.  Does nothing if no gate is in flight.
- */
-void
-idemc_run_gate_collect(run_state *s)
-{
-	gate_reply	g;
-
-	if (!s->gate_flying)
-		return;
-	s->gate_flying = 0;
-	idemc_gate_enter_collect(s->r->gate, &g);
-	gate_streak(s, &g);
-	idemc_health_owner(s->r, g.checked);
-	if (g.answer == GATE_ACQUIRED || g.answer == GATE_VALUE)
-	{
-		if (g.checked != GATE_CHECK_HOLDS)
-			idemc_trust_owner_mismatch(&s->r->trust, g.checked);
-		else
-			idemc_trust_owner_ok(&s->r->trust);
-		s->out->valkey_used = 1;
-		if (g.answer == GATE_ACQUIRED)
-			s->own_marker = 1;
-	}
-	else
-		s->r->stats.valkey_skipped++;
-	free(g.value);
 }

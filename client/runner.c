@@ -38,12 +38,12 @@
  *		 answering busy.  Any other run removes its marker by
  *		 compare-and-delete on its token.
  *
- *	  New keys in a row: after IDEM_GATE_WITH_CLAIM_AFTER gates in a row
- *	  that set their marker, a run of unknown delivery count sends step 2's
- *	  commands, then step 3b's first pipeline, and reads both answers in one
- *	  wait; the claim decides (as for a first delivery), the gate's reply
- *	  only says whether the marker is ours (step 4 as usual).  The first
- *	  value or marker a gate meets ends the stretch.
+ *	  New keys in a row: after IDEM_NEW_KEYS_NO_GATE_AFTER gates in a row
+ *	  that set their marker, a run of unknown delivery count skips step 2,
+ *	  as a first delivery does: no Valkey round trip, no marker, the claim
+ *	  decides.  The first claim that does not take its key (a duplicate:
+ *	  replay, busy or mismatch from PostgreSQL) ends the stretch, and the
+ *	  next runs go through the gate first again.
  *
  *	  Per-run options (idem_run_with): delivery_count 1 skips step 2 (the
  *	  claim guards a wrongly flagged duplicate); a redelivery (2 or more)
@@ -117,7 +117,6 @@ run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 	idem_run_options ro_full;
 	char		err[200];
 	idem_status st;
-	int			with_claim = 0;	/* the gate was tried with the claim */
 
 	idem_result_init(out);
 	memset(&s, 0, sizeof(s));
@@ -206,20 +205,22 @@ run_full(idem_runner *r, int is_platform, int64_t tenant_id, const char *scope,
 		r->stats.gate_skipped_first++;
 		st = idemc_run_effect(&s, ro, scope, id, handler, user_data);
 	}
-	else if ((with_claim = (ro == NULL || ro->delivery_count == 0) &&
-			  r->gate_new_streak >= IDEM_GATE_WITH_CLAIM_AFTER) &&
-			 idemc_run_gate_send(&s))
+	else if ((ro == NULL || ro->delivery_count == 0) && r->gate != NULL &&
+			 r->gate_new_streak >= IDEM_NEW_KEYS_NO_GATE_AFTER)
 	{
 		/*
-		 * New keys, run after run: the gate goes with the claim, and one
-		 * wait serves both.  PostgreSQL decides, as for a first delivery
-		 * (a duplicate is answered by the claim); the gate sets our marker
-		 * for the duplicates that come meanwhile.
+		 * New keys, run after run: no gate, as for a first delivery.  On a
+		 * new key the gate would only set a marker; a duplicate is
+		 * answered by the claim instead (replay, busy or mismatch, from
+		 * PostgreSQL), and that answer ends the stretch: the runs after
+		 * it go through the gate first again.
 		 */
+		r->stats.valkey_skipped++;
 		st = idemc_run_effect(&s, ro, scope, id, handler, user_data);
-		idemc_run_gate_collect(&s);	/* if the effect did not reach it */
+		if (out->source == IDEM_SOURCE_POSTGRES)
+			r->gate_new_streak = 0;
 	}
-	else if (!with_claim && idemc_run_gate(&s))
+	else if (idemc_run_gate(&s))
 	{
 		st = out->status;
 

@@ -462,23 +462,6 @@ idemc_gate_connect(idem_gate *g)
 		(void) idemc_gate_ensure(g);
 }
 
-/* A pipeline that got fewer replies than commands: the node failed or
- * hung; it rests (the router's), and it is said. */
-static void
-gate_answered(idem_gate *g, int got, int n)
-{
-	char		why[300];
-
-	if (got == n)
-	{
-		report(g, VALKEY_OK, NULL);
-		return;
-	}
-	snprintf(why, sizeof(why), "no answer in %d ms (%.250s)",
-			 g->command_timeout_ms, idem_vc_last_error(g->vc));
-	report(g, VALKEY_DOWN, why);
-}
-
 /*
  * Single-key commands in one round trip (cmds[i].key routes command i):
  * each node's share sent before any reply is read, one pipeline on a
@@ -486,54 +469,26 @@ gate_answered(idem_gate *g, int got, int n)
  * reply (the caller frees), or NULL if it has none (its node failed or
  * rests, or the deadline passed).
  */
-/* Before a pipeline: no replies yet; 0 if Valkey is open (counted). */
-static int
-gate_start(idem_gate *g, idem_vc_cmd *cmds, int n)
+void
+idemc_gate_pipeline(idem_gate *g, idem_vc_cmd *cmds, int n)
 {
 	int			i;
 
 	for (i = 0; i < n; i++)
 		cmds[i].reply = NULL;
 	if (n <= 0 || idemc_gate_ensure(g) != 0)
-		return -1;
-	g->round_trips++;
-	return 0;
-}
-
-void
-idemc_gate_pipeline(idem_gate *g, idem_vc_cmd *cmds, int n)
-{
-	if (gate_start(g, cmds, n) != 0)
 		return;
-	gate_answered(g, idem_vc_pipeline(g->vc, cmds, n,
-									  idemc_now_ms() + g->command_timeout_ms), n);
-}
-
-/*
- * idemc_gate_pipeline in two steps, for a caller that sends something
- * else (its PostgreSQL pipeline) before it waits: idemc_gate_send sends
- * the commands and returns 0 (then idemc_gate_collect must follow, with
- * the same cmds), or -1 when nothing was sent (no replies).
- */
-int
-idemc_gate_send(idem_gate *g, idem_vc_cmd *cmds, int n)
-{
-	if (gate_start(g, cmds, n) != 0)
-		return -1;
-	g->flight_deadline = idemc_now_ms() + g->command_timeout_ms;
-	if (idem_vc_send(g->vc, cmds, n, g->flight_deadline) != 0)
+	g->round_trips++;
+	if (idem_vc_pipeline(g->vc, cmds, n,
+						 idemc_now_ms() + g->command_timeout_ms) == n)
+		report(g, VALKEY_OK, NULL);
+	else
 	{
-		gate_answered(g, 0, n);
-		return -1;
+		char		why[300];
+
+		/* a node failed or hung: it rests (the router's), and it is said */
+		snprintf(why, sizeof(why), "no answer in %d ms (%.250s)",
+				 g->command_timeout_ms, idem_vc_last_error(g->vc));
+		report(g, VALKEY_DOWN, why);
 	}
-	return 0;
-}
-
-/* The replies of idemc_gate_send's commands, read before waiting. */
-void
-idemc_gate_collect(idem_gate *g, idem_vc_cmd *cmds, int n)
-{
-	int			got = idem_vc_collect(g->vc, cmds, n, g->flight_deadline, 1);
-
-	gate_answered(g, got < 0 ? 0 : got, n);
 }

@@ -35,16 +35,7 @@ struct idem_gate
 	int			reported;		/* a problem was reported since the last
 								 * answer: the next answer says it is over */
 	char		endpoint[IDEM_VC_HOST_MAX + 8];	/* "host:port" */
-	long		round_trips;	/* calls of idemc_gate_pipeline and
-								 * idemc_gate_send */
-	int64_t		flight_deadline;	/* idemc_gate_send's: its collect's */
-	/* idemc_gate_enter_send's commands, kept until idemc_gate_enter_collect */
-	const char *flight_set[7];
-	const char *flight_get[2];
-	idem_vc_cmd flight[2];
-	int			flight_n;		/* 0: none in flight */
-	const char *flight_marker;
-	const char *flight_check;
+	long		round_trips;	/* calls of idemc_gate_pipeline */
 	char		config_error[160];	/* non-empty: Valkey is not usable as
 									 * configured (valkey_db on a cluster) */
 };
@@ -52,8 +43,6 @@ struct idem_gate
 /* valkey_conn.c */
 int			idemc_gate_ensure(idem_gate *g);
 void		idemc_gate_pipeline(idem_gate *g, idem_vc_cmd *cmds, int n);
-int			idemc_gate_send(idem_gate *g, idem_vc_cmd *cmds, int n);
-void		idemc_gate_collect(idem_gate *g, idem_vc_cmd *cmds, int n);
 
 /* release.c: the compare-and-delete script, and its SHA-1 (its EVALSHA
  * name; every connection's setup checks it against what SCRIPT LOAD

@@ -2922,58 +2922,61 @@ cmd_scenario(void)
 		tap_skip_ext("Valkey pid unknown: slow/down tests");
 
 	/*
-	 * --- new keys in a row: the gate goes with the claim ---------------
-	 * After IDEM_GATE_WITH_CLAIM_AFTER (32) gates in a row that set their
-	 * marker, a run of unknown delivery count sends its gate with its
-	 * claim: PostgreSQL decides, the gate only sets the marker.
+	 * --- new keys in a row: no gate -----------------------------------
+	 * After IDEM_NEW_KEYS_NO_GATE_AFTER (32) gates in a row that set their
+	 * marker, a run of unknown delivery count skips the gate (no Valkey
+	 * round trip, no marker): PostgreSQL decides, as for a first delivery.
+	 * A duplicate answered by the claim ends the stretch.
 	 */
 	{
 		idem_runner *RC = idem_runner_open(E.pg, "127.0.0.1", E.valkey_port, NULL);
+		idem_runner_stats s0,
+					s1;
 		char		id[32];
 		int			i,
 					ok = 1;
 
+		idem_runner_stats_init(&s0);
+		idem_runner_stats_init(&s1);
 		memset(&h, 0, sizeof(h));
 		for (i = 0; i < 40; i++)
 		{
 			snprintf(id, sizeof(id), "wc%d", i);
+			if (i == 32)
+				idem_runner_get_stats(RC, &s0);
 			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
 			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) &&
-				res.valkey_used && effects_of(S, id) == 1 &&
+				res.valkey_used == (i < 32) && effects_of(S, id) == 1 &&
 				ledger_is(1, S, id, "completed 1");
 		}
-		tap_ok(ok && h.calls == 40,
-			   "40 new keys in a row, the last 8 with the gate beside the claim: each applied once, with Valkey (%s)",
-			   res_str(&res));
+		idem_runner_get_stats(RC, &s1);
+		tap_ok(ok && h.calls == 40 &&
+			   s1.valkey_round_trips == s0.valkey_round_trips &&
+			   s1.valkey_skipped - s0.valkey_skipped == 8,
+			   "40 new keys in a row, the last 8 without the gate (Valkey round trips %ld, skipped %ld): each applied once (%s)",
+			   s1.valkey_round_trips - s0.valkey_round_trips,
+			   s1.valkey_skipped - s0.valkey_skipped, res_str(&res));
 		cache_key_of(ck, sizeof(ck), 0, 1, S, "wc39");
 		await_worker_copy(ck, NULL, 3000);
 		tap_ok(cache_no_marker(0, 1, S, "wc39"),
-			   "the marker set beside the claim is replaced by the worker's copy");
-		/* another session holds a new key's claim (no marker): busy */
-		{
-			PGconn	   *holder = claim_holder(S, "wc-held");
-
-			idem_run(RC, 1, S, "wc-held", "{}", handler, &h, &res);
-			tap_ok(R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && h.calls == 40 &&
-				   effects_of(S, "wc-held") == 0 && cache_absent(0, 1, S, "wc-held"),
-				   "beside the claim, a key another session holds: busy from PostgreSQL, our marker released (%s)",
-				   res_str(&res));
-			pg_ok(holder, "ROLLBACK");
-			PQfinish(holder);
-		}
-		/* a duplicate: the claim answers it (the gate met the copy) ... */
+			   "the worker copies the result of a run without the gate");
+		/* a duplicate: the claim answers it ... */
 		worker_copy(0, 1, S, "wc38");
+		idem_runner_get_stats(RC, &s0);
 		idem_run(RC, 1, S, "wc38", "{}", handler, &h, &res);
+		idem_runner_get_stats(RC, &s1);
 		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_POSTGRES) && h.calls == 40 &&
-			   effects_of(S, "wc38") == 1,
-			   "a duplicate beside the claim: replay from PostgreSQL, effect once (%s)", res_str(&res));
-		/* ... and the runs after it go through the gate first again */
+			   effects_of(S, "wc38") == 1 &&
+			   s1.valkey_round_trips == s0.valkey_round_trips,
+			   "a duplicate in the stretch: replay from PostgreSQL, no Valkey round trip, effect once (%s)",
+			   res_str(&res));
+		/* ... and ends the stretch: the runs after it go through the gate */
 		worker_copy(0, 1, S, "wc37");
 		idem_run(RC, 1, S, "wc37", "{}", handler, &h, &res);
 		tap_ok(R_IS(res, IDEM_REPLAYED, IDEM_SOURCE_VALKEY) && h.calls == 40 &&
 			   effects_of(S, "wc37") == 1,
 			   "the next duplicate: replay from Valkey, no transaction (%s)", res_str(&res));
-		/* a failure beside the claim: recorded, the marker released */
+		/* 32 new keys again; then a key another session holds */
 		ok = 1;
 		for (i = 40; i < 72; i++)
 		{
@@ -2981,17 +2984,47 @@ cmd_scenario(void)
 			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
 			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
 		}
+		{
+			PGconn	   *holder = claim_holder(S, "wc-held");
+
+			idem_runner_get_stats(RC, &s0);
+			idem_run(RC, 1, S, "wc-held", "{}", handler, &h, &res);
+			idem_runner_get_stats(RC, &s1);
+			tap_ok(ok && R_IS(res, IDEM_BUSY, IDEM_SOURCE_POSTGRES) && h.calls == 72 &&
+				   effects_of(S, "wc-held") == 0 && cache_absent(0, 1, S, "wc-held") &&
+				   s1.valkey_round_trips == s0.valkey_round_trips,
+				   "in the stretch, a key another session holds: busy from PostgreSQL, no marker, no Valkey round trip (%s)",
+				   res_str(&res));
+			pg_ok(holder, "ROLLBACK");
+			PQfinish(holder);
+		}
+		/* busy ended the stretch too: the next new key has its gate */
+		idem_runner_get_stats(RC, &s0);
+		idem_run(RC, 1, S, "wc72", "{}", handler, &h, &res);
+		idem_runner_get_stats(RC, &s1);
+		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && res.valkey_used &&
+			   s1.valkey_round_trips == s0.valkey_round_trips + 1,
+			   "after a busy answer the next new key goes through the gate (%s)", res_str(&res));
+		/* a failure in the stretch: recorded; its redelivery applies */
+		ok = 1;
+		for (i = 73; i < 105; i++)
+		{
+			snprintf(id, sizeof(id), "wc%d", i);
+			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
+			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
+		}
 		h.mode = "retryable";
 		idem_run(RC, 1, S, "wc-fail", "{}", handler, &h, &res);
-		tap_ok(ok && res.status == IDEM_FAILED_RETRYABLE && h.calls == 73 &&
-			   ledger_is(1, S, "wc-fail", "failed_retryable 1") &&
+		tap_ok(ok && res.status == IDEM_FAILED_RETRYABLE && h.calls == 106 &&
+			   !res.valkey_used && ledger_is(1, S, "wc-fail", "failed_retryable 1") &&
 			   cache_absent(0, 1, S, "wc-fail"),
-			   "a retryable failure beside the claim: recorded, our marker released (%s)", res_str(&res));
+			   "a retryable failure in the stretch: recorded, nothing in Valkey (%s)", res_str(&res));
 		h.mode = NULL;
 		idem_run(RC, 1, S, "wc-fail", "{}", handler, &h, &res);
 		tap_ok(R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER) && res.attempt == 2 &&
-			   effects_of(S, "wc-fail") == 1 && ledger_is(1, S, "wc-fail", "completed 2"),
-			   "its redelivery: attempt 2 applied, effect once (%s)", res_str(&res));
+			   !res.valkey_used && effects_of(S, "wc-fail") == 1 &&
+			   ledger_is(1, S, "wc-fail", "completed 2"),
+			   "its redelivery, still in the stretch: attempt 2 applied, effect once (%s)", res_str(&res));
 		idem_runner_close(RC);
 	}
 

@@ -281,9 +281,9 @@ worker(int idx)
 		return 7;
 	/*
 	 * 32 new keys of its own first (another scope, no effect): the runner
-	 * then sends its gate beside the claim until a gate meets a value or a
-	 * marker, so the stream's first deliveries, and duplicates among them,
-	 * go that way.
+	 * then skips the gate until a claim answers a duplicate, so the
+	 * stream's first deliveries, and the first duplicate among them, go
+	 * that way.
 	 */
 	{
 		char		wscope[80],

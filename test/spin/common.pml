@@ -67,12 +67,10 @@
  *            is acknowledged without it, as an asynchronous commit is;
  *            the worker waits for the synchronous flush position (the
  *            same rule as STANDBY_SLOTS)
- *   FIRST_DELIVERY  the consumer may flag any delivery (duplicates
- *            included) as a first delivery: the runner skips the gate and
- *            claims directly (client/runner.c, delivery_count = 1)
- *   GATE_WITH_CLAIM  any delivery may send its gate beside its claim (the
- *            runner after new keys in a row, client/runner.c): the marker
- *            is set where the key is absent, and the claim decides
+ *   FIRST_DELIVERY  any delivery (duplicates included) may skip the gate
+ *            and claim directly: the consumer flags it as a first delivery
+ *            (delivery_count = 1), or the runner is in a stretch of new
+ *            keys (client/runner.c run_full)
  *   REWIND      (with DURABILITY) the server's history goes back: a base
  *            backup or copy of the data directory (what was flushed when
  *            it was taken) is started later, as it is, in place of the
@@ -341,19 +339,8 @@ inline gate_step(me)
 	:: atomic { !vk_up -> res = R_GO; silent = true }
 #ifdef FIRST_DELIVERY
 	:: res = R_GO   /* the consumer says "first delivery" (rightly or
-	                 * not): no gate, no marker; the claim decides */
-#endif
-#ifdef GATE_WITH_CLAIM
-	:: atomic { vk_up && !STALE_NS(me) ->
-		/* the gate sent beside the claim (client/runner.c, after new keys
-		 * in a row): whatever it meets, the claim decides; the gate only
-		 * sets our marker where the key is absent (then ours to leave or
-		 * release as after any gate) */
-		if
-		:: vk_kind == V_NONE -> SET_MARK(me); marked = true
-		:: else -> skip
-		fi;
-		res = R_GO }
+	                 * not), or the runner's gates met new keys run after
+	                 * run: no gate, no marker; the claim decides */
 #endif
 	fi
 }

@@ -31,18 +31,27 @@ INT32_MAX = 2147483647
 EXPIRES_MAX = 9007199254740992          # 2^53
 REST_OFFSET = 5 + 1 + 2 * MAC_LEN + 1   # after "idem2 " + 64 hex + " "
 _TAG = VERSION_TAG + b" "
+_hexlify = binascii.hexlify
+_unhex = binascii.unhexlify      # of lower-case hex digits (_VALUE matched them)
+_compare = hmac.compare_digest
 
 COMPLETED = "c"
 FAILED_PERMANENT = "f"
 MARKER = "p"
 
+def key_prefix(keyspace: str, tenant_id: Optional[int]) -> bytes:
+    """What the Valkey key of a ledger row has before its key's hex digits
+    (the same for every key of one tenant); tenant_id None: platform."""
+    if tenant_id is None:
+        return ("%sp:" % keyspace).encode("ascii")
+    return ("%st:%d:" % (keyspace, int(tenant_id))).encode("ascii")
+
+
 def cache_key(keyspace: str, tenant_id: Optional[int], key: bytes) -> bytes:
     """The Valkey key of a ledger row (bytes); tenant_id None: platform."""
     if len(key) != DIGEST_LEN:
         raise ValueError("a key is 32 bytes")
-    if tenant_id is None:
-        return ("%sp:%s" % (keyspace, key.hex())).encode("ascii")
-    return ("%st:%d:%s" % (keyspace, int(tenant_id), key.hex())).encode("ascii")
+    return key_prefix(keyspace, tenant_id) + _hexlify(key)
 
 
 def owner_ok(keyspace: str, owner_key: Optional[str], owner_token: Optional[str]) -> bool:
@@ -57,33 +66,54 @@ def owner_ok(keyspace: str, owner_key: Optional[str], owner_token: Optional[str]
             len(owner_token) == 16 and set(owner_token) <= set("0123456789abcdef"))
 
 
-# HMAC-SHA-256's inner and outer hashes after the key block, per secret
-# (RFC 2104): a MAC then costs two copies and two short hashes, not the
-# key's setup each time.  Secrets are few (the current one, the previous).
-_PADS: Dict[bytes, Tuple["hashlib._Hash", "hashlib._Hash"]] = {}
+class Signer:
+    """HMAC-SHA-256 with one secret over <full key> 0x00 <rest> (RFC
+    2104), and the values it signs: its inner and outer hashes after the
+    key block are made once, so that a MAC costs two copies and two short
+    hashes, not the key's setup each time.  One per secret (signer_of)."""
+    __slots__ = ("inner", "outer")
 
-
-def _pads(secret: bytes) -> Tuple["hashlib._Hash", "hashlib._Hash"]:
-    pads = _PADS.get(secret)
-    if pads is None:
+    def __init__(self, secret: bytes) -> None:
         block = (hashlib.sha256(secret).digest() if len(secret) > 64 else secret).ljust(64, b"\0")
-        pads = (hashlib.sha256(bytes(b ^ 0x36 for b in block)),
-                hashlib.sha256(bytes(b ^ 0x5c for b in block)))
-        if len(_PADS) >= 64:
-            _PADS.clear()
-        _PADS[secret] = pads
-    return pads
+        self.inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self.outer = hashlib.sha256(bytes(b ^ 0x5c for b in block))
+
+    def mac(self, full_key: bytes, rest: bytes) -> bytes:
+        """The MAC of rest under full_key (32 bytes)."""
+        h = self.inner.copy()
+        h.update(full_key + b"\x00" + rest)
+        o = self.outer.copy()
+        o.update(h.digest())
+        mac: bytes = o.digest()
+        return mac
+
+    def sign(self, full_key: bytes, rest: bytes) -> bytes:
+        """The value: the version tag, rest's MAC in hex, rest."""
+        return _TAG + _hexlify(self.mac(full_key, rest)) + b" " + rest
+
+    def verifies(self, full_key: bytes, value: bytes, mac_hex: bytes) -> bool:
+        """Does value (an idem2 value) carry mac_hex, its rest's MAC in hex?"""
+        return _compare(_hexlify(self.mac(full_key, value[REST_OFFSET:])), mac_hex)
+
+
+# Secrets are few (the current one, the previous): their signers are kept.
+_SIGNERS: Dict[bytes, Signer] = {}
+
+
+def signer_of(secret: bytes) -> Signer:
+    """The Signer of secret."""
+    s = _SIGNERS.get(secret)
+    if s is None:
+        s = Signer(secret)
+        if len(_SIGNERS) >= 64:
+            _SIGNERS.clear()
+        _SIGNERS[secret] = s
+    return s
 
 
 def _rest_mac(secret: bytes, full_key: bytes, rest: bytes) -> bytes:
     """HMAC-SHA-256 over <full key> 0x00 <rest>."""
-    inner, outer = _PADS.get(secret) or _pads(secret)
-    h = inner.copy()
-    h.update(full_key + b"\x00" + rest)
-    o = outer.copy()
-    o.update(h.digest())
-    mac: bytes = o.digest()
-    return mac
+    return signer_of(secret).mac(full_key, rest)
 
 
 def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
@@ -93,7 +123,12 @@ def compute_mac(secret: bytes, full_key: bytes, value: bytes) -> bytes:
 
 def _with_mac(secret: bytes, full_key: bytes, rest: bytes) -> bytes:
     """The value: the version tag, rest's MAC in hex, rest."""
-    return _TAG + _rest_mac(secret, full_key, rest).hex().encode("ascii") + b" " + rest
+    return signer_of(secret).sign(full_key, rest)
+
+
+def marker_rest(key_id: int, expires_ms: int, token_hex: bytes) -> bytes:
+    """A marker's rest: key id, "p", its deadline, its token in hex."""
+    return b"%d p %d %s" % (key_id, expires_ms, token_hex)
 
 
 def encode_marker(secret: bytes, key_id: int, full_key: bytes, expires_ms: int,
@@ -102,8 +137,7 @@ def encode_marker(secret: bytes, key_id: int, full_key: bytes, expires_ms: int,
     if not (0 < key_id <= KEY_ID_MAX) or not (0 <= expires_ms <= EXPIRES_MAX) \
             or len(token) != TOKEN_LEN:
         raise ValueError("bad marker fields")
-    return _with_mac(secret, full_key, b"%d p %d %s" % (key_id, expires_ms,
-                                                         token.hex().encode("ascii")))
+    return _with_mac(secret, full_key, marker_rest(key_id, expires_ms, _hexlify(token)))
 
 
 def encode_terminal(secret: bytes, key_id: int, full_key: bytes, kind: str, attempt: int,
@@ -157,7 +191,6 @@ _VALUE = re.compile(
 
 
 _KINDS = {b"c": COMPLETED, b"f": FAILED_PERMANENT}
-_unhex = binascii.unhexlify      # of lower-case hex digits (_VALUE matched them)
 
 
 def parse(value: bytes) -> Optional[Entry]:
@@ -186,5 +219,4 @@ def verify(secrets: Dict[int, bytes], full_key: bytes, value: bytes, entry: Entr
     secret = secrets.get(entry.key_id)
     if secret is None:
         return False
-    return hmac.compare_digest(_rest_mac(secret, full_key, bytes(value[REST_OFFSET:])),
-                               entry.mac)
+    return _compare(_rest_mac(secret, full_key, bytes(value[REST_OFFSET:])), entry.mac)

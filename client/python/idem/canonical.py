@@ -21,7 +21,7 @@ import hashlib
 import json
 import re
 import struct
-from typing import Any, Dict, List, NoReturn, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 MAX_DEPTH = 512                 # as the C client: deeper nesting is refused
 NUMERIC_DSCALE_MAX = 16383
@@ -154,14 +154,33 @@ class _Other(Exception):
     """_direct met what only json.dumps knows how to serialise."""
 
 
+# A dict key's (length in UTF-8, UTF-8, canonical text or None if it has
+# none: _string raises, in the keys' order), for _direct, kept for the
+# keys met (a request's keys are few and repeat).
+_KEYS: Dict[str, Tuple[int, bytes, Optional[str]]] = {}
+
+
+def _key(k: str) -> Tuple[int, bytes, Optional[str]]:
+    e = _KEYS.get(k)
+    if e is None:
+        kb = k.encode("utf-8", "surrogatepass")
+        try:
+            text: Optional[str] = _string(k)
+        except RequestError:
+            text = None
+        e = (len(kb), kb, text)
+        if len(_KEYS) >= 4096:
+            _KEYS.clear()
+        _KEYS[k] = e
+    return e
+
+
 def _direct(v: Any, depth: int) -> str:
     """The canonical text of a value json.loads could have made (dict with
     str keys, list, str, int, float, bool, None, _Canon), straight from it:
     what _object and _emit print for json.loads(json.dumps(v)).  Anything
     else (a tuple, a subclass, a key that is not a str...) raises _Other."""
     t = type(v)
-    if t is str or t is bool or v is None or t is _Canon:
-        return _emit(v)
     if t is dict:
         if depth >= MAX_DEPTH:
             raise _Other
@@ -169,13 +188,18 @@ def _direct(v: Any, depth: int) -> str:
         for k, x in v.items():
             if type(k) is not str:
                 raise _Other
-            kb = k.encode("utf-8", "surrogatepass")
-            enc.append((len(kb), kb, k, x))
+            enc.append((_key(k), k, x))
         # by length, then bytes: distinct keys differ there, so the sort
         # never compares the rest of a tuple
         enc.sort()
-        return "{" + ", ".join([_string(e[2]) + ": " + _direct(e[3], depth + 1)
-                                for e in enc]) + "}"
+        parts = []
+        for e, k, x in enc:     # a loop, not a generator: one frame per level
+            t = type(x)
+            parts.append((e[2] or _string(k)) + ": " + (
+                str(x) if t is int else _string(x) if t is str else _direct(x, depth + 1)))
+        return "{" + ", ".join(parts) + "}"
+    if t is str or t is bool or v is None or t is _Canon:
+        return _emit(v)
     if t is int:
         return str(v)       # ValueError past Python's digit limit: the long way
     if t is list:
@@ -197,12 +221,13 @@ def canonical_json(request: Any) -> str:
     None; NaN and infinities refused).  Raises RequestError for anything
     jsonb would refuse.
     """
-    if isinstance(request, (bytes, bytearray, memoryview)):
+    plain = type(request) is dict       # the common request, first
+    if not plain and isinstance(request, (bytes, bytearray, memoryview)):
         try:
             text = bytes(request).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError("request is not valid UTF-8: %s" % e) from None
-    elif isinstance(request, str):
+    elif not plain and isinstance(request, str):
         text = request
     else:
         # the common request, a dict of plain values: printed directly, as
@@ -258,14 +283,28 @@ def _text_bytes(s: Any, what: str) -> bytes:
         raise ValueError("%s is not valid Unicode (a lone surrogate)" % what) from None
 
 
+# Each scope's hash after its length and text (idem_key), kept for the
+# scopes met (a program has few).
+_SCOPES: Dict[str, "hashlib._Hash"] = {}
+
+
 def idem_key(scope: str, id: str) -> bytes:
     """SQL ``idem_key(scope, id)``: 32 bytes."""
-    if type(scope) is str and type(id) is str and scope.isascii() and id.isascii() and \
-            "\x00" not in scope and "\x00" not in id:
-        a, b = scope.encode("ascii"), id.encode("ascii")    # _text_bytes's common text
-    else:
-        a, b = _text_bytes(scope, "scope"), _text_bytes(id, "id")
-    return hashlib.sha256(_be32(len(a)) + a + _be32(len(b)) + b).digest()
+    if type(id) is str and id.isascii() and "\x00" not in id:
+        h = _SCOPES.get(scope) if type(scope) is str else None
+        if h is not None:
+            b = id.encode("ascii")      # _text_bytes's common text
+            h = h.copy()
+            h.update(_be32(len(b)) + b)
+            return h.digest()
+    a, b = _text_bytes(scope, "scope"), _text_bytes(id, "id")
+    h = hashlib.sha256(_be32(len(a)) + a)
+    if type(scope) is str:
+        if len(_SCOPES) >= 1024:
+            _SCOPES.clear()
+        _SCOPES[scope] = h.copy()
+    h.update(_be32(len(b)) + b)
+    return h.digest()
 
 
 _be32 = struct.Struct(">I").pack

@@ -30,21 +30,31 @@ def plain(client: Any) -> bool:
     return isinstance(client, _Redis)
 
 
+def _bulk(a: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(a), a)
+
+
 def pack(*args: bytes) -> bytes:
     """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
+    return b"*%d\r\n" % len(args) + b"".join([_bulk(a) for a in args])
 
 
-def gate(key: bytes, marker: bytes, lease_ms: int, owner_key: bytes) -> bytes:
-    """The gate's two commands (run.py), as pack would print them:
-    SET key marker NX PX lease_ms GET, and GET owner_key."""
-    lease = b"%d" % lease_ms
-    return b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n" \
-        b"$%d\r\n%s\r\n$3\r\nGET\r\n*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (
-            len(key), key, len(marker), marker, len(lease), lease, len(owner_key), owner_key)
+class Gate:
+    """The gate's two commands (run.py) with one lease and owner key, as
+    pack prints them: SET key marker NX PX lease_ms GET, and GET
+    owner_key.  What is the same for every run is packed once."""
+    __slots__ = ("lease_ms", "owner_key", "tail")
+
+    def __init__(self, lease_ms: int, owner_key: bytes) -> None:
+        self.lease_ms, self.owner_key = lease_ms, owner_key
+        # after SET's key and marker
+        self.tail = b"".join([_bulk(a) for a in (b"NX", b"PX", b"%d" % lease_ms, b"GET")]) + \
+            pack(b"GET", owner_key)
+
+    def pack(self, key: bytes, marker: bytes) -> bytes:
+        """The two commands for key and marker."""
+        return b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (
+            len(key), key, len(marker), marker, self.tail)
 
 
 class Reader:
@@ -220,39 +230,43 @@ class _Conn:
             pass
 
     def exchange(self, packed: bytes, replies: int) -> List[Any]:
-        rex, sock, reader = self.rex, self.sock, self.reader
+        sock, reader = self.sock, self.reader
         fresh, self.fresh = self.fresh, False
         try:
             sock.sendall(packed)
         except (socket.timeout, BlockingIOError):
-            raise rex.TimeoutError("Timeout writing to socket") from None
+            raise self.rex.TimeoutError("Timeout writing to socket") from None
         except OSError as e:
-            err = rex.ConnectionError("Error %s while writing to socket. %s." % (
+            err = self.rex.ConnectionError("Error %s while writing to socket. %s." % (
                 e.errno, e.strerror))
             raise err if fresh else _Lost(err) from None
         out: List[Any] = []
         got = False
-        r: Any = False          # nothing read yet: the replies are not in
         while True:
-            if r is False:
-                try:
-                    n = sock.recv_into(self.buf)
-                except (socket.timeout, BlockingIOError):
-                    raise rex.TimeoutError("Timeout reading from %s" % self.where) from None
-                except OSError as e:
-                    err = rex.ConnectionError("Error while reading from %s : %s" % (
-                        self.where, e.args))
-                    raise err if fresh or got else _Lost(err) from None
-                if n == 0:
-                    err = rex.ConnectionError("Connection closed by server.")
-                    raise err if fresh or got else _Lost(err)
-                got = True
-                reader.feed(self.buf, 0, n)
-            else:
-                if type(r) is not bytes and r is not None and isinstance(r, rex.RedisError) \
-                        and not isinstance(r, rex.ResponseError):
-                    raise r         # NOAUTH, LOADING...: as redis-py raises them
+            try:
+                n = sock.recv_into(self.buf)
+            except (socket.timeout, BlockingIOError):
+                raise self.rex.TimeoutError("Timeout reading from %s" % self.where) from None
+            except OSError as e:
+                err = self.rex.ConnectionError("Error while reading from %s : %s" % (
+                    self.where, e.args))
+                raise err if fresh or got else _Lost(err) from None
+            if n == 0:
+                err = self.rex.ConnectionError("Connection closed by server.")
+                raise err if fresh or got else _Lost(err)
+            got = True
+            reader.feed(self.buf, 0, n)
+            r = reader.gets()
+            while r is not False:       # False: not whole yet, read more
+                if type(r) is not bytes and r is not None:
+                    self._check(r)
                 out.append(r)
                 if len(out) == replies:
                     return out
-            r = reader.gets()
+                r = reader.gets()
+
+    def _check(self, r: Any) -> None:
+        """A reply other than a value: raised if an error redis-py raises
+        (NOAUTH, LOADING...), not if an error reply a pipeline returns."""
+        if isinstance(r, self.rex.RedisError) and not isinstance(r, self.rex.ResponseError):
+            raise r

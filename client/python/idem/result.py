@@ -148,7 +148,7 @@ class RetryableFailure(Failure):
 def _make_run(cls: Type[R], tenant_id: Any, scope: str, run_id: str, request: Any) -> R:
     """A Run (or subclass) for one delivery: its key, canonical request and
     fingerprint."""
-    if tenant_id is not None:
+    if tenant_id is not None and type(tenant_id) is not int:
         try:
             tenant_id = int(tenant_id)
         except (TypeError, ValueError):

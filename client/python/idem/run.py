@@ -5,7 +5,6 @@ committed with the effect.  apply.py and lease.py subclass it for their
 own step 3b; the Runner (runner.py) hands it its Valkey client and the
 session's state."""
 import binascii
-import hmac
 import json
 import os
 import time
@@ -41,15 +40,30 @@ _UNENTERED = _ConnState(0)
 
 WHOSE_TX = "the run's transaction is the effect's, begun and committed by the runner"
 _IDLE = TransactionStatus.IDLE
+_Connection = psycopg.Connection
 # _gate_direct's answer for a replay it decided; and what it calls
 _REPLAYED: Gate = tuple([True, False, False, False])   # type: ignore[assignment]
 _hexlify = binascii.hexlify
 _unhex = binascii.unhexlify
-_compare = hmac.compare_digest
 _match = cache._VALUE.match
+_INT32_MAX, _EXPIRES_MAX, _OUTCOME_MAX = cache.INT32_MAX, cache.EXPIRES_MAX, cache.OUTCOME_MAX
 _monotonic = time.monotonic
 _time = time.time
 _urandom = os.urandom
+# Markers' tokens in hex (16 random bytes each), drawn 64 at a time; a
+# forked child draws its own.
+_tokens: List[bytes] = []
+os.register_at_fork(after_in_child=_tokens.clear)
+
+
+def _token() -> bytes:
+    """A fresh marker token in hex."""
+    try:
+        return _tokens.pop()
+    except IndexError:
+        pool = _hexlify(_urandom(16 * 64))
+        _tokens.extend([pool[i:i + 32] for i in range(32, len(pool), 32)])
+        return pool[:32]
 
 # How long another run's marker answers its duplicates "busy" from Valkey
 # alone; after that the claim decides (a dead runner's marker).
@@ -78,27 +92,34 @@ class _RunContext:
     # ours to release; whether the run's transaction is open
     ckey = b""
     marker = b""
+    packed = b""        # the gate's commands in RESP (_marker)
     own_marker = False
     tx_open = False
+    st = _UNENTERED     # the session's, once entered
+    # the block's first statement and its parameters, if given
+    first_sql: Optional[str] = None
+    first_params: Optional[Sequence[Any]] = None
 
     def __init__(self, runner: RunnerCore, conn: Conn, tenant_id: Optional[int], scope: str,
                  run_id: str, request: Any, *, delivery_count: int = 0,
                  first_sql: Optional[str] = None,
                  first_params: Optional[Sequence[Any]] = None, durable: bool = False) -> None:
-        _check_conn(conn, self.asynchronous)
+        if type(conn) is not _Connection or self.asynchronous:
+            _check_conn(conn, self.asynchronous)
         self.r = runner
         self.conn = conn
         self.durable = bool(durable)
-        dc = -1 if delivery_count is None else int(delivery_count)
+        dc = delivery_count if type(delivery_count) is int else \
+            -1 if delivery_count is None else int(delivery_count)
         if dc < 0:
             raise IdemError("argument", "delivery_count must be 0 (unknown) or positive")
         self.delivery_count = dc
-        if first_sql is not None and (not isinstance(first_sql, str) or not first_sql.strip()):
-            raise IdemError("argument", "first_sql must be a non-empty statement")
-        self.first_sql = first_sql
-        self.first_params = first_params
+        if first_sql is not None:
+            if not isinstance(first_sql, str) or not first_sql.strip():
+                raise IdemError("argument", "first_sql must be a non-empty statement")
+            self.first_sql = first_sql
+            self.first_params = first_params
         self.run = _make_run(self.run_class, tenant_id, scope, run_id, request)
-        self.st = _UNENTERED        # the session's, once entered
 
     # -- SQL --
     def _sql(self, name: str) -> str:
@@ -148,18 +169,27 @@ class _RunContext:
             self.r._release(self.ckey, self.marker)
 
     # -- step 2: the gate --
+    def _marker(self, st: _ConnState, current: int) -> bytes:
+        """Our marker (ckey, marker), from the session's learnt state
+        (its key prefix and the current secret's Signer), and the gate's
+        two commands in RESP to send it."""
+        run = self.run
+        lease_ms = self.r.lease_ms
+        self.ckey = ckey = st.key_prefix(run.tenant_id) + _hexlify(run.key)
+        self.marker = marker = st.signers[current].sign(ckey, cache.marker_rest(
+            current, int(_time() * 1000) + lease_ms, _token()))
+        return st.gate_of(lease_ms).pack(ckey, marker)
+
     def _gate_marker(self) -> Optional[Gate]:
         """Before the gate: its answer if there is no asking Valkey, else
-        None, our marker made (ckey, marker)."""
-        r, run = self.r, self.run
+        None, our marker made (ckey, marker, packed: _marker)."""
+        r, st = self.r, self.st
         if not r._valkey_ok():
             return False, r.valkey is not None, False, False
-        current = self.st.current
-        if self.st.keyspace is None or current is None or self.st.owner_suspect:
+        current = st.current
+        if st.keyspace is None or current is None or st.owner_suspect:
             return False, False, False, False
-        self.ckey = cache.cache_key(self.st.keyspace, run.tenant_id, run.key)
-        self.marker = cache.encode_marker(self.st.secrets[current], current,
-                                          self.ckey, _wall_ms() + r.lease_ms, os.urandom(16))
+        self.packed = self._marker(st, current)
         return None
 
     def _gate(self) -> Gate:
@@ -167,9 +197,7 @@ class _RunContext:
         early = self._gate_marker()
         if early is not None:
             return early
-        r = self.r
-        packed = resp.gate(self.ckey, self.marker, r.lease_ms, self.st.owner_key or b"")
-        return self._gate_answer(r._round_trip(self._gate_commands, (packed, 2)))
+        return self._gate_answer(self.r._round_trip(self._gate_commands, (self.packed, 2)))
 
     def _gate_direct(self) -> Optional[Gate]:
         """_gate, flattened for the common case: a plain Valkey on the
@@ -180,30 +208,12 @@ class _RunContext:
         replies.  None: not the common case, _gate decides."""
         r, st = self.r, self.st
         direct = r._direct
-        ks, current = st.keyspace, st.current
-        if direct is None or ks is None or current is None or st.owner_suspect or \
+        current = st.current
+        if direct is None or current is None or st.keyspace is None or st.owner_suspect or \
                 direct.client is not r.valkey or not r._cluster_checked or \
-                r._rest_until > _monotonic():
+                (r._rest_until and r._rest_until > _monotonic()):
             return None
-        run = self.run
-        tenant, key, lease_ms = run.tenant_id, run.key, r.lease_ms
-        # cache.cache_key, cache.encode_marker and resp.gate
-        self.ckey = ckey = (("%sp:%s" % (ks, key.hex())) if tenant is None else
-                            ("%st:%d:%s" % (ks, tenant, key.hex()))).encode("ascii")
-        rest = b"%d p %d %s" % (current, int(_time() * 1000) + lease_ms, _hexlify(_urandom(16)))
-        secrets = st.secrets
-        secret = secrets[current]
-        inner, outer = cache._PADS.get(secret) or cache._pads(secret)
-        h = inner.copy()
-        h.update(ckey + b"\x00" + rest)
-        o = outer.copy()
-        o.update(h.digest())
-        self.marker = marker = b"idem2 " + _hexlify(o.digest()) + b" " + rest
-        owner_key = st.owner_key or b""
-        lease = b"%d" % lease_ms
-        packed = b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n" \
-            b"$%d\r\n%s\r\n$3\r\nGET\r\n*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (
-                len(ckey), ckey, len(marker), marker, len(lease), lease, len(owner_key), owner_key)
+        packed = self._marker(st, current)
         try:
             replies: Optional[List[Any]] = direct.exchange(packed, 2)
         except Exception as e:
@@ -221,20 +231,15 @@ class _RunContext:
             health.owner_bad_since is not None else _match(value)
         if m is None:
             return self._gate_answer(replies)
-        mac, key_id, _, _, kind, attempt, expires, fp, outcome = m.groups()
+        mac, key_id, _, _, kind, attempt_text, expires, fp, outcome = m.groups()
         if kind is None:
             return self._gate_answer(replies)       # a marker
-        vsecret = secrets.get(int(key_id))
-        if vsecret is None or int(attempt) > cache.INT32_MAX or \
-                int(expires) > cache.EXPIRES_MAX or len(outcome) > cache.OUTCOME_MAX or \
-                _unhex(fp) != run.fingerprint:
-            return self._gate_answer(replies)
-        inner, outer = cache._PADS.get(vsecret) or cache._pads(vsecret)
-        h = inner.copy()
-        h.update(ckey + b"\x00" + value[cache.REST_OFFSET:])
-        o = outer.copy()
-        o.update(h.digest())
-        if not _compare(_hexlify(o.digest()), mac) or int(expires) <= int(_time() * 1000):
+        run = self.run
+        signer = st.signers.get(int(key_id))
+        attempt, expires_ms = int(attempt_text), int(expires)
+        if signer is None or attempt > _INT32_MAX or expires_ms > _EXPIRES_MAX or \
+                len(outcome) > _OUTCOME_MAX or _unhex(fp) != run.fingerprint or \
+                expires_ms <= int(_time() * 1000) or not signer.verifies(self.ckey, value, mac):
             return self._gate_answer(replies)
         try:
             run.outcome = _json_object(outcome.decode("utf-8"))
@@ -244,7 +249,7 @@ class _RunContext:
         run.valkey_used = True
         run.status = REPLAYED if kind == b"c" else FAILED_PERMANENT
         run.source = SOURCE_VALKEY
-        run.attempt = int(attempt)
+        run.attempt = attempt
         r.stats["replayed_from_valkey"] += 1
         return _REPLAYED
 
@@ -498,10 +503,12 @@ class _RunContext:
         run can have committed this key, so the gate could only answer
         "absent"; the claim decides."""
         r = self.r
-        r.stats["runs"] += 1
-        skip_gate = self.delivery_count == 1 and r.valkey is not None
-        r.stats["gate_skipped_first"] += skip_gate
-        return skip_gate
+        stats = r.stats
+        stats["runs"] += 1
+        if self.delivery_count == 1 and r.valkey is not None:
+            stats["gate_skipped_first"] += 1
+            return True
+        return False
 
     def _after_gate(self, gate: Gate) -> str:
         """What follows the gate: "done", "lookup" (a committed run's

@@ -6,7 +6,7 @@ wall clock a value's deadline is read against."""
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import cache
+from . import cache, resp
 
 
 def _wall_ms() -> int:
@@ -22,6 +22,12 @@ class _ConnState:
         self.keyspace: Optional[str] = None    # None: no cache on this connection
         self.secrets: Dict[int, bytes] = {}
         self.current: Optional[int] = None
+        # made from the above once, for every gate of the session (run.py):
+        # each secret's cache.Signer by key id, each tenant's key prefix
+        # (cache.key_prefix), the gate's RESP with the runner's lease
+        self.signers: Dict[int, cache.Signer] = {}
+        self.prefixes: Dict[Optional[int], bytes] = {}
+        self.gate: Optional[resp.Gate] = None
         self.learnt: Optional[float] = None    # monotonic time of the last learning
         self.refresh_wanted = False
         # the history epoch's owner key and the token it holds while the
@@ -44,6 +50,7 @@ class _ConnState:
         """No cache on this session (until learnt again, in a second if
         retry_soon)."""
         self.keyspace, self.secrets, self.current = None, {}, None
+        self.signers, self.prefixes, self.gate = {}, {}, None
         self.refresh_wanted = retry_soon
 
     def adopt(self, keyspace: Optional[str], rows: List[Tuple[Any, ...]]) -> None:
@@ -69,6 +76,26 @@ class _ConnState:
             return
         self.keyspace, self.secrets, self.current = keyspace, secrets, current
         self.owner_key, self.owner_token = owner[0].encode("ascii"), owner[1].encode("ascii")
+        self.signers = {k: cache.signer_of(v) for k, v in secrets.items()}
+        self.prefixes, self.gate = {}, None
+
+    def key_prefix(self, tenant_id: Optional[int]) -> bytes:
+        """cache.key_prefix in this session's keyspace (learnt), kept."""
+        p = self.prefixes.get(tenant_id)
+        if p is None:
+            assert self.keyspace is not None
+            p = cache.key_prefix(self.keyspace, tenant_id)
+            if len(self.prefixes) >= 1024:
+                self.prefixes.clear()
+            self.prefixes[tenant_id] = p
+        return p
+
+    def gate_of(self, lease_ms: int) -> resp.Gate:
+        """The gate's RESP (resp.Gate) with lease_ms and the owner key, kept."""
+        g = self.gate
+        if g is None or g.lease_ms != lease_ms:
+            g = self.gate = resp.Gate(lease_ms, self.owner_key or b"")
+        return g
 
     def judge(self, owner: Any, reads: List[Tuple[bytes, Any]], lease_ms: int,
               stats: Dict[str, int]) -> Tuple[bool, List[Optional[cache.Entry]]]:

@@ -163,6 +163,40 @@ def c_string(source, name):
     return codecs.decode("".join(parts), "unicode_escape").encode("latin-1")
 
 
+class GateBytes(unittest.TestCase):
+    def test_gate_as_redis_py_packs_it(self):
+        """the gate's two commands (resp.Gate, made once per lease and owner key) are the bytes redis-py's pipeline sends for them, and its marker is encode_marker's"""
+        from redis.connection import Connection
+        from idem import resp
+        conn = Connection()
+        for lease_ms, owner in ((30000, b"idem:1:owner"), (1, b"o"), (2147483647, b"x" * 300)):
+            gate = resp.Gate(lease_ms, owner)
+            for key, token in ((KEY, bytes(16)), (b"ks:p:" + b"0" * 64, bytes(range(16)))):
+                marker = cache.signer_of(SECRET).sign(
+                    key, cache.marker_rest(3, 1700000000000 + lease_ms, token.hex().encode()))
+                self.assertEqual(marker, cache.encode_marker(SECRET, 3, key, 1700000000000 + lease_ms,
+                                                             token))
+                want = b"".join(conn.pack_command("SET", key, marker, "NX", "PX", str(lease_ms),
+                                                  "GET") + conn.pack_command("GET", owner))
+                self.assertEqual(gate.pack(key, marker), want)
+                self.assertEqual(resp.pack(b"GET", owner), b"".join(conn.pack_command("GET", owner)))
+
+    def test_kept_state_changes_nothing(self):
+        """what canonical JSON and the key keep between calls (a key's text, a scope's hash) gives what a first call gives, errors included, in jsonb's key order"""
+        from idem import canonical
+        for _ in range(2):
+            self.assertEqual(canonical_json({"b": 1, "aa": "x", "a": [True, None]}),
+                             '{"a": [true, null], "b": 1, "aa": "x"}')
+            self.assertEqual(idem_key("scope", "id"), hashlib.sha256(
+                b"\x00\x00\x00\x05scope\x00\x00\x00\x02id").digest())
+            # "a\x00" (2 bytes) comes before "\ud800" (3 bytes): its error is the one told
+            for req in ({"\ud800": 1, "a\x00": 2}, {"a\x00": 2, "\ud800": 1}):
+                with self.assertRaisesRegex(RequestError, "u0000"):
+                    canonical_json(req)
+        canonical._KEYS.clear()
+        canonical._SCOPES.clear()
+
+
 class SharedWithC(unittest.TestCase):
     def test_release_script(self):
         """the marker's compare-and-delete script is client/release.c's to the byte, and so is its SHA-1 (EVALSHA)"""
