@@ -354,6 +354,41 @@ insert_declined(Relation rel)
 }
 
 /*
+ * Open the executor state of one row written directly into rel (opened
+ * and locked by the caller), as the executor's INSERT would: this
+ * command's id, the active snapshot, the indexes, checks (the prepared
+ * CHECK constraints, NULL for none), an empty slot of rel's type.  Memory
+ * is the executor state's until idem_direct_end.
+ */
+void
+idem_direct_begin(IdemDirectWrite *dw, Relation rel, ExprState **checks)
+{
+	dw->estate = CreateExecutorState();
+	dw->old = MemoryContextSwitchTo(dw->estate->es_query_cxt);
+	dw->estate->es_output_cid = GetCurrentCommandId(true);
+	if (ActiveSnapshotSet())
+		dw->estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
+	dw->rri = makeNode(ResultRelInfo);
+	InitResultRelInfo(dw->rri, rel, 0, NULL, 0);
+	IDEM_RRI_CHECK_EXPRS(dw->rri) = checks;
+	dw->estate->es_opened_result_relations =
+		lappend(dw->estate->es_opened_result_relations, dw->rri);
+	ExecOpenIndices(dw->rri, false);
+	dw->slot = table_slot_create(rel, &dw->estate->es_tupleTable);
+	ExecClearTuple(dw->slot);
+}
+
+/* Close what idem_direct_begin opened, back in the caller's memory. */
+void
+idem_direct_end(IdemDirectWrite *dw)
+{
+	ExecCloseIndices(dw->rri);
+	ExecResetTupleTable(dw->estate->es_tupleTable, false);
+	MemoryContextSwitchTo(dw->old);
+	FreeExecutorState(dw->estate);
+}
+
+/*
  * Insert the row, with id fence unless 0 (then the identity's next value),
  * or return false (having written nothing) when the SPI INSERT must be used
  * instead.
@@ -365,11 +400,9 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, int64 fence,
 {
 	InsertCache *cache = &caches[lk->kind];
 	Relation	rel;
-	EState	   *estate;
-	ResultRelInfo *rri;
+	IdemDirectWrite dw;
 	TupleTableSlot *slot;
 	ExprContext *econtext;
-	MemoryContext old;
 	Datum		given[IC_COUNT];
 	int			i;
 
@@ -398,21 +431,9 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, int64 fence,
 	given[IC_OUTCOME] = outcome;
 	given[IC_EXPIRES_AT] = TimestampTzGetDatum(expires_at);
 
-	estate = CreateExecutorState();
-	old = MemoryContextSwitchTo(estate->es_query_cxt);
-	estate->es_output_cid = GetCurrentCommandId(true);
-	if (ActiveSnapshotSet())
-		estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
-	rri = makeNode(ResultRelInfo);
-	InitResultRelInfo(rri, rel, 0, NULL, 0);
-	IDEM_RRI_CHECK_EXPRS(rri) = cache->checks;
-	estate->es_opened_result_relations =
-		lappend(estate->es_opened_result_relations, rri);
-	ExecOpenIndices(rri, false);
-
-	slot = table_slot_create(rel, &estate->es_tupleTable);
-	ExecClearTuple(slot);
-	econtext = GetPerTupleExprContext(estate);
+	idem_direct_begin(&dw, rel, cache->checks);
+	slot = dw.slot;
+	econtext = GetPerTupleExprContext(dw.estate);
 	for (i = 0; i < cache->natts; i++)
 	{
 		slot->tts_isnull[i] = false;
@@ -433,13 +454,10 @@ ledger_insert_direct(Oid relid, const LedgerKey *lk, int64 fence,
 	ExecStoreVirtualTuple(slot);
 
 	AfterTriggerBeginQuery();
-	ExecSimpleRelationInsert(rri, estate, slot);
-	AfterTriggerEndQuery(estate);	/* the foreign key's check */
+	ExecSimpleRelationInsert(dw.rri, dw.estate, slot);
+	AfterTriggerEndQuery(dw.estate);	/* the foreign key's check */
 
-	ExecCloseIndices(rri);
-	ExecResetTupleTable(estate->es_tupleTable, false);
-	MemoryContextSwitchTo(old);
-	FreeExecutorState(estate);
+	idem_direct_end(&dw);
 	table_close(rel, NoLock);
 
 	/* Later commands of the transaction see the row. */

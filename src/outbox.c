@@ -51,8 +51,8 @@
  *
  *	  The table is written as its owner (the extension's owner), so that
  *	  callers need no grant on it: a message's row is inserted directly
- *	  (ExecSimpleRelationInsert, as ledger_insert_direct writes a ledger
- *	  row), with the table's oid, owner and identity sequence kept per
+ *	  (idem_direct_begin and ExecSimpleRelationInsert, as
+ *	  ledger_insert_direct writes a ledger row), with the table's oid, owner and identity sequence kept per
  *	  backend until a relcache invalidation of the table
  *	  (idem_outbox_relcache_cb).  A table that is no longer exactly the
  *	  one idem made (a column, a default, a trigger, a rule, row-level
@@ -94,6 +94,7 @@
 #include "citus.h"
 #include "compat.h"
 #include "digest.h"
+#include "ledger_insert.h"
 #include "ledger_row.h"
 #include "outbox_publish.h"
 #include "pending.h"
@@ -402,20 +403,11 @@ outbox_insert(Oid nsp, Datum stream, Datum id, Datum body)
 						   SECURITY_RESTRICTED_OPERATION);
 	PG_TRY();
 	{
-		EState	   *estate = CreateExecutorState();
-		MemoryContext old = MemoryContextSwitchTo(estate->es_query_cxt);
-		ResultRelInfo *rri = makeNode(ResultRelInfo);
+		IdemDirectWrite dw;
 		TupleTableSlot *slot;
 
-		estate->es_output_cid = GetCurrentCommandId(true);
-		if (ActiveSnapshotSet())
-			estate->es_snapshot = GetActiveSnapshot();	/* as the executor's */
-		InitResultRelInfo(rri, rel, 0, NULL, 0);
-		estate->es_opened_result_relations =
-			lappend(estate->es_opened_result_relations, rri);
-		ExecOpenIndices(rri, false);
-		slot = table_slot_create(rel, &estate->es_tupleTable);
-		ExecClearTuple(slot);
+		idem_direct_begin(&dw, rel, NULL);
+		slot = dw.slot;
 		seq = nextval_internal(outbox_rel.seqid, false);
 		memset(slot->tts_isnull, 0, sizeof(bool) * OC_COUNT);
 		slot->tts_values[OC_SEQ] = Int64GetDatum(seq);
@@ -424,11 +416,8 @@ outbox_insert(Oid nsp, Datum stream, Datum id, Datum body)
 		slot->tts_values[OC_BODY] = body;
 		slot->tts_values[OC_EMITTED_AT] = TimestampTzGetDatum(GetCurrentTimestamp());
 		ExecStoreVirtualTuple(slot);
-		ExecSimpleRelationInsert(rri, estate, slot);
-		ExecCloseIndices(rri);
-		ExecResetTupleTable(estate->es_tupleTable, false);
-		MemoryContextSwitchTo(old);
-		FreeExecutorState(estate);
+		ExecSimpleRelationInsert(dw.rri, dw.estate, slot);
+		idem_direct_end(&dw);
 	}
 	PG_FINALLY();
 	{
