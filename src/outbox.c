@@ -52,8 +52,9 @@
  *	  The table is written as its owner (the extension's owner), so that
  *	  callers need no grant on it: a message's row is inserted directly
  *	  (idem_direct_begin and ExecSimpleRelationInsert, as
- *	  ledger_insert_direct writes a ledger row), with the table's oid, owner and identity sequence kept per
- *	  backend until a relcache invalidation of the table
+ *	  ledger_insert_direct writes a ledger row), with the table's oid,
+ *	  owner and identity sequence kept per backend until a relcache
+ *	  invalidation of the table
  *	  (idem_outbox_relcache_cb).  A table that is no longer exactly the
  *	  one idem made (a column, a default, a trigger, a rule, row-level
  *	  security, a CHECK) or a read-only transaction gets the INSERT through

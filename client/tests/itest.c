@@ -1734,6 +1734,24 @@ rt_check(const char *path, const rt *d, long want_pg, long want_vk)
 	return tap_ok(ok, "round trips of %s: PostgreSQL %ld, Valkey %ld", path, want_pg, want_vk);
 }
 
+/* Runs the new keys wc<from> .. wc<to - 1> of scope: whether each applied. */
+static int
+run_new_keys(idem_runner *R, const char *scope, int from, int to, hctx *h)
+{
+	idem_result res;
+	char		id[32];
+	int			ok = 1;
+	int			i;
+
+	for (i = from; i < to; i++)
+	{
+		snprintf(id, sizeof(id), "wc%d", i);
+		idem_run(R, 1, scope, id, "{}", handler, h, &res);
+		ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
+	}
+	return ok;
+}
+
 static int
 cmd_scenario(void)
 {
@@ -2977,13 +2995,7 @@ cmd_scenario(void)
 			   effects_of(S, "wc37") == 1,
 			   "the next duplicate: replay from Valkey, no transaction (%s)", res_str(&res));
 		/* 32 new keys again; then a key another session holds */
-		ok = 1;
-		for (i = 40; i < 72; i++)
-		{
-			snprintf(id, sizeof(id), "wc%d", i);
-			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
-			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
-		}
+		ok = run_new_keys(RC, S, 40, 72, &h);
 		{
 			PGconn	   *holder = claim_holder(S, "wc-held");
 
@@ -3006,13 +3018,7 @@ cmd_scenario(void)
 			   s1.valkey_round_trips == s0.valkey_round_trips + 1,
 			   "after a busy answer the next new key goes through the gate (%s)", res_str(&res));
 		/* a failure in the stretch: recorded; its redelivery applies */
-		ok = 1;
-		for (i = 73; i < 105; i++)
-		{
-			snprintf(id, sizeof(id), "wc%d", i);
-			idem_run(RC, 1, S, id, "{}", handler, &h, &res);
-			ok = ok && R_IS(res, IDEM_APPLIED, IDEM_SOURCE_HANDLER);
-		}
+		ok = run_new_keys(RC, S, 73, 105, &h);
 		h.mode = "retryable";
 		idem_run(RC, 1, S, "wc-fail", "{}", handler, &h, &res);
 		tap_ok(ok && res.status == IDEM_FAILED_RETRYABLE && h.calls == 106 &&
