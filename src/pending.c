@@ -215,18 +215,13 @@ pending_settle(PendingClaim *claim)
 void
 pending_settle_taken(const LedgerKey *lk)
 {
-	PendingClaim *claim;
-	LedgerKey	k;
+	PendingClaim *claim = pending_lookup(lk);
 	int			level = GetCurrentTransactionNestLevel();
 
-	if (pending == NULL)
-		return;
-	pending_hash_key(&k, lk->kind, lk->tenant_id, lk->key);
-	claim = (PendingClaim *) hash_search(pending, &k, HASH_FIND, NULL);
 	if (claim == NULL || !claim->taken || claim->settled_level != 0)
 		return;
 	if (level <= 1 && !pending_walking)
-		hash_search(pending, &k, HASH_REMOVE, NULL);
+		hash_search(pending, &claim->lk, HASH_REMOVE, NULL);
 	else
 		claim->settled_level = level;
 }
