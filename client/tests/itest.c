@@ -1743,6 +1743,7 @@ run_new_keys(idem_runner *R, const char *scope, int from, int to, hctx *h)
 	int			ok = 1;
 	int			i;
 
+	idem_result_init(&res);
 	for (i = from; i < to; i++)
 	{
 		snprintf(id, sizeof(id), "wc%d", i);
